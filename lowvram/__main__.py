@@ -1,0 +1,5 @@
+import sys
+
+from lowvram.cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""The `lowvram` command: a thin layer over the library.
+
+Every LowvramError becomes one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from lowvram.errors import LowvramError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="local model directory or hub id (default: the bundled demo model)")
+    p.add_argument("--profile", default=None, help="built-in profile (2gb, 4gb, 6gb, 8gb, cpu) or a YAML file; default 4gb with CUDA, cpu without")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
+    p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default=None, help="override the compute dtype")
+    p.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest context in tokens")
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(device=args.device, dtype=args.dtype, emulate_vram_gib=args.emulate_vram_gib, max_model_len=args.max_model_len)
+
+
+def cmd_generate(args) -> int:
+    from lowvram.llm import LLM
+    from lowvram.sampling import SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.model is None:
+        print("lowvram: using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
+              "not a real DeepSeek model); pass --model for a real one", file=sys.stderr)
+    llm = LLM(args.model, args.profile, **_engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, stop=args.stop,
+                            seed=args.seed)
+    use_chat = not args.raw and llm.engine.tokenizer.has_chat_template
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    start = time.perf_counter()
+    last = None
+    stream = llm.stream(messages=messages, sampling_params=params) if use_chat else llm.stream(prompt, params)
+    for out in stream:
+        sys.stdout.write(out.text_delta)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    stats = llm.engine.stats
+    elapsed = time.perf_counter() - start
+    ttft = last.metrics.ttft_s if last and last.metrics else None
+    print(f"lowvram: prefill {stats.num_prefill_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s | "
+          f"decode {stats.num_decode_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s | "
+          f"TTFT {ttft * 1000 if ttft is not None else float('nan'):.0f} ms | total {elapsed:.2f} s | "
+          f"finish: {last.outputs[0].finish_reason if last else '-'}", file=sys.stderr)
+    return 0
+
+
+def cmd_profiles(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lowvram.config import FIELD_DOCS, builtin_profile_names, load_profile
+
+    console = Console()
+    if args.fields:
+        table = Table("field", "meaning")
+        for name, doc in FIELD_DOCS.items():
+            table.add_row(name, doc)
+        console.print(table)
+        return 0
+    if args.show:
+        import dataclasses
+
+        import yaml
+
+        console.print(yaml.safe_dump(dataclasses.asdict(load_profile(args.show)), sort_keys=False))
+        return 0
+    table = Table("profile", "budget GiB", "max len", "seqs", "batch tokens", "KV", "backend", "weights")
+    for name in builtin_profile_names():
+        p = load_profile(name)
+        table.add_row(p.name, f"{p.memory_budget_gib:g} x {p.memory_utilization:g}", str(p.max_model_len),
+                      str(p.max_num_seqs), str(p.max_num_batched_tokens), p.kv_precision, p.kv_backend,
+                      p.weight_format)
+    console.print(table)
+    for name in builtin_profile_names():
+        console.print(f"[bold]{name}[/bold]: {load_profile(name).description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
+    gen.add_argument("--system", default=None, help="system prompt (chat models)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--max-tokens", "-n", type=int, default=256)
+    gen.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    prof = sub.add_parser("profiles", help="list the built-in profiles")
+    prof.add_argument("--fields", action="store_true", help="describe every profile field")
+    prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")
+    prof.set_defaults(func=cmd_profiles)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="lowvram: %(message)s")
+    try:
+        return args.func(args)
+    except LowvramError as exc:
+        print(f"lowvram: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lowvram: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Profiles: a validated dataclass fed from YAML.
+
+A profile describes the card lowvram should behave as if it ran on (memory budget,
+token budgets, KV layout) and the feedback controller's thresholds. Profiles ship
+in `profiles/*.yaml`; a user can pass a path to their own file. Every field has a
+one-line description in `FIELD_DOCS`, shown by `lowvram profiles --fields`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lowvram.errors import ConfigError
+
+KV_PRECISIONS = ("fp16", "int8", "int4", "auto")
+KV_BACKENDS = ("um", "pinned", "device", "auto")
+WEIGHT_FORMATS = ("awq", "fp16", "auto")
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+KV_BLOCK_SIZES = (8, 16, 32, 64)
+
+
+@dataclass
+class ControllerConfig:
+    """Thresholds of the feedback controller (memory as fractions of the budget)."""
+
+    memory_high_water: float = 0.90
+    memory_low_water: float = 0.75
+    latency_high_ms: float = 120.0
+    latency_low_ms: float = 60.0
+    patience_tokens: int = 3
+    cooldown_steps: int = 32
+    is_enabled: bool = True
+
+
+@dataclass
+class Profile:
+    """Everything lowvram needs to know about the card it plans for."""
+
+    name: str = "custom"
+    description: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    memory_budget_gib: float = 4.0
+    memory_utilization: float = 0.90
+    emulate_vram_gib: float | None = None
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    kv_block_size: int = 16
+    kv_precision: str = "auto"
+    kv_backend: str = "auto"
+    host_spill_gib: float = 8.0
+    allow_oversubscription: bool = False
+    weight_format: str = "auto"
+    fp16_budget_mib: int = 64
+    compensation_rank: int = 16
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.memory_budget_gib * self.memory_utilization * 2**30)
+
+    def replace(self, **changes: Any) -> "Profile":
+        """A validated copy with some fields changed (e.g. from CLI flags)."""
+        data = dataclasses.asdict(self)
+        for key, value in changes.items():
+            if value is not None:
+                data[key] = value
+        return profile_from_dict(data, source=f"profile '{self.name}'")
+
+
+FIELD_DOCS: dict[str, str] = {
+    "name": "Profile name shown in logs and the UI.",
+    "description": "One line on the card this profile is for.",
+    "device": "Where to run: auto (CUDA if present, else CPU), cuda or cpu.",
+    "dtype": "Compute dtype: auto (float16 on CUDA, float32 on CPU), float16, bfloat16 or float32.",
+    "memory_budget_gib": "Device memory lowvram may plan for, in GiB (the card's size on a dedicated card).",
+    "memory_utilization": "Fraction of the budget used for weights, KV and workspace (0.3-1.0); the rest is headroom.",
+    "emulate_vram_gib": "Make a larger card behave like one of this size: caps torch's allocator and the KV pool (null = off).",
+    "max_model_len": "Longest context (prompt + output) a request may have, in tokens.",
+    "max_num_seqs": "Most sequences decoded together in one step.",
+    "max_num_batched_tokens": "Most tokens processed in one step (bounds prefill activation memory).",
+    "kv_block_size": "Tokens per KV page (8, 16, 32 or 64).",
+    "kv_precision": "KV page precision: fp16, int8, int4, or auto (start at fp16; the controller compresses under pressure).",
+    "kv_backend": "Where KV pages live: um (CUDA unified memory), pinned (device + pinned host tier), device, or auto.",
+    "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
+    "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
+    "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
+    "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
+    "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
+    "controller": "Feedback controller thresholds (see the controller.* fields).",
+    "controller.memory_high_water": "Fraction of the budget above which the controller starts relieving memory.",
+    "controller.memory_low_water": "Fraction of the budget below which the controller relaxes again.",
+    "controller.latency_high_ms": "Per-token decode latency (ms) above which the controller shrinks the batch.",
+    "controller.latency_low_ms": "Per-token decode latency (ms) below which the controller relaxes again.",
+    "controller.patience_tokens": "Consecutive tokens over a threshold before the controller acts.",
+    "controller.cooldown_steps": "Steps below the low-water marks before the controller relaxes one level.",
+    "controller.is_enabled": "Turn the controller on or off.",
+}
+
+
+def _check_choice(source: str, name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        allowed = ", ".join(str(c) for c in choices)
+        raise ConfigError(f"{source}: {name} = {value!r} is not allowed; use one of: {allowed}")
+
+
+def _check_range(source: str, name: str, value: Any, low: float, high: float, *, is_int: bool = False) -> None:
+    kind = "an integer" if is_int else "a number"
+    is_number = isinstance(value, int) if is_int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not is_number or (not is_int and not math.isfinite(value)):
+        raise ConfigError(f"{source}: {name} = {value!r} must be {kind} between {low} and {high}")
+    if not low <= value <= high:
+        raise ConfigError(f"{source}: {name} = {value!r} is out of range; allowed: {low} to {high}")
+
+
+def _check_bool(source: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {name} = {value!r} must be true or false")
+
+
+def _build(cls, data: dict, source: str, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the profile'} must be a mapping of field: value")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown field {prefix}{unknown[0]!r}; known fields: {', '.join(prefix + k for k in known)}"
+        )
+    kwargs = dict(data)
+    if cls is Profile and "controller" in kwargs:
+        kwargs["controller"] = _build(ControllerConfig, kwargs["controller"] or {}, source, "controller.")
+    return cls(**kwargs)
+
+
+def validate_profile(p: Profile, source: str) -> None:
+    """Raise ConfigError naming the first bad field, its value and what is allowed."""
+    if not isinstance(p.name, str) or not p.name:
+        raise ConfigError(f"{source}: name = {p.name!r} must be a non-empty string")
+    if not isinstance(p.description, str):
+        raise ConfigError(f"{source}: description must be a string")
+    _check_choice(source, "device", p.device, DEVICES)
+    _check_choice(source, "dtype", p.dtype, DTYPES)
+    _check_range(source, "memory_budget_gib", p.memory_budget_gib, 0.25, 4096)
+    _check_range(source, "memory_utilization", p.memory_utilization, 0.3, 1.0)
+    if p.emulate_vram_gib is not None:
+        _check_range(source, "emulate_vram_gib", p.emulate_vram_gib, 0.25, 4096)
+    _check_range(source, "max_model_len", p.max_model_len, 16, 1 << 22, is_int=True)
+    _check_range(source, "max_num_seqs", p.max_num_seqs, 1, 1024, is_int=True)
+    _check_range(source, "max_num_batched_tokens", p.max_num_batched_tokens, 16, 1 << 20, is_int=True)
+    _check_choice(source, "kv_block_size", p.kv_block_size, KV_BLOCK_SIZES)
+    _check_choice(source, "kv_precision", p.kv_precision, KV_PRECISIONS)
+    _check_choice(source, "kv_backend", p.kv_backend, KV_BACKENDS)
+    _check_range(source, "host_spill_gib", p.host_spill_gib, 0, 4096)
+    _check_bool(source, "allow_oversubscription", p.allow_oversubscription)
+    _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
+    _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)
+    _check_range(source, "compensation_rank", p.compensation_rank, 0, 1024, is_int=True)
+    if p.max_num_batched_tokens < p.max_num_seqs:
+        raise ConfigError(
+            f"{source}: max_num_batched_tokens = {p.max_num_batched_tokens} is smaller than "
+            f"max_num_seqs = {p.max_num_seqs}; it must be at least max_num_seqs so every sequence can decode"
+        )
+    c = p.controller
+    for name in ("memory_high_water", "memory_low_water"):
+        _check_range(source, f"controller.{name}", getattr(c, name), 0.05, 1.0)
+    for name in ("latency_high_ms", "latency_low_ms"):
+        _check_range(source, f"controller.{name}", getattr(c, name), 0.01, 1e6)
+    _check_range(source, "controller.patience_tokens", c.patience_tokens, 1, 10_000, is_int=True)
+    _check_range(source, "controller.cooldown_steps", c.cooldown_steps, 0, 1_000_000, is_int=True)
+    _check_bool(source, "controller.is_enabled", c.is_enabled)
+    if c.memory_low_water >= c.memory_high_water:
+        raise ConfigError(
+            f"{source}: controller.memory_low_water = {c.memory_low_water} must be below "
+            f"controller.memory_high_water = {c.memory_high_water} (the gap is the hysteresis band)"
+        )
+    if c.latency_low_ms >= c.latency_high_ms:
+        raise ConfigError(
+            f"{source}: controller.latency_low_ms = {c.latency_low_ms} must be below "
+            f"controller.latency_high_ms = {c.latency_high_ms} (the gap is the hysteresis band)"
+        )
+
+
+def profile_from_dict(data: dict, source: str = "profile") -> Profile:
+    try:
+        profile = _build(Profile, data, source)
+    except TypeError as exc:  # a required field missing would land here; all have defaults
+        raise ConfigError(f"{source}: {exc}") from None
+    validate_profile(profile, source)
+    return profile
+
+
+def builtin_profile_names() -> list[str]:
+    files = resources.files("lowvram.profiles")
+    return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str | Path | None = None) -> Profile:
+    """Load a built-in profile by name ('4gb') or a YAML file by path.
+
+    None picks the built-in profile that suits this machine: `4gb` with CUDA,
+    `cpu` without.
+    """
+    if name_or_path is None:
+        name_or_path = default_profile_name()
+    text_name = str(name_or_path)
+    builtin = builtin_profile_names()
+    if text_name in builtin:
+        text = resources.files("lowvram.profiles").joinpath(f"{text_name}.yaml").read_text()
+        source = f"profile '{text_name}'"
+    else:
+        path = Path(text_name).expanduser()
+        if not (path.suffix in (".yaml", ".yml") or path.exists() or "/" in text_name):
+            raise ConfigError(
+                f"unknown profile {text_name!r}; built-in profiles: {', '.join(builtin)} (or pass a path to a YAML file)"
+            )
+        if not path.is_file():
+            raise ConfigError(f"profile file {str(path)!r} does not exist; built-in profiles: {', '.join(builtin)}")
+        text = path.read_text()
+        source = f"profile file {str(path)!r}"
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
+    if isinstance(data, dict) and "name" not in data:
+        data["name"] = Path(text_name).stem
+    return profile_from_dict(data, source)
+
+
+def default_profile_name() -> str:
+    import torch
+
+    return "4gb" if torch.cuda.is_available() else "cpu"

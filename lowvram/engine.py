@@ -1,0 +1,189 @@
+"""LLMEngine: add requests, step, get outputs. One step = schedule, run, postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lowvram.block_manager import BlockManager
+from lowvram.config import Profile, load_profile
+from lowvram.device import apply_emulation, pick_device, pick_dtype
+from lowvram.errors import RequestError
+from lowvram.loader import load_model, resolve_model_path
+from lowvram.memory_plan import plan_kv
+from lowvram.model_runner import ModelRunner
+from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lowvram.sampling import SamplingParams, sample_token
+from lowvram.scheduler import Scheduler
+from lowvram.sequence import Sequence
+from lowvram.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("lowvram")
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters; tokens/s are split into prefill and decode."""
+
+    num_prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    num_decode_tokens: int = 0
+    decode_s: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.num_prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.num_decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+class LLMEngine:
+    """The engine behind LLM, the server and the chat UI.
+
+    model: local Hugging Face directory or hub id; None = the bundled demo model.
+    profile: built-in profile name, YAML path or Profile; None = `4gb` with CUDA, `cpu` without.
+    device, dtype, emulate_vram_gib, max_model_len, max_num_seqs: override the profile.
+    """
+
+    def __init__(self, model: str | None = None, profile: str | Profile | None = None, *, device: str | None = None,
+                 dtype: str | None = None, emulate_vram_gib: float | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int | None = None):
+        base = profile if isinstance(profile, Profile) else load_profile(profile)
+        self.profile = base.replace(device=device, dtype=dtype, emulate_vram_gib=emulate_vram_gib,
+                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self.device = pick_device(self.profile.device)
+        self.dtype = pick_dtype(self.profile.dtype, self.device)
+        apply_emulation(self.profile, self.device)
+        self.model_dir = resolve_model_path(model)
+        self.model, self.config = load_model(self.model_dir, self.device, self.dtype)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
+        element_bytes = torch.finfo(self.dtype).bits // 8
+        self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
+        self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.block_manager, self.kv_plan.num_blocks, self.device, self.dtype)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
+                 self.kv_plan.kv_bytes / 2**20)
+
+    # -- requests -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None) -> None:
+        """Queue a request given as text, token ids, or chat messages (rendered with the chat template)."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if messages is not None:
+            prompt_token_ids = self.tokenizer.apply_chat_template(messages)
+        elif prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise RequestError("give a prompt string, prompt_token_ids or chat messages")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in 0..{self.config.vocab_size - 1}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but the context limit (max_model_len) is "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        seq = Sequence(next(self._seq_ids), request_id, prompt, list(prompt_token_ids), params,
+                       Detokenizer(self.tokenizer), generator)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its pages. Returns False if it was unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += len(batch.preempted)
+        if batch.is_empty:
+            return []
+        start = time.perf_counter()
+        logits = self.runner.run(batch)
+        outputs = []
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            seq.num_computed_tokens += num_new
+            if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
+                token = sample_token(logits[row], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
+                outputs.append(self._append_token(seq, token))
+        elapsed = time.perf_counter() - start
+        self.stats.num_steps += 1
+        if batch.is_prefill:
+            self.stats.num_prefill_tokens += sum(batch.num_new_tokens)
+            self.stats.prefill_s += elapsed
+        else:
+            self.stats.num_decode_tokens += len(batch.seqs)
+            self.stats.decode_s += elapsed
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        seq.first_token_time = seq.first_token_time or now
+        params = seq.params
+        seq.output_token_ids.append(token)
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        else:
+            seq.text += seq.detokenizer.add(token)
+            hit = self._find_stop(seq)
+            if hit is not None:
+                seq.text = seq.text[:hit]
+                seq.finish_reason = "stop"
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return self._output(seq)
+
+    @staticmethod
+    def _find_stop(seq: Sequence) -> int | None:
+        stops = seq.params.stop
+        if not stops:
+            return None
+        window_start = max(0, seq.num_emitted_chars - max(len(s) for s in stops))
+        hits = [i for i in (seq.text.find(s, window_start) for s in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        # Hold back a tail that could still become a stop string.
+        hold = max((len(s) - 1 for s in seq.params.stop), default=0) if not seq.is_finished else 0
+        visible = len(seq.text) - hold
+        delta = seq.text[seq.num_emitted_chars : max(visible, seq.num_emitted_chars)]
+        seq.num_emitted_chars += len(delta)
+        token_ids = list(seq.output_token_ids)
+        completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
+        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                 len(seq.prompt_token_ids), len(token_ids))
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics)

@@ -1,0 +1,110 @@
+"""Sampling parameters (named as in vLLM) and the sampler."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lowvram.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. Defaults follow vLLM; temperature 0 means greedy.
+
+    temperature: 0 = greedy; higher = more random.
+    top_k: keep the k most likely tokens (0 or -1 = all).
+    top_p: keep the smallest set whose probability reaches top_p (1 = all).
+    min_p: drop tokens less likely than min_p x the most likely one (0 = off).
+    repetition_penalty: > 1 discourages tokens already in the prompt or output.
+    presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens.
+    max_tokens: most tokens to generate.
+    stop: strings that end generation (not included in the text).
+    stop_token_ids: extra token ids that end generation (EOS always does unless ignore_eos).
+    seed: same seed and prompt -> same text, whatever else is batched with it.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        checks = [
+            ("temperature", self.temperature, 0.0, 100.0),
+            ("top_p", self.top_p, 1e-9, 1.0),
+            ("min_p", self.min_p, 0.0, 1.0),
+            ("repetition_penalty", self.repetition_penalty, 1e-3, 100.0),
+            ("presence_penalty", self.presence_penalty, -2.0, 2.0),
+            ("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
+        ]
+        for name, value, low, high in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+                raise RequestError(f"{name} = {value!r} is invalid; allowed: {low} to {high}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k = {self.top_k!r} is invalid; use -1 or 0 for all tokens, or a positive count")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens = {self.max_tokens!r} is invalid; it must be a positive integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise RequestError(f"seed = {self.seed!r} must be an integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """logits [V] (FP32). Repetition penalty as in CTRL/HF; presence/frequency as in OpenAI."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on one row of logits [V]."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the ones before it already reach top_p
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 prompt_ids: list[int], output_ids: list[int]) -> int:
+    """Pick the next token from one row of FP32 logits [V]."""
+    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

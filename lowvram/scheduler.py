@@ -1,0 +1,125 @@
+"""Which sequences run in the next step, and with how many tokens.
+
+Plain Python over Sequence objects and the BlockManager: no torch.
+
+A step is either a prefill step (sequences whose KV lags behind their tokens,
+chunked so that a long prompt is processed in pieces under the token budget) or a
+decode step (one new token for every running sequence). When a decode step cannot
+get a page for every sequence, the newest sequences are preempted: their pages are
+freed and they go back to the front of the queue, to be recomputed when pages are
+free again (recompute is cheap next to the page traffic of swapping at these sizes).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lowvram.block_manager import BlockManager
+from lowvram.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The interface between scheduler and model runner."""
+
+    is_prefill: bool
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if batch.is_empty:
+            batch = self._schedule_decode()
+        if batch.is_empty and len(self.running) > 1:
+            # Every running sequence is stuck mid-prefill waiting for pages: give the
+            # newest one's pages to the others. The engine admits no request that
+            # could not fit alone, so this always ends.
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch = self.schedule()
+            batch.preempted.insert(0, victim)
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=True)
+        budget = self.max_num_batched_tokens
+        # Sequences already running but not fully computed (chunked prefill) go first.
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                budget -= self._try_add(batch, seq, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            took = self._try_add(batch, seq, budget)
+            if not took:
+                break
+            budget -= took
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return batch
+
+    def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+            return 0
+        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        return num_new
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=False)
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncomputed_tokens != 1:  # preempted below to make room for an older one
+                continue
+            while not self.block_manager.can_allocate(seq.seq_id, seq.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.block_manager.allocate(seq.seq_id, seq.num_tokens)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1)
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages and queue it first for recomputation."""
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED

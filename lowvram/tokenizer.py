@@ -1,0 +1,89 @@
+"""The model's tokenizer and chat template, and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lowvram.errors import ModelLoadError, RequestError
+
+log = logging.getLogger("lowvram")
+
+
+class Tokenizer:
+    """Wraps the checkpoint's Hugging Face tokenizer."""
+
+    def __init__(self, model_dir: Path):
+        has_files = any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        if not has_files:
+            raise ModelLoadError(f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json")
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        except Exception as exc:  # tokenizer loading raises many types
+            raise ModelLoadError(f"could not load the tokenizer in {model_dir}: {exc}") from None
+        self.eos_token_ids = self._eos_ids(model_dir)
+
+    def _eos_ids(self, model_dir: Path) -> set[int]:
+        ids: set[int] = set()
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            except json.JSONDecodeError:
+                log.warning("%s is not valid JSON; using the tokenizer's EOS only", gen)
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        return ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Render a conversation with the generation prompt appended, as token ids."""
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise RequestError("messages must be a list of {'role': str, 'content': str}")
+        if not self.has_chat_template:
+            raise RequestError("this model has no chat template; send plain prompts (completions) instead")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template writes BOS itself; encoding without special tokens avoids a second one.
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding only a short window and holding back text that ends in a replacement
+    character keeps multi-byte characters split across tokens from being emitted
+    half-done, at a cost independent of the output length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,58 @@
+"""Shared test set-up.
+
+Without CUDA, Triton kernels run in the interpreter: TRITON_INTERPRET must be set
+before any kernel module is imported, so it is set here, before collection.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+# Tiny random-weight checkpoints (lowvram.testing), built once per session.
+# lowvram.testing imports transformers, so it is imported only when a test asks
+# for one of these, not at collection.
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """deepseek-coder-shaped checkpoint: MHA, no bias, RoPE linear x4, one safetensors file."""
+    from lowvram.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """R1-Distill-Qwen-shaped checkpoint: GQA 4/2, q/k/v bias, one safetensors file."""
+    from lowvram.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_sharded_dir(tmp_path_factory):
+    """The same weights as `tiny_qwen2_dir`, split over several shards with an index."""
+    from lowvram.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-sharded"), "qwen2", sharded=True)
+
+
+@pytest.fixture(params=["llama", "qwen2"], ids=["llama", "qwen2"])
+def tiny_model_dir(request):
+    """Each tiny checkpoint in turn, for tests that must hold for both architectures."""
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
