@@ -56,3 +56,14 @@ def tiny_qwen2_sharded_dir(tmp_path_factory):
 def tiny_model_dir(request):
     """Each tiny checkpoint in turn, for tests that must hold for both architectures."""
     return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _emulated_card():
+    """With LOWVRAM_TEST_EMULATE_GIB set (scripts/test_gpu.sh sets 4), every GPU test runs
+    under that cap, as on the profile's card."""
+    gib = os.environ.get("LOWVRAM_TEST_EMULATE_GIB")
+    if HAS_CUDA and gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(float(gib) * 2**30 / total)
+    yield

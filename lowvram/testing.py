@@ -1,0 +1,323 @@
+"""Tiny random-weight checkpoints shaped like the DeepSeek models lowvram targets.
+
+Tests need real Hugging Face checkpoint directories (config, safetensors,
+tokenizer, chat template) without touching the network. Everything here is built
+offline in well under a second: a byte-level BPE tokenizer trained on a few KB
+of text generated in code, and transformers' own model classes initialised with
+a fixed seed. Two shapes are offered:
+
+- "llama": deepseek-coder style (multi-head attention, no bias, RoPE theta
+  100000 with linear scaling x4);
+- "qwen2": DeepSeek-R1-Distill-Qwen style (grouped-query attention, q/k/v bias,
+  untied head, RoPE theta 10000), with an intermediate size that is not a
+  multiple of the hidden size so that transposed shapes fail loudly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from lowvram.errors import ConfigError
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+
+MAX_POSITION_EMBEDDINGS = 2048
+
+# Modelled on DeepSeek-R1's template: system text right after BOS, turns glued
+# together without separators, and the reasoning before </think> dropped from
+# earlier assistant turns so that history does not grow with old thoughts.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '<｜User｜>' + message['content'] -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
+
+# initializer_range is well above transformers' 0.02 so that logits spread
+# enough for greedy decoding not to hinge on bf16 ties.
+_COMMON_CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+    "initializer_range": 0.08,
+    "tie_word_embeddings": False,
+}
+
+_ARCH_CONFIG = {
+    "llama": {
+        "intermediate_size": 128,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+    },
+    "qwen2": {
+        "intermediate_size": 160,
+        "num_key_value_heads": 2,
+        "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+# transformers 5 loads any model_type "qwen2" tokenizer as Qwen2Tokenizer, which
+# appends <|endoftext|> as its unknown token when the vocabulary lacks it; that
+# id would then fall outside the embedding. R1-Distill-Qwen's vocabulary has it.
+_ARCH_SPECIAL_TOKENS = {"llama": (), "qwen2": ("<|endoftext|>",)}
+
+_ENGLISH_SUBJECTS = [
+    "The model", "A small cache", "Every request", "The scheduler", "Our tokenizer",
+    "The old laptop", "A careful engineer", "This page", "The server", "My friend",
+]
+_ENGLISH_VERBS = ["reads", "writes", "keeps", "moves", "checks", "counts", "frees", "sends"]
+_ENGLISH_OBJECTS = [
+    "the next token", "a block of memory", "the whole prompt", "one short answer",
+    "the latest numbers", "a list of names", "the quiet evening", "every open file",
+]
+_ENGLISH_TAILS = [
+    " before lunch.", " quickly.", " and then it rests.", " without any errors.",
+    " in the morning.", "; nobody notices.", " twice a day.", "!",
+]
+_QUESTIONS = [
+    "What is the capital of France?", "How many legs does a spider have?",
+    "Can you write a function that adds two numbers?", "Why is the sky blue?",
+    "Please explain recursion in one sentence.", "What time is it in Tokyo?",
+]
+_PYTHON_NAMES = ["add", "scale", "merge", "count_tokens", "free_blocks", "load_config"]
+_PYTHON_OPS = ["+", "-", "*", "//", "%", "**"]
+
+
+def _training_corpus() -> list[str]:
+    """A few KB of English and Python, built by rule so that no download is needed."""
+    lines = []
+    rows = itertools.product(_ENGLISH_SUBJECTS, _ENGLISH_VERBS, _ENGLISH_OBJECTS)
+    for i, (subject, verb, obj) in enumerate(itertools.islice(rows, 0, None, 7)):
+        lines.append(f"{subject} {verb} {obj}{_ENGLISH_TAILS[i % len(_ENGLISH_TAILS)]}")
+    for i, question in enumerate(_QUESTIONS):
+        lines.append(f"Question {i + 1}: {question} Answer: I think the answer is {i * 7 + 3}.")
+    for name, op in zip(_PYTHON_NAMES, _PYTHON_OPS):
+        lines.append(
+            f"def {name}(a, b):\n"
+            f'    """Return a {op} b."""\n'
+            f"    return a {op} b\n"
+        )
+        lines.append(
+            f"for i in range(10):\n"
+            f"    total = {name}(total, i)\n"
+            f"    if total > 100:\n"
+            f"        break\n"
+            f"print(f\"{name}: {{total}}\")\n"
+        )
+    lines.append(
+        "class BlockManager:\n"
+        "    def __init__(self, num_blocks: int):\n"
+        "        self.free = list(range(num_blocks))\n"
+        "        self.ref_counts = [0] * num_blocks\n\n"
+        "    def allocate(self) -> int:\n"
+        "        block_id = self.free.pop()\n"
+        "        self.ref_counts[block_id] += 1\n"
+        "        return block_id\n"
+    )
+    lines.append("import os\nimport json\nfrom pathlib import Path\n\nconfig = json.loads(Path('config.json').read_text())\n")
+    lines.append("0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 3.14 1e-6")
+    return lines
+
+
+def train_tiny_tokenizer(
+    out_dir: str | Path, vocab_size: int = 512, *, extra_special_tokens: tuple[str, ...] = ()
+) -> Path:
+    """Train a byte-level BPE tokenizer with DeepSeek's special tokens into `out_dir`.
+
+    Writes tokenizer.json, tokenizer_config.json and chat_template.jinja, which
+    `transformers.AutoTokenizer.from_pretrained(out_dir)` loads. Encoding adds BOS
+    (as DeepSeek's tokenizers do); the chat template writes BOS itself, and
+    `apply_chat_template` encodes without adding special tokens, so BOS appears once.
+    `extra_special_tokens` get ids right after DeepSeek's four; `vocab_size`
+    counts them all. Training is deterministic: the same arguments give the same files.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[
+            AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS + tuple(extra_special_tokens)
+        ],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_token_id)],
+    )
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+    }
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    return out_dir
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    sharded: bool = False,
+    seed: int = 0,
+    num_layers: int = 2,
+    **config_overrides,
+) -> Path:
+    """Write a complete random-weight checkpoint directory and return its path.
+
+    Args:
+        out_dir: directory to fill (created if missing; existing files are overwritten).
+        arch: "llama" (deepseek-coder shape) or "qwen2" (R1-Distill-Qwen shape).
+        sharded: save the weights in several safetensors shards with a
+            model.safetensors.index.json, as large published checkpoints are.
+        seed: torch seed for the weights; the same arguments give byte-identical
+            safetensors files (within one torch/transformers version).
+        num_layers: number of decoder layers.
+        **config_overrides: fields passed on to LlamaConfig/Qwen2Config, e.g.
+            `tie_word_embeddings=True` or `hidden_size=128`. `vocab_size` may be
+            raised above the tokenizer's size to mimic padded vocabularies.
+
+    The config.json carries RoPE and dtype settings in both spellings:
+    transformers 5's `rope_parameters`/`dtype` and the `rope_theta`/
+    `rope_scaling`/`torch_dtype` keys that published DeepSeek checkpoints carry.
+    Transformers 5.17 and 5.24 read both back to the same `rope_parameters`.
+    """
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    if arch not in classes:
+        raise ConfigError(f"arch={arch!r} is not a tiny-model shape; use one of {sorted(classes)}")
+    config_cls, model_cls = classes[arch]
+
+    out_dir = Path(out_dir)
+    train_tiny_tokenizer(out_dir, extra_special_tokens=_ARCH_SPECIAL_TOKENS[arch])
+    # Read back with the tokenizers library: AutoTokenizer would pick its class from
+    # whatever config.json a previous run left in out_dir.
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
+    eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
+
+    fields = {**_COMMON_CONFIG, **_ARCH_CONFIG[arch], "num_hidden_layers": num_layers, "vocab_size": num_tokens}
+    fields.update(config_overrides)
+    if fields["vocab_size"] < num_tokens:
+        raise ConfigError(f"vocab_size={fields['vocab_size']} is smaller than the tokenizer ({num_tokens} tokens)")
+    fields["bos_token_id"] = bos_token_id
+    fields["eos_token_id"] = eos_token_id
+    config = config_cls(**fields)
+    config.architectures = [model_cls.__name__]
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        _randomize_constant_parameters(model)
+    state_dict = {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    _save_weights(out_dir, state_dict, sharded)
+
+    # The diff form leaves out transformers' generic defaults (id2label, return_dict, ...)
+    # that published config.json files do not carry.
+    config_dict = config.to_diff_dict()
+    config_dict["dtype"] = "bfloat16"
+    config_dict["torch_dtype"] = "bfloat16"
+    rope = dict(config_dict["rope_parameters"])
+    config_dict["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    config_dict["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+    _write_json(out_dir / "config.json", config_dict)
+    generation_config = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    _write_json(out_dir / "generation_config.json", generation_config)
+    return out_dir
+
+
+def _randomize_constant_parameters(model: torch.nn.Module) -> None:
+    # transformers starts norm weights at 1 and biases at 0; a loader that drops
+    # them would then still match the reference, so give them random values too.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.1)
+
+
+def _save_weights(out_dir: Path, state_dict: dict[str, torch.Tensor], sharded: bool) -> None:
+    from safetensors.torch import save_file
+
+    for stale in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
+        stale.unlink()
+    metadata = {"format": "pt"}
+    if not sharded:
+        save_file(state_dict, str(out_dir / "model.safetensors"), metadata=metadata)
+        return
+
+    sizes_bytes = {name: tensor.numel() * tensor.element_size() for name, tensor in state_dict.items()}
+    total_bytes = sum(sizes_bytes.values())
+    # Aim for about three shards whatever the dimensions, so there are always at least two.
+    max_shard_bytes = max(max(sizes_bytes.values()), math.ceil(total_bytes / 3))
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, size_bytes in sizes_bytes.items():
+        if shards[-1] and shard_bytes + size_bytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size_bytes
+
+    weight_map = {}
+    for i, names in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: state_dict[name] for name in names}, str(out_dir / filename), metadata=metadata)
+        weight_map.update(dict.fromkeys(names, filename))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,72 @@
+from lowvram.block_manager import BlockManager
+from lowvram.sampling import SamplingParams
+from lowvram.scheduler import Scheduler
+from lowvram.sequence import Sequence, SequenceStatus
+
+
+def _seq(seq_id: int, num_prompt: int) -> Sequence:
+    return Sequence(seq_id, str(seq_id), None, list(range(1, num_prompt + 1)), SamplingParams(), detokenizer=None)
+
+
+def _finish_step(batch):
+    """What the engine does after a step: advance, and sample one token where a sequence caught up."""
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_uncomputed_tokens == 0:
+            seq.output_token_ids.append(5)
+
+
+def test_prefill_respects_token_budget_and_chunks_long_prompts():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    a, b = _seq(0, 7), _seq(1, 12)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [7, 3]
+    _finish_step(batch)
+    batch = sched.schedule()  # b continues its prefill before anyone decodes
+    assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [1] and batch.num_new_tokens == [9]
+    _finish_step(batch)
+    batch = sched.schedule()
+    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [1, 1]
+
+
+def test_max_num_seqs_limits_admission():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [_seq(i, 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [0, 1]
+    assert seqs[2].status is SequenceStatus.WAITING
+
+
+def test_decode_preempts_newest_and_resumes_it_first():
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = _seq(0, 8), _seq(1, 7)
+    sched.add(a)
+    sched.add(b)
+    _finish_step(sched.schedule())  # a: 8 prompt + 1 out = 9 tokens (needs 3 pages), b: 7 + 1 = 8 (2 pages)
+    batch = sched.schedule()
+    # a needs a third page, none is free: b (newest) is preempted and its pages freed
+    assert [s.seq_id for s in batch.preempted] == [1]
+    assert [s.seq_id for s in batch.seqs] == [0]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and bm.block_table(1) == []
+    assert sched.waiting[0] is b
+    sched.finish(a)
+    assert bm.num_free_blocks == 4
+    batch = sched.schedule()  # b recomputes prompt + its output token
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [8]
+
+
+def test_finish_frees_pages_of_waiting_and_running():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100)
+    a, b = _seq(0, 5), _seq(1, 5)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(b)  # aborted while waiting
+    sched.finish(a)  # aborted while running
+    assert bm.num_free_blocks == 8 and sched.num_unfinished == 0
