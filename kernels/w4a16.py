@@ -1,0 +1,181 @@
+"""W4A16 linear layer over AutoAWQ GEMM tensors: y = x @ W + bias, W stored as INT4.
+
+`awq_linear` checks its inputs, then picks one of three ways to compute:
+- M <= MAX_DECODE_M rows: the split-K decode kernel (w4a16_gemv), bandwidth-bound;
+- MAX_DECODE_M < M < DEQUANT_MATMUL_MIN_M: the tiled tl.dot GEMM (w4a16_gemm);
+- M >= DEQUANT_MATMUL_MIN_M: dequantize W to float16 once, then cuBLAS, which wins once the
+  matmul is long enough to hide the extra K * N * 2 bytes written and read.
+The Triton kernels run on CUDA devices of compute capability 7.5 or newer with a working
+Triton, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them). Everything else uses
+the plain-torch path: dequantize, then matmul. The choice is logged once per device on the
+`lowvram.kernels` logger.
+
+`awq_linear_ref` is the high-precision reference the kernels are tested against.
+"""
+
+import functools
+import logging
+import os
+
+import torch
+
+from lowvram.awq_format import check_awq_shapes, dequantize_awq
+from lowvram.errors import ConfigError, KernelError
+
+logger = logging.getLogger("lowvram.kernels")
+
+MAX_DECODE_M = 16
+DEQUANT_MATMUL_MIN_M = 1024
+MIN_COMPUTE_CAPABILITY = (7, 5)
+# Under the interpreter there are no SMs; a small count still makes the decode kernel split K,
+# so CPU tests cover the split-K reduction.
+INTERPRETER_NUM_SMS = 4
+
+IS_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:
+    from lowvram.kernels import w4a16_gemm, w4a16_gemv
+    _TRITON_IMPORT_ERROR = None
+except Exception as exc:  # no triton, or a triton that cannot initialise on this machine
+    w4a16_gemm = w4a16_gemv = None
+    _TRITON_IMPORT_ERROR = exc
+
+_logged_choices: set[str] = set()
+
+
+def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None):
+    """Reference: x [..., K] @ dequantized W [K, N] (+ bias), returned as float32.
+
+    The matmul runs in float64 so a global TF32 setting on the GPU cannot loosen it.
+    """
+    check_awq_shapes(qweight, qzeros, scales, group_size)
+    weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=torch.float64)
+    y = x.to(torch.float64) @ weight.to(x.device)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32)
+
+
+def awq_linear(x, qweight, qzeros, scales, group_size, bias=None):
+    """y [..., N] = x [..., K] @ W [K, N] + bias, W given as AutoAWQ GEMM tensors.
+
+    x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
+    float32 under the Triton interpreter), any strides; qweight int32 [K, N/8], qzeros int32
+    [K/G, N/8], scales float16 [K/G, N], bias [N] or None, all contiguous and on x's device;
+    group_size in 32/64/128 and dividing K. Returns y in x's dtype. Raises KernelError, naming
+    the tensor, for bad shapes, dtypes, strides, devices or group size.
+    """
+    num_inputs, num_outputs = _check_inputs(x, qweight, qzeros, scales, group_size, bias)
+    use_triton = _select_backend(x.device)
+    if use_triton:
+        allowed = (torch.float16, torch.float32) if x.device.type == "cpu" else (torch.float16,)
+        if x.dtype not in allowed:
+            raise KernelError(
+                f"x is {x.dtype}; the Triton AWQ kernels take {[str(d) for d in allowed]} "
+                f"activations (convert activations to float16 before AWQ layers)"
+            )
+    # x2d: [M, K]
+    x2d = x.reshape(-1, num_inputs)
+    num_rows = x2d.shape[0]
+    out_shape = (*x.shape[:-1], num_outputs)
+    if num_rows == 0:
+        return x.new_empty(out_shape)
+    if not use_triton:
+        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias).reshape(out_shape)
+
+    if num_rows >= DEQUANT_MATMUL_MIN_M:
+        weight = w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, group_size, x.dtype)
+        if bias is None:
+            y = x2d @ weight
+        else:
+            y = torch.addmm(bias.to(x.dtype), x2d, weight)
+        return y.reshape(out_shape)
+
+    y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
+    if num_rows <= MAX_DECODE_M:
+        config = w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, group_size,
+                                               _num_sms(x.device))
+        w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config)
+    else:
+        config = w4a16_gemm.choose_gemm_config(num_rows, group_size)
+        w4a16_gemm.launch_awq_gemm(x2d, qweight, qzeros, scales, group_size, bias, y, config)
+    return y.reshape(out_shape)
+
+
+def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias):
+    # CPU matmuls are fastest and most accurate in float32; GPUs keep the activation dtype.
+    compute_dtype = x2d.dtype if x2d.is_cuda else torch.float32
+    weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=compute_dtype)
+    y = x2d.to(compute_dtype) @ weight
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    return y.to(x2d.dtype)
+
+
+def _check_inputs(x, qweight, qzeros, scales, group_size, bias):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise KernelError(f"x must be a floating-point tensor [..., K], got "
+                          f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+    try:
+        num_inputs, num_outputs = check_awq_shapes(qweight, qzeros, scales, group_size)
+    except ConfigError as exc:
+        raise KernelError(str(exc)) from exc
+    if x.shape[-1] != num_inputs:
+        raise KernelError(
+            f"x has {x.shape[-1]} features (shape {list(x.shape)}) but qweight "
+            f"{list(qweight.shape)} expects K = {num_inputs}"
+        )
+    for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
+        if not tensor.is_contiguous():
+            raise KernelError(f"{name} {list(tensor.shape)} must be contiguous, got strides "
+                              f"{tensor.stride()}; call .contiguous() when loading")
+        if tensor.device != x.device:
+            raise KernelError(f"{name} is on {tensor.device} but x is on {x.device}; "
+                              f"move the layer and its input to one device")
+    if bias is not None:
+        if not bias.is_floating_point() or list(bias.shape) != [num_outputs]:
+            raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got "
+                              f"{bias.dtype} {list(bias.shape)}")
+        if not bias.is_contiguous() or bias.device != x.device:
+            raise KernelError(f"bias must be contiguous and on {x.device}, got strides "
+                              f"{bias.stride()} on {bias.device}")
+    return num_inputs, num_outputs
+
+
+def _select_backend(device: torch.device) -> bool:
+    """True for the Triton kernels, False for the plain-torch path; logs the choice once."""
+    use_triton, reason = _backend_for(device.type, device.index)
+    message = f"AWQ linear on {device}: {'Triton kernels' if use_triton else 'plain torch'} ({reason})"
+    if message not in _logged_choices:
+        _logged_choices.add(message)
+        logger.info(message)
+    return use_triton
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_for(device_type: str, device_index) -> tuple[bool, str]:
+    if _TRITON_IMPORT_ERROR is not None:
+        return False, f"triton is unavailable: {_TRITON_IMPORT_ERROR}"
+    if device_type == "cpu":
+        if IS_INTERPRETER:
+            return True, "TRITON_INTERPRET=1"
+        return False, "CPU tensors"
+    if device_type != "cuda":
+        return False, f"no Triton kernels for {device_type} devices"
+    if IS_INTERPRETER:
+        return False, "TRITON_INTERPRET=1 would run the kernels on the host"
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability < MIN_COMPUTE_CAPABILITY:
+        return False, f"compute capability {capability[0]}.{capability[1]} is below 7.5"
+    return True, f"compute capability {capability[0]}.{capability[1]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_for(device_type: str, device_index) -> int:
+    if device_type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_for(device.type, device.index)

@@ -1,0 +1,215 @@
+"""Decode kernel for W4A16: y[M, N] = x[M, K] @ W[K, N] with M = 1..16 and W in AWQ GEMM form.
+
+Decode reads every weight once per token, so the kernel is built to spread the weight bytes
+over all SMs: each program owns BLOCK_N output columns and a contiguous range of K blocks
+(split-K). With more than one split, programs write float32 partial sums to a workspace
+[SPLIT_K, M, N] and a second small kernel adds them up, adds the bias and casts. Two passes
+keep the result deterministic (atomics would not) and cost one extra launch.
+
+Each K block lies inside one quantization group (BLOCK_K divides the group size), so one
+scale and zero row serves the whole tile and the scale can be applied after the reduction:
+sum_k x[k] * (q[k] - z) * s = s * sum_k x[k] * (q[k] - z). The integers (q - z) are exact in
+float16, so W is never rounded: the only rounding left is the float32 accumulation.
+
+M == 1 uses a multiply-and-sum over the tile (no padding); 2 <= M <= 16 pads M to 16 and
+uses tl.dot, the smallest shape tl.dot accepts.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+DOT_MIN_M = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def awq_unpack_tile(packed, shifts):
+    """[R, C/8] packed int32 -> [R, C] int32 nibbles in natural column order.
+
+    Three interleaves repeat each packed word over its eight columns; `shifts` ([1, C] or [C])
+    then picks the AWQ nibble of each column. Masking after the arithmetic shift drops the
+    sign bits of negative words.
+    """
+    wide = tl.interleave(packed, packed)
+    wide = tl.interleave(wide, wide)
+    wide = tl.interleave(wide, wide)
+    return (wide >> shifts) & 0xF
+
+
+@triton.jit
+def awq_column_shifts(offs_n):
+    """Bit offset of column n inside its int32: 4 * [0, 4, 1, 5, 2, 6, 3, 7][n % 8]."""
+    lane = offs_n % 8
+    return ((lane % 2) * 4 + lane // 2) * 4
+
+
+@triton.jit
+def awq_load_block(
+    qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    """One K block (inside one group) of column block pid_n: returns (q - z) as int32
+    [BLOCK_K, BLOCK_N] and the group's float32 scales [BLOCK_N].
+
+    `num_packed_cols` (N / 8) is a kernel argument rather than N // 8 so Triton can specialise
+    its divisibility and vectorise the row loads; EVEN_N drops the column masks for the same
+    reason when N is a multiple of BLOCK_N.
+    """
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_pn = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    group = k_start // GROUP_SIZE
+    qweight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_pn[None, :]
+    qzeros_ptrs = qzeros_ptr + group * num_packed_cols + offs_pn[None, :]
+    scales_ptrs = scales_ptr + group * N + offs_n
+    if EVEN_N:
+        packed = tl.load(qweight_ptrs)
+        packed_zeros = tl.load(qzeros_ptrs)
+        scales = tl.load(scales_ptrs)
+    else:
+        mask_pn = (offs_pn < num_packed_cols)[None, :]
+        packed = tl.load(qweight_ptrs, mask=mask_pn, other=0)
+        packed_zeros = tl.load(qzeros_ptrs, mask=mask_pn, other=0)
+        scales = tl.load(scales_ptrs, mask=offs_n < N, other=0.0)
+    shifts = awq_column_shifts(offs_n)[None, :]
+    centered = awq_unpack_tile(packed, shifts) - awq_unpack_tile(packed_zeros, shifts)
+    return centered, scales.to(tl.float32)
+
+
+@triton.jit
+def _awq_gemv_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
+    M, N, K, num_packed_cols, stride_xm, stride_xk, stride_om, stride_os,
+    K_BLOCKS_PER_SPLIT,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+
+    num_k_blocks = K // BLOCK_K
+    kb_start = pid_k * K_BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, num_k_blocks)
+
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for kb in range(kb_start, kb_end):
+        k_start = kb * BLOCK_K
+        # centered: [BLOCK_K, BLOCK_N], integers -15..15
+        centered, scales = awq_load_block(
+            qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
+            GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
+            partial = tl.sum(x[:, None] * centered.to(tl.float32), axis=0)
+            acc += partial * scales
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=mask_m[:, None], other=0.0)
+            partial = tl.dot(x, centered.to(x.dtype))
+            acc += partial * scales[None, :]
+
+    if BLOCK_M == 1:
+        out_offsets = offs_n
+        out_mask = mask_n
+    else:
+        out_offsets = offs_m[:, None] * stride_om + offs_n[None, :]
+        out_mask = mask_m[:, None] & mask_n[None, :]
+
+    if IS_PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + out_offsets, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                acc += bias
+            else:
+                acc += bias[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _splitk_sum_kernel(
+    partial_ptr, bias_ptr, y_ptr, M, N, stride_ym, num_splits,
+    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(0, num_splits):
+        acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
+    cols = offs % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rows = offs // N
+    tl.store(y_ptr + rows * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
+                       num_sms: int) -> dict:
+    """Block sizes and split-K for the decode kernel.
+
+    Aims for about two programs per SM: the small projections (N = 256 or 1536) have too few
+    column blocks to fill a large GPU on their own.
+    """
+    block_n = 64 if num_outputs <= 2048 else 128
+    block_k = min(group_size, 128)
+    num_n_blocks = triton.cdiv(num_outputs, block_n)
+    num_k_blocks = num_inputs // block_k
+    split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
+    return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
+
+
+def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
+    """Run the decode kernel into y [M, N]; inputs already checked by the caller.
+
+    x: [M, K] (M <= 16, any strides); qweight/qzeros/scales contiguous; y: [M, N] with unit
+    column stride. `config` comes from choose_gemv_config (or a benchmark sweep).
+    """
+    num_rows, num_inputs = x.shape
+    num_outputs = y.shape[1]
+    block_n, block_k = config["block_n"], config["block_k"]
+    if group_size % block_k != 0 or block_n % 8 != 0:
+        raise ValueError(f"block_k {block_k} must divide group size {group_size} and block_n "
+                         f"{block_n} must be a multiple of 8")
+    if num_rows > DOT_MIN_M:
+        raise ValueError(f"the decode kernel takes at most {DOT_MIN_M} rows, got {num_rows}")
+    num_k_blocks = num_inputs // block_k
+    k_blocks_per_split = triton.cdiv(num_k_blocks, max(1, min(config["split_k"], num_k_blocks)))
+    split_k = triton.cdiv(num_k_blocks, k_blocks_per_split)
+    block_m = 1 if num_rows == 1 else DOT_MIN_M
+    is_partial = split_k > 1
+    has_bias = bias is not None
+    if is_partial:
+        # partials: [SPLIT_K, M, N] float32
+        out = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
+        stride_om, stride_os = num_outputs, num_rows * num_outputs
+    else:
+        out = y
+        stride_om, stride_os = y.stride(0), 0
+    grid = (triton.cdiv(num_outputs, block_n), split_k)
+    _awq_gemv_kernel[grid](
+        x, qweight, qzeros, scales, bias if has_bias else scales, out,
+        num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1),
+        stride_om, stride_os, k_blocks_per_split,
+        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
+        num_warps=config["num_warps"],
+    )
+    if is_partial:
+        block = 256
+        _splitk_sum_kernel[(triton.cdiv(num_rows * num_outputs, block),)](
+            out, bias if has_bias else out, y, num_rows, num_outputs, y.stride(0), split_k,
+            BLOCK=block, HAS_BIAS=has_bias, num_warps=4,
+        )
+    return y
