@@ -90,6 +90,33 @@ def cmd_profiles(args) -> int:
     return 0
 
 
+def cmd_bench_quality(args) -> int:
+    import json
+
+    from lowvram.quality import run_quality_bench, to_markdown
+
+    command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
+    report = run_quality_bench(
+        args.model, variant_names=args.variants.split(",") if args.variants else None, device=args.device,
+        num_per_kind=args.limit, max_chars=args.max_chars, command=command,
+        progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
+    )
+    markdown = to_markdown(report)
+    if args.json:
+        text = json.dumps(report.to_json(), indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(markdown)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(markdown)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -109,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="measure quality or speed")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    quality = bench_sub.add_parser("quality", help="accuracy on held-out tasks and perplexity, for every format")
+    quality.add_argument("--model", "-m", default=None, help="model directory (default: the bundled demo model)")
+    quality.add_argument("--variants", default=None, help="comma-separated formats to compare (default: all)")
+    quality.add_argument("--limit", type=int, default=None, help="held-out tasks per kind (default: all 100)")
+    quality.add_argument("--max-chars", type=int, default=None, help="use only this much of the held-out text")
+    quality.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
+    quality.add_argument("--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)")
+    quality.set_defaults(func=cmd_bench_quality)
 
     prof = sub.add_parser("profiles", help="list the built-in profiles")
     prof.add_argument("--fields", action="store_true", help="describe every profile field")

@@ -11,14 +11,14 @@ import torch
 
 from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
-from lowvram.device import apply_emulation, pick_device, pick_dtype
+from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.errors import RequestError
 from lowvram.loader import load_model, resolve_model_path
 from lowvram.memory_plan import plan_kv
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lowvram.sampling import SamplingParams, sample_token
-from lowvram.scheduler import Scheduler
+from lowvram.scheduler import ScheduledBatch, Scheduler
 from lowvram.sequence import Sequence
 from lowvram.tokenizer import Detokenizer, Tokenizer
 
@@ -65,6 +65,7 @@ class LLMEngine:
         self.model_dir = resolve_model_path(model)
         self.model, self.config = load_model(self.model_dir, self.device, self.dtype)
         self.tokenizer = Tokenizer(self.model_dir)
+        tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
@@ -120,6 +121,32 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probability of each token given the ones before it (len - 1 values).
+
+        Runs the text through the paged cache in chunks of the profile's token budget,
+        exactly as a prefill would; used for perplexity.
+        """
+        if not 2 <= len(token_ids) <= self.max_model_len:
+            raise RequestError(f"score needs 2..{self.max_model_len} tokens, got {len(token_ids)}")
+        if self.has_unfinished_requests():
+            raise RequestError("score runs alone: finish or abort the running requests first")
+        seq = Sequence(next(self._seq_ids), "score", None, list(token_ids), SamplingParams(), detokenizer=None)
+        logprobs: list[float] = []
+        try:
+            while seq.num_uncomputed_tokens:
+                num_new = min(seq.num_uncomputed_tokens, self.profile.max_num_batched_tokens)
+                self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+                logits = self.runner.run(ScheduledBatch(True, [seq], [num_new]), is_all_rows=True)  # [num_new, V]
+                start = seq.num_computed_tokens
+                targets = token_ids[start + 1 : start + num_new + 1]
+                rows = torch.log_softmax(logits[: len(targets)], dim=-1)
+                logprobs += rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
+                seq.num_computed_tokens += num_new
+        finally:
+            self.block_manager.free(seq.seq_id)
+        return logprobs
 
     # -- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:

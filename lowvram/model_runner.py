@@ -59,8 +59,9 @@ class ModelRunner:
         return ids, pos, meta, last_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """FP32 logits [S, vocab] at the last new token of each scheduled sequence."""
+    def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False) -> torch.Tensor:
+        """FP32 logits [S, vocab] at the last new token of each scheduled sequence
+        (or [T, vocab] at every new token with is_all_rows, for scoring text)."""
         ids, pos, meta, last_rows = self.prepare(batch)
         hidden = self.model(ids, pos, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[last_rows])
+        return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])

@@ -94,3 +94,19 @@ def test_bf16_checkpoint_runs_in_bfloat16_on_cpu(tiny_qwen2_dir):
     assert engine.model.lm_head.weight.dtype == torch.bfloat16
     out = _generate_batched(engine, ["hello"], 4)[0]
     assert len(out) == 4
+
+
+def test_score_equals_transformers_log_probs_across_chunks(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lowvram.config import load_profile
+
+    engine = LLMEngine(str(tiny_llama_dir), load_profile("cpu").replace(max_num_batched_tokens=16, max_num_seqs=1))
+    ids = engine.tokenizer.encode("score this text in several chunks of sixteen tokens each " * 3)
+    ours = torch.tensor(engine.score(ids))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert len(ids) > 48 and ours.shape == ref.shape
+    assert (ours - ref).abs().max() < 1e-4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -1,0 +1,182 @@
+"""The quality bench: exact-match accuracy on held-out chat tasks and perplexity on
+held-out Python, for every weight and KV format, through the real generation path.
+
+Each format is a `Variant`: a name and a way to build an LLM. Rows are computed in
+one run so they are comparable; FP16 comes first and is the reference the other
+rows' greedy agreement is measured against.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from lowvram.llm import LLM
+from lowvram.sampling import SamplingParams
+
+PPL_WINDOW_TOKENS = 512
+MAX_ANSWER_TOKENS = 32
+
+
+@dataclass
+class Variant:
+    name: str
+    description: str
+    build: Callable[[], LLM]
+
+
+@dataclass
+class QualityRow:
+    variant: str
+    description: str
+    accuracy: float
+    accuracy_by_kind: dict[str, float]
+    perplexity: float
+    num_tasks: int
+    num_ppl_tokens: int
+    agreement_with_fp16: float | None
+    weight_mib: float
+    seconds: float
+    replies: list[str] = field(default_factory=list, repr=False)
+
+
+def task_replies(llm: LLM, tasks) -> list[str]:
+    """Greedy replies through the chat template, batched as the engine likes."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_ANSWER_TOKENS)
+    return [out.outputs[0].text for out in llm.chat([t.messages for t in tasks], params)]
+
+
+def perplexity(llm: LLM, text: str, window: int = PPL_WINDOW_TOKENS) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) over non-overlapping windows of `window` tokens."""
+    ids = llm.engine.tokenizer.encode(text)
+    window = min(window, llm.engine.max_model_len)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        logprobs = llm.engine.score(chunk)
+        total -= sum(logprobs)
+        count += len(logprobs)
+    return math.exp(total / count), count
+
+
+def evaluate(variant: Variant, tasks, text: str, reference: list[str] | None) -> QualityRow:
+    from lowvram.demo.tasks import is_correct
+
+    start = time.perf_counter()
+    llm = variant.build()
+    replies = task_replies(llm, tasks)
+    correct_by_kind: dict[str, list[bool]] = {}
+    for task, reply in zip(tasks, replies):
+        correct_by_kind.setdefault(task.kind, []).append(is_correct(task, reply))
+    ppl, num_tokens = perplexity(llm, text)
+    all_correct = [c for cs in correct_by_kind.values() for c in cs]
+    agreement = None if reference is None else sum(a == b for a, b in zip(replies, reference)) / len(replies)
+    return QualityRow(
+        variant=variant.name,
+        description=variant.description,
+        accuracy=sum(all_correct) / len(all_correct),
+        accuracy_by_kind={k: sum(v) / len(v) for k, v in correct_by_kind.items()},
+        perplexity=ppl,
+        num_tasks=len(tasks),
+        num_ppl_tokens=num_tokens,
+        agreement_with_fp16=agreement,
+        weight_mib=llm.engine.model.weight_bytes / 2**20,
+        seconds=time.perf_counter() - start,
+        replies=replies,
+    )
+
+
+def builtin_variants(model: str | None, device: str) -> list[Variant]:
+    """Every weight and KV format the project has, FP16 first."""
+    profile = "cpu" if device == "cpu" else "4gb"
+
+    def fp16() -> LLM:
+        return LLM(model, profile, device=device)
+
+    return [Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", fp16)]
+
+
+@dataclass
+class QualityReport:
+    model: str
+    device: str
+    command: str
+    date: str
+    git_commit: str
+    machine: str
+    num_per_kind: int | None
+    max_chars: int | None
+    rows: list[QualityRow]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        for row in data["rows"]:
+            row.pop("replies")
+        return data
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_quality_bench(model: str | None = None, *, variant_names: list[str] | None = None, device: str = "cpu",
+                      num_per_kind: int | None = None, max_chars: int | None = None, command: str = "",
+                      variants: list[Variant] | None = None, progress: Callable[[str], None] | None = None) -> QualityReport:
+    from lowvram.demo.corpus import heldout_text
+    from lowvram.demo.tasks import heldout_tasks
+
+    tasks = heldout_tasks(num_per_kind)
+    text = heldout_text(max_chars)
+    available = variants if variants is not None else builtin_variants(model, device)
+    if variant_names:
+        known = {v.name: v for v in available}
+        unknown = [n for n in variant_names if n not in known]
+        if unknown:
+            from lowvram.errors import ConfigError
+
+            raise ConfigError(f"unknown quality variant {unknown[0]!r}; available: {', '.join(known)}")
+        available = [known[n] for n in variant_names]
+    rows: list[QualityRow] = []
+    for variant in available:
+        if progress:
+            progress(f"evaluating {variant.name} ...")
+        reference = rows[0].replies if rows and rows[0].variant == "fp16" else None
+        rows.append(evaluate(variant, tasks, text, reference))
+    return QualityReport(
+        model=str(model or "bundled demo model"), device=device, command=command,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), git_commit=_git_commit(),
+        machine=f"{platform.machine()} {platform.processor() or ''} {platform.system()}, Python {platform.python_version()}".strip(),
+        num_per_kind=num_per_kind, max_chars=max_chars, rows=rows,
+    )
+
+
+def to_markdown(report: QualityReport) -> str:
+    kinds = list(report.rows[0].accuracy_by_kind) if report.rows else []
+    head = "| format | accuracy | perplexity | agreement with fp16 | weights MiB | " + " | ".join(kinds) + " |"
+    lines = [head, "|" + "---|" * (5 + len(kinds))]
+    for r in report.rows:
+        agree = "-" if r.agreement_with_fp16 is None else f"{100 * r.agreement_with_fp16:.1f}%"
+        per_kind = " | ".join(f"{100 * r.accuracy_by_kind[k]:.0f}%" for k in kinds)
+        lines.append(f"| {r.variant} | {100 * r.accuracy:.1f}% | {r.perplexity:.3f} | {agree} | {r.weight_mib:.1f} | {per_kind} |")
+    rows = report.rows
+    detail = "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
+    return (
+        "# Quality of lowvram's weight and KV formats\n\n"
+        f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
+        f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
+        f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows.\n\n"
+        + "\n".join(lines) + "\n\n" + detail + "\n\n"
+        f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
+    )
