@@ -1,0 +1,206 @@
+"""Store new K/V rows into paged caches, quantizing on the way for INT8/INT4 pages.
+
+`write_kv` runs the Triton kernel on CUDA tensors (or on CPU tensors when
+TRITON_INTERPRET=1) and `write_kv_ref` otherwise. Both follow the quantization
+of `lowvram.kv_quant.quantize_kv` step for step: the same float32 operations in
+the same order, IEEE division and FP16-rounded scale/zero, so the stored bytes
+are identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from lowvram.errors import KernelError
+from lowvram.kv_quant import MIN_SCALE, KVPages, store_kv
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # Windows and macOS wheels of torch ship without Triton
+    HAS_TRITON = False
+
+logger = logging.getLogger("lowvram.kernels")
+
+# Set to True to run the plain-torch reference everywhere (debugging, A/B checks).
+FORCE_REFERENCE = False
+_logged_paths: set[str] = set()
+
+
+def _use_triton(device: torch.device, use_reference: bool) -> bool:
+    if use_reference or FORCE_REFERENCE or not HAS_TRITON:
+        path = "reference"
+    elif device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        path = "triton"
+    else:
+        path = "reference"
+    if path not in _logged_paths:
+        _logged_paths.add(path)
+        logger.info("write_kv: using the %s path (%s tensors)", path, device.type)
+    return path == "triton"
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:
+    """Plain-torch `write_kv`: rows with slot -1 are skipped."""
+    is_written = slot_mapping >= 0
+    store_kv(pages, slot_mapping[is_written], k[is_written], v[is_written])
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pages: KVPages,
+    *,
+    use_reference: bool = False,
+) -> None:
+    """Store `k, v [T, Hkv, D]` into `pages` at `slot_mapping [T]` (int32/int64, -1 = skip).
+
+    The slot of position p of a sequence is `block_table[p // B] * B + p % B`.
+    For INT8/INT4 pages each (token, head) row is quantized with its own
+    min/max (see `lowvram.kv_quant`). `k` and `v` may be strided views (e.g.
+    slices of a fused QKV output) as long as the last dim is contiguous.
+    """
+    _check_write_args(k, v, slot_mapping, pages)
+    if k.shape[0] == 0:
+        return
+    if not _use_triton(k.device, use_reference):
+        write_kv_ref(k, v, slot_mapping, pages)
+        return
+    num_tokens, num_kv_heads, head_dim = k.shape
+    code_dim = pages.k.shape[3]
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_c = triton.next_power_of_2(code_dim)
+    # Unused pointer slots get the code tensor: the kernel never reads them for fp16 pages.
+    k_scale = pages.k_scale if pages.is_quantized else pages.k
+    k_zero = pages.k_zero if pages.is_quantized else pages.k
+    v_scale = pages.v_scale if pages.is_quantized else pages.v
+    v_zero = pages.v_zero if pages.is_quantized else pages.v
+    _write_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping,
+        pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_kv_heads, code_dim,
+        BITS=pages.bits, QMAX=(1 << pages.bits) - 1 if pages.is_quantized else 0,
+        BLOCK_H=block_h, BLOCK_C=block_c,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def _check_write_args(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:
+    pages.validate()
+    if k.dim() != 3:
+        raise KernelError(f"write_kv: k has shape {tuple(k.shape)}; expected [num_tokens, num_kv_heads, head_dim]")
+    expected = (k.shape[0], pages.num_kv_heads, pages.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != expected:
+            raise KernelError(f"write_kv: {name} has shape {tuple(x.shape)}; expected {expected} to match the pages")
+        if x.dtype not in (torch.float16, torch.float32):
+            raise KernelError(f"write_kv: {name} has dtype {x.dtype}; expected float16 or float32")
+        if x.shape[0] and x.stride(2) != 1:
+            raise KernelError(f"write_kv: {name} must be contiguous in its last dim (strides {x.stride()})")
+        if x.device != pages.device:
+            raise KernelError(f"write_kv: {name} is on {x.device} but the pages are on {pages.device}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise KernelError(f"write_kv: slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{k.shape[0]}]")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise KernelError(f"write_kv: slot_mapping has dtype {slot_mapping.dtype}; expected int32 or int64")
+    if slot_mapping.device != pages.device or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
+        raise KernelError(f"write_kv: slot_mapping must be contiguous and on {pages.device}")
+
+
+if HAS_TRITON:
+    _MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+    @triton.jit
+    def _scale_zero(row_min, row_max, QMAX: tl.constexpr):
+        # Mirrors kv_quant.quantize_kv: IEEE division, FP16-rounded scale and zero.
+        qmax = tl.full(row_min.shape, QMAX, tl.float32)
+        scale = tl.maximum(tl.math.div_rn(row_max - row_min, qmax), _MIN_SCALE)
+        scale_f16 = scale.to(tl.float16)
+        zero_f16 = tl.math.div_rn(-row_min, scale_f16.to(tl.float32)).to(tl.float16)
+        return scale_f16, zero_f16
+
+    @triton.jit
+    def _codes(x, scale, zero, QMAX: tl.constexpr):
+        # scale, zero: float32 [BLOCK_H, 1]; floor(v + 0.5), as in the reference.
+        codes = tl.floor(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)) + zero + 0.5)
+        return tl.minimum(tl.maximum(codes, 0.0), QMAX).to(tl.int32)
+
+    @triton.jit
+    def _store_row(
+        x_ptr, stride_xh, cache_ptr, scale_ptr, zero_ptr, slot,
+        num_kv_heads, code_dim,
+        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        heads = tl.arange(0, BLOCK_H)
+        cols = tl.arange(0, BLOCK_C)
+        # slot -1 (padding) masks the whole row; a vector compare keeps the mask a plain bool block.
+        slots = tl.zeros([BLOCK_H], tl.int64) + slot
+        mask_h = (heads < num_kv_heads) & (slots >= 0)
+        slots = tl.maximum(slots, 0)
+        mask = mask_h[:, None] & (cols < code_dim)[None, :]
+        # cache row of (slot, head): [num_blocks * B * Hkv, code_dim]
+        cache_offs = (slots * num_kv_heads + heads)[:, None] * code_dim + cols[None, :]
+        if BITS == 16:
+            x = tl.load(x_ptr + heads[:, None] * stride_xh + cols[None, :], mask=mask, other=0.0)
+            tl.store(cache_ptr + cache_offs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            if BITS == 8:
+                x = tl.load(x_ptr + heads[:, None] * stride_xh + cols[None, :], mask=mask, other=0.0)
+                x = x.to(tl.float32)
+                row_min = tl.min(tl.where(mask, x, float("inf")), axis=1)
+                row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+            else:
+                # INT4: element 2i goes to the low nibble of byte i, 2i+1 to the high one.
+                x_ptrs = x_ptr + heads[:, None] * stride_xh + 2 * cols[None, :]
+                x_even = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
+                row_min = tl.minimum(
+                    tl.min(tl.where(mask, x_even, float("inf")), axis=1),
+                    tl.min(tl.where(mask, x_odd, float("inf")), axis=1),
+                )
+                row_max = tl.maximum(
+                    tl.max(tl.where(mask, x_even, float("-inf")), axis=1),
+                    tl.max(tl.where(mask, x_odd, float("-inf")), axis=1),
+                )
+            row_min = tl.minimum(row_min, 0.0)
+            row_max = tl.maximum(row_max, 0.0)
+            scale_f16, zero_f16 = _scale_zero(row_min, row_max, QMAX)
+            scale = scale_f16.to(tl.float32)[:, None]
+            zero = zero_f16.to(tl.float32)[:, None]
+            if BITS == 8:
+                codes = _codes(x, scale, zero, QMAX)
+            else:
+                low = _codes(x_even, scale, zero, QMAX)
+                high = _codes(x_odd, scale, zero, QMAX)
+                codes = low | (high << 4)
+            tl.store(cache_ptr + cache_offs, codes.to(tl.uint8), mask=mask)
+            scale_offs = slots * num_kv_heads + heads
+            tl.store(scale_ptr + scale_offs, scale_f16, mask=mask_h)
+            tl.store(zero_ptr + scale_offs, zero_f16, mask=mask_h)
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, slot_ptr,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        num_kv_heads, code_dim,
+        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        # One program per token, all KV heads: the row min/max is a reduction over head_dim.
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        _store_row(
+            k_ptr + token.to(tl.int64) * stride_kt, stride_kh, k_cache_ptr, k_scale_ptr, k_zero_ptr,
+            slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
+        )
+        _store_row(
+            v_ptr + token.to(tl.int64) * stride_vt, stride_vh, v_cache_ptr, v_scale_ptr, v_zero_ptr,
+            slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
+        )

@@ -1,0 +1,552 @@
+"""Attention over paged K/V caches (FP16, INT8 and INT4 pages): decode and prefill.
+
+Decode (one new token per sequence) is memory bound: each program owns one
+sequence, one KV head and one partition of the context, and processes all the
+query heads of that KV head's group together (GQA), so every K/V byte is read
+once. Long contexts are split into partitions that run in parallel
+(flash-decoding); a second kernel merges the partial results through their
+log-sum-exp. The number of partitions is chosen so that the grid fills the
+GPU, bounded by a minimum partition length.
+
+Prefill (a batch of new tokens, possibly after a cached prefix) is compute
+bound and follows flash-attention 2: one program per (query tile, sequence,
+query head), online softmax over K/V tiles up to the causal limit.
+
+Both kernels gather K/V through the block table one token row at a time
+(`block_table[seq, p // B] * B + p % B`), dequantize INT8/INT4 rows in
+registers as `(q - zero) * scale`, and accumulate in float32. Scores use
+exp2 with the softmax scale folded into log2(e).
+
+The public wrappers check shapes, dtypes and strides, then run the Triton
+kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
+float32 plain-torch reference (`*_ref`) otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+
+import torch
+
+from lowvram.errors import KernelError
+from lowvram.kv_quant import KVPages, gather_kv
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # Windows and macOS wheels of torch ship without Triton
+    HAS_TRITON = False
+
+logger = logging.getLogger("lowvram.kernels")
+
+# Set to True to run the plain-torch references everywhere (debugging, A/B checks).
+FORCE_REFERENCE = False
+_logged_paths: set[str] = set()
+
+# Decode partitions shorter than this cost more in the merge than they win in parallelism.
+MIN_PARTITION_TOKENS = 128
+TARGET_WAVES = 4
+_LOG2_E = 1.4426950408889634
+
+
+def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
+    if use_reference or FORCE_REFERENCE or not HAS_TRITON:
+        path = "reference"
+    elif device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        path = "triton"
+    else:
+        path = "reference"
+    key = f"{kernel_name}:{path}"
+    if key not in _logged_paths:
+        _logged_paths.add(key)
+        logger.info("%s: using the %s path (%s tensors)", kernel_name, path, device.type)
+    return path == "triton"
+
+
+def _is_interpreted(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+# ---------------------------------------------------------------- references
+
+
+def _sequence_kv(pages: KVPages, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V of the first `num_tokens` positions: float32 [num_tokens, Hkv, D]."""
+    positions = torch.arange(num_tokens, device=block_table.device)
+    block_size = pages.block_size
+    slots = block_table[positions // block_size].long() * block_size + positions % block_size
+    return gather_kv(pages, slots)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_positions: torch.Tensor | None
+) -> torch.Tensor:
+    """q [M, H, D] float32 over k, v [L, Hkv, D]; causal when `q_positions [M]` is given."""
+    group_size = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group_size, dim=1)  # [L, Hkv, D] -> [L, H, D]
+    v = v.repeat_interleave(group_size, dim=1)
+    scores = torch.einsum("mhd,lhd->hml", q, k) * scale  # [H, M, L]
+    if q_positions is not None:
+        k_positions = torch.arange(k.shape[0], device=k.device)
+        is_future = k_positions[None, :] > q_positions[:, None]  # [M, L]
+        scores = scores.masked_fill(is_future[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hml,lhd->mhd", probs, v)  # [M, H, D]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch decode attention in float32; returns q's dtype. Sequences of length 0 give zeros."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for seq, context_len in enumerate(context_lens.tolist()):
+        if context_len == 0:
+            continue
+        k, v = _sequence_kv(pages, block_tables[seq], context_len)
+        out[seq] = _attend(q[seq : seq + 1].float(), k, v, scale, None)[0]
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch causal prefill attention in float32; returns q's dtype."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        num_new = q_end - q_start
+        if num_new == 0:
+            continue
+        if num_new > context_len:
+            raise KernelError(
+                f"paged_prefill_attention: sequence {seq} has {num_new} new tokens but context_lens is "
+                f"{context_len}; context_lens must count the new tokens too"
+            )
+        k, v = _sequence_kv(pages, block_tables[seq], context_len)
+        q_positions = torch.arange(context_len - num_new, context_len, device=q.device)
+        out[q_start:q_end] = _attend(q[q_start:q_end].float(), k, v, scale, q_positions)
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor):
+    pages.validate()
+    if q.dim() != 3:
+        raise KernelError(f"{name}: q has shape {tuple(q.shape)}; expected 3 dims [tokens, num_heads, head_dim]")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if head_dim != pages.head_dim:
+        raise KernelError(f"{name}: q has head_dim {head_dim} but the pages hold head_dim {pages.head_dim}")
+    if num_heads % pages.num_kv_heads:
+        raise KernelError(
+            f"{name}: q has {num_heads} heads, not a multiple of the pages' {pages.num_kv_heads} KV heads"
+        )
+    if q.dtype not in (torch.float16, torch.float32):
+        raise KernelError(f"{name}: q has dtype {q.dtype}; expected float16 or float32")
+    if not pages.is_quantized and q.dtype != pages.k.dtype:
+        raise KernelError(f"{name}: q is {q.dtype} but the fp16 pages are {pages.k.dtype}; they must match")
+    if q.shape[0] and q.stride(2) != 1:
+        raise KernelError(f"{name}: q must be contiguous in its last dim (strides {q.stride()})")
+    num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    if context_lens.dim() != 1 or context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        raise KernelError(
+            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected contiguous int32 [num_seqs]"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
+        raise KernelError(
+            f"{name}: block_tables is {tuple(block_tables.shape)} {block_tables.dtype}; "
+            f"expected int32 [{num_seqs}, max_blocks]"
+        )
+    if block_tables.shape[1] and block_tables.stride(1) != 1:
+        raise KernelError(f"{name}: block_tables must be contiguous in its last dim (strides {block_tables.stride()})")
+    for tensor_name, tensor in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens)):
+        if tensor.device != pages.device:
+            raise KernelError(f"{name}: {tensor_name} is on {tensor.device} but the pages are on {pages.device}")
+
+
+def _check_kernel_head_dim(name: str, head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise KernelError(
+            f"{name}: the Triton kernel needs head_dim a power of two >= 16, got {head_dim}; "
+            "pass use_reference=True to use the plain-torch path"
+        )
+
+
+def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # FP16 pages have no scales; the kernel never reads these slots then.
+    if pages.is_quantized:
+        return pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
+    return pages.k, pages.k, pages.v, pages.v
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """Partitions per sequence: about TARGET_WAVES programs per SM, none shorter than MIN_PARTITION_TOKENS.
+
+    Several resident programs per SM keep enough loads in flight to saturate
+    memory bandwidth; batch 1 with 2 KV heads has only 2 programs without splitting.
+    """
+    max_useful = max(1, math.ceil(max_context_len / MIN_PARTITION_TOKENS))
+    wanted = math.ceil(TARGET_WAVES * num_sms / max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, max_useful))
+
+
+def plan_decode_partitions(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device, num_splits: int | None = None
+) -> tuple[int, int]:
+    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole tiles."""
+    block_n = _decode_block_n(device)
+    max_context_len = max(1, max_context_len)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(device))
+    partition_tokens = math.ceil(math.ceil(max_context_len / max(1, num_splits)) / block_n) * block_n
+    return math.ceil(max_context_len / partition_tokens), partition_tokens
+
+
+def _decode_block_n(device: torch.device) -> int:
+    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
+    return 16 if _is_interpreted(device) else 64
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_context_len: int | None = None,
+    use_reference: bool = False,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context.
+
+    q: `[num_seqs, num_heads, head_dim]` (float16, or float32 with float32/quantized pages);
+    block_tables: int32 `[num_seqs, max_blocks]`; context_lens: int32 `[num_seqs]`,
+    the number of cached tokens to attend to (including the new token's own K/V).
+    Returns `[num_seqs, num_heads, head_dim]` in q's dtype.
+
+    `num_splits` forces the number of context partitions (1 = no split);
+    by default it is chosen from `max_context_len`, which defaults to the
+    block table's capacity (`max_blocks * block_size`) so no device sync is
+    needed. Pass the true maximum when the table is padded far beyond it; it
+    must not be below any `context_lens` entry (tokens past it are not read).
+    """
+    name = "paged_decode_attention"
+    _check_common(name, q, pages, block_tables, context_lens)
+    if q.shape[0] != context_lens.shape[0]:
+        raise KernelError(f"{name}: q has {q.shape[0]} rows but context_lens has {context_lens.shape[0]} sequences")
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if not _use_triton(name, q.device, use_reference):
+        return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
+    _check_kernel_head_dim(name, q.shape[2])
+
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = pages.num_kv_heads
+    group_size = num_heads // num_kv_heads
+    is_interpreted = _is_interpreted(q.device)
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * pages.block_size
+    num_splits, partition_tokens = plan_decode_partitions(
+        num_seqs, num_kv_heads, max_context_len, q.device, num_splits
+    )
+
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        partial_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        partial_out, partial_lse = out, out  # unused without splitting
+    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        block_tables, context_lens, out, partial_out, partial_lse,
+        scale * _LOG2_E,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        num_kv_heads, group_size, partition_tokens, num_splits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BITS=pages.bits,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=_decode_block_n(q.device),
+        IS_SPLIT=num_splits > 1,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_partitions_kernel[(num_seqs, num_heads)](
+            partial_out, partial_lse, out, num_splits,
+            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), CHUNK=4 if is_interpreted else 16,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    use_reference: bool = False,
+) -> torch.Tensor:
+    """Causal attention of a variable-length batch of new tokens over paged K/V.
+
+    q: `[total_new_tokens, num_heads, head_dim]`; sequence s owns rows
+    `cu_seqlens_q[s]:cu_seqlens_q[s + 1]` (int32 `[num_seqs + 1]`). Its new tokens
+    are the last `q_len` of its `context_lens[s]` tokens and must already be in
+    the pages (`write_kv`); earlier tokens are a cached prefix. New token i sits
+    at position `context_lens[s] - q_len + i` and attends to positions <= its own.
+    `max_q_len` (the longest q_len) sizes the grid; computed (one device sync) when omitted.
+    """
+    name = "paged_prefill_attention"
+    _check_common(name, q, pages, block_tables, context_lens)
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
+        raise KernelError(
+            f"{name}: cu_seqlens_q is {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}; "
+            f"expected contiguous int32 [{num_seqs + 1}]"
+        )
+    if cu_seqlens_q.device != pages.device:
+        raise KernelError(f"{name}: cu_seqlens_q is on {cu_seqlens_q.device} but the pages are on {pages.device}")
+    if q.shape[0] == 0 or num_seqs == 0:
+        return torch.zeros_like(q)
+    if not _use_triton(name, q.device, use_reference):
+        return paged_prefill_attention_ref(q, pages, block_tables, cu_seqlens_q, context_lens, scale)
+    _check_kernel_head_dim(name, q.shape[2])
+
+    num_tokens, num_heads, head_dim = q.shape
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    is_interpreted = _is_interpreted(q.device)
+    block_m = 16 if is_interpreted else 64
+    block_n = 16 if is_interpreted else 64
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
+    grid = (triton.cdiv(max(1, max_q_len), block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        block_tables, cu_seqlens_q, context_lens, out,
+        scale * _LOG2_E,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        pages.num_kv_heads, num_heads // pages.num_kv_heads,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BITS=pages.bits,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_kv_tile(
+        cache_ptr, scale_ptr, zero_ptr, rows, mask_n,
+        HEAD_DIM: tl.constexpr, BITS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    ):
+        # rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head; returns [BLOCK_N, HEAD_DIM] in OUT_DTYPE.
+        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0.
+        offs_d = tl.arange(0, HEAD_DIM)
+        if BITS == 16:
+            tile = tl.load(cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            tile = tile.to(OUT_DTYPE)
+        else:
+            scale = tl.load(scale_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
+            zero = tl.load(zero_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
+            if BITS == 8:
+                codes = tl.load(
+                    cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0
+                ).to(tl.int32)
+            else:
+                offs_b = tl.arange(0, HEAD_DIM // 2)
+                packed = tl.load(
+                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_n[:, None], other=0
+                ).to(tl.int32)
+                # low nibble = element 2i, high nibble = element 2i+1
+                codes = tl.interleave(packed & 15, (packed >> 4) & 15)
+            tile = ((codes.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
+        return tile
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+        scale_log2,
+        stride_qs, stride_qh, stride_bt,
+        num_kv_heads, group_size, partition_tokens, num_splits,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context_len = tl.load(context_lens_ptr + seq)
+        start = split * partition_tokens
+        end = tl.minimum(start + partition_tokens, context_len)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_g = offs_g < group_size
+        heads = kv_head * group_size + offs_g
+        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, HEAD_DIM]
+        q = tl.load(
+            q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None], other=0.0,
+        )
+        dot_dtype = q.dtype
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # Each tile starts below `end`, so every row sees a finite score in the first tile.
+        for tile_start in range(start, end, BLOCK_N):
+            positions = tile_start + offs_n
+            mask_n = positions < end
+            block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
+            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_G, BLOCK_N]
+            scores = tl.where(mask_n[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
+            m_i = m_new
+
+        has_tokens = l_i > 0.0
+        result = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+        if IS_SPLIT:
+            # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
+            lse_offs = (seq.to(tl.int64) * num_kv_heads * group_size + heads) * num_splits + split
+            lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+            tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
+            tl.store(
+                partial_out_ptr + lse_offs[:, None] * HEAD_DIM + offs_d[None, :], result, mask=mask_g[:, None]
+            )
+        else:
+            out_offs = (seq.to(tl.int64) * num_kv_heads * group_size + heads)[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+
+    @triton.jit
+    def _merge_partitions_kernel(
+        partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        # One program per (sequence, head): weight each partition by exp2(lse - max lse).
+        # Partial outputs are summed CHUNK partitions at a time to bound register use.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        row = seq.to(tl.int64) * tl.num_programs(1) + head
+        offs_s = tl.arange(0, BLOCK_SPLITS)
+        lse = tl.load(partial_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        max_lse = tl.max(lse, axis=0)
+        max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # empty context: all weights 0
+        total = tl.sum(tl.exp2(lse - max_lse), axis=0)
+
+        offs_c = tl.arange(0, CHUNK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for chunk_start in range(0, num_splits, CHUNK):
+            splits = chunk_start + offs_c
+            mask_c = splits < num_splits
+            weights = tl.exp2(
+                tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask_c, other=float("-inf")) - max_lse
+            )
+            parts = tl.load(
+                partial_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_c[:, None], other=0.0,
+            )
+            acc += tl.sum(parts * weights[:, None], axis=0)
+        result = acc / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+        scale_log2,
+        stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+        num_kv_heads, group_size,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        q_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+        kv_head = head // group_size
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        context_len = tl.load(context_lens_ptr + seq)
+        num_cached = context_len - q_len
+
+        offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mask_m = offs_m < q_len
+        token_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None], other=0.0,
+        )
+        dot_dtype = q.dtype
+        q_positions = num_cached + offs_m
+
+        # K/V up to the last query of this tile (causal); none when the tile is past q_len.
+        end = tl.minimum(context_len, num_cached + (q_tile + 1) * BLOCK_M)
+        end = tl.where(q_tile * BLOCK_M < q_len, end, 0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
+        for tile_start in range(0, end, BLOCK_N):
+            positions = tile_start + offs_n
+            mask_n = positions < end
+            block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
+            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+            is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])
+            scores = tl.where(is_visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
+            m_i = m_new
+
+        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out_offs = token_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])

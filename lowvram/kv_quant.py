@@ -1,0 +1,241 @@
+"""KV-cache pages and their quantization, in plain torch.
+
+One layer's cache is a `KVPages`: K and V pages of `block_size` tokens each, stored
+as FP16 (float32 allowed on the CPU), or as INT8 / INT4 codes with an FP16 scale
+and zero per token and per KV head, so that `x ~ (q - zero) * scale`.
+
+Quantization is asymmetric per (token, head) row, but the range is widened to
+include 0 before the scale is chosen. That keeps `zero` inside [0, qmax], where
+FP16 holds it to within 1/16 of a code; an unwidened zero of a row far from 0
+can reach thousands of codes (or overflow FP16) and lose whole codes when
+rounded. K/V rows of real models straddle 0, so the widening costs no
+resolution in practice. Rounding is `floor(v + 0.5)` and every step uses the
+FP16-rounded scale and zero, so the Triton write kernel (`lowvram.kernels.kv_write`)
+reproduces these functions byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowvram.errors import KernelError
+
+PRECISIONS = ("fp16", "int8", "int4")
+BITS_BY_PRECISION = {"fp16": 16, "int8": 8, "int4": 4}
+
+# Smallest normal FP16 number: a smaller scale would be subnormal in FP16 and
+# lose the relative precision the error bound relies on. Rows whose range is
+# under 255 * MIN_SCALE (~0.016) are effectively zero for attention.
+MIN_SCALE = 2.0**-14
+
+
+@dataclass
+class KVPages:
+    """One layer's paged K/V cache in one precision.
+
+    `k`, `v`: `[num_blocks, block_size, num_kv_heads, head_dim]` float16/float32
+    for "fp16"; uint8 codes of that shape for "int8"; uint8 `[..., head_dim // 2]`
+    for "int4" (element 2i in the low nibble, 2i+1 in the high nibble).
+    `k_scale`, `k_zero`, `v_scale`, `v_zero`: float16 `[num_blocks, block_size,
+    num_kv_heads]`, present only for the quantized precisions.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    precision: str = "fp16"
+    k_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+
+    @property
+    def bits(self) -> int:
+        return BITS_BY_PRECISION[self.precision]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.precision != "fp16"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3] * 2 if self.precision == "int4" else self.k.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V (codes plus scales and zeros) that one token occupies."""
+        code_bytes = self.k.shape[3] * self.k.element_size()
+        scale_bytes = 2 * 2 if self.is_quantized else 0  # fp16 scale + fp16 zero
+        return 2 * self.num_kv_heads * (code_bytes + scale_bytes)
+
+    def validate(self) -> None:
+        """Raise KernelError unless the tensors match the layout above."""
+        if self.precision not in PRECISIONS:
+            raise KernelError(f"KVPages.precision is {self.precision!r}; expected one of {PRECISIONS}")
+        for name in ("k", "v"):
+            pages = getattr(self, name)
+            if pages.dim() != 4:
+                raise KernelError(
+                    f"KVPages.{name} has shape {tuple(pages.shape)}; expected 4 dims "
+                    "[num_blocks, block_size, num_kv_heads, head_dim (or head_dim // 2 for int4)]"
+                )
+            if not pages.is_contiguous():
+                raise KernelError(f"KVPages.{name} must be contiguous (strides {pages.stride()})")
+        if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype or self.v.device != self.k.device:
+            raise KernelError(
+                f"KVPages.v ({tuple(self.v.shape)}, {self.v.dtype}, {self.v.device}) must match "
+                f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
+            )
+        if not self.is_quantized:
+            if self.k.dtype not in (torch.float16, torch.float32):
+                raise KernelError(f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (or float32 on CPU)")
+            return
+        if self.k.dtype != torch.uint8:
+            raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")
+        scale_shape = tuple(self.k.shape[:3])
+        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+            tensor = getattr(self, name)
+            if tensor is None:
+                raise KernelError(f"{self.precision} KVPages.{name} is missing")
+            if tuple(tensor.shape) != scale_shape or tensor.dtype != torch.float16:
+                raise KernelError(
+                    f"KVPages.{name} is {tuple(tensor.shape)} {tensor.dtype}; expected float16 {scale_shape}"
+                )
+            if not tensor.is_contiguous() or tensor.device != self.k.device:
+                raise KernelError(f"KVPages.{name} must be contiguous and on {self.k.device}")
+
+
+def allocate_pages(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    precision: str,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+) -> KVPages:
+    """Zeroed pages for one layer. `dtype` applies to "fp16" pages only."""
+    if precision not in PRECISIONS:
+        raise KernelError(f"KV precision {precision!r} is not one of {PRECISIONS}")
+    if precision == "int4" and head_dim % 2:
+        raise KernelError(f"int4 KV pages need an even head_dim, got {head_dim}")
+    if precision == "fp16":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return KVPages(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            precision=precision,
+        )
+    code_dim = head_dim // 2 if precision == "int4" else head_dim
+    shape = (num_blocks, block_size, num_kv_heads, code_dim)
+    scale_shape = (num_blocks, block_size, num_kv_heads)
+
+    def scales() -> torch.Tensor:
+        return torch.zeros(scale_shape, dtype=torch.float16, device=device)
+
+    return KVPages(
+        k=torch.zeros(shape, dtype=torch.uint8, device=device),
+        v=torch.zeros(shape, dtype=torch.uint8, device=device),
+        precision=precision,
+        k_scale=scales(),
+        k_zero=scales(),
+        v_scale=scales(),
+        v_zero=scales(),
+    )
+
+
+def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize rows `x [..., D]` to `bits` (8 or 4).
+
+    Returns `(q, scale, zero)`: q uint8 `[..., D]` (8 bits) or `[..., D // 2]`
+    (4 bits, element 2i in the low nibble), scale and zero float16 `[...]`.
+    Every element satisfies `|x - (q - zero) * scale| <= scale / 2` (up to float
+    rounding) for inputs within the FP16 range.
+    """
+    if bits not in (8, 4):
+        raise KernelError(f"quantize_kv supports 8 or 4 bits, got {bits}")
+    if bits == 4 and x.shape[-1] % 2:
+        raise KernelError(f"4-bit quantization needs an even last dim, got {x.shape[-1]}")
+    x = x.float()
+    qmax = torch.full(x.shape[:-1], float(2**bits - 1), dtype=torch.float32, device=x.device)
+    row_min = x.amin(dim=-1).clamp(max=0.0)
+    row_max = x.amax(dim=-1).clamp(min=0.0)
+    # Divide by a tensor, not a Python number: CUDA turns division by a scalar
+    # into a multiplication by its reciprocal, which rounds differently.
+    scale = ((row_max - row_min) / qmax).clamp(min=MIN_SCALE).half()
+    scale_f32 = scale.float()
+    zero = (-row_min / scale_f32).half()
+    codes = torch.floor(x / scale_f32[..., None] + zero.float()[..., None] + 0.5)
+    codes = torch.minimum(codes.clamp(min=0.0), qmax[..., None]).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, scale, zero
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[..., D // 2]` -> uint8 codes `[..., D]` (low nibble first)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)  # [..., D // 2, 2] -> [..., D]
+
+
+def dequantize_kv(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int
+) -> torch.Tensor:
+    """Inverse of `quantize_kv`: float32 `[..., head_dim]`."""
+    if bits == 4:
+        q = unpack_int4(q)
+    elif bits != 8:
+        raise KernelError(f"dequantize_kv supports 8 or 4 bits, got {bits}")
+    if q.shape[-1] != head_dim:
+        raise KernelError(f"codes unpack to {q.shape[-1]} values per row; expected head_dim {head_dim}")
+    return (q.float() - zero.float()[..., None]) * scale.float()[..., None]
+
+
+def gather_kv(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given slots, dequantized: float32 `[num_slots, num_kv_heads, head_dim]`."""
+    slots = slots.long()
+    k_rows = pages.k.flatten(0, 1)[slots]  # [num_blocks * B, Hkv, Dc] -> [N, Hkv, Dc]
+    v_rows = pages.v.flatten(0, 1)[slots]
+    if not pages.is_quantized:
+        return k_rows.float(), v_rows.float()
+    k = dequantize_kv(
+        k_rows, pages.k_scale.flatten(0, 1)[slots], pages.k_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
+    )
+    v = dequantize_kv(
+        v_rows, pages.v_scale.flatten(0, 1)[slots], pages.v_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
+    )
+    return k, v
+
+
+def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write rows `k, v [N, Hkv, D]` into `slots` (all valid), quantizing as the pages require."""
+    slots = slots.long()
+    if not pages.is_quantized:
+        pages.k.view(-1, *pages.k.shape[2:])[slots] = k.to(pages.k.dtype)  # [num_blocks * B, Hkv, D]
+        pages.v.view(-1, *pages.v.shape[2:])[slots] = v.to(pages.v.dtype)
+        return
+    for x, codes, scale, zero in (
+        (k, pages.k, pages.k_scale, pages.k_zero),
+        (v, pages.v, pages.v_scale, pages.v_zero),
+    ):
+        q, s, z = quantize_kv(x, pages.bits)
+        codes.view(-1, *codes.shape[2:])[slots] = q  # [num_blocks * B, Hkv, Dc]
+        scale.view(-1, scale.shape[2])[slots] = s
+        zero.view(-1, zero.shape[2])[slots] = z

@@ -1,0 +1,290 @@
+"""Paged decode/prefill attention: kernels against the references, references against dense attention.
+
+Without CUDA the kernels run in the Triton interpreter on tiny shapes; the
+`gpu` tests run real model shapes. Every comparison prints its largest difference.
+"""
+
+import math
+
+import pytest
+import torch
+
+from lowvram.errors import KernelError
+from lowvram.kernels import paged_attention
+from lowvram.kernels.kv_write import write_kv_ref
+from lowvram.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
+from lowvram.kv_quant import allocate_pages, dequantize_kv, quantize_kv
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TINY_DIM, TINY_HEADS = 16, 4
+
+
+class PagedCase:
+    """Sequences of random K/V written into pages through a shuffled block table.
+
+    Unwritten page slots and unused table entries hold NaN / -1, so a kernel that
+    reads past a context shows up as NaN or a crash.
+    """
+
+    def __init__(self, precision, dtype, block_size, num_kv_heads, head_dim, context_lens, seed, device=DEVICE):
+        generator = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        self.context_lens = context_lens
+        max_blocks = max(math.ceil(n / block_size) for n in context_lens) + 1
+        num_blocks = len(context_lens) * max_blocks + 3
+        self.pages = allocate_pages(num_blocks, block_size, num_kv_heads, head_dim, precision, dtype, device)
+        if precision == "fp16":
+            self.pages.k.fill_(float("nan"))
+            self.pages.v.fill_(float("nan"))
+        else:
+            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+                getattr(self.pages, name).fill_(float("nan"))
+        order = torch.randperm(num_blocks, generator=generator)
+        self.block_tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
+        self.k_dense, self.v_dense = [], []  # float32 [L, Hkv, D] per sequence, as stored
+        next_block = 0
+        for seq, context_len in enumerate(context_lens):
+            num_seq_blocks = math.ceil(context_len / block_size)
+            self.block_tables[seq, :num_seq_blocks] = order[next_block : next_block + num_seq_blocks].int()
+            next_block += num_seq_blocks
+            k = (torch.randn(context_len, num_kv_heads, head_dim, generator=generator) * 1.5).to(dtype)
+            v = torch.randn(context_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+            positions = torch.arange(context_len)
+            slots = self.block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+            write_kv_ref(k.to(device), v.to(device), slots.to(device), self.pages)
+            self.k_dense.append(_as_stored(k, precision).to(device))
+            self.v_dense.append(_as_stored(v, precision).to(device))
+        self.block_tables = self.block_tables.to(device)
+        self.context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+
+
+def _as_stored(x, precision):
+    """What the pages give back for x: itself, or its quantize/dequantize round trip."""
+    if precision == "fp16":
+        return x.float()
+    bits = 8 if precision == "int8" else 4
+    return dequantize_kv(*quantize_kv(x, bits), bits, x.shape[-1])
+
+
+def _dense_attention(q, k, v, scale, q_positions):
+    """Textbook attention, one head at a time: q [M, H, D], k/v [L, Hkv, D] -> [M, H, D]."""
+    num_heads = q.shape[1]
+    group_size = num_heads // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for head in range(num_heads):
+        k_head = k[:, head // group_size].float()
+        v_head = v[:, head // group_size].float()
+        scores = q[:, head].float() @ k_head.T * scale  # [M, L]
+        is_visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_positions[:, None]
+        scores = torch.where(is_visible, scores, torch.full_like(scores, -1e30))
+        weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values) * is_visible
+        out[:, head] = (weights / weights.sum(dim=1, keepdim=True)) @ v_head
+    return out
+
+
+def _relative_error(out, expected):
+    """Per-row norm of the difference over the norm of the expected row, worst row."""
+    out, expected = out.float().flatten(1), expected.float().flatten(1)
+    return ((out - expected).norm(dim=1) / expected.norm(dim=1).clamp(min=1e-30)).max().item()
+
+
+def _report(label, out, expected):
+    assert not torch.isnan(out).any(), f"{label}: NaN in the output"
+    max_diff = (out.float() - expected.float()).abs().max().item()
+    rel = _relative_error(out, expected)
+    print(f"{label}: max |diff| {max_diff:.3e}, relative error {rel:.3e}")
+    return rel
+
+
+def _prefill_batch(case, num_new_tokens, num_heads, seed):
+    generator = torch.Generator().manual_seed(seed)
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new_tokens).cumsum(0).tolist()], dtype=torch.int32)
+    dtype = case.pages.k.dtype if not case.pages.is_quantized else torch.float32
+    q = torch.randn(int(cu_seqlens[-1]), num_heads, case.pages.head_dim, generator=generator).to(DEVICE, dtype)
+    return q, cu_seqlens.to(DEVICE)
+
+
+# ---------------------------------------------------------------- CPU (interpreter) tests
+
+
+def test_kernel_path_is_exercised():
+    # Without this the kernel-vs-reference tests would compare the reference with itself.
+    assert paged_attention._use_triton("test", DEVICE, use_reference=False)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_reference_matches_dense_attention(precision):
+    case = PagedCase(precision, torch.float32, 8, 2, TINY_DIM, [1, 9, 24, 30], seed=0)
+    generator = torch.Generator().manual_seed(1)
+    scale = TINY_DIM**-0.5
+
+    q = torch.randn(4, TINY_HEADS, TINY_DIM, generator=generator).to(DEVICE)
+    out = paged_decode_attention_ref(q, case.pages, case.block_tables, case.context_lens_t, scale)
+    for seq, context_len in enumerate(case.context_lens):
+        last = torch.tensor([context_len - 1], device=DEVICE)
+        expected = _dense_attention(q[seq : seq + 1], case.k_dense[seq], case.v_dense[seq], scale, last)
+        assert _report(f"decode ref {precision} seq {seq}", out[seq : seq + 1], expected) <= 1e-5
+
+    num_new = [1, 4, 24, 11]  # seq 2 has no cached prefix
+    q, cu_seqlens = _prefill_batch(case, num_new, TINY_HEADS, seed=2)
+    out = paged_prefill_attention_ref(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, scale)
+    for seq, context_len in enumerate(case.context_lens):
+        rows = slice(int(cu_seqlens[seq]), int(cu_seqlens[seq + 1]))
+        positions = torch.arange(context_len - num_new[seq], context_len, device=DEVICE)
+        expected = _dense_attention(q[rows], case.k_dense[seq], case.v_dense[seq], scale, positions)
+        assert _report(f"prefill ref {precision} seq {seq}", out[rows], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_kv_heads", [2, 4])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_decode_kernel_matches_reference(precision, num_kv_heads, block_size, num_splits):
+    # Float32 pages and queries: the interpreter's float32 dot is exact, so only
+    # summation order separates kernel and reference.
+    case = PagedCase(precision, torch.float32, block_size, num_kv_heads, TINY_DIM, [1, 13, 40, 16, 33], seed=3)
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(5, TINY_HEADS, TINY_DIM, generator=generator).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 0.3)
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    expected = paged_decode_attention_ref(*args)
+    label = f"decode {precision} Hkv={num_kv_heads} B={block_size} splits={num_splits}"
+    assert _report(label, out, expected) <= 1e-5
+
+
+def test_decode_kernel_fp16():
+    case = PagedCase("fp16", torch.float16, 16, 2, TINY_DIM, [1, 40, 17], seed=5)
+    q = torch.randn(3, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 0.25)
+    for num_splits in (1, 3):
+        out = paged_decode_attention(*args, num_splits=num_splits)
+        assert out.dtype == torch.float16
+        assert _report(f"decode fp16 splits={num_splits}", out, paged_decode_attention_ref(*args)) <= 2e-3
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_decode_long_contexts(num_splits):
+    # 2 splits: several tiles per partition, so the online softmax rescales across tiles.
+    # 8 splits: more partitions than the merge kernel sums at once.
+    case = PagedCase("int8", torch.float32, 16, 2, TINY_DIM, [150, 97], seed=7)
+    q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 0.25)
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    assert _report(f"decode long contexts splits={num_splits}", out, paged_decode_attention_ref(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("has_prefix", [False, True])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_kv_heads", [2, 4])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_prefill_kernel_matches_reference(precision, num_kv_heads, block_size, has_prefix):
+    context_lens = [1, 21, 37] if has_prefix else [1, 12, 37]
+    num_new = [1, 5, 18] if has_prefix else context_lens
+    case = PagedCase(precision, torch.float32, block_size, num_kv_heads, TINY_DIM, context_lens, seed=9)
+    q, cu_seqlens = _prefill_batch(case, num_new, TINY_HEADS, seed=10)
+    args = (q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 0.3)
+    out = paged_prefill_attention(*args)
+    expected = paged_prefill_attention_ref(*args)
+    label = f"prefill {precision} Hkv={num_kv_heads} B={block_size} prefix={has_prefix}"
+    assert _report(label, out, expected) <= 1e-5
+
+
+def test_prefill_kernel_fp16_strided_q():
+    case = PagedCase("fp16", torch.float16, 16, 2, TINY_DIM, [20, 33], seed=11)
+    qkv = torch.randn(30, TINY_HEADS + 4, TINY_DIM, generator=torch.Generator().manual_seed(12))
+    q = qkv.to(DEVICE, torch.float16)[:, :TINY_HEADS]  # [T, H, D] view of a fused projection
+    cu_seqlens = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    args = (q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 0.25)
+    out = paged_prefill_attention(*args)
+    assert _report("prefill fp16 strided q", out, paged_prefill_attention_ref(*args)) <= 2e-3
+
+
+def test_attention_rejects_bad_inputs():
+    case = PagedCase("int4", torch.float32, 8, 2, TINY_DIM, [5, 9], seed=13)
+    q = torch.zeros(2, TINY_HEADS, TINY_DIM, device=DEVICE)
+    with pytest.raises(KernelError, match="block_tables"):
+        paged_decode_attention(q, case.pages, case.block_tables.long(), case.context_lens_t, 1.0)
+    with pytest.raises(KernelError, match="context_lens"):
+        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t.long(), 1.0)
+    with pytest.raises(KernelError, match="not a multiple"):
+        paged_decode_attention(q[:, :3], case.pages, case.block_tables, case.context_lens_t, 1.0)
+    with pytest.raises(KernelError, match="head_dim"):
+        paged_decode_attention(q[:, :, :8], case.pages, case.block_tables, case.context_lens_t, 1.0)
+    cu_seqlens = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(KernelError, match="cu_seqlens_q"):
+        paged_prefill_attention(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 1.0)
+
+
+def test_choose_num_splits_fills_the_gpu():
+    # 1.5B shape on a 132-SM GPU: one sequence needs many partitions, a big batch none.
+    assert paged_attention.choose_num_splits(1, 2, 8192, 132) == 64
+    assert paged_attention.choose_num_splits(1, 2, 100, 132) == 1
+    assert paged_attention.choose_num_splits(256, 2, 32768, 132) <= 2
+
+
+# ---------------------------------------------------------------- GPU tests at model shapes
+
+GPU_SHAPES = [(12, 2), (16, 16)]  # (heads, kv heads): R1-Distill-Qwen-1.5B, deepseek-coder-1.3b
+GPU_CONTEXTS = [1, 15, 16, 17, 255, 1000, 4097, 8192]
+
+
+@pytest.fixture
+def exact_fp32_matmul():
+    """The FP32 reference must not run its matmuls in TF32."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _gpu_tolerance(precision):
+    # FP16 pages against the FP32 reference; quantized pages against their dequantized
+    # reference (the kernel rounds dequantized values to FP16 before the dot).
+    return 1e-3 if precision == "fp16" else 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GPU_SHAPES)
+def test_decode_real_shapes_gpu(precision, num_heads, num_kv_heads, exact_fp32_matmul):
+    case = PagedCase(precision, torch.float16, 16, num_kv_heads, 128, GPU_CONTEXTS, seed=20)
+    q = torch.randn(len(GPU_CONTEXTS), num_heads, 128, generator=torch.Generator().manual_seed(21))
+    q = q.to(DEVICE, torch.float16)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    expected = paged_decode_attention_ref(q.float(), case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    for num_splits in (None, 1):
+        out = paged_decode_attention(*args, num_splits=num_splits)
+        label = f"decode gpu {precision} H={num_heads} Hkv={num_kv_heads} splits={num_splits}"
+        assert _report(label, out, expected) <= _gpu_tolerance(precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_decode_32k_context_gpu(precision, exact_fp32_matmul):
+    case = PagedCase(precision, torch.float16, 16, 2, 128, [32768, 3], seed=22)
+    q = torch.randn(2, 12, 128, generator=torch.Generator().manual_seed(23)).to(DEVICE, torch.float16)
+    out = paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    expected = paged_decode_attention_ref(q.float(), case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    assert _report(f"decode gpu 32K {precision}", out, expected) <= _gpu_tolerance(precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", GPU_SHAPES)
+def test_prefill_real_shapes_gpu(precision, num_heads, num_kv_heads, exact_fp32_matmul):
+    context_lens = [1, 100, 700, 2048, 1500]
+    num_new = [1, 100, 300, 2048, 37]  # seqs 2 and 4 continue after a cached prefix
+    case = PagedCase(precision, torch.float16, 16, num_kv_heads, 128, context_lens, seed=24)
+    generator = torch.Generator().manual_seed(25)
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(num_new), num_heads, 128, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 128**-0.5)
+    out = paged_prefill_attention(q, *args)
+    expected = paged_prefill_attention_ref(q.float(), *args)
+    label = f"prefill gpu {precision} H={num_heads} Hkv={num_kv_heads}"
+    assert _report(label, out, expected) <= _gpu_tolerance(precision)
