@@ -100,8 +100,8 @@ def _check_write_args(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tens
     for name, x in (("k", k), ("v", v)):
         if tuple(x.shape) != expected:
             raise KernelError(f"write_kv: {name} has shape {tuple(x.shape)}; expected {expected} to match the pages")
-        if x.dtype not in (torch.float16, torch.float32):
-            raise KernelError(f"write_kv: {name} has dtype {x.dtype}; expected float16 or float32")
+        if x.dtype not in (torch.float16, torch.float32) and not (x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            raise KernelError(f"write_kv: {name} has dtype {x.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
         if x.shape[0] and x.stride(2) != 1:
             raise KernelError(f"write_kv: {name} must be contiguous in its last dim (strides {x.stride()})")
         if x.device != pages.device:

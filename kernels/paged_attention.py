@@ -157,8 +157,8 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
         raise KernelError(
             f"{name}: q has {num_heads} heads, not a multiple of the pages' {pages.num_kv_heads} KV heads"
         )
-    if q.dtype not in (torch.float16, torch.float32):
-        raise KernelError(f"{name}: q has dtype {q.dtype}; expected float16 or float32")
+    if q.dtype not in (torch.float16, torch.float32) and not (q.dtype == torch.bfloat16 and q.device.type == "cpu"):
+        raise KernelError(f"{name}: q has dtype {q.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
     if not pages.is_quantized and q.dtype != pages.k.dtype:
         raise KernelError(f"{name}: q is {q.dtype} but the fp16 pages are {pages.k.dtype}; they must match")
     if q.shape[0] and q.stride(2) != 1:

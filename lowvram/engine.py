@@ -72,7 +72,9 @@ class LLMEngine:
         self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
         self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.block_manager, self.kv_plan.num_blocks, self.device, self.dtype)
+        self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
+        self.runner = ModelRunner(self.model, self.block_manager, self.kv_plan.num_blocks, self.device, self.dtype,
+                                  self.kv_precision)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._seq_ids = itertools.count()

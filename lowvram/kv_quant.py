@@ -103,8 +103,8 @@ class KVPages:
                 f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
             )
         if not self.is_quantized:
-            if self.k.dtype not in (torch.float16, torch.float32):
-                raise KernelError(f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (or float32 on CPU)")
+            if self.k.dtype not in (torch.float16, torch.float32, torch.bfloat16):
+                raise KernelError(f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)")
             return
         if self.k.dtype != torch.uint8:
             raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")

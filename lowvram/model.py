@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lowvram.attention import AttentionMetadata, paged_attention
+from lowvram.kv_quant import KVPages
 from lowvram.model_config import ModelConfig
 
 
@@ -69,13 +70,13 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
-    def forward(self, h, positions, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
         num_tokens = h.shape[0]
         q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_pages, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 
@@ -98,8 +99,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, positions, meta, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+    def forward(self, h, positions, meta, kv_pages):
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -121,11 +122,11 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, meta, kv_cache)
+        for layer, pages in zip(self.model.layers, kv_pages):
+            h = layer(h, positions, meta, pages)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

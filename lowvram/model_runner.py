@@ -6,21 +6,22 @@ import torch
 
 from lowvram.attention import AttentionMetadata
 from lowvram.block_manager import BlockManager
+from lowvram.kv_quant import allocate_pages
 from lowvram.model import CausalLM
 from lowvram.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_manager: BlockManager, num_blocks: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: CausalLM, block_manager: BlockManager, num_blocks: int, device: torch.device,
+                 dtype: torch.dtype, kv_precision: str = "fp16"):
         config = model.config
         self.model = model
         self.block_manager = block_manager
         self.device = device
         self.block_size = block_manager.block_size
-        shape = (num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
-        # kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
-        self.kv_caches = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        # one KVPages per layer: k/v [num_blocks, block_size, Hkv, D] (INT4: D/2 bytes)
+        self.kv_pages = [
+            allocate_pages(num_blocks, self.block_size, config.num_kv_heads, config.head_dim, kv_precision, dtype, device)
             for _ in range(config.num_layers)
         ]
 
@@ -63,5 +64,5 @@ class ModelRunner:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
         (or [T, vocab] at every new token with is_all_rows, for scoring text)."""
         ids, pos, meta, last_rows = self.prepare(batch)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        hidden = self.model(ids, pos, meta, self.kv_pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])

@@ -14,7 +14,7 @@ def test_bf16_checkpoint_computes_in_fp16_on_cuda(tiny_qwen2_dir):
     engine = LLMEngine(str(tiny_qwen2_dir), "4gb", emulate_vram_gib=4.0)
     assert engine.device.type == "cuda"
     assert all(p.dtype == torch.float16 and p.is_cuda for p in engine.model.parameters())
-    assert engine.runner.kv_caches[0][0].dtype == torch.float16
+    assert engine.runner.kv_pages[0].k.dtype == torch.float16
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
