@@ -96,12 +96,18 @@ def evaluate(variant: Variant, tasks, text: str, reference: list[str] | None) ->
 
 def builtin_variants(model: str | None, device: str) -> list[Variant]:
     """Every weight and KV format the project has, FP16 first."""
-    profile = "cpu" if device == "cpu" else "4gb"
+    from lowvram.config import load_profile
 
-    def fp16() -> LLM:
-        return LLM(model, profile, device=device)
+    profile = load_profile("cpu" if device == "cpu" else "4gb")
 
-    return [Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", fp16)]
+    def with_kv(precision: str) -> Callable[[], LLM]:
+        return lambda: LLM(model, profile.replace(kv_precision=precision), device=device)
+
+    return [
+        Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", with_kv("fp16")),
+        Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
+        Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
+    ]
 
 
 @dataclass
