@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass
@@ -45,6 +46,28 @@ class EngineStats:
         return self.num_decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
+@dataclass
+class EngineSnapshot:
+    """What the engine is doing now, for gauges (chat UI, /metrics). Cheap to take."""
+
+    device: str
+    memory_used_bytes: int
+    memory_budget_bytes: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    num_kv_blocks_on_host: int
+    kv_block_size: int
+    kv_precision: str
+    num_running: int
+    num_waiting: int
+    decode_tokens_per_s: float
+    token_latency_ms: float | None
+    recent_token_latency_ms: list[float]
+    latency_high_ms: float
+    controller_mode: str
+    last_decision: str | None
+
+
 class LLMEngine:
     """The engine behind LLM, the server and the chat UI.
 
@@ -77,6 +100,7 @@ class LLMEngine:
                                   self.kv_precision)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
         log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
                  self.kv_plan.kv_bytes / 2**20)
@@ -172,7 +196,32 @@ class LLMEngine:
         else:
             self.stats.num_decode_tokens += len(batch.seqs)
             self.stats.decode_s += elapsed
+            self.recent_token_latency_ms.append(elapsed * 1000)
         return outputs
+
+    def snapshot(self) -> EngineSnapshot:
+        is_cuda = self.device.type == "cuda"
+        used = torch.cuda.memory_allocated(self.device) if is_cuda else self.model.weight_bytes + self.kv_plan.kv_bytes
+        latencies = list(self.recent_token_latency_ms)
+        recent = latencies[-16:]
+        return EngineSnapshot(
+            device=str(self.device),
+            memory_used_bytes=int(used),
+            memory_budget_bytes=self.kv_plan.budget_bytes,
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+            num_kv_blocks_on_host=0,
+            kv_block_size=self.block_manager.block_size,
+            kv_precision=self.kv_precision,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            decode_tokens_per_s=1000 * len(recent) / sum(recent) if recent else 0.0,
+            token_latency_ms=latencies[-1] if latencies else None,
+            recent_token_latency_ms=latencies,
+            latency_high_ms=self.profile.controller.latency_high_ms,
+            controller_mode="off",
+            last_decision=None,
+        )
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
