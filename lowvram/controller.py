@@ -1,0 +1,180 @@
+"""The feedback controller: a pure function from (state, observation) to (state, events).
+
+It keeps a 4 GB card out of OOM and per-token latency near the profile's target.
+
+Escalation ladder (one rung per decision, while pressure persists for
+`patience_tokens` consecutive observations):
+  memory pressure:  compress KV one level (fp16 -> int8 -> int4), then spill cold
+                    pages, then halve the batch limit, then throttle admission;
+  latency pressure: halve the batch limit (down to one), then throttle admission.
+Relaxing walks the same rungs back in reverse order, one per `cooldown_steps`
+observations spent below both low-water marks. Between the high and the low marks
+nothing changes (hysteresis), and after any action the pressure counter restarts,
+so a constant load can cause at most one action per `patience_tokens` steps and
+the ladder has a fixed height: the number of switches under constant load is
+bounded. No action drops a request: halving the batch preempts (the request
+resumes later) and throttling only delays admission.
+
+No torch here; the engine gathers observations and applies the actions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lowvram.config import ControllerConfig
+
+KV_LADDER = ("fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the engine measured after one step."""
+
+    step: int
+    memory_used_bytes: int
+    memory_budget_bytes: int
+    token_latency_ms: float | None = None  # this step's per-token decode latency; None for prefill steps
+    num_running: int = 0
+    num_waiting: int = 0
+    host_free_bytes: int | None = None
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.memory_used_bytes / self.memory_budget_bytes if self.memory_budget_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "kv_precision", "spill", "batch_limit", "throttle"
+    value: object
+
+
+@dataclass(frozen=True)
+class Event:
+    """One decision, with the reason and the observation that caused it."""
+
+    step: int
+    action: Action
+    reason: str
+    memory_fraction: float
+    token_latency_ms: float | None
+    mode: str
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    kv_precision: str = "fp16"
+    is_spilling: bool = False
+    batch_limit: int = 0  # 0 = the profile's max_num_seqs
+    is_throttled: bool = False
+    applied: tuple[str, ...] = ()  # rungs taken, in order, so relaxing can undo the last one
+    memory_streak: int = 0
+    latency_streak: int = 0
+    calm_streak: int = 0
+    latency_window: tuple[float, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        if not self.applied:
+            return "normal"
+        parts = []
+        if self.kv_precision != "fp16":
+            parts.append(f"kv-{self.kv_precision}")
+        if self.is_spilling:
+            parts.append("spill")
+        if self.batch_limit:
+            parts.append(f"batch<={self.batch_limit}")
+        if self.is_throttled:
+            parts.append("throttled")
+        return "+".join(parts) or "normal"
+
+
+LATENCY_WINDOW = 32
+
+
+def latency_stats(window: tuple[float, ...]) -> tuple[float | None, float | None]:
+    """(moving average, p95) of the recent per-token latencies."""
+    if not window:
+        return None, None
+    ordered = sorted(window)
+    return sum(window) / len(window), ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def _escalate_memory(state: ControllerState, max_num_seqs: int, min_precision: str) -> tuple[ControllerState, Action, str] | None:
+    ladder = KV_LADDER[: KV_LADDER.index(min_precision) + 1]
+    if state.kv_precision != ladder[-1]:
+        nxt = ladder[ladder.index(state.kv_precision) + 1]
+        return replace(state, kv_precision=nxt), Action("kv_precision", nxt), f"compress KV to {nxt}"
+    if not state.is_spilling:
+        return replace(state, is_spilling=True), Action("spill", True), "spill cold KV pages to host"
+    return _escalate_batch(state, max_num_seqs)
+
+
+def _escalate_batch(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str] | None:
+    limit = state.batch_limit or max_num_seqs
+    if limit > 1:
+        new = max(1, limit // 2)
+        return replace(state, batch_limit=new), Action("batch_limit", new), f"halve the batch limit to {new}"
+    if not state.is_throttled:
+        return replace(state, is_throttled=True), Action("throttle", True), "throttle admission of new requests"
+    return None
+
+
+def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str] | None:
+    if not state.applied:
+        return None
+    last = state.applied[-1]
+    state = replace(state, applied=state.applied[:-1])
+    if last == "throttle":
+        return replace(state, is_throttled=False), Action("throttle", False), "admit new requests again"
+    if last == "batch_limit":
+        limit = min(max_num_seqs, state.batch_limit * 2)
+        new = 0 if limit >= max_num_seqs else limit
+        return replace(state, batch_limit=new), Action("batch_limit", new or max_num_seqs), f"raise the batch limit to {new or max_num_seqs}"
+    if last == "spill":
+        return replace(state, is_spilling=False), Action("spill", False), "stop spilling KV pages"
+    prev = KV_LADDER[KV_LADDER.index(state.kv_precision) - 1]
+    return replace(state, kv_precision=prev), Action("kv_precision", prev), f"store new KV at {prev} again"
+
+
+def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *, max_num_seqs: int,
+           min_precision: str = "int4") -> tuple[ControllerState, list[Event]]:
+    """One controller step. Returns the new state and the events it decided (0 or 1)."""
+    if not config.is_enabled:
+        return state, []
+    window = state.latency_window
+    if obs.token_latency_ms is not None:
+        window = (window + (obs.token_latency_ms,))[-LATENCY_WINDOW:]
+    state = replace(state, latency_window=window)
+    mem = obs.memory_fraction
+    latency = obs.token_latency_ms
+    is_memory_high = mem > config.memory_high_water
+    is_latency_high = latency is not None and latency > config.latency_high_ms
+    is_calm = mem < config.memory_low_water and (latency is None or latency < config.latency_low_ms)
+    state = replace(
+        state,
+        memory_streak=state.memory_streak + 1 if is_memory_high else 0,
+        latency_streak=(state.latency_streak + 1 if is_latency_high else 0) if latency is not None else state.latency_streak,
+        calm_streak=state.calm_streak + 1 if is_calm else 0,
+    )
+    step = None
+    if state.memory_streak >= config.patience_tokens:
+        step = _escalate_memory(state, max_num_seqs, min_precision)
+        reason = f"memory {100 * mem:.0f}% of budget > high water {100 * config.memory_high_water:.0f}%"
+    elif state.latency_streak >= config.patience_tokens:
+        step = _escalate_batch(state, max_num_seqs)
+        reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
+    elif state.calm_streak >= max(1, config.cooldown_steps) and state.applied:
+        step = _relax(state, max_num_seqs)
+        reason = (f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
+                  f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps")
+        if step is not None:
+            new_state, action, what = step
+            new_state = replace(new_state, calm_streak=0)
+            return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
+    if step is None:
+        return state, []
+    new_state, action, what = step
+    new_state = replace(new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0)
+    return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]

@@ -1,0 +1,91 @@
+"""The controller on synthetic observation traces."""
+
+from lowvram.config import ControllerConfig
+from lowvram.controller import ControllerState, Observation, decide, latency_stats
+
+CFG = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=100, latency_low_ms=50,
+                       patience_tokens=3, cooldown_steps=5)
+BUDGET = 1000
+
+
+def run(trace, state=None, cfg=CFG, max_num_seqs=8):
+    """trace: list of (memory fraction, latency ms or None). Returns final state and all events."""
+    state = state or ControllerState()
+    events = []
+    for step, (mem, latency) in enumerate(trace):
+        state, new = decide(state, Observation(step, int(mem * BUDGET), BUDGET, latency), cfg, max_num_seqs=max_num_seqs)
+        events += new
+    return state, events
+
+
+def kinds(events):
+    return [(e.action.kind, e.action.value) for e in events]
+
+
+def test_memory_pressure_escalates_in_order_one_rung_per_patience():
+    state, events = run([(0.95, 40.0)] * 18)
+    assert kinds(events) == [("kv_precision", "int8"), ("kv_precision", "int4"), ("spill", True),
+                             ("batch_limit", 4), ("batch_limit", 2), ("batch_limit", 1)]
+    assert [e.step for e in events] == [2, 5, 8, 11, 14, 17]  # patience 3: act on the 3rd high observation
+    assert state.mode == "kv-int4+spill+batch<=1"
+    state, more = run([(0.95, 40.0)] * 6, state)
+    assert kinds(more) == [("throttle", True)]  # the top of the ladder; then nothing further
+    assert "memory 95% of budget > high water 90%" in events[0].reason
+
+
+def test_patience_is_respected():
+    # two high observations then one normal: the streak restarts, no action
+    _, events = run([(0.95, None), (0.95, None), (0.8, None)] * 4)
+    assert events == []
+
+
+def test_no_action_inside_the_hysteresis_band():
+    state, events = run([(0.95, 40.0)] * 3)
+    assert kinds(events) == [("kv_precision", "int8")]
+    # between low (0.75) and high (0.9) water: neither escalate nor relax, however long
+    state, events = run([(0.85, 70.0)] * 100, state)
+    assert events == [] and state.kv_precision == "int8"
+
+
+def test_recovery_relaxes_in_reverse_order_after_cooldown():
+    state, _ = run([(0.95, 40.0)] * 12)  # int8, int4, spill, batch 4
+    state, events = run([(0.5, 20.0)] * 20, state)
+    assert kinds(events) == [("batch_limit", 8), ("spill", False), ("kv_precision", "int8"), ("kv_precision", "fp16")]
+    assert [e.step for e in events] == [4, 9, 14, 19]  # one rung per cooldown of 5 calm steps
+    assert state.mode == "normal" and state.batch_limit == 0
+
+
+def test_latency_pressure_shrinks_the_batch_then_throttles():
+    state, events = run([(0.5, 150.0)] * 15, max_num_seqs=4)
+    assert kinds(events) == [("batch_limit", 2), ("batch_limit", 1), ("throttle", True)]
+    assert "token latency 150.0 ms > 100.0 ms" in events[0].reason
+    assert state.kv_precision == "fp16"  # latency never touches KV precision
+
+
+def test_prefill_steps_do_not_break_a_latency_streak():
+    trace = [(0.5, 150.0), (0.5, None), (0.5, 150.0), (0.5, None), (0.5, 150.0)]
+    _, events = run(trace)
+    assert kinds(events) == [("batch_limit", 4)]
+
+
+def test_constant_overload_causes_a_bounded_number_of_switches():
+    _, events = run([(0.97, 200.0)] * 10_000)
+    assert len(events) <= 8  # the ladder's height, not the trace's length
+
+
+def test_oscillating_load_around_one_mark_does_not_flap():
+    trace = [(0.92, None), (0.88, None)] * 500  # dips under high water but never under low water
+    _, events = run(trace)
+    assert events == []
+
+
+def test_disabled_controller_never_acts():
+    cfg = ControllerConfig(is_enabled=False)
+    _, events = run([(0.99, 999.0)] * 50, cfg=cfg)
+    assert events == []
+
+
+def test_latency_statistics():
+    avg, p95 = latency_stats(tuple(float(i) for i in range(1, 21)))
+    assert avg == 10.5 and p95 == 20.0
+    assert latency_stats(()) == (None, None)
