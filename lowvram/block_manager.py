@@ -1,26 +1,77 @@
-"""KV page bookkeeping in plain Python: which pages each sequence owns.
+"""KV page bookkeeping in plain Python: which pages each sequence owns, and which
+computed pages can be reused by another request (prefix caching).
 
-Pages are handed out from the front of a free list and returned to its back, so
-allocation order is deterministic and testable.
+Design (after vLLM's automatic prefix caching):
+- A full page is named by a hash of its tokens chained with the hash of the page
+  before it, so equal hashes mean equal whole prefixes. The tokens are kept beside
+  the hash and compared on a match, so a hash collision can never reuse wrong KV.
+- Pages are reference counted. A freed page whose content is known (hashed) is not
+  returned to the free list: it stays cached, evictable, in least-recently-used
+  order, and is counted as free (reclaimable) by everyone who asks how much is free.
+- The last, partly filled page of a finished sequence is remembered too. A new
+  request that continues those tokens gets a private copy of it (copy-on-write:
+  the engine copies the page data), so the cached page stays intact for others.
+- Fresh pages come from the never-used free list first, then by evicting the
+  least recently used cached page.
+Allocation order is deterministic, so tests can assert exact page ids.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+ROOT_HASH = 0
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass
+class PrefixMatch:
+    """Pages a new sequence can start from: shared full pages and an optional page to copy."""
+
+    block_ids: list[int]
+    num_tokens: int  # tokens covered by block_ids (full pages) plus the copied partial page
+    copy_from: int | None = None  # a cached partial page whose first `copy_tokens` tokens match
+    copy_tokens: int = 0
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # ref 0, content known; LRU first
+        self.ref_counts = [0] * num_blocks
         self.tables: dict[int, list[int]] = {}
+        self.block_hash: dict[int, int] = {}  # full page -> chain hash
+        self.block_tokens: dict[int, tuple[int, ...]] = {}  # page -> its tokens (full or partial)
+        self.block_parent: dict[int, int] = {}  # page -> chain hash of the page before it
+        self.hash_to_block: dict[int, int] = {}
+        self.partial_to_block: dict[int, int] = {}  # parent chain hash -> cached partial page
+        self.num_hashed: dict[int, int] = {}  # seq -> full pages of its table already hashed
+        self.num_hits = 0
+        self.num_queries = 0
 
+    # -- counts ----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Pages available to allocate: never-used ones plus cached pages nobody holds."""
+        return len(self.free_blocks) + len(self.cached_free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Pages held by nobody but kept for reuse (reclaimable)."""
+        return len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -32,18 +83,158 @@ class BlockManager:
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_missing(seq_id, num_tokens) <= self.num_free_blocks
 
+    # -- allocation ------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.cached_free.popitem(last=False)
+            self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        """Drop what is known of an evicted page's content."""
+        h = self.block_hash.pop(block, None)
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        parent = self.block_parent.pop(block, None)
+        if parent is not None and self.partial_to_block.get(parent) == block:
+            del self.partial_to_block[parent]
+        self.block_tokens.pop(block, None)
+
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow the sequence's table to cover `num_tokens`; returns the table."""
         missing = self.num_missing(seq_id, num_tokens)
         if missing > self.num_free_blocks:
             raise MemoryError(f"need {missing} KV pages, {self.num_free_blocks} free")
         table = self.tables.setdefault(seq_id, [])
-        table.extend(self.free_blocks.popleft() for _ in range(missing))
+        table.extend(self._take_free_block() for _ in range(missing))
         return table
 
     def free(self, seq_id: int) -> None:
-        """Return every page of the sequence; unknown ids are ignored (abort may race finish)."""
-        self.free_blocks.extend(self.tables.pop(seq_id, ()))
+        """Release the sequence's pages; unknown ids are ignored (abort may race finish).
+
+        Pages are released last first, so a cached conversation is evicted from its
+        tail and its shared beginning stays longest.
+        """
+        self.num_hashed.pop(seq_id, None)
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if block in self.block_tokens:
+                    self.cached_free[block] = None
+                else:
+                    self.free_blocks.append(block)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
+
+    # -- prefix caching ----------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """The longest cached prefix of `token_ids`, leaving at least one token to compute
+        (the step must produce logits for the last prompt token)."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch([], 0)
+        self.num_queries += 1
+        bs = self.block_size
+        limit = len(token_ids) - 1
+        blocks: list[int] = []
+        parent = ROOT_HASH
+        while (len(blocks) + 1) * bs <= limit:
+            tokens = tuple(token_ids[len(blocks) * bs : (len(blocks) + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_tokens.get(block) != tokens or self.block_parent.get(block) != parent:
+                break
+            blocks.append(block)
+            parent = h
+        match = PrefixMatch(blocks, len(blocks) * bs)
+        partial = self.partial_to_block.get(parent)
+        if partial is not None:
+            start = len(blocks) * bs
+            cached = self.block_tokens[partial]
+            rest = token_ids[start:limit]
+            num_same = 0
+            while num_same < min(len(cached), len(rest)) and cached[num_same] == rest[num_same]:
+                num_same += 1
+            if num_same:
+                match.copy_from, match.copy_tokens = partial, num_same
+                match.num_tokens += num_same
+        if match.num_tokens:
+            self.num_hits += 1
+        return match
+
+    def can_acquire(self, match: PrefixMatch, num_tokens: int) -> bool:
+        """Whether `num_tokens` fit when starting from `match` (its idle cached pages count as taken)."""
+        idle = sum(1 for b in match.block_ids if self.ref_counts[b] == 0)
+        return self.blocks_for(num_tokens) - len(match.block_ids) + idle <= self.num_free_blocks
+
+    def acquire(self, seq_id: int, match: PrefixMatch) -> tuple[int, int] | None:
+        """Start `seq_id`'s table from a match. Returns (src, dst) when a partial page must
+        be copied into the sequence's own new page, else None."""
+        table = self.tables.setdefault(seq_id, [])
+        assert not table, "acquire starts a table"
+        for block in match.block_ids:
+            if self.ref_counts[block] == 0:
+                del self.cached_free[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        self.num_hashed[seq_id] = len(match.block_ids)
+        if match.copy_from is None:
+            return None
+        # Keep the source page from being evicted by the allocation of its own copy.
+        is_idle = self.ref_counts[match.copy_from] == 0
+        if is_idle:
+            del self.cached_free[match.copy_from]
+            self.ref_counts[match.copy_from] = 1
+        dst = self._take_free_block()
+        table.append(dst)
+        if is_idle:
+            self.ref_counts[match.copy_from] = 0
+            self.cached_free[match.copy_from] = None
+        return match.copy_from, dst
+
+    def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Record the content of the sequence's pages that are now fully computed."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq_id, [])
+        bs = self.block_size
+        done = self.num_hashed.get(seq_id, 0)
+        parent = self.block_hash.get(table[done - 1], ROOT_HASH) if done else ROOT_HASH
+        while done < min(len(table), num_computed_tokens // bs):
+            block = table[done]
+            tokens = tuple(token_ids[done * bs : (done + 1) * bs])
+            h = chain_hash(parent, tokens)
+            if h not in self.hash_to_block:
+                self.hash_to_block[h] = block
+            self.block_hash[block] = h
+            self.block_tokens[block] = tokens
+            self.block_parent[block] = parent
+            parent = h
+            done += 1
+        self.num_hashed[seq_id] = done
+
+    def commit_partial(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Remember the last, partly filled page of a finishing sequence for copy-on-write reuse."""
+        table = self.tables.get(seq_id, [])
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        if not self.enable_prefix_caching or num_computed_tokens % bs == 0 or num_full >= len(table):
+            return
+        self.commit(seq_id, token_ids, num_computed_tokens)
+        block = table[num_full]
+        if self.ref_counts[block] != 1 or block in self.block_hash:
+            return
+        parent = self.block_hash.get(table[num_full - 1], ROOT_HASH) if num_full else ROOT_HASH
+        old = self.partial_to_block.get(parent)
+        if old is not None and old != block:
+            self.block_parent.pop(old, None)
+            self.block_tokens.pop(old, None)
+            if self.ref_counts[old] == 0 and old in self.cached_free:
+                del self.cached_free[old]
+                self.free_blocks.append(old)
+        self.partial_to_block[parent] = block
+        self.block_parent[block] = parent
+        self.block_tokens[block] = tuple(token_ids[num_full * bs : num_computed_tokens])

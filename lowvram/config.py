@@ -59,6 +59,7 @@ class Profile:
     kv_backend: str = "auto"
     host_spill_gib: float = 8.0
     allow_oversubscription: bool = False
+    enable_prefix_caching: bool = True
     weight_format: str = "auto"
     fp16_budget_mib: int = 64
     compensation_rank: int = 16
@@ -93,6 +94,7 @@ FIELD_DOCS: dict[str, str] = {
     "kv_backend": "Where KV pages live: um (CUDA unified memory), pinned (device + pinned host tier), device, or auto.",
     "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
+    "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
@@ -162,6 +164,7 @@ def validate_profile(p: Profile, source: str) -> None:
     _check_choice(source, "kv_backend", p.kv_backend, KV_BACKENDS)
     _check_range(source, "host_spill_gib", p.host_spill_gib, 0, 4096)
     _check_bool(source, "allow_oversubscription", p.allow_oversubscription)
+    _check_bool(source, "enable_prefix_caching", p.enable_prefix_caching)
     _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
     _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)
     _check_range(source, "compensation_rank", p.compensation_rank, 0, 1024, is_int=True)

@@ -14,6 +14,7 @@ from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
 from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.errors import RequestError
+from lowvram.kv_quant import copy_page
 from lowvram.loader import load_model, resolve_model_path
 from lowvram.memory_plan import plan_kv
 from lowvram.model_runner import ModelRunner
@@ -93,7 +94,8 @@ class LLMEngine:
         self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
         self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size)
+        self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size,
+                                          enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
         self.runner = ModelRunner(self.model, self.block_manager, self.kv_plan.num_blocks, self.device, self.dtype,
@@ -181,10 +183,14 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
+        for src, dst in batch.copies:  # copy-on-write of cached partial pages
+            for pages in self.runner.kv_pages:
+                copy_page(pages, src, dst)
         logits = self.runner.run(batch)
         outputs = []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += num_new
+            self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 token = sample_token(logits[row], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
                 outputs.append(self._append_token(seq, token))

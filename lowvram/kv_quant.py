@@ -239,3 +239,10 @@ def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
         codes.view(-1, *codes.shape[2:])[slots] = q  # [num_blocks * B, Hkv, Dc]
         scale.view(-1, scale.shape[2])[slots] = s
         zero.view(-1, zero.shape[2])[slots] = z
+
+
+def copy_page(pages: KVPages, src: int, dst: int) -> None:
+    """Copy one page (codes and, for INT8/INT4, scales and zeros) onto another."""
+    for tensor in (pages.k, pages.v, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero):
+        if tensor is not None:
+            tensor[dst].copy_(tensor[src])

@@ -27,6 +27,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy before the step
 
     @property
     def is_empty(self) -> bool:
@@ -81,10 +82,28 @@ class Scheduler:
         return batch
 
     def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        if seq.num_computed_tokens == 0 and not self.block_manager.block_table(seq.seq_id):
+            return self._try_add_with_prefix(batch, seq, budget)
         num_new = min(seq.num_uncomputed_tokens, budget)
         if not self.block_manager.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
             return 0
         self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        return num_new
+
+    def _try_add_with_prefix(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Admit a fresh (or recomputing) sequence, starting from any cached prefix."""
+        match = self.block_manager.match_prefix(seq.all_token_ids)
+        num_new = min(seq.num_tokens - match.num_tokens, budget)
+        if not self.block_manager.can_acquire(match, match.num_tokens + num_new):
+            return 0
+        copy = self.block_manager.acquire(seq.seq_id, match)
+        if copy is not None:
+            batch.copies.append(copy)
+        seq.num_computed_tokens = match.num_tokens
+        seq.num_cached_tokens = match.num_tokens
+        self.block_manager.allocate(seq.seq_id, match.num_tokens + num_new)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
         return num_new
@@ -109,7 +128,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and queue it first for recomputation."""
         self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -121,5 +140,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.seq_id)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the pages, keeping what was computed cached for later requests."""
+        if seq.num_computed_tokens:
+            self.block_manager.commit_partial(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        self.block_manager.free(seq.seq_id)

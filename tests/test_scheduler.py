@@ -56,8 +56,39 @@ def test_decode_preempts_newest_and_resumes_it_first():
     assert sched.waiting[0] is b
     sched.finish(a)
     assert bm.num_free_blocks == 4
-    batch = sched.schedule()  # b recomputes prompt + its output token
-    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [8]
+    batch = sched.schedule()  # b resumes: its first full page is a prefix-cache hit, the rest is recomputed
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and b.num_cached_tokens == 4
+
+
+def test_resume_without_prefix_caching_recomputes_everything():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = _seq(0, 8), _seq(1, 7)
+    sched.add(a)
+    sched.add(b)
+    _finish_step(sched.schedule())
+    assert [s.seq_id for s in sched.schedule().preempted] == [1]
+    sched.finish(a)
+    batch = sched.schedule()
+    assert batch.seqs == [b] and batch.num_new_tokens == [8]
+
+
+def test_a_new_request_starts_from_a_finished_one_s_pages():
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    first = _seq(0, 10)
+    sched.add(first)
+    batch = sched.schedule()
+    _finish_step(batch)
+    for seq, _ in zip(batch.seqs, batch.num_new_tokens):
+        bm.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+    sched.finish(first)  # 10 computed tokens: 2 full pages cached + a partial page of 2
+    follow = Sequence(1, "1", None, first.prompt_token_ids + [5, 9, 9], SamplingParams(), detokenizer=None)
+    sched.add(follow)
+    batch = sched.schedule()
+    # 8 tokens shared, 2 copied from the partial page, 3 left to compute
+    assert batch.seqs == [follow] and follow.num_cached_tokens == 10 and batch.num_new_tokens == [3]
+    assert batch.copies == [(2, bm.block_table(1)[2])]
 
 
 def test_finish_frees_pages_of_waiting_and_running():
