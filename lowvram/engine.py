@@ -172,6 +172,8 @@ class LLMEngine:
                 rows = torch.log_softmax(logits[: len(targets)], dim=-1)
                 logprobs += rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
                 seq.num_computed_tokens += num_new
+                self.block_manager.commit(seq.seq_id, token_ids, seq.num_computed_tokens)
+            self.block_manager.commit_partial(seq.seq_id, token_ids, seq.num_computed_tokens)
         finally:
             self.block_manager.free(seq.seq_id)
         return logprobs

@@ -83,6 +83,25 @@ class LLM:
         ids = [self._add(p, messages=conv) for conv, p in zip(conversations, params)]
         return self._run(ids)
 
+    def save_conversation(self, messages: list[dict], path=None):
+        """Save the KV pages of a conversation (rendered with the chat template) to a file.
+
+        Returns the path; by default a new file under ~/.local/share/lowvram/conversations.
+        """
+        from lowvram.conversation_store import save_conversation
+
+        return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
+
+    def restore_conversation(self, path):
+        """Load a saved conversation's pages so its next turn starts without recomputing.
+
+        A file from another model, weight format or KV precision, or a damaged one, is
+        reported in the result's message and ignored: the next turn recomputes.
+        """
+        from lowvram.conversation_store import restore_conversation
+
+        return restore_conversation(self.engine, path)
+
     def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
                messages: list[dict] | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per new token (its `text_delta` is the new text); the last one is finished.

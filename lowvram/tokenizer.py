@@ -46,15 +46,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render a conversation with the generation prompt appended, as token ids."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render a conversation (with the generation prompt appended by default) as token ids."""
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
         ):
             raise RequestError("messages must be a list of {'role': str, 'content': str}")
         if not self.has_chat_template:
             raise RequestError("this model has no chat template; send plain prompts (completions) instead")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         # The template writes BOS itself; encoding without special tokens avoids a second one.
         return list(self.hf.encode(text, add_special_tokens=False))
 

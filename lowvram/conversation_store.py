@@ -1,0 +1,187 @@
+"""Save a conversation's KV pages to a file and restore them later.
+
+A restored conversation continues without recomputing its prefill: its pages are
+copied into the pool and registered in the prefix cache, so the next turn's
+request finds them like any cached prefix.
+
+File: safetensors (per layer `layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`,
+each [num_pages, block_size, ...]) whose metadata holds the model identity, the
+weight format, the KV precision and dtype, the page size and the token ids.
+Restoring reads the tensors through a memory map straight into the pool's pages:
+no second copy of the file is made in memory. Any mismatch (another model,
+weight format, KV precision or page size) or a damaged file is reported and the
+conversation is simply recomputed on the next turn: never wrong output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowvram.errors import RequestError
+
+log = logging.getLogger("lowvram")
+FORMAT = "lowvram-kv-conversation"
+VERSION = "1"
+_FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "U8": np.uint8, "BF16": np.uint16}
+
+
+def default_dir() -> Path:
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "lowvram" / "conversations"
+
+
+def model_identity(model_dir: Path) -> str:
+    """A fingerprint of config.json and the weight files' names and sizes."""
+    digest = hashlib.sha256()
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(model_dir.glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return digest.hexdigest()[:32]
+
+
+@dataclass
+class RestoreResult:
+    is_restored: bool
+    num_tokens: int
+    message: str
+    seconds: float
+    token_ids: list[int]
+
+
+def _expected_metadata(engine) -> dict[str, str]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_identity(engine.model_dir),
+        "weight_format": "awq" if getattr(engine.config, "quantization", None) else "fp16",
+        "kv_precision": engine.kv_precision,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "block_size": str(engine.block_manager.block_size),
+        "num_layers": str(engine.config.num_layers),
+    }
+
+
+def _ensure_cached(engine, token_ids: list[int]):
+    """Compute whatever part of the conversation is not cached yet; returns the page list."""
+    bm = engine.block_manager
+    engine.score(token_ids)  # prefill through the cache: the pages are committed and stay cached
+    match = bm.match_prefix(token_ids + [0])  # +1: match_prefix always leaves one token to compute
+    return match
+
+
+def save_conversation(engine, token_ids: list[int], path: str | Path | None = None) -> Path:
+    """Write the KV pages of `token_ids` (computing them if needed) to `path`."""
+    from safetensors.torch import save_file
+
+    if len(token_ids) < 2:
+        raise RequestError("a conversation needs at least 2 tokens to save")
+    match = _ensure_cached(engine, token_ids)
+    blocks = list(match.block_ids) + ([match.copy_from] if match.copy_from is not None else [])
+    if match.num_tokens != len(token_ids):
+        raise RequestError(f"only {match.num_tokens} of {len(token_ids)} tokens could be kept in the KV pool to save; "
+                           "raise the profile's memory budget or shorten the conversation")
+    index = torch.tensor(blocks, dtype=torch.long, device=engine.device)
+    tensors = {}
+    for i, pages in enumerate(engine.runner.kv_pages):
+        for name in _FIELDS:
+            tensor = getattr(pages, name)
+            if tensor is not None:
+                tensors[f"layer.{i}.{name}"] = tensor.index_select(0, index).cpu().contiguous()
+    metadata = dict(_expected_metadata(engine), token_ids=json.dumps(token_ids), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    path = Path(path) if path is not None else default_dir() / f"conversation-{time.strftime('%Y%m%d-%H%M%S')}.kv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 64 * 2**20:
+            raise ValueError("bad header length")
+        header = json.loads(f.read(size))
+    return header, 8 + size
+
+
+def restore_conversation(engine, path: str | Path) -> RestoreResult:
+    """Load a saved conversation's pages into the prefix cache, if it fits this engine."""
+    start = time.perf_counter()
+    path = Path(path)
+
+    def fallback(reason: str) -> RestoreResult:
+        message = f"could not restore {path.name}: {reason}; the conversation will be recomputed"
+        log.warning(message)
+        return RestoreResult(False, 0, message, time.perf_counter() - start, [])
+
+    try:
+        header, data_start = _read_header(path)
+        meta = header.pop("__metadata__", {})
+        token_ids = [int(t) for t in json.loads(meta.get("token_ids", "[]"))]
+    except FileNotFoundError:
+        return fallback("the file does not exist")
+    except (OSError, ValueError, json.JSONDecodeError, UnicodeDecodeError):
+        return fallback("the file is damaged or not a saved conversation")
+    expected = _expected_metadata(engine)
+    for key, value in expected.items():
+        if meta.get(key) != value:
+            return fallback(f"it was saved with {key} = {meta.get(key)!r}, this engine has {value!r}")
+    bm = engine.block_manager
+    num_pages = bm.blocks_for(len(token_ids))
+    if num_pages > bm.num_free_blocks:
+        return fallback(f"it needs {num_pages} KV pages and {bm.num_free_blocks} are free")
+    if engine.has_unfinished_requests():
+        return fallback("requests are running; restore between turns")
+    # Memory-map the data section: each tensor is a view of the file, copied once, into the pages.
+    file_size = path.stat().st_size
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(file_size - data_start,))
+    seq_id = -1 - int(time.monotonic_ns() % 1_000_000_000)
+    try:
+        blocks = bm.allocate(seq_id, len(token_ids))
+        index = torch.tensor(blocks, dtype=torch.long, device=engine.device)
+        for i, pages in enumerate(engine.runner.kv_pages):
+            for name in _FIELDS:
+                target = getattr(pages, name)
+                if target is None:
+                    continue
+                info = header.get(f"layer.{i}.{name}")
+                if info is None:
+                    raise ValueError(f"layer.{i}.{name} is missing")
+                lo, hi = info["data_offsets"]
+                shape = [num_pages, *target.shape[1:]]
+                view = mapped[lo:hi].view(_NUMPY_DTYPES[info["dtype"]]).reshape(shape)
+                source = torch.from_numpy(view)
+                if info["dtype"] == "BF16":
+                    source = source.view(torch.bfloat16)
+                if source.dtype != target.dtype:
+                    raise ValueError(f"layer.{i}.{name} has dtype {source.dtype}, the pool uses {target.dtype}")
+                target.index_copy_(0, index, source.to(engine.device, non_blocking=False))
+        bm.commit(seq_id, token_ids, len(token_ids))
+        bm.commit_partial(seq_id, token_ids, len(token_ids))
+    except (ValueError, KeyError, TypeError) as exc:
+        bm.free(seq_id)
+        return fallback(f"the file is damaged ({exc})")
+    finally:
+        del mapped
+    bm.free(seq_id)  # the pages stay cached, ready for the next turn
+    seconds = time.perf_counter() - start
+    return RestoreResult(True, len(token_ids), f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms", seconds, token_ids)
