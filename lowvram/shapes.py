@@ -1,0 +1,105 @@
+"""The real DeepSeek model shapes, and random-weight checkpoints of them.
+
+Benchmarks measure speed and memory at the shapes users run without needing the
+real weights (which cannot be downloaded everywhere): `write_random_checkpoint`
+writes a complete Hugging Face directory (config.json from the published config's
+shape fields, BF16 safetensors, a small tokenizer and a chat template). Weights are
+drawn directly (N(0, 0.02), norms at 1), on the GPU when there is one, so a 1.5B
+checkpoint takes seconds, not the minutes a transformers init would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lowvram.errors import ConfigError
+
+SHAPES: dict[str, dict] = {
+    "r1-distill-qwen-1.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "r1-distill-qwen-7b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "deepseek-coder-1.3b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5504,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, vocab_size=32256,
+        max_position_embeddings=16384, rope_theta=100000.0, rope_scaling={"type": "linear", "factor": 4.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+}
+
+
+def shape_config(name: str, num_layers: int | None = None) -> dict:
+    if name not in SHAPES:
+        raise ConfigError(f"unknown shape {name!r}; known shapes: {', '.join(SHAPES)}")
+    config = dict(SHAPES[name], torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, hidden_act="silu")
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return config
+
+
+def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    has_bias = c["model_type"] == "qwen2"
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+        })
+        if has_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int | None = None, seed: int = 0,
+                            max_shard_bytes: int = 2 * 2**30) -> Path:
+    """A complete checkpoint of a named shape with random BF16 weights; returns its directory."""
+    from safetensors.torch import save_file
+
+    from lowvram.testing import train_tiny_tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = shape_config(shape, num_layers)
+    extra = ("<|endoftext|>",) if config["model_type"] == "qwen2" else ()
+    train_tiny_tokenizer(out_dir, extra_special_tokens=extra)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, dims in _tensor_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+        if shard_bytes + tensor.numel() * 2 > max_shard_bytes and shards[-1]:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.numel() * 2
+    weight_map = {}
+    for n, tensors in enumerate(shards):
+        file = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out_dir

@@ -1,0 +1,26 @@
+import pytest
+
+from lowvram.errors import ConfigError
+from lowvram.model_config import load_model_config
+from lowvram.shapes import SHAPES, shape_config, write_random_checkpoint
+
+
+def test_random_checkpoint_of_a_real_shape_loads_and_generates(tmp_path):
+    from lowvram import LLM, SamplingParams
+
+    model_dir = write_random_checkpoint(tmp_path / "m", "deepseek-coder-1.3b", num_layers=1, max_shard_bytes=64 * 2**20)
+    config, _ = load_model_config(model_dir)
+    assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.vocab_size) == (2048, 16, 16, 32256)
+    assert config.rope_type == "linear" and config.rope_factor == 4.0
+    assert (model_dir / "model.safetensors.index.json").is_file()  # 2 x 132 MB embedding/head: sharded
+    out = LLM(str(model_dir), "cpu", max_model_len=64).generate("hi", SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_the_published_dimensions():
+    c = shape_config("r1-distill-qwen-1.5b")
+    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["vocab_size"]) == (1536, 8960, 28, 12, 2, 151936)
+    assert set(SHAPES) == {"r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "deepseek-coder-1.3b"}
+    with pytest.raises(ConfigError, match="known shapes"):
+        shape_config("gpt-5")
