@@ -21,6 +21,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +170,9 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
                 lo, hi = info["data_offsets"]
                 shape = [num_pages, *target.shape[1:]]
                 view = mapped[lo:hi].view(_NUMPY_DTYPES[info["dtype"]]).reshape(shape)
-                source = torch.from_numpy(view)
+                with warnings.catch_warnings():  # read-only on purpose: the map is only copied from
+                    warnings.simplefilter("ignore", UserWarning)
+                    source = torch.from_numpy(view)
                 if info["dtype"] == "BF16":
                     source = source.view(torch.bfloat16)
                 if source.dtype != target.dtype:
