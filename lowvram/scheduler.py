@@ -41,6 +41,20 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Set by the feedback controller: a lower batch limit than max_num_seqs, and a
+        # pause on admitting new requests (both only delay work; nothing is dropped).
+        self.batch_limit = max_num_seqs
+        self.is_throttled = False
+
+    def set_batch_limit(self, limit: int) -> list[Sequence]:
+        """Lower or raise the number of running sequences; returns those preempted to fit."""
+        self.batch_limit = max(1, min(limit, self.max_num_seqs))
+        preempted = []
+        while len(self.running) > self.batch_limit:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -70,7 +84,9 @@ class Scheduler:
         for seq in self.running:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
                 budget -= self._try_add(batch, seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Throttled: only sequences that were already admitted once (preempted) come back.
+        while (self.waiting and budget > 0 and len(self.running) < self.batch_limit
+               and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0)):
             seq = self.waiting[0]
             took = self._try_add(batch, seq, budget)
             if not took:

@@ -101,3 +101,43 @@ def test_finish_frees_pages_of_waiting_and_running():
     sched.finish(b)  # aborted while waiting
     sched.finish(a)  # aborted while running
     assert bm.num_free_blocks == 8 and sched.num_unfinished == 0
+
+
+def test_lowering_the_batch_limit_preempts_the_newest_and_raising_it_readmits():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    seqs = [_seq(i, 3) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    _finish_step(sched.schedule())
+    assert [s.seq_id for s in sched.running] == [0, 1, 2, 3]
+    preempted = sched.set_batch_limit(2)
+    assert [s.seq_id for s in preempted] == [3, 2]
+    assert [s.seq_id for s in sched.running] == [0, 1] and [s.seq_id for s in sched.waiting] == [2, 3]
+    batch = sched.schedule()
+    assert not batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1]  # nothing admitted over the limit
+    sched.set_batch_limit(4)
+    batch = sched.schedule()
+    assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [2, 3]
+
+
+def test_throttling_holds_new_requests_but_not_preempted_ones():
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=100)
+    first, second = _seq(0, 3), _seq(1, 3)
+    sched.add(first)
+    _finish_step(sched.schedule())
+    sched.is_throttled = True
+    sched.add(second)
+    batch = sched.schedule()
+    assert not batch.is_prefill and batch.seqs == [first]  # the new request waits
+    assert second in sched.waiting
+    sched.is_throttled = False
+    assert sched.schedule().seqs == [second]
+
+
+def test_throttling_never_starves_an_idle_engine():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    sched.is_throttled = True
+    seq = _seq(0, 3)
+    sched.add(seq)
+    assert sched.schedule().seqs == [seq]
