@@ -53,17 +53,18 @@ def task_replies(llm: LLM, tasks) -> list[str]:
 
 
 def perplexity(llm: LLM, text: str, window: int = PPL_WINDOW_TOKENS) -> tuple[float, int]:
-    """exp(mean negative log-likelihood) over non-overlapping windows of `window` tokens."""
-    ids = llm.engine.tokenizer.encode(text)
-    window = min(window, llm.engine.max_model_len)
+    """exp(mean negative log-likelihood) over non-overlapping windows of `window` tokens,
+    each scored with BOS as its only context (how the demo model's training measured it)."""
+    hf = llm.engine.tokenizer.hf
+    ids = list(hf.encode(text, add_special_tokens=False))
+    window = min(window, llm.engine.max_model_len - 1)
     total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
-        if len(chunk) < 2:
-            break
-        logprobs = llm.engine.score(chunk)
+    for start in range(0, len(ids) - window + 1, window):
+        logprobs = llm.engine.score([hf.bos_token_id] + ids[start : start + window])
         total -= sum(logprobs)
         count += len(logprobs)
+    if not count:
+        raise ValueError(f"the text has fewer than {window} tokens; nothing to score")
     return math.exp(total / count), count
 
 
@@ -182,7 +183,7 @@ def to_markdown(report: QualityReport) -> str:
         "# Quality of lowvram's weight and KV formats\n\n"
         f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
         f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
-        f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows.\n\n"
+        f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows, each scored from BOS.\n\n"
         + "\n".join(lines) + "\n\n" + detail + "\n\n"
         f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
     )

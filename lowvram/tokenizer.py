@@ -18,10 +18,14 @@ class Tokenizer:
         has_files = any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
         if not has_files:
             raise ModelLoadError(f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json")
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        # tokenizer.json holds the exact pipeline the model was trained with. AutoTokenizer
+        # may rebuild it for the architecture (transformers 5 swaps in Qwen's own
+        # pre-tokenizer for any qwen2 model), which changes the ids of some texts.
+        cls = PreTrainedTokenizerFast if (model_dir / "tokenizer.json").is_file() else AutoTokenizer
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+            self.hf = cls.from_pretrained(str(model_dir))
         except Exception as exc:  # tokenizer loading raises many types
             raise ModelLoadError(f"could not load the tokenizer in {model_dir}: {exc}") from None
         self.eos_token_ids = self._eos_ids(model_dir)

@@ -112,3 +112,17 @@ def test_filters_keep_the_right_tokens():
     assert keep(SamplingParams(top_p=0.7)) == [True, True, False, False]
     assert keep(SamplingParams(top_p=0.76)) == [True, True, True, False]
     assert keep(SamplingParams(min_p=0.4)) == [True, True, False, False]
+
+
+def test_tokenizer_follows_tokenizer_json_exactly():
+    """The ids must be those of the pipeline the model was trained with (tokenizer.json)."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from lowvram.demo import demo_model_path
+    from lowvram.demo.corpus import heldout_text
+    from lowvram.tokenizer import Tokenizer
+
+    model_dir = demo_model_path()
+    text = heldout_text(4000)
+    raw = RawTokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert list(Tokenizer(model_dir).hf.encode(text, add_special_tokens=False)) == raw

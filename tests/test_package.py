@@ -22,7 +22,9 @@ def test_wheel_installs_only_the_lowvram_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"lowvram"}
-    for expected in ("lowvram/kernels/__init__.py", "lowvram/tui/__init__.py", "lowvram/profiles/4gb.yaml", "lowvram/cli.py"):
+    for expected in ("lowvram/kernels/__init__.py", "lowvram/tui/__init__.py", "lowvram/profiles/4gb.yaml", "lowvram/cli.py",
+                     "lowvram/demo/tasks.py", "lowvram/demo_model/model.safetensors", "lowvram/demo_model/tokenizer.json",
+                     "lowvram/demo_model/chat_template.jinja"):
         assert expected in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "lowvram = lowvram.cli:main" in entry_points
@@ -38,6 +40,8 @@ def test_installed_names_import(wheel, tmp_path):
         f"assert lowvram.__file__.startswith({str(target)!r}), lowvram.__file__\n"
         f"assert lowvram.kernels.__file__.startswith({str(target)!r})\n"
         "assert load_profile('4gb').name == '4gb'\n"
+        "from lowvram.loader import resolve_model_path\n"
+        f"assert str(resolve_model_path(None)).startswith({str(target)!r})\n"
         "assert importlib.util.find_spec('kernels') is None and importlib.util.find_spec('tui') is None\n"
         "print('ok')\n"
     )
