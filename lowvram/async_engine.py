@@ -50,7 +50,11 @@ class _Failure:
 
 @dataclass
 class AsyncLLMEngine:
-    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it."""
+    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it.
+
+    While started, the loop thread is the engine's only driver: do not call the
+    wrapped engine (or an LLM over it) from other threads.
+    """
 
     engine: LLMEngine
     _commands: queue.Queue = field(default_factory=queue.Queue)
@@ -74,6 +78,11 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive (health checks use this)."""
+        return self._thread is not None and self._thread.is_alive() and not self._is_stopping
 
     @property
     def num_unfinished(self) -> int:
@@ -132,12 +141,16 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         prompt_token_ids=command.prompt_token_ids, messages=command.messages)
-            except LowvramError as exc:
+            except Exception as exc:  # a bad request fails alone; the loop keeps serving
+                if not isinstance(exc, LowvramError):
+                    log.exception("request %s could not be added", command.request_id)
+                self.engine.abort_request(command.request_id)
                 self._deliver(command.request_id, _Failure(exc))
                 self._streams.pop(command.request_id, None)
         elif isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
             self._streams.pop(command.request_id, None)
+        self._snapshot = self.engine.snapshot()
 
     def _loop(self) -> None:
         while not self._is_stopping:

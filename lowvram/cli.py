@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 
+from lowvram.crash_report import report_cuda_oom
 from lowvram.errors import LowvramError
 
 
@@ -26,6 +27,7 @@ def _engine_kwargs(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, emulate_vram_gib=args.emulate_vram_gib, max_model_len=args.max_model_len)
 
 
+@report_cuda_oom
 def cmd_generate(args) -> int:
     from lowvram.llm import LLM
     from lowvram.sampling import SamplingParams
@@ -153,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--fields", action="store_true", help="describe every profile field")
     prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")
     prof.set_defaults(func=cmd_profiles)
+
+    from lowvram.doctor import add_doctor_parser
+    from lowvram.server.cli import add_serve_parser
+
+    add_doctor_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

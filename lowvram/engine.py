@@ -93,7 +93,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
-        self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
+        self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len,
+                               device_type=self.device.type, model_dir=self.model_dir)
         self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size,
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)

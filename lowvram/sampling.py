@@ -9,6 +9,9 @@ import torch
 
 from lowvram.errors import RequestError
 
+# Dividing logits by less than this overflows FP32 to inf and sampling breaks.
+MIN_TEMPERATURE = 0.01
+
 
 @dataclass
 class SamplingParams:
@@ -43,6 +46,12 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise RequestError(f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
+                               f"or at least {MIN_TEMPERATURE}")
+        if self.seed is not None and not isinstance(self.seed, bool) and isinstance(self.seed, int) \
+                and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
         checks = [
             ("temperature", self.temperature, 0.0, 100.0),
             ("top_p", self.top_p, 1e-9, 1.0),

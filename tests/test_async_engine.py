@@ -29,14 +29,19 @@ async def _collect(engine, request_id, prompt):
     return text, last.outputs[0].token_ids
 
 
-def test_concurrent_streams_equal_sequential_outputs(llm, engine):
+def test_concurrent_streams_equal_sequential_outputs(llm):
     prompts = [f"prompt number {i} says" for i in range(10)]
+    # Computed before the loop thread owns the engine: an engine is driven by one thread only.
     expected = [o.outputs[0].token_ids for o in (llm.generate(p, PARAMS)[0] for p in prompts)]
+    engine = AsyncLLMEngine(llm.engine).start()
 
     async def main():
         return await asyncio.gather(*(_collect(engine, f"r{i}", p) for i, p in enumerate(prompts)))
 
-    results = asyncio.run(main())
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
     assert [ids for _, ids in results] == expected
     assert all(text for text, _ in results)
 
@@ -72,3 +77,23 @@ def test_bad_request_raises_to_the_caller_and_the_loop_keeps_serving(engine):
 
     text, ids = asyncio.run(main())
     assert len(ids) == 12
+
+
+def test_an_unexpected_error_in_a_request_fails_only_that_request(engine, monkeypatch):
+    real_add = engine.engine.add_request
+
+    def flaky_add(request_id, *args, **kwargs):
+        if request_id == "boom":
+            raise OverflowError("simulated")
+        return real_add(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "add_request", flaky_add)
+
+    async def main():
+        with pytest.raises(OverflowError):
+            async for _ in engine.generate("boom", "x", PARAMS):
+                pass
+        return await _collect(engine, "fine", "after the failure")
+
+    _, ids = asyncio.run(main())
+    assert len(ids) == 12 and engine.is_running

@@ -97,7 +97,8 @@ def test_prompt_longer_than_context_is_refused(tiny_qwen2_dir):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-5),
-                                 dict(min_p=2), dict(stop=[""]), dict(temperature=float("nan"))])
+                                 dict(min_p=2), dict(stop=[""]), dict(temperature=float("nan")),
+                                 dict(temperature=1e-300), dict(seed=2**64)])
 def test_bad_sampling_values_are_rejected_by_name(bad):
     with pytest.raises(RequestError, match=next(iter(bad))):
         SamplingParams(**bad)

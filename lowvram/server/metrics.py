@@ -1,0 +1,149 @@
+"""Server metrics in the Prometheus text format (version 0.0.4), written by hand.
+
+The format is a few lines per metric, so a client library would add a
+dependency for little. Everything here is touched only from the server's event
+loop thread, hence no locks. Engine-side gauges (pages, precision, batch,
+controller) are read from the engine's latest snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from lowvram.engine import EngineSnapshot
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    return "{" + ",".join(f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)) + "}"
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) and not value.is_integer() else str(int(value))
+
+
+class Counter:
+    """A monotonically increasing count, optionally split by labels."""
+
+    def __init__(self, name: str, help_text: str, label_names: tuple[str, ...] = ()):
+        self.name, self.help_text, self.label_names = name, help_text, label_names
+        self.values: dict[tuple[str, ...], float] = {} if label_names else {(): 0.0}
+
+    def inc(self, *label_values: str, amount: float = 1.0) -> None:
+        key = tuple(label_values)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def value(self, *label_values: str) -> float:
+        return self.values.get(tuple(label_values), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} counter"]
+        lines += [f"{self.name}{_labels(self.label_names, key)} {_number(v)}" for key, v in sorted(self.values.items())]
+        return lines
+
+
+class Histogram:
+    """Counts of observations at or below each bucket bound, plus their sum."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        self.name, self.help_text, self.buckets = name, help_text, tuple(sorted(buckets))
+        self.bucket_counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.bucket_counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, num in zip(self.buckets + (math.inf,), self.bucket_counts):
+            cumulative += num
+            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
+        lines += [f"{self.name}_sum {_number(self.sum)}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+def _gauge(name: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+    for labels, value in samples:
+        lines.append(f"{name}{_labels(tuple(labels), tuple(labels.values()))} {_number(value)}")
+    return lines
+
+
+class ServerMetrics:
+    """What the server counts itself; `render` adds the engine's gauges."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.requests = Counter("lowvram_http_requests_total", "HTTP requests answered, by endpoint and status code.",
+                                ("endpoint", "status"))
+        self.finished = Counter("lowvram_requests_finished_total",
+                                "Generation requests ended, by reason (stop, length, abort, error, shutdown).",
+                                ("finish_reason",))
+        self.prompt_tokens = Counter("lowvram_prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter("lowvram_generation_tokens_total", "Tokens generated and delivered.")
+        self.rejected = Counter("lowvram_requests_rejected_total",
+                                "Requests refused before generation because the queue was full or the server was stopping.",
+                                ("reason",))
+        self.ttft = Histogram("lowvram_time_to_first_token_seconds",
+                              "Time from admission to the first generated token.", TTFT_BUCKETS_S)
+        self.token_latency = Histogram("lowvram_inter_token_latency_seconds",
+                                       "Time between consecutive tokens of one request.", TOKEN_LATENCY_BUCKETS_S)
+        self.controller_events = Counter("lowvram_controller_events_total",
+                                         "Controller decisions seen in engine snapshots, by decision.", ("decision",))
+        self._last_decision: str | None = None
+
+    def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """Count a controller decision when the snapshot reports a new one."""
+        decision = snapshot.last_decision
+        if decision is not None and decision != self._last_decision:
+            self.controller_events.inc(decision)
+        self._last_decision = decision
+
+    def render(self, snapshot: EngineSnapshot, *, num_in_flight: int, max_queue: int) -> str:
+        self.observe_snapshot(snapshot)
+        num_used = snapshot.num_kv_blocks_used
+        num_on_host = snapshot.num_kv_blocks_on_host
+        lines: list[str] = []
+        lines += _gauge("lowvram_model_info", "The served model (value is always 1).", [({"model": self.model_name}, 1)])
+        for metric in (self.requests, self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
+            lines += metric.render()
+        lines += self.ttft.render() + self.token_latency.render()
+        lines += _gauge("lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.",
+                        [({}, num_in_flight)])
+        lines += _gauge("lowvram_queue_capacity", "Most requests the server holds at once; more get 429.",
+                        [({}, max_queue)])
+        lines += _gauge("lowvram_queue_depth", "Requests waiting in the engine's scheduler for a batch slot.",
+                        [({}, snapshot.num_waiting)])
+        lines += _gauge("lowvram_batch_size", "Requests in the running batch.", [({}, snapshot.num_running)])
+        lines += _gauge("lowvram_decode_tokens_per_second", "Decode speed over the last steps, all requests together.",
+                        [({}, snapshot.decode_tokens_per_s)])
+        lines += _gauge("lowvram_kv_pages", "KV cache pages in use, by where they live.",
+                        [({"location": "device"}, num_used - num_on_host), ({"location": "host"}, num_on_host)])
+        lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", [({}, snapshot.num_kv_blocks)])
+        lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", [({}, snapshot.kv_block_size)])
+        lines += _gauge("lowvram_kv_precision_info", "KV cache precision in use (value is always 1).",
+                        [({"precision": snapshot.kv_precision}, 1)])
+        lines += _gauge("lowvram_controller_mode_info", "Memory/latency controller mode (value is always 1).",
+                        [({"mode": snapshot.controller_mode}, 1)])
+        lines += self.controller_events.render()
+        lines += _gauge("lowvram_memory_used_bytes", "Memory held by weights and KV cache.",
+                        [({}, snapshot.memory_used_bytes)])
+        lines += _gauge("lowvram_memory_budget_bytes", "Memory budget of the profile.", [({}, snapshot.memory_budget_bytes)])
+        return "\n".join(lines) + "\n"

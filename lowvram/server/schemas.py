@@ -1,0 +1,405 @@
+"""OpenAI request and response bodies, as pydantic models.
+
+Requests are validated strictly: no type coercion ("5" is not 5, true is not 1),
+no NaN or infinity, and unknown parameters are refused, so that a typo is a 400
+that names the field rather than a silently different generation. OpenAI
+parameters that lowvram cannot honour are accepted only at the value that means
+"off" (n = 1, logprobs = false, no tools, ...); any other value is a 400 that
+says it is not supported. top_k, min_p, repetition_penalty and ignore_eos are
+accepted as in vLLM, so the same request body runs on both.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from lowvram.errors import RequestError
+
+
+def _require_utf8(text: str) -> str:
+    # JSON may carry "\ud800" escapes; such a string cannot be tokenized or sent back.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains an unpaired UTF-16 surrogate (a broken \\u escape)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_require_utf8)]
+
+MAX_SEED = 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
+# Below this, logits / temperature overflows to inf and sampling fails for the whole batch;
+# it is vLLM's floor too. 0 still means greedy.
+MIN_SAMPLING_TEMPERATURE = 1e-2
+
+
+class UnsupportedParameter(RequestError):
+    """A request asked for an OpenAI feature this server does not implement."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+# name -> (values that mean "off", what to say when another value is given)
+_NOOP_VALUES: dict[str, tuple[tuple, str]] = {
+    "n": ((None, 1), "only one choice per request (n = 1); send several requests instead"),
+    "best_of": ((None, 1), "only best_of = 1"),
+    "logprobs": ((None, False, 0), "log-probabilities are not returned"),
+    "top_logprobs": ((None, 0), "log-probabilities are not returned"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "echo": ((None, False), "echo is not supported"),
+    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none", "auto"), "tool calling is not supported"),
+    "parallel_tool_calls": ((None, True, False), "it must be true or false, and means nothing without tools"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none", "auto"), "function calling is not supported"),
+    "response_format": ((None, {"type": "text"}), "only plain text output (response_format type 'text')"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the 'text' modality"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "metadata": ((None, {}), "metadata is only used with stored completions, which are not supported"),
+    "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
+}
+
+
+class _GenerationRequest(_Strict):
+    """Parameters shared by /v1/completions and /v1/chat/completions."""
+
+    model: Text
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
+    ignore_eos: bool | None = None
+    # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_is_zero_or_usable(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_SAMPLING_TEMPERATURE:
+            raise ValueError(f"= {value!r} is too small to sample with; use 0 for greedy decoding or at least "
+                             f"{MIN_SAMPLING_TEMPERATURE}")
+        return value
+
+    def check_supported(self) -> None:
+        """Raise UnsupportedParameter for the first parameter that asks for something unsupported."""
+        for name in type(self).model_fields:
+            if name not in _NOOP_VALUES:
+                continue
+            value = getattr(self, name)
+            allowed, reason = _NOOP_VALUES[name]
+            # `True == 1` in Python; a JSON true for n must not pass as 1.
+            if not any(value == ok and type(value) is type(ok) for ok in allowed):
+                shown = repr(value)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise UnsupportedParameter(f"'{name}' = {shown} is not supported by this server: {reason}", name)
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_kwargs(self) -> dict:
+        """SamplingParams arguments, with OpenAI's defaults for what was left out."""
+        defaults = dict(temperature=1.0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, top_k=0,
+                        min_p=0.0, repetition_penalty=1.0, ignore_eos=False)
+        kwargs = {name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()}
+        kwargs["stop"] = self.stop
+        kwargs["seed"] = self.seed
+        return kwargs
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
+
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    echo: Any = None
+    suffix: Any = None
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt, as text or token ids; batched prompts are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise RequestError("'prompt' is an empty list; send a string or a list of token ids")
+        if isinstance(prompt[0], int):
+            return list(prompt)
+        if len(prompt) > 1:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request")
+        return prompt[0]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: Text | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template expects it: string content; 'developer' is OpenAI's new name for 'system'."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions. `max_completion_tokens` is OpenAI's newer name for max_tokens."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise RequestError("give max_tokens or max_completion_tokens, not both with different values")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# Fields whose type is a union: pydantic reports one error per member, which reads badly.
+_UNION_FIELDS = {
+    "stop": "a string or a list of strings",
+    "prompt": "a string, a list of one string, or a list of token ids (integers)",
+    "content": "a string or a list of {'type': 'text', 'text': str} parts",
+}
+
+
+def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
+    """One readable sentence for the first problem, and the parameter it concerns."""
+    errors = error.errors(include_url=False)
+    # our own validators' errors are the most specific ones, even inside a union
+    first = next((e for e in errors if e["type"] == "value_error"), errors[0])
+    loc = list(first["loc"])
+    path, cut_at_union = "", None
+    for i, item in enumerate(loc):
+        if isinstance(item, int):
+            path += f"[{item}]"
+        else:
+            path += f".{item}" if path else str(item)
+        if item in _UNION_FIELDS:
+            cut_at_union = item
+            break
+    kind = first["type"]
+    if kind == "missing":
+        return f"'{path}' is required", path
+    if kind == "extra_forbidden":
+        return f"unknown parameter '{path}'", path
+    if kind == "value_error":
+        return f"'{path}' {first['msg'].removeprefix('Value error, ')}", path
+    if cut_at_union is not None and len(loc) > loc.index(cut_at_union) + 1:
+        return f"'{path}' must be {_UNION_FIELDS[cut_at_union]}", path
+    return (f"'{path}': {first['msg']}", path) if path else (first["msg"], None)
+
+
+# -- responses -----------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> "Usage":
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # OpenAI's deltas carry only what changed: the last one is {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lowvram"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class CompletionShape:
+    """The response objects of one /v1/completions request: 'text_completion', streamed or whole."""
+
+    id_prefix = "cmpl-"
+
+    def __init__(self, request_id: str, model: str):
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+
+    def first(self) -> BaseModel | None:
+        """What a stream starts with before any token, if anything."""
+        return None
+
+    def _chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None, *, has_choice: bool = True):
+        choices = [CompletionChoice(text=text, finish_reason=finish_reason)] if has_choice else []
+        return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(text, None)
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._chunk("", finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk("", None, usage, has_choice=False)
+
+    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
+        return self._chunk(text, finish_reason, usage)
+
+
+class ChatShape(CompletionShape):
+    """The response objects of one /v1/chat/completions request: 'chat.completion' and its chunks."""
+
+    id_prefix = "chatcmpl-"
+
+    def _chunk(self, delta: ChatDelta | None, finish_reason: str | None = None, usage: Usage | None = None):
+        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if delta is not None else []
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage)
+
+    def first(self) -> BaseModel:
+        return self._chunk(ChatDelta(role="assistant", content=""))
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(ChatDelta(content=text))
+
+    def finish(self, finish_reason: str) -> BaseModel:
+        return self._chunk(ChatDelta(), finish_reason)
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return self._chunk(None, None, usage)
+
+    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
+        return ChatCompletion(id=self.request_id, created=self.created, model=self.model, usage=usage,
+                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)])

@@ -1,0 +1,500 @@
+"""The memory plan: hand-computed sizes for the target models, agreement with what
+the loader and the engine really allocate, verdicts, and the `lowvram doctor` command."""
+
+import argparse
+import json
+import weakref
+
+import pytest
+import torch
+
+from lowvram import memory_plan as mp
+from lowvram.config import load_profile
+from lowvram.doctor import plan_memory
+from lowvram.environment import Environment, GpuInfo, find_problems
+from lowvram.errors import OutOfMemoryError
+from lowvram.model_config import load_model_config, model_config_from_dict
+
+GIB = 2**30
+
+R1_DISTILL_QWEN_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
+    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+    "tie_word_embeddings": False, "max_position_embeddings": 131072, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16", "bos_token_id": 151646, "eos_token_id": 151643,
+}
+R1_DISTILL_QWEN_1_5B_AWQ = {
+    **R1_DISTILL_QWEN_1_5B,
+    "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                            "version": "gemm", "modules_to_not_convert": None},
+}
+DEEPSEEK_CODER_1_3B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5504,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32256,
+    "tie_word_embeddings": False, "max_position_embeddings": 16384, "rope_theta": 100000,
+    "rope_scaling": {"type": "linear", "factor": 4.0}, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+}
+# The whole-card check uses overheads that are calibrated on GPUs; tests that pin
+# engine-side numbers give the card room so only the engine budget binds.
+HUGE_CARD = (1 << 50, "test card")
+
+
+def _config(raw):
+    return model_config_from_dict(raw)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def test_fp16_weights_of_r1_distill_1_5b_by_hand():
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, element_bytes=2)
+    # per layer: q 1536x1536 + k, v 1536x256 + o 1536x1536 = 5,505,024; q/k/v bias 2,048;
+    # MLP 3 x 1536x8960 = 41,287,680  ->  46,794,752 linear params; x 28 layers x 2 bytes
+    assert weights.fp16_linear_bytes == 28 * 46_794_752 * 2 == 2_620_506_112
+    assert weights.embedding_bytes == weights.head_bytes == 151936 * 1536 * 2 == 466_747_392
+    assert weights.norm_bytes == (2 * 28 + 1) * 1536 * 2 == 175_104
+    assert weights.total_bytes == 3_554_176_000  # 1,777,088,000 parameters
+    assert weights.int4_bytes == weights.compensation_bytes == 0
+
+
+def test_awq_g128_weights_of_r1_distill_1_5b_by_hand():
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, element_bytes=2)
+    # K -> N: qweight K*N/2, qzeros (K/128)*(N/8)*4, scales (K/128)*N*2, bias N*2
+    q = 1_179_648 + 9_216 + 36_864 + 3_072      # 1536 -> 1536, with bias
+    kv = 196_608 + 1_536 + 6_144 + 512          # 1536 -> 256, with bias
+    o = 1_179_648 + 9_216 + 36_864              # 1536 -> 1536
+    gate = 6_881_280 + 53_760 + 215_040         # 1536 -> 8960 (up the same)
+    down = 6_881_280 + 53_760 + 215_040         # 8960 -> 1536: 70 groups x 192 packed columns
+    per_layer = q + 2 * kv + o + 2 * gate + down
+    assert per_layer == 24_314_368
+    assert weights.int4_bytes == 28 * per_layer == 680_802_304
+    assert weights.num_int4_layers == 196 and weights.num_fp16_layers == 0
+    assert weights.total_bytes == 680_802_304 + 2 * 466_747_392 + 175_104 == 1_614_472_192
+    assert weights.max_int4_layer_elements == 1536 * 8960
+
+
+def _write_compensation(model_dir, layers):
+    """A compensation side file as `lowvram quantize` writes it: {layer: (rank, K, N, has_bias_correction)}."""
+    from safetensors.torch import save_file
+
+    from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
+    from lowvram.loader import COMPENSATION_FILE
+
+    tensors = {}
+    for name, (rank, k, n, has_correction) in layers.items():
+        tensors[f"{name}.{LORA_A}"] = torch.zeros(rank, k, dtype=torch.float16)
+        tensors[f"{name}.{LORA_B}"] = torch.zeros(n, rank, dtype=torch.float16)
+        if has_correction:
+            tensors[f"{name}.{BIAS_CORRECTION}"] = torch.zeros(n, dtype=torch.float16)
+    save_file(tensors, str(model_dir / COMPENSATION_FILE), metadata={"format": "pt"})
+
+
+def test_fp16_kept_layers_and_compensation_terms(tmp_path):
+    raw = json.loads(json.dumps(R1_DISTILL_QWEN_1_5B_AWQ))
+    raw["quantization_config"]["modules_to_not_convert"] = ["down_proj"]
+    _write_compensation(tmp_path, {"model.layers.0.self_attn.q_proj": (32, 1536, 1536, True),
+                                   "model.layers.5.mlp.gate_proj": (8, 1536, 8960, False)})
+    weights = mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2, model_dir=tmp_path)
+    assert weights.num_fp16_layers == 28 and weights.num_int4_layers == 168
+    assert weights.fp16_linear_bytes == 28 * 8960 * 1536 * 2
+    assert weights.int4_bytes == 28 * (24_314_368 - 7_150_080)
+    # low-rank A [r, K] + B [N, r] and a bias correction [N], in the compute dtype
+    assert weights.compensation_bytes == (32 * (1536 + 1536) + 1536) * 2 + 8 * (1536 + 8960) * 2
+    assert mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2).compensation_bytes == 0
+
+
+def test_fp16_weights_of_deepseek_coder_1_3b_by_hand():
+    weights = mp.weight_bytes_by_kind(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, element_bytes=2)
+    # per layer 4 x 2048^2 + 3 x 2048x5504 = 50,593,792 linear params, no bias
+    assert weights.fp16_linear_bytes == 24 * 50_593_792 * 2
+    assert weights.total_bytes == 2_692_943_872  # 1,346,471,936 parameters
+
+
+def _write_awq_copy(src, dst, keep_fp16=()):
+    """`src` with its decoder Linears as AutoAWQ GEMM tensors (round-to-nearest INT4, group 32)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from lowvram.awq_format import quantize_rtn
+
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        stem = name[: -len(".weight")]
+        is_linear = name.endswith("_proj.weight") and ".layers." in name
+        if not is_linear or any(fragment in stem for fragment in keep_fp16):
+            tensors[name] = tensor.to(torch.float16)
+            continue
+        packed = quantize_rtn(tensor.float(), 32)
+        tensors.update({f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros,
+                        f"{stem}.scales": packed.scales})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": list(keep_fp16)}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_from_config_weights_equal_what_the_loader_loads(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir,
+                                                         tmp_path):
+    from lowvram.loader import load_model
+    from lowvram.testing import make_tiny_model
+
+    tied_dir = make_tiny_model(tmp_path / "tied", "qwen2", tie_word_embeddings=True)
+    awq_dir = _write_awq_copy(tiny_qwen2_dir, tmp_path / "awq", keep_fp16=("layers.1.mlp.down_proj",))
+    # tiny qwen2: hidden 64, intermediate 160, kv heads 2 x head_dim 16
+    _write_compensation(awq_dir, {"model.layers.0.mlp.up_proj": (4, 64, 160, True),
+                                  "model.layers.1.self_attn.k_proj": (2, 64, 32, False)})
+    for model_dir in (tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir, tied_dir, awq_dir):
+        config, raw = load_model_config(model_dir)
+        for dtype in (torch.float32, torch.bfloat16):
+            model, _ = load_model(model_dir, torch.device("cpu"), dtype)
+            element_bytes = torch.finfo(dtype).bits // 8
+            planned = mp.weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir)
+            assert planned.total_bytes == model.weight_bytes, (model_dir, dtype)
+    report = load_model(awq_dir, torch.device("cpu"), torch.float32)[0].weight_report
+    planned = mp.weight_bytes_by_kind(*load_model_config(awq_dir), 4, model_dir=awq_dir)
+    assert (planned.int4_bytes, planned.compensation_bytes) == (report.int4_layer_bytes, report.compensation_bytes)
+    assert planned.num_int4_layers == report.num_int4_layers == 13 and planned.num_fp16_layers == 1
+
+
+# ---------------------------------------------------------------- KV and workspace
+
+
+def test_kv_bytes_per_token_by_hand():
+    qwen, coder = _config(R1_DISTILL_QWEN_1_5B), _config(DEEPSEEK_CODER_1_3B)
+    # 2 (K and V) x layers x kv heads x (head_dim x bytes | head_dim + 4 | head_dim/2 + 4)
+    assert mp.kv_bytes_per_token(qwen, "fp16") == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert mp.kv_bytes_per_token(qwen, "int8") == 2 * 28 * 2 * 132 == 14_784
+    assert mp.kv_bytes_per_token(qwen, "int4") == 2 * 28 * 2 * 68 == 7_616
+    assert mp.kv_bytes_per_token(qwen, "fp16", element_bytes=4) == 57_344
+    assert mp.kv_bytes_per_token(coder, "fp16") == 196_608  # 192 KiB: MHA
+    assert mp.kv_bytes_per_token(coder, "int8") == 101_376
+    assert mp.kv_bytes_per_token(coder, "int4") == 52_224
+
+
+def test_workspace_on_the_kernel_path_by_hand():
+    ws = mp.step_workspace(_config(R1_DISTILL_QWEN_1_5B), num_tokens=2048, num_seqs=8, context_len=16384,
+                           element_bytes=2, uses_kernels=True)
+    # MLP: layer input + running sum + normed input [2048, 1536] fp16, and
+    # silu(gate), up, their product [2048, 8960] fp16 alive at once
+    assert ws.phases["mlp"] == 3 * 2048 * 1536 * 2 + 3 * 2048 * 8960 * 2 == 128_974_848
+    # RoPE on q: two [T, hidden] residuals, q/k/v, float32 cos/sin [T, 64], 12 bytes per q element
+    assert ws.phases["rotary"] == 12_582_912 + 8_388_608 + 1_048_576 + 37_748_736
+    assert ws.rope_bytes == 2 * 16384 * 64 * 4
+    assert ws.metadata_bytes == 3 * 2048 * 8 + 8 * 1024 * 4
+    assert ws.peak_phase == "mlp"
+    assert ws.peak_bytes == 128_974_848 + 8_388_608 + 81_920
+
+    coder = mp.step_workspace(_config(DEEPSEEK_CODER_1_3B), num_tokens=2048, num_seqs=8, context_len=16384,
+                              element_bytes=2, uses_kernels=True)
+    # MHA: RoPE of k (while q's fp16 result is kept) is the peak, not the MLP
+    assert coder.phases["mlp"] == 92_798_976
+    assert coder.phases["rotary"] == 16_777_216 + 25_165_824 + 1_048_576 + 8_388_608 + 50_331_648
+    assert coder.peak_phase == "rotary"
+
+
+def test_workspace_on_the_plain_torch_path_counts_float32_scores():
+    ws = mp.step_workspace(_config(R1_DISTILL_QWEN_1_5B), num_tokens=2048, num_seqs=1, context_len=16384,
+                           element_bytes=2, uses_kernels=False)
+    residual_qkv = 12_582_912 + 8_388_608
+    out_and_q = 2048 * 1536 * 4 * 2
+    gathered = 2 * 16384 * 256 * 4 + 2 * 16384 * 1536 * 4
+    scores = 2 * 12 * 2048 * 16384 * 4 + 2048 * 16384
+    assert ws.phases["attention"] == residual_qkv + out_and_q + gathered + scores
+    assert ws.peak_phase == "attention" and ws.peak_bytes > 3 * GIB
+
+
+def test_awq_prefill_counts_the_dequantized_weight():
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, 2)
+    assert mp.int4_scratch_bytes(weights, 1024, uses_kernels=True) == 2 * 1536 * 8960
+    assert mp.int4_scratch_bytes(weights, 512, uses_kernels=True) == 0
+    assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 8960
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of tensor storages created while active and still referenced."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}  # data_ptr -> [nbytes, {id(weakref): weakref}]
+        self.live = self.peak = 0
+
+    def _release(self, ptr, ref):
+        entry = self.storages.get(ptr)
+        if entry is not None:
+            entry[1].pop(id(ref), None)
+            if not entry[1]:
+                self.live -= entry[0]
+                del self.storages[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            ptr = tensor.untyped_storage().data_ptr()
+            entry = self.storages.get(ptr)
+            if entry is None:
+                # views and in-place results alias storage born before (weights, KV pages)
+                if ptr == 0 or any(r.alias_info is not None for r in func._schema.returns):
+                    continue
+                entry = self.storages[ptr] = [tensor.untyped_storage().nbytes(), {}]
+                self.live += entry[0]
+                self.peak = max(self.peak, self.live)
+            ref = weakref.ref(tensor, lambda r, p=ptr: self._release(p, r))
+            entry[1][id(ref)] = ref
+        return out
+
+
+def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
+    """Every tensor a CPU run allocates is tracked; the predicted workspace must match
+    the peak within 10% (it counts what the code allocates, not a rule of thumb)."""
+    from lowvram.engine import LLMEngine
+    from lowvram.sampling import SamplingParams
+    from lowvram.testing import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", "qwen2", hidden_size=128, intermediate_size=352,
+                                num_attention_heads=4, head_dim=32)
+    profile = load_profile("cpu").replace(max_num_batched_tokens=128, max_model_len=512, max_num_seqs=2)
+    engine = LLMEngine(str(model_dir), profile)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True, seed=0)
+    for i in range(2):
+        engine.add_request(str(i), None, params, prompt_token_ids=[10 + (i + t) % 400 for t in range(500)])
+    tracker = _LiveBytes()
+    with tracker:
+        while engine.has_unfinished_requests():
+            engine.step()
+    predicted = engine.kv_plan.workspace.peak_bytes
+    print(f"workspace: predicted {predicted} B, measured live peak {tracker.peak} B, ratio {predicted / tracker.peak:.3f}")
+    assert 0.9 <= predicted / tracker.peak <= 1.1
+
+
+# ---------------------------------------------------------------- plans and verdicts
+
+
+def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"), device="cuda",
+                       capacity=HUGE_CARD)
+    assert plan.context_len == 16384 and plan.num_seqs == 1 and plan.kv_precision == "fp16"
+    assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
+    # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
+    assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4)
+    assert plan.engine_need_bytes == 3_554_176_000 + 137_416_704 + 469_762_048 == 4_161_354_752
+    assert plan.budget_bytes == int(4 * 0.9 * GIB) == 3_865_470_566
+    assert not plan.fits and plan.engine_margin_bytes == -295_884_186
+    # (3,865,470,566 - 3,554,176,000 - 133,219,856 workspace at 6208 tokens) // 28,672 = 6210 -> 6208 in pages
+    assert plan.max_context["fp16"] == 6208
+    # int8: 8,388,608 RoPE bytes at 16384 positions: (311,294,566 - 137,416,704 - 3,012 B) // 14,784 = 11761
+    assert plan.max_context["int8"] == 11760
+
+
+def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
+                       device="cuda", capacity=HUGE_CARD)
+    # a 2048-token AWQ step dequantizes one 1536x8960 weight, but 3 [T, 8960] activations still dominate
+    assert plan.workspace.peak_bytes == 137_416_704
+    assert plan.engine_need_bytes == 1_614_472_192 + 137_416_704 + 469_762_048
+    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_221_650_944
+
+
+def test_deepseek_coder_plan_by_hand():
+    plan = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, load_profile("4gb"), device="cuda",
+                       context_len=4096, num_seqs=2, capacity=HUGE_CARD)
+    assert plan.kv_bytes == 2 * 4096 * 196_608
+    # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
+    assert plan.workspace.peak_bytes == 101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4
+    assert plan.engine_need_bytes == 2_692_943_872 + 103_860_224 + 1_610_612_736
+    assert not plan.fits
+    longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, load_profile("4gb"), device="cuda",
+                          capacity=HUGE_CARD).max_context
+    # fp16: (3,865,470,566 - 2,692,943,872 - 105,956,684 workspace at 5424 tokens) // 196,608 = 5424
+    assert longest["fp16"] == 5424
+    # int4: 16384 x 52,224 B of KV fits beside the weights: the model's whole window
+    assert longest["int4"] == 16384
+
+
+def test_largest_context_is_the_edge_of_fitting():
+    profile = load_profile("4gb")
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, profile, device="cuda")
+    for precision, longest in plan.max_context.items():
+        assert longest > 0
+        at = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B,
+                         profile.replace(kv_precision=precision), device="cuda", context_len=longest)
+        past = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B,
+                           profile.replace(kv_precision=precision), device="cuda", context_len=longest + 16)
+        assert at.fits and not past.fits, precision
+    assert plan.max_context["fp16"] < plan.max_context["int8"] < plan.max_context["int4"]
+
+
+def test_device_total_adds_context_allocator_and_fragmentation():
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
+                       device="cuda")
+    fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
+    assert plan.device_need_bytes == (plan.engine_need_bytes + mp.CUBLAS_WORKSPACE_BYTES + fragmentation
+                                      + mp.CUDA_CONTEXT_BYTES)
+    assert plan.device_capacity_bytes == 4 * GIB
+    emulated = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ,
+                           load_profile("4gb").replace(emulate_vram_gib=3.0), device="cuda")
+    # torch's allocator cap leaves the CUDA context out
+    assert emulated.device_need_bytes == emulated.peak_allocated_bytes + emulated.fragmentation_bytes
+    assert emulated.device_capacity_bytes == 3 * GIB
+
+
+def test_recommendations_are_ranked_and_their_verdicts_hold():
+    profile = load_profile("4gb")
+    config = _config(R1_DISTILL_QWEN_1_5B)
+    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda")
+    assert not plan.fits
+    freed = [r.freed_bytes for r in plan.recommendations]
+    assert freed == sorted(freed, reverse=True) and freed[-1] > 0
+    fields = {r.field: r for r in plan.recommendations}
+    assert {"kv_precision", "max_model_len", "weight_format"} <= set(fields)
+    assert fields["weight_format"].value == "awq" and fields["weight_format"].is_sufficient
+    for rec in plan.recommendations:
+        if rec.field == "weight_format":
+            continue  # needs another checkpoint, checked above
+        changed = profile.replace(**{rec.field: rec.value})
+        context = rec.value if rec.field == "max_model_len" else None
+        again = plan_memory(config, R1_DISTILL_QWEN_1_5B, changed, device="cuda", context_len=context)
+        assert again.fits == rec.is_sufficient, rec.setting
+
+
+def test_plan_kv_and_the_doctor_agree_with_the_engine(tiny_qwen2_dir):
+    from lowvram.engine import LLMEngine
+
+    engine = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    config, raw = load_model_config(tiny_qwen2_dir)
+    plan = plan_memory(config, raw, engine.profile, context_len=engine.max_model_len,
+                       num_seqs=engine.profile.max_num_seqs, device="cpu", capacity=HUGE_CARD)
+    assert plan.weights.total_bytes == engine.model.weight_bytes
+    assert plan.workspace.peak_bytes == engine.kv_plan.activation_bytes
+    assert plan.kv_bytes == engine.kv_plan.kv_bytes
+    assert plan.budget_bytes == engine.kv_plan.budget_bytes
+
+
+def test_plan_kv_error_names_the_numbers_and_the_doctor():
+    from lowvram.oom import parse_oom_message
+
+    config = _config(R1_DISTILL_QWEN_1_5B)
+    with pytest.raises(OutOfMemoryError) as info:
+        mp.plan_kv(config, load_profile("4gb"), 3_554_176_000, 2, 16384, device_type="cuda")
+    message = str(info.value)
+    assert "lowvram doctor --profile 4gb --context 16384" in message
+    assert "--max-model-len 6208" in message
+    facts = parse_oom_message(f"lowvram: error: {message}")
+    assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
+
+
+# ---------------------------------------------------------------- environment problems
+
+
+def _env(**changes):
+    env = Environment(platform="Linux 6.1 x86_64", python_version="3.11", torch_version="2.11.0",
+                      torch_cuda_version="12.6", cuda_available=True, driver_version="560.35",
+                      driver_cuda_version="12.6", num_nvml_gpus=1, triton_version="3.6.0", triton_status="runs",
+                      has_cuda_bindings=True, host_total_bytes=32 * GIB, host_available_bytes=24 * GIB,
+                      gpus=[GpuInfo(0, "NVIDIA GeForce GTX 1650", (7, 5), 4 * GIB, int(3.8 * GIB), 14, True, True,
+                                    "cuda-bindings")])
+    for key, value in changes.items():
+        setattr(env, key, value)
+    return env
+
+
+def test_a_healthy_machine_has_no_problems():
+    assert find_problems(_env(), load_profile("4gb"), "cuda") == []
+
+
+def test_problems_come_with_concrete_fixes():
+    profile = load_profile("4gb")
+    cpu_build = _env(cuda_available=False, torch_cuda_version=None, gpus=[])
+    problem = find_problems(cpu_build, profile, "cuda")[0]
+    assert problem.severity == "error" and "download.pytorch.org/whl/cu" in problem.fix
+
+    wsl = _env(is_wsl=True)
+    wsl.gpus[0].concurrent_managed_access = False
+    assert any(p.fix.startswith("kv_backend: pinned") for p in find_problems(wsl, profile, "cuda"))
+
+    small_card = _env()
+    small_card.gpus[0].total_bytes = 2 * GIB
+    problem = find_problems(small_card, profile, "cuda")[0]
+    assert problem.severity == "error" and "--profile 2gb" in problem.fix
+
+    busy = _env()
+    busy.gpus[0].free_bytes = 1 * GIB
+    assert any("memory_budget_gib: 0.9" in p.fix for p in find_problems(busy, profile, "cuda"))
+
+    old_driver = _env(driver_cuda_version="11.8")
+    assert "update the NVIDIA driver" in find_problems(old_driver, profile, "cuda")[0].fix
+
+    no_triton = _env(triton_status="missing", triton_version=None)
+    assert any(p.fix == "pip install triton" for p in find_problems(no_triton, profile, "cuda"))
+
+    low_ram = _env(host_available_bytes=2 * GIB)
+    assert any(p.fix == "host_spill_gib: 1.0" for p in find_problems(low_ram, profile, "cuda"))
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _run(argv):
+    """`lowvram doctor ...` through the real CLI once it has the subcommand, else the doctor's own entry point."""
+    from lowvram import cli, doctor
+
+    subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if "doctor" in subcommands.choices:
+        return cli.main(["doctor", *argv])
+    return doctor.main(argv)
+
+
+def test_cli_prints_environment_and_plan_and_exits_0_when_it_fits(tiny_llama_dir, capsys):
+    code = _run(["--model", str(tiny_llama_dir), "--profile", "cpu", "--quick"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "environment" in out and "memory plan" in out and "verdict: fits" in out
+    assert "KV per token" in out and "largest context that fits" in out
+
+
+def test_cli_exits_1_with_recommendations_when_it_does_not_fit(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_QWEN_1_5B))
+    code = _run(["--model", str(tmp_path / "config.json"), "--profile", "4gb", "--device", "cuda", "--quick"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "verdict: does not fit" in out and "weight_format: awq" in out and "max_model_len:" in out
+
+
+def test_cli_json_is_one_object_with_the_plan(tiny_qwen2_dir, capsys):
+    code = _run(["--model", str(tiny_qwen2_dir), "--profile", "cpu", "--json", "--quick", "--context", "512",
+                 "--batch", "2"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["plan"]["fits"] is True
+    assert data["plan"]["context_len"] == 512 and data["plan"]["num_seqs"] == 2
+    assert data["plan"]["weights"]["total_bytes"] > 0 and "problems" in data and "environment" in data
+
+
+def test_cli_missing_model_is_a_clean_error(tmp_path, capsys):
+    code = _run(["--model", str(tmp_path / "nope"), "--quick"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("lowvram: error: ") and "does not exist" in err
+
+
+@pytest.mark.gpu
+def test_predicted_peak_matches_a_real_gpu_run(tmp_path):
+    """A short version of scripts/bench_doctor_accuracy.py: the 1.5B shape with 4 layers,
+    a 1024-token context, FP16; the predicted peak allocation must be within 10%."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_doctor_accuracy.py"
+    spec = importlib.util.spec_from_file_location("bench_doctor_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model_dir = bench.write_checkpoint(tmp_path, num_layers=4)
+    row = bench.run_row(model_dir, load_profile("8gb"), 1024, 2, "fp16", 4, context_bytes=0)
+    print(f"predicted {row['predicted_peak_allocated_bytes']} B, measured {row['measured_peak_allocated_bytes']} B "
+          f"({row['error']:+.1%}); beyond weights {row['predicted_beyond_weights_bytes']} vs "
+          f"{row['measured_beyond_weights_bytes']} B")
+    assert row["measured_weight_bytes"] == row["predicted_weight_bytes"]
+    assert abs(row["error"]) <= 0.10
