@@ -94,9 +94,11 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
     if match.num_tokens != len(token_ids):
         raise RequestError(f"only {match.num_tokens} of {len(token_ids)} tokens could be kept in the KV pool to save; "
                            "raise the profile's memory budget or shorten the conversation")
-    index = torch.tensor(blocks, dtype=torch.long, device=engine.device)
+    pool = engine.kv_pool
+    pool.ensure_resident(blocks)
+    index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
     tensors = {}
-    for i, pages in enumerate(engine.runner.kv_pages):
+    for i, pages in enumerate(pool.pages):
         for name in _FIELDS:
             tensor = getattr(pages, name)
             if tensor is not None:
@@ -157,9 +159,11 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
     mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(file_size - data_start,))
     seq_id = -1 - int(time.monotonic_ns() % 1_000_000_000)
     try:
-        blocks = bm.allocate(seq_id, len(token_ids))
-        index = torch.tensor(blocks, dtype=torch.long, device=engine.device)
-        for i, pages in enumerate(engine.runner.kv_pages):
+        blocks = list(bm.allocate(seq_id, len(token_ids)))
+        pool = engine.kv_pool
+        pool.ensure_resident(blocks, free_block_ids=blocks)  # fresh pages: nothing to bring back
+        index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
+        for i, pages in enumerate(pool.pages):
             for name in _FIELDS:
                 target = getattr(pages, name)
                 if target is None:

@@ -14,7 +14,7 @@ from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
 from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.errors import RequestError
-from lowvram.kv_quant import copy_page
+from lowvram.kv_pool import create_kv_pool
 from lowvram.loader import load_model, resolve_model_path
 from lowvram.memory_plan import plan_kv
 from lowvram.model_runner import ModelRunner
@@ -95,12 +95,13 @@ class LLMEngine:
         element_bytes = torch.finfo(self.dtype).bits // 8
         self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len,
                                device_type=self.device.type, model_dir=self.model_dir)
-        self.block_manager = BlockManager(self.kv_plan.num_blocks, self.kv_plan.block_size,
+        self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
+        self.kv_pool = create_kv_pool(self.config, self.profile, self.kv_plan.num_blocks, self.device, self.dtype,
+                                      self.kv_precision, max_model_len=self.max_model_len)
+        self.block_manager = BlockManager(self.kv_pool.num_blocks, self.kv_plan.block_size,
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
-        self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
-        self.runner = ModelRunner(self.model, self.block_manager, self.kv_plan.num_blocks, self.device, self.dtype,
-                                  self.kv_precision)
+        self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool)
         self.requests: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
@@ -186,9 +187,6 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
-        for src, dst in batch.copies:  # copy-on-write of cached partial pages
-            for pages in self.runner.kv_pages:
-                copy_page(pages, src, dst)
         logits = self.runner.run(batch)
         outputs = []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -208,6 +206,14 @@ class LLMEngine:
             self.recent_token_latency_ms.append(elapsed * 1000)
         return outputs
 
+    def set_kv_precision(self, precision: str) -> int:
+        """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
+        sequences keep their pages and continue. Returns the device bytes freed (negative
+        when it grows). New tokens are stored at the new precision from the next step."""
+        freed = self.runner.set_kv_precision(precision)
+        self.kv_precision = precision
+        return freed
+
     def snapshot(self) -> EngineSnapshot:
         is_cuda = self.device.type == "cuda"
         used = torch.cuda.memory_allocated(self.device) if is_cuda else self.model.weight_bytes + self.kv_plan.kv_bytes
@@ -219,7 +225,7 @@ class LLMEngine:
             memory_budget_bytes=self.kv_plan.budget_bytes,
             num_kv_blocks=self.block_manager.num_blocks,
             num_kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
-            num_kv_blocks_on_host=0,
+            num_kv_blocks_on_host=self.runner.num_kv_blocks_on_host(),
             kv_block_size=self.block_manager.block_size,
             kv_precision=self.kv_precision,
             num_running=len(self.scheduler.running),

@@ -1,4 +1,13 @@
-"""Turns a ScheduledBatch into tensors, runs the model, returns last-token logits."""
+"""Turns a ScheduledBatch into tensors, runs the model, returns last-token logits.
+
+Before the forward pass the pages the batch reads are made resident in the KV pool
+(`KVPool.ensure_resident`), and the pool's spill policy learns from the batch which
+pages were read. While a step computes, the pages the next one will likely read
+come back on the pool's side stream (double buffering): the pages of sequences that
+hold pages but are not in this step, or, when one batch reads more pages than the
+device share (`max_blocks_per_step`, the pinned backend) and runs in parts, the
+next part's.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +15,31 @@ import torch
 
 from lowvram.attention import AttentionMetadata
 from lowvram.block_manager import BlockManager
-from lowvram.kv_quant import allocate_pages
+from lowvram.errors import KernelError
+from lowvram.kv_pool import KVPool
+from lowvram.kv_quant import KVPages
 from lowvram.model import CausalLM
 from lowvram.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_manager: BlockManager, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, kv_precision: str = "fp16"):
-        config = model.config
+    def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool):
+        if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
+            raise KernelError(
+                f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
+                f"manager's {block_manager.num_blocks} pages of {block_manager.block_size} tokens"
+            )
         self.model = model
         self.block_manager = block_manager
-        self.device = device
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
         self.block_size = block_manager.block_size
-        # one KVPages per layer: k/v [num_blocks, block_size, Hkv, D] (INT4: D/2 bytes)
-        self.kv_pages = [
-            allocate_pages(num_blocks, self.block_size, config.num_kv_heads, config.head_dim, kv_precision, dtype, device)
-            for _ in range(config.num_layers)
-        ]
+
+    @property
+    def kv_pages(self) -> list[KVPages]:
+        """Each layer's pages, indexed by block id, for direct page copies. Empty when the
+        pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""
+        return [] if self.kv_pool.is_translated else self.kv_pool.pages
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         input_ids: list[int] = []
@@ -34,7 +50,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table = self.block_manager.block_table(seq.seq_id)
+            table = self.kv_pool.device_table(self.block_manager.block_table(seq.seq_id))
             input_ids.extend(seq.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
@@ -63,6 +79,72 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False) -> torch.Tensor:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
         (or [T, vocab] at every new token with is_all_rows, for scoring text)."""
+        self.copy_pages(batch.copies)
+        pool = self.kv_pool
+        if not pool.can_spill:
+            return self._forward(batch, is_all_rows)
+        tables = {seq.seq_id: self.block_manager.block_table(seq.seq_id) for seq in batch.seqs}
+        pool.record_step(tables, live_seq_ids=self.block_manager.tables.keys())
+        parts = self._split(batch, tables)
+        free = self.block_manager.free_blocks
+        logits = []
+        for i, (part, blocks) in enumerate(parts):
+            pool.ensure_resident(blocks, free_block_ids=free)
+            # Issued before this part's kernels are queued, so the copies overlap them.
+            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(tables)
+            if upcoming:
+                pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
+            logits.append(self._forward(part, is_all_rows))
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _pages_of_others(self, tables: dict[int, list[int]]) -> list[int]:
+        """Pages of sequences that hold pages but are not in this step (the decoding ones
+        during a prefill step, say): the likeliest readers of the next step."""
+        live = self.block_manager.tables
+        if len(live) <= len(tables):
+            return []
+        return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
+
+    def _forward(self, batch: ScheduledBatch, is_all_rows: bool) -> torch.Tensor:
         ids, pos, meta, last_rows = self.prepare(batch)
-        hidden = self.model(ids, pos, meta, self.kv_pages)
+        hidden = self.model(ids, pos, meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
+
+    def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
+        """The batch in parts whose pages fit the device share, in order. When one part is
+        not enough, parts are kept to half the share so the next one can come in meanwhile."""
+        every = list(dict.fromkeys(b for table in tables.values() for b in table))
+        limit = self.kv_pool.max_blocks_per_step
+        if limit is None or len(every) <= limit:
+            return [(batch, every)]
+        budget = max(1, limit // 2)
+        parts: list[tuple[ScheduledBatch, list[int]]] = []
+        seqs, counts, blocks = [], [], {}
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            table = tables[seq.seq_id]
+            if seqs and len(blocks.keys() | set(table)) > budget:
+                parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
+                seqs, counts, blocks = [], [], {}
+            seqs.append(seq)
+            counts.append(num_new)
+            blocks.update(dict.fromkeys(table))
+        parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
+        return parts
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared pages: (src, dst) block ids, before the step reads dst."""
+        for src, dst in copies:
+            self.kv_pool.copy_block(src, dst)
+
+    def set_kv_precision(self, precision: str) -> int:
+        """Re-quantize every page that holds data; returns the device bytes freed."""
+        free = set(self.block_manager.free_blocks)
+        used = [b for b in range(self.block_manager.num_blocks) if b not in free]
+        return self.kv_pool.set_precision(precision, used)
+
+    def num_kv_blocks_on_host(self) -> int:
+        """Pages in use whose data lives on the host."""
+        if not self.kv_pool.can_spill:
+            return 0
+        counts = self.block_manager.ref_counts
+        return self.kv_pool.num_blocks_on_host(b for b in range(len(counts)) if counts[b] > 0)

@@ -349,7 +349,7 @@ def load_snapshot_bytes(data: bytes) -> dict:
 # (what the frame's function or file tells, category)
 _CATEGORIES = (
     ("load_weights", "weights"), ("loader.py", "weights"),
-    ("allocate_pages", "KV pages"), ("model_runner.py:__init__", "KV pages"),
+    ("allocate_pages", "KV pages"), ("kv_pool.py", "KV pages"), ("managed_memory.py", "KV pages"),
     ("compute_logits", "logits and sampling"), ("sampling.py", "logits and sampling"),
     ("paged_attention", "attention workspace"), ("attention.py", "attention workspace"),
     ("_attend", "attention workspace"), ("model.py", "layer activations"),
