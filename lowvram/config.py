@@ -74,7 +74,7 @@ class Profile:
         data = dataclasses.asdict(self)
         for key, value in changes.items():
             if value is not None:
-                data[key] = value
+                data[key] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
         return profile_from_dict(data, source=f"profile '{self.name}'")
 
 

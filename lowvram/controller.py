@@ -162,7 +162,7 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     if state.memory_streak >= config.patience_tokens:
         step = _escalate_memory(state, max_num_seqs, min_precision)
         reason = f"memory {100 * mem:.0f}% of budget > high water {100 * config.memory_high_water:.0f}%"
-    elif state.latency_streak >= config.patience_tokens:
+    elif latency is not None and state.latency_streak >= config.patience_tokens:
         step = _escalate_batch(state, max_num_seqs)
         reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
     elif state.calm_streak >= max(1, config.cooldown_steps) and state.applied:
@@ -178,3 +178,15 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     new_state, action, what = step
     new_state = replace(new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0)
     return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
+
+
+def escalate_after_oom(state: ControllerState, step: int, max_num_seqs: int,
+                       min_precision: str = "int4") -> tuple[ControllerState, list[Event]]:
+    """A real out-of-memory in a step: take the next memory rung at once, without patience."""
+    rung = _escalate_memory(state, max_num_seqs, min_precision)
+    if rung is None:
+        return state, []
+    new_state, action, what = rung
+    new_state = replace(new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0,
+                        calm_streak=0)
+    return new_state, [Event(step, action, f"{what}: a step ran out of device memory", 1.0, None, new_state.mode)]

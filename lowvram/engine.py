@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections import deque
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
 from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
-from lowvram.errors import RequestError
+from lowvram.controller import ControllerState, Event, Observation, decide, escalate_after_oom
+from lowvram.errors import OutOfMemoryError, RequestError
 from lowvram.kv_pool import create_kv_pool
 from lowvram.loader import load_model, resolve_model_path
 from lowvram.memory_plan import plan_kv
@@ -67,6 +69,8 @@ class EngineSnapshot:
     latency_high_ms: float
     controller_mode: str
     last_decision: str | None
+    num_controller_events: int = 0
+    num_kv_blocks_cached: int = 0
 
 
 class LLMEngine:
@@ -75,11 +79,13 @@ class LLMEngine:
     model: local Hugging Face directory or hub id; None = the bundled demo model.
     profile: built-in profile name, YAML path or Profile; None = `4gb` with CUDA, `cpu` without.
     device, dtype, emulate_vram_gib, max_model_len, max_num_seqs: override the profile.
+    timeline_path: append every step's observation and every controller decision to
+    this JSONL file (for plots and post-mortems).
     """
 
     def __init__(self, model: str | None = None, profile: str | Profile | None = None, *, device: str | None = None,
                  dtype: str | None = None, emulate_vram_gib: float | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, timeline_path: str | None = None):
         base = profile if isinstance(profile, Profile) else load_profile(profile)
         self.profile = base.replace(device=device, dtype=dtype, emulate_vram_gib=emulate_vram_gib,
                                     max_model_len=max_model_len, max_num_seqs=max_num_seqs)
@@ -103,6 +109,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool)
         self.requests: dict[str, Sequence] = {}
+        self.controller_state = ControllerState(kv_precision=self.kv_precision)
+        self.controller_events: deque[Event] = deque(maxlen=256)
+        self.num_controller_events = 0
+        self.last_crash_report = None
+        self.timeline_path = timeline_path
         self.stats = EngineStats()
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
@@ -187,7 +198,11 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
-        logits = self.runner.run(batch)
+        try:
+            logits = self.runner.run(batch)
+        except torch.OutOfMemoryError as exc:
+            self._recover_from_oom(batch, exc)
+            return []
         outputs = []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += num_new
@@ -204,7 +219,102 @@ class LLMEngine:
             self.stats.num_decode_tokens += len(batch.seqs)
             self.stats.decode_s += elapsed
             self.recent_token_latency_ms.append(elapsed * 1000)
+        self._control(None if batch.is_prefill else elapsed * 1000)
         return outputs
+
+    # -- the feedback controller --------------------------------------------------
+    def kv_bytes_in_use(self) -> int:
+        """Device bytes of pages that hold live sequences' KV (cached-but-unused pages are
+        reclaimable and not counted; pages spilled to the host are not on the device)."""
+        bm = self.block_manager
+        num_live = sum(1 for count in bm.ref_counts if count > 0)
+        num_live -= self.runner.num_kv_blocks_on_host()
+        return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
+
+    def memory_in_use_bytes(self) -> int:
+        """What the controller compares with the budget: everything but the KV pool as the
+        allocator reports it, plus the pool's live resident pages."""
+        if self.device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self.device)
+            pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
+            other = max(0, allocated - pool_in_allocator)
+        else:
+            other = self.model.weight_bytes + self.kv_plan.activation_bytes
+        return other + self.kv_bytes_in_use()
+
+    def _control(self, token_latency_ms: float | None) -> None:
+        obs = Observation(self.stats.num_steps, self.memory_in_use_bytes(), self.kv_plan.budget_bytes, token_latency_ms,
+                          len(self.scheduler.running), len(self.scheduler.waiting))
+        self.controller_state, events = decide(self.controller_state, obs, self.profile.controller,
+                                               max_num_seqs=self.profile.max_num_seqs)
+        for event in events:
+            self._apply(event)
+        if self.timeline_path:
+            self._write_timeline({"type": "step", **asdict(obs), "batch_limit": self.scheduler.batch_limit,
+                                  "kv_precision": self.kv_precision, "mode": self.controller_state.mode,
+                                  "time": time.time()})
+
+    def _apply(self, event: Event) -> None:
+        """Carry out one controller decision. Nothing here drops a request."""
+        kind, value = event.action.kind, event.action.value
+        note = ""
+        if kind == "kv_precision":
+            try:
+                freed = self.set_kv_precision(value)
+                note = f"; {freed / 2**20:+.1f} MiB freed"
+            except OutOfMemoryError as exc:
+                note = f"; not applied: {exc}"
+        elif kind == "spill":
+            if value and self.kv_pool.can_spill:
+                cold = list(self.block_manager.cached_free) + [
+                    b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)]
+                note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
+            elif value:
+                note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
+        elif kind == "batch_limit":
+            preempted = self.scheduler.set_batch_limit(value)
+            self.stats.num_preemptions += len(preempted)
+            note = f"; {len(preempted)} sequences preempted to resume later" if preempted else ""
+        elif kind == "throttle":
+            self.scheduler.is_throttled = bool(value)
+        if note:
+            event = replace(event, reason=event.reason + note)
+        self.controller_events.append(event)
+        self.num_controller_events += 1
+        log.info("controller: %s", event.reason)
+        if self.timeline_path:
+            self._write_timeline({"type": "event", "step": event.step, "action": kind, "value": value,
+                                  "reason": event.reason, "mode": event.mode, "time": time.time()})
+
+    def _recover_from_oom(self, batch, exc: BaseException) -> None:
+        """A step ran out of device memory: nothing it computed is kept, its sequences go
+        back to the queue to be recomputed, the controller steps down a rung at once, and
+        a crash report says what held the memory. The engine keeps serving."""
+        from lowvram.crash_report import format_doctor_hint, write_oom_crash_report
+
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for seq in batch.seqs:
+            if seq in self.scheduler.running:
+                self.scheduler.preempt(seq)
+                self.stats.num_preemptions += 1
+        # Escalate even with the controller off: retrying the same step as it was would fail again.
+        self.controller_state, events = escalate_after_oom(self.controller_state, self.stats.num_steps,
+                                                           self.profile.max_num_seqs)
+        for event in events:
+            self._apply(event)
+        events_json = [{"step": e.step, "action": e.action.kind, "value": e.action.value, "reason": e.reason}
+                       for e in self.controller_events]
+        try:
+            path = write_oom_crash_report(exc, engine=self, controller_events=events_json)
+            self.last_crash_report = path
+            log.warning("%s", format_doctor_hint(path))
+        except OSError as write_error:  # a full disk must not take the engine down too
+            log.warning("out of device memory in a step; the crash report could not be written: %s", write_error)
+
+    def _write_timeline(self, record: dict) -> None:
+        with open(self.timeline_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def set_kv_precision(self, precision: str) -> int:
         """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
@@ -215,8 +325,7 @@ class LLMEngine:
         return freed
 
     def snapshot(self) -> EngineSnapshot:
-        is_cuda = self.device.type == "cuda"
-        used = torch.cuda.memory_allocated(self.device) if is_cuda else self.model.weight_bytes + self.kv_plan.kv_bytes
+        used = self.memory_in_use_bytes()
         latencies = list(self.recent_token_latency_ms)
         recent = latencies[-16:]
         return EngineSnapshot(
@@ -234,8 +343,10 @@ class LLMEngine:
             token_latency_ms=latencies[-1] if latencies else None,
             recent_token_latency_ms=latencies,
             latency_high_ms=self.profile.controller.latency_high_ms,
-            controller_mode="off",
-            last_decision=None,
+            controller_mode=self.controller_state.mode if self.profile.controller.is_enabled else "off",
+            last_decision=self.controller_events[-1].reason if self.controller_events else None,
+            num_controller_events=self.num_controller_events,
+            num_kv_blocks_cached=self.block_manager.num_cached_blocks,
         )
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:

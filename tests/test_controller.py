@@ -89,3 +89,10 @@ def test_latency_statistics():
     avg, p95 = latency_stats(tuple(float(i) for i in range(1, 21)))
     assert avg == 10.5 and p95 == 20.0
     assert latency_stats(()) == (None, None)
+
+
+def test_a_prefill_step_after_the_ladder_is_exhausted_is_harmless():
+    state, events = run([(0.5, 150.0)] * 30, max_num_seqs=2)
+    assert kinds(events) == [("batch_limit", 1), ("throttle", True)]
+    state, more = run([(0.5, None), (0.5, 150.0), (0.5, None)], state, max_num_seqs=2)
+    assert more == []

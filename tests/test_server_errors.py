@@ -215,7 +215,7 @@ def test_metrics_follow_the_requests(http, model):
     assert _metric(text, "lowvram_kv_pages", '{location="host"}') == 0
     assert _metric(text, "lowvram_kv_pages_capacity") > 0
     assert _metric(text, "lowvram_kv_precision_info", '{precision="fp16"}') == 1
-    assert _metric(text, "lowvram_controller_mode_info", '{mode="off"}') == 1
+    assert _metric(text, "lowvram_controller_mode_info", '{mode="normal"}') == 1  # the controller is on, idle
     for name in ("lowvram_queue_depth", "lowvram_batch_size", "lowvram_decode_tokens_per_second",
                  "lowvram_requests_in_flight"):
         _metric(text, name)
