@@ -100,7 +100,7 @@ def cmd_bench_quality(args) -> int:
     command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
     report = run_quality_bench(
         args.model, variant_names=args.variants.split(",") if args.variants else None, device=args.device,
-        num_per_kind=args.limit, max_chars=args.max_chars, command=command,
+        num_per_kind=args.limit, max_chars=args.max_chars, command=command, calib_samples=args.calib_samples,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
     markdown = to_markdown(report)
@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--limit", type=int, default=None, help="held-out tasks per kind (default: all 100)")
     quality.add_argument("--max-chars", type=int, default=None, help="use only this much of the held-out text")
     quality.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    quality.add_argument("--calib-samples", type=int, default=32, help="calibration blocks for the quantized rows")
     quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
     quality.add_argument("--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)")
     quality.set_defaults(func=cmd_bench_quality)
@@ -157,9 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profiles)
 
     from lowvram.doctor import add_doctor_parser
+    from lowvram.quantize import add_quantize_parser
     from lowvram.server.cli import add_serve_parser
 
     add_doctor_parser(sub)
+    add_quantize_parser(sub)
     add_serve_parser(sub)
     return parser
 

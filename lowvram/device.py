@@ -38,6 +38,8 @@ def apply_emulation(profile: Profile, device: torch.device) -> None:
     """Cap torch's allocator so a large card runs out of memory where the profile's card would."""
     if profile.emulate_vram_gib is None or device.type != "cuda":
         return
+    if device.index is None:  # set_per_process_memory_fraction needs an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = profile.emulate_vram_gib * GIB / total
     if fraction > 1.0:

@@ -2,6 +2,13 @@
 
 Weights are read tensor by tensor from safetensors and assigned into a model built
 on the meta device, so host memory never holds two copies of the model.
+
+AWQ checkpoints (AutoAWQ GEMM layout): before loading, every Linear that the checkpoint
+quantizes is swapped for an AwqLinear, whose packed int32/float16 tensors are kept exactly
+as read (only moved to the device). `lm_head` is quantized only when the checkpoint holds
+`lm_head.qweight`, since AutoAWQ and vLLM always keep it in FP16. Residual-compensation
+tensors written by `lowvram quantize` live in a side file (COMPENSATION_FILE) that other
+loaders never open.
 """
 
 from __future__ import annotations
@@ -9,18 +16,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lowvram.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
 from lowvram.errors import ModelLoadError
 from lowvram.model import CausalLM
-from lowvram.model_config import ModelConfig, load_model_config
+from lowvram.model_config import AwqConfig, ModelConfig, load_model_config
 
 log = logging.getLogger("lowvram")
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
+# Not "*.safetensors": vLLM reads every *.safetensors file of a directory without an index
+# and fails on tensor names it does not know, so the extras go in a file it never globs.
+COMPENSATION_FILE = "lowvram_compensation.st"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", COMPENSATION_FILE]
+QUANTIZABLE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 BUNDLED_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
@@ -90,19 +104,41 @@ def _target_dtype(config: ModelConfig, device: torch.device, dtype: torch.dtype 
     return torch.float16 if device.type == "cuda" else torch.float32
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    module_name, _, param_name = name.rpartition(".")
+def _target(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """The module and attribute a checkpoint tensor belongs to, or None for tensors the model has no slot for."""
+    module_name, _, attr = name.rpartition(".")
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
-        return False
-    if not isinstance(getattr(module, param_name, None), nn.Parameter):
-        return False
-    expected = getattr(module, param_name).shape
+        return None
+    if isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES:
+        return module, attr
+    if isinstance(getattr(module, attr, None), nn.Parameter) or getattr(module, "_buffers", {}).get(attr) is not None:
+        return module, attr
+    return None
+
+
+def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> None:
+    if isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES:
+        try:
+            module.set_compensation(attr, tensor)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor {name}: {exc}; the compensation file does not match the model") from None
+        return
+    expected = getattr(module, attr).shape
     if tuple(expected) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies {tuple(expected)}")
-    setattr(module, param_name, nn.Parameter(tensor, requires_grad=False))
-    return True
+    if attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _convert(module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Packed AWQ tensors stay bit-for-bit as on disk: int32 words and float16 scales.
+    if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
+        return tensor.to(device=device)
+    return tensor.to(device=device, dtype=dtype)
 
 
 def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype) -> int:
@@ -110,38 +146,175 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
     from safetensors import SafetensorError, safe_open
 
     loaded: set[str] = set()
+    names_on_disk: set[str] = set()
     num_bytes = 0
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    tensor = f.get_tensor(name).to(device=device, dtype=dtype)
-                    if _assign(model, name, tensor):
-                        loaded.add(name)
-                        num_bytes += tensor.numel() * tensor.element_size()
+                    names_on_disk.add(name)
+                    target = _target(model, name)
+                    if target is None:
+                        continue
+                    tensor = _convert(*target, f.get_tensor(name), device, dtype)
+                    _assign(*target, name, tensor)
+                    loaded.add(name)
+                    num_bytes += tensor.numel() * tensor.element_size()
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
     if model.config.is_tied_head and "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expected |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(
             f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is incomplete or "
-            "does not match config.json"
+            f"does not match config.json{_quantization_hint(missing, names_on_disk)}"
         )
     return num_bytes
 
 
+def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
+    for name in missing:
+        stem, _, attr = name.rpartition(".")
+        if attr == "qweight" and f"{stem}.weight" in names_on_disk:
+            return (f" ({stem} is listed as INT4 but the checkpoint holds it in FP16; is it missing from "
+                    "quantization_config.modules_to_not_convert?)")
+        if attr == "weight" and f"{stem}.qweight" in names_on_disk:
+            return (f" ({stem} is listed in quantization_config.modules_to_not_convert but the checkpoint holds "
+                    "it quantized)")
+    return ""
+
+
+def tensor_names(files: list[Path]) -> set[str]:
+    """Names of every tensor in the shards, read from their headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    names: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
+    return names
+
+
+def swap_awq_linears(model: CausalLM, quant: AwqConfig, is_head_quantized: bool = False) -> list[str]:
+    """Replace the Linears an AWQ checkpoint quantizes by AwqLinear; returns their names.
+
+    Works on a model built on the meta device, before any weight is assigned.
+    """
+    names = [f"model.layers.{i}.{suffix}" for i in range(len(model.model.layers)) for suffix in QUANTIZABLE_LINEARS]
+    names = [name for name in names if not quant.is_skipped(name)]
+    if is_head_quantized:
+        names.append("lm_head")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        try:
+            with torch.device("meta"):
+                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"{name} cannot be AWQ INT4 with quantization_config group_size {quant.group_size}: {exc}; the "
+                "checkpoint does not match its config.json"
+            ) from None
+        setattr(parent, child, awq)
+    return names
+
+
+@dataclass
+class WeightReport:
+    """Bytes the loaded weights occupy, by kind (as held in memory, after any dtype conversion)."""
+
+    int4_layer_bytes: int = 0
+    fp16_layer_bytes: int = 0
+    compensation_bytes: int = 0
+    embedding_bytes: int = 0
+    head_bytes: int = 0
+    other_bytes: int = 0
+    num_int4_layers: int = 0
+    num_fp16_layers: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.int4_layer_bytes + self.fp16_layer_bytes + self.compensation_bytes + self.embedding_bytes
+                + self.head_bytes + self.other_bytes)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+    def summary(self) -> str:
+        mib = 2**20
+        return (f"{self.total_bytes / mib:.1f} MiB: INT4 layers {self.int4_layer_bytes / mib:.1f} "
+                f"({self.num_int4_layers}), FP16 layers {self.fp16_layer_bytes / mib:.1f} ({self.num_fp16_layers}), "
+                f"compensation {self.compensation_bytes / mib:.1f}, embeddings {self.embedding_bytes / mib:.1f}, "
+                f"head {self.head_bytes / mib:.1f}, norms {self.other_bytes / mib:.1f}")
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def weight_report(model: CausalLM) -> WeightReport:
+    """Count every weight tensor once, by what it is; a tied head counts with the embeddings."""
+    report = WeightReport()
+    seen: set[int] = set()
+
+    def fresh(tensors):
+        kept = [t for t in tensors if t is not None and id(t) not in seen]
+        seen.update(id(t) for t in kept)
+        return kept
+
+    report.embedding_bytes = _bytes(fresh([model.model.embed_tokens.weight]))
+    for name, module in model.named_modules():
+        if isinstance(module, AwqLinear):
+            awq = [module.qweight, module.qzeros, module.scales, module.bias]
+            extras = [getattr(module, n) for n in COMPENSATION_NAMES]
+            if name == "lm_head":
+                report.head_bytes += _bytes(fresh(awq + extras))
+                continue
+            report.int4_layer_bytes += _bytes(fresh(awq))
+            report.compensation_bytes += _bytes(fresh(extras))
+            report.num_int4_layers += 1
+        elif isinstance(module, nn.Linear):
+            tensors = fresh([module.weight, module.bias])
+            if name == "lm_head":
+                report.head_bytes += _bytes(tensors)
+            else:
+                report.fp16_layer_bytes += _bytes(tensors)
+                report.num_fp16_layers += 1
+    report.other_bytes = _bytes(fresh([p for p in model.parameters()]))
+    return report
+
+
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None) -> tuple[CausalLM, ModelConfig]:
+    """Build the model on the meta device and assign the checkpoint's tensors.
+
+    Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
+    """
+    model_dir = Path(model_dir)
     config, _ = load_model_config(model_dir)
     files = weight_files(model_dir)
     dtype = _target_dtype(config, device, dtype)
     with torch.device("meta"):
         model = CausalLM(config)
-    model.weight_bytes = load_weights(model, files, device, dtype)
+    if config.quantization is not None:
+        is_head_quantized = "lm_head.qweight" in tensor_names(files)
+        swap_awq_linears(model, config.quantization, is_head_quantized)
+        compensation = model_dir / COMPENSATION_FILE
+        if compensation.is_file():
+            files = files + [compensation]
+    load_weights(model, files, device, dtype)
+    model.weight_report = weight_report(model)
+    model.weight_bytes = model.weight_report.total_bytes
     model.dtype = dtype
     model.eval()
-    log.info("loaded %s (%s) on %s in %s: %.1f MiB", model_dir, config.architecture, device, dtype, model.weight_bytes / 2**20)
+    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
+    log.info("loaded %s (%s, %s) on %s in %s: %s", model_dir, config.architecture, kind, device, dtype,
+             model.weight_report.summary())
     return model, config

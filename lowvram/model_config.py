@@ -3,6 +3,13 @@
 Only what the runtime needs, normalised across transformers 4.x and 5.x spellings
 (5.x keeps RoPE settings in `rope_parameters`; older files use `rope_theta` and
 `rope_scaling`).
+
+Quantized checkpoints: AutoAWQ writes `quantization_config` into config.json
+(`quant_method: awq`, `bits`, `group_size`, `zero_point`, `version`,
+`modules_to_not_convert`); its older releases wrote a separate `quant_config.json`
+(`w_bit`, `q_group_size`, `zero_point`, `version: "GEMM"`). Both are read into an
+`AwqConfig`. Only the GEMM layout with 4 bits, zero points and group size 32/64/128 is
+supported; anything else is refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -18,6 +25,42 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "DeepSeek-R1-Distill-Qwen",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_AWQ_GROUP_SIZES = (32, 64, 128)
+LEGACY_QUANT_CONFIG = "quant_config.json"
+_SUPPORTED_QUANT = (
+    "AWQ INT4 in the AutoAWQ GEMM layout (quant_method 'awq', version 'gemm', bits 4, zero_point true, "
+    f"group_size {'/'.join(map(str, SUPPORTED_AWQ_GROUP_SIZES))}), or unquantized FP16/BF16/FP32 weights"
+)
+
+
+@dataclass(frozen=True)
+class AwqConfig:
+    """An AutoAWQ GEMM checkpoint's quantization settings.
+
+    `modules_to_not_convert` holds name fragments, matched as substrings of module names
+    as AutoAWQ, transformers and vLLM match them: every Linear whose name contains one
+    keeps an FP16 `weight`.
+    """
+
+    group_size: int
+    modules_to_not_convert: tuple[str, ...] = ()
+    bits: int = 4
+    zero_point: bool = True
+    version: str = "gemm"
+
+    def is_skipped(self, module_name: str) -> bool:
+        return any(fragment in module_name for fragment in self.modules_to_not_convert)
+
+    def to_config_dict(self) -> dict:
+        """The `quantization_config` entry of config.json, as AutoAWQ writes it."""
+        return {
+            "quant_method": "awq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "zero_point": self.zero_point,
+            "version": self.version,
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+        }
 
 
 @dataclass(frozen=True)
@@ -40,6 +83,7 @@ class ModelConfig:
     checkpoint_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: AwqConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -73,7 +117,43 @@ def _rope_settings(raw: dict, source: str) -> tuple[float, str, float]:
     return float(theta), rope_type, float(factor or 1.0)
 
 
-def model_config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
+def awq_config_from_dict(raw: dict, source: str) -> AwqConfig:
+    """Read a `quantization_config` dict (or a legacy quant_config.json) into an AwqConfig.
+
+    Raises UnsupportedModelError naming the setting for anything but AWQ GEMM INT4.
+    """
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{source}: quantization_config must be a JSON object, got {type(raw).__name__}")
+    method = str(raw.get("quant_method", "awq")).lower()
+    if method != "awq":
+        raise UnsupportedModelError(f"{source}: quant_method {method!r} is not supported. Supported: {_SUPPORTED_QUANT}")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        hint = " (GEMV packs along K for batch-1 kernels; re-quantize with version 'gemm', e.g. `lowvram quantize`)"
+        raise UnsupportedModelError(
+            f"{source}: AWQ version {version!r} is not supported{hint if version.startswith('gemv') else ''}. "
+            f"Supported: {_SUPPORTED_QUANT}"
+        )
+    bits = raw.get("bits", raw.get("w_bit", 4))
+    if bits != 4:
+        raise UnsupportedModelError(f"{source}: AWQ with {bits} bits is not supported. Supported: {_SUPPORTED_QUANT}")
+    group_size = raw.get("group_size", raw.get("q_group_size", 128))
+    if group_size not in SUPPORTED_AWQ_GROUP_SIZES:
+        raise UnsupportedModelError(
+            f"{source}: AWQ group_size {group_size} is not supported. Supported: {_SUPPORTED_QUANT}"
+        )
+    if raw.get("zero_point", True) is not True:
+        raise UnsupportedModelError(
+            f"{source}: AWQ without zero points (zero_point false) is not supported. Supported: {_SUPPORTED_QUANT}"
+        )
+    skipped = raw.get("modules_to_not_convert") or []
+    if not isinstance(skipped, list) or not all(isinstance(name, str) for name in skipped):
+        raise ModelLoadError(f"{source}: modules_to_not_convert must be a list of module names, got {skipped!r}")
+    return AwqConfig(group_size=int(group_size), modules_to_not_convert=tuple(skipped))
+
+
+def model_config_from_dict(raw: dict, source: str = "config.json", legacy_quant: dict | None = None) -> ModelConfig:
+    """Normalise a config.json dict; `legacy_quant` is the content of a quant_config.json beside it."""
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else raw.get("model_type", "?")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -104,6 +184,7 @@ def model_config_from_dict(raw: dict, source: str = "config.json") -> ModelConfi
             checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization=_quantization(raw, source, legacy_quant),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from None
@@ -111,8 +192,17 @@ def model_config_from_dict(raw: dict, source: str = "config.json") -> ModelConfi
         raise ModelLoadError(f"{source}: a field has a bad value ({exc})") from None
 
 
+def _quantization(raw: dict, source: str, legacy_quant: dict | None) -> AwqConfig | None:
+    if raw.get("quantization_config") is not None:
+        return awq_config_from_dict(raw["quantization_config"], f"{source} quantization_config")
+    if legacy_quant is not None:
+        return awq_config_from_dict(legacy_quant, LEGACY_QUANT_CONFIG)
+    return None
+
+
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """Read `config.json`; returns the normalised config and the raw dict."""
+    """Read `config.json` (and a legacy `quant_config.json` beside it); returns the normalised
+    config and the raw config.json dict."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(
@@ -124,4 +214,11 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-download the checkpoint") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
-    return model_config_from_dict(raw, str(path)), raw
+    legacy_path = Path(model_dir) / LEGACY_QUANT_CONFIG
+    legacy_quant = None
+    if legacy_path.is_file() and raw.get("quantization_config") is None:
+        try:
+            legacy_quant = json.loads(legacy_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{legacy_path} is not valid JSON ({exc}); re-download the checkpoint") from None
+    return model_config_from_dict(raw, str(path), legacy_quant), raw

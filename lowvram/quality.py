@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import platform
 import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -95,7 +96,7 @@ def evaluate(variant: Variant, tasks, text: str, reference: list[str] | None) ->
     )
 
 
-def builtin_variants(model: str | None, device: str) -> list[Variant]:
+def builtin_variants(model: str | None, device: str, calib_samples: int = 32) -> list[Variant]:
     """Every weight and KV format the project has, FP16 first."""
     from lowvram.config import load_profile
 
@@ -104,8 +105,28 @@ def builtin_variants(model: str | None, device: str) -> list[Variant]:
     def with_kv(precision: str) -> Callable[[], LLM]:
         return lambda: LLM(model, profile.replace(kv_precision=precision), device=device)
 
+    def quantized(name: str, **options) -> Callable[[], LLM]:
+        def build() -> LLM:
+            from lowvram.loader import resolve_model_path
+            from lowvram.quantize import quantize_model
+
+            out = Path(tempfile.mkdtemp(prefix=f"lowvram-quality-{name}-"))
+            quantize_model(resolve_model_path(model), out / "model", device=device, num_samples=calib_samples,
+                           **options)
+            return LLM(str(out / "model"), profile.replace(kv_precision="fp16"), device=device)
+
+        return build
+
+    fp16_mib = 1.0  # the demo model's layers are small; about 10% of its INT4 weight bytes
     return [
         Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", with_kv("fp16")),
+        Variant("rtn-int4", "round-to-nearest INT4, group 128 (AutoAWQ layout)", quantized("rtn", method="rtn")),
+        Variant("awq-int4", "AWQ INT4, group 128 (scale and clipping search)", quantized("awq", method="awq")),
+        Variant("awq-fp16", f"AWQ INT4 with the most sensitive layers kept in FP16 ({fp16_mib:g} MiB budget)",
+                quantized("awq-fp16", method="awq", fp16_budget_mib=fp16_mib)),
+        Variant("awq-fp16-comp", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
+                "(rank 16 low-rank term + bias correction)",
+                quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True)),
         Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
         Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
     ]
@@ -140,13 +161,14 @@ def _git_commit() -> str:
 
 def run_quality_bench(model: str | None = None, *, variant_names: list[str] | None = None, device: str = "cpu",
                       num_per_kind: int | None = None, max_chars: int | None = None, command: str = "",
+                      calib_samples: int = 32,
                       variants: list[Variant] | None = None, progress: Callable[[str], None] | None = None) -> QualityReport:
     from lowvram.demo.corpus import heldout_text
     from lowvram.demo.tasks import heldout_tasks
 
     tasks = heldout_tasks(num_per_kind)
     text = heldout_text(max_chars)
-    available = variants if variants is not None else builtin_variants(model, device)
+    available = variants if variants is not None else builtin_variants(model, device, calib_samples)
     if variant_names:
         known = {v.name: v for v in available}
         unknown = [n for n in variant_names if n not in known]
@@ -178,12 +200,23 @@ def to_markdown(report: QualityReport) -> str:
         per_kind = " | ".join(f"{100 * r.accuracy_by_kind[k]:.0f}%" for k in kinds)
         lines.append(f"| {r.variant} | {100 * r.accuracy:.1f}% | {r.perplexity:.3f} | {agree} | {r.weight_mib:.1f} | {per_kind} |")
     rows = report.rows
+    by_name = {r.variant: r for r in rows}
+    gaps = []
+    if {"fp16", "rtn-int4"} <= by_name.keys():
+        base, rtn = by_name["fp16"].perplexity, by_name["rtn-int4"].perplexity
+        for name in ("awq-int4", "awq-fp16", "awq-fp16-comp"):
+            if name in by_name and rtn > base:
+                closed = (rtn - by_name[name].perplexity) / (rtn - base)
+                gaps.append(f"- {name} closes {100 * closed:.0f}% of RTN's perplexity gap to FP16 "
+                            f"({by_name[name].perplexity:.3f} vs RTN {rtn:.3f}, FP16 {base:.3f}); accuracy "
+                            f"{100 * (by_name[name].accuracy - by_name['fp16'].accuracy):+.1f} points vs FP16")
+    gap_text = ("Quantization, against FP16:\n\n" + "\n".join(gaps) + "\n\n") if gaps else ""
     detail = "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
     return (
         "# Quality of lowvram's weight and KV formats\n\n"
         f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
         f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
         f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows, each scored from BOS.\n\n"
-        + "\n".join(lines) + "\n\n" + detail + "\n\n"
+        + "\n".join(lines) + "\n\n" + gap_text + detail + "\n\n"
         f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
     )

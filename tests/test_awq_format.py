@@ -1,4 +1,4 @@
-"""AutoAWQ GEMM layout: checked against an unpacker written here from the documented layout."""
+"""AutoAWQ GEMM layout: checked against the unpacker in awq_layout.py, written from the documented layout."""
 
 import pytest
 import torch
@@ -12,24 +12,7 @@ from lowvram.awq_format import (
 )
 from lowvram.errors import ConfigError, KernelError
 
-# From the layout description: to read column j of a packed int32, shift right by
-# 4 * SHIFT_SLOT[j % 8] and keep the low four bits.
-SHIFT_SLOT = [0, 4, 1, 5, 2, 6, 3, 7]
-
-
-def reference_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """[K, N/8] int32 -> [K, N] int64, one column at a time, on unsigned 32-bit words."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    num_cols = packed.shape[1] * 8
-    columns = [(words[:, j // 8] >> (4 * SHIFT_SLOT[j % 8])) & 0xF for j in range(num_cols)]
-    return torch.stack(columns, dim=1)
-
-
-def reference_dequantize(qweight, qzeros, scales, group_size):
-    q = reference_unpack(qweight).to(torch.float32)
-    z = reference_unpack(qzeros).to(torch.float32)
-    k = torch.arange(qweight.shape[0])
-    return (q - z[k // group_size]) * scales.to(torch.float32)[k // group_size]
+from awq_layout import reference_dequantize, reference_unpack
 
 
 def random_awq(num_inputs, num_outputs, group_size, seed=0):

@@ -1,0 +1,94 @@
+"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors.
+
+The buffers carry the checkpoint's names and are the tensors read from disk, unchanged:
+`qweight` int32 [K, N/8], `qzeros` int32 [K/G, N/8], `scales` float16 [K/G, N], plus `bias`
+[N] when the layer has one. The forward pass is `lowvram.kernels.w4a16.awq_linear` (Triton on
+CUDA, plain torch elsewhere; it logs which once).
+
+Residual compensation (written by `lowvram quantize`) corrects the INT4 error with two
+optional extras, stored beside the AWQ tensors under names no other loader knows:
+- `lowvram_lora_a` [r, K] and `lowvram_lora_b` [N, r]: a rank-r term, y += (x A^T) B^T;
+- `lowvram_bias_correction` [N]: y += c, the INT4 error's mean effect on the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowvram.awq_format import PACK_FACTOR
+from lowvram.kernels.w4a16 import awq_linear
+
+LORA_A = "lowvram_lora_a"
+LORA_B = "lowvram_lora_b"
+BIAS_CORRECTION = "lowvram_bias_correction"
+COMPENSATION_NAMES = (LORA_A, LORA_B, BIAS_CORRECTION)
+AWQ_NAMES = ("qweight", "qzeros", "scales")
+
+
+class AwqLinear(nn.Module):
+    """y = x W^T + bias with W = (q - z) * s held as packed INT4.
+
+    Args:
+        in_features: K; must be a multiple of group_size.
+        out_features: N; must be a multiple of 8 (eight 4-bit columns per int32).
+        group_size: inputs sharing one scale and zero point (32, 64 or 128).
+        has_bias: whether the layer adds a bias (Qwen2's q/k/v do).
+    The buffers start empty; the loader assigns the checkpoint's tensors.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool = False):
+        super().__init__()
+        if out_features % PACK_FACTOR or in_features % group_size:
+            raise ValueError(
+                f"AWQ needs out_features % 8 == 0 and in_features % group_size == 0, got "
+                f"[{out_features}, {in_features}] with group_size {group_size}"
+            )
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        num_groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(in_features, out_features // PACK_FACTOR, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(num_groups, out_features // PACK_FACTOR, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(num_groups, out_features, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if has_bias else None
+        for name in COMPENSATION_NAMES:
+            self.register_buffer(name, None)
+
+    @property
+    def has_compensation(self) -> bool:
+        return any(getattr(self, name) is not None for name in COMPENSATION_NAMES)
+
+    @property
+    def lora_rank(self) -> int:
+        lora_a = getattr(self, LORA_A)
+        return 0 if lora_a is None else lora_a.shape[0]
+
+    def set_compensation(self, name: str, tensor: torch.Tensor) -> None:
+        """Attach one compensation tensor, checking its shape against the layer."""
+        expected = {
+            LORA_A: (None, self.in_features),
+            LORA_B: (self.out_features, None),
+            BIAS_CORRECTION: (self.out_features,),
+        }[name]
+        shape = tuple(tensor.shape)
+        if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+            readable = ["r" if e is None else e for e in expected]
+            raise ValueError(f"{name} has shape {list(shape)}, expected {readable}")
+        self.register_buffer(name, tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+        lora_a, lora_b = getattr(self, LORA_A), getattr(self, LORA_B)
+        if lora_a is not None and lora_b is not None:
+            # the rank-r product costs r * (K + N) per token, a few percent of the INT4 matmul
+            y = y + (x @ lora_a.t().to(x.dtype)) @ lora_b.t().to(x.dtype)
+        bias_correction = getattr(self, BIAS_CORRECTION)
+        if bias_correction is not None:
+            y = y + bias_correction.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
+        if getattr(self, BIAS_CORRECTION) is not None:
+            extras += ", bias_correction=True"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}{extras}")
