@@ -1,31 +1,49 @@
 #!/usr/bin/env bash
 # Every GPU test under an emulated 4 GB card, then the key benchmarks, in one call.
-# Usage: scripts/test_gpu.sh [RESULTS_DIR]   (default: $OUT if set, else docs/bench/raw)
-#   BENCHES="w4a16 paged_attention"   run only these scripts/bench_<name>.py (default: all)
-#   BENCH_TIMEOUT_S=240                per-benchmark limit
-# Exit status: non-zero if any GPU test failed.
+#
+#   scripts/test_gpu.sh [all|tests|benches] [bench names...]
+#
+# Results (logs, JSON) go to $OUT when set (the GPU runner's output folder), else
+# docs/bench/raw. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
+# paged_attention kv_pool (default: all, in that order). Exit status: non-zero if a
+# GPU test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-results=${1:-${OUT:-docs/bench/raw}}
+what=${1:-all}
+shift || true
+benches=${*:-w4a16 quantize doctor_accuracy prefix_cache paged_attention kv_pool}
+results=${OUT:-docs/bench/raw}
 mkdir -p "$results"
-export PYTHONUNBUFFERED=1 LOWVRAM_TEST_EMULATE_GIB=4
+export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$results/install.log" 2>&1 || cat "$results/install.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee "$results/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$results/gpu.txt"
 
-# Only modules that hold GPU tests: the others may need packages the GPU image lacks.
-gpu_files=$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)
-python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider $gpu_files 2>&1 | tee "$results/gpu_tests.log"
-status=${PIPESTATUS[0]}
+status=0
+if [ "$what" != benches ]; then
+    # Only modules that hold GPU tests: the others may need packages the GPU image lacks.
+    gpu_files=$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)
+    LOWVRAM_TEST_EMULATE_GIB=4 timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+        $gpu_files 2>&1 | tee "$results/gpu_tests.log" | grep -v -E "^(PASSED|\.)" | tail -60
+    status=${PIPESTATUS[0]}
+    echo "GPU tests exit status: $status"
+fi
 
-for bench in scripts/bench_*.py; do
-    name=$(basename "$bench" .py)
-    name=${name#bench_}
-    if [ -n "${BENCHES:-}" ] && ! [[ " $BENCHES " == *" $name "* ]]; then
-        continue
-    fi
+run_bench() {  # name, limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    [[ " $benches " == *" $name "* ]] || return 0
     echo "== bench $name"
-    timeout "${BENCH_TIMEOUT_S:-240}" python3 "$bench" --json "$results/bench_$name.json" 2>&1 | tail -40
-done
-echo "GPU tests exit status: $status"
+    timeout "$limit" "$@" --json "$results/bench_$name.json" > "$results/bench_$name.log" 2>&1
+    echo "exit $?"
+    tail -25 "$results/bench_$name.log"
+}
+if [ "$what" != tests ]; then
+    run_bench w4a16 90 python3 scripts/bench_w4a16.py
+    run_bench quantize 150 python3 scripts/bench_quantize.py --num-samples 32
+    run_bench doctor_accuracy 150 python3 scripts/bench_doctor_accuracy.py --contexts 1024,4096,8192 --batches 1,4 --max-seconds 100
+    run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
+    run_bench paged_attention 90 python3 scripts/bench_paged_attention.py
+    run_bench kv_pool 150 python3 scripts/bench_kv_pool.py
+fi
 exit "$status"
