@@ -207,8 +207,9 @@ class BlockManager:
             block = table[done]
             tokens = tuple(token_ids[done * bs : (done + 1) * bs])
             h = chain_hash(parent, tokens)
-            if h not in self.hash_to_block:
-                self.hash_to_block[h] = block
+            # The newest page with this content wins: an older duplicate is idle and
+            # will be evicted first, and evicting it must not unname this one.
+            self.hash_to_block[h] = block
             self.block_hash[block] = h
             self.block_tokens[block] = tokens
             self.block_parent[block] = parent

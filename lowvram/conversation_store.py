@@ -78,8 +78,10 @@ def _expected_metadata(engine) -> dict[str, str]:
 def _ensure_cached(engine, token_ids: list[int]):
     """Compute whatever part of the conversation is not cached yet; returns the page list."""
     bm = engine.block_manager
-    engine.score(token_ids)  # prefill through the cache: the pages are committed and stay cached
     match = bm.match_prefix(token_ids + [0])  # +1: match_prefix always leaves one token to compute
+    if match.num_tokens < len(token_ids):
+        engine.score(token_ids)  # prefill through the cache: the pages are committed and stay cached
+        match = bm.match_prefix(token_ids + [0])
     return match
 
 

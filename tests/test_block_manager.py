@@ -113,3 +113,17 @@ def test_prefix_caching_off_matches_nothing():
     _filled(bm, 1, [1, 2, 3, 4])
     bm.free(1)
     assert bm.match_prefix([1, 2, 3, 4, 5]).num_tokens == 0 and bm.num_cached_blocks == 0
+
+
+def test_recomputing_cached_content_under_pressure_keeps_it_findable():
+    """Scoring the same text twice with a pool that holds it once: the second copy evicts
+    the first as it goes, and the content must stay matchable through the second copy."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    _filled(bm, 1, tokens)
+    bm.free(1)
+    for chunk_end in (2, 4, 6, 8):  # a second pass, chunk by chunk, evicting the first pass's pages
+        bm.allocate(2, chunk_end)
+        bm.commit(2, tokens, chunk_end)
+    bm.free(2)
+    assert bm.match_prefix(tokens + [9]).num_tokens == 8
