@@ -28,6 +28,7 @@ from pathlib import Path
 
 from lowvram.config import Profile
 from lowvram.errors import OutOfMemoryError
+from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
 from lowvram.model_config import ModelConfig
 
 GIB = 2**30
@@ -60,8 +61,8 @@ ROPE_MIN_POSITIONS = 2048
 # sort order alive per row (sampling.filter_logits); rows are sampled one at a time.
 SAMPLING_BYTES_PER_VOCAB_ENTRY = 32
 # AWQ layers on the Triton path dequantize the whole weight to fp16 and use cuBLAS
-# at this many rows or more (kernels/w4a16.DEQUANT_MATMUL_MIN_M).
-AWQ_DEQUANT_MATMUL_MIN_TOKENS = 1024
+# at this many rows or more.
+AWQ_DEQUANT_MATMUL_MIN_TOKENS = DEQUANT_MATMUL_MIN_M
 # The plain-torch AWQ path (no Triton) dequantizes in float32 through about five
 # [K, N] temporaries (awq_format.dequantize_awq).
 AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT = 20

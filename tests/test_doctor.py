@@ -209,8 +209,9 @@ def test_workspace_on_the_plain_torch_path_counts_float32_scores():
 
 def test_awq_prefill_counts_the_dequantized_weight():
     weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, 2)
-    assert mp.int4_scratch_bytes(weights, 1024, uses_kernels=True) == 2 * 1536 * 8960
-    assert mp.int4_scratch_bytes(weights, 512, uses_kernels=True) == 0
+    threshold = mp.AWQ_DEQUANT_MATMUL_MIN_TOKENS
+    assert mp.int4_scratch_bytes(weights, threshold, uses_kernels=True) == 2 * 1536 * 8960
+    assert mp.int4_scratch_bytes(weights, threshold - 1, uses_kernels=True) == 0
     assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 8960
 
 
