@@ -42,6 +42,15 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    """Run a function on the engine in the loop thread, between steps."""
+
+    fn: object
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
 class _Failure:
     """Delivered to a stream instead of an output when its request could not run."""
 
@@ -123,6 +132,16 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def call(self, fn):
+        """`fn(engine)` run in the loop thread between steps (the engine has one driver);
+        returns its result or raises its exception."""
+        if self._thread is None:
+            raise LowvramError("the engine loop is not running; call start() first")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
+
     # -- the loop thread ------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)
@@ -150,6 +169,17 @@ class AsyncLLMEngine:
         elif isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
             self._streams.pop(command.request_id, None)
+        elif isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as exc:  # handed to the caller, the loop keeps serving
+                result, error = None, exc
+            settle = command.future.set_exception if error is not None else command.future.set_result
+            try:
+                command.loop.call_soon_threadsafe(
+                    lambda: command.future.done() or settle(error if error is not None else result))
+            except RuntimeError:  # the caller's event loop is closed
+                pass
         self._snapshot = self.engine.snapshot()
 
     def _loop(self) -> None:

@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lowvram.doctor import add_doctor_parser
     from lowvram.quantize import add_quantize_parser
     from lowvram.server.cli import add_serve_parser
+    from lowvram.tui.cli import add_chat_parser
 
+    add_chat_parser(sub)
     add_doctor_parser(sub)
     add_quantize_parser(sub)
     add_serve_parser(sub)

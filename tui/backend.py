@@ -1,0 +1,131 @@
+"""The engine as the chat sees it: load it (a long blocking call), stream replies, read gauges.
+
+Loading is one call into LLMEngine; its progress is the engine's own log lines
+(weights loaded, KV pool planned), forwarded as stage text while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from lowvram.async_engine import AsyncLLMEngine
+from lowvram.engine import EngineSnapshot, LLMEngine
+from lowvram.outputs import RequestOutput
+from lowvram.sampling import SamplingParams
+
+BUNDLED_MODEL_LABEL = "bundled demo model"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which model to load and how. engine_kwargs: LLMEngine overrides (device, dtype, ...)."""
+
+    model: str | None = None
+    profile: str | None = None
+    engine_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def model_label(self) -> str:
+        if self.model is None:
+            return BUNDLED_MODEL_LABEL
+        return Path(self.model).name or self.model
+
+    def with_profile(self, profile: str) -> "EngineSpec":
+        return replace(self, profile=profile)
+
+
+class _StageForwarder(logging.Handler):
+    """Every engine log line goes to on_stage; lines the terminal would have shown anyway go on to it too."""
+
+    def __init__(self, on_stage: Callable[[str], None]):
+        super().__init__(logging.INFO)
+        self.on_stage = on_stage
+        self.passes_on_at: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.on_stage(record.getMessage())
+        if self.passes_on_at is not None and record.levelno >= self.passes_on_at:
+            logging.getLogger().handle(record)
+
+
+def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> LLMEngine:
+    """Build the LLMEngine, reporting stages through `on_stage`. Raises LowvramError subclasses."""
+    on_stage(f"resolving {spec.model_label}, loading its weights and planning the KV pool")
+    logger = logging.getLogger("lowvram")
+    handler = _StageForwarder(on_stage)
+    level, is_propagating = logger.level, logger.propagate
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        # INFO lines are raised for on_stage only: the terminal keeps its quieter level.
+        handler.passes_on_at = logger.getEffectiveLevel() if is_propagating else None
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        return LLMEngine(spec.model, spec.profile, **spec.engine_kwargs)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = is_propagating
+
+
+class ChatBackend:
+    """A running engine loop plus the names the side panel shows."""
+
+    def __init__(self, engine: LLMEngine, model_label: str):
+        self.llm_engine = engine
+        self.model_label = model_label
+        self.profile_name = engine.profile.name
+        self.has_chat_template = engine.tokenizer.has_chat_template
+        self.async_engine = AsyncLLMEngine(engine).start()
+
+    def stream(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Token outputs of one reply; closing or cancelling the iterator aborts it and frees its pages."""
+        request_id = self.async_engine.new_request_id("chat")
+        if self.has_chat_template:
+            return self.async_engine.generate(request_id, params=params, messages=messages)
+        return self.async_engine.generate(request_id, plain_prompt(messages), params)
+
+    async def save_kv(self, messages: list[dict], path) -> Path:
+        """Save the conversation's KV pages next to its transcript (see lowvram.conversation_store)."""
+        from lowvram.conversation_store import save_conversation
+
+        return await self.async_engine.call(
+            lambda engine: save_conversation(engine, engine.tokenizer.apply_chat_template(messages, False), path))
+
+    async def restore_kv(self, path):
+        """Load saved KV pages into the prefix cache; a mismatch is reported, not fatal."""
+        from lowvram.conversation_store import restore_conversation
+
+        return await self.async_engine.call(lambda engine: restore_conversation(engine, path))
+
+    def snapshot(self) -> EngineSnapshot:
+        if self.async_engine.num_unfinished == 0:
+            # The loop's copy is taken after steps only, so after an abort it still
+            # counts the freed pages; with nothing running the engine is not stepping
+            # and can be read directly.
+            try:
+                return self.llm_engine.snapshot()
+            except RuntimeError:  # a latency deque appended to mid-read: use the loop's copy
+                pass
+        return self.async_engine.snapshot()
+
+    def stop(self) -> None:
+        """End the engine loop and let go of the model, so its memory can go to the next one."""
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        self.async_engine = self.llm_engine = None
+
+
+def plain_prompt(messages: list[dict]) -> str:
+    """A transcript-style prompt for base models that have no chat template."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(lines) + "\n\nAssistant:"
+
+
+def load_backend(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> ChatBackend:
+    engine = load_engine(spec, on_stage)
+    on_stage("starting the engine loop")
+    return ChatBackend(engine, spec.model_label)

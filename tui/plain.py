@@ -1,0 +1,143 @@
+"""The line-oriented chat, for scripts and pipes: `echo "hi" | lowvram chat --plain`.
+
+Each input line is one message of a multi-turn conversation; its reply streams to
+stdout followed by a newline. Nothing else goes to stdout: notes, prompts and
+errors go to stderr. Slash commands work as in the terminal UI. Ctrl-C stops
+the reply being written (its pages are freed) and the chat goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from lowvram.engine import LLMEngine
+from lowvram.errors import LowvramError
+from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, load_engine, plain_prompt
+from lowvram.tui.commands import help_lines, message_text, parse_command, setting_changes
+from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_transcript, save_transcript
+
+
+class PlainChat:
+    """One conversation against one engine, written to text streams."""
+
+    def __init__(self, spec: EngineSpec, settings: ChatSettings, *, transcript_dir: Path | None = None,
+                 stdout: TextIO, stderr: TextIO, is_interactive: bool = False):
+        self.spec = spec
+        self.transcript_dir = transcript_dir
+        self.stdout, self.stderr = stdout, stderr
+        self.is_interactive = is_interactive
+        self.engine = self._load(spec)
+        self.conversation = Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
+        self._request_ids = itertools.count()
+
+    def note(self, text: str) -> None:
+        print(f"lowvram: {text}", file=self.stderr, flush=True)
+
+    def _load(self, spec: EngineSpec) -> LLMEngine:
+        if spec.model is None:
+            self.note(f"using the {BUNDLED_MODEL_LABEL} (a small model trained for lowvram's tests, "
+                      "not a real DeepSeek model); pass --model for a real one")
+        if self.is_interactive:
+            self.note(f"loading {spec.model_label}...")
+        return load_engine(spec)
+
+    def run(self, stdin: TextIO) -> int:
+        """Chat until end of input or /quit; 1 if any line failed, else 0."""
+        num_failed = 0
+        while True:
+            if self.is_interactive:
+                self.stderr.write("you> ")
+                self.stderr.flush()
+            line = stdin.readline()
+            if not line:
+                return 1 if num_failed else 0
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                command = parse_command(text)
+                if command is None:
+                    self.reply(message_text(text))
+                elif command.name == "quit":
+                    return 1 if num_failed else 0
+                else:
+                    self.run_command(command)
+            except LowvramError as exc:
+                print(f"lowvram: error: {exc}", file=self.stderr, flush=True)
+                num_failed += 1
+
+    def reply(self, text: str) -> str:
+        """Stream the reply to `text` to stdout; returns its finish reason."""
+        self.conversation.turns.append(Turn("user", text))
+        request_id = f"plain-{next(self._request_ids)}"
+        messages = self.conversation.messages()
+        params = self.conversation.settings.sampling_params()
+        try:
+            if self.engine.tokenizer.has_chat_template:
+                self.engine.add_request(request_id, params=params, messages=messages)
+            else:
+                self.engine.add_request(request_id, plain_prompt(messages), params)
+        except LowvramError:
+            self.conversation.turns.pop()
+            raise
+        reply, finish_reason = "", "abort"
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    reply += out.text_delta
+                    self.stdout.write(out.text_delta)
+                    self.stdout.flush()
+                    if out.finished:
+                        finish_reason = out.outputs[0].finish_reason or "stop"
+        except KeyboardInterrupt:
+            self.engine.abort_request(request_id)
+            self.note("stopped")
+        self.stdout.write("\n")
+        self.stdout.flush()
+        self.conversation.turns.append(Turn("assistant", reply, finish_reason))
+        return finish_reason
+
+    def run_command(self, command) -> None:
+        changes = setting_changes(command)
+        if changes is not None:
+            self.conversation.settings = self.conversation.settings.with_changes(**changes)
+            self.note(self.conversation.settings.describe())
+        elif command.name == "help":
+            for usage, doc in help_lines():
+                print(f"  {usage:18} {doc}", file=self.stderr)
+        elif command.name == "new":
+            self.conversation = self.conversation.cleared()
+            self.note("new chat")
+        elif command.name == "stop":
+            self.note("nothing is being written; Ctrl-C stops a reply")
+        elif command.name == "save":
+            markdown_path, json_path = save_transcript(self.conversation, command.arg or self.transcript_dir)
+            self.note(f"saved {markdown_path} and {json_path}")
+        elif command.name == "load":
+            loaded = load_transcript(command.arg)
+            loaded.model, loaded.profile = self.conversation.model, self.conversation.profile
+            self.conversation = loaded
+            self.note(f"loaded {len(loaded.turns)} messages")
+        elif command.name == "profile":
+            old_spec, self.spec = self.spec, self.spec.with_profile(command.arg)
+            self.engine = None  # let the old weights go before the new ones load
+            try:
+                self.engine = self._load(self.spec)
+            except LowvramError:
+                self.spec = old_spec
+                self.engine = self._load(old_spec)
+                raise
+            self.conversation.profile = self.engine.profile.name
+            self.note(f"profile {self.engine.profile.name}")
+
+
+def run_plain(spec: EngineSpec, settings: ChatSettings, *, transcript_dir: Path | None = None,
+              stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    is_interactive = stdin.isatty()
+    chat = PlainChat(spec, settings, transcript_dir=transcript_dir, stdout=stdout, stderr=stderr,
+                     is_interactive=is_interactive)
+    return chat.run(stdin)

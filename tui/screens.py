@@ -1,0 +1,186 @@
+"""Screens over the chat: loading, errors, help, and the small dialogs for settings."""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, OptionList, Static
+from textual.widgets.option_list import Option
+
+from lowvram.errors import ConfigError, LowvramError, ModelLoadError, OutOfMemoryError, RequestError, \
+    UnsupportedModelError
+from lowvram.tui.commands import help_lines
+from lowvram.tui.conversation import ChatSettings
+
+# What to try next, by error type; the error's own message names the value at fault.
+ERROR_HINTS = {
+    OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
+    ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
+                    "safetensors weights and tokenizer files.",
+    UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; pass one with --model.",
+    ConfigError: "`lowvram profiles` lists the built-in profiles; `lowvram profiles --fields` explains every field.",
+    RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
+}
+
+
+def describe_error(error: BaseException) -> tuple[str, str]:
+    """(message, suggested fix) for a dialog; never a traceback."""
+    if not isinstance(error, LowvramError):
+        return (f"{type(error).__name__}: {error}",
+                "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them.")
+    hint = next((h for kind, h in ERROR_HINTS.items() if isinstance(error, kind)), "")
+    return str(error), hint
+
+
+class LoadingScreen(Screen):
+    """Shown while the model loads; the stage line is the engine's own progress report."""
+
+    def __init__(self, model_label: str, profile: str | None):
+        super().__init__()
+        self.title_text = f"Loading {model_label} · profile {profile or 'default for this machine'}"
+        self._started = time.monotonic()
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="loading-box"):
+            yield Label(self.title_text, id="loading-title", markup=False)
+            yield LoadingIndicator()
+            yield Static("", id="loading-stage", markup=False)
+            yield Static("", id="loading-elapsed")
+
+    def on_mount(self) -> None:
+        self.set_interval(0.5, self._tick)
+
+    def set_stage(self, text: str) -> None:
+        self.query_one("#loading-stage", Static).update(text)
+
+    def _tick(self) -> None:
+        self.query_one("#loading-elapsed", Static).update(f"{time.monotonic() - self._started:.0f} s")
+
+
+class ErrorDialog(ModalScreen[str]):
+    """An error as a readable dialog: what happened, what to do, and buttons; dismissed with the button id."""
+
+    BINDINGS = [Binding("escape", "dismiss_default", "Close")]
+
+    def __init__(self, title: str, error: BaseException, buttons: list[tuple[str, str]]):
+        super().__init__()
+        self.title_text = title
+        self.message, self.hint = describe_error(error)
+        self.buttons = buttons
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="error-box"):
+            yield Label(self.title_text, id="error-title", markup=False)
+            yield Static(self.message, id="error-message", markup=False)
+            if self.hint:
+                yield Static("Fix: " + self.hint, id="error-hint", markup=False)
+            with Horizontal(id="error-buttons"):
+                for button_id, label in self.buttons:
+                    yield Button(label, id=button_id)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id)
+
+    def action_dismiss_default(self) -> None:
+        self.dismiss(self.buttons[-1][0])
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key binding and slash command."""
+
+    BINDINGS = [Binding("escape,f1,q", "close", "Close")]
+
+    def __init__(self, bindings: list[tuple[str, str]]):
+        super().__init__()
+        self.bindings = bindings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-box"):
+            yield Label("Keys and commands", id="help-title")
+            yield DataTable(id="help-table", show_cursor=False, zebra_stripes=True)
+            yield Static("Esc closes this help", id="help-footer")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("key or command", "what it does")
+        for key, doc in self.bindings + help_lines():
+            table.add_row(key, doc)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class TextPrompt(ModalScreen["str | None"]):
+    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
+        super().__init__()
+        self.title_text = title
+        self.value = value
+        self.placeholder = placeholder
+        self.choices = list(choices)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="prompt-box", classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title", markup=False)
+            if self.choices:
+                yield OptionList(*(Option(label, id=value) for value, label in self.choices), id="prompt-choices")
+            yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+            yield Static("Enter accepts · Esc cancels", classes="dialog-help")
+
+    def on_mount(self) -> None:
+        self.query_one("#prompt-input", Input).focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class SettingsDialog(ModalScreen["ChatSettings | None"]):
+    """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, settings: ChatSettings):
+        super().__init__()
+        self.settings = settings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="settings-box", classes="dialog"):
+            yield Label("Reply settings", classes="dialog-title")
+            yield Label("temperature (0 = greedy)")
+            yield Input(f"{self.settings.temperature:g}", id="temperature")
+            yield Label("max tokens per reply")
+            yield Input(str(self.settings.max_tokens), id="max-tokens")
+            yield Static("", id="settings-error", markup=False)
+            yield Static("Enter saves · Esc cancels", classes="dialog-help")
+
+    def on_mount(self) -> None:
+        self.query_one("#temperature", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        temperature = self.query_one("#temperature", Input).value
+        max_tokens = self.query_one("#max-tokens", Input).value
+        try:
+            settings = self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens))
+        except ValueError:
+            self.query_one("#settings-error", Static).update("temperature needs a number and max tokens a whole number")
+            return
+        except LowvramError as exc:
+            self.query_one("#settings-error", Static).update(str(exc))
+            return
+        self.dismiss(settings)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
