@@ -550,6 +550,12 @@ def _explain_report_memory(explanation: OomExplanation) -> None:
         ("budget_bytes", "budget")) if isinstance(memory.get(key), int)]
     if parts:
         explanation.findings.append(oom.Finding("The engine had planned: " + ", ".join(parts) + "."))
+    if isinstance(memory.get("kv_blocks_in_use"), int):
+        cached = memory.get("kv_blocks_cached_reclaimable", 0)
+        explanation.findings.append(oom.Finding(
+            f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
+            f"({oom.gib(memory.get('kv_bytes_in_use', 0))}), {cached} cached for reuse by later requests; cached pages "
+            "are reclaimable (evicted on demand), so they did not cause the failure."))
     planned = sum(memory.get(k, 0) for k in ("weight_bytes", "kv_pool_bytes", "workspace_reserve_bytes")
                   if isinstance(memory.get(k), int))
     allocated = memory.get("peak_allocated_bytes")

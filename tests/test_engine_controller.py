@@ -123,3 +123,29 @@ def test_disabled_controller_takes_no_action(tiny_qwen2_dir):
     engine.memory_in_use_bytes = lambda: engine.kv_plan.budget_bytes
     _run_all(llm)
     assert not engine.controller_events and engine.snapshot().controller_mode == "off"
+
+
+def test_cached_pages_are_reported_as_reclaimable_in_the_crash_report(tiny_qwen2_dir, tmp_path, monkeypatch, capsys):
+    from lowvram.cli import main
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    llm = LLM(str(tiny_qwen2_dir), _profile())
+    llm.generate(["a first request leaves its pages cached " * 4], GREEDY)
+    engine = llm.engine
+    assert engine.block_manager.num_cached_blocks > 0 and engine.kv_bytes_in_use() == 0
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing_run(batch, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+        return run(batch, **kwargs)
+
+    engine.runner.run = failing_run
+    llm.generate(["a second request"], GREEDY)
+    report = json.loads(engine.last_crash_report.read_text())
+    assert report["memory"]["kv_blocks_cached_reclaimable"] > 0
+    assert main(["doctor", "--oom", str(engine.last_crash_report)]) == 0
+    out = capsys.readouterr().out
+    assert "cached for reuse" in out and "reclaimable" in out

@@ -68,3 +68,14 @@ def test_concurrent_requests_sharing_a_system_prompt_match_separate_runs(tiny_ll
     plain = LLM(str(tiny_llama_dir), load_profile("cpu").replace(kv_block_size=8, enable_prefix_caching=False))
     alone = [plain.chat(c, GREEDY)[0].outputs[0].token_ids for c in convs]
     assert together == alone
+
+
+def test_bundled_model_chat_is_identical_with_and_without_reuse():
+    turns = ["What is 17 + 25?", "What is 120 - 45?", "Sort these words alphabetically: pear, apple, kiwi",
+             "How many letters a are in banana?"]
+    cached = LLM(None, load_profile("cpu"))
+    plain = LLM(None, load_profile("cpu").replace(enable_prefix_caching=False))
+    with_reuse = _chat(cached, turns)
+    assert with_reuse == _chat(plain, turns)
+    assert cached.engine.stats.num_prefill_tokens < plain.engine.stats.num_prefill_tokens
+    assert cached.engine.tokenizer.decode(with_reuse[0]).startswith("42")  # ignore_eos: it runs on after the answer
