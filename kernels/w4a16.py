@@ -58,17 +58,18 @@ def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None):
     return y.to(torch.float32)
 
 
-def awq_linear(x, qweight, qzeros, scales, group_size, bias=None):
+def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, use_reference: bool = False):
     """y [..., N] = x [..., K] @ W [K, N] + bias, W given as AutoAWQ GEMM tensors.
 
     x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
     float32 under the Triton interpreter), any strides; qweight int32 [K, N/8], qzeros int32
     [K/G, N/8], scales float16 [K/G, N], bias [N] or None, all contiguous and on x's device;
     group_size in 32/64/128 and dividing K. Returns y in x's dtype. Raises KernelError, naming
-    the tensor, for bad shapes, dtypes, strides, devices or group size.
+    the tensor, for bad shapes, dtypes, strides, devices or group size. use_reference forces the
+    plain-torch path (the engine does this on the CPU, where the interpreter is for tests only).
     """
     num_inputs, num_outputs = _check_inputs(x, qweight, qzeros, scales, group_size, bias)
-    use_triton = _select_backend(x.device)
+    use_triton = not use_reference and _select_backend(x.device)
     if use_triton:
         allowed = (torch.float16, torch.float32) if x.device.type == "cpu" else (torch.float16,)
         if x.dtype not in allowed:

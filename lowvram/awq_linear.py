@@ -76,7 +76,10 @@ class AwqLinear(nn.Module):
         self.register_buffer(name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias)
+        # On the CPU the model always takes the plain-torch path: Triton there is only the
+        # interpreter, which tests use to check the kernels themselves.
+        y = awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                       use_reference=not x.is_cuda)
         lora_a, lora_b = getattr(self, LORA_A), getattr(self, LORA_B)
         if lora_a is not None and lora_b is not None:
             # the rank-r product costs r * (K + N) per token, a few percent of the INT4 matmul

@@ -30,6 +30,8 @@ OUT.partial-XXXX and renamed into place at the end; on any error that directory 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import argparse
 import errno
 import json
@@ -795,7 +797,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
                    quantize_head: bool = False, calib_texts: list[str] | None = None,
                    calib_path: str | Path | None = None, num_samples: int = 128, seq_len: int = 512,
                    device: str = "auto", emulate_vram_gib: float | None = None, force: bool = False,
-                   show_progress: bool = False) -> QuantizeReport:
+                   show_progress: bool = False,
+                   on_layer: Callable[[int, int], None] | None = None) -> QuantizeReport:
     """Quantize an FP16/BF16 checkpoint to AWQ INT4 (AutoAWQ GEMM layout) in `out_dir`.
 
     Args:
@@ -818,6 +821,7 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
         emulate_vram_gib: cap this process's CUDA allocator to behave like a card this size.
         force: replace a non-empty `out_dir`.
         show_progress: draw a progress bar per layer on stderr.
+        on_layer: called with (layers done, number of layers) after each layer, for UIs.
     Raises ConfigError, ModelLoadError, UnsupportedModelError with what to do; on any error
     no output directory is left behind.
     """
@@ -878,6 +882,8 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
                 layers.append(result)
                 scores.update({(index, group): score for group, score in result.scores.items()})
                 advance(index)
+                if on_layer is not None:
+                    on_layer(index + 1, config.num_layers)
             head = quantizer.quantize_head(hs) if quantize_head else None
             del hs
     except torch.cuda.OutOfMemoryError:

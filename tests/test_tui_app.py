@@ -611,3 +611,30 @@ def test_saved_chat_keeps_its_kv_pages_and_loading_restores_them(chat_model, tmp
     result = run(load())
     assert result.is_restored and result.num_tokens > 10, result.message
     assert second_engine.block_manager.num_cached_blocks > 0
+
+
+def test_quantize_on_load_reports_each_layer_and_chats_with_int4_weights(chat_model, tmp_path, monkeypatch):
+    from lowvram.tui.backend import load_engine
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    spec = EngineSpec(chat_model, "cpu", is_quantized_on_load=True, num_calib_samples=2)
+    stages: list[str] = []
+    engine = load_engine(spec, stages.append)
+    num_layers = engine.config.num_layers
+    assert any(s.startswith("quantizing ") and "once" in s for s in stages)
+    assert [s for s in stages if s.startswith("quantizing: layer")][-1] == f"quantizing: layer {num_layers} of {num_layers}"
+    assert engine.config.quantization is not None and engine.model.weight_report.int4_layer_bytes > 0
+    again: list[str] = []
+    load_engine(spec, again.append)  # the INT4 copy is made once
+    assert any("made earlier" in s for s in again) and not any(s.startswith("quantizing: layer") for s in again)
+
+    async def main():
+        app = ChatApp(spec, ChatSettings(max_tokens=12))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.backend is not None, "the engine", 60)
+            await type_and_send(pilot, QUESTION)
+            await wait_until(pilot, lambda: len(app.conversation.turns) == 2, "the reply")
+            return app.backend.llm_engine.config.quantization, app.conversation.turns[1].content
+
+    quantization, reply = run(main())
+    assert quantization is not None and reply

@@ -232,7 +232,7 @@ def test_every_key_binding_is_documented():
     from lowvram.tui.app import ChatApp, key_label
     from lowvram.tui.commands import COMMANDS
 
-    for doc in (ROOT / "docs" / "chat.md", ROOT / "docs" / "readme_chat_section.md"):
+    for doc in (ROOT / "docs" / "chat.md", ROOT / "README.md"):
         text = doc.read_text()
         for binding in ChatApp.BINDINGS:
             assert re.search(rf"`{re.escape(key_label(binding.key))}`", text), f"{doc.name} lacks {binding.key}"

@@ -26,6 +26,8 @@ class EngineSpec:
     model: str | None = None
     profile: str | None = None
     engine_kwargs: dict = field(default_factory=dict)
+    is_quantized_on_load: bool = False  # quantize an FP16/BF16 model to AWQ INT4 first (cached)
+    num_calib_samples: int = 128
 
     @property
     def model_label(self) -> str:
@@ -64,11 +66,45 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     try:
-        return LLMEngine(spec.model, spec.profile, **spec.engine_kwargs)
+        model = quantized_model_dir(spec, on_stage) if spec.is_quantized_on_load else spec.model
+        return LLMEngine(model, spec.profile, **spec.engine_kwargs)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.propagate = is_propagating
+
+
+def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> str:
+    """An AWQ INT4 copy of the model, made once and kept under the user's data dir.
+
+    An AWQ checkpoint is used as it is. The profile's fp16_budget_mib and
+    compensation_rank choose the FP16-kept layers and the residual's rank.
+    """
+    import os
+
+    from lowvram.config import load_profile
+    from lowvram.conversation_store import model_identity
+    from lowvram.loader import resolve_model_path
+    from lowvram.model_config import load_model_config
+    from lowvram.quantize import quantize_model
+
+    model_dir = resolve_model_path(spec.model)
+    config, _ = load_model_config(model_dir)
+    if config.quantization is not None:
+        on_stage(f"{spec.model_label} is already AWQ INT4")
+        return str(model_dir)
+    profile = load_profile(spec.profile)
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "lowvram" / "quantized"
+    out = base / f"{model_dir.name}-awq-g128-f{profile.fp16_budget_mib}-r{profile.compensation_rank}-{model_identity(model_dir)[:12]}"
+    if (out / "config.json").is_file():
+        on_stage(f"using the AWQ INT4 copy made earlier: {out}")
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    on_stage(f"quantizing {spec.model_label} to AWQ INT4 (once; kept in {out})")
+    quantize_model(model_dir, out, fp16_budget_mib=profile.fp16_budget_mib, rank=profile.compensation_rank,
+                   num_samples=spec.num_calib_samples, device=spec.engine_kwargs.get("device") or "auto",
+                   on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"))
+    return str(out)
 
 
 class ChatBackend:

@@ -22,6 +22,8 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true",
                    help="line mode: each input line is a message, replies go to stdout "
                         "(automatic when stdin or stdout is not a terminal)")
+    p.add_argument("--quantize", action="store_true",
+                   help="quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)")
     p.add_argument("--transcripts", default=None, metavar="DIR",
                    help="where Ctrl+S saves transcripts (default: $XDG_DATA_HOME/lowvram/transcripts, "
                         "else ~/.local/share/lowvram/transcripts)")
@@ -41,7 +43,7 @@ def cmd_chat(args) -> int:
     from lowvram.tui.backend import EngineSpec
     from lowvram.tui.conversation import ChatSettings
 
-    spec = EngineSpec(args.model, args.profile, _engine_kwargs(args))
+    spec = EngineSpec(args.model, args.profile, _engine_kwargs(args), is_quantized_on_load=args.quantize)
     settings = ChatSettings(args.system, args.temperature, args.max_tokens)
     transcript_dir = Path(args.transcripts).expanduser() if args.transcripts else None
     if args.plain or not sys.stdout.isatty() or not sys.stdin.isatty():
