@@ -20,7 +20,7 @@ No torch here; the engine gathers observations and applies the actions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from lowvram.config import ControllerConfig
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from lowvram.errors import RequestError
+from lowvram.paths import user_data_dir
 
 log = logging.getLogger("lowvram")
 FORMAT = "lowvram-kv-conversation"
@@ -38,8 +39,7 @@ _NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "U8": np.uint8, "BF16": n
 
 
 def default_dir() -> Path:
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "lowvram" / "conversations"
+    return user_data_dir("conversations")
 
 
 def model_identity(model_dir: Path) -> str:

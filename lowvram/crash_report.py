@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowvram.errors import ConfigError
+from lowvram.paths import user_data_dir
 
 CRASH_REPORT_FORMAT = "lowvram-crash-report"
 CRASH_REPORT_VERSION = 1
@@ -72,8 +73,7 @@ class CrashReport:
 
 
 def default_crash_report_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "lowvram" / "crash-reports"
+    return user_data_dir("crash-reports")
 
 
 def _profile_dict(profile: Any) -> dict:

@@ -24,11 +24,12 @@ import torch
 
 from lowvram.errors import ConfigError
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
-SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+# DeepSeek-R1's special-token spellings, one copy for the demo model and the fixtures.
+from lowvram.demo.tokenizer import ASSISTANT as ASSISTANT_TOKEN  # noqa: F401  (public name)
+from lowvram.demo.tokenizer import BOS as BOS_TOKEN
+from lowvram.demo.tokenizer import EOS as EOS_TOKEN
+from lowvram.demo.tokenizer import SPECIAL_TOKENS
+from lowvram.demo.tokenizer import USER as USER_TOKEN  # noqa: F401  (public name)
 
 MAX_POSITION_EMBEDDINGS = 2048
 

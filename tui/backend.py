@@ -14,6 +14,7 @@ from pathlib import Path
 from lowvram.async_engine import AsyncLLMEngine
 from lowvram.engine import EngineSnapshot, LLMEngine
 from lowvram.outputs import RequestOutput
+from lowvram.paths import user_data_dir
 from lowvram.sampling import SamplingParams
 
 BUNDLED_MODEL_LABEL = "bundled demo model"
@@ -80,8 +81,6 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     An AWQ checkpoint is used as it is. The profile's fp16_budget_mib and
     compensation_rank choose the FP16-kept layers and the residual's rank.
     """
-    import os
-
     from lowvram.config import load_profile
     from lowvram.conversation_store import model_identity
     from lowvram.loader import resolve_model_path
@@ -94,7 +93,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         on_stage(f"{spec.model_label} is already AWQ INT4")
         return str(model_dir)
     profile = load_profile(spec.profile)
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "lowvram" / "quantized"
+    base = user_data_dir("quantized")
     out = base / f"{model_dir.name}-awq-g128-f{profile.fp16_budget_mib}-r{profile.compensation_rank}-{model_identity(model_dir)[:12]}"
     if (out / "config.json").is_file():
         on_stage(f"using the AWQ INT4 copy made earlier: {out}")

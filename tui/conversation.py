@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from lowvram.errors import ConfigError
+from lowvram.paths import user_data_dir
 from lowvram.sampling import SamplingParams
 
 TRANSCRIPT_FORMAT = "lowvram-chat-transcript"
@@ -122,8 +123,7 @@ class Conversation:
 
 def default_transcript_dir() -> Path:
     """$XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/lowvram/transcripts."""
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "lowvram" / "transcripts"
+    return user_data_dir("transcripts")
 
 
 def save_transcript(conversation: Conversation, target: str | os.PathLike | None = None) -> tuple[Path, Path]:
