@@ -81,11 +81,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """SiLU-gated MLP (SwiGLU); also each expert of the MoE models."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -97,7 +99,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, positions, meta, kv_pages):
         h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
@@ -114,12 +116,15 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`model.*` and `lm_head` as in the checkpoint; forward returns final hidden states."""
+    """`model.*` and `lm_head` as in the checkpoint; forward returns final hidden states.
 
-    def __init__(self, config: ModelConfig):
+    `model` is the decoder stack (embed_tokens, layers, norm); by default the dense one.
+    """
+
+    def __init__(self, config: ModelConfig, model: nn.Module | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = model if model is not None else DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:

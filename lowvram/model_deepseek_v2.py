@@ -30,7 +30,7 @@ from torch import nn
 from lowvram.attention import AttentionMetadata, paged_attention
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from lowvram.kv_quant import KVPages, allocate_pages
-from lowvram.model import RMSNorm
+from lowvram.model import MLP, CausalLM, RMSNorm
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 
@@ -258,19 +258,6 @@ class LatentAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*v] -> [T, hidden]
 
 
-class GatedMLP(nn.Module):
-    """SiLU-gated MLP: the dense layers, each routed expert and the shared experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Router(nn.Module):
     """Softmax over routed experts, then top-k (greedy, or within the best groups)."""
 
@@ -302,9 +289,9 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(config)
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts))
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts))
         if config.num_shared_experts:
-            self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k]
@@ -326,7 +313,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         is_moe = config.num_routed_experts > 0 and layer_idx >= config.first_k_dense_replace
-        self.mlp = MoE(config) if is_moe else GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MoE(config) if is_moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, positions, meta, kv_pages):
         h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
@@ -342,29 +329,15 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
-    """`model.*` and `lm_head` as in the checkpoint; the same forward/compute_logits as lowvram.model.CausalLM.
+class DeepseekV2ForCausalLM(CausalLM):
+    """`model.*` and `lm_head` as in the checkpoint; the forward and compute_logits of CausalLM.
 
     kv_pages: one KVPages per layer with one KV head of `config.kv_head_dim` values
     (see `allocate_latent_pages`); only their K tensors are read and written.
     """
 
     def __init__(self, config: DeepseekV2Config):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
-        for layer, pages in zip(self.model.layers, kv_pages):
-            h = layer(h, positions, meta, pages)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> FP32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        super().__init__(config, DeepseekV2Model(config))
 
 
 def load_deepseek_v2(model_dir: str | Path, device: torch.device | str,
