@@ -9,12 +9,11 @@ are identical.
 
 from __future__ import annotations
 
-import logging
-import os
 
 import torch
 
 from lowvram.errors import KernelError
+from lowvram.kernels.dispatch import use_triton
 from lowvram.kv_quant import MIN_SCALE, KVPages, store_kv
 
 try:
@@ -25,24 +24,13 @@ try:
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
 
-logger = logging.getLogger("lowvram.kernels")
 
 # Set to True to run the plain-torch reference everywhere (debugging, A/B checks).
 FORCE_REFERENCE = False
-_logged_paths: set[str] = set()
 
 
 def _use_triton(device: torch.device, use_reference: bool) -> bool:
-    if use_reference or FORCE_REFERENCE or not HAS_TRITON:
-        path = "reference"
-    elif device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        path = "triton"
-    else:
-        path = "reference"
-    if path not in _logged_paths:
-        _logged_paths.add(path)
-        logger.info("write_kv: using the %s path (%s tensors)", path, device.type)
-    return path == "triton"
+    return use_triton("write_kv", device, use_reference or FORCE_REFERENCE)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:

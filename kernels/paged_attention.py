@@ -25,13 +25,12 @@ float32 plain-torch reference (`*_ref`) otherwise.
 from __future__ import annotations
 
 import functools
-import logging
 import math
-import os
 
 import torch
 
 from lowvram.errors import KernelError
+from lowvram.kernels.dispatch import use_triton
 from lowvram.kv_quant import KVPages, gather_kv
 
 try:
@@ -42,11 +41,9 @@ try:
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
 
-logger = logging.getLogger("lowvram.kernels")
 
 # Set to True to run the plain-torch references everywhere (debugging, A/B checks).
 FORCE_REFERENCE = False
-_logged_paths: set[str] = set()
 
 # Decode partitions shorter than this cost more in the merge than they win in parallelism.
 MIN_PARTITION_TOKENS = 128
@@ -55,17 +52,7 @@ _LOG2_E = 1.4426950408889634
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
-    if use_reference or FORCE_REFERENCE or not HAS_TRITON:
-        path = "reference"
-    elif device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        path = "triton"
-    else:
-        path = "reference"
-    key = f"{kernel_name}:{path}"
-    if key not in _logged_paths:
-        _logged_paths.add(key)
-        logger.info("%s: using the %s path (%s tensors)", kernel_name, path, device.type)
-    return path == "triton"
+    return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE)
 
 
 def _is_interpreted(device: torch.device) -> bool:
