@@ -234,7 +234,7 @@ def engine_memory(engine: Any) -> dict:
     if bm is not None and hasattr(engine, "kv_bytes_in_use"):
         # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
         memory.update(kv_bytes_in_use=int(engine.kv_bytes_in_use()),
-                      kv_blocks_in_use=int(sum(1 for count in bm.ref_counts if count > 0)),
+                      kv_blocks_in_use=int(bm.num_used_blocks),
                       kv_blocks_cached_reclaimable=int(bm.num_cached_blocks))
     device = getattr(engine, "device", None)
     if device is not None:

@@ -226,9 +226,8 @@ class LLMEngine:
     def kv_bytes_in_use(self) -> int:
         """Device bytes of pages that hold live sequences' KV (cached-but-unused pages are
         reclaimable and not counted; pages spilled to the host are not on the device)."""
-        bm = self.block_manager
-        num_live = sum(1 for count in bm.ref_counts if count > 0)
-        num_live -= self.runner.num_kv_blocks_on_host()
+        # Pages nobody holds are on the free list or cached: used = the rest (no per-page scan per step).
+        num_live = self.block_manager.num_used_blocks - self.runner.num_kv_blocks_on_host()
         return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
 
     def memory_in_use_bytes(self) -> int:

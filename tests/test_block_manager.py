@@ -76,8 +76,10 @@ def test_freed_hashed_pages_stay_cached_and_count_as_free_then_evict_lru_tail_fi
     assert match.block_ids == [2, 3]
     bm.acquire(3, match)
     assert list(bm.cached_free) == [1, 0] and bm.num_free_blocks == 2
+    assert bm.num_used_blocks == sum(count > 0 for count in bm.ref_counts) == 2
     # a new sequence needing 1 page evicts the least recently freed one: page 1
     bm.allocate(4, 2)
+    assert bm.num_used_blocks == sum(count > 0 for count in bm.ref_counts) == 3
     assert bm.block_table(4) == [1]
     assert bm.match_prefix([1, 2, 3, 4, 5]).block_ids == [0]  # page 1's content is gone, page 0 is still there
 
