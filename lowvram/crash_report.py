@@ -94,9 +94,9 @@ def _profile_dict(profile: Any) -> dict:
 
 def _model_dict(model: Any) -> dict:
     if model is None:
-        from lowvram.loader import BUNDLED_MODEL_DIR
+        from lowvram.demo import DEMO_MODEL_DIR
 
-        model = BUNDLED_MODEL_DIR if (BUNDLED_MODEL_DIR / "config.json").is_file() else None
+        model = DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").is_file() else None
     if model is None or isinstance(model, dict):
         return dict(model or {"path": None, "config": None})
     from lowvram.memory_plan import read_raw_config

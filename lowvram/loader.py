@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lowvram.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
+from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
 from lowvram.model import CausalLM
 from lowvram.model_config import AwqConfig, ModelConfig, load_model_config
@@ -35,7 +36,6 @@ COMPENSATION_FILE = "lowvram_compensation.st"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", COMPENSATION_FILE]
 QUANTIZABLE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-BUNDLED_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -44,9 +44,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     None means the small demo model that ships inside the package.
     """
     if model is None:
-        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-            raise ModelLoadError("the bundled demo model is missing from this install; pass --model PATH")
-        return BUNDLED_MODEL_DIR
+        return demo_model_path()
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
