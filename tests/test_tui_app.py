@@ -48,6 +48,17 @@ async def wait_until(pilot, predicate, what: str, timeout_s: float = 15.0) -> No
         await asyncio.sleep(0.005)  # not pilot.pause: that waits for the screen to go idle, which a stream delays
 
 
+async def wait_for_screen(pilot, screen_type, ready: str, what: str) -> None:
+    """Waits until `screen_type` is on top with `ready` laid out: a pushed screen mounts and sizes its widgets
+    a moment later, and a click before that lands nowhere."""
+    app = pilot.app
+
+    def is_ready() -> bool:
+        return isinstance(app.screen, screen_type) and any(w.region.area for w in app.screen.query(ready))
+
+    await wait_until(pilot, is_ready, what)
+
+
 async def press_now(pilot, key: str) -> None:
     """A key press that does not wait for the screen to go idle, which a streaming reply delays."""
     pilot.app.post_message(events.Key(key, key if len(key) == 1 else None))
@@ -228,7 +239,7 @@ def test_loading_screen_shows_stages_then_the_chat(chat_model):
     async def main():
         app = ChatApp(EngineSpec(chat_model, "cpu"), loader=gated)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: isinstance(app.screen, LoadingScreen), "the loading screen")
+            await wait_for_screen(pilot, LoadingScreen, "#loading-stage", "the loading screen")
             await wait_until(pilot, lambda: "waiting" in str(app.screen.query_one("#loading-stage").content), "a stage")
             title = str(app.screen.query_one("#loading-title").content)
             gate.set()
@@ -245,11 +256,11 @@ def test_a_load_error_is_a_dialog_with_a_fix_not_a_traceback(tmp_path):
     async def main():
         app = ChatApp(EngineSpec(str(tmp_path / "no-such-model"), "cpu"))
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: isinstance(app.screen, ErrorDialog), "the error dialog")
+            await wait_for_screen(pilot, ErrorDialog, "#error-buttons Button", "the error dialog")
             dialog = app.screen
             texts = [str(w.content) for w in dialog.query("Static")]
             await pilot.click("#quit")
-            await pilot.pause(0.05)
+            await wait_until(pilot, lambda: app.return_code is not None, "the exit")
             return texts, app.return_code
 
     texts, return_code = run(main())
@@ -433,7 +444,7 @@ def test_settings_and_system_prompt_reach_the_next_request():
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot)
             await pilot.press("f3")
-            await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog), "the settings dialog")
+            await wait_for_screen(pilot, SettingsDialog, "#temperature", "the settings dialog")
             app.screen.query_one("#temperature").value = "-1"
             await pilot.press("enter")
             error = str(app.screen.query_one("#settings-error").content)
@@ -441,7 +452,7 @@ def test_settings_and_system_prompt_reach_the_next_request():
             app.screen.query_one("#max-tokens").value = "64"
             await pilot.press("enter")
             await pilot.press("f2")
-            await wait_until(pilot, lambda: isinstance(app.screen, TextPrompt), "the system prompt dialog")
+            await wait_for_screen(pilot, TextPrompt, "#prompt-input", "the system prompt dialog")
             app.screen.query_one("#prompt-input").value = "Answer in French."
             await pilot.press("enter")
             await type_and_send(pilot, "hello")
@@ -470,7 +481,7 @@ def test_picking_a_profile_reloads_the_engine():
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot)
             await pilot.press("f4")
-            await wait_until(pilot, lambda: isinstance(app.screen, TextPrompt), "the profile picker")
+            await wait_for_screen(pilot, TextPrompt, "#prompt-input", "the profile picker")
             app.screen.query_one("#prompt-input").value = "2gb"
             await pilot.press("enter")
             await wait_until(pilot, lambda: len(specs) == 2 and app.backend is backends[1], "the reload")
@@ -487,7 +498,7 @@ def test_help_lists_every_key_binding_and_command():
         async with app.run_test(size=SIZE) as pilot:
             await started(pilot)
             await pilot.press("f1")
-            await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+            await wait_for_screen(pilot, HelpScreen, "DataTable", "the help screen")
             table = app.screen.query_one("DataTable")
             rows = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
             await pilot.press("escape")
@@ -557,7 +568,7 @@ def test_snapshot_load_error(tmp_path):
     async def main():
         app = ChatApp(EngineSpec(None, "4gb"), loader=failing)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: isinstance(app.screen, ErrorDialog), "the error dialog")
+            await wait_for_screen(pilot, ErrorDialog, "#error-buttons Button", "the error dialog")
             app.query_one(ChatInput).cursor_blink = False
             await pilot.pause(0.2)
             return app.export_screenshot()
