@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import platform
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from lowvram.bench_record import git_commit
 from lowvram.llm import LLM
 from lowvram.sampling import SamplingParams
 
@@ -151,14 +151,6 @@ class QualityReport:
         return data
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def run_quality_bench(model: str | None = None, *, variant_names: list[str] | None = None, device: str = "cpu",
                       num_per_kind: int | None = None, max_chars: int | None = None, command: str = "",
                       calib_samples: int = 32,
@@ -185,7 +177,7 @@ def run_quality_bench(model: str | None = None, *, variant_names: list[str] | No
         rows.append(evaluate(variant, tasks, text, reference))
     return QualityReport(
         model=str(model or "bundled demo model"), device=device, command=command,
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), git_commit=_git_commit(),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), git_commit=git_commit(short=True),
         machine=f"{platform.machine()} {platform.processor() or ''} {platform.system()}, Python {platform.python_version()}".strip(),
         num_per_kind=num_per_kind, max_chars=max_chars, rows=rows,
     )

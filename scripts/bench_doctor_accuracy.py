@@ -28,7 +28,6 @@ import gc
 import json
 import math
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from lowvram.bench_record import git_commit
 
 GIB = 2**30
 MIB = 2**20
@@ -176,14 +177,6 @@ def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: 
     }
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -260,7 +253,7 @@ def main() -> int:
     if args.json:
         report = {
             "command": "python " + " ".join(sys.argv), "gpu": gpu,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": _git_commit(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
             "torch": torch.__version__, "num_layers": args.num_layers, "profile": args.profile,
             "cuda_context_bytes": context_bytes, "cuda_context_source": context_source,
             "constants": {"CUDA_CONTEXT_BYTES": CUDA_CONTEXT_BYTES, "CUBLAS_WORKSPACE_BYTES": CUBLAS_WORKSPACE_BYTES,

@@ -15,11 +15,11 @@ import datetime
 import json
 import math
 import platform
-import subprocess
 import sys
 
 import torch
 
+from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels.paged_attention import paged_decode_attention, plan_decode_partitions
 from lowvram.kv_quant import allocate_pages
 
@@ -32,14 +32,7 @@ TARGET_FRACTION = 0.60
 
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy: bytes read plus bytes written per second."""
-    import triton.testing
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    time_ms = _median_ms(triton.testing.do_bench, lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / (time_ms * 1e-3) / 1e9
+    return measure_copy_bandwidth_gbps(num_bytes, "cuda")
 
 
 def random_pages(precision: str, num_blocks: int, generator: torch.Generator):
@@ -108,14 +101,6 @@ def fits_in_memory(precision: str, context_len: int, batch_size: int) -> bool:
     free_bytes, _ = torch.cuda.mem_get_info()
     bytes_per_token = NUM_KV_HEADS * 2 * (HEAD_DIM * 2 if precision == "fp16" else HEAD_DIM + 4)
     return batch_size * context_len * bytes_per_token * 2 < free_bytes * 0.5
-
-
-def git_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return result.stdout.strip() or None
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lowvram import LLM, SamplingParams
+from lowvram.bench_record import git_commit
 from lowvram.config import load_profile
 
 QUESTIONS = [
@@ -56,13 +56,6 @@ def chat_turns(llm: LLM, num_turns: int, max_tokens: int, padding: str) -> list[
     return rows
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model dir (default: the bundled demo model)")
@@ -88,7 +81,7 @@ def main() -> int:
     record = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} threads",
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git_commit": _git_commit(),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git_commit": git_commit(short=True),
               "model": args.shape or model or "bundled demo model"}
     for enabled in (True, False):
         profile = base.replace(enable_prefix_caching=enabled, max_model_len=max_len, max_num_batched_tokens=2048,

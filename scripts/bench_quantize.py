@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 from safetensors.torch import save_file
 
+from lowvram.bench_record import git_commit
 from lowvram.quantize import quantize_model
 from lowvram.testing import train_tiny_tokenizer
 
@@ -47,15 +47,6 @@ SHAPE = {
     "rope_theta": 10000.0,
 }
 INIT_STD = 0.02
-
-
-def git_commit() -> str:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return result.stdout.strip() if result.returncode == 0 else "unknown"
 
 
 def write_random_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> int:

@@ -14,13 +14,13 @@ dequantize-then-cuBLAS, and for a cuBLAS float16 matmul of an already dequantize
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16_gemm import choose_gemm_config, launch_awq_dequant, launch_awq_gemm
 from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
@@ -51,11 +51,7 @@ def median_ms(fn) -> float:
 
 
 def measure_copy_gbps() -> float:
-    src = torch.empty(COPY_BYTES // 2, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    elapsed_ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * COPY_BYTES / elapsed_ms / 1e6  # read + write
+    return measure_copy_bandwidth_gbps(COPY_BYTES, "cuda")  # read + write
 
 
 def random_layer(num_inputs, num_outputs, seed):
@@ -135,14 +131,6 @@ def bench_prefill(num_inputs, num_outputs, is_sweep):
                 best_ms, best_config = trial_ms, trial
         row["best_ms"], row["best_config"] = best_ms, best_config
     return row
-
-
-def git_commit() -> str:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return result.stdout.strip() if result.returncode == 0 else "unknown"
 
 
 def print_tables(copy_gbps, rows):
