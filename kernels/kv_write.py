@@ -51,7 +51,8 @@ def write_kv(
 
     The slot of position p of a sequence is `block_table[p // B] * B + p % B`.
     For INT8/INT4 pages each (token, head) row is quantized with its own
-    min/max (see `lowvram.kv_quant`). `k` and `v` may be strided views (e.g.
+    min/max (see `lowvram.kv_quant`); rows in pages kept in FP16 (`pages.window_row`)
+    are also stored unquantized there. `k` and `v` may be strided views (e.g.
     slices of a fused QKV output) as long as the last dim is contiguous.
     """
     _check_write_args(k, v, slot_mapping, pages)
@@ -69,13 +70,17 @@ def write_kv(
     k_zero = pages.k_zero if pages.is_quantized else pages.k
     v_scale = pages.v_scale if pages.is_quantized else pages.v
     v_zero = pages.v_zero if pages.is_quantized else pages.v
+    # Without a window the kernel never reads these either.
+    window = (pages.window_k, pages.window_v, pages.window_row) if pages.has_window else (pages.k, pages.v, pages.k)
     _write_kv_kernel[(num_tokens,)](
         k, v, slot_mapping,
         pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        *window,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_kv_heads, code_dim,
+        num_kv_heads, code_dim, head_dim,
         BITS=pages.bits, QMAX=(1 << pages.bits) - 1 if pages.is_quantized else 0,
         BLOCK_H=block_h, BLOCK_C=block_c,
+        HAS_WINDOW=pages.has_window, PAGE_SIZE=pages.block_size, BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
@@ -174,12 +179,22 @@ if HAS_TRITON:
             tl.store(zero_ptr + scale_offs, zero_f16, mask=mask_h)
 
     @triton.jit
+    def _window_slot(window_row_ptr, slot, PAGE_SIZE: tl.constexpr):
+        # The slot's row in the FP16 window arrays; negative (nothing stored) when the
+        # slot is padding or its page is not kept in FP16.
+        page = tl.maximum(slot, 0) // PAGE_SIZE
+        row = tl.load(window_row_ptr + page, mask=slot >= 0, other=-1).to(tl.int64)
+        return row * PAGE_SIZE + tl.maximum(slot, 0) % PAGE_SIZE
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, slot_ptr,
         k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        window_k_ptr, window_v_ptr, window_row_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
-        num_kv_heads, code_dim,
+        num_kv_heads, code_dim, head_dim,
         BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         # One program per token, all KV heads: the row min/max is a reduction over head_dim.
         token = tl.program_id(0)
@@ -192,3 +207,14 @@ if HAS_TRITON:
             v_ptr + token.to(tl.int64) * stride_vt, stride_vh, v_cache_ptr, v_scale_ptr, v_zero_ptr,
             slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
         )
+        if HAS_WINDOW:
+            # Pages kept in FP16 (see lowvram.kv_quant) get the row unquantized as well.
+            window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
+            _store_row(
+                k_ptr + token.to(tl.int64) * stride_kt, stride_kh, window_k_ptr, window_k_ptr, window_k_ptr,
+                window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D,
+            )
+            _store_row(
+                v_ptr + token.to(tl.int64) * stride_vt, stride_vh, window_v_ptr, window_v_ptr, window_v_ptr,
+                window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D,
+            )

@@ -15,7 +15,9 @@ query head), online softmax over K/V tiles up to the causal limit.
 Both kernels gather K/V through the block table one token row at a time
 (`block_table[seq, p // B] * B + p % B`), dequantize INT8/INT4 rows in
 registers as `(q - zero) * scale`, and accumulate in float32. Scores use
-exp2 with the softmax scale folded into log2(e).
+exp2 with the softmax scale folded into log2(e). Tokens of pages kept in FP16
+beside INT8/INT4 ones (`KVPages.window_row`, see `lowvram.kv_quant`) are read
+from the FP16 copy instead of their codes.
 
 The public wrappers check shapes, dtypes and strides, then run the Triton
 kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
@@ -168,11 +170,25 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
 
 
 def _check_kernel_head_dim(name: str, head_dim: int) -> None:
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if head_dim < 16:
         raise KernelError(
-            f"{name}: the Triton kernel needs head_dim a power of two >= 16, got {head_dim}; "
+            f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
             "pass use_reference=True to use the plain-torch path"
         )
+
+
+def _block_d(head_dim: int) -> int:
+    # Tiles span a power of two along the head dim; columns past head_dim are masked
+    # (MLA's 576 = 512 latent + 64 RoPE runs in 1024-wide tiles).
+    return triton.next_power_of_2(head_dim)
+
+
+def _tile_rows(block_d: int, rows: int) -> int:
+    # Wide rows shrink the tiles so q, K and V tiles fit shared memory and the
+    # float32 accumulator fits registers.
+    if block_d > 512:
+        return min(rows, 16)
+    return min(rows, 32) if block_d > 256 else rows
 
 
 def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,6 +196,13 @@ def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.T
     if pages.is_quantized:
         return pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
     return pages.k, pages.k, pages.v, pages.v
+
+
+def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Without a window the kernel never reads these slots.
+    if pages.has_window:
+        return pages.window_k, pages.window_v, pages.window_row
+    return pages.k, pages.v, pages.k
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,20 +294,22 @@ def paged_decode_attention(
         partial_out, partial_lse = out, out  # unused without splitting
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, context_lens, out, partial_out, partial_lse,
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BITS=pages.bits,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=_decode_block_n(q.device),
-        IS_SPLIT=num_splits > 1,
-        num_warps=4,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BITS=pages.bits,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
+        BLOCK_N=_tile_rows(_block_d(head_dim), _decode_block_n(q.device)),
+        IS_SPLIT=num_splits > 1, HAS_WINDOW=pages.has_window,
+        num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     if num_splits > 1:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, num_splits,
-            HEAD_DIM=head_dim, BLOCK_SPLITS=triton.next_power_of_2(num_splits), CHUNK=4 if is_interpreted else 16,
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            CHUNK=4 if is_interpreted else 16,
             num_warps=4,
         )
     return out
@@ -330,20 +355,20 @@ def paged_prefill_attention(
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     is_interpreted = _is_interpreted(q.device)
-    block_m = 16 if is_interpreted else 64
-    block_n = 16 if is_interpreted else 64
+    block_m = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
+    block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     grid = (triton.cdiv(max(1, max_q_len), block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, cu_seqlens_q, context_lens, out,
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         pages.num_kv_heads, num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BITS=pages.bits,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BITS=pages.bits,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window,
+        num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out
 
@@ -355,25 +380,34 @@ if HAS_TRITON:
     @triton.jit
     def _load_kv_tile(
         cache_ptr, scale_ptr, zero_ptr, rows, mask_n,
-        HEAD_DIM: tl.constexpr, BITS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, OUT_DTYPE: tl.constexpr,
     ):
-        # rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head; returns [BLOCK_N, HEAD_DIM] in OUT_DTYPE.
-        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0.
-        offs_d = tl.arange(0, HEAD_DIM)
+        # rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head; returns [BLOCK_N, BLOCK_D] in OUT_DTYPE.
+        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0; so do
+        # columns past HEAD_DIM (FP16/INT8; INT4 ones dequantize finite, and q is 0 there).
+        offs_d = tl.arange(0, BLOCK_D)
+        if BLOCK_D == HEAD_DIM:
+            mask = mask_n[:, None]
+        else:
+            mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
         if BITS == 16:
-            tile = tl.load(cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            tile = tl.load(cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
             tile = tile.to(OUT_DTYPE)
         else:
             scale = tl.load(scale_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
             zero = tl.load(zero_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
             if BITS == 8:
                 codes = tl.load(
-                    cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0
+                    cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0
                 ).to(tl.int32)
             else:
-                offs_b = tl.arange(0, HEAD_DIM // 2)
+                offs_b = tl.arange(0, BLOCK_D // 2)
+                if BLOCK_D == HEAD_DIM:
+                    mask_b = mask_n[:, None]
+                else:
+                    mask_b = mask_n[:, None] & (offs_b < HEAD_DIM // 2)[None, :]
                 packed = tl.load(
-                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_n[:, None], other=0
+                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_b, other=0
                 ).to(tl.int32)
                 # low nibble = element 2i, high nibble = element 2i+1
                 codes = tl.interleave(packed & 15, (packed >> 4) & 15)
@@ -381,14 +415,45 @@ if HAS_TRITON:
         return tile
 
     @triton.jit
+    def _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
+                     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        # Each token's page row in the FP16 window arrays (-1: the page is not kept in FP16),
+        # and the token's row there: [BLOCK_N] each.
+        if HAS_WINDOW:
+            window_page = tl.load(window_row_ptr + block, mask=mask_n, other=-1).to(tl.int64)
+        else:
+            window_page = tl.zeros_like(block) - 1
+        rows = (tl.maximum(window_page, 0) * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
+        return window_page, rows
+
+    @triton.jit
+    def _load_paged_tile(
+        cache_ptr, scale_ptr, zero_ptr, window_ptr, rows, window_page, window_rows, mask_n,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        OUT_DTYPE: tl.constexpr,
+    ):
+        # _load_kv_tile, except that tokens of pages kept in FP16 come from the window, not their codes.
+        if HAS_WINDOW:
+            is_window = mask_n & (window_page >= 0)
+            tile = _load_kv_tile(cache_ptr, scale_ptr, zero_ptr, rows, mask_n & (window_page < 0), HEAD_DIM, BLOCK_D,
+                                 BITS, OUT_DTYPE)
+            kept = _load_kv_tile(window_ptr, window_ptr, window_ptr, window_rows, is_window, HEAD_DIM, BLOCK_D, 16,
+                                 OUT_DTYPE)
+            tile = tl.where(is_window[:, None], kept, tile)
+        else:
+            tile = _load_kv_tile(cache_ptr, scale_ptr, zero_ptr, rows, mask_n, HEAD_DIM, BLOCK_D, BITS, OUT_DTYPE)
+        return tile
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        window_k_ptr, window_v_ptr, window_row_ptr,
         block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         scale_log2,
         stride_qs, stride_qh, stride_bt,
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -398,20 +463,21 @@ if HAS_TRITON:
         end = tl.minimum(start + partition_tokens, context_len)
 
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         mask_g = offs_g < group_size
+        mask_gd = mask_g[:, None] & (offs_d < HEAD_DIM)[None, :]
         heads = kv_head * group_size + offs_g
-        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, HEAD_DIM]
+        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot) and BLOCK_D: [BLOCK_G, BLOCK_D]
         q = tl.load(
             q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_g[:, None], other=0.0,
+            mask=mask_gd, other=0.0,
         )
         dot_dtype = q.dtype
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
         for tile_start in range(start, end, BLOCK_N):
@@ -419,14 +485,18 @@ if HAS_TRITON:
             mask_n = positions < end
             block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
+                                                    PAGE_SIZE, HAS_WINDOW)
+            k = _load_paged_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows,
+                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_G, BLOCK_N]
             scores = tl.where(mask_n[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            v = _load_paged_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows,
+                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
             m_i = m_new
 
@@ -438,16 +508,16 @@ if HAS_TRITON:
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
             tl.store(
-                partial_out_ptr + lse_offs[:, None] * HEAD_DIM + offs_d[None, :], result, mask=mask_g[:, None]
+                partial_out_ptr + lse_offs[:, None] * HEAD_DIM + offs_d[None, :], result, mask=mask_gd
             )
         else:
             out_offs = (seq.to(tl.int64) * num_kv_heads * group_size + heads)[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+            tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_gd)
 
     @triton.jit
     def _merge_partitions_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
     ):
         # One program per (sequence, head): weight each partition by exp2(lse - max lse).
         # Partial outputs are summed CHUNK partitions at a time to bound register use.
@@ -461,8 +531,9 @@ if HAS_TRITON:
         total = tl.sum(tl.exp2(lse - max_lse), axis=0)
 
         offs_c = tl.arange(0, CHUNK)
-        offs_d = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        acc = tl.zeros([BLOCK_D], tl.float32)
         for chunk_start in range(0, num_splits, CHUNK):
             splits = chunk_start + offs_c
             mask_c = splits < num_splits
@@ -471,21 +542,22 @@ if HAS_TRITON:
             )
             parts = tl.load(
                 partial_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=mask_c[:, None], other=0.0,
+                mask=mask_c[:, None] & mask_d[None, :], other=0.0,
             )
             acc += tl.sum(parts * weights[:, None], axis=0)
         result = acc / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
 
     @triton.jit
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        window_k_ptr, window_v_ptr, window_row_ptr,
         block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
         scale_log2,
         stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         num_kv_heads, group_size,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
@@ -498,12 +570,13 @@ if HAS_TRITON:
 
         offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_d = tl.arange(0, BLOCK_D)
         mask_m = offs_m < q_len
+        mask_md = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
         token_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(
             q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-            mask=mask_m[:, None], other=0.0,
+            mask=mask_md, other=0.0,
         )
         dot_dtype = q.dtype
         q_positions = num_cached + offs_m
@@ -514,7 +587,7 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
@@ -522,7 +595,10 @@ if HAS_TRITON:
             mask_n = positions < end
             block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-            k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
+                                                    PAGE_SIZE, HAS_WINDOW)
+            k = _load_paged_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows,
+                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
             is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])
             scores = tl.where(is_visible, scores, float("-inf"))
@@ -530,10 +606,11 @@ if HAS_TRITON:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, HEAD_DIM, BITS, dot_dtype)
+            v = _load_paged_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows,
+                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
             m_i = m_new
 
         result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         out_offs = token_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_md)

@@ -36,9 +36,10 @@ class AttentionMetadata:
 
 
 def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
-    # Triton kernels run on CUDA for power-of-two head sizes; the CPU (and odd head
+    # Triton kernels run on CUDA for head sizes of 16 and up (a size that is not a power
+    # of two, like MLA's 576, is padded inside the kernels); the CPU (and tiny head
     # sizes) use the plain-torch references beside the kernels.
-    return q.is_cuda and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return q.is_cuda and head_dim >= 16
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KVPages, meta: AttentionMetadata,

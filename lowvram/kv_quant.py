@@ -12,6 +12,12 @@ rounded. K/V rows of real models straddle 0, so the widening costs no
 resolution in practice. Rounding is `floor(v + 0.5)` and every step uses the
 FP16-rounded scale and zero, so the Triton write kernel (`lowvram.kernels.kv_write`)
 reproduces these functions byte for byte.
+
+An INT8/INT4 `KVPages` may keep some pages in FP16 as well (the recent window the
+KV pool keeps when it compresses): `window_row[page]` is the row of `window_k` /
+`window_v` that holds the page, -1 for the others. Those pages are written in both
+forms and read from the FP16 one; their codes stay valid, so a reader that ignores
+the window sees INT8/INT4 values, never garbage.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ class KVPages:
     for "int4" (element 2i in the low nibble, 2i+1 in the high nibble).
     `k_scale`, `k_zero`, `v_scale`, `v_zero`: float16 `[num_blocks, block_size,
     num_kv_heads]`, present only for the quantized precisions.
+    `window_k`, `window_v`: `[num_window_pages, block_size, num_kv_heads, head_dim]`
+    float16 (float32 on the CPU) copies of the pages kept in FP16, and `window_row`:
+    int32 `[num_blocks]`, each page's row there (-1 = not kept); all three or none,
+    quantized precisions only.
     """
 
     k: torch.Tensor
@@ -49,6 +59,9 @@ class KVPages:
     k_zero: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     v_zero: torch.Tensor | None = None
+    window_k: torch.Tensor | None = None
+    window_v: torch.Tensor | None = None
+    window_row: torch.Tensor | None = None
 
     @property
     def bits(self) -> int:
@@ -78,6 +91,14 @@ class KVPages:
     def device(self) -> torch.device:
         return self.k.device
 
+    @property
+    def has_window(self) -> bool:
+        return self.window_row is not None
+
+    def window_pages(self) -> KVPages:
+        """The FP16 copies of the window's pages as pages of their own (rows = window rows)."""
+        return KVPages(k=self.window_k, v=self.window_v)
+
     def bytes_per_token(self) -> int:
         """Bytes of K and V (codes plus scales and zeros) that one token occupies."""
         code_bytes = self.k.shape[3] * self.k.element_size()
@@ -103,6 +124,8 @@ class KVPages:
                 f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
             )
         if not self.is_quantized:
+            if self.has_window or self.window_k is not None:
+                raise KernelError("fp16 KVPages cannot keep an FP16 window: every page already is FP16")
             if self.k.dtype not in (torch.float16, torch.float32, torch.bfloat16):
                 raise KernelError(f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)")
             return
@@ -119,6 +142,31 @@ class KVPages:
                 )
             if not tensor.is_contiguous() or tensor.device != self.k.device:
                 raise KernelError(f"KVPages.{name} must be contiguous and on {self.k.device}")
+        if self.has_window or self.window_k is not None or self.window_v is not None:
+            self._validate_window()
+
+    def _validate_window(self) -> None:
+        if self.window_k is None or self.window_v is None or self.window_row is None:
+            raise KernelError("KVPages.window_k, window_v and window_row go together; some are missing")
+        expected = (self.block_size, self.num_kv_heads, self.head_dim)
+        for name in ("window_k", "window_v"):
+            tensor = getattr(self, name)
+            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected or tensor.shape != self.window_k.shape:
+                raise KernelError(f"KVPages.{name} has shape {tuple(tensor.shape)}; "
+                                  f"expected [num_window_pages, {', '.join(map(str, expected))}]")
+            if tensor.dtype not in (torch.float16, torch.float32, torch.bfloat16) or not tensor.is_contiguous() \
+                    or tensor.dtype != self.window_k.dtype:
+                raise KernelError(f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), "
+                                  f"like window_k; got {tensor.dtype}")
+            if tensor.device != self.k.device:
+                raise KernelError(f"KVPages.{name} is on {tensor.device}; expected {self.k.device}")
+        row = self.window_row
+        if row.shape != (self.num_blocks,) or row.dtype != torch.int32 or not row.is_contiguous() \
+                or row.device != self.k.device:
+            raise KernelError(
+                f"KVPages.window_row is {tuple(row.shape)} {row.dtype} on {row.device}; "
+                f"expected contiguous int32 [{self.num_blocks}] on {self.k.device}"
+            )
 
 
 def allocate_pages(
@@ -221,7 +269,19 @@ def gather_kv(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.
     v = dequantize_kv(
         v_rows, pages.v_scale.flatten(0, 1)[slots], pages.v_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
     )
+    if pages.has_window:
+        is_window, window_slots = window_slots_of(pages, slots)
+        k[is_window] = pages.window_k.flatten(0, 1)[window_slots].float()  # [num_window_pages * B, Hkv, D] rows
+        v[is_window] = pages.window_v.flatten(0, 1)[window_slots].float()
     return k, v
+
+
+def window_slots_of(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which `slots` (all valid) lie in pages kept in FP16, and their slots in the window arrays."""
+    block_size = pages.block_size
+    rows = pages.window_row.long()[slots // block_size]
+    is_window = rows >= 0
+    return is_window, rows[is_window] * block_size + slots[is_window] % block_size
 
 
 def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -239,10 +299,27 @@ def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
         codes.view(-1, *codes.shape[2:])[slots] = q  # [num_blocks * B, Hkv, Dc]
         scale.view(-1, scale.shape[2])[slots] = s
         zero.view(-1, zero.shape[2])[slots] = z
+    if pages.has_window:
+        is_window, window_slots = window_slots_of(pages, slots)
+        store_kv(pages.window_pages(), window_slots, k[is_window], v[is_window])
 
 
 def copy_page(pages: KVPages, src: int, dst: int) -> None:
-    """Copy one page (codes and, for INT8/INT4, scales and zeros) onto another."""
+    """Copy one page (codes and, for INT8/INT4, scales and zeros) onto another; a page
+    kept in FP16 passes on its FP16 copy, or gets one (dequantized) when only `dst` is kept."""
     for tensor in (pages.k, pages.v, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero):
         if tensor is not None:
             tensor[dst].copy_(tensor[src])
+    if not pages.has_window:
+        return
+    src_row, dst_row = pages.window_row[[src, dst]].tolist()
+    if dst_row < 0:
+        return
+    if src_row >= 0:
+        pages.window_k[dst_row].copy_(pages.window_k[src_row])
+        pages.window_v[dst_row].copy_(pages.window_v[src_row])
+        return
+    offsets = torch.arange(pages.block_size, device=pages.device)
+    k, v = gather_kv(pages, src * pages.block_size + offsets)  # the codes just copied, dequantized
+    pages.window_k[dst_row].copy_(k)
+    pages.window_v[dst_row].copy_(v)

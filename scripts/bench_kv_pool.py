@@ -1,300 +1,465 @@
-"""KV pool on a CUDA GPU: one context growing to 128K tokens under an emulated 4 GB card
-with spill, decode speed with and without spill, and spill/prefetch bandwidth against
-the host link.
-
-What runs is the attention + KV part of R1-Distill-Qwen-1.5B's decode step, not the
-whole model: 28 layers, each storing one new token's K/V (`write_kv`) and attending
-over its paged context (`paged_decode_attention`), with random q, K and V and no
-weights (FP16 weights of the 1.5B shape alone exceed a 4 GB card). The KV pool gets
-the device share a 4 GB card leaves after INT4 weights and workspace
-(`--kv-device-gib`, default 1.5 GiB); pages beyond it spill to the host.
-
-Rows:
-- link: pinned host <-> device copy bandwidth (the bound for every transfer below);
-- transfer: pool spill / fetch / swap throughput per backend, against the link;
-- growth: the most device memory the driver reported in use (managed pages included)
-  while one context grew to each context length, against the emulated card;
-- decode: tokens/s of the 28-layer attention + KV step at each context, for pages all
-  on the device (plain device memory, and managed memory without spill) and with spill.
-
-The pinned backend cannot decode a context larger than its device share (a step's
-pages must all be resident), so it appears in the transfer rows only.
+"""The KV pool under an emulated 4 GB card: a 1.5B-shaped model decoding at 4K, 32K and 128K
+tokens of context with and without spill, and the pool's spill / prefetch bandwidth
+against the host link.
 
     python scripts/bench_kv_pool.py [--json results.json]
+
+The whole model runs through the engine (`LLMEngine`: profile 4gb, emulate_vram_gib 4, one
+sequence, controller off so nothing changes the KV precision): R1-Distill-Qwen-1.5B's shape
+with random weights (`lowvram.shapes.write_random_checkpoint`), quantized to AWQ INT4 with
+a few calibration samples (`--fp16-weights` skips that; FP16 weights leave room for about
+4K tokens of KV on the card). One prompt stream is fed at each context in turn; each longer
+prompt continues the shorter one, so the prefix cache holds the earlier pages and the
+sequence grows by chunked prefill. At each context: prefill time, decode step time (after
+warm-up steps, which also capture the CUDA graphs), and memory: the pool's device bytes,
+torch's allocated bytes, their peaks, and the total against the card and the profile budget.
+
+Runs (FP16 KV unless named otherwise):
+- device: pages on the device only, no spill, at the contexts the profile's plan fits;
+- device-int8: INT8 pages, no spill (128K fits the device share in INT8);
+- um: unified memory with the profile's device share (about 69K tokens of FP16 KV beside
+  INT4 weights): 128K keeps its oldest pages on the host and the kernels read them over the
+  bus. Each context is decoded again with the device share cut to --forced-share-tokens,
+  so that every context spills;
+- pinned: device slots and a pinned host tier. A step must hold all its pages on the
+  device, so one sequence longer than the device share cannot run there.
+
+The engine's planner (`memory_plan.plan_kv`) refuses a context longer than the device share,
+also for `um`, whose kernels read spilled pages where they are. For the um and pinned runs
+this script sizes the pool with `memory_plan.size_kv_pool`, the same sizing without that
+check (pinned then reports the contexts its device share cannot hold).
+
+Transfers: `spill()`, then `prefetch()` and `ensure_resident()`, of --transfer-mib of FP16
+pages on standalone um and pinned pools of the same shape, against pinned host <-> device
+copies of the same bytes (`copy_(non_blocking=True)`).
+
+Without CUDA the same path runs on the CPU (device backend only, no transfers): that is how
+CI checks this script (`--model` a small checkpoint, short `--contexts`). The exit status
+is 1 when a spilling run went over the card.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
+import dataclasses
+import gc
 import json
-import platform
-import subprocess
+import random
+import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+from unittest import mock
 
 import torch
 
-from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool
+from lowvram.bench_record import run_metadata
+from lowvram.config import load_profile
+from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
+from lowvram.kv_pool import KVShape, ManagedKVPool, PinnedKVPool
+from lowvram.sampling import SamplingParams
 
 GIB = 2**30
-NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 28, 12, 2, 128, 16
-CONTEXT_LENS = (4096, 32768, 131072)
-FILL_CHUNK_TOKENS = 4096
-TRANSFER_GIB = 1.0
+MIB = 2**20
+SHAPE_NAME = "r1-distill-qwen-1.5b"
+RUNS = {  # name: (kv_backend, kv_precision)
+    "device": ("device", "fp16"),
+    "device-int8": ("device", "int8"),
+    "um": ("um", "fp16"),
+    "pinned": ("pinned", "fp16"),
+}
+SPILL_BACKENDS = ("um", "pinned")
+# Tokens past the longest context: the decode steps of the run, with room.
+DECODE_MARGIN_TOKENS = 64
 
 
-def git_commit() -> str | None:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return result.stdout.strip() or None
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--model", help="an existing checkpoint instead of the random 1.5B-shaped one")
+    parser.add_argument("--fp16-weights", action="store_true", help="do not quantize the random checkpoint")
+    parser.add_argument("--quantize-samples", type=int, default=8, help="AWQ calibration samples (default 8)")
+    parser.add_argument("--profile", default=None, help="profile (default: 4gb with CUDA, cpu without)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--card-gib", type=float, default=4.0, help="emulated card on CUDA (default 4)")
+    parser.add_argument("--contexts", default="4096,32768,131072", help="context lengths, comma-separated")
+    parser.add_argument("--runs", default=None, help=f"which of {', '.join(RUNS)} (default: all; device on the CPU)")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="decode steps before timing (default 3)")
+    parser.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per context (default 16)")
+    parser.add_argument("--forced-share-tokens", type=int, default=1024,
+                        help="um device share for the forced-spill decode, in tokens (0 = skip; default 1024)")
+    parser.add_argument("--max-prefill-s", type=float, default=90.0,
+                        help="give up growing a run's context after this many seconds of prefill (default 90)")
+    parser.add_argument("--transfer-mib", type=int, default=1024, help="bytes moved per transfer row (default 1024)")
+    return parser.parse_args(argv)
 
 
-def _seconds(fn) -> float:
+# ---------------------------------------------------------------- model and engines
+
+
+def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
+    """The checkpoint to run and a line saying what it is."""
+    if args.model:
+        return args.model, f"checkpoint {args.model}"
+    from lowvram.shapes import write_random_checkpoint
+
+    start = time.perf_counter()
+    model_dir = write_random_checkpoint(work / "fp16", SHAPE_NAME)
+    print(f"random {SHAPE_NAME} checkpoint written in {time.perf_counter() - start:.1f} s")
+    if args.fp16_weights:
+        return str(model_dir), f"{SHAPE_NAME}, random FP16 weights"
+    from lowvram.quantize import quantize_model
+
+    start = time.perf_counter()
+    quantize_model(model_dir, work / "awq", num_samples=args.quantize_samples, emulate_vram_gib=args.card_gib)
+    release_memory()
+    print(f"quantized to AWQ INT4 ({args.quantize_samples} calibration samples) in {time.perf_counter() - start:.1f} s")
+    return str(work / "awq"), f"{SHAPE_NAME}, random weights, AWQ INT4 ({args.quantize_samples} calibration samples)"
+
+
+@contextlib.contextmanager
+def spill_planning():
+    """Let the engine plan a device share shorter than one sequence (see the module notes)."""
+    import lowvram.engine as engine_module
+    from lowvram.memory_plan import read_raw_config, size_kv_pool
+
+    def plan(config, profile, weight_bytes, element_bytes, max_model_len, *, device_type="cuda", model_dir=None):
+        return size_kv_pool(config, profile, weight_bytes, element_bytes, max_model_len, device_type=device_type,
+                            raw_config=read_raw_config(model_dir))
+
+    with mock.patch.object(engine_module, "plan_kv", plan):
+        yield
+
+
+def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precision: str, max_model_len: int):
+    from lowvram.engine import LLMEngine
+
+    profile = load_profile(args.profile)
+    controller = dataclasses.replace(profile.controller, is_enabled=False)
+    profile = profile.replace(
+        device=args.device, emulate_vram_gib=args.card_gib if args.device == "cuda" else None,
+        max_model_len=max_model_len, max_num_seqs=1, kv_backend=backend, kv_precision=precision,
+        host_spill_gib=max(profile.host_spill_gib, 4.0), controller=controller,
+    )
+    with spill_planning() if backend in SPILL_BACKENDS else contextlib.nullcontext():
+        return LLMEngine(model_dir, profile)
+
+
+def release_memory() -> None:
+    """Free what a closed (or half-built) engine held, before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def prompt_stream(num_tokens: int, vocab_size: int) -> list[int]:
+    """Random ids of the tokenizer's ordinary range: every context's prompt is a prefix of it."""
+    rng = random.Random(0)
+    return [rng.randrange(8, min(vocab_size, 500)) for _ in range(num_tokens)]
+
+
+# ---------------------------------------------------------------- one context
+
+
+class Meter:
+    """Memory of one engine, sampled after each step: the pool's own count, torch's, and the
+    process's device total (managed pages are outside torch's allocator)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.is_cuda = engine.device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_pool_bytes = 0
+        self.peak_in_use_bytes = 0
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def sample(self) -> None:
+        self.peak_pool_bytes = max(self.peak_pool_bytes, self.engine.kv_pool.device_bytes)
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.engine.memory_in_use_bytes())
+
+    def row(self, card_bytes: int | None) -> dict:
+        pool = self.engine.kv_pool
+        outside_torch = pool.backend == "um"  # managed pages; with FP16 pages nothing is counted twice
+        allocated = torch.cuda.memory_allocated() if self.is_cuda else 0
+        peak_allocated = torch.cuda.max_memory_allocated() if self.is_cuda else 0
+        peak_total = peak_allocated + (self.peak_pool_bytes if outside_torch else 0)
+        budget = self.engine.kv_plan.budget_bytes
+        row = {
+            "pool_device_bytes": pool.device_bytes, "pool_host_bytes": pool.host_bytes,
+            "num_live_blocks_on_host": self.engine.runner.num_kv_blocks_on_host(), "torch_allocated_bytes": allocated,
+            "torch_peak_allocated_bytes": peak_allocated, "peak_pool_device_bytes": self.peak_pool_bytes,
+            "peak_device_total_bytes": peak_total, "peak_memory_in_use_bytes": self.peak_in_use_bytes,
+            "budget_bytes": budget, "is_within_budget": self.peak_in_use_bytes <= budget,
+        }
+        if card_bytes is not None:
+            row.update(card_bytes=card_bytes, is_within_card=peak_total <= card_bytes)
+        if self.is_cuda:
+            free, total = torch.cuda.mem_get_info()
+            row["driver_used_bytes"] = total - free  # the whole card, CUDA context included
+        return row
+
+
+def _step(engine, meter: Meter) -> tuple[float, bool]:
+    """One engine step: (seconds, whether it was a decode step)."""
+    num_decoded = engine.stats.num_decode_tokens
+    start = time.perf_counter()
+    engine.step()
+    if meter.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    meter.sample()
+    return seconds, engine.stats.num_decode_tokens > num_decoded
+
+
+def _decode(engine, meter: Meter, num_warmup: int, num_timed: int) -> dict:
+    """Median decode step after `num_warmup` steps (CUDA graph captures, first faults)."""
+    times_s = []
+    for i in range(num_warmup + num_timed):
+        seconds, is_decode = _step(engine, meter)
+        if not is_decode:  # out of memory: the engine preempted the sequence to recompute it
+            return {"note": f"decoding stopped after {i} steps (preempted)"}
+        if i >= num_warmup:
+            times_s.append(seconds)
+    step_s = statistics.median(times_s)
+    # Pages of the running sequence that live on the host (the pool's free pages do not count).
+    return {"step_ms": round(step_s * 1e3, 3), "tokens_per_s": round(1 / step_s, 1),
+            "num_blocks_on_host": engine.runner.num_kv_blocks_on_host()}
+
+
+def measure_context(engine, meter: Meter, tokens: list[int], context: int, args, card_bytes) -> dict:
+    """Prefill `context` tokens (the prefix cache holds what earlier contexts computed), then
+    time decode steps; with --forced-share-tokens (um) again with the device share cut."""
+    pool = engine.kv_pool
+    request_id = f"ctx{context}"
+    num_decode = args.warmup_steps + args.decode_steps
+    forced = args.forced_share_tokens if pool.backend == "um" else 0
+    if forced:
+        num_decode += args.warmup_steps + args.decode_steps
+    # One token more than the steps sample: the request must still hold its pages when they are counted.
+    params = SamplingParams(temperature=0, max_tokens=num_decode + 2, ignore_eos=True)
+    engine.add_request(request_id, None, params, prompt_token_ids=tokens[:context])
+    seq = engine.requests[request_id]
+    meter.reset()
+    num_prefilled = engine.stats.num_prefill_tokens
+    prefill_s = 0.0
+    row = {"context_tokens": context}
+    while not seq.output_token_ids:  # the step that computes the prompt's last chunk samples the first token
+        prefill_s += _step(engine, meter)[0]
+        if prefill_s > args.max_prefill_s:
+            engine.abort_request(request_id)
+            computed = engine.stats.num_prefill_tokens - num_prefilled
+            row.update(is_complete=False, prefill_s=round(prefill_s, 2),
+                       note=f"prefill stopped after {prefill_s:.0f} s with {computed} new tokens computed")
+            return row
+    computed = engine.stats.num_prefill_tokens - num_prefilled
+    row.update(is_complete=True, num_prefill_tokens=computed, prefill_s=round(prefill_s, 3),
+               prefill_tokens_per_s=round(computed / prefill_s, 1) if prefill_s else None)
+    row["decode"] = _decode(engine, meter, args.warmup_steps, args.decode_steps)
+    row["memory"] = meter.row(card_bytes)  # peaks of the prefill and decode at the profile's device share
+    if forced:
+        share = pool.max_device_blocks
+        pool.set_max_device_blocks(max(1, forced // pool.block_size))
+        row["decode_forced_spill"] = {"device_share_tokens": pool.max_device_blocks * pool.block_size,
+                                      **_decode(engine, meter, args.warmup_steps, args.decode_steps)}
+        pool.set_max_device_blocks(share)
+    engine.abort_request(request_id)
+    return row
+
+
+# ---------------------------------------------------------------- one run
+
+
+def run(name: str, model_dir: str, args: argparse.Namespace, contexts: list[int], card_bytes: int | None) -> dict:
+    """One backend and precision at every context that fits it."""
+    backend, precision = RUNS[name]
+    result = {"run": name, "kv_backend": backend, "kv_precision": precision, "contexts": [], "not_fitting": []}
+    wanted = sorted(contexts)
+    engine = None
+    while wanted:
+        try:
+            engine = open_engine(model_dir, args, backend, precision, wanted[-1] + DECODE_MARGIN_TOKENS)
+            break
+        except OutOfMemoryError as exc:  # the plan does not fit this context on the device
+            result["not_fitting"].append({"context_tokens": wanted.pop(), "reason": str(exc).split(". ")[0]})
+            release_memory()
+        except ConfigError as exc:  # e.g. um without cuda-bindings
+            print(f"{name:>12}  not run: {exc}")
+            result["error"] = str(exc)
+            return result
+    if engine is None:
+        return result
+    # The model's own limit (131072 positions for the 1.5B shape) leaves room for the decode steps.
+    max_context = engine.max_model_len - DECODE_MARGIN_TOKENS
+    wanted = sorted({min(context, max_context) for context in wanted})
+    pool = engine.kv_pool
+    result.update(pool_backend=pool.backend, num_pool_blocks=pool.num_blocks, block_size=pool.block_size,
+                  device_share_tokens=getattr(pool, "max_device_blocks", pool.num_blocks) * pool.block_size,
+                  budget_bytes=engine.kv_plan.budget_bytes, model_weight_bytes=engine.model.weight_bytes)
+    if pool.max_blocks_per_step is not None:  # pinned: a step's pages must all be on the device
+        limit = pool.max_blocks_per_step * pool.block_size
+        for context in [c for c in wanted if c + DECODE_MARGIN_TOKENS > limit]:
+            wanted.remove(context)
+            result["not_fitting"].append({"context_tokens": context, "reason": (
+                f"a pinned step holds all its pages on the device; the device share is {limit} tokens")})
+    tokens = prompt_stream(max(wanted, default=0), engine.config.vocab_size)
+    meter = Meter(engine)
+    for context in wanted:
+        row = measure_context(engine, meter, tokens, context, args, card_bytes)
+        result["contexts"].append(row)
+        _print_row(name, row)
+        if not row["is_complete"]:
+            break
+    result.update(kv_precision_at_end=engine.kv_precision, num_preemptions=engine.stats.num_preemptions)
+    del engine, pool, meter
+    release_memory()
+    return result
+
+
+def _print_row(name: str, row: dict) -> None:
+    if not row["is_complete"]:
+        print(f"{name:>12} {row['context_tokens']:>7}  {row['note']}")
+        return
+    memory, decode = row["memory"], row["decode"]
+
+    def speed(result: dict) -> str:
+        if "tokens_per_s" not in result:
+            return result["note"]
+        return f"{result['tokens_per_s']:>7.1f} tok/s, {result['num_blocks_on_host']:>5} pages on host"
+
+    forced = row.get("decode_forced_spill")
+    forced_text = f"  | share {forced['device_share_tokens']} tokens: {speed(forced)}" if forced else ""
+    verdict = "within budget" if memory["is_within_budget"] else "OVER BUDGET"
+    if "card_bytes" in memory:
+        verdict += f", peak {memory['peak_device_total_bytes'] / GIB:.2f} GiB " + (
+            "within card" if memory["is_within_card"] else "OVER THE CARD")
+    print(f"{name:>12} {row['context_tokens']:>7}  prefill {row['prefill_tokens_per_s'] or 0:>8.0f} tok/s  "
+          f"decode {speed(decode)}  pool {memory['pool_device_bytes'] / GIB:.2f} GiB  {verdict}{forced_text}")
+
+
+# ---------------------------------------------------------------- transfers
+
+
+def link_mb_per_s(num_bytes: int) -> dict[str, float]:
+    """Pinned host <-> device copies of `num_bytes`, best of three, in MB/s (1e6)."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    rates = {}
+    for direction, dst, src in (("h2d", device, host), ("d2h", host, device)):
+        times_s = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times_s.append(time.perf_counter() - start)
+        rates[direction] = num_bytes / min(times_s) / 1e6
+    return rates
+
+
+def _move(pool, operation: str, block_ids: range) -> float:
+    """Seconds for one pool operation on `block_ids`, until its copies have landed."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    fn()
+    getattr(pool, operation)(block_ids)
+    pool.synchronize()
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def link_rows() -> list[dict]:
-    """Pinned host <-> device copies of TRANSFER_GIB, best of three."""
-    num_bytes = int(TRANSFER_GIB * GIB)
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    rows = []
-    for direction, dst, src in (("h2d", device, host), ("d2h", host, device)):
-        seconds = min(_seconds(lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
-        rows.append({"kind": "link", "direction": direction, "bytes": num_bytes,
-                     "gbs": round(num_bytes / seconds / 1e9, 1)})
-    return rows
-
-
-def _transfer_row(backend: str, direction: str, num_bytes: int, seconds: float, link_gbs: float) -> dict:
-    gbs = num_bytes / seconds / 1e9
-    return {"kind": "transfer", "backend": backend, "direction": direction, "bytes": num_bytes,
-            "time_ms": round(seconds * 1e3, 2), "gbs": round(gbs, 1), "fraction_of_link": round(gbs / link_gbs, 3)}
-
-
-def managed_transfer_rows(shape: KVShape, num_blocks: int, link_gbs: float) -> list[dict]:
-    """um: every page resident and touched, then all but one spilled, then all fetched back."""
+def transfer_rows(shape: KVShape, num_bytes: int) -> list[dict]:
+    """The pools' own spill, prefetch and ensure_resident of every page, against the link."""
     from lowvram.managed_memory import ManagedMemory
 
-    pool = ManagedKVPool(shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
-                         memory=ManagedMemory(torch.device("cuda")),
-                         budget_bytes=2 * num_blocks * shape.block_bytes("fp16"))
-    for pages in pool.pages:
-        pages.k.fill_(1.0)
-        pages.v.fill_(1.0)
-    spilled = pool.spilled_bytes
-    seconds = _seconds(lambda: (pool.set_max_device_blocks(1), pool.synchronize()))
-    rows = [_transfer_row("um", "spill", pool.spilled_bytes - spilled, seconds, link_gbs)]
-    pool.set_max_device_blocks(num_blocks)
-    fetched = pool.fetched_bytes
-    seconds = _seconds(lambda: pool.ensure_resident(range(num_blocks)))
-    rows.append(_transfer_row("um", "fetch", pool.fetched_bytes - fetched, seconds, link_gbs))
-    return rows
-
-
-def pinned_transfer_rows(shape: KVShape, num_blocks: int, link_gbs: float) -> list[dict]:
-    """pinned: a device share of `num_blocks` pages and a host tier as large; spill, then swap."""
-    pool = PinnedKVPool(shape, 2 * num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
-                        num_host_blocks=num_blocks)
-    spilled = pool.spilled_bytes
-    # Pages num..2num hold no data yet: this moves pages 0..num out and nothing in.
-    seconds = _seconds(lambda: (pool.ensure_resident(range(num_blocks, 2 * num_blocks)), pool.synchronize()))
-    rows = [_transfer_row("pinned", "spill", pool.spilled_bytes - spilled, seconds, link_gbs)]
-    moved = pool.spilled_bytes + pool.fetched_bytes
-    seconds = _seconds(lambda: (pool.ensure_resident(range(num_blocks)), pool.synchronize()))
-    rows.append(_transfer_row("pinned", "swap", pool.spilled_bytes + pool.fetched_bytes - moved, seconds, link_gbs))
-    return rows
-
-
-class DecodeBench:
-    """One sequence whose context grows in a pool; decode steps of all 28 layers."""
-
-    def __init__(self, pool, max_context: int):
-        self.pool = pool
-        self.num_table_blocks = -(-max_context // BLOCK_SIZE) + 1
-        self.table = torch.arange(self.num_table_blocks, dtype=torch.int32, device="cuda")[None]  # [1, max_blocks]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        self.q = torch.randn(1, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen)
-        self.kv_new = torch.randn(2, NUM_LAYERS, 1, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16,
-                                  generator=gen)
-        self.context_len = 0
-
-    def _resident(self, num_tokens: int) -> None:
-        blocks = list(range(-(-num_tokens // BLOCK_SIZE)))
-        self.pool.record_step({0: blocks})
-        self.pool.ensure_resident(blocks)
-
-    def grow_to(self, num_tokens: int, baseline_free: int) -> int:
-        """Write K/V for positions up to `num_tokens`, a chunk at a time, as a prefill would.
-        Returns the most device memory the driver reported in use after any chunk."""
-        from lowvram.kernels.kv_write import write_kv
-
-        peak = 0
-
-        gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-        while self.context_len < num_tokens:
-            end = min(num_tokens, self.context_len + FILL_CHUNK_TOKENS)
-            self._resident(end)
-            slots = torch.arange(self.context_len, end, device="cuda")
-            k = torch.randn(end - self.context_len, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16,
-                            generator=gen)
-            for pages in self.pool.pages:
-                write_kv(k, k, slots, pages)
-            self.context_len = end
-            torch.cuda.synchronize()
-            peak = max(peak, driver_used_bytes(baseline_free))
-        return peak
-
-    def decode(self, num_steps: int) -> float:
-        """Seconds per decode step (pool bookkeeping, 28 x (write_kv + decode attention))."""
-        from lowvram.kernels.kv_write import write_kv
-        from lowvram.kernels.paged_attention import paged_decode_attention
-
-        scale = HEAD_DIM**-0.5
-
-        def steps(count: int) -> None:
-            for _ in range(count):
-                self._resident(self.context_len + 1)
-                slot = torch.tensor([self.context_len], device="cuda")
-                context_lens = torch.tensor([self.context_len + 1], dtype=torch.int32, device="cuda")
-                for layer, pages in enumerate(self.pool.pages):
-                    write_kv(self.kv_new[0, layer], self.kv_new[1, layer], slot, pages)
-                    paged_decode_attention(self.q, pages, self.table, context_lens, scale,
-                                           max_context_len=self.context_len + 1)
-                self.context_len += 1
-
-        steps(2)  # warm-up: kernel compilation, first faults
-        return _seconds(lambda: steps(num_steps)) / num_steps
-
-
-def driver_used_bytes(baseline_free: int) -> int:
-    free, _ = torch.cuda.mem_get_info()
-    return baseline_free - free
-
-
-def run_decode(name: str, pool, contexts: list[int], num_steps: int, baseline_free: int, card_bytes: int,
-               is_spilling: bool) -> list[dict]:
-    bench = DecodeBench(pool, max(contexts) + num_steps + 8)
+    num_blocks = max(2, num_bytes // shape.block_bytes("fp16"))
+    link = link_mb_per_s(num_blocks * shape.block_bytes("fp16"))
+    pools = {
+        "um": lambda: ManagedKVPool(shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
+                                    memory=ManagedMemory(torch.device("cuda")),
+                                    budget_bytes=2 * num_blocks * shape.block_bytes("fp16")),
+        "pinned": lambda: PinnedKVPool(shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
+                                       num_host_blocks=num_blocks),
+    }
     rows = []
-    bytes_per_token = pool.shape.block_bytes(pool.precision) // BLOCK_SIZE
-    for context in contexts:
-        used = bench.grow_to(context, baseline_free)
-        growth = {"kind": "growth", "backend": name, "context_tokens": context, "device_used_bytes": used,
-                  "pool_device_bytes": pool.device_bytes, "card_bytes": card_bytes,
-                  "is_within_card": used <= card_bytes, "num_blocks_on_host": pool.num_blocks_on_host()}
-        step_s = bench.decode(num_steps)
-        kv_read = bench.context_len * bytes_per_token
-        decode = {"kind": "decode", "backend": name, "precision": pool.precision, "context_len": context,
-                  "is_spilling": is_spilling and pool.num_blocks_on_host() > 0, "step_ms": round(step_s * 1e3, 3),
-                  "tokens_per_s": round(1 / step_s, 1), "kv_gbs": round(kv_read / step_s / 1e9, 1),
-                  "num_blocks_on_host": pool.num_blocks_on_host()}
-        rows += [growth, decode]
-        print(f"{name:>12} {context:>7} {used / GIB:>9.2f} {pool.device_bytes / GIB:>9.2f} "
-              f"{pool.num_blocks_on_host():>8} {decode['step_ms']:>9.2f} {decode['tokens_per_s']:>8.1f} "
-              f"{decode['kv_gbs']:>7.1f}")
+    for backend, make in pools.items():
+        try:
+            pool = make()
+        except (ConfigError, KernelError) as exc:  # um without a usable cuda-bindings
+            print(f"{backend:>7}: not measured: {exc}")
+            rows.append({"backend": backend, "error": str(exc)})
+            continue
+        for pages in pool.pages:  # touch every page, so each one is really on the device
+            pages.k.fill_(1.0)
+            pages.v.fill_(1.0)
+        for operation in ("spill", "prefetch", "spill", "ensure_resident"):
+            moved = pool.spilled_bytes + pool.fetched_bytes
+            seconds = _move(pool, operation, range(num_blocks))
+            moved = pool.spilled_bytes + pool.fetched_bytes - moved
+            link_rate = link["d2h" if operation == "spill" else "h2d"]
+            rate = moved / seconds / 1e6
+            rows.append({"backend": backend, "operation": operation, "bytes": moved, "ms": round(seconds * 1e3, 2),
+                         "mb_per_s": round(rate), "link_mb_per_s": round(link_rate),
+                         "fraction_of_link": round(rate / link_rate, 3)})
+            print(f"{backend:>7} {operation:>15}: {moved / MIB:7.0f} MiB in {seconds * 1e3:8.1f} ms = {rate:8.0f} MB/s "
+                  f"({rate / link_rate:.0%} of the pinned {'d2h' if operation == 'spill' else 'h2d'} copy)")
+        del pool
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    parser.add_argument("--card-gib", type=float, default=4.0, help="emulated card size (default 4)")
-    parser.add_argument("--kv-device-gib", type=float, default=1.5,
-                        help="device share of the KV pool on that card (default 1.5)")
-    parser.add_argument("--precision", default="fp16", choices=("fp16", "int8", "int4"))
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_kv_pool needs a CUDA GPU", file=sys.stderr)
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    has_cuda = torch.cuda.is_available()
+    args.device = args.device or ("cuda" if has_cuda else "cpu")
+    args.profile = args.profile or ("4gb" if args.device == "cuda" else "cpu")
+    runs = args.runs.split(",") if args.runs else (list(RUNS) if args.device == "cuda" else ["device"])
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        print(f"unknown run {unknown[0]!r}; choose from {', '.join(RUNS)}", file=sys.stderr)
         return 2
-    try:
-        from lowvram.managed_memory import ManagedMemory
-
-        ManagedMemory(torch.device("cuda"))
-    except Exception as exc:  # the um rows need cuda-bindings
-        print(f"bench_kv_pool needs cuda-bindings for the managed pool: {exc}", file=sys.stderr)
+    if args.device == "cpu" and any(RUNS[r][0] in SPILL_BACKENDS for r in runs):
+        print("the um and pinned runs need CUDA", file=sys.stderr)
         return 2
-    import triton
+    contexts = [int(c) for c in args.contexts.split(",")]
+    card_bytes = int(args.card_gib * GIB) if args.device == "cuda" else None
+    given = argv if argv is not None else sys.argv[1:]
+    record = run_metadata(" ".join(["python", "scripts/bench_kv_pool.py", *given]))
+    with tempfile.TemporaryDirectory(prefix="lowvram-bench-kv-pool-") as work:
+        model_dir, model_note = make_model(args, Path(work))
+        print(f"model: {model_note}; profile {args.profile}"
+              + (f", emulated {args.card_gib} GiB card" if card_bytes else ""))
+        results = [run(name, model_dir, args, contexts, card_bytes) for name in runs]
+        from lowvram.model_config import load_model_config
 
-    gpu_name = torch.cuda.get_device_name(0)
-    shape = KVShape(NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float16)
-    print(f"{gpu_name}: attention + KV of the 1.5B shape ({NUM_LAYERS} layers, {NUM_HEADS}/{NUM_KV_HEADS} heads, "
-          f"head_dim {HEAD_DIM}), random q/K/V, no weights")
-    rows = link_rows()
-    torch.cuda.empty_cache()
-    link_gbs = min(r["gbs"] for r in rows)
-    print("host link: " + ", ".join(f"{r['direction']} {r['gbs']:.1f} GB/s" for r in rows))
-    num_transfer = max(2, int(TRANSFER_GIB * GIB // shape.block_bytes("fp16")))
-    transfers = managed_transfer_rows(shape, num_transfer, link_gbs)
-    torch.cuda.empty_cache()
-    transfers += pinned_transfer_rows(shape, num_transfer, link_gbs)
-    torch.cuda.empty_cache()
-    for row in transfers:
-        rows.append(row)
-        print(f"{row['backend']:>7} {row['direction']:>6}: {row['bytes'] / GIB:.2f} GiB in {row['time_ms']:.1f} ms = "
-              f"{row['gbs']:.1f} GB/s ({row['fraction_of_link']:.0%} of the slower link direction)")
-
-    card_bytes = int(args.card_gib * GIB)
-    block_bytes = shape.block_bytes(args.precision)
-    num_blocks = -(-(max(CONTEXT_LENS) + args.steps * 2 + 64) // BLOCK_SIZE)
-    share_blocks = int(args.kv_device_gib * GIB // block_bytes)
-    free_bytes, total_bytes = torch.cuda.mem_get_info()
-    pool_bytes = num_blocks * block_bytes
-    if 2 * pool_bytes > free_bytes:  # the device-only pool and a managed pool must both fit at once, with room
-        print(f"skipping decode: a {pool_bytes / GIB:.2f} GiB pool needs more than half of the "
-              f"{free_bytes / GIB:.2f} GiB free", file=sys.stderr)
-    else:
-        print(f"decode, {args.precision} pages: KV device share {share_blocks} pages ({args.kv_device_gib} GiB) of an "
-              f"emulated {args.card_gib} GiB card; largest context {max(CONTEXT_LENS)} tokens = "
-              f"{max(CONTEXT_LENS) * block_bytes / BLOCK_SIZE / GIB:.2f} GiB of KV")
-        print(f"{'pool':>12} {'context':>7} {'used GiB':>9} {'pool GiB':>9} {'on host':>8} {'step ms':>9} "
-              f"{'tok/s':>8} {'KV GB/s':>7}")
-        # Cap torch's allocator as a 4 GB card would; managed pages are outside it and
-        # counted by the driver (`device_used_bytes`).
-        torch.cuda.set_per_process_memory_fraction(min(1.0, card_bytes / total_bytes))
-        for name, spill_share in (("device", None), ("um-resident", num_blocks), ("um-spill", share_blocks)):
-            torch.cuda.synchronize()
-            baseline_free = torch.cuda.mem_get_info()[0]
-            if spill_share is None:
-                torch.cuda.set_per_process_memory_fraction(1.0)  # all pages on the device: over the card at 128K
-                pool = DeviceKVPool(shape, num_blocks, args.precision, "cuda")
-            else:
-                torch.cuda.set_per_process_memory_fraction(min(1.0, card_bytes / total_bytes))
-                memory = ManagedMemory(torch.device("cuda"))
-                pool = ManagedKVPool(shape, num_blocks, args.precision, "cuda", max_device_blocks=spill_share,
-                                     memory=memory, budget_bytes=num_blocks * block_bytes)
-            rows += run_decode(name, pool, list(CONTEXT_LENS), args.steps, baseline_free, card_bytes,
-                               is_spilling=name == "um-spill")
-            del pool
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    growth = [r for r in rows if r["kind"] == "growth" and r["backend"] == "um-spill"]
-    if growth:
-        peak = max(r["device_used_bytes"] for r in growth)
-        print(f"um-spill peak device use {peak / GIB:.2f} GiB against the {args.card_gib} GiB card: "
-              f"{'within' if peak <= card_bytes else 'OVER'}")
+        config, _ = load_model_config(Path(model_dir))
+    for result in results:
+        for missing in result["not_fitting"]:
+            print(f"{result['run']:>12} {missing['context_tokens']:>7}  does not fit: {missing['reason']}")
+    transfers = []
+    if args.device == "cuda" and args.transfer_mib > 0:
+        shape = KVShape(config.num_layers, load_profile(args.profile).kv_block_size, config.num_kv_heads,
+                        config.head_dim, torch.float16)
+        transfers = transfer_rows(shape, args.transfer_mib * MIB)
+    is_over = any(not row["memory"].get("is_within_card", True) for result in results
+                  if result["kv_backend"] in SPILL_BACKENDS for row in result["contexts"] if row["is_complete"])
+    record.update(model=model_note, profile=args.profile, card_bytes=card_bytes, runs=results, transfers=transfers,
+                  notes=[("um and pinned pools sized with memory_plan.size_kv_pool: plan_kv refuses a context longer "
+                          "than the device share"), "transfers: standalone pools of the model's KV shape, FP16 pages"])
     if args.json:
-        result = {
-            "command": " ".join([sys.executable, *sys.argv]),
-            "gpu": gpu_name,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "triton": triton.__version__, "cuda": torch.version.cuda},
-            "what": "attention + KV of the 28-layer 1.5B shape only (random q/K/V, no weights)",
-            "rows": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    if is_over:
+        print("a spilling run went over the card", file=sys.stderr)
+    return 1 if is_over else 0
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ spill through a small device share, or change precision while requests run."""
 import pytest
 
 from lowvram.block_manager import BlockManager
+from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
-from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool
+from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool, recent_window_blocks
 from lowvram.model_runner import ModelRunner
 from lowvram.sampling import SamplingParams
 from lowvram.scheduler import Scheduler
@@ -15,8 +16,8 @@ PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _engine(model_dir) -> LLMEngine:
-    return LLMEngine(str(model_dir), "cpu", max_model_len=256)
+def _engine(model_dir, **changes) -> LLMEngine:
+    return LLMEngine(str(model_dir), load_profile("cpu").replace(max_model_len=256, **changes))
 
 
 def _use_pool(engine: LLMEngine, pool) -> None:
@@ -85,25 +86,34 @@ def test_spilling_pools_give_the_device_pools_greedy_output(tiny_qwen2_dir, back
         assert max(split_sizes) == 1  # kernels read host pages in place: no parts needed
 
 
-def test_precision_changes_while_requests_run_free_the_expected_bytes(tiny_qwen2_dir):
+@pytest.mark.parametrize("num_window_tokens", [0, 20])
+def test_precision_changes_while_requests_run_free_the_expected_bytes(tiny_qwen2_dir, num_window_tokens):
     reference = _engine(tiny_qwen2_dir)
     expected = _generate(reference, PROMPTS[:2])
-    engine = _engine(tiny_qwen2_dir)
+    engine = _engine(tiny_qwen2_dir, kv_recent_fp16_tokens=num_window_tokens)
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(str(i), prompt, GREEDY)
     outputs: dict[str, list[int]] = {}
     num_blocks, c, bs = engine.kv_pool.num_blocks, engine.config, engine.profile.kv_block_size
     per_token = {"fp16": 2 * c.num_kv_heads * c.head_dim * 4,  # float32 on the CPU
                  "int8": 2 * c.num_kv_heads * (c.head_dim + 4), "int4": 2 * c.num_kv_heads * (c.head_dim // 2 + 4)}
+    fp16_page_bytes = bs * c.num_layers * per_token["fp16"]
     freed = {}
     num_steps = 0
     while engine.has_unfinished_requests():
         num_steps += 1
         if num_steps in (6, 14):
             precision = "int8" if num_steps == 6 else "int4"
-            before = engine.kv_pool.precision
+            before, num_window_before = engine.kv_pool.precision, len(engine.kv_pool.window_block_ids)
+            running = [(engine.block_manager.block_table(s.seq_id), s.num_computed_tokens)
+                       for s in engine.scheduler.running]
             freed[precision] = engine.set_kv_precision(precision)
-            expected_freed = num_blocks * bs * c.num_layers * (per_token[before] - per_token[precision])
+            # Each running sequence keeps the pages of its last `num_window_tokens` tokens in FP16.
+            window = engine.kv_pool.window_block_ids
+            assert window == recent_window_blocks(running, num_window_tokens, bs)
+            assert len(window) >= 2 * bool(num_window_tokens)
+            expected_freed = (num_blocks * bs * c.num_layers * (per_token[before] - per_token[precision])
+                              - (len(window) - num_window_before) * fp16_page_bytes)
             assert freed[precision] == expected_freed
             assert engine.snapshot().kv_precision == precision
         for out in engine.step():

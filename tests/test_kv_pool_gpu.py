@@ -147,6 +147,29 @@ def test_precision_change_frees_bytes_and_keeps_pages_close(backend):
     assert pool.unit_size == (2 if backend == "um" else 1)  # 2 KiB INT4 pages share a 4 KiB OS page
 
 
+@pytest.mark.parametrize("backend", ["um", "pinned"])
+def test_pages_kept_in_fp16_stay_exact_through_spill_and_refetch(backend):
+    if backend == "um":
+        pool = _managed_pool()
+    else:
+        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
+    for block in range(64):  # pages 48-63 end on the device
+        _write(pool, block)
+    window = [63, 62, 61]
+    before = pool.device_bytes
+    freed = pool.set_precision("int8", fp16_block_ids=window)
+    assert pool.window_block_ids == window and freed == before - pool.device_bytes
+    for block in list(range(64)) + window:  # every page through the 16-page share, the kept ones twice
+        pool.ensure_resident([block])
+        row = pool.device_table([block])[0]
+        for pages, (k_ref, v_ref) in zip(pool.pages, _block_data(block)):
+            k, v = gather_kv(pages, _slots(row))
+            if block in window:
+                assert torch.equal(k, k_ref.float()) and torch.equal(v, v_ref.float()), f"page {block} changed"
+            else:
+                assert 0 < (k - k_ref.float()).abs().max() < 0.05
+
+
 def _generate(engine, rounds=2):
     results = []
     for _ in range(rounds):  # the second round reads prompt pages back through the prefix cache

@@ -128,11 +128,73 @@ def test_write_kv_fp16_inputs_into_fp16_pages():
     _check_write_matches_reference("fp16", 16, 4, 16, torch.float16, torch.int64, seed=3)
 
 
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 24), (1, 72)])  # (1, 72): an MLA row in miniature
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_write_kv_head_dims_that_are_not_powers_of_two(precision, num_kv_heads, head_dim):
+    # Rows are padded to a power of two inside the kernel: the padding must neither be
+    # stored nor enter an INT8/INT4 row's min/max.
+    dtype = torch.float16 if DEVICE.type == "cuda" or precision != "fp16" else torch.float32
+    _check_write_matches_reference(precision, 8, num_kv_heads, head_dim, dtype, torch.int64, seed=head_dim)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 @pytest.mark.parametrize("num_kv_heads", [2, 16])
 def test_write_kv_real_shapes_gpu(precision, num_kv_heads):
     _check_write_matches_reference(precision, 16, num_kv_heads, 128, torch.float16, torch.int64, seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_write_kv_latent_shape_gpu(precision):
+    # DeepSeek-V2-Lite's MLA row: one KV head of 512 latent + 64 RoPE values.
+    _check_write_matches_reference(precision, 16, 1, 576, torch.float16, torch.int64, seed=6)
+
+
+def _check_window_write_matches_reference(precision, block_size, num_kv_heads, head_dim, dtype, seed):
+    # Pages 1 and 4 are kept in FP16: their tokens go to both the codes and the window;
+    # the window rows of other pages, and unwritten slots, stay poisoned.
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks, num_tokens = 6, 30
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[::5] = -1
+    slots = slots.to(DEVICE)
+    written = []
+    for _ in range(2):
+        pages = _poisoned_pages(precision, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        pages.window_k = torch.full((3, block_size, num_kv_heads, head_dim), POISON_FLOAT, dtype=dtype, device=DEVICE)
+        pages.window_v = pages.window_k.clone()
+        pages.window_row = torch.tensor([-1, 2, -1, -1, 0, -1], dtype=torch.int32, device=DEVICE)
+        written.append(pages)
+    by_kernel, by_reference = written
+    write_kv(k, v, slots, by_kernel)
+    write_kv_ref(k, v, slots, by_reference)
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero", "window_k", "window_v"):
+        num_diff = int((getattr(by_kernel, name) != getattr(by_reference, name)).sum())
+        print(f"{precision} window {name}: {num_diff} elements differ")
+        assert num_diff == 0, f"{name}: {num_diff} elements differ from the reference"
+    kept = slots[(slots >= 0) & torch.isin(slots // block_size, torch.tensor([1, 4], device=DEVICE))]
+    rows = by_kernel.window_k.flatten(0, 1)  # [3 * B, Hkv, D]
+    window_slots = torch.where(kept // block_size == 1, 2, 0) * block_size + kept % block_size
+    is_written = torch.zeros(rows.shape[0], dtype=torch.bool, device=DEVICE)
+    is_written[window_slots] = True
+    assert bool((rows[~is_written] == POISON_FLOAT).all()), "a window row outside the written tokens changed"
+    by_slot = {int(s): i for i, s in enumerate(slots.tolist())}
+    for slot, window_slot in zip(kept.tolist(), window_slots.tolist()):
+        assert torch.equal(rows[window_slot], k[by_slot[slot]].to(dtype)), f"slot {slot}: FP16 copy differs"
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_write_kv_keeps_fp16_copies_of_window_pages(precision):
+    _check_window_write_matches_reference(precision, 8, 2, 16, torch.float32, seed=40)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_write_kv_window_real_shapes_gpu(precision):
+    _check_window_write_matches_reference(precision, 16, 2, 128, torch.float16, seed=41)
 
 
 def test_write_kv_rejects_bad_inputs():

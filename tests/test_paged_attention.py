@@ -28,10 +28,13 @@ class PagedCase:
     """Sequences of random K/V written into pages through a shuffled block table.
 
     Unwritten page slots and unused table entries hold NaN / -1, so a kernel that
-    reads past a context shows up as NaN or a crash.
+    reads past a context shows up as NaN or a crash. With `num_window_blocks`, that many
+    pages (every third in table order) are also kept in FP16 (`KVPages.window_row`),
+    and their tokens are expected unquantized.
     """
 
-    def __init__(self, precision, dtype, block_size, num_kv_heads, head_dim, context_lens, seed, device=DEVICE):
+    def __init__(self, precision, dtype, block_size, num_kv_heads, head_dim, context_lens, seed, device=DEVICE,
+                 num_window_blocks=0):
         generator = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         self.context_lens = context_lens
@@ -45,6 +48,14 @@ class PagedCase:
             for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
                 getattr(self.pages, name).fill_(float("nan"))
         order = torch.randperm(num_blocks, generator=generator)
+        window = order[: 3 * num_window_blocks : 3].tolist()
+        if window:
+            shape = (len(window), block_size, num_kv_heads, head_dim)
+            self.pages.window_k = torch.full(shape, float("nan"), dtype=dtype, device=device)
+            self.pages.window_v = torch.full(shape, float("nan"), dtype=dtype, device=device)
+            self.pages.window_row = torch.full((num_blocks,), -1, dtype=torch.int32)
+            self.pages.window_row[window] = torch.arange(len(window), dtype=torch.int32).flip(0)
+            self.pages.window_row = self.pages.window_row.to(device)
         self.block_tables = torch.full((len(context_lens), max_blocks), -1, dtype=torch.int32)
         self.k_dense, self.v_dense = [], []  # float32 [L, Hkv, D] per sequence, as stored
         next_block = 0
@@ -57,8 +68,10 @@ class PagedCase:
             positions = torch.arange(context_len)
             slots = self.block_tables[seq, positions // block_size].long() * block_size + positions % block_size
             write_kv_ref(k.to(device), v.to(device), slots.to(device), self.pages)
-            self.k_dense.append(_as_stored(k, precision).to(device))
-            self.v_dense.append(_as_stored(v, precision).to(device))
+            pages_of_tokens = self.block_tables[seq, positions // block_size]
+            is_kept = torch.isin(pages_of_tokens, torch.tensor(window, dtype=torch.int32))
+            self.k_dense.append(torch.where(is_kept[:, None, None], k.float(), _as_stored(k, precision)).to(device))
+            self.v_dense.append(torch.where(is_kept[:, None, None], v.float(), _as_stored(v, precision)).to(device))
         self.block_tables = self.block_tables.to(device)
         self.context_lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
 
@@ -220,11 +233,74 @@ def test_attention_rejects_bad_inputs():
         paged_prefill_attention(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 1.0)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_pages_kept_in_fp16_are_read_unquantized(precision):
+    # Kernels and references against dense attention over the FP16 values of the kept
+    # pages and the dequantized values of the others.
+    case = PagedCase(precision, torch.float32, 8, 2, TINY_DIM, [1, 9, 24, 30], seed=30, num_window_blocks=4)
+    scale = TINY_DIM**-0.5
+    q = torch.randn(4, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(31)).to(DEVICE) * 4.0
+    num_new = [1, 4, 24, 11]
+    q_new, cu_seqlens = _prefill_batch(case, num_new, TINY_HEADS, seed=32)
+    decode_args = (q, case.pages, case.block_tables, case.context_lens_t, scale)
+    prefill_args = (q_new, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, scale)
+
+    def expected(q_rows, seq, positions):
+        return _dense_attention(q_rows, case.k_dense[seq], case.v_dense[seq], scale, positions.to(DEVICE))
+
+    out = paged_decode_attention(*decode_args, num_splits=2)
+    assert _report(f"decode {precision} window, kernel", out, paged_decode_attention_ref(*decode_args)) <= 1e-5
+    dense = torch.cat([expected(q[seq : seq + 1], seq, torch.tensor([n - 1]))
+                       for seq, n in enumerate(case.context_lens)])
+    assert _report(f"decode {precision} window, kernel vs dense", out, dense) <= 1e-5
+    out = paged_prefill_attention(*prefill_args)
+    assert _report(f"prefill {precision} window, kernel", out, paged_prefill_attention_ref(*prefill_args)) <= 1e-5
+    for seq, n in enumerate(case.context_lens):
+        rows = slice(int(cu_seqlens[seq]), int(cu_seqlens[seq + 1]))
+        assert _report(f"prefill {precision} window seq {seq}", out[rows],
+                       expected(q_new[rows], seq, torch.arange(n - num_new[seq], n))) <= 1e-5
+    # The same pages read without the window: only the codes, far from the FP16 values.
+    case.pages.window_row.fill_(-1)
+    assert _relative_error(paged_decode_attention(*decode_args, num_splits=2), dense) > 1e-3
+
+
 def test_choose_num_splits_fills_the_gpu():
     # 1.5B shape on a 132-SM GPU: one sequence needs many partitions, a big batch none.
     assert paged_attention.choose_num_splits(1, 2, 8192, 132) == 64
     assert paged_attention.choose_num_splits(1, 2, 100, 132) == 1
     assert paged_attention.choose_num_splits(256, 2, 32768, 132) <= 2
+
+
+@pytest.mark.parametrize("head_dim", [24, 72])
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_kernels_take_head_dims_that_are_not_powers_of_two(precision, head_dim):
+    # Tiles are padded to the next power of two with masked columns; a column read past
+    # head_dim would pull in the next row (or a NaN) and show up against the reference.
+    case = PagedCase(precision, torch.float32, 8, 2, head_dim, [1, 13, 40], seed=40)
+    generator = torch.Generator().manual_seed(41)
+    q = torch.randn(3, TINY_HEADS, head_dim, generator=generator).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, head_dim**-0.5)
+    for num_splits in (1, 3):
+        out = paged_decode_attention(*args, num_splits=num_splits)
+        label = f"decode {precision} D={head_dim} splits={num_splits}"
+        assert _report(label, out, paged_decode_attention_ref(*args)) <= 1e-5
+    q, cu_seqlens = _prefill_batch(case, [1, 5, 40], TINY_HEADS, seed=42)
+    args = (q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, head_dim**-0.5)
+    out = paged_prefill_attention(*args)
+    assert _report(f"prefill {precision} D={head_dim}", out, paged_prefill_attention_ref(*args)) <= 1e-5
+
+
+def test_kernels_read_latent_pages_whose_values_are_their_keys():
+    # MLA (DeepSeek-V2): one KV head of latent + RoPE values, V the same tensor as K.
+    case = PagedCase("fp16", torch.float32, 8, 1, 40, [3, 29], seed=43)
+    case.pages.v = case.pages.k
+    q = torch.randn(2, TINY_HEADS, 40, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 0.2)
+    out = paged_decode_attention(*args, num_splits=2)
+    for seq, context_len in enumerate(case.context_lens):
+        expected = _dense_attention(q[seq : seq + 1], case.k_dense[seq], case.k_dense[seq], 0.2,
+                                    torch.tensor([context_len - 1], device=DEVICE))
+        assert _report(f"decode latent seq {seq}", out[seq : seq + 1], expected) <= 1e-5
 
 
 # ---------------------------------------------------------------- GPU tests at model shapes
@@ -288,3 +364,45 @@ def test_prefill_real_shapes_gpu(precision, num_heads, num_kv_heads, exact_fp32_
     expected = paged_prefill_attention_ref(q.float(), *args)
     label = f"prefill gpu {precision} H={num_heads} Hkv={num_kv_heads}"
     assert _report(label, out, expected) <= _gpu_tolerance(precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_pages_kept_in_fp16_real_shapes_gpu(precision, exact_fp32_matmul):
+    context_lens = [1000, 4097, 17]
+    case = PagedCase(precision, torch.float16, 16, 2, 128, context_lens, seed=26, num_window_blocks=60)
+    generator = torch.Generator().manual_seed(27)
+    q = torch.randn(3, 12, 128, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    out = paged_decode_attention(q, *args)
+    expected = paged_decode_attention_ref(q.float(), *args)
+    assert _report(f"decode gpu {precision} window", out, expected) <= _gpu_tolerance(precision)
+    num_new = [1000, 97, 17]
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(num_new), 12, 128, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 128**-0.5)
+    out = paged_prefill_attention(q, *args)
+    expected = paged_prefill_attention_ref(q.float(), *args)
+    assert _report(f"prefill gpu {precision} window", out, expected) <= _gpu_tolerance(precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_latent_attention_shape_gpu(precision, exact_fp32_matmul):
+    # DeepSeek-V2-Lite: 16 heads over one KV head of 512 + 64 = 576 values, V aliased to K.
+    context_lens = [1, 17, 700, 4097]
+    case = PagedCase(precision, torch.float16, 16, 1, 576, context_lens, seed=45)
+    case.pages.v, case.pages.v_scale, case.pages.v_zero = case.pages.k, case.pages.k_scale, case.pages.k_zero
+    generator = torch.Generator().manual_seed(46)
+    q = torch.randn(len(context_lens), 16, 576, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, case.context_lens_t, 576**-0.5)
+    out = paged_decode_attention(q, *args)
+    expected = paged_decode_attention_ref(q.float(), *args)
+    assert _report(f"decode gpu latent {precision}", out, expected) <= _gpu_tolerance(precision)
+    num_new = [1, 17, 300, 97]
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(num_new), 16, 576, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 576**-0.5)
+    out = paged_prefill_attention(q, *args)
+    expected = paged_prefill_attention_ref(q.float(), *args)
+    assert _report(f"prefill gpu latent {precision}", out, expected) <= _gpu_tolerance(precision)
