@@ -23,10 +23,13 @@ import torch
 from torch import nn
 
 from lowvram.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
+from lowvram.config import Profile
 from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
+from lowvram.memory_plan import plan_expert_cache, read_raw_config
 from lowvram.model import CausalLM
 from lowvram.model_config import AwqConfig, ModelConfig, load_model_config
+from lowvram.model_deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
 
 log = logging.getLogger("lowvram")
 
@@ -290,12 +293,17 @@ def weight_report(model: CausalLM) -> WeightReport:
     return report
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None) -> tuple[CausalLM, ModelConfig]:
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
+               profile: Profile | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model on the meta device and assign the checkpoint's tensors.
 
     Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
+    DeepseekV2ForCausalLM checkpoints load through lowvram.model_deepseek_v2 and return a
+    DeepseekV2Config; on CUDA, `profile` sizes their device cache of routed experts.
     """
     model_dir = Path(model_dir)
+    if is_deepseek_v2_checkpoint(model_dir):
+        return _load_deepseek_v2(model_dir, read_raw_config(model_dir), device, dtype, profile)
     config, _ = load_model_config(model_dir)
     files = weight_files(model_dir)
     dtype = _target_dtype(config, device, dtype)
@@ -314,5 +322,31 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None 
     model.eval()
     kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
     log.info("loaded %s (%s, %s) on %s in %s: %s", model_dir, config.architecture, kind, device, dtype,
+             model.weight_report.summary())
+    return model, config
+
+
+def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
+    """Whether the directory's config.json names DeepseekV2ForCausalLM (or model_type deepseek_v2)."""
+    raw = read_raw_config(model_dir)
+    return raw is not None and is_deepseek_v2(raw)
+
+
+def _load_deepseek_v2(model_dir: Path, raw: dict, device: torch.device, dtype: torch.dtype | None,
+                      profile: Profile | None) -> tuple[CausalLM, ModelConfig]:
+    # Experts move only between host and a GPU: on the CPU they all stay where they are.
+    config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
+    dtype = _target_dtype(config, device, dtype)
+    max_cached_experts = None
+    if profile is not None and device.type == "cuda" and config.num_routed_experts:
+        max_model_len = min(profile.max_model_len, config.max_position_embeddings)
+        max_cached_experts = plan_expert_cache(config, profile, torch.finfo(dtype).bits // 8, max_model_len,
+                                               device_type=device.type, raw_config=raw, model_dir=model_dir)
+    model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
+    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
+    cached = model.num_cached_experts
+    experts = (f"{cached} of {config.num_routed_experts} routed experts per layer on the device" if cached
+               else "every routed expert on the device")
+    log.info("loaded %s (%s, %s) on %s in %s, %s: %s", model_dir, config.architecture, kind, device, dtype, experts,
              model.weight_report.summary())
     return model, config
