@@ -259,6 +259,8 @@ def _evaluate(setup: _Setup, profile: Profile, context_len: int, num_seqs: int,
     """The two checks for `num_seqs` sequences of `context_len` tokens under `profile`."""
     config = setup.config
     weights = mp.weight_bytes_by_kind(config, setup.raw, element_bytes, model_dir=setup.model_dir)
+    weights.offload = mp.plan_weight_offload(config, profile, weights, element_bytes, context_len,
+                                             device_type=setup.device_type, raw_config=setup.raw, num_seqs=num_seqs)
     pool = mp.size_kv_pool(config, profile, weights.total_bytes, element_bytes, context_len,
                            device_type=setup.device_type, raw_config=setup.raw)
     kv_bytes = num_seqs * mp.kv_pool_bytes(config, context_len, profile.kv_block_size, pool.kv_precision, element_bytes)
@@ -360,6 +362,8 @@ def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, 
         notes.append(f"kv_backend {profile.kv_backend}: up to {profile.host_spill_gib:g} GiB more KV (about {tokens} "
                      "tokens) can wait in host RAM beyond the device share; like the engine, the verdict asks the "
                      "device to hold every planned sequence")
+    if weights.offload is not None:
+        notes.append(f"weight offload ({weights.offload.strategy}): {weights.offload.summary()}")
     if not pool.workspace.uses_kernels and is_cuda:
         notes.append("the plain-torch attention path runs here (no Triton, or a head_dim that is not a power of two): "
                      "its float32 scores grow with context x max_num_batched_tokens")

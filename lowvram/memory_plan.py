@@ -79,9 +79,10 @@ def kv_bytes_per_token(config: ModelConfig, precision: str = "fp16", element_byt
 
     "fp16" pages hold the compute dtype (`element_bytes`: 2, or 4 for float32 on
     the CPU); "int8" holds one byte per element and "int4" half a byte, each with
-    an fp16 scale and zero per token and KV head (kv_quant.KVPages).
+    an fp16 scale and zero per token and KV head (kv_quant.KVPages). DeepSeek-V2
+    caches one latent row per layer, two layers per pool layer (`num_kv_layers`).
     """
-    heads = config.num_layers * config.num_kv_heads
+    heads = getattr(config, "num_kv_layers", config.num_layers) * config.num_kv_heads
     if precision == "fp16":
         return 2 * heads * config.head_dim * element_bytes
     if precision == "int8":
@@ -117,6 +118,8 @@ class LinearShape:
 
 def decoder_linears(config: ModelConfig) -> list[LinearShape]:
     """Every Linear inside the decoder layers (the ones AWQ quantizes)."""
+    if _is_deepseek_v2(config):
+        return deepseek_v2_linears(config)
     h, i = config.hidden_size, config.intermediate_size
     bias = config.has_qkv_bias
     shapes = []
@@ -132,6 +135,49 @@ def decoder_linears(config: ModelConfig) -> list[LinearShape]:
             LinearShape(f"{prefix}.mlp.down_proj", i, h, False),
         ]
     return shapes
+
+
+def _is_deepseek_v2(config) -> bool:
+    from lowvram.model_deepseek_v2 import DeepseekV2Config
+
+    return isinstance(config, DeepseekV2Config)
+
+
+def deepseek_v2_linears(config) -> list[LinearShape]:
+    """DeepSeek-V2's decoder Linears (a DeepseekV2Config): MLA projections, a dense MLP in
+    the first `first_k_dense_replace` layers, then shared and routed experts. The router
+    is not a Linear of the checkpoint's kind (see `router_bytes`)."""
+    h, heads, rank = config.hidden_size, config.num_heads, config.kv_lora_rank
+    shapes = []
+    for layer in range(config.num_layers):
+        attn = f"model.layers.{layer}.self_attn"
+        if config.q_lora_rank is None:
+            shapes.append(LinearShape(f"{attn}.q_proj", h, heads * config.qk_head_dim, False))
+        else:
+            shapes += [LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank, False),
+                       LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, heads * config.qk_head_dim, False)]
+        shapes += [
+            LinearShape(f"{attn}.kv_a_proj_with_mqa", h, config.kv_head_dim, False),
+            LinearShape(f"{attn}.kv_b_proj", rank, heads * (config.qk_nope_head_dim + config.v_head_dim), False),
+            LinearShape(f"{attn}.o_proj", heads * config.v_head_dim, h, False),
+        ]
+        mlp = f"model.layers.{layer}.mlp"
+        if not config.is_moe_layer(layer):
+            blocks = [(mlp, config.intermediate_size)]
+        else:
+            blocks = [(f"{mlp}.experts.{e}", config.moe_intermediate_size) for e in range(config.num_routed_experts)]
+            if config.num_shared_experts:
+                blocks.append((f"{mlp}.shared_experts", config.moe_intermediate_size * config.num_shared_experts))
+        for prefix, inter in blocks:
+            shapes += [LinearShape(f"{prefix}.gate_proj", h, inter, False), LinearShape(f"{prefix}.up_proj", h, inter, False),
+                       LinearShape(f"{prefix}.down_proj", inter, h, False)]
+    return shapes
+
+
+def _routed_expert_index(linear_name: str) -> int | None:
+    """e of `model.layers.{i}.mlp.experts.{e}.<proj>`, None for other Linears."""
+    parts = linear_name.split(".")
+    return int(parts[5]) if len(parts) > 6 and parts[3:5] == ["mlp", "experts"] else None
 
 
 @dataclass(frozen=True)
@@ -237,11 +283,29 @@ class WeightBytes:
     # K * N of the largest INT4 layer: the dequantization scratch scales with it.
     max_int4_layer_elements: int = 0
     awq_group_size: int = 0
+    # Each decoder layer's bytes (norms and compensation included), and its MLP's share.
+    layer_bytes: list[int] = field(default_factory=list)
+    layer_mlp_bytes: list[int] = field(default_factory=list)
+    # Set when some weights live in host memory (plan_weight_offload); total_bytes then
+    # counts only what the device holds.
+    offload: OffloadPlan | None = None
+    # MoE models: routed experts kept in host memory (counted in the kinds above, not on
+    # the device), and how many of each layer's experts the device caches.
+    host_expert_bytes: int = 0
+    num_cached_experts: int = 0
+    num_routed_experts: int = 0
+
+    @property
+    def all_bytes(self) -> int:
+        """Every weight, wherever it lives."""
+        return (self.int4_bytes + self.fp16_linear_bytes + self.compensation_bytes + self.embedding_bytes
+                + self.head_bytes + self.norm_bytes)
 
     @property
     def total_bytes(self) -> int:
-        return (self.int4_bytes + self.fp16_linear_bytes + self.compensation_bytes + self.embedding_bytes
-                + self.head_bytes + self.norm_bytes)
+        """The weights the device holds."""
+        on_device = self.all_bytes if self.offload is None else self.offload.device_weight_bytes
+        return on_device - self.host_expert_bytes
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) for every kind present, in the order a table shows them."""
@@ -257,36 +321,96 @@ class WeightBytes:
         if self.head_bytes:
             rows.append(("lm head", self.head_bytes))
         rows.append(("norms", self.norm_bytes))
+        if self.offload is not None:
+            rows += self.offload.rows()
+        if self.host_expert_bytes:
+            rows.append((f"routed experts held in host memory ({self.num_cached_experts} of "
+                         f"{self.num_routed_experts} per layer cached on the device)", -self.host_expert_bytes))
         return rows
 
 
 def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_bytes: int, *,
-                         model_dir: str | Path | None = None) -> WeightBytes:
+                         model_dir: str | Path | None = None, max_cached_experts: int | None = None) -> WeightBytes:
     """Weights on the device, from config.json (and, given the directory, the shapes
     in the compensation side file).
 
     Floating tensors take `element_bytes` (the compute dtype: 2 on CUDA, 4 for
     float32 on the CPU); AWQ qweight/qzeros stay int32 and scales stay fp16, as the
     loader keeps them. A tied head shares the embedding and costs nothing.
+    DeepSeek-V2: `max_cached_experts` routed experts per MoE layer on the device, the
+    rest in host memory (None: all on the device); kv_b_proj is dequantized at load
+    and the routers are float32.
     """
     awq = awq_settings(raw_config, config)
     compensation = compensation_settings(model_dir) if awq else Compensation()
     weights = WeightBytes(weight_format="awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
+    weights.layer_bytes = [2 * config.hidden_size * element_bytes] * config.num_layers  # the two norms
+    weights.layer_mlp_bytes = [0] * config.num_layers
+    is_mla = _is_deepseek_v2(config)
     for linear in decoder_linears(config):
         k, n = linear.in_features, linear.out_features
-        if awq is not None and awq.is_quantized(linear.name):
-            weights.int4_bytes += awq_linear_bytes(linear, awq.group_size, element_bytes)
+        is_dequantized = is_mla and linear.name.endswith("kv_b_proj")
+        if awq is not None and awq.is_quantized(linear.name) and not is_dequantized:
+            size = awq_linear_bytes(linear, awq.group_size, element_bytes)
+            weights.int4_bytes += size
             weights.num_int4_layers += 1
             weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, k * n)
-            weights.compensation_bytes += compensation.bytes_of(linear, element_bytes)
+            extra = compensation.bytes_of(linear, element_bytes)
+            weights.compensation_bytes += extra
+            size += extra
         else:
-            weights.fp16_linear_bytes += (k * n + (n if linear.has_bias else 0)) * element_bytes
+            size = (k * n + (n if linear.has_bias else 0)) * element_bytes
+            weights.fp16_linear_bytes += size
             weights.num_fp16_layers += 1
+        layer = int(linear.name.split(".")[2])  # model.layers.{i}.<module>
+        weights.layer_bytes[layer] += size
+        if ".mlp." in linear.name:
+            weights.layer_mlp_bytes[layer] += size
+        expert = _routed_expert_index(linear.name) if is_mla else None
+        if expert is not None and max_cached_experts is not None and expert >= max_cached_experts:
+            weights.host_expert_bytes += size
     table = config.vocab_size * config.hidden_size * element_bytes
     weights.embedding_bytes = table
     weights.head_bytes = 0 if config.is_tied_head else table
     weights.norm_bytes = (2 * config.num_layers + 1) * config.hidden_size * element_bytes
+    if is_mla:
+        _add_deepseek_v2_extras(weights, config, element_bytes, max_cached_experts)
     return weights
+
+
+def router_bytes(config) -> int:
+    """One MoE layer's router: float32 [experts, hidden], as the model keeps it."""
+    return config.num_routed_experts * config.hidden_size * 4
+
+
+def _add_deepseek_v2_extras(weights: WeightBytes, config, element_bytes: int, max_cached_experts: int | None) -> None:
+    num_moe = config.num_moe_layers
+    weights.fp16_linear_bytes += num_moe * router_bytes(config)
+    weights.num_fp16_layers += num_moe
+    q_norm = config.q_lora_rank or 0
+    weights.norm_bytes += config.num_layers * (config.kv_lora_rank + q_norm) * element_bytes
+    weights.num_routed_experts = config.num_routed_experts
+    weights.num_cached_experts = config.num_routed_experts if max_cached_experts is None else \
+        min(max_cached_experts, config.num_routed_experts)
+
+
+def routed_expert_bytes(config, raw_config: dict | None, element_bytes: int) -> int:
+    """Device bytes of one routed expert (DeepSeek-V2): what one expert-cache slot holds."""
+    awq = awq_settings(raw_config, config)
+    h, m = config.hidden_size, config.moe_intermediate_size
+    prefix = f"model.layers.{_first_moe_layer(config)}.mlp.experts.0"
+    total = 0
+    for linear in (LinearShape(f"{prefix}.gate_proj", h, m, False), LinearShape(f"{prefix}.up_proj", h, m, False),
+                   LinearShape(f"{prefix}.down_proj", m, h, False)):
+        if awq is not None and awq.is_quantized(linear.name):
+            total += awq_linear_bytes(linear, awq.group_size, element_bytes)
+        else:
+            total += linear.in_features * linear.out_features * element_bytes
+    return total
+
+
+def _first_moe_layer(config) -> int:
+    return next(i for i in range(config.num_layers) if config.is_moe_layer(i))
 
 
 # ---------------------------------------------------------------- workspace
@@ -295,10 +419,10 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
 def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
     """Whether a step runs the Triton attention kernels (else the plain-torch path).
 
-    Mirrors attention._is_kernel_path: CUDA and a power-of-two head_dim >= 16,
-    with Triton importable and not forced off.
+    Mirrors attention._is_kernel_path: CUDA and head_dim >= 16, with Triton
+    importable and not forced off.
     """
-    if device_type != "cuda" or head_dim < 16 or head_dim & (head_dim - 1):
+    if device_type != "cuda" or head_dim < 16:
         return False
     try:
         from lowvram.kernels import paged_attention
@@ -312,7 +436,8 @@ def rope_table_bytes(config: ModelConfig, context_len: int) -> int:
     positions = ROPE_MIN_POSITIONS
     while positions < context_len:
         positions *= 2
-    return 2 * positions * (config.head_dim // 2) * 4
+    rotary_dim = config.qk_rope_head_dim if _is_deepseek_v2(config) else config.head_dim
+    return 2 * positions * (rotary_dim // 2) * 4
 
 
 def int4_scratch_bytes(weights: WeightBytes | None, num_tokens: int, uses_kernels: bool) -> int:
@@ -538,7 +663,210 @@ def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_by
             f"> budget {plan.budget_bytes / GIB:.2f} GiB. "
             + (f"Lower max_model_len (e.g. --max-model-len {fitting}), " if fitting else
                "Even the shortest context does not fit beside the weights and workspace: ")
-            + f"lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, or a larger profile; "
+            + "lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, "
+            + ("weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
+               if profile.weight_offload in ("off", "auto") else "")
+            + "or a larger profile; "
             f"run `lowvram doctor --profile {profile.name} --context {max_model_len}` (with --model) for a plan"
         )
     return plan
+
+
+# ---------------------------------------------------------------- weight offload
+
+OFFLOAD_STRATEGIES = ("stream", "cpu")
+# What weight_offload "auto" uses; the measured winner (see lowvram/layer_streaming.py).
+DEFAULT_OFFLOAD_STRATEGY = "stream"
+# One streamed layer computes from one buffer while the next one's copy fills the other.
+NUM_STAGING_BUFFERS = 2
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Weights split between the device and host memory (lowvram.layer_streaming).
+
+    The first `num_resident_layers` decoder layers stay on the device; the others live
+    in host memory and pass through `num_staging_buffers` device buffers of
+    `staging_buffer_bytes` (the largest streamed layer) in every forward pass. The head
+    and the norms stay; an untied embedding table moves to host memory. With strategy
+    "cpu" a streamed layer's MLP runs on the CPU and only the rest of the layer is
+    copied. Sizes in bytes; budget, workspace and KV are what the split was planned
+    against (KV: `max_model_len` tokens of every planned sequence).
+    """
+
+    strategy: str
+    num_layers: int
+    num_resident_layers: int
+    num_staging_buffers: int
+    staging_buffer_bytes: int
+    resident_layer_bytes: int
+    streamed_layer_bytes: int  # the streamed layers as the device would hold them
+    copied_bytes_per_pass: int  # host-to-device bytes of one forward pass
+    fixed_bytes: int  # what stays whatever the split: head, final norm, a tied embedding
+    host_embedding_bytes: int
+    budget_bytes: int
+    workspace_bytes: int
+    kv_bytes: int
+    max_model_len: int
+    reserve_bytes: int = 0  # allocator slack kept free: cuBLAS workspaces, fragmentation
+
+    @property
+    def num_streamed_layers(self) -> int:
+        return self.num_layers - self.num_resident_layers
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.num_staging_buffers * self.staging_buffer_bytes
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return self.fixed_bytes + self.resident_layer_bytes + self.staging_bytes
+
+    @property
+    def host_weight_bytes(self) -> int:
+        """The weights moved off the device (at their device size)."""
+        return self.streamed_layer_bytes + self.host_embedding_bytes
+
+    @property
+    def is_embedding_on_host(self) -> bool:
+        return self.host_embedding_bytes > 0
+
+    @property
+    def fits(self) -> bool:
+        return self.device_weight_bytes + self.workspace_bytes + self.kv_bytes + self.reserve_bytes <= self.budget_bytes
+
+    def summary(self) -> str:
+        mlp = " (their MLPs run on the CPU)" if self.strategy == "cpu" and self.num_streamed_layers else ""
+        text = (f"{self.num_resident_layers} of {self.num_layers} decoder layers on the device, "
+                f"{self.num_streamed_layers} streamed from host memory{mlp}")
+        if self.num_streamed_layers:
+            buffers = "buffer" if self.num_staging_buffers == 1 else "buffers"
+            text += (f" ({self.copied_bytes_per_pass / MIB:.1f} MiB copied per forward pass, through "
+                     f"{self.num_staging_buffers} staging {buffers} of {self.staging_buffer_bytes / MIB:.1f} MiB)")
+        if self.is_embedding_on_host:
+            text += "; embeddings in host memory"
+        return text
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(label, bytes) rows that turn the weights' sizes into what the device holds."""
+        where = f"{self.num_streamed_layers} of {self.num_layers} layers stream"
+        if self.is_embedding_on_host:
+            where += ", embeddings"
+        rows = [(f"held in host memory ({where})", -self.host_weight_bytes)]
+        if self.staging_bytes:
+            rows.append((f"staging buffers ({self.num_staging_buffers} x largest streamed layer)", self.staging_bytes))
+        return rows
+
+    def check(self, profile_name: str) -> None:
+        """Raise OutOfMemoryError with the numbers when even streaming every layer does not fit."""
+        if self.fits:
+            return
+        room = self.budget_bytes - self.workspace_bytes - self.kv_bytes - self.reserve_bytes
+        tied = ", embeddings" if not self.is_embedding_on_host else ""
+        hint = ("weight_offload cpu (only the attention part of a layer is staged), " if self.strategy == "stream"
+                else "")
+        raise OutOfMemoryError(
+            f"the model does not fit even with every decoder layer streamed from host memory: head, norms{tied} "
+            f"{self.fixed_bytes / GIB:.2f} GiB + {self.num_staging_buffers} staging buffers of "
+            f"{self.staging_buffer_bytes / MIB:.0f} MiB (one layer each) = {self.device_weight_bytes / GIB:.2f} GiB, "
+            f"but the budget {self.budget_bytes / GIB:.2f} GiB leaves {room / GIB:.2f} GiB after the workspace "
+            f"{self.workspace_bytes / GIB:.2f} GiB, KV {self.kv_bytes / GIB:.2f} GiB for a {self.max_model_len}-token "
+            f"context and allocator slack {self.reserve_bytes / GIB:.2f} GiB. Lower max_model_len, use kv_precision int8, lower max_num_batched_tokens, {hint}or use a "
+            f"larger profile; run `lowvram doctor --profile {profile_name} --context {self.max_model_len}` "
+            "(with --model) for a plan"
+        )
+
+
+def plan_offload(layer_bytes: list[int], staged_bytes: list[int], *, fixed_bytes: int, host_embedding_bytes: int,
+                 budget_bytes: int, workspace_bytes: int, kv_bytes: int, reserve_bytes: int = 0,
+                 strategy: str = DEFAULT_OFFLOAD_STRATEGY, max_resident_layers: int | None = None,
+                 max_model_len: int = 0) -> OffloadPlan:
+    """Keep the most leading decoder layers on the device that fit beside the fixed
+    weights, the staging buffers, the workspace, `kv_bytes` of KV and `reserve_bytes` of
+    allocator slack; the rest stream.
+
+    `layer_bytes[i]`: layer i as the device holds it; `staged_bytes[i]`: what a forward
+    pass copies in when it streams (all of it; without its MLP for "cpu"). Which layers
+    stream does not change the bytes copied per pass, and the last ones streaming lets
+    the first two copies overlap the resident layers' compute. When not even every
+    layer streaming fits, the plan keeps none and its `fits` is False.
+    """
+    if strategy not in OFFLOAD_STRATEGIES:
+        raise ValueError(f"unknown offload strategy {strategy!r}; expected one of {OFFLOAD_STRATEGIES}")
+    num_layers = len(layer_bytes)
+    room = budget_bytes - workspace_bytes - kv_bytes - reserve_bytes - fixed_bytes
+    most = num_layers if max_resident_layers is None else max(0, min(num_layers, max_resident_layers))
+    for num_resident in range(most, -1, -1):
+        streamed = staged_bytes[num_resident:]
+        num_buffers = min(NUM_STAGING_BUFFERS, len(streamed))
+        buffer = max(streamed, default=0)
+        if sum(layer_bytes[:num_resident]) + num_buffers * buffer <= room:
+            break
+    return OffloadPlan(
+        strategy=strategy, num_layers=num_layers, num_resident_layers=num_resident, num_staging_buffers=num_buffers,
+        staging_buffer_bytes=buffer, resident_layer_bytes=sum(layer_bytes[:num_resident]),
+        streamed_layer_bytes=sum(layer_bytes[num_resident:]), copied_bytes_per_pass=sum(streamed),
+        fixed_bytes=fixed_bytes, host_embedding_bytes=host_embedding_bytes, budget_bytes=budget_bytes,
+        workspace_bytes=workspace_bytes, kv_bytes=kv_bytes, max_model_len=max_model_len, reserve_bytes=reserve_bytes,
+    )
+
+
+def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBytes, element_bytes: int,
+                        max_model_len: int, *, device_type: str = "cuda", raw_config: dict | None = None,
+                        num_seqs: int = 1) -> OffloadPlan | None:
+    """The split the engine makes under the profile's `weight_offload`, from config.json's
+    sizes (`weights`); None when every weight stays on the device.
+
+    "auto" offloads only on CUDA and only when the weights do not fit beside the
+    workspace and one KV page per sequence: a model that fits but leaves too little
+    room for its context gets plan_kv's error (lower max_model_len) rather than a
+    silent slowdown. Offloaded, the split leaves room for `num_seqs` sequences of
+    `max_model_len` tokens and for the allocator slack the doctor counts (cuBLAS
+    workspaces, the fragmentation reserve), since resident layers would otherwise fill
+    the budget to the last byte.
+    """
+    mode = profile.weight_offload
+    # MoE models leave the device by routed expert instead (lowvram.expert_offload).
+    if mode == "off" or (mode == "auto" and device_type != "cuda") or _is_deepseek_v2(config):
+        return None
+    pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type=device_type,
+                        raw_config=raw_config)
+    one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
+    if mode == "auto" and weights.all_bytes + pool.activation_bytes + one_page_each <= pool.budget_bytes:
+        return None
+    strategy = DEFAULT_OFFLOAD_STRATEGY if mode == "auto" else mode
+    staged = weights.layer_bytes if strategy == "stream" else [
+        layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
+    host_embedding = 0 if config.is_tied_head else weights.embedding_bytes
+    kv = num_seqs * kv_pool_bytes(config, max_model_len, profile.kv_block_size, pool.kv_precision, element_bytes)
+    reserve = (CUBLAS_WORKSPACE_BYTES if device_type == "cuda" else 0) + int(
+        FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes))
+    return plan_offload(
+        weights.layer_bytes, staged, fixed_bytes=weights.all_bytes - sum(weights.layer_bytes) - host_embedding,
+        host_embedding_bytes=host_embedding, budget_bytes=pool.budget_bytes, workspace_bytes=pool.activation_bytes,
+        kv_bytes=kv, reserve_bytes=reserve, strategy=strategy, max_resident_layers=profile.max_resident_layers,
+        max_model_len=max_model_len,
+    )
+
+
+# ---------------------------------------------------------------- expert cache (MoE)
+
+# One slot computes while the next expert copies in; fewer would serialize them.
+MIN_CACHED_EXPERTS = 2
+
+
+def plan_expert_cache(config, profile: Profile, element_bytes: int, max_model_len: int, *, device_type: str = "cuda",
+                      raw_config: dict | None = None, model_dir: str | Path | None = None) -> int:
+    """Routed experts per MoE layer to keep on the device (DeepSeek-V2; lowvram.expert_offload):
+    all of them when they fit, else as many as fit beside the other weights, the
+    workspace and the KV of one full-length sequence (the least plan_kv accepts; pages
+    beyond it spill to the host). Decode moves every missing expert over the bus, so the
+    cache takes the room a larger KV pool would otherwise get. At least
+    MIN_CACHED_EXPERTS: when even those do not fit, plan_kv reports the numbers.
+    """
+    weights = weight_bytes_by_kind(config, raw_config, element_bytes, model_dir=model_dir, max_cached_experts=0)
+    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, weights).peak_bytes
+    kv = kv_pool_bytes(config, max_model_len, profile.kv_block_size, kv_precision_for(profile), element_bytes)
+    room = memory_budget_bytes(profile) - weights.total_bytes - workspace - kv
+    per_layer = room // (routed_expert_bytes(config, raw_config, element_bytes) * config.num_moe_layers)
+    return int(max(MIN_CACHED_EXPERTS, min(config.num_routed_experts, per_layer)))
