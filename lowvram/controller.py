@@ -15,12 +15,20 @@ the ladder has a fixed height: the number of switches under constant load is
 bounded. No action drops a request: halving the batch preempts (the request
 resumes later) and throttling only delays admission.
 
+Storing KV at a higher precision again makes the same live pages larger, so that
+rung is relaxed only when the memory it would bring back still lands below the
+low-water mark (the engine reports the live KV's size at every precision). Without
+this look-ahead a long-context load that INT8 just relieved flips back to FP16,
+is over the high-water mark again within `patience_tokens` steps, and re-quantizes
+every page twice per cooldown for as long as the load lasts.
+
 No torch here; the engine gathers observations and applies the actions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from lowvram.config import ControllerConfig
 
@@ -32,12 +40,14 @@ class Observation:
     """What the engine measured after one step."""
 
     step: int
-    memory_used_bytes: int
+    memory_used_bytes: int  # what the running requests need of the device (LLMEngine.memory_pressure_bytes)
     memory_budget_bytes: int
     token_latency_ms: float | None = None  # this step's per-token decode latency; None for prefill steps
     num_running: int = 0
     num_waiting: int = 0
     host_free_bytes: int | None = None
+    # The live KV pages' bytes at each KV precision ("fp16", "int8", "int4"); empty when unknown.
+    kv_bytes_by_precision: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def memory_fraction(self) -> float:
@@ -121,6 +131,16 @@ def _escalate_batch(state: ControllerState, max_num_seqs: int) -> tuple[Controll
     return None
 
 
+def _relaxed_kv_fits(state: ControllerState, obs: Observation, config: ControllerConfig) -> bool:
+    """Whether storing KV one precision higher keeps memory below the low-water mark."""
+    sizes = obs.kv_bytes_by_precision
+    prev = KV_LADDER[KV_LADDER.index(state.kv_precision) - 1]
+    if state.kv_precision not in sizes or prev not in sizes:
+        return True
+    projected = obs.memory_used_bytes - sizes[state.kv_precision] + sizes[prev]
+    return projected < config.memory_low_water * obs.memory_budget_bytes
+
+
 def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str] | None:
     if not state.applied:
         return None
@@ -165,7 +185,8 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     elif latency is not None and state.latency_streak >= config.patience_tokens:
         step = _escalate_batch(state, max_num_seqs)
         reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
-    elif state.calm_streak >= max(1, config.cooldown_steps) and state.applied:
+    elif state.calm_streak >= max(1, config.cooldown_steps) and state.applied and (
+            state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config)):
         step = _relax(state, max_num_seqs)
         reason = (f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
                   f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps")

@@ -96,3 +96,17 @@ def test_a_prefill_step_after_the_ladder_is_exhausted_is_harmless():
     assert kinds(events) == [("batch_limit", 1), ("throttle", True)]
     state, more = run([(0.5, None), (0.5, 150.0), (0.5, None)], state, max_num_seqs=2)
     assert more == []
+
+
+def test_kv_precision_is_relaxed_only_when_the_larger_pages_would_still_fit():
+    state, _ = run([(0.95, 40.0)] * 3)
+    assert state.kv_precision == "int8"
+    # Calm at INT8 (60% of the budget), but the same live pages at FP16 would be 90%.
+    held = Observation(0, 600, BUDGET, 20.0, kv_bytes_by_precision={"fp16": 600, "int8": 300, "int4": 160})
+    for step in range(50):
+        state, events = decide(state, held, CFG, max_num_seqs=8)
+        assert events == [], step
+    # The load drains: at FP16 the live pages would make 70%, under the 75% low-water mark.
+    drained = Observation(51, 500, BUDGET, 20.0, kv_bytes_by_precision={"fp16": 400, "int8": 200, "int4": 110})
+    state, events = decide(state, drained, CFG, max_num_seqs=8)
+    assert kinds(events) == [("kv_precision", "fp16")]
