@@ -22,6 +22,7 @@ from lowvram.errors import ConfigError
 KV_PRECISIONS = ("fp16", "int8", "int4", "auto")
 KV_BACKENDS = ("um", "pinned", "device", "auto")
 WEIGHT_FORMATS = ("awq", "fp16", "auto")
+WEIGHT_OFFLOADS = ("auto", "off", "stream", "cpu")
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 KV_BLOCK_SIZES = (8, 16, 32, 64)
@@ -56,13 +57,17 @@ class Profile:
     max_num_batched_tokens: int = 2048
     kv_block_size: int = 16
     kv_precision: str = "auto"
+    kv_recent_fp16_tokens: int = 64
     kv_backend: str = "auto"
     host_spill_gib: float = 8.0
     allow_oversubscription: bool = False
     enable_prefix_caching: bool = True
+    enable_cuda_graphs: bool = False
     weight_format: str = "auto"
     fp16_budget_mib: int = 64
     compensation_rank: int = 16
+    weight_offload: str = "auto"
+    max_resident_layers: int | None = None
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     @property
@@ -91,13 +96,21 @@ FIELD_DOCS: dict[str, str] = {
     "max_num_batched_tokens": "Most tokens processed in one step (bounds prefill activation memory).",
     "kv_block_size": "Tokens per KV page (8, 16, 32 or 64).",
     "kv_precision": "KV page precision: fp16, int8, int4, or auto (start at fp16; the controller compresses under pressure).",
+    "kv_recent_fp16_tokens": "Tokens at the end of each running sequence whose KV stays FP16 when the controller "
+                             "compresses to INT8/INT4 (whole pages; 0 = off).",
     "kv_backend": "Where KV pages live: um (CUDA unified memory), pinned (device + pinned host tier), device, or auto.",
     "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
+    "enable_cuda_graphs": "Replay decode steps from CUDA graphs (off by default until measured on a card; false = eager).",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
+    "weight_offload": "Decoder layers in host memory: auto (on CUDA, only when the weights do not fit), off, stream "
+                      "(as many layers as fit beside a full-length context stay, the rest are copied in every step), "
+                      "or cpu (like stream, but those layers' MLPs run on the CPU).",
+    "max_resident_layers": "With weight offload: most decoder layers kept on the device (null = as many as fit); "
+                           "fewer leave more room for KV pages and decode slower.",
     "controller": "Feedback controller thresholds (see the controller.* fields).",
     "controller.memory_high_water": "Fraction of the budget above which the controller starts relieving memory.",
     "controller.memory_low_water": "Fraction of the budget below which the controller relaxes again.",
@@ -161,13 +174,20 @@ def validate_profile(p: Profile, source: str) -> None:
     _check_range(source, "max_num_batched_tokens", p.max_num_batched_tokens, 16, 1 << 20, is_int=True)
     _check_choice(source, "kv_block_size", p.kv_block_size, KV_BLOCK_SIZES)
     _check_choice(source, "kv_precision", p.kv_precision, KV_PRECISIONS)
+    _check_range(source, "kv_recent_fp16_tokens", p.kv_recent_fp16_tokens, 0, 1 << 20, is_int=True)
     _check_choice(source, "kv_backend", p.kv_backend, KV_BACKENDS)
     _check_range(source, "host_spill_gib", p.host_spill_gib, 0, 4096)
     _check_bool(source, "allow_oversubscription", p.allow_oversubscription)
     _check_bool(source, "enable_prefix_caching", p.enable_prefix_caching)
+    _check_bool(source, "enable_cuda_graphs", p.enable_cuda_graphs)
     _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
     _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)
     _check_range(source, "compensation_rank", p.compensation_rank, 0, 1024, is_int=True)
+    if p.weight_offload is False:  # YAML reads a bare `off` as false
+        p.weight_offload = "off"
+    _check_choice(source, "weight_offload", p.weight_offload, WEIGHT_OFFLOADS)
+    if p.max_resident_layers is not None:
+        _check_range(source, "max_resident_layers", p.max_resident_layers, 0, 1 << 16, is_int=True)
     if p.max_num_batched_tokens < p.max_num_seqs:
         raise ConfigError(
             f"{source}: max_num_batched_tokens = {p.max_num_batched_tokens} is smaller than "

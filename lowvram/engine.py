@@ -14,11 +14,13 @@ import torch
 from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
 from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
-from lowvram.controller import ControllerState, Event, Observation, decide, escalate_after_oom
+from lowvram.controller import KV_LADDER, ControllerState, Event, Observation, decide, escalate_after_oom
 from lowvram.errors import OutOfMemoryError, RequestError
 from lowvram.kv_pool import create_kv_pool
-from lowvram.loader import load_model, resolve_model_path
+from lowvram.layer_streaming import load_model_for_profile
+from lowvram.loader import is_deepseek_v2_checkpoint, load_model, resolve_model_path
 from lowvram.memory_plan import plan_kv
+from lowvram.fusion import fuse_projections
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lowvram.sampling import SamplingParams, sample_token
@@ -71,6 +73,7 @@ class EngineSnapshot:
     last_decision: str | None
     num_controller_events: int = 0
     num_kv_blocks_cached: int = 0
+    memory_pressure_bytes: int = 0  # what the controller compares with the budget (may exceed it)
 
 
 class LLMEngine:
@@ -93,7 +96,13 @@ class LLMEngine:
         self.dtype = pick_dtype(self.profile.dtype, self.device)
         apply_emulation(self.profile, self.device)
         self.model_dir = resolve_model_path(model)
-        self.model, self.config = load_model(self.model_dir, self.device, self.dtype)
+        if is_deepseek_v2_checkpoint(self.model_dir):
+            # MoE: routed experts leave the device through their own cache, sized from the profile.
+            self.model, self.config = load_model(self.model_dir, self.device, self.dtype, profile=self.profile)
+        else:
+            # Projections are fused before any weight offload, so the fused tensors are the ones that stream.
+            self.model, self.config = load_model_for_profile(self.model_dir, self.profile, self.device, self.dtype,
+                                                             prepare=fuse_projections)
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -107,7 +116,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_pool.num_blocks, self.kv_plan.block_size,
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool)
+        self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool, max_num_seqs=self.profile.max_num_seqs,
+                                  max_model_len=self.max_model_len, use_cuda_graphs=self.profile.enable_cuda_graphs)
         self.requests: dict[str, Sequence] = {}
         self.controller_state = ControllerState(kv_precision=self.kv_precision)
         self.controller_events: deque[Event] = deque(maxlen=256)
@@ -228,11 +238,11 @@ class LLMEngine:
         reclaimable and not counted; pages spilled to the host are not on the device)."""
         # Pages nobody holds are on the free list or cached: used = the rest (no per-page scan per step).
         num_live = self.block_manager.num_used_blocks - self.runner.num_kv_blocks_on_host()
-        return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
+        return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision) + self.kv_pool.window_bytes()
 
     def memory_in_use_bytes(self) -> int:
-        """What the controller compares with the budget: everything but the KV pool as the
-        allocator reports it, plus the pool's live resident pages."""
+        """Device memory held now: everything but the KV pool as the allocator reports it,
+        plus the pool's live resident pages (the controller watches memory_pressure_bytes)."""
         if self.device.type == "cuda":
             allocated = torch.cuda.memory_allocated(self.device)
             pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
@@ -241,17 +251,49 @@ class LLMEngine:
             other = self.model.weight_bytes + self.kv_plan.activation_bytes
         return other + self.kv_bytes_in_use()
 
+    def memory_pressure_bytes(self, memory_in_use_bytes: int | None = None) -> int:
+        """What the controller compares with the budget: memory in use, plus the live KV
+        pages that wait on the host, plus (on CUDA) the workspace the plan reserves for
+        a step. Above the budget when the running sequences outgrow the card.
+
+        The um and pinned pools hand out pages for every sequence at full length but
+        keep at most the plan's device share resident; the rest waits on the host and
+        each step reads it over the bus or swaps it in. Counting resident pages only,
+        the fraction would top out at (weights + device share) / budget, which is
+        1 - workspace / budget, and stay flat however far the live pages outgrew the
+        device share: below the high-water mark wherever the workspace is a tenth of
+        the budget, so the controller would never see the pressure it exists to
+        relieve. Live pages therefore count at their current size wherever they are,
+        and the step's planned workspace counts because a step needs it on top of
+        what stays allocated between steps (on the CPU memory_in_use_bytes already
+        holds it). Compressing the KV or shrinking the batch lowers this number.
+        """
+        if memory_in_use_bytes is None:
+            memory_in_use_bytes = self.memory_in_use_bytes()
+        on_host = self.runner.num_kv_blocks_on_host() * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
+        workspace = self.kv_plan.activation_bytes if self.device.type == "cuda" else 0
+        return memory_in_use_bytes + on_host + workspace
+
+    def kv_bytes_by_precision(self) -> dict[str, int]:
+        """The live pages' bytes at each KV precision (what compressing or relaxing would make them)."""
+        num_live = self.block_manager.num_used_blocks
+        return {p: num_live * self.kv_pool.shape.block_bytes(p) for p in KV_LADDER}
+
     def _control(self, token_latency_ms: float | None) -> None:
-        obs = Observation(self.stats.num_steps, self.memory_in_use_bytes(), self.kv_plan.budget_bytes, token_latency_ms,
-                          len(self.scheduler.running), len(self.scheduler.waiting))
+        in_use = self.memory_in_use_bytes()
+        obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use), self.kv_plan.budget_bytes,
+                          token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
+                          kv_bytes_by_precision=self.kv_bytes_by_precision())
         self.controller_state, events = decide(self.controller_state, obs, self.profile.controller,
                                                max_num_seqs=self.profile.max_num_seqs)
         for event in events:
             self._apply(event)
         if self.timeline_path:
-            self._write_timeline({"type": "step", **asdict(obs), "batch_limit": self.scheduler.batch_limit,
-                                  "kv_precision": self.kv_precision, "mode": self.controller_state.mode,
-                                  "time": time.time()})
+            record = {k: v for k, v in asdict(obs).items() if k != "kv_bytes_by_precision"}
+            self._write_timeline({"type": "step", **record, "device_memory_bytes": in_use,
+                                  "num_kv_blocks_used": self.block_manager.num_used_blocks,
+                                  "batch_limit": self.scheduler.batch_limit, "kv_precision": self.kv_precision,
+                                  "mode": self.controller_state.mode, "time": time.time()})
 
     def _apply(self, event: Event) -> None:
         """Carry out one controller decision. Nothing here drops a request."""
@@ -318,8 +360,17 @@ class LLMEngine:
     def set_kv_precision(self, precision: str) -> int:
         """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
         sequences keep their pages and continue. Returns the device bytes freed (negative
-        when it grows). New tokens are stored at the new precision from the next step."""
-        freed = self.runner.set_kv_precision(precision)
+        when it grows). New tokens are stored at the new precision from the next step.
+        Compressing keeps the pages of each running sequence's last `kv_recent_fp16_tokens`
+        tokens in FP16 as well (see `lowvram.kv_pool`)."""
+        from lowvram.kv_pool import recent_window_blocks
+
+        free = set(self.block_manager.free_blocks)
+        used = [b for b in range(self.block_manager.num_blocks) if b not in free]
+        running = [(self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens)
+                   for seq in self.scheduler.running]
+        recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, self.block_manager.block_size)
+        freed = self.kv_pool.set_precision(precision, used, fp16_block_ids=recent)
         self.kv_precision = precision
         return freed
 
@@ -346,6 +397,7 @@ class LLMEngine:
             last_decision=self.controller_events[-1].reason if self.controller_events else None,
             num_controller_events=self.num_controller_events,
             num_kv_blocks_cached=self.block_manager.num_cached_blocks,
+            memory_pressure_bytes=self.memory_pressure_bytes(used),
         )
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:

@@ -11,6 +11,9 @@ import torch
 from torch import nn
 
 from lowvram.attention import AttentionMetadata, paged_attention
+from lowvram.kernels.activation import silu_and_mul
+from lowvram.kernels.rms_norm import rms_norm
+from lowvram.kernels.rotary import apply_rotary, apply_rotary_ref
 from lowvram.kv_quant import KVPages
 from lowvram.model_config import ModelConfig
 
@@ -22,10 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in FP32: FP16 squares overflow past |x| ~ 256.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in FP32 (inside the kernel too): FP16 squares overflow past |x| ~ 256.
+        return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass on the GPU."""
+        return rms_norm(x, self.weight, self.eps, residual, use_reference=not x.is_cuda)
 
 
 class Rotary(nn.Module):
@@ -45,17 +50,29 @@ class Rotary(nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        max_pos = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < max_pos or self.cos.device != positions.device:
-            self._build(max(max_pos, 2 * (self.cos.shape[0] if self.cos is not None else 1024)), positions.device)
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
-        out = []
-        for x in xs:  # x: [T, heads, D]
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return out
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Make the tables cover `num_positions`. Growing them replaces the tensors, so a CUDA
+        graph that captured the old ones must reserve its longest context before capture."""
+        if self.cos is None or self.cos.shape[0] < num_positions or self.cos.device != device:
+            current = self.cos.shape[0] if self.cos is not None else 1024
+            self._build(max(num_positions, 2 * current), device)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None) -> list[torch.Tensor]:
+        """Rotate each x [T, heads, D] by its token's position.
+
+        `num_positions` bounds the positions (the step's longest context) so the tables can be
+        checked without reading `positions` back from the device, which would stall every
+        layer and cannot happen inside a CUDA graph capture.
+        """
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 1
+        self.reserve(num_positions, positions.device)
+        return [apply_rotary_ref(x, positions, self.cos, self.sin) for x in xs]
+
+    def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, num_positions: int) -> None:
+        """Rotate q [T, H, D] and k [T, Hkv, D] in place (one kernel on the GPU); see forward."""
+        self.reserve(num_positions, positions.device)
+        apply_rotary(q, k, positions, self.cos, self.sin, use_reference=not q.is_cuda)
 
 
 class Attention(nn.Module):
@@ -67,15 +84,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, set by lowvram.fusion after loading
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
         num_tokens = h.shape[0]
-        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv when fused
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.rotary.rotate_(positions, q, k, meta.max_context_len)
         out = paged_attention(q, k, v, kv_pages, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
@@ -88,8 +112,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one matmul, set by lowvram.fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x), use_reference=not x.is_cuda))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -102,8 +129,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, positions, meta, kv_pages):
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
+        normed, h = self.post_attention_layernorm.add_and_norm(attn, h)
+        return h + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
@@ -121,6 +149,9 @@ class CausalLM(nn.Module):
     `model` is the decoder stack (embed_tokens, layers, norm); by default the dense one.
     """
 
+    # The decode step holds no host syncs and no data-dependent shapes, so it can be captured.
+    supports_cuda_graphs = True
+
     def __init__(self, config: ModelConfig, model: nn.Module | None = None):
         super().__init__()
         self.config = config
@@ -133,6 +164,12 @@ class CausalLM(nn.Module):
         for layer, pages in zip(self.model.layers, kv_pages):
             h = layer(h, positions, meta, pages)
         return self.model.norm(h)
+
+    def reserve_positions(self, num_positions: int, device: torch.device) -> None:
+        """Build the position tables for contexts up to `num_positions` now, not mid-step."""
+        reserve = getattr(getattr(self.model, "rotary", None), "reserve", None)
+        if reserve is not None:
+            reserve(num_positions, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> FP32 logits [N, vocab]."""

@@ -15,6 +15,7 @@ import torch
 
 from lowvram.attention import AttentionMetadata
 from lowvram.block_manager import BlockManager
+from lowvram.cuda_graphs import DecodeGraphs
 from lowvram.errors import KernelError
 from lowvram.kv_pool import KVPool
 from lowvram.kv_quant import KVPages
@@ -23,7 +24,17 @@ from lowvram.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool):
+    """Runs scheduled batches through the model over the KV pool.
+
+    Args:
+        max_num_seqs, max_model_len: the largest decode batch and context; with
+            `use_cuda_graphs` they size the decode graphs (`lowvram.cuda_graphs`).
+        use_cuda_graphs: replay decode steps from CUDA graphs (CUDA devices, models that
+            allow it); prefill steps and anything a graph cannot hold run eagerly.
+    """
+
+    def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool, *, max_num_seqs: int = 1,
+                 max_model_len: int = 0, use_cuda_graphs: bool = False):
         if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
             raise KernelError(
                 f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
@@ -34,6 +45,12 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.block_size = block_manager.block_size
+        self.graphs = None
+        if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
+            max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
+            # The rotary tables must not be replaced after a graph captured them.
+            model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device)
 
     @property
     def kv_pages(self) -> list[KVPages]:
@@ -41,11 +58,12 @@ class ModelRunner:
         pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""
         return [] if self.kv_pool.is_translated else self.kv_pool.pages
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+        """The step's inputs as host lists: token ids, positions and KV slots per new token,
+        context length and (device) block table per sequence."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        cu_seqlens = [0]
         context_lens: list[int] = []
         tables: list[list[int]] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -54,9 +72,15 @@ class ModelRunner:
             input_ids.extend(seq.all_token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
             context_lens.append(end)
             tables.append(table)
+        return input_ids, positions, slots, context_lens, tables
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
+        cu_seqlens = [0]
+        for num_new in batch.num_new_tokens:
+            cu_seqlens.append(cu_seqlens[-1] + num_new)
         max_blocks = max(len(t) for t in tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         dev = self.device
@@ -106,9 +130,24 @@ class ModelRunner:
         return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
 
     def _forward(self, batch: ScheduledBatch, is_all_rows: bool) -> torch.Tensor:
+        if self.graphs is not None and not batch.is_prefill and not is_all_rows:
+            logits = self._replay(batch)
+            if logits is not None:
+                return logits
         ids, pos, meta, last_rows = self.prepare(batch)
         hidden = self.model(ids, pos, meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
+        key = self.graphs.bucket(len(input_ids), max(len(t) for t in tables))
+        if key is None:
+            return None
+        return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages)
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_pages: list[KVPages]) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
 
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is

@@ -1,0 +1,77 @@
+"""RMSNorm in one kernel, optionally fused with the residual add before it.
+
+A decoder layer normalises twice; in plain torch each norm is about seven kernels (cast,
+square, mean, add, rsqrt, multiply, cast, scale), which inside a CUDA graph costs more in
+launch gaps than in arithmetic. Here one program normalises one row, in float32 like the
+reference, and the post-attention norm also adds the attention output to the residual
+stream and writes the sum back, so the add costs no extra pass over memory.
+
+The reference is `rms_norm_ref`: normalise in float32, round to the input dtype, then
+multiply by the weight in that dtype, exactly as `lowvram.model.RMSNorm` does on the CPU.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from lowvram.errors import KernelError
+from lowvram.kernels.dispatch import use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols, stride_x, stride_r, stride_o,
+                     stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < num_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    normed = (xf * inv_rms).to(x.dtype)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight * normalise(x + residual), x + residual or None)."""
+    total = x if residual is None else x + residual
+    xf = total.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, None if residual is None else total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             use_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Normalise each row of x [T, C] (after adding residual [T, C] when given).
+
+    Returns (normed [T, C] in weight's dtype promotion with x, the sum x + residual or None).
+    Rows may be strided; the last dim must be contiguous.
+    """
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise KernelError(f"rms_norm: x is {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [T, C] and [C]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise KernelError(f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
+                          f"{tuple(x.shape)} {x.dtype}; they must match")
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise KernelError("rms_norm: x, weight and residual must be contiguous in their last dim")
+    if any(t.device != x.device for t in tensors):
+        raise KernelError("rms_norm: x, weight and residual must be on one device")
+    if x.dtype == torch.bfloat16 or not use_triton("rms_norm", x.device, use_reference) or x.shape[0] == 0:
+        return rms_norm_ref(x, weight, eps, residual)
+    num_rows, num_cols = x.shape
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    total = torch.empty_like(x) if residual is not None else None
+    block = triton.next_power_of_2(num_cols)
+    _rms_norm_kernel[(num_rows,)](
+        x, residual if residual is not None else x, weight, out, total if total is not None else out,
+        num_cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        total.stride(0) if total is not None else 0, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+    )
+    return out, total

@@ -1,0 +1,72 @@
+"""Rotate-half RoPE applied in place to q and k in one kernel.
+
+In plain torch RoPE gathers the cos and sin rows, splits, multiplies and concatenates,
+about ten kernels per tensor. Here one program handles one (token, head) pair of q or k:
+it reads the head's two halves, rotates them in float32 with the token's cos and sin row,
+and writes them back where they were. q and k may be strided views of a fused QKV output,
+so the projection's result is rotated without a copy.
+
+The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
+as `lowvram.model.Rotary` computes it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from lowvram.errors import KernelError
+from lowvram.kernels.dispatch import use_triton
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, num_q_heads, stride_qt, stride_qh,
+                   stride_kt, stride_kh, stride_cos, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if head < num_q_heads:
+        base = q_ptr + token * stride_qt + head * stride_qh
+    else:
+        base = k_ptr + token * stride_kt + (head - num_q_heads) * stride_kh
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * stride_cos + offs, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_cos + offs, mask=mask, other=0.0)
+    x1 = tl.load(base + offs, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(base + HALF + offs, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by position: returns a new tensor in x's dtype."""
+    c = cos[positions][:, None, :]  # [T, 1, D/2]
+    s = sin[positions][:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 use_reference: bool = False) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place; cos, sin: float32 [P, D/2] with P > every position."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise KernelError(f"apply_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one T and D")
+    head_dim = q.shape[2]
+    if head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
+        raise KernelError(f"apply_rotary: cos/sin are {tuple(cos.shape)}; expected [positions, {head_dim // 2}]")
+    if q.stride(2) != 1 or k.stride(2) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise KernelError("apply_rotary: q and k must be contiguous in their last dim, cos and sin contiguous")
+    if positions.shape != (q.shape[0],):
+        raise KernelError(f"apply_rotary: positions is {tuple(positions.shape)}; expected [{q.shape[0]}]")
+    if q.dtype == torch.bfloat16 or not use_triton("apply_rotary", q.device, use_reference):
+        q.copy_(apply_rotary_ref(q, positions, cos, sin))
+        k.copy_(apply_rotary_ref(k, positions, cos, sin))
+        return
+    if q.shape[0] == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
+        q, k, positions, cos, sin, q.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+    )

@@ -1,0 +1,185 @@
+"""CUDA graphs of the decode step: one replay instead of hundreds of kernel launches.
+
+A decode step of a 28-layer model launches a few hundred small kernels; on a small GPU
+each costs more to launch from Python than to run. Captured once, the whole forward pass
+(embedding to logits) replays as one graph, so the step costs the GPU time only.
+
+A graph fixes every shape and address it was captured with. So:
+- Inputs live in static buffers sized for the largest batch; a step copies its token ids,
+  positions, KV slots, block tables and context lengths in and replays. Padding rows
+  write no KV (slot -1) and attend to nothing (context length 0); their logits are dropped.
+- One graph per (batch size, block-table width) bucket. The width fixes how many context
+  partitions the decode attention kernel splits into, so it is bucketed by powers of four
+  from 64 pages up to the model's longest context: short contexts do not pay for the
+  partitions of long ones.
+- The KV pages' addresses are baked in. When the pool reallocates its pages (a precision
+  change), every graph is dropped and recaptured on demand.
+- Graphs are captured lazily, the first time a bucket is needed, and share one memory
+  pool, so their activations take the space of one step, not one per graph.
+
+Anything a graph cannot hold (a prefill step, a batch larger than the largest bucket, a
+model that syncs with the host inside its forward pass) runs eagerly, and so does every
+bucket whose capture failed, with a warning logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lowvram.attention import AttentionMetadata
+from lowvram.kv_quant import KVPages
+
+log = logging.getLogger("lowvram.cuda_graphs")
+
+MIN_TABLE_BLOCKS = 64
+TABLE_GROWTH = 4
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, ... up to max_num_seqs (which is always a bucket)."""
+    sizes = []
+    size = 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_num_seqs]
+
+
+def table_buckets(max_blocks_per_seq: int) -> list[int]:
+    """Block-table widths: 64, 256, 1024, ... pages, capped at max_blocks_per_seq (always a bucket)."""
+    widths = []
+    width = MIN_TABLE_BLOCKS
+    while width < max_blocks_per_seq:
+        widths.append(width)
+        width *= TABLE_GROWTH
+    return widths + [max_blocks_per_seq]
+
+
+def _bucket(value: int, buckets: list[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
+    """The device addresses a graph bakes in; a change means the graphs are stale."""
+    return tuple(value.data_ptr() for pages in kv_pages for value in vars(pages).values()
+                 if isinstance(value, torch.Tensor))
+
+
+class DecodeGraphs:
+    """Captures and replays the decode forward pass of `model` for batches up to `max_num_seqs`.
+
+    Args:
+        forward: (input_ids [B], positions [B], meta, kv_pages) -> FP32 logits [B, vocab]; the
+            model's forward plus its head. It must not synchronise with the host.
+        max_num_seqs: the largest batch a graph serves (the profile's max_num_seqs).
+        max_blocks_per_seq: pages of the longest context (max_model_len / block_size, rounded up).
+        device: the CUDA device.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
+                 device: torch.device):
+        self.forward = forward
+        self.batch_sizes = batch_buckets(max_num_seqs)
+        self.table_widths = table_buckets(max_blocks_per_seq)
+        self.device = device
+        max_batch, max_width = self.batch_sizes[-1], self.table_widths[-1]
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_batch, max_width), dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[tuple[int, int]] = set()
+        self.pool = None
+        self.signature: tuple[int, ...] = ()
+        self.num_replays = 0
+        self.num_captures = 0
+
+    def bucket(self, num_seqs: int, num_table_blocks: int) -> tuple[int, int] | None:
+        """The graph key that serves this batch, or None when it is too large for any graph."""
+        batch, width = _bucket(num_seqs, self.batch_sizes), _bucket(num_table_blocks, self.table_widths)
+        if batch is None or width is None or (batch, width) in self.failed:
+            return None
+        return batch, width
+
+    def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
+            tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages]) -> torch.Tensor | None:
+        """Logits [S, vocab] of the decode step, by replaying the graph for `key`; None when the
+        graph could not be captured (the caller runs the step eagerly)."""
+        self._check_pages(kv_pages)
+        num_seqs = len(input_ids)
+        batch, width = key
+        self._fill(input_ids, positions, slots, tables, context_lens, batch, width)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, kv_pages)
+            if entry is None:
+                return None
+        graph, logits = entry
+        graph.replay()
+        self.num_replays += 1
+        # The output buffer is shared by every graph: hand out a copy that outlives the next replay.
+        return logits[:num_seqs].clone()
+
+    def _check_pages(self, kv_pages: list[KVPages]) -> None:
+        signature = pages_signature(kv_pages)
+        if signature != self.signature:
+            if self.graphs:
+                log.info("KV pages moved (precision change): dropping %d decode graphs", len(self.graphs))
+            self.graphs.clear()
+            self.pool = None
+            self.signature = signature
+
+    def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:
+        num_seqs = len(input_ids)
+        padding = batch - num_seqs
+        # Built on the host and copied in one go per buffer: a handful of small copies per step.
+        self.input_ids[:batch].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
+        self.positions[:batch].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
+        self.slot_mapping[:batch].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
+        self.context_lens[:batch].copy_(torch.tensor(context_lens + [0] * padding, dtype=torch.int32),
+                                        non_blocking=True)
+        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * padding
+        self.block_tables[:batch, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+
+    def _meta(self, batch: int, width: int, block_size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch, :width],  # [B, width], row stride = the widest bucket
+            context_lens=self.context_lens[:batch],
+            cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=self.device),
+            max_context_len=width * block_size,
+            context_lens_cpu=[width * block_size] * batch,
+            query_lens_cpu=[1] * batch,
+        )
+
+    def _capture(self, key: tuple[int, int], kv_pages: list[KVPages]):
+        batch, width = key
+        meta = self._meta(batch, width, kv_pages[0].block_size)
+        ids, pos = self.input_ids[:batch], self.positions[:batch]
+        try:
+            # One eager run first: it compiles the Triton kernels and lets the allocator settle,
+            # neither of which may happen inside a capture.
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.forward(ids, pos, meta, kv_pages)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.forward(ids, pos, meta, kv_pages)
+        except Exception as exc:  # a capture failure costs speed, never the request
+            self.failed.add(key)
+            log.warning("decode graph for batch %d, %d pages could not be captured (%s); that bucket runs eagerly",
+                        batch, width, exc)
+            return None
+        # The capture run wrote nothing real: its inputs are this step's, replayed next.
+        self.graphs[key] = (graph, logits)
+        self.num_captures += 1
+        return self.graphs[key]

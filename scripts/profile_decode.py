@@ -1,0 +1,235 @@
+"""Where a decode step's time goes, on a CUDA GPU.
+
+    python scripts/profile_decode.py --shape r1-distill-qwen-1.5b --quantize --emulate-vram-gib 4 \
+        --context 512 --batch-sizes 1,8 --json out.json [--sweep-gemv]
+
+For eager steps and for CUDA-graph steps it reports the wall time of a decode step and the
+GPU time of its kernels, so the gap (launches, Python, the scheduler) is visible; the
+torch profiler's kernel table of eager steps shows which kernels cost most. --sweep-gemv
+times the W4A16 decode kernel's block configurations on the model's real shapes inside
+CUDA graphs (no launch overhead), which is what the tuned table in w4a16_gemv comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from lowvram.config import load_profile
+from lowvram.engine import LLMEngine
+from lowvram.sampling import SamplingParams
+
+
+def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    for b in range(batch_size):
+        ids = [(31 * i + 7 * b) % (vocab - 10) + 5 for i in range(context)]
+        engine.add_request(f"r{b}", None, params, prompt_token_ids=ids)
+    while any(seq.num_uncomputed_tokens > 1 for seq in engine.requests.values()):  # until every prompt is in
+        engine.step()
+    engine.step()
+
+
+def time_decode(engine: LLMEngine, num_steps: int) -> dict:
+    """Wall time per decode step and the GPU time of the runner's work inside it."""
+    run = engine.runner.run
+    gpu_ms = []
+
+    def timed_run(batch, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = run(batch, **kwargs)
+        end.record()
+        gpu_ms.append((start, end))
+        return logits
+
+    engine.runner.run = timed_run
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - begin) * 1000 / num_steps
+    engine.runner.run = run
+    runner_ms = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
+    return {"step_ms": round(wall_ms, 3), "runner_gpu_span_ms": round(runner_ms, 3)}
+
+
+def kernel_table(engine: LLMEngine, num_steps: int) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0 and event.count:
+            rows.append({"kernel": event.key[:90], "calls_per_step": event.count / num_steps,
+                         "us_per_step": round(device_us / num_steps, 1)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def profile_prefill(engine: LLMEngine, num_tokens: int) -> dict:
+    """One long prompt through chunked prefill: tokens/s, and the kernel table of its steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ids = [(13 * i + 3) % (vocab - 10) + 5 for i in range(num_tokens)]
+    engine.add_request("warm", None, params, prompt_token_ids=ids[:512])
+    finish_all(engine)
+    engine.add_request("prefill", None, params, prompt_token_ids=ids)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    num_steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            num_steps += 1
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - begin
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append({"kernel": event.key[:90], "calls": event.count, "ms": round(device_us / 1000, 2)})
+    rows.sort(key=lambda r: -r["ms"])
+    return {"prompt_tokens": num_tokens, "steps": num_steps, "seconds_profiled": round(elapsed, 3),
+            "tokens_per_s_profiled": round(num_tokens / elapsed, 1),
+            "kernel_ms_total": round(sum(r["ms"] for r in rows), 1), "kernels": rows[:25]}
+
+
+def finish_all(engine: LLMEngine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def finish(engine: LLMEngine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def sweep_gemv(config, group_size: int) -> list[dict]:
+    import triton
+    from triton.testing import do_bench_cudagraph
+
+    from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {"qkv": (hidden, config.q_size + 2 * config.kv_size), "o": (config.q_size, hidden),
+              "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for name, (k, n) in shapes.items():
+        qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
+        qzeros = torch.randint(-2**31, 2**31 - 1, (k // group_size, n // 8), dtype=torch.int32, device="cuda")
+        scales = torch.rand(k // group_size, n, dtype=torch.float16, device="cuda") * 0.01
+        nbytes = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+        for rows in (1, 8):
+            x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
+            y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
+            default = choose_gemv_config(rows, n, k, group_size, num_sms)
+            candidates = [default] + [
+                {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w}
+                for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
+                for sk in sorted({1, 2, 4, 8, 16, max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))})
+                if bk <= group_size and sk <= k // bk]
+            timed = []
+            for cfg in candidates:
+                try:
+                    def call(cfg=cfg, x=x, y=y, qweight=qweight, qzeros=qzeros, scales=scales):
+                        launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg)
+
+                    ms = do_bench_cudagraph(call, rep=20)
+                except Exception as exc:  # an invalid configuration for this shape
+                    timed.append({"config": cfg, "error": str(exc)[:80]})
+                    continue
+                timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
+            ok = [t for t in timed if "us" in t]
+            best = min(ok, key=lambda t: t["us"])
+            results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
+                            "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
+                            "top5": sorted(ok, key=lambda t: t["us"])[:5]})
+            print(json.dumps(results[-1]["best"] | {"shape": name, "rows": rows,
+                                                    "default_us": results[-1]["default"]["us"]
+                                                    if results[-1]["default"] else None}))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--shape", default="r1-distill-qwen-1.5b")
+    parser.add_argument("--quantize", action="store_true")
+    parser.add_argument("--profile", default="4gb")
+    parser.add_argument("--emulate-vram-gib", type=float, default=None)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--sweep-gemv", action="store_true")
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="lowvram-profile-"))
+    model = args.model
+    if model is None:
+        from lowvram.shapes import write_random_checkpoint
+
+        model = str(write_random_checkpoint(work / "model", args.shape))
+    if args.quantize:
+        from lowvram.quantize import quantize_model
+
+        quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib)
+        model = str(work / "awq")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    base = load_profile(args.profile).replace(emulate_vram_gib=args.emulate_vram_gib,
+                                               max_model_len=max(args.context + 3 * args.steps + 64,
+                                                                 args.prefill_tokens + 16),
+                                               max_num_seqs=max(batch_sizes))
+    record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "runs": []}
+    engine = None
+    for use_graphs in (False, True):
+        del engine
+        torch.cuda.empty_cache()
+        engine = LLMEngine(model, base.replace(enable_cuda_graphs=use_graphs))
+        for batch_size in batch_sizes:
+            start_decoding(engine, batch_size, args.context, 3 * args.steps)
+            for _ in range(4):  # graph captures and compilations happen here, not in the timing
+                engine.step()
+            timing = time_decode(engine, args.steps)
+            run = {"cuda_graphs": use_graphs, "batch_size": batch_size, "context": args.context, **timing,
+                   "tokens_per_s": round(1000 * batch_size / timing["step_ms"], 1)}
+            if not use_graphs and batch_size == 1:
+                run["kernels"] = kernel_table(engine, 8)[:25]
+                run["kernel_gpu_us_per_step"] = round(sum(r["us_per_step"] for r in kernel_table(engine, 8)), 1)
+            if use_graphs:
+                run["graph_replays"] = engine.runner.graphs.num_replays
+            record["runs"].append(run)
+            print(json.dumps({k: v for k, v in run.items() if k != "kernels"}))
+            finish(engine)
+    record["prefill"] = profile_prefill(engine, args.prefill_tokens)
+    print(json.dumps({k: v for k, v in record["prefill"].items() if k != "kernels"}))
+    if args.sweep_gemv and engine.config.quantization is not None:
+        record["gemv_sweep"] = sweep_gemv(engine.config, engine.config.quantization.group_size)
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

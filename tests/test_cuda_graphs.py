@@ -1,0 +1,115 @@
+"""Decode steps replayed from CUDA graphs: buckets on the CPU, equality with eager steps on a GPU."""
+
+import pytest
+import torch
+
+from lowvram.config import load_profile
+from lowvram.cuda_graphs import DecodeGraphs, batch_buckets, table_buckets
+from lowvram.engine import LLMEngine
+from lowvram.sampling import SamplingParams
+
+
+EAGER = load_profile("4gb").replace(enable_cuda_graphs=False)
+GRAPHED = load_profile("4gb").replace(enable_cuda_graphs=True)
+
+
+def test_batch_buckets_double_up_to_the_largest_batch():
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(1) == [1]
+
+
+def test_table_buckets_grow_by_four_up_to_the_longest_context():
+    assert table_buckets(1024) == [64, 256, 1024]
+    assert table_buckets(8192 + 1) == [64, 256, 1024, 4096, 8193]
+    assert table_buckets(10) == [10]
+
+
+def test_a_batch_gets_the_smallest_bucket_that_holds_it():
+    graphs = DecodeGraphs(lambda *a: None, max_num_seqs=8, max_blocks_per_seq=1024, device=torch.device("cpu"))
+    assert graphs.bucket(3, 65) == (4, 256)
+    assert graphs.bucket(8, 1024) == (8, 1024)
+    assert graphs.bucket(9, 10) is None and graphs.bucket(1, 1025) is None
+    graphs.failed.add((4, 256))
+    assert graphs.bucket(3, 65) is None  # a bucket whose capture failed runs eagerly
+
+
+def test_the_cpu_runs_eagerly(tiny_qwen2_dir):
+    engine = LLMEngine(str(tiny_qwen2_dir), load_profile("cpu").replace(enable_cuda_graphs=True))
+    assert engine.runner.graphs is None
+
+
+def _generate(engine, prompts, max_tokens, *, switch_to=None):
+    for i, ids in enumerate(prompts):
+        limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        params = SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True)
+        engine.add_request(str(i), None, params, prompt_token_ids=ids)
+    outputs, num_steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        num_steps += 1
+        if switch_to and num_steps == 6:
+            engine.set_kv_precision(switch_to)
+    return outputs
+
+
+def _prompts(engine, lengths):
+    vocab = engine.config.vocab_size
+    return [[(7 * i + 13 * n) % (vocab - 10) + 5 for i in range(n)] for n in lengths]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_graph_replay_gives_the_eager_tokens(fixture, request):
+    """Batches shrink as requests finish (4 -> 1) and one context crosses the 64-page bucket."""
+    model_dir = str(request.getfixturevalue(fixture))
+    profile = {"max_model_len": 4096, "emulate_vram_gib": 4.0}
+    eager = LLMEngine(model_dir, EAGER, **profile)
+    graphed = LLMEngine(model_dir, GRAPHED, **profile)
+    prompts = _prompts(eager, [5, 40, 300, 1010])
+    max_tokens = [12, 18, 6, 30]  # the longest prompt decodes alone at the end, past 64 pages
+    expected = _generate(eager, prompts, max_tokens)
+    got = _generate(graphed, prompts, max_tokens)
+    graphs = graphed.runner.graphs
+    print(f"{fixture}: {graphs.num_captures} graphs captured, {graphs.num_replays} replays")
+    assert got == expected
+    assert graphs.num_replays > 0
+    assert {batch for batch, _ in graphs.graphs} == {1, 2, 4} and {width for _, width in graphs.graphs} == {64, 256}
+
+
+@pytest.mark.gpu
+def test_a_precision_change_recaptures_the_graphs(tiny_qwen2_dir):
+    profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
+    eager = LLMEngine(str(tiny_qwen2_dir), EAGER, **profile)
+    graphed = LLMEngine(str(tiny_qwen2_dir), GRAPHED, **profile)
+    prompts = _prompts(eager, [12, 100, 33])
+    expected = _generate(eager, prompts, 20, switch_to="int8")
+    got = _generate(graphed, prompts, 20, switch_to="int8")
+    assert graphed.kv_precision == "int8"
+    assert got == expected
+    assert graphed.runner.graphs.num_captures > len(graphed.runner.graphs.graphs)  # some were dropped and redone
+
+
+@pytest.mark.gpu
+def test_graph_logits_match_eager_logits(tiny_llama_dir):
+    profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
+    engines = [LLMEngine(str(tiny_llama_dir), p, **profile) for p in (EAGER, GRAPHED)]
+    recorded = []
+    for engine in engines:
+        rows = []
+        run = engine.runner.run
+
+        def recording_run(batch, run=run, rows=rows, **kwargs):
+            logits = run(batch, **kwargs)
+            if not batch.is_prefill:
+                rows.append(logits.cpu())
+            return logits
+
+        engine.runner.run = recording_run
+        _generate(engine, _prompts(engine, [9, 70]), 12)
+        recorded.append(torch.cat(rows))
+    worst = ((recorded[0] - recorded[1]).abs().max() / recorded[0].abs().max()).item()
+    print(f"graph vs eager decode logits: largest relative difference {worst:.2e}")
+    assert worst <= 2e-3
