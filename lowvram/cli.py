@@ -119,6 +119,50 @@ def cmd_bench_quality(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one integer")
+    return values
+
+
+@report_cuda_oom
+def cmd_bench_speed(args) -> int:
+    import json
+
+    from lowvram.bench_speed import plot, require_matplotlib, run_speed_bench, write_markdown
+
+    if args.plot:
+        require_matplotlib()
+    command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
+    result = run_speed_bench(
+        args.model, shape=args.shape, num_layers=args.num_layers, quantize=args.quantize,
+        calib_samples=args.calib_samples, profile=args.profile, device=args.device,
+        emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
+        max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs, command=command,
+        progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
+    )
+    markdown = write_markdown(result)
+    if args.json:
+        text = json.dumps(result, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.json != "-":
+        print(markdown)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(markdown)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -151,6 +195,35 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
     quality.add_argument("--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)")
     quality.set_defaults(func=cmd_bench_quality)
+    speed = bench_sub.add_parser(
+        "speed", help="prefill and decode tokens/s, TTFT, achieved GB/s and peak memory through the engine",
+        description="Measure the engine at a named real model shape (random weights) or on a model directory: "
+                    "prefill tokens/s and TTFT per context length, decode tokens/s per batch size and context, "
+                    "achieved GB/s against the measured copy bandwidth, and peak device memory.")
+    source = speed.add_mutually_exclusive_group()
+    source.add_argument("--model", "-m", default=None, help="model directory or hub id")
+    source.add_argument("--shape", default=None,
+                        help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
+                             "r1-distill-qwen-7b, or tiny (a CPU run in seconds)")
+    speed.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random-weight model")
+    speed.add_argument("--quantize", action="store_true",
+                       help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank")
+    speed.add_argument("--calib-samples", type=int, default=8, help="calibration blocks for --quantize (default 8)")
+    speed.add_argument("--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without")
+    speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
+    speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
+    speed.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
+    speed.add_argument("--context-lens", type=_int_list, default=[512, 4096],
+                       help="prompt lengths in tokens for prefill and decode (default 512,4096)")
+    speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
+    speed.add_argument("--vs-hf", action="store_true",
+                       help="also time transformers generate on the same checkpoint (FP16, batch 1)")
+    speed.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="replay decode steps from CUDA graphs (default: as the profile says)")
+    speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
+    speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
+    speed.add_argument("--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)")
+    speed.set_defaults(func=cmd_bench_speed)
 
     prof = sub.add_parser("profiles", help="list the built-in profiles")
     prof.add_argument("--fields", action="store_true", help="describe every profile field")

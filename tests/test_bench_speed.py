@@ -1,0 +1,140 @@
+"""`lowvram bench speed` end to end on the tiny shape (CPU), and its errors. No timed assertions:
+speeds only have to be measured (positive), and the bytes behind GB/s have to add up."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from lowvram.bench_speed import run_speed_bench, write_markdown
+from lowvram.cli import main
+from lowvram.errors import ConfigError, ModelLoadError
+
+CONTEXTS = (16, 40)
+BATCHES = (1, 4, 8)
+MAX_TOKENS = 6
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-speed")
+    argv = ["bench", "speed", "--shape", "tiny", "--device", "cpu", "--profile", "cpu",
+            "--context-lens", ",".join(map(str, CONTEXTS)), "--batch-sizes", ",".join(map(str, BATCHES)),
+            "--max-tokens", str(MAX_TOKENS), "--vs-hf", "--json", str(out / "speed.json"),
+            "--output", str(out / "speed.md")]
+    if HAS_MATPLOTLIB:
+        argv += ["--plot", str(out / "speed.png")]
+    assert main(argv) == 0
+    return out, json.loads((out / "speed.json").read_text())
+
+
+def test_the_record_says_where_and_what_it_measured(cli_run):
+    _, record = cli_run
+    for key in ("command", "date", "git_commit", "gpu", "versions", "device", "copy_bandwidth_gbps", "model",
+                "profile", "kv_bytes_per_token", "prefill", "decode", "memory", "hf", "elapsed_s"):
+        assert key in record, key
+    assert record["command"].startswith("lowvram bench speed")
+    assert record["device"] == "cpu" and record["gpu"] is None
+    assert record["versions"]["torch"] == torch.__version__
+    assert record["copy_bandwidth_gbps"] > 0
+    assert record["model"]["shape"] == "tiny" and record["model"]["weight_format"] == "fp32"
+    assert record["profile"]["name"] == "cpu"
+
+
+def test_prefill_and_decode_are_measured_at_every_context_and_batch(cli_run):
+    _, record = cli_run
+    assert [r["prompt_tokens"] for r in record["prefill"]] == list(CONTEXTS)
+    assert all(r["ttft_ms"] > 0 and r["prefill_tokens_per_s"] > 0 for r in record["prefill"])
+    measured = {(r["context_tokens"], r["batch_size"]): r for r in record["decode"]}
+    assert set(measured) == {(c, b) for c in CONTEXTS for b in BATCHES}
+    for (_, batch), row in measured.items():
+        assert row["decode_tokens_per_s"] > 0 and row["achieved_gbps"] > 0
+        # Every request decodes max_tokens - 1 tokens after its prefill token; nothing was preempted.
+        assert row["num_decode_tokens"] == batch * (MAX_TOKENS - 1)
+        assert row["num_preemptions"] == 0
+
+
+def test_bytes_per_step_are_weights_without_the_embedding_plus_the_kv_read(cli_run):
+    _, record = cli_run
+    weights = record["model"]["weight_bytes"]
+    assert record["model"]["weight_bytes_read_per_step"] == weights["total_bytes"] - weights["embedding_bytes"]
+    for row in record["decode"]:
+        mean_context = row["context_tokens"] + MAX_TOKENS / 2
+        kv = row["batch_size"] * mean_context * record["kv_bytes_per_token"]
+        assert row["bytes_per_step"] == int(record["model"]["weight_bytes_read_per_step"] + kv)
+        assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02)
+
+
+def test_transformers_generate_runs_on_the_same_shape(cli_run):
+    _, record = cli_run
+    hf = record["hf"]
+    assert hf["dtype"] == "float32" and hf["prompt_tokens"] == CONTEXTS[0] and hf["new_tokens"] == MAX_TOKENS
+    assert hf["decode_tokens_per_s"] > 0 and hf["ttft_ms"] > 0
+
+
+def test_markdown_has_a_row_per_measurement(cli_run):
+    out, record = cli_run
+    markdown = (out / "speed.md").read_text()
+    assert markdown == write_markdown(record)
+    for context in CONTEXTS:
+        assert sum(line.startswith(f"| {context} | ") for line in markdown.splitlines()) == len(BATCHES) + 1
+        for batch in BATCHES:
+            assert f"| {context} | {batch} | " in markdown
+    assert "transformers float32 generate" in markdown
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_the_plot_is_a_png(cli_run):
+    out, _ = cli_run
+    assert (out / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quantize_measures_awq_int4_weights():
+    record = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu",
+                             batch_sizes=(2,), context_lens=(16,), max_tokens=4)
+    model = record["model"]
+    assert model["weight_format"].startswith("awq-int4")
+    assert model["quantization"]["num_samples"] == 2
+    assert model["weight_bytes"]["int4_layer_bytes"] > 0
+    assert record["decode"][0]["decode_tokens_per_s"] > 0
+
+
+def test_an_unknown_shape_names_the_known_ones(capsys):
+    with pytest.raises(ConfigError, match="known shapes: .*r1-distill-qwen-1.5b.*tiny"):
+        run_speed_bench(shape="gpt-5", device="cpu")
+    assert main(["bench", "speed", "--shape", "gpt-5", "--device", "cpu"]) == 2
+    assert "unknown shape 'gpt-5'" in capsys.readouterr().err
+
+
+def test_a_missing_model_directory_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        run_speed_bench(str(tmp_path / "missing"), device="cpu")
+    assert main(["bench", "speed", "--model", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_context_longer_than_the_model_allows_is_refused_before_measuring():
+    # The tiny shape has 2048 positions.
+    with pytest.raises(ConfigError, match="2048"):
+        run_speed_bench(shape="tiny", device="cpu", context_lens=(4096,), max_tokens=4)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_record_has_peak_device_memory_and_the_copy_bandwidth():
+    record = run_speed_bench(shape="tiny", profile="4gb", device="cuda", batch_sizes=(1, 2), context_lens=(32,),
+                             max_tokens=4, vs_hf=True)
+    memory = record["memory"]
+    assert memory["peak_device_bytes"] >= record["model"]["weight_bytes"]["total_bytes"]
+    assert memory["torch_max_reserved_bytes"] >= memory["torch_max_allocated_bytes"]
+    assert record["gpu"] and record["copy_bandwidth_gbps"] > 0
+    assert record["hf"]["dtype"] == "float16" and record["hf"]["decode_tokens_per_s"] > 0
+
+
+def test_the_transformers_comparison_refuses_an_awq_model_before_measuring(tiny_qwen2_dir, tmp_path):
+    from lowvram.quantize import quantize_model
+
+    quantize_model(tiny_qwen2_dir, tmp_path / "awq", group_size=32, num_samples=2, seq_len=32)
+    with pytest.raises(ConfigError, match="FP16/BF16 checkpoint"):
+        run_speed_bench(str(tmp_path / "awq"), device="cpu", context_lens=(16,), vs_hf=True)
