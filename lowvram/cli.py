@@ -93,8 +93,6 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_bench_quality(args) -> int:
-    import json
-
     from lowvram.quality import run_quality_bench, to_markdown
 
     command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
@@ -103,9 +101,16 @@ def cmd_bench_quality(args) -> int:
         num_per_kind=args.limit, max_chars=args.max_chars, command=command, calib_samples=args.calib_samples,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
-    markdown = to_markdown(report)
+    _write_bench_outputs(args, report.to_json(), to_markdown(report))
+    return 0
+
+
+def _write_bench_outputs(args, record: dict, markdown: str) -> None:
+    """--json PATH (or '-' for stdout instead of the tables), --output PATH for the Markdown."""
+    import json
+
     if args.json:
-        text = json.dumps(report.to_json(), indent=2)
+        text = json.dumps(record, indent=2)
         if args.json == "-":
             print(text)
         else:
@@ -116,7 +121,6 @@ def cmd_bench_quality(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write(markdown)
-    return 0
 
 
 def _int_list(text: str) -> list[int]:
@@ -131,8 +135,6 @@ def _int_list(text: str) -> list[int]:
 
 @report_cuda_oom
 def cmd_bench_speed(args) -> int:
-    import json
-
     from lowvram.bench_speed import plot, require_matplotlib, run_speed_bench, write_markdown
 
     if args.plot:
@@ -145,19 +147,7 @@ def cmd_bench_speed(args) -> int:
         max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
-    markdown = write_markdown(result)
-    if args.json:
-        text = json.dumps(result, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    if args.json != "-":
-        print(markdown)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(markdown)
+    _write_bench_outputs(args, result, write_markdown(result))
     if args.plot:
         plot(result, args.plot)
     return 0

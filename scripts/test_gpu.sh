@@ -5,8 +5,12 @@
 #
 # Results (logs, JSON) go to $OUT when set (the GPU runner's output folder), else
 # docs/bench/raw. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention kv_pool (default: all, in that order). Exit status: non-zero if a
-# GPU test failed.
+# paged_attention kv_pool profile_decode stress streaming_7b deepseek_v2 speed
+# (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
+# One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
+#   scripts/test_gpu.sh benches profile_decode speed streaming_7b
+#   scripts/test_gpu.sh benches kv_pool deepseek_v2
+#   scripts/test_gpu.sh benches stress
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -48,6 +52,7 @@ if [ "$what" != tests ]; then
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 --sweep-gemv
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     run_bench streaming_7b 240 python3 scripts/bench_7b_streaming.py
+    run_bench deepseek_v2 300 python3 scripts/bench_deepseek_v2.py --model-dir /tmp/dsv2-lite-awq --profile 4gb --emulate-vram-gib 4
     run_bench speed 420 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --vs-hf --output "$results/bench_speed.md" --plot "$results/bench_speed.png"
 fi
 exit "$status"
