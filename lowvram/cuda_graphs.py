@@ -121,7 +121,8 @@ class DecodeGraphs:
         graph, logits = entry
         graph.replay()
         self.num_replays += 1
-        # The output buffer is shared by every graph: hand out a copy that outlives the next replay.
+        # Graphs share one memory pool, so another graph's replay may overwrite these logits:
+        # hand out a copy.
         return logits[:num_seqs].clone()
 
     def _check_pages(self, kv_pages: list[KVPages]) -> None:
@@ -172,7 +173,8 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the server's and the chat's other threads may call CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(ids, pos, meta, kv_pages)
         except Exception as exc:  # a capture failure costs speed, never the request
             self.failed.add(key)

@@ -40,6 +40,7 @@ to torch's allocator statistics.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class KVShape:
         return allocate_pages(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, precision, self.dtype,
                               "meta")
 
+    @functools.cache  # the engine asks every step; a template costs tens of microseconds
     def layer_block_bytes(self, precision: str) -> int:
         """One page of one layer: K and V codes plus scales and zeros."""
         return sum(t[0].numel() * t.element_size() for _, t in _tensors(self.template(precision)))
