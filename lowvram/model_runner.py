@@ -139,10 +139,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        key = self.graphs.bucket(len(input_ids), max(len(t) for t in tables))
+        # The bucket first, from the block manager's tables: a batch no graph holds is gathered once, eagerly.
+        widest = max(len(self.block_manager.block_table(seq.seq_id)) for seq in batch.seqs)
+        key = self.graphs.bucket(len(batch.seqs), widest)
         if key is None:
             return None
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
         return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages)
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

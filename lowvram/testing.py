@@ -262,16 +262,7 @@ def make_tiny_model(
     }
     _save_weights(out_dir, state_dict, sharded)
 
-    # The diff form leaves out transformers' generic defaults (id2label, return_dict, ...)
-    # that published config.json files do not carry.
-    config_dict = config.to_diff_dict()
-    config_dict["dtype"] = "bfloat16"
-    config_dict["torch_dtype"] = "bfloat16"
-    rope = dict(config_dict["rope_parameters"])
-    config_dict["rope_theta"] = rope.pop("rope_theta")
-    rope_type = rope.pop("rope_type")
-    config_dict["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
-    _write_json(out_dir / "config.json", config_dict)
+    _write_config(out_dir, config)
     generation_config = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     _write_json(out_dir / "generation_config.json", generation_config)
     return out_dir
@@ -318,6 +309,22 @@ def _save_weights(out_dir: Path, state_dict: dict[str, torch.Tensor], sharded: b
         weight_map.update(dict.fromkeys(names, filename))
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def _write_config(out_dir: Path, config) -> None:
+    """config.json as published checkpoints write it: BF16, rope_theta and rope_scaling at the top.
+
+    The diff form leaves out transformers' generic defaults (id2label, return_dict, ...)
+    that published config.json files do not carry.
+    """
+    config_dict = config.to_diff_dict()
+    config_dict["dtype"] = "bfloat16"
+    config_dict["torch_dtype"] = "bfloat16"
+    rope = dict(config_dict["rope_parameters"])
+    config_dict["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    config_dict["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+    _write_json(out_dir / "config.json", config_dict)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -398,14 +405,7 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int
             state_dict[name] = tensor.contiguous()
     _save_weights(out_dir, state_dict, sharded=False)
 
-    config_dict = config.to_diff_dict()
-    config_dict["dtype"] = "bfloat16"
-    config_dict["torch_dtype"] = "bfloat16"
-    rope = dict(config_dict["rope_parameters"])
-    config_dict["rope_theta"] = rope.pop("rope_theta")
-    rope_type = rope.pop("rope_type")
-    config_dict["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
-    _write_json(out_dir / "config.json", config_dict)
+    _write_config(out_dir, config)
     _write_json(out_dir / "generation_config.json", {"bos_token_id": fields["bos_token_id"],
                                                      "eos_token_id": fields["eos_token_id"]})
     return out_dir
