@@ -383,8 +383,9 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, OUT_DTYPE: tl.constexpr,
     ):
         # rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head; returns [BLOCK_N, BLOCK_D] in OUT_DTYPE.
-        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0; so do
-        # columns past HEAD_DIM (FP16/INT8; INT4 ones dequantize finite, and q is 0 there).
+        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0. Columns
+        # past HEAD_DIM come back finite (0, or the dequantized 0 code): q is 0 there and
+        # they are never stored.
         offs_d = tl.arange(0, BLOCK_D)
         if BLOCK_D == HEAD_DIM:
             mask = mask_n[:, None]
@@ -400,17 +401,21 @@ if HAS_TRITON:
                 codes = tl.load(
                     cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0
                 ).to(tl.int32)
-            else:
+            elif BLOCK_D == HEAD_DIM:
                 offs_b = tl.arange(0, BLOCK_D // 2)
-                if BLOCK_D == HEAD_DIM:
-                    mask_b = mask_n[:, None]
-                else:
-                    mask_b = mask_n[:, None] & (offs_b < HEAD_DIM // 2)[None, :]
                 packed = tl.load(
-                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_b, other=0
+                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_n[:, None], other=0
                 ).to(tl.int32)
                 # low nibble = element 2i, high nibble = element 2i+1
                 codes = tl.interleave(packed & 15, (packed >> 4) & 15)
+            else:
+                # A masked tile (MLA's 576 in 1024 columns): each element reads its own byte
+                # (twice per byte, from cache). The interleave form above returned wrong values
+                # on an H200 at this width, though the interpreter agreed with the reference.
+                packed = tl.load(
+                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + (offs_d // 2)[None, :], mask=mask, other=0
+                ).to(tl.int32)
+                codes = (packed >> ((offs_d % 2) * 4)[None, :]) & 15
             tile = ((codes.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
         return tile
 
