@@ -62,7 +62,7 @@ class Profile:
     host_spill_gib: float = 8.0
     allow_oversubscription: bool = False
     enable_prefix_caching: bool = True
-    enable_cuda_graphs: bool = False
+    enable_cuda_graphs: bool = True
     weight_format: str = "auto"
     fp16_budget_mib: int = 64
     compensation_rank: int = 16
@@ -102,7 +102,7 @@ FIELD_DOCS: dict[str, str] = {
     "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
-    "enable_cuda_graphs": "Replay decode steps from CUDA graphs (off by default until measured on a card; false = eager).",
+    "enable_cuda_graphs": "Replay decode steps from CUDA graphs on CUDA devices (false = eager launches, for debugging).",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",

@@ -208,6 +208,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         start = time.perf_counter()
+        num_captures = self.runner.num_graph_captures
         try:
             logits = self.runner.run(batch)
         except torch.OutOfMemoryError as exc:
@@ -229,7 +230,11 @@ class LLMEngine:
             self.stats.num_decode_tokens += len(batch.seqs)
             self.stats.decode_s += elapsed
             self.recent_token_latency_ms.append(elapsed * 1000)
-        self._control(None if batch.is_prefill else elapsed * 1000)
+        # A step that captured a decode graph paid a one-off cost that says nothing about
+        # the load: the controller does not see its latency (else new batch sizes in a row
+        # would read as a slow card and compress the KV).
+        is_warmup = self.runner.num_graph_captures != num_captures
+        self._control(None if batch.is_prefill or is_warmup else elapsed * 1000)
         return outputs
 
     # -- the feedback controller --------------------------------------------------

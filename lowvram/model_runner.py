@@ -53,6 +53,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device)
 
     @property
+    def num_graph_captures(self) -> int:
+        """Decode graphs captured so far (0 without graphs)."""
+        return self.graphs.num_captures if self.graphs is not None else 0
+
+    @property
     def kv_pages(self) -> list[KVPages]:
         """Each layer's pages, indexed by block id, for direct page copies. Empty when the
         pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""

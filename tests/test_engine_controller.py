@@ -91,6 +91,29 @@ def test_slow_tokens_shrink_the_batch(tiny_qwen2_dir):
     assert llm.engine.kv_precision == "fp16"
 
 
+def test_steps_that_capture_decode_graphs_do_not_count_as_slow_tokens(tiny_qwen2_dir, monkeypatch):
+    import time
+
+    from lowvram.model_runner import ModelRunner
+
+    llm = LLM(str(tiny_qwen2_dir), _profile(latency_high_ms=20, latency_low_ms=5))
+    captures = {"n": 0}
+    monkeypatch.setattr(ModelRunner, "num_graph_captures", property(lambda self: captures["n"]))
+    run = llm.engine.runner.run
+
+    def capturing_run(batch, **kwargs):
+        if not batch.is_prefill and captures["n"] < 12:
+            captures["n"] += 1  # a new batch-size bucket every step, each capture 30 ms
+            time.sleep(0.03)
+        return run(batch, **kwargs)
+
+    llm.engine.runner.run = capturing_run
+    outs = _run_all(llm)
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert captures["n"] == 12
+    assert not llm.engine.controller_events and llm.engine.scheduler.batch_limit == 4
+
+
 def test_an_oom_inside_a_step_is_survived_with_a_crash_report(tiny_qwen2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     expected = [o.token_ids for o in _run_all(LLM(str(tiny_qwen2_dir), _profile()))]
