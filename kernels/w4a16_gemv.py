@@ -13,6 +13,15 @@ float16, so W is never rounded: the only rounding left is the float32 accumulati
 
 M == 1 uses a multiply-and-sum over the tile (no padding); 2 <= M <= 16 pads M to 16 and
 uses tl.dot, the smallest shape tl.dot accepts.
+
+For M == 1 a second form of the kernel (`_awq_gemv_row_kernel`, config "unpack": "lanes")
+never moves nibbles between columns: the packed tile [BLOCK_K, BLOCK_N / 8] is shifted
+against the eight nibble positions into [BLOCK_K, BLOCK_N / 8, 8], and the results are
+stored to the columns each nibble holds in AWQ order. "reduce" picks where the sum over K
+happens: "block" reduces every K block and scales after (fewest multiplies), "end" keeps a
+[BLOCK_K, BLOCK_N / 8, 8] accumulator and reduces once after the loop (no reduction across
+threads inside the loop; one more multiply per weight). Which is fastest depends on the
+GPU and shape; profile_decode.py --sweep-gemv measures them.
 """
 
 import torch
@@ -155,6 +164,59 @@ def _splitk_sum_kernel(
     tl.store(y_ptr + rows * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _awq_gemv_row_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
+    N, num_packed_cols, stride_xk, stride_os, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
+):
+    BLOCK_C: tl.constexpr = BLOCK_N // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)  # packed columns
+    lanes = tl.arange(0, 8)  # nibble j of a word holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]
+    shifts = lanes * 4
+    cols = offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :]  # [C, 8]
+    mask_c = offs_c < num_packed_cols
+    kb_start = pid_k * K_BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
+    if REDUCE_AT_END:
+        acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_C, 8), dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        k_start = kb * BLOCK_K
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        group = k_start // GROUP_SIZE
+        weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+        if EVEN_N:
+            packed = tl.load(weight_ptrs)
+            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
+            scales = tl.load(scales_ptr + group * N + cols).to(tl.float32)
+        else:
+            packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
+            scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0).to(tl.float32)
+        zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
+        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
+        centered = (codes - zeros[None, :, :]).to(tl.float32)
+        x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
+        if REDUCE_AT_END:
+            acc3 += x[:, None, None] * (centered * scales[None, :, :])
+        else:
+            acc += tl.sum(x[:, None, None] * centered, axis=0) * scales
+    if REDUCE_AT_END:
+        acc = tl.sum(acc3, axis=0)
+    mask = mask_c[:, None]
+    if IS_PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + cols, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
                        num_sms: int) -> dict:
     """Block sizes and split-K for the decode kernel.
@@ -198,14 +260,23 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
         out = y
         stride_om, stride_os = y.stride(0), 0
     grid = (triton.cdiv(num_outputs, block_n), split_k)
-    _awq_gemv_kernel[grid](
-        x, qweight, qzeros, scales, bias if has_bias else scales, out,
-        num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1),
-        stride_om, stride_os, k_blocks_per_split,
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-        num_warps=config["num_warps"],
-    )
+    if num_rows == 1 and config.get("unpack") == "lanes":
+        _awq_gemv_row_kernel[grid](
+            x, qweight, qzeros, scales, bias if has_bias else scales, out,
+            num_outputs, num_outputs // 8, x.stride(1), stride_os, k_blocks_per_split, num_k_blocks,
+            GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
+            num_warps=config["num_warps"],
+        )
+    else:
+        _awq_gemv_kernel[grid](
+            x, qweight, qzeros, scales, bias if has_bias else scales, out,
+            num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1),
+            stride_om, stride_os, k_blocks_per_split,
+            GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
+            num_warps=config["num_warps"],
+        )
     if is_partial:
         block = 256
         _splitk_sum_kernel[(triton.cdiv(num_rows * num_outputs, block),)](

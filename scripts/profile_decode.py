@@ -8,11 +8,13 @@ GPU time of its kernels, so the gap (launches, Python, the scheduler) is visible
 torch profiler's kernel table of eager steps shows which kernels cost most. --sweep-gemv
 times the W4A16 decode kernel's block configurations on the model's real shapes inside
 CUDA graphs (no launch overhead), which is what the tuned table in w4a16_gemv comes from.
+--host-profile adds the Python functions that take a step's host time (cProfile).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -61,6 +63,28 @@ def time_decode(engine: LLMEngine, num_steps: int) -> dict:
     engine.runner.run = run
     runner_ms = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
     return {"step_ms": round(wall_ms, 3), "runner_gpu_span_ms": round(runner_ms, 3)}
+
+
+def host_profile(engine: LLMEngine, num_steps: int, top: int = 25) -> list[dict]:
+    """cProfile of decode steps: the Python functions that take the host's time per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(num_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        where = f"{Path(filename).name}:{line}:{name}" if line else name
+        rows.append({"function": where[:90], "calls_per_step": round(calls / num_steps, 1),
+                     "self_us_per_step": round(1e6 * tottime / num_steps, 1),
+                     "cumulative_us_per_step": round(1e6 * cumtime / num_steps, 1)})
+    rows.sort(key=lambda r: -r["self_us_per_step"])
+    return rows[:top]
 
 
 def kernel_table(engine: LLMEngine, num_steps: int) -> list[dict]:
@@ -122,8 +146,26 @@ def finish(engine: LLMEngine) -> None:
         engine.step()
 
 
-def sweep_gemv(config, group_size: int) -> list[dict]:
+def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) -> list[dict]:
+    """Block configurations to time: the interleaving kernel, and for one row the lane
+    kernel with either reduction (see w4a16_gemv), each at split-K around two programs per SM."""
     import triton
+
+    def splits(bn: int, bk: int) -> list[int]:
+        auto = max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))
+        return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 4, 8} if s <= k // bk)
+
+    found = [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
+             for bn in (64, 128) for bk in (64, 128) if bk <= group_size for sk in splits(bn, bk)]
+    if rows == 1:
+        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
+                  for bn in (64, 128, 256) for bk in (32, 64, 128) if bk <= group_size
+                  for r in ("block", "end") if r == "block" or bk * bn <= 16384
+                  for w in (4, 8) for sk in splits(bn, bk)]
+    return found
+
+
+def sweep_gemv(config, group_size: int) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
@@ -142,11 +184,7 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
             x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
             default = choose_gemv_config(rows, n, k, group_size, num_sms)
-            candidates = [default] + [
-                {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w}
-                for bn in (64, 128, 256) for bk in (64, 128) for w in (4, 8)
-                for sk in sorted({1, 2, 4, 8, 16, max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))})
-                if bk <= group_size and sk <= k // bk]
+            candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
             timed = []
             for cfg in candidates:
                 try:
@@ -160,9 +198,16 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
                 timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
+            by_form = {}
+            for t in ok:
+                form = t["config"].get("unpack", "interleave") + "/" + t["config"].get("reduce", "block")
+                if form not in by_form or t["us"] < by_form[form]["us"]:
+                    by_form[form] = t
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
+                            "best_by_form": by_form,
                             "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
                             "top5": sorted(ok, key=lambda t: t["us"])[:5]})
+            print("   best by form: " + ", ".join(f"{f} {t['us']} us" for f, t in by_form.items()))
             print(json.dumps(results[-1]["best"] | {"shape": name, "rows": rows,
                                                     "default_us": results[-1]["default"]["us"]
                                                     if results[-1]["default"] else None}))
@@ -180,6 +225,7 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--sweep-gemv", action="store_true")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the decode steps (Python's share)")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -205,6 +251,7 @@ def main() -> int:
     engine = None
     for use_graphs in (False, True):
         del engine
+        gc.collect()  # the eager engine's weights must be gone before the next one measures memory
         torch.cuda.empty_cache()
         engine = LLMEngine(model, base.replace(enable_cuda_graphs=use_graphs))
         for batch_size in batch_sizes:
@@ -217,10 +264,19 @@ def main() -> int:
             if not use_graphs and batch_size == 1:
                 run["kernels"] = kernel_table(engine, 8)[:25]
                 run["kernel_gpu_us_per_step"] = round(sum(r["us_per_step"] for r in kernel_table(engine, 8)), 1)
+            if args.host_profile:
+                run["host_functions"] = host_profile(engine, 16)
+            run["controller_events"] = [e.reason for e in engine.controller_events]
+            run["kv_precision"] = engine.kv_precision
+            run["kv_backend"] = engine.kv_pool.backend
             if use_graphs:
                 run["graph_replays"] = engine.runner.graphs.num_replays
+                run["graph_captures"] = engine.runner.graphs.num_captures
             record["runs"].append(run)
-            print(json.dumps({k: v for k, v in run.items() if k != "kernels"}))
+            print(json.dumps({k: v for k, v in run.items() if k not in ("kernels", "host_functions")}))
+            for row in run.get("host_functions", [])[:12]:
+                print(f"    {row['self_us_per_step']:>9.1f} us self {row['cumulative_us_per_step']:>9.1f} us cum "
+                      f"{row['calls_per_step']:>7.1f} calls  {row['function']}")
             finish(engine)
     record["prefill"] = profile_prefill(engine, args.prefill_tokens)
     print(json.dumps({k: v for k, v in record["prefill"].items() if k != "kernels"}))

@@ -3,8 +3,10 @@
 #
 #   scripts/test_gpu.sh [all|tests|benches] [bench names...]
 #
-# Results (logs, JSON) go to $OUT when set (the GPU runner's output folder), else
-# docs/bench/raw. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
+# Results (logs, JSON, plots) go to docs/bench/raw; when $OUT is set (the GPU
+# runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
+# The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
+# run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
 # paged_attention kv_pool profile_decode stress streaming_7b deepseek_v2 speed
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
@@ -16,8 +18,13 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 shift || true
 benches=${*:-w4a16 quantize doctor_accuracy prefix_cache paged_attention kv_pool}
-results=${OUT:-docs/bench/raw}
+results=docs/bench/raw
+deadline=${DEADLINE_S:-570}
 mkdir -p "$results"
+pack() {
+    [ -n "${OUT:-}" ] && tar -czf "$OUT/results.tgz" -C "$results" . && echo "packed $(ls "$results" | wc -l) files"
+}
+trap pack EXIT
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$results/install.log" 2>&1 || cat "$results/install.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee "$results/gpu.txt"
@@ -27,7 +34,7 @@ status=0
 if [ "$what" != benches ]; then
     # Only modules that hold GPU tests: the others may need packages the GPU image lacks.
     gpu_files=$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)
-    LOWVRAM_TEST_EMULATE_GIB=4 timeout "${TESTS_TIMEOUT_S:-300}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+    LOWVRAM_TEST_EMULATE_GIB=4 timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         $gpu_files 2>&1 | tee "$results/gpu_tests.log" | grep -v -E "^(PASSED|\.)" | tail -60
     status=${PIPESTATUS[0]}
     echo "GPU tests exit status: $status"
@@ -37,7 +44,10 @@ run_bench() {  # name, limit in seconds, command...
     local name=$1 limit=$2
     shift 2
     [[ " $benches " == *" $name "* ]] || return 0
-    echo "== bench $name"
+    local left=$((deadline - SECONDS))
+    if (( left < 30 )); then echo "== bench $name skipped: ${left}s left of ${deadline}s"; return 0; fi
+    (( limit > left )) && limit=$left
+    echo "== bench $name (limit ${limit}s)"
     timeout "$limit" "$@" --json "$results/bench_$name.json" > "$results/bench_$name.log" 2>&1
     echo "exit $?"
     tail -25 "$results/bench_$name.log"
@@ -49,7 +59,7 @@ if [ "$what" != tests ]; then
     run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
     run_bench paged_attention 90 python3 scripts/bench_paged_attention.py
     run_bench kv_pool 300 python3 scripts/bench_kv_pool.py
-    run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 --sweep-gemv
+    run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     run_bench streaming_7b 240 python3 scripts/bench_7b_streaming.py
     run_bench deepseek_v2 300 python3 scripts/bench_deepseek_v2.py --model-dir /tmp/dsv2-lite-awq --profile 4gb --emulate-vram-gib 4

@@ -65,19 +65,24 @@ def test_awq_linear_matches_reference(num_rows, group_size):
         assert error <= SMALL_TOLERANCE
 
 
+ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"}]
+
+
 @needs_triton
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-def test_decode_kernel_splits_and_column_tails(num_rows, split_k):
+@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
     # N = 200 leaves a partial column block; every output starts as NaN so a skipped store shows
     qweight, qzeros, scales, bias = random_awq(256, 200, 64, seed=split_k)
     x = random_x(num_rows, 256, seed=7)
-    y = torch.full((num_rows, 200), float("nan"), dtype=torch.float16, device=DEVICE)
-    config = {"block_n": 64, "block_k": 64, "split_k": split_k, "num_warps": 4}
-    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, bias, y, config)
-    error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 64, bias))
-    print(f"decode M={num_rows} split_k={split_k}: rel err {error:.2e}")
-    assert error <= SMALL_TOLERANCE
+    for layer_bias in (None, bias):
+        y = torch.full((num_rows, 200), float("nan"), dtype=torch.float16, device=DEVICE)
+        config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, **form}
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, layer_bias, y, config)
+        error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias))
+        print(f"decode M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: rel err {error:.2e}")
+        assert error <= SMALL_TOLERANCE
 
 
 @needs_triton
@@ -248,3 +253,20 @@ def test_float32_activations_are_refused_on_gpu():
     qweight, qzeros, scales, _ = random_awq(128, 16, 128, seed=23)
     with pytest.raises(KernelError, match="float32.*float16"):
         awq_linear(random_x(1, 128, seed=24, dtype=torch.float32), qweight, qzeros, scales, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ROW_FORMS[1:], ids=["lanes-block", "lanes-end"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_lane_kernel_at_real_shapes_on_gpu(shape, form):
+    num_inputs, num_outputs = shape
+    qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 3)
+    x = random_x(1, num_inputs, seed=11)
+    ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
+    for block_n, block_k, split_k in ((128, 64, 1), (256, 128, 6), (64, 32, 16)):
+        y = torch.full((1, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
+        config = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, **form}
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
+        error = relative_error(y, ref)
+        print(f"K={num_inputs} N={num_outputs} {config}: rel err {error:.2e}")
+        assert error <= GPU_TOLERANCE
