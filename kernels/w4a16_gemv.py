@@ -222,12 +222,21 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     """Block sizes and split-K for the decode kernel.
 
     Aims for about two programs per SM: the small projections (N = 256 or 1536) have too few
-    column blocks to fill a large GPU on their own.
+    column blocks to fill a large GPU on their own. One row uses the lane form with 64-column
+    blocks and at least four K splits, reducing at the end except for wide outputs: the best
+    of a sweep on an H200 for every projection of the 1.5B shape (profile_decode.py
+    --sweep-gemv; docs/performance.md), 1.3x to 1.8x faster than the interleaving form.
     """
-    block_n = 64 if num_outputs <= 2048 else 128
     block_k = min(group_size, 128)
-    num_n_blocks = triton.cdiv(num_outputs, block_n)
     num_k_blocks = num_inputs // block_k
+    if num_rows == 1:
+        block_n = 64
+        num_n_blocks = triton.cdiv(num_outputs, block_n)
+        split_k = max(1, min(num_k_blocks, max(4, triton.cdiv(2 * num_sms, num_n_blocks))))
+        return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4,
+                "unpack": "lanes", "reduce": "block" if num_outputs > 4096 else "end"}
+    block_n = 64 if num_outputs <= 2048 else 128
+    num_n_blocks = triton.cdiv(num_outputs, block_n)
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
 
