@@ -95,6 +95,7 @@ class DecodeGraphs:
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
         self.signature: tuple[int, ...] = ()
+        self.pages_version: int | None = None
         self.num_replays = 0
         self.num_captures = 0
 
@@ -106,10 +107,16 @@ class DecodeGraphs:
         return batch, width
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
-            tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages]) -> torch.Tensor | None:
+            tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages],
+            pages_version: int | None = None) -> torch.Tensor | None:
         """Logits [S, vocab] of the decode step, by replaying the graph for `key`; None when the
-        graph could not be captured (the caller runs the step eagerly)."""
-        self._check_pages(kv_pages)
+        graph could not be captured (the caller runs the step eagerly).
+
+        `pages_version` is the pool's count of page reallocations: while it stays the same the
+        page addresses are not read again (a few hundred tensors, a noticeable share of a step)."""
+        if pages_version is None or pages_version != self.pages_version:
+            self._check_pages(kv_pages)
+            self.pages_version = pages_version
         num_seqs = len(input_ids)
         batch, width = key
         self._fill(input_ids, positions, slots, tables, context_lens, batch, width)

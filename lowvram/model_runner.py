@@ -150,7 +150,8 @@ class ModelRunner:
         if key is None:
             return None
         input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages)
+        return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
+                               getattr(self.kv_pool, "pages_version", None))
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pages: list[KVPages]) -> torch.Tensor:

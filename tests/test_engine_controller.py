@@ -32,7 +32,7 @@ def _run_all(llm):
 def test_memory_pressure_compresses_kv_and_shrinks_the_batch_without_losing_requests(tiny_qwen2_dir, tmp_path):
     llm = LLM(str(tiny_qwen2_dir), _profile(), timeline_path=str(tmp_path / "timeline.jsonl"))
     engine = llm.engine
-    engine.memory_in_use_bytes = lambda: int(0.95 * engine.kv_plan.budget_bytes)  # a card near full
+    engine.memory_in_use_bytes = lambda *_: int(0.95 * engine.kv_plan.budget_bytes)  # a card near full
     outs = _run_all(llm)
     assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
     actions = [(e.action.kind, e.action.value) for e in engine.controller_events]
@@ -49,7 +49,7 @@ def test_relief_relaxes_in_reverse_order(tiny_qwen2_dir):
     llm = LLM(str(tiny_qwen2_dir), _profile())
     engine = llm.engine
     level = {"fraction": 0.95}
-    engine.memory_in_use_bytes = lambda: int(level["fraction"] * engine.kv_plan.budget_bytes)
+    engine.memory_in_use_bytes = lambda *_: int(level["fraction"] * engine.kv_plan.budget_bytes)
     _run_all(llm)
     level["fraction"] = 0.3
     outs = _run_all(llm)
@@ -64,7 +64,7 @@ def test_compressing_kv_mid_generation_keeps_outputs_close(tiny_llama_dir):
     plain = _run_all(LLM(str(tiny_llama_dir), _profile()))
     squeezed = LLM(str(tiny_llama_dir), _profile())
     engine = squeezed.engine
-    engine.memory_in_use_bytes = lambda: int(0.95 * engine.kv_plan.budget_bytes) if engine.stats.num_steps > 8 else 0
+    engine.memory_in_use_bytes = lambda *_: int(0.95 * engine.kv_plan.budget_bytes) if engine.stats.num_steps > 8 else 0
     outs = _run_all(squeezed)
     assert engine.kv_precision != "fp16" and all(len(o.token_ids) == 24 for o in outs)
     # The first four requests (the batch limit) produced their first tokens before any
@@ -142,7 +142,7 @@ def test_an_oom_inside_a_step_is_survived_with_a_crash_report(tiny_qwen2_dir, tm
 def test_disabled_controller_takes_no_action(tiny_qwen2_dir):
     llm = LLM(str(tiny_qwen2_dir), _profile(is_enabled=False))
     engine = llm.engine
-    engine.memory_in_use_bytes = lambda: engine.kv_plan.budget_bytes
+    engine.memory_in_use_bytes = lambda *_: engine.kv_plan.budget_bytes
     _run_all(llm)
     assert not engine.controller_events and engine.snapshot().controller_mode == "off"
 
