@@ -136,6 +136,7 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
              slow_step_ms: float = 0.0, num_slow_steps: int = 0, slow_every_steps: int = 50):
     """Submit every request at once and step until all are done. Returns (result, outputs, engine)."""
     controller = dataclasses.replace(profile.controller, is_enabled=mode != "off")
+    allocated_before_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     engine = LLMEngine(model, profile.replace(controller=controller), timeline_path=str(timeline))
     if slow_step_ms and num_slow_steps:
         inject_slow_steps(engine, slow_step_ms, num_slow_steps, slow_every_steps)
@@ -145,6 +146,8 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
     preempted: set[str] = set()
     latencies_ms: list[float] = []
     peak_device = peak_pressure = peak_reserved = 0
+    peak_steps: list[dict] = []  # the steps with the highest device memory, and what they did
+    baseline_allocated = torch.cuda.memory_allocated(engine.device) if is_cuda else 0
     error = None
     start = time.perf_counter()
     for request in requests:
@@ -155,6 +158,8 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
             refused.append((request.request_id, str(exc)))
     while engine.has_unfinished_requests():
         decode_s = engine.stats.decode_s
+        before = (engine.stats.num_prefill_tokens, engine.stats.num_decode_tokens, engine.num_controller_events,
+                  engine.runner.num_graph_captures)
         if is_cuda:
             torch.cuda.reset_peak_memory_stats(engine.device)
         try:
@@ -171,7 +176,20 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
             precisions.setdefault(seq.request_id, set()).add(engine.kv_precision)
             if seq.num_preemptions:
                 preempted.add(seq.request_id)
-        peak_device = max(peak_device, device_bytes_now(engine))
+        device_now = device_bytes_now(engine)
+        peak_device = max(peak_device, device_now)
+        if is_cuda and (len(peak_steps) < 3 or device_now > peak_steps[-1]["device_bytes"]):
+            peak_steps = sorted(peak_steps + [{
+                "step": engine.stats.num_steps, "device_bytes": device_now,
+                "torch_peak_allocated": torch.cuda.max_memory_allocated(engine.device),
+                "torch_allocated_after": torch.cuda.memory_allocated(engine.device),
+                "torch_peak_reserved": torch.cuda.max_memory_reserved(engine.device),
+                "managed_device_bytes": engine.kv_pool.device_bytes if engine.kv_pool.backend == "um" else 0,
+                "prefill_tokens": engine.stats.num_prefill_tokens - before[0],
+                "decode_tokens": engine.stats.num_decode_tokens - before[1],
+                "controller_events": engine.num_controller_events - before[2],
+                "graph_captures": engine.runner.num_graph_captures - before[3],
+                "kv_precision": engine.kv_precision}], key=lambda r: -r["device_bytes"])[:3]
         if is_cuda:  # the peak statistics restart every step
             peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(engine.device))
         peak_pressure = max(peak_pressure, engine.memory_pressure_bytes())
@@ -190,6 +208,8 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
         "peak_device_memory_gib": round(peak_device / 2**30, 3),
         "peak_torch_reserved_gib": round(peak_reserved / 2**30, 3) if is_cuda else None,
         "budget_gib": round(budget / 2**30, 3), "is_within_budget": peak_device <= budget,
+        "torch_allocated_before_load_gib": round(allocated_before_load / 2**30, 3),
+        "torch_allocated_after_load_gib": round(baseline_allocated / 2**30, 3), "peak_steps": peak_steps,
         "peak_memory_pressure": round(peak_pressure / budget, 3),
         "kv_backend": engine.kv_pool.backend, "num_kv_blocks": engine.block_manager.num_blocks,
         "num_kv_blocks_device_share": engine.kv_plan.num_blocks,
