@@ -485,6 +485,10 @@ def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torc
     model, config = load_model(model_dir, device if predicted is None else torch.device("cpu"), dtype)
     if prepare is not None:
         prepare(model)
+        if device.type == "cuda" and predicted is None:
+            # Fusing made new tensors and dropped the originals: hand the segments that are now
+            # wholly free back to the driver, so the card gives up no more than the weights.
+            torch.cuda.empty_cache()
     if predicted is None:
         return model, config
     plan = plan_for_model(model, predicted.strategy, budget_bytes=predicted.budget_bytes,
