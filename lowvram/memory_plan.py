@@ -329,6 +329,11 @@ class WeightBytes:
         return rows
 
 
+# The projections lowvram.fusion concatenates in dense decoder layers.
+FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part in parts}
+
+
 def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_bytes: int, *,
                          model_dir: str | Path | None = None, max_cached_experts: int | None = None) -> WeightBytes:
     """Weights on the device, from config.json (and, given the directory, the shapes
@@ -347,6 +352,7 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
     weights.layer_bytes = [2 * config.hidden_size * element_bytes] * config.num_layers  # the two norms
     weights.layer_mlp_bytes = [0] * config.num_layers
     is_mla = _is_deepseek_v2(config)
+    fused_int4: dict[tuple[int, str], list[int]] = {}  # (layer, group) -> K * N of its INT4 parts
     for linear in decoder_linears(config):
         k, n = linear.in_features, linear.out_features
         is_dequantized = is_mla and linear.name.endswith("kv_b_proj")
@@ -355,6 +361,9 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
             weights.int4_bytes += size
             weights.num_int4_layers += 1
             weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, k * n)
+            group = None if is_mla else FUSED_GROUP_OF.get(linear.name.rsplit(".", 1)[-1])
+            if group is not None:
+                fused_int4.setdefault((int(linear.name.split(".")[2]), group), []).append(k * n)
             extra = compensation.bytes_of(linear, element_bytes)
             weights.compensation_bytes += extra
             size += extra
@@ -369,6 +378,11 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
         expert = _routed_expert_index(linear.name) if is_mla else None
         if expert is not None and max_cached_experts is not None and expert >= max_cached_experts:
             weights.host_expert_bytes += size
+    # Dense layers run q/k/v and gate/up as one fused INT4 linear each (lowvram.fusion) when
+    # every part is INT4: the dequantization scratch is the fused weight's.
+    for (_, group), parts in fused_int4.items():
+        if len(parts) == len(FUSED_GROUPS[group]):
+            weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, sum(parts))
     table = config.vocab_size * config.hidden_size * element_bytes
     weights.embedding_bytes = table
     weights.head_bytes = 0 if config.is_tied_head else table

@@ -70,7 +70,8 @@ def test_awq_g128_weights_of_r1_distill_1_5b_by_hand():
     assert weights.int4_bytes == 28 * per_layer == 680_802_304
     assert weights.num_int4_layers == 196 and weights.num_fp16_layers == 0
     assert weights.total_bytes == 680_802_304 + 2 * 466_747_392 + 175_104 == 1_614_472_192
-    assert weights.max_int4_layer_elements == 1536 * 8960
+    # gate and up run as one fused 1536 x 17920 INT4 linear: the largest dequantized weight
+    assert weights.max_int4_layer_elements == 1536 * 2 * 8960
 
 
 def _write_compensation(model_dir, layers):
@@ -210,9 +211,9 @@ def test_workspace_on_the_plain_torch_path_counts_float32_scores():
 def test_awq_prefill_counts_the_dequantized_weight():
     weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, 2)
     threshold = mp.AWQ_DEQUANT_MATMUL_MIN_TOKENS
-    assert mp.int4_scratch_bytes(weights, threshold, uses_kernels=True) == 2 * 1536 * 8960
+    assert mp.int4_scratch_bytes(weights, threshold, uses_kernels=True) == 2 * 1536 * 17920  # fused gate_up
     assert mp.int4_scratch_bytes(weights, threshold - 1, uses_kernels=True) == 0
-    assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 8960
+    assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 17920
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -295,10 +296,12 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
     plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
                        device="cuda", capacity=HUGE_CARD)
-    # a 2048-token AWQ step dequantizes one 1536x8960 weight, but 3 [T, 8960] activations still dominate
-    assert plan.workspace.peak_bytes == 137_416_704
-    assert plan.engine_need_bytes == 1_614_472_192 + 137_416_704 + 469_762_048
-    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_221_650_944
+    # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
+    # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
+    assert plan.workspace.phases["mlp"] == 147_324_928
+    assert plan.workspace.peak_bytes == 147_324_928 + 8_388_608 + 53_248 == 155_766_784
+    assert plan.engine_need_bytes == 1_614_472_192 + 155_766_784 + 469_762_048
+    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_240_001_024
 
 
 def test_deepseek_coder_plan_by_hand():
