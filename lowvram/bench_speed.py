@@ -20,7 +20,10 @@ Everything is measured through one LLMEngine built with the profile:
   bandwidth measured at the start (`lowvram.bench_record`).
 - peak device memory: torch's peak allocation plus the KV pages held in CUDA unified
   memory, which torch's allocator does not see; the CUDA context is measured once at the
-  start where NVML allows.
+  start where NVML allows. The engine above sizes its KV pool from the whole budget, so
+  its peak is about the budget; a second engine then serves one request of the longest
+  context plus `max_tokens` with the pool sized for that request alone (max_num_seqs 1),
+  the figure llama-bench's peak memory compares with.
 With `vs_hf`, transformers' own `generate` runs on the same unquantized checkpoint,
 batch 1: FP16 on CUDA, float32 on the CPU.
 """
@@ -236,6 +239,35 @@ def memory_summary(engine, cuda_context_bytes: int | None) -> dict:
     return summary
 
 
+def measure_one_request(model_dir: Path, base, context_len: int, max_tokens: int, seed: int,
+                        cuda_context_bytes: int | None) -> dict:
+    """Peak device memory and decode speed of one request (`context_len` prompt tokens,
+    `max_tokens` new ones) on an engine whose KV pool is sized for that request alone."""
+    from lowvram.engine import LLMEngine
+
+    profile = base.replace(max_num_seqs=1, max_model_len=context_len + max_tokens)
+    device = _device_of(profile)
+    if device.type == "cuda":
+        _release(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = LLMEngine(str(model_dir), profile)
+    prompts = _Prompts(engine.config.vocab_size, seed + 1)
+    elapsed_s, num_tokens, _ = _generate(engine, prompts.make(1, context_len), max_tokens)
+    result = {"context_tokens": context_len, "new_tokens": max_tokens, "max_num_seqs": 1,
+              "max_model_len": engine.max_model_len, "kv_pool_blocks": engine.block_manager.num_blocks,
+              "decode_tokens_per_s": round(num_tokens / elapsed_s, 1) if elapsed_s > 0 else None,
+              **memory_summary(engine, cuda_context_bytes)}
+    del engine
+    _release(device)
+    return result
+
+
+def _device_of(profile) -> torch.device:
+    from lowvram.device import pick_device
+
+    return pick_device(profile.device)
+
+
 def _hf_generate_s(model, input_ids: torch.Tensor, num_new: int) -> float:
     _sync(input_ids.device)
     start = time.perf_counter()
@@ -431,6 +463,9 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
         )
         del engine, kv_pool
         _release(compute_device)
+        say(f"one request of {context_lens[-1]} + {max_tokens} tokens, KV pool sized for it")
+        record["one_request"] = measure_one_request(model_dir, base, context_lens[-1], max_tokens, seed,
+                                                    cuda_context_bytes)
         if vs_hf:
             say("transformers generate")
             prompt_ids = prompts.make(1, context_lens[0])[0][1]
@@ -480,6 +515,19 @@ def write_markdown(result: dict) -> str:
     else:
         lines.append(f"Weights {_size(mem['weight_bytes'])} and KV pool {_size(mem['kv_pool_device_bytes'])} "
                      "in host memory.")
+    one = result.get("one_request")
+    if one:
+        where_kv = f"KV pool ({one['kv_pool_backend']}) {_size(one['kv_pool_device_bytes'])}"
+        if one["peak_device_bytes"] is not None:
+            context = (f", {_size(one['peak_with_context_bytes'])} with the CUDA context"
+                       if one["peak_with_context_bytes"] is not None else "")
+            peak = (f"peak device memory {_size(one['peak_device_bytes'])}{context} (torch allocated "
+                    f"{_size(one['torch_max_allocated_bytes'])}, {where_kv})")
+        else:
+            peak = f"weights {_size(one['weight_bytes'])}, {where_kv}, in host memory"
+        speed = f", decode {one['decode_tokens_per_s']:,.1f} tokens/s" if one.get("decode_tokens_per_s") else ""
+        lines += ["", f"One request of {one['context_tokens']} + {one['new_tokens']} tokens with the KV pool sized "
+                      f"for it alone: {peak}{speed}."]
     hf = result.get("hf")
     if hf:
         ours = next((r for r in result["decode"] if r["batch_size"] == 1 and r["context_tokens"] == hf["prompt_tokens"]),

@@ -33,7 +33,7 @@ def cli_run(tmp_path_factory):
 def test_the_record_says_where_and_what_it_measured(cli_run):
     _, record = cli_run
     for key in ("command", "date", "git_commit", "gpu", "versions", "device", "copy_bandwidth_gbps", "model",
-                "profile", "kv_bytes_per_token", "prefill", "decode", "memory", "hf", "elapsed_s"):
+                "profile", "kv_bytes_per_token", "prefill", "decode", "memory", "one_request", "hf", "elapsed_s"):
         assert key in record, key
     assert record["command"].startswith("lowvram bench speed")
     assert record["device"] == "cpu" and record["gpu"] is None
@@ -54,6 +54,17 @@ def test_prefill_and_decode_are_measured_at_every_context_and_batch(cli_run):
         # Every request decodes max_tokens - 1 tokens after its prefill token; nothing was preempted.
         assert row["num_decode_tokens"] == batch * (MAX_TOKENS - 1)
         assert row["num_preemptions"] == 0
+
+
+def test_one_request_runs_on_a_pool_sized_for_it_alone(cli_run):
+    out, record = cli_run
+    one = record["one_request"]
+    assert one["context_tokens"] == CONTEXTS[-1] and one["new_tokens"] == MAX_TOKENS
+    assert one["max_num_seqs"] == 1 and one["max_model_len"] == CONTEXTS[-1] + MAX_TOKENS
+    block_size = record["profile"]["kv_block_size"]
+    assert one["kv_pool_blocks"] == -(-(CONTEXTS[-1] + MAX_TOKENS) // block_size)
+    assert one["decode_tokens_per_s"] > 0
+    assert "One request of 40 + 6 tokens with the KV pool sized for it alone" in (out / "speed.md").read_text()
 
 
 def test_bytes_per_step_are_weights_without_the_embedding_plus_the_kv_read(cli_run):
@@ -127,6 +138,8 @@ def test_on_cuda_the_record_has_peak_device_memory_and_the_copy_bandwidth():
                              max_tokens=4, vs_hf=True)
     memory = record["memory"]
     assert memory["peak_device_bytes"] >= record["model"]["weight_bytes"]["total_bytes"]
+    one = record["one_request"]
+    assert record["model"]["weight_bytes"]["total_bytes"] <= one["peak_device_bytes"] <= memory["peak_device_bytes"]
     assert memory["torch_max_reserved_bytes"] >= memory["torch_max_allocated_bytes"]
     assert record["gpu"] and record["copy_bandwidth_gbps"] > 0
     assert record["hf"]["dtype"] == "float16" and record["hf"]["decode_tokens_per_s"] > 0
