@@ -21,7 +21,9 @@ stored to the columns each nibble holds in AWQ order. "reduce" picks where the s
 happens: "block" reduces every K block and scales after (fewest multiplies), "end" keeps a
 [BLOCK_K, BLOCK_N / 8, 8] accumulator and reduces once after the loop (no reduction across
 threads inside the loop; one more multiply per weight). Which is fastest depends on the
-GPU and shape; profile_decode.py --sweep-gemv measures them.
+GPU and shape; profile_decode.py --sweep-gemv measures them. With 2-16 rows the same
+unpacking feeds tl.dot (`_awq_gemv_lanes_dot_kernel`, also "unpack": "lanes"); the
+interleaving form stays the multi-row default until the sweep says otherwise.
 """
 
 import torch
@@ -217,6 +219,58 @@ def _awq_gemv_row_kernel(
         tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _awq_gemv_lanes_dot_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
+    M, N, num_packed_cols, stride_xm, stride_xk, stride_om, stride_os, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+):
+    # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
+    # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
+    BLOCK_C: tl.constexpr = BLOCK_N // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
+    lanes = tl.arange(0, 8)
+    shifts = lanes * 4
+    cols = tl.reshape(offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :], (BLOCK_N,))
+    mask_cols = cols < N
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    kb_start = pid_k * K_BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        k_start = kb * BLOCK_K
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        group = k_start // GROUP_SIZE
+        weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+        if EVEN_N:
+            packed = tl.load(weight_ptrs)
+            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
+            scales = tl.load(scales_ptr + group * N + cols).to(tl.float32)
+        else:
+            mask_c = offs_c < num_packed_cols
+            packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
+            scales = tl.load(scales_ptr + group * N + cols, mask=mask_cols, other=0.0).to(tl.float32)
+        zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
+        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
+        centered = tl.reshape(codes - zeros[None, :, :], (BLOCK_K, BLOCK_N))
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None], other=0.0)
+        acc += tl.dot(x, centered.to(x.dtype)) * scales[None, :]
+    out_offsets = offs_m[:, None] * stride_om + cols[None, :]
+    out_mask = mask_m[:, None] & mask_cols[None, :]
+    if IS_PARTIAL:
+        tl.store(out_ptr + pid_k * stride_os + out_offsets, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
                        num_sms: int) -> dict:
     """Block sizes and split-K for the decode kernel.
@@ -275,6 +329,15 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
             num_outputs, num_outputs // 8, x.stride(1), stride_os, k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
+            num_warps=config["num_warps"],
+        )
+    elif config.get("unpack") == "lanes":
+        _awq_gemv_lanes_dot_kernel[grid](
+            x, qweight, qzeros, scales, bias if has_bias else scales, out,
+            num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), stride_om, stride_os,
+            k_blocks_per_split, num_k_blocks,
+            GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
             num_warps=config["num_warps"],
         )
     else:

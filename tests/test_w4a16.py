@@ -256,15 +256,17 @@ def test_float32_activations_are_refused_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 8])
 @pytest.mark.parametrize("form", ROW_FORMS[1:], ids=["lanes-block", "lanes-end"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_lane_kernel_at_real_shapes_on_gpu(shape, form):
+def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
     num_inputs, num_outputs = shape
     qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 3)
-    x = random_x(1, num_inputs, seed=11)
+    x = random_x(num_rows, num_inputs, seed=11)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
-    for block_n, block_k, split_k in ((128, 64, 1), (256, 128, 6), (64, 32, 16)):
-        y = torch.full((1, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
+    blocks = ((128, 64, 1), (256, 128, 6), (64, 32, 16)) if num_rows == 1 else ((128, 64, 1), (64, 128, 6), (64, 32, 16))
+    for block_n, block_k, split_k in blocks:
+        y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         config = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, **form}
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
         error = relative_error(y, ref)
