@@ -360,8 +360,16 @@ def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, 
     if is_cuda and profile.kv_backend in ("um", "pinned", "auto") and profile.host_spill_gib > 0:
         tokens = int(profile.host_spill_gib * GIB) // mp.kv_bytes_per_token(config, pool.kv_precision, element_bytes)
         notes.append(f"kv_backend {profile.kv_backend}: up to {profile.host_spill_gib:g} GiB more KV (about {tokens} "
-                     "tokens) can wait in host RAM beyond the device share; like the engine, the verdict asks the "
-                     "device to hold every planned sequence")
+                     "tokens) can wait in host RAM beyond the device share; the verdict asks the device to hold "
+                     "every planned sequence")
+        blocks_per_seq = -(-context_len // pool.block_size)
+        host_blocks = mp.host_kv_blocks(config, planned, element_bytes, device_type)
+        if pool.num_blocks < blocks_per_seq <= pool.num_blocks + host_blocks:
+            on_host = (blocks_per_seq - pool.num_blocks) * pool.block_size
+            notes.append(f"with unified memory (kv_backend um, or auto where the GPU offers it) the engine still "
+                         f"runs a {context_len}-token context: about {on_host} of its tokens wait in host RAM and "
+                         "each step reads them over the bus, so long-context steps are slower; a pinned pool "
+                         "cannot")
     if weights.offload is not None:
         notes.append(f"weight offload ({weights.offload.strategy}): {weights.offload.summary()}")
     if not pool.workspace.uses_kernels and is_cuda:

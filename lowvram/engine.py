@@ -19,7 +19,7 @@ from lowvram.errors import OutOfMemoryError, RequestError
 from lowvram.kv_pool import create_kv_pool
 from lowvram.layer_streaming import load_model_for_profile
 from lowvram.loader import is_deepseek_v2_checkpoint, load_model, resolve_model_path
-from lowvram.memory_plan import plan_kv
+from lowvram.memory_plan import host_kv_blocks, plan_kv
 from lowvram.fusion import fuse_projections
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -108,11 +108,17 @@ class LLMEngine:
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
-        self.kv_plan = plan_kv(self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len,
-                               device_type=self.device.type, model_dir=self.model_dir)
+        # A unified-memory pool may hold a sequence longer than its device share (the rest of
+        # its pages wait in host memory and are read over the bus); other pools may not.
+        host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
+        plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
+        self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
+                               host_blocks=host_blocks)
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
         self.kv_pool = create_kv_pool(self.config, self.profile, self.kv_plan.num_blocks, self.device, self.dtype,
                                       self.kv_precision, max_model_len=self.max_model_len)
+        if host_blocks and not self.kv_pool.can_read_host:
+            plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir)  # the error, if it is one
         self.block_manager = BlockManager(self.kv_pool.num_blocks, self.kv_plan.block_size,
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)

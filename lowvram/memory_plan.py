@@ -653,20 +653,32 @@ def largest_fitting_context(config: ModelConfig, profile: Profile, weight_bytes:
     return low * block_size
 
 
+def host_kv_blocks(config: ModelConfig, profile: Profile, element_bytes: int, device_type: str) -> int:
+    """Pages a KV pool in CUDA unified memory can keep beyond its device share: the
+    profile's host spill budget, where the backend may be `um` (kernels read such pages
+    over the bus; a pinned or device pool cannot)."""
+    if device_type != "cuda" or profile.kv_backend not in ("um", "auto") or profile.host_spill_gib <= 0:
+        return 0
+    per_token = kv_bytes_per_token(config, kv_precision_for(profile), element_bytes)
+    return int(profile.host_spill_gib * GIB) // (per_token * profile.kv_block_size)
+
+
 def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int, max_model_len: int, *,
-            device_type: str = "cuda", model_dir: str | Path | None = None) -> KVPlan:
+            device_type: str = "cuda", model_dir: str | Path | None = None, host_blocks: int = 0) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace.
 
     Never more than max_num_seqs full-length sequences need; never fewer than one
-    full-length sequence needs (that is an OutOfMemoryError with the numbers).
-    `device_type` decides which attention path the workspace is counted for;
-    `model_dir` lets INT4 dequantization scratch be counted from config.json.
+    full-length sequence needs (that is an OutOfMemoryError with the numbers), counting
+    `host_blocks` pages the pool can keep in host memory beyond its device share
+    (host_kv_blocks: a unified-memory pool). `device_type` decides which attention path
+    the workspace is counted for; `model_dir` lets INT4 dequantization scratch be counted
+    from config.json.
     """
     raw_config = read_raw_config(model_dir)
     plan = size_kv_pool(config, profile, weight_bytes, element_bytes, max_model_len, device_type=device_type,
                         raw_config=raw_config)
     blocks_per_seq = -(-max_model_len // plan.block_size)
-    if plan.num_blocks < blocks_per_seq:
+    if plan.num_blocks + host_blocks < blocks_per_seq:
         kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
         need = weight_bytes + plan.activation_bytes + kv
         fitting = largest_fitting_context(config, profile, weight_bytes, element_bytes, max_model_len - 1,

@@ -24,10 +24,9 @@ Runs (FP16 KV unless named otherwise):
 - pinned: device slots and a pinned host tier. A step must hold all its pages on the
   device, so one sequence longer than the device share cannot run there.
 
-The engine's planner (`memory_plan.plan_kv`) refuses a context longer than the device share,
-also for `um`, whose kernels read spilled pages where they are. For the um and pinned runs
-this script sizes the pool with `memory_plan.size_kv_pool`, the same sizing without that
-check (pinned then reports the contexts its device share cannot hold).
+The engine plans um pools that hold one sequence longer than their device share (the rest
+waits in the profile's host spill budget, `memory_plan.host_kv_blocks`); a pinned pool's
+engine refuses such a context, which this script reports as not fitting.
 
 Transfers: `spill()`, then `prefetch()` and `ensure_resident()`, of --transfer-mib of FP16
 pages on standalone um and pinned pools of the same shape, against pinned host <-> device
@@ -41,7 +40,6 @@ is 1 when a spilling run went over the card.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -51,7 +49,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -119,20 +116,6 @@ def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
     return str(work / "awq"), f"{SHAPE_NAME}, random weights, AWQ INT4 ({args.quantize_samples} calibration samples)"
 
 
-@contextlib.contextmanager
-def spill_planning():
-    """Let the engine plan a device share shorter than one sequence (see the module notes)."""
-    import lowvram.engine as engine_module
-    from lowvram.memory_plan import read_raw_config, size_kv_pool
-
-    def plan(config, profile, weight_bytes, element_bytes, max_model_len, *, device_type="cuda", model_dir=None):
-        return size_kv_pool(config, profile, weight_bytes, element_bytes, max_model_len, device_type=device_type,
-                            raw_config=read_raw_config(model_dir))
-
-    with mock.patch.object(engine_module, "plan_kv", plan):
-        yield
-
-
 def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precision: str, max_model_len: int):
     from lowvram.engine import LLMEngine
 
@@ -143,8 +126,7 @@ def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precisio
         max_model_len=max_model_len, max_num_seqs=1, kv_backend=backend, kv_precision=precision,
         host_spill_gib=max(profile.host_spill_gib, 4.0), controller=controller,
     )
-    with spill_planning() if backend in SPILL_BACKENDS else contextlib.nullcontext():
-        return LLMEngine(model_dir, profile)
+    return LLMEngine(model_dir, profile)
 
 
 def release_memory() -> None:
@@ -452,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     is_over = any(not row["memory"].get("is_within_card", True) for result in results
                   if result["kv_backend"] in SPILL_BACKENDS for row in result["contexts"] if row["is_complete"])
     record.update(model=model_note, profile=args.profile, card_bytes=card_bytes, runs=results, transfers=transfers,
-                  notes=[("um and pinned pools sized with memory_plan.size_kv_pool: plan_kv refuses a context longer "
-                          "than the device share"), "transfers: standalone pools of the model's KV shape, FP16 pages"])
+                  notes=["transfers: standalone pools of the model's KV shape, FP16 pages"])
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -392,6 +392,30 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
     assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
 
 
+def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share():
+    config, profile = _config(R1_DISTILL_QWEN_1_5B), load_profile("4gb")
+    with pytest.raises(OutOfMemoryError):
+        mp.plan_kv(config, profile, 3_554_176_000, 2, 16384, device_type="cuda")
+    # 8 GiB of host spill at 28,672 B per token: 299,593 tokens, 18,724 pages of 16
+    host_blocks = mp.host_kv_blocks(config, profile, 2, "cuda")
+    assert host_blocks == 8 * GIB // (28_672 * 16) == 18_724
+    plan = mp.plan_kv(config, profile, 3_554_176_000, 2, 16384, device_type="cuda", host_blocks=host_blocks)
+    assert 0 < plan.num_blocks < 16384 // 16  # the device share; the rest of the sequence waits on the host
+    with pytest.raises(OutOfMemoryError):  # longer than device share and host spill together
+        mp.plan_kv(config, profile.replace(host_spill_gib=0.1), 3_554_176_000, 2, 16384, device_type="cuda",
+                   host_blocks=mp.host_kv_blocks(config, profile.replace(host_spill_gib=0.1), 2, "cuda"))
+    # pinned and device pools read only device pages, and the CPU has no spill
+    assert mp.host_kv_blocks(config, profile.replace(kv_backend="pinned"), 2, "cuda") == 0
+    assert mp.host_kv_blocks(config, profile.replace(kv_backend="device"), 2, "cuda") == 0
+    assert mp.host_kv_blocks(config, profile, 4, "cpu") == 0
+    # The doctor's verdict stays device-only, and says the engine runs it with unified memory.
+    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda", capacity=HUGE_CARD)
+    assert not plan.fits
+    assert any("the engine still runs a 16384-token context" in note for note in plan.notes)
+    short = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda", capacity=HUGE_CARD, context_len=1024)
+    assert short.fits and not any("the engine still runs" in note for note in short.notes)
+
+
 # ---------------------------------------------------------------- environment problems
 
 
