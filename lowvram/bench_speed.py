@@ -92,6 +92,10 @@ def prepare_checkpoint(model: str | None, shape: str | None, num_layers: int | N
         from lowvram.testing import make_tiny_model
 
         make_tiny_model(out_dir, "qwen2", num_layers=num_layers or 2)
+    elif num_layers is None:  # the full shape: shared with other benchmarks of this session when cached
+        from lowvram.shapes import cached_checkpoint, write_random_checkpoint
+
+        out_dir = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
     else:
         from lowvram.shapes import write_random_checkpoint
 
@@ -113,14 +117,24 @@ def largest_group_size(config) -> int:
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, profile, device: str, emulate_vram_gib: float | None,
-                        num_samples: int) -> tuple[Path, dict]:
-    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank; an AWQ input is used as is."""
+                        num_samples: int, shape: str | None = None) -> tuple[Path, dict]:
+    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank; an AWQ input is used as is.
+    `shape`: `model_dir` holds random weights of this named shape (lowvram.shapes), which
+    lets the result be shared through the checkpoint cache."""
     from lowvram.model_config import load_model_config
     from lowvram.quantize import quantize_model
 
     config, _ = load_model_config(model_dir)
     if config.quantization is not None:
         return model_dir, {"note": "the checkpoint is already AWQ INT4; used as is"}
+    if shape is not None:  # random weights of a named shape: made once per session where cached
+        from lowvram.shapes import random_awq_checkpoint
+
+        settings = {"num_samples": num_samples, "group_size": largest_group_size(config),
+                    "fp16_budget_mib": profile.fp16_budget_mib, "rank": profile.compensation_rank}
+        _, awq_dir = random_awq_checkpoint(shape, out_dir.parent, device=device, emulate_vram_gib=emulate_vram_gib,
+                                           **settings)
+        return awq_dir, settings
     report = quantize_model(model_dir, out_dir, group_size=largest_group_size(config),
                             fp16_budget_mib=profile.fp16_budget_mib, rank=profile.compensation_rank,
                             num_samples=num_samples, device=device, emulate_vram_gib=emulate_vram_gib)
@@ -422,8 +436,10 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
         model_dir, quantization = source_dir, None
         if quantize:
             say(f"quantizing to AWQ INT4 ({calib_samples} calibration samples)")
+            cacheable = model is None and num_layers is None and (shape or DEFAULT_SHAPE) != TINY_SHAPE
             model_dir, quantization = quantize_checkpoint(source_dir, work_dir / "awq", base, compute_device.type,
-                                                          emulate_vram_gib, calib_samples)
+                                                          emulate_vram_gib, calib_samples,
+                                                          shape=(shape or DEFAULT_SHAPE) if cacheable else None)
         if compute_device.type == "cuda":
             _release(compute_device)
             torch.cuda.reset_peak_memory_stats(compute_device)

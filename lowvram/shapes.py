@@ -11,6 +11,9 @@ checkpoint takes seconds, not the minutes a transformers init would.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,3 +106,52 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int 
         index = {"metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out_dir
+
+
+# A folder where benchmarks keep the random checkpoints they make, so that several
+# benchmarks in one session write and quantize each shape once (scripts/test_gpu.sh sets it).
+BENCH_CACHE_ENV = "LOWVRAM_BENCH_CACHE"
+_COMPLETE = ".complete"
+
+
+def cached_checkpoint(key: str, make: Callable[[Path], object], work_dir: str | Path) -> Path:
+    """The directory `make(path)` fills, made once per `key` where $LOWVRAM_BENCH_CACHE names
+    a folder (reused by every later call with the same key), else made under `work_dir`.
+
+    `key` must name everything the contents depend on (shape, seed, quantizer settings).
+    `make` gets a directory that does not exist yet; a cached entry counts only once `make`
+    has returned, so an interrupted run leaves nothing a later one would trust.
+    """
+    cache = os.environ.get(BENCH_CACHE_ENV)
+    if not cache:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        target = Path(work_dir) / key
+        make(target)
+        return target
+    target = Path(cache) / key
+    if (target / _COMPLETE).is_file():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    partial = Path(cache) / f"{key}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    make(partial)
+    (partial / _COMPLETE).write_text("")
+    partial.rename(target)
+    return target
+
+
+def random_awq_checkpoint(shape: str, work_dir: str | Path, *, num_samples: int = 8, group_size: int = 128,
+                          fp16_budget_mib: float = 0.0, rank: int = 0, device: str = "auto",
+                          emulate_vram_gib: float | None = None) -> tuple[Path, Path]:
+    """Random weights of `shape` and their AWQ INT4 version (`num_samples` calibration
+    blocks; FP16-kept layers and compensation as given, none by default): (source
+    directory, AWQ directory), cached as `cached_checkpoint` says."""
+    from lowvram.quantize import quantize_model
+
+    source = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
+    key = f"{shape}-awq-n{num_samples}-g{group_size}-f{fp16_budget_mib:g}-r{rank}"
+    awq = cached_checkpoint(key, lambda d: quantize_model(
+        source, d, group_size=group_size, fp16_budget_mib=fp16_budget_mib, rank=rank, num_samples=num_samples,
+        device=device, emulate_vram_gib=emulate_vram_gib), work_dir)
+    return source, awq

@@ -100,20 +100,19 @@ def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
     """The checkpoint to run and a line saying what it is."""
     if args.model:
         return args.model, f"checkpoint {args.model}"
-    from lowvram.shapes import write_random_checkpoint
+    from lowvram.shapes import cached_checkpoint, random_awq_checkpoint, write_random_checkpoint
 
     start = time.perf_counter()
-    model_dir = write_random_checkpoint(work / "fp16", SHAPE_NAME)
-    print(f"random {SHAPE_NAME} checkpoint written in {time.perf_counter() - start:.1f} s")
     if args.fp16_weights:
+        model_dir = cached_checkpoint(f"{SHAPE_NAME}-bf16", lambda d: write_random_checkpoint(d, SHAPE_NAME), work)
+        print(f"random {SHAPE_NAME} checkpoint ready in {time.perf_counter() - start:.1f} s")
         return str(model_dir), f"{SHAPE_NAME}, random FP16 weights"
-    from lowvram.quantize import quantize_model
-
-    start = time.perf_counter()
-    quantize_model(model_dir, work / "awq", num_samples=args.quantize_samples, emulate_vram_gib=args.card_gib)
+    _, awq_dir = random_awq_checkpoint(SHAPE_NAME, work, num_samples=args.quantize_samples,
+                                       emulate_vram_gib=args.card_gib)
     release_memory()
-    print(f"quantized to AWQ INT4 ({args.quantize_samples} calibration samples) in {time.perf_counter() - start:.1f} s")
-    return str(work / "awq"), f"{SHAPE_NAME}, random weights, AWQ INT4 ({args.quantize_samples} calibration samples)"
+    print(f"random {SHAPE_NAME} checkpoint in AWQ INT4 ({args.quantize_samples} calibration samples) ready in "
+          f"{time.perf_counter() - start:.1f} s")
+    return str(awq_dir), f"{SHAPE_NAME}, random weights, AWQ INT4 ({args.quantize_samples} calibration samples)"
 
 
 def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precision: str, max_model_len: int):

@@ -236,11 +236,15 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="lowvram-profile-"))
     model = args.model
-    if model is None:
-        from lowvram.shapes import write_random_checkpoint
+    if model is None and args.quantize:
+        from lowvram.shapes import random_awq_checkpoint
 
-        model = str(write_random_checkpoint(work / "model", args.shape))
-    if args.quantize:
+        model = str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib)[1])
+    elif model is None:
+        from lowvram.shapes import cached_checkpoint, write_random_checkpoint
+
+        model = str(cached_checkpoint(f"{args.shape}-bf16", lambda d: write_random_checkpoint(d, args.shape), work))
+    elif args.quantize:
         from lowvram.quantize import quantize_model
 
         quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib)

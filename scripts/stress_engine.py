@@ -387,14 +387,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prepare_model(args, work: Path) -> str:
     model = args.model
-    if args.shape:
-        from lowvram.shapes import write_random_checkpoint
+    if args.shape and args.quantize:
+        from lowvram.shapes import random_awq_checkpoint
 
-        model = str(write_random_checkpoint(work / "model", args.shape))
+        return str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib)[1])
+    if args.shape:
+        from lowvram.shapes import cached_checkpoint, write_random_checkpoint
+
+        model = str(cached_checkpoint(f"{args.shape}-bf16", lambda d: write_random_checkpoint(d, args.shape), work))
     if args.quantize:
         from lowvram.quantize import quantize_model
 
-        quantize_model(model, work / "awq", num_samples=16, emulate_vram_gib=args.emulate_vram_gib)
+        quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib)
         model = str(work / "awq")
     return model
 

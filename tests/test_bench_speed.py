@@ -151,3 +151,31 @@ def test_the_transformers_comparison_refuses_an_awq_model_before_measuring(tiny_
     quantize_model(tiny_qwen2_dir, tmp_path / "awq", group_size=32, num_samples=2, seq_len=32)
     with pytest.raises(ConfigError, match="FP16/BF16 checkpoint"):
         run_speed_bench(str(tmp_path / "awq"), device="cpu", context_lens=(16,), vs_hf=True)
+
+
+def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeypatch):
+    from lowvram import shapes
+
+    # A small shape under a real shape's rules (Qwen2 layout, vocabulary the tokenizer covers).
+    monkeypatch.setitem(shapes.SHAPES, "small-qwen2", dict(
+        shapes.SHAPES["r1-distill-qwen-1.5b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512))
+    monkeypatch.setenv(shapes.BENCH_CACHE_ENV, str(tmp_path / "cache"))
+    def run():
+        return run_speed_bench(shape="small-qwen2", quantize=True, calib_samples=2, profile="cpu", device="cpu",
+                               batch_sizes=(1,), context_lens=(16,), max_tokens=3)
+
+    runs = [run()]
+    made = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/.complete")}
+    runs.append(run())
+    assert {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/.complete")} == made
+    from lowvram.config import load_profile
+
+    profile = load_profile("cpu")
+    budget, rank = profile.fp16_budget_mib, profile.compensation_rank
+    cached = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert cached == [f"small-qwen2-awq-n2-g128-f{budget:g}-r{rank}", "small-qwen2-bf16"]
+    for record in runs:
+        assert record["model"]["weight_format"].startswith("awq-int4")
+        assert record["model"]["quantization"] == {"num_samples": 2, "group_size": 128, "fp16_budget_mib": budget,
+                                                   "rank": rank}

@@ -24,3 +24,37 @@ def test_the_published_dimensions():
     assert set(SHAPES) == {"r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "deepseek-coder-1.3b"}
     with pytest.raises(ConfigError, match="known shapes"):
         shape_config("gpt-5")
+
+
+def test_cached_checkpoints_are_made_once_per_key(tmp_path, monkeypatch):
+    from lowvram.shapes import BENCH_CACHE_ENV, cached_checkpoint
+
+    calls = []
+
+    def make(path):
+        calls.append(path)
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+
+    monkeypatch.delenv(BENCH_CACHE_ENV, raising=False)
+    first = cached_checkpoint("tiny-bf16", make, tmp_path / "a")
+    second = cached_checkpoint("tiny-bf16", make, tmp_path / "b")
+    assert len(calls) == 2 and first != second  # no cache: each run makes its own
+
+    monkeypatch.setenv(BENCH_CACHE_ENV, str(tmp_path / "cache"))
+    calls.clear()
+    one = cached_checkpoint("tiny-bf16", make, tmp_path / "c")
+    two = cached_checkpoint("tiny-bf16", make, tmp_path / "d")
+    other = cached_checkpoint("tiny-awq", make, tmp_path / "d")
+    assert one == two == tmp_path / "cache" / "tiny-bf16" and (one / "config.json").is_file()
+    assert len(calls) == 2 and other == tmp_path / "cache" / "tiny-awq"
+
+    def interrupted(path):
+        path.mkdir()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cached_checkpoint("broken", interrupted, tmp_path / "e")
+    assert not (tmp_path / "cache" / "broken").exists()
+    calls.clear()
+    assert cached_checkpoint("broken", make, tmp_path / "e").is_dir() and len(calls) == 1
