@@ -270,8 +270,9 @@ def main() -> int:
             run = {"cuda_graphs": use_graphs, "batch_size": batch_size, "context": args.context, **timing,
                    "tokens_per_s": round(1000 * batch_size / timing["step_ms"], 1)}
             if not use_graphs and batch_size == 1:
-                run["kernels"] = kernel_table(engine, 8)[:25]
-                run["kernel_gpu_us_per_step"] = round(sum(r["us_per_step"] for r in kernel_table(engine, 8)), 1)
+                kernels = kernel_table(engine, 8)
+                run["kernels"] = kernels[:25]
+                run["kernel_gpu_us_per_step"] = round(sum(r["us_per_step"] for r in kernels), 1)
             if args.host_profile:
                 run["host_functions"] = host_profile(engine, 16)
             run["controller_events"] = [e.reason for e in engine.controller_events]
