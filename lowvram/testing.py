@@ -409,3 +409,14 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int
     _write_json(out_dir / "generation_config.json", {"bos_token_id": fields["bos_token_id"],
                                                      "eos_token_id": fields["eos_token_id"]})
     return out_dir
+
+
+def finished_token_ids(engine) -> dict[str, list[int]]:
+    """Step `engine` until no request is left; the generated token ids of each request
+    that finished meanwhile, by request id."""
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done

@@ -67,3 +67,13 @@ def _emulated_card():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(float(gib) * 2**30 / total)
     yield
+
+
+@pytest.fixture(scope="module")
+def async_engine(engine):
+    """The test module's `engine` fixture behind one AsyncLLMEngine loop, stopped after the module."""
+    from lowvram.async_engine import AsyncLLMEngine
+
+    running = AsyncLLMEngine(engine).start()
+    yield running
+    running.stop()

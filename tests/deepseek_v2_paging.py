@@ -10,6 +10,13 @@ NUM_DECODE_STEPS = 16
 MAX_REL_DIFF = 1e-4
 
 
+def transformers_reference(checkpoint):
+    """transformers' own DeepseekV2ForCausalLM on `checkpoint`, in float32: what the tests compare against."""
+    from transformers import DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
 def _metadata(block_table: list[int], num_cached: int, num_new: int,
               device: torch.device | str = "cpu") -> tuple[AttentionMetadata, torch.Tensor]:
     positions = torch.arange(num_cached, num_cached + num_new)

@@ -15,6 +15,7 @@ from lowvram.kv_pool import KVShape, ManagedKVPool
 from lowvram.model_runner import ModelRunner
 from lowvram.sampling import SamplingParams
 from lowvram.scheduler import Scheduler
+from lowvram.testing import finished_token_ids
 
 NUM_DEVICE_PAGES = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -70,11 +71,7 @@ def test_the_controller_compresses_when_live_pages_outgrow_the_device_share(tiny
     engine.kv_plan.budget_bytes = int((outside_kv + 8 * page) / 0.9)
     assert (outside_kv + NUM_DEVICE_PAGES * page) / engine.kv_plan.budget_bytes < 0.9
     _add_requests(engine)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = finished_token_ids(engine)
     assert sorted(done) == ["0", "1", "2"] and all(len(ids) == 24 for ids in done.values())
     first = engine.controller_events[0]
     assert (first.action.kind, first.action.value) == ("kv_precision", "int8") and "memory" in first.reason

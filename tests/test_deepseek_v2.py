@@ -10,7 +10,13 @@ import torch
 
 from lowvram.model_deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
 
-from deepseek_v2_paging import MAX_REL_DIFF, NUM_DECODE_STEPS, greedy_through_pages, rel_diff
+from deepseek_v2_paging import (
+    MAX_REL_DIFF,
+    NUM_DECODE_STEPS,
+    greedy_through_pages,
+    rel_diff,
+    transformers_reference,
+)
 
 
 
@@ -23,9 +29,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import DeepseekV2ForCausalLM
-
-    return DeepseekV2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return transformers_reference(checkpoint)
 
 
 def test_config_reads_mla_moe_and_yarn_fields(checkpoint):

@@ -14,7 +14,13 @@ from lowvram.awq_format import dequantize_awq, quantize_rtn
 from lowvram.awq_linear import AwqLinear
 from lowvram.model_deepseek_v2 import load_deepseek_v2
 
-from deepseek_v2_paging import MAX_REL_DIFF, NUM_DECODE_STEPS, greedy_through_pages, rel_diff
+from deepseek_v2_paging import (
+    MAX_REL_DIFF,
+    NUM_DECODE_STEPS,
+    greedy_through_pages,
+    rel_diff,
+    transformers_reference,
+)
 
 GROUP_SIZE = 32
 # kept in FP16, as a checkpoint's modules_to_not_convert can say
@@ -60,9 +66,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    from transformers import DeepseekV2ForCausalLM
-
-    return DeepseekV2ForCausalLM.from_pretrained(checkpoints[1], dtype=torch.float32).eval()
+    return transformers_reference(checkpoints[1])
 
 
 def test_awq_checkpoint_loads_int4_experts_and_attention(checkpoints):

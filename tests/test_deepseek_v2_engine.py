@@ -21,6 +21,8 @@ from lowvram.model_deepseek_v2 import (
     layer_kv_pages,
 )
 
+from deepseek_v2_paging import transformers_reference
+
 NUM_TOKENS = 12
 PROMPTS = ["The scheduler reads the next token", "def add(a, b):"]
 
@@ -43,9 +45,7 @@ def _greedy(llm) -> list[list[int]]:
 
 
 def _transformers_greedy(checkpoint, prompt_ids: list[int]) -> list[int]:
-    from transformers import DeepseekV2ForCausalLM
-
-    model = DeepseekV2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = transformers_reference(checkpoint)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,

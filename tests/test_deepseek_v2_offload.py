@@ -13,7 +13,13 @@ from lowvram.errors import ConfigError
 from lowvram.expert_offload import ExpertCache, ExpertCacheStats
 from lowvram.model_deepseek_v2 import load_deepseek_v2
 
-from deepseek_v2_paging import MAX_REL_DIFF, NUM_DECODE_STEPS, greedy_through_pages, rel_diff
+from deepseek_v2_paging import (
+    MAX_REL_DIFF,
+    NUM_DECODE_STEPS,
+    greedy_through_pages,
+    rel_diff,
+    transformers_reference,
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +31,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import DeepseekV2ForCausalLM
-
-    return DeepseekV2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return transformers_reference(checkpoint)
 
 
 @pytest.mark.parametrize("max_cached_experts", [1, 3])

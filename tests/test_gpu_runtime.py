@@ -5,6 +5,7 @@ import torch
 
 from lowvram import LLM, SamplingParams
 from lowvram.engine import LLMEngine
+from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox", "x"]
@@ -36,11 +37,7 @@ def test_fp16_logits_close_to_transformers_fp32(fixture, request):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, params)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    outputs = finished_token_ids(engine)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     worst = 0.0
     for i, p in enumerate(PROMPTS):

@@ -10,6 +10,7 @@ from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool, 
 from lowvram.model_runner import ModelRunner
 from lowvram.sampling import SamplingParams
 from lowvram.scheduler import Scheduler
+from lowvram.testing import finished_token_ids
 from test_kv_pool import FakeManagedMemory
 
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
@@ -38,11 +39,7 @@ def _shape(engine: LLMEngine) -> KVShape:
 def _generate(engine: LLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
+    final = finished_token_ids(engine)
     return [final[str(i)] for i in range(len(prompts))]
 
 

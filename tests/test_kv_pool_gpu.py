@@ -10,6 +10,7 @@ from lowvram.engine import LLMEngine
 from lowvram.kv_pool import KVShape, ManagedKVPool, PinnedKVPool, create_kv_pool
 from lowvram.kv_quant import gather_kv, store_kv
 from lowvram.sampling import SamplingParams
+from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu
 GIB = 2**30
@@ -57,6 +58,17 @@ def _managed_pool(num_blocks=64, max_device_blocks=16, precision="fp16") -> Mana
                          budget_bytes=4 * GIB)
 
 
+def _written_pool(backend: str):
+    """A 64-page FP16 pool with a 16-page device share ("um" or "pinned"), every page written in order."""
+    if backend == "um":
+        pool = _managed_pool()
+    else:
+        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
+    for block in range(64):
+        _write(pool, block)
+    return pool
+
+
 def test_managed_pages_are_managed_memory_viewed_by_torch():
     pool = _managed_pool()
     from cuda.bindings import runtime as rt
@@ -69,12 +81,7 @@ def test_managed_pages_are_managed_memory_viewed_by_torch():
 
 @pytest.mark.parametrize("backend", ["um", "pinned"])
 def test_pages_survive_spill_and_return_bit_for_bit(backend):
-    if backend == "um":
-        pool = _managed_pool()
-    else:
-        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
-    for block in range(64):  # 64 pages through a 16-page device share
-        _write(pool, block)
+    pool = _written_pool(backend)  # 64 pages through a 16-page device share
     pool.synchronize()
     assert pool.num_blocks_on_host() == 48
     for block in list(range(63, -1, -1)) + [0, 40, 7]:
@@ -84,12 +91,7 @@ def test_pages_survive_spill_and_return_bit_for_bit(backend):
 
 @pytest.mark.parametrize("backend", ["um", "pinned"])
 def test_prefetch_overlaps_and_ensure_resident_orders_the_read(backend):
-    if backend == "um":
-        pool = _managed_pool()
-    else:
-        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
-    for block in range(64):
-        _write(pool, block)
+    pool = _written_pool(backend)
     pool.prefetch(range(8), protected=range(56, 64))
     busy = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
     for _ in range(4):  # compute the copies can overlap with
@@ -122,12 +124,7 @@ def test_spilled_managed_pages_are_prefetched_to_host_and_leave_the_device():
 
 @pytest.mark.parametrize("backend", ["um", "pinned"])
 def test_precision_change_frees_bytes_and_keeps_pages_close(backend):
-    if backend == "um":
-        pool = _managed_pool()
-    else:
-        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
-    for block in range(64):
-        _write(pool, block)
+    pool = _written_pool(backend)
     before = pool.device_bytes
     freed = pool.set_precision("int8")
     assert freed == before - pool.device_bytes > 0
@@ -149,12 +146,7 @@ def test_precision_change_frees_bytes_and_keeps_pages_close(backend):
 
 @pytest.mark.parametrize("backend", ["um", "pinned"])
 def test_pages_kept_in_fp16_stay_exact_through_spill_and_refetch(backend):
-    if backend == "um":
-        pool = _managed_pool()
-    else:
-        pool = PinnedKVPool(SHAPE, 64, "fp16", "cuda", max_device_blocks=16, num_host_blocks=48)
-    for block in range(64):  # pages 48-63 end on the device
-        _write(pool, block)
+    pool = _written_pool(backend)  # pages 48-63 end on the device
     window = [63, 62, 61]
     before = pool.device_bytes
     freed = pool.set_precision("int8", fp16_block_ids=window)
@@ -175,11 +167,7 @@ def _generate(engine, rounds=2):
     for _ in range(rounds):  # the second round reads prompt pages back through the prefix cache
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"{len(results)}-{i}", prompt, GREEDY)
-        final = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out.outputs[0].token_ids
+        final = finished_token_ids(engine)
         results.append([final[f"{len(results)}-{i}"] for i in range(len(PROMPTS))])
     return results
 

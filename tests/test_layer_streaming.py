@@ -20,6 +20,7 @@ from lowvram.loader import QUANTIZABLE_LINEARS
 from lowvram.model_config import model_config_from_dict
 from lowvram.sampling import SamplingParams
 from lowvram.shapes import shape_config
+from lowvram.testing import finished_token_ids
 
 NUM_LAYERS = 4
 GROUP_SIZE = 32
@@ -70,11 +71,7 @@ def _greedy(engine, prompts):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", prompt_token_ids=ids, params=params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = finished_token_ids(engine)
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 

@@ -5,6 +5,7 @@ import torch
 
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
+from lowvram.testing import finished_token_ids
 
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox", "x"]
 NUM_DECODE_STEPS = 32
@@ -29,11 +30,7 @@ def _generate_batched(engine, prompts, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs[0].token_ids
+    final = finished_token_ids(engine)
     return [final[str(i)] for i in range(len(prompts))]
 
 

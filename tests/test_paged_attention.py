@@ -339,6 +339,15 @@ def test_decode_real_shapes_gpu(precision, num_heads, num_kv_heads, exact_fp32_m
         assert _report(label, out, expected) <= _gpu_tolerance(precision)
 
 
+def _prefill_error_gpu(case, num_new, num_heads, head_dim, generator, label):
+    """Largest relative difference of the prefill kernel from its reference on fp16 queries drawn
+    from `generator` for `num_new` new tokens per sequence (printed under `label`)."""
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(num_new), num_heads, head_dim, generator=generator).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, head_dim**-0.5)
+    return _report(label, paged_prefill_attention(q, *args), paged_prefill_attention_ref(q.float(), *args))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "int4"])
 def test_decode_32k_context_gpu(precision, exact_fp32_matmul):
@@ -357,13 +366,8 @@ def test_prefill_real_shapes_gpu(precision, num_heads, num_kv_heads, exact_fp32_
     num_new = [1, 100, 300, 2048, 37]  # seqs 2 and 4 continue after a cached prefix
     case = PagedCase(precision, torch.float16, 16, num_kv_heads, 128, context_lens, seed=24)
     generator = torch.Generator().manual_seed(25)
-    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(num_new), num_heads, 128, generator=generator).to(DEVICE, torch.float16)
-    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 128**-0.5)
-    out = paged_prefill_attention(q, *args)
-    expected = paged_prefill_attention_ref(q.float(), *args)
     label = f"prefill gpu {precision} H={num_heads} Hkv={num_kv_heads}"
-    assert _report(label, out, expected) <= _gpu_tolerance(precision)
+    assert _prefill_error_gpu(case, num_new, num_heads, 128, generator, label) <= _gpu_tolerance(precision)
 
 
 @pytest.mark.gpu
@@ -377,13 +381,8 @@ def test_pages_kept_in_fp16_real_shapes_gpu(precision, exact_fp32_matmul):
     out = paged_decode_attention(q, *args)
     expected = paged_decode_attention_ref(q.float(), *args)
     assert _report(f"decode gpu {precision} window", out, expected) <= _gpu_tolerance(precision)
-    num_new = [1000, 97, 17]
-    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(num_new), 12, 128, generator=generator).to(DEVICE, torch.float16)
-    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 128**-0.5)
-    out = paged_prefill_attention(q, *args)
-    expected = paged_prefill_attention_ref(q.float(), *args)
-    assert _report(f"prefill gpu {precision} window", out, expected) <= _gpu_tolerance(precision)
+    error = _prefill_error_gpu(case, [1000, 97, 17], 12, 128, generator, f"prefill gpu {precision} window")
+    assert error <= _gpu_tolerance(precision)
 
 
 @pytest.mark.gpu
@@ -399,10 +398,5 @@ def test_latent_attention_shape_gpu(precision, exact_fp32_matmul):
     out = paged_decode_attention(q, *args)
     expected = paged_decode_attention_ref(q.float(), *args)
     assert _report(f"decode gpu latent {precision}", out, expected) <= _gpu_tolerance(precision)
-    num_new = [1, 17, 300, 97]
-    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(num_new), 16, 576, generator=generator).to(DEVICE, torch.float16)
-    args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 576**-0.5)
-    out = paged_prefill_attention(q, *args)
-    expected = paged_prefill_attention_ref(q.float(), *args)
-    assert _report(f"prefill gpu latent {precision}", out, expected) <= _gpu_tolerance(precision)
+    error = _prefill_error_gpu(case, [1, 17, 300, 97], 16, 576, generator, f"prefill gpu latent {precision}")
+    assert error <= _gpu_tolerance(precision)

@@ -7,7 +7,6 @@ import time
 import httpx
 import pytest
 
-from lowvram.async_engine import AsyncLLMEngine
 from lowvram.engine import LLMEngine
 from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
@@ -19,13 +18,6 @@ MAX_BODY_BYTES = 16 * 1024
 @pytest.fixture(scope="module")
 def engine(tiny_qwen2_dir):
     return LLMEngine(str(tiny_qwen2_dir), "cpu", max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def async_engine(engine):
-    async_engine = AsyncLLMEngine(engine).start()
-    yield async_engine
-    async_engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,6 @@ def engine(tiny_qwen2_dir):
 
 
 @pytest.fixture(scope="module")
-def async_engine(engine):
-    async_engine = AsyncLLMEngine(engine).start()
-    yield async_engine
-    async_engine.stop()
-
-
-@pytest.fixture(scope="module")
 def base_url(async_engine, tiny_qwen2_dir):
     app = create_app(async_engine, model_name=tiny_qwen2_dir.name, default_max_tokens=16)
     with BackgroundServer(app, bind_socket("127.0.0.1", 0)) as server:
