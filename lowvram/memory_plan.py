@@ -686,7 +686,9 @@ def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_by
         raise OutOfMemoryError(
             f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
             f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
-            f"> budget {plan.budget_bytes / GIB:.2f} GiB. "
+            f"> budget {plan.budget_bytes / GIB:.2f} GiB"
+            + (f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
+               f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. " if host_blocks else ". ")
             + (f"Lower max_model_len (e.g. --max-model-len {fitting}), " if fitting else
                "Even the shortest context does not fit beside the weights and workspace: ")
             + "lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, "

@@ -401,7 +401,8 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
     assert host_blocks == 8 * GIB // (28_672 * 16) == 18_724
     plan = mp.plan_kv(config, profile, 3_554_176_000, 2, 16384, device_type="cuda", host_blocks=host_blocks)
     assert 0 < plan.num_blocks < 16384 // 16  # the device share; the rest of the sequence waits on the host
-    with pytest.raises(OutOfMemoryError):  # longer than device share and host spill together
+    # longer than the device share and the host spill together: the error names the spill
+    with pytest.raises(OutOfMemoryError, match=r"host_spill_gib 0\.1\) holds only \d+ tokens beyond it"):
         mp.plan_kv(config, profile.replace(host_spill_gib=0.1), 3_554_176_000, 2, 16384, device_type="cuda",
                    host_blocks=mp.host_kv_blocks(config, profile.replace(host_spill_gib=0.1), 2, "cuda"))
     # pinned and device pools read only device pages, and the CPU has no spill
