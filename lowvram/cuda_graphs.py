@@ -15,7 +15,12 @@ A graph fixes every shape and address it was captured with. So:
 - The KV pages' addresses are baked in. When the pool reallocates its pages (a precision
   change), every graph is dropped and recaptured on demand.
 - Graphs are captured lazily, the first time a bucket is needed, and share one memory
-  pool, so their activations take the space of one step, not one per graph.
+  pool, so their activations take the space of one step, not one per graph. Every graph
+  writes its logits into one static buffer sized for the largest batch.
+- Warm-up runs and captures go on one stream per device for the whole process: torch
+  keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for the life of
+  the process, so a fresh stream per capture held one more workspace per graph, and
+  dropped engines left theirs behind. memory_plan.decode_graph_bytes counts what stays.
 
 Anything a graph cannot hold (a prefill step, a batch larger than the largest bucket, a
 model that syncs with the host inside its forward pass) runs eagerly, and so does every
@@ -62,6 +67,16 @@ def _bucket(value: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every decode graph of this process warms up and is captured on."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
+
+
 def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
     """The device addresses a graph bakes in; a change means the graphs are stale."""
     return tuple(value.data_ptr() for pages in kv_pages for value in vars(pages).values()
@@ -91,7 +106,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_batch, max_width), dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # [max_batch, vocab] float32, made at the first capture
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
         self.signature: tuple[int, ...] = ()
@@ -120,17 +136,15 @@ class DecodeGraphs:
         num_seqs = len(input_ids)
         batch, width = key
         self._fill(input_ids, positions, slots, tables, context_lens, batch, width)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(key, kv_pages)
-            if entry is None:
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, kv_pages)
+            if graph is None:
                 return None
-        graph, logits = entry
         graph.replay()
         self.num_replays += 1
-        # Graphs share one memory pool, so another graph's replay may overwrite these logits:
-        # hand out a copy.
-        return logits[:num_seqs].clone()
+        # Every graph writes the same buffer, and the next replay overwrites it: hand out a copy.
+        return self.logits[:num_seqs].clone()
 
     def _check_pages(self, kv_pages: list[KVPages]) -> None:
         signature = pages_signature(kv_pages)
@@ -172,23 +186,27 @@ class DecodeGraphs:
         try:
             # One eager run first: it compiles the Triton kernels and lets the allocator settle,
             # neither of which may happen inside a capture.
-            stream = torch.cuda.Stream(self.device)
+            stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.forward(ids, pos, meta, kv_pages)
+                warm = self.forward(ids, pos, meta, kv_pages)
+                if self.logits is None:
+                    self.logits = torch.empty((self.batch_sizes[-1], warm.shape[-1]), dtype=warm.dtype,
+                                              device=self.device)
+                del warm
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the server's and the chat's other threads may call CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self.forward(ids, pos, meta, kv_pages)
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                self.logits[:batch].copy_(self.forward(ids, pos, meta, kv_pages))
         except Exception as exc:  # a capture failure costs speed, never the request
             self.failed.add(key)
             log.warning("decode graph for batch %d, %d pages could not be captured (%s); that bucket runs eagerly",
                         batch, width, exc)
             return None
         # The capture run wrote nothing real: its inputs are this step's, replayed next.
-        self.graphs[key] = (graph, logits)
+        self.graphs[key] = graph
         self.num_captures += 1
-        return self.graphs[key]
+        return graph

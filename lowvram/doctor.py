@@ -148,6 +148,7 @@ class MemoryPlan:
             "workspace": {"peak_bytes": self.workspace.peak_bytes, "peak_phase": self.workspace.peak_phase,
                           "phases": self.workspace.phases, "rope_bytes": self.workspace.rope_bytes,
                           "metadata_bytes": self.workspace.metadata_bytes, "num_tokens": self.workspace.num_tokens,
+                          "graph_bytes": self.workspace.graph_bytes,
                           "uses_kernels": self.workspace.uses_kernels},
             "cuda_context_bytes": self.cuda_context_bytes, "is_context_measured": self.is_context_measured,
             "allocator_overhead_bytes": self.allocator_overhead_bytes,
@@ -688,8 +689,9 @@ def render_plan(console, plan: MemoryPlan) -> None:
                   f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}")
     ws = plan.workspace
     path = "Triton attention" if ws.uses_kernels else "plain-torch attention"
+    graphs = f"; decode CUDA graphs {_size(ws.graph_bytes)}" if ws.graph_bytes else ""
     table.add_row(f"workspace (peak: {ws.peak_phase})", _size(ws.peak_bytes),
-                  f"{ws.num_tokens}-token step, {path}; RoPE tables {_size(ws.rope_bytes)}")
+                  f"{ws.num_tokens}-token step, {path}; RoPE tables {_size(ws.rope_bytes)}{graphs}")
     table.add_row("[bold]engine total[/bold]", f"[bold]{_size(plan.engine_need_bytes)}[/bold]",
                   f"engine budget {_size(plan.budget_bytes)}")
     if plan.device_type == "cuda":

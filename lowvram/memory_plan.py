@@ -477,6 +477,7 @@ class Workspace:
     num_seqs: int
     context_len: int
     uses_kernels: bool
+    graph_bytes: int = 0  # what the decode CUDA graphs keep allocated (decode_graph_bytes)
 
     @property
     def peak_phase(self) -> str:
@@ -484,7 +485,7 @@ class Workspace:
 
     @property
     def peak_bytes(self) -> int:
-        return self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes
+        return self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes
 
 
 def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, context_len: int, element_bytes: int,
@@ -547,16 +548,31 @@ def step_tokens(profile: Profile, max_model_len: int) -> int:
     return min(profile.max_num_batched_tokens, profile.max_num_seqs * max_model_len)
 
 
+def decode_graph_bytes(config: ModelConfig, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """What the decode CUDA graphs (lowvram.cuda_graphs) keep allocated between steps: the
+    static inputs and the float32 logits of the largest batch, which every graph writes,
+    and the cuBLAS workspace of the one stream graphs are captured on. The activations of
+    a captured step live in the graphs' own pool and are reused, so they are not counted."""
+    max_blocks = -(-max_model_len // block_size)
+    inputs = max_num_seqs * (3 * 8 + 4) + max_num_seqs * max_blocks * 4
+    return inputs + max_num_seqs * config.vocab_size * 4 + CUBLAS_WORKSPACE_BYTES
+
+
 def profile_workspace(config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int,
                       device_type: str, weights: WeightBytes | None = None) -> Workspace:
-    """The workspace the engine reserves for a profile: its largest possible step."""
+    """The workspace the engine reserves for a profile: its largest possible step, and the
+    decode graphs' buffers where the profile replays graphs (CUDA, dense models)."""
     num_tokens = step_tokens(profile, max_model_len)
     kernels = uses_attention_kernels(device_type, config.head_dim)
-    return step_workspace(
+    workspace = step_workspace(
         config, num_tokens=num_tokens, num_seqs=profile.max_num_seqs, context_len=max_model_len,
         element_bytes=element_bytes, uses_kernels=kernels, block_size=profile.kv_block_size,
         int4_scratch=int4_scratch_bytes(weights, num_tokens, kernels),
     )
+    if device_type == "cuda" and profile.enable_cuda_graphs and not _is_deepseek_v2(config):
+        workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len,
+                                                   profile.kv_block_size)
+    return workspace
 
 
 def activation_bytes(config: ModelConfig, profile: Profile, element_bytes: int, max_model_len: int | None = None,

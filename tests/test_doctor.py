@@ -283,14 +283,17 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
     assert plan.context_len == 16384 and plan.num_seqs == 1 and plan.kv_precision == "fp16"
     assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
     # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
-    assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4)
-    assert plan.engine_need_bytes == 3_554_176_000 + 137_416_704 + 469_762_048 == 4_161_354_752
+    # + the decode graphs: inputs, the float32 logits of one sequence, the capture stream's cuBLAS workspace
+    graphs = (28 + 1024 * 4) + 151_936 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    assert graphs == 35_214_876 == plan.workspace.graph_bytes
+    assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4) + graphs
+    assert plan.engine_need_bytes == 3_554_176_000 + 172_631_580 + 469_762_048 == 4_196_569_628
     assert plan.budget_bytes == int(4 * 0.9 * GIB) == 3_865_470_566
-    assert not plan.fits and plan.engine_margin_bytes == -295_884_186
-    # (3,865,470,566 - 3,554,176,000 - 133,219,856 workspace at 6208 tokens) // 28,672 = 6210 -> 6208 in pages
-    assert plan.max_context["fp16"] == 6208
-    # int8: 8,388,608 RoPE bytes at 16384 positions: (311,294,566 - 137,416,704 - 3,012 B) // 14,784 = 11761
-    assert plan.max_context["int8"] == 11760
+    assert not plan.fits and plan.engine_margin_bytes == -331_099_062
+    # (3,865,470,566 - 3,554,176,000 - 168,431,572 workspace at 4976 tokens) // 28,672 = 4982 -> 4976 in pages
+    assert plan.max_context["fp16"] == 4976
+    # int8: (311,294,566 - 172,628,076 workspace at 9376 tokens, RoPE tables for 16384) // 14,784 = 9379 -> 9376
+    assert plan.max_context["int8"] == 9376
 
 
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
@@ -299,9 +302,9 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
     # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
     # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
     assert plan.workspace.phases["mlp"] == 147_324_928
-    assert plan.workspace.peak_bytes == 147_324_928 + 8_388_608 + 53_248 == 155_766_784
-    assert plan.engine_need_bytes == 1_614_472_192 + 155_766_784 + 469_762_048
-    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_240_001_024
+    assert plan.workspace.peak_bytes == 147_324_928 + 8_388_608 + 53_248 + 35_214_876 == 190_981_660
+    assert plan.engine_need_bytes == 1_614_472_192 + 190_981_660 + 469_762_048
+    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_275_215_900
 
 
 def test_deepseek_coder_plan_by_hand():
@@ -309,13 +312,15 @@ def test_deepseek_coder_plan_by_hand():
                        context_len=4096, num_seqs=2, capacity=HUGE_CARD)
     assert plan.kv_bytes == 2 * 4096 * 196_608
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
-    assert plan.workspace.peak_bytes == 101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4
-    assert plan.engine_need_bytes == 2_692_943_872 + 103_860_224 + 1_610_612_736
+    # + the decode graphs: inputs, float32 logits of 2 sequences (vocab 32,256), the cuBLAS workspace
+    graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    assert plan.workspace.peak_bytes == 101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs
+    assert plan.engine_need_bytes == 2_692_943_872 + 138_723_384 + 1_610_612_736
     assert not plan.fits
     longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, load_profile("4gb"), device="cuda",
                           capacity=HUGE_CARD).max_context
-    # fp16: (3,865,470,566 - 2,692,943,872 - 105,956,684 workspace at 5424 tokens) // 196,608 = 5424
-    assert longest["fp16"] == 5424
+    # fp16: (3,865,470,566 - 2,692,943,872 - 140,690,012 workspace at 5248 tokens) // 196,608 = 5248
+    assert longest["fp16"] == 5248
     # int4: 16384 x 52,224 B of KV fits beside the weights: the model's whole window
     assert longest["int4"] == 16384
 
@@ -387,7 +392,7 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
         mp.plan_kv(config, load_profile("4gb"), 3_554_176_000, 2, 16384, device_type="cuda")
     message = str(info.value)
     assert "lowvram doctor --profile 4gb --context 16384" in message
-    assert "--max-model-len 6208" in message
+    assert "--max-model-len 4832" in message
     facts = parse_oom_message(f"lowvram: error: {message}")
     assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
 
