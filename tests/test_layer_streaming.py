@@ -233,3 +233,25 @@ def test_streamed_layers_match_resident_ones_on_cuda(checkpoints, kind, num_resi
     prompts = [_token_ids(resident, 7, seed=1), _token_ids(resident, 40, seed=2)]
     assert _greedy(streamed, prompts) == _greedy(resident, prompts)
     assert streamer.stats.num_missed_prefetches == 0 and streamer.stats.copied_bytes > 0
+
+
+# ---------------------------------------------------------------- preparing on the host
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-awq"])
+def test_place_on_device_moves_every_tensor_once_and_keeps_ties(checkpoints, kind):
+    from lowvram.fusion import fuse_projections
+    from lowvram.layer_streaming import place_on_device
+    from lowvram.loader import load_model
+
+    model, _ = load_model(checkpoints[kind], torch.device("cpu"), torch.float32)
+    assert fuse_projections(model) > 0
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for module in model.modules():  # no tensor outside the parameters and buffers, which nothing would move
+        loose = [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
+        assert not loose, f"{type(module).__name__} holds {loose} outside its parameters and buffers"
+    place_on_device(model, torch.device("meta"))
+    assert all(t.device.type == "meta" for t in model.parameters())
+    assert all(t.device.type == "meta" for t in model.buffers())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
