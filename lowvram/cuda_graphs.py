@@ -190,11 +190,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 warm = self.forward(ids, pos, meta, kv_pages)
-                if self.logits is None:
-                    self.logits = torch.empty((self.batch_sizes[-1], warm.shape[-1]), dtype=warm.dtype,
-                                              device=self.device)
+                vocab_size, dtype = warm.shape[-1], warm.dtype
                 del warm
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.logits is None:  # on the engine's stream, which reads it after every replay
+                self.logits = torch.empty((self.batch_sizes[-1], vocab_size), dtype=dtype, device=self.device)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
