@@ -167,6 +167,40 @@ def _splitk_sum_kernel(
 
 
 @triton.jit
+def awq_lane_columns(pid_n, BLOCK_N: tl.constexpr):
+    """Packed columns [C] of column block pid_n and the output column of each nibble [C, 8]:
+    nibble j of a word holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]."""
+    offs_c = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    lanes = tl.arange(0, 8)
+    return offs_c, offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :]
+
+
+@triton.jit
+def awq_load_lanes(
+    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
+    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    group = k_start // GROUP_SIZE
+    shifts = tl.arange(0, 8) * 4
+    weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+    if EVEN_N:
+        packed = tl.load(weight_ptrs)
+        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
+        scales = tl.load(scales_ptr + group * N + cols)
+    else:
+        mask_c = offs_c < num_packed_cols
+        packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
+        scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0)
+    zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
+    codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
+    return codes - zeros[None, :, :], scales.to(tl.float32)
+
+
+@triton.jit
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
     N, num_packed_cols, stride_xk, stride_os, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
@@ -176,10 +210,7 @@ def _awq_gemv_row_kernel(
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)  # packed columns
-    lanes = tl.arange(0, 8)  # nibble j of a word holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]
-    shifts = lanes * 4
-    cols = offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :]  # [C, 8]
+    offs_c, cols = awq_lane_columns(pid_n, BLOCK_N)  # packed columns [C], output columns [C, 8]
     mask_c = offs_c < num_packed_cols
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
@@ -189,21 +220,10 @@ def _awq_gemv_row_kernel(
         acc = tl.zeros((BLOCK_C, 8), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        group = k_start // GROUP_SIZE
-        weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
-        if EVEN_N:
-            packed = tl.load(weight_ptrs)
-            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
-            scales = tl.load(scales_ptr + group * N + cols).to(tl.float32)
-        else:
-            packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
-            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
-            scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0).to(tl.float32)
-        zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
-        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
-        centered = (codes - zeros[None, :, :]).to(tl.float32)
-        x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
+        centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
+                                          num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+        centered = centered.to(tl.float32)
+        x = tl.load(x_ptr + (k_start + tl.arange(0, BLOCK_K)) * stride_xk).to(tl.float32)
         if REDUCE_AT_END:
             acc3 += x[:, None, None] * (centered * scales[None, :, :])
         else:
@@ -228,13 +248,10 @@ def _awq_gemv_lanes_dot_kernel(
 ):
     # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
     # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
-    BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
-    lanes = tl.arange(0, 8)
-    shifts = lanes * 4
-    cols = tl.reshape(offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :], (BLOCK_N,))
+    offs_c, cols2 = awq_lane_columns(pid_n, BLOCK_N)
+    cols = tl.reshape(cols2, (BLOCK_N,))
     mask_cols = cols < N
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -243,24 +260,13 @@ def _awq_gemv_lanes_dot_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
+        centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols2, N,
+                                          num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        group = k_start // GROUP_SIZE
-        weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
-        if EVEN_N:
-            packed = tl.load(weight_ptrs)
-            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
-            scales = tl.load(scales_ptr + group * N + cols).to(tl.float32)
-        else:
-            mask_c = offs_c < num_packed_cols
-            packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
-            packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
-            scales = tl.load(scales_ptr + group * N + cols, mask=mask_cols, other=0.0).to(tl.float32)
-        zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
-        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
-        centered = tl.reshape(codes - zeros[None, :, :], (BLOCK_K, BLOCK_N))
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=mask_m[:, None], other=0.0)
-        acc += tl.dot(x, centered.to(x.dtype)) * scales[None, :]
+        centered = tl.reshape(centered, (BLOCK_K, BLOCK_N))
+        acc += tl.dot(x, centered.to(x.dtype)) * tl.reshape(scales, (BLOCK_N,))[None, :]
     out_offsets = offs_m[:, None] * stride_om + cols[None, :]
     out_mask = mask_m[:, None] & mask_cols[None, :]
     if IS_PARTIAL:
