@@ -238,7 +238,7 @@ def time_decode(engine, prompts: _Prompts, context_len: int, batch_size: int, ma
 def memory_summary(engine, cuda_context_bytes: int | None) -> dict:
     pool = engine.kv_pool
     summary = {"kv_pool_backend": pool.backend, "kv_pool_device_bytes": pool.device_bytes,
-               "budget_bytes": engine.kv_plan.budget_bytes, "weight_bytes": engine.model.weight_bytes,
+               "budget_bytes": engine.memory_budget_bytes, "weight_bytes": engine.model.weight_bytes,
                "cuda_context_bytes": cuda_context_bytes, "peak_device_bytes": None,
                "torch_max_allocated_bytes": None, "torch_max_reserved_bytes": None, "peak_with_context_bytes": None}
     if engine.device.type != "cuda":

@@ -96,13 +96,17 @@ class LLMEngine:
         self.dtype = pick_dtype(self.profile.dtype, self.device)
         apply_emulation(self.profile, self.device)
         self.model_dir = resolve_model_path(model)
+        # The budget is the process's: what it already holds on the device (an earlier engine's
+        # cuBLAS workspaces, the caller's tensors) leaves that much less for this one.
+        self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if is_deepseek_v2_checkpoint(self.model_dir):
             # MoE: routed experts leave the device through their own cache, sized from the profile.
-            self.model, self.config = load_model(self.model_dir, self.device, self.dtype, profile=self.profile)
+            self.model, self.config = load_model(self.model_dir, self.device, self.dtype, profile=self.profile,
+                                                 held_bytes=held)
         else:
             # Projections are fused before any weight offload, so the fused tensors are the ones that stream.
             self.model, self.config = load_model_for_profile(self.model_dir, self.profile, self.device, self.dtype,
-                                                             prepare=fuse_projections)
+                                                             prepare=fuse_projections, held_bytes=held)
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -113,12 +117,13 @@ class LLMEngine:
         host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
         plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
         self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
-                               host_blocks=host_blocks)
+                               host_blocks=host_blocks, held_bytes=held)
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
         self.kv_pool = create_kv_pool(self.config, self.profile, self.kv_plan.num_blocks, self.device, self.dtype,
                                       self.kv_precision, max_model_len=self.max_model_len)
         if host_blocks and not self.kv_pool.can_read_host:
-            plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir)  # the error, if it is one
+            plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
+                    held_bytes=held)  # the error, if it is one
         self.block_manager = BlockManager(self.kv_pool.num_blocks, self.kv_plan.block_size,
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
@@ -254,6 +259,12 @@ class LLMEngine:
         num_live = self.block_manager.num_used_blocks - num_blocks_on_host
         return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision) + self.kv_pool.window_bytes()
 
+    @property
+    def memory_budget_bytes(self) -> int:
+        """The process's budget the controller and reports compare with: this engine's plan
+        plus what the process held before it loaded (memory_in_use_bytes counts that too)."""
+        return self.kv_plan.budget_bytes + self.held_bytes
+
     def memory_in_use_bytes(self, num_blocks_on_host: int | None = None) -> int:
         """Device memory held now: everything but the KV pool as the allocator reports it,
         plus the pool's live resident pages (the controller watches memory_pressure_bytes)."""
@@ -300,7 +311,7 @@ class LLMEngine:
     def _control(self, token_latency_ms: float | None) -> None:
         on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
         in_use = self.memory_in_use_bytes(on_host)
-        obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.kv_plan.budget_bytes,
+        obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.memory_budget_bytes,
                           token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
                           kv_bytes_by_precision=self.kv_bytes_by_precision())
         self.controller_state, events = decide(self.controller_state, obs, self.profile.controller,
@@ -400,7 +411,7 @@ class LLMEngine:
         return EngineSnapshot(
             device=str(self.device),
             memory_used_bytes=int(used),
-            memory_budget_bytes=self.kv_plan.budget_bytes,
+            memory_budget_bytes=self.memory_budget_bytes,
             num_kv_blocks=self.block_manager.num_blocks,
             num_kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
             num_kv_blocks_on_host=self.runner.num_kv_blocks_on_host(),

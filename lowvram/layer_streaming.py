@@ -468,13 +468,15 @@ class LayerStreamer:
 
 def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torch.device | str,
                            dtype: torch.dtype | None = None, *,
-                           prepare: Callable[[nn.Module], object] | None = None) -> tuple[CausalLM, ModelConfig]:
+                           prepare: Callable[[nn.Module], object] | None = None,
+                           held_bytes: int = 0) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint for `profile`: straight onto the device (loader.load_model), or,
     when the profile's `weight_offload` calls for a split (memory_plan.plan_weight_offload),
     into host memory first and then split by a LayerStreamer sized from the real tensors.
 
     `prepare` runs on the loaded model before any split (fusing projections, say), so
-    the tensors it makes are the ones that stream. Raises OutOfMemoryError with the
+    the tensors it makes are the ones that stream. `held_bytes` is device memory the process
+    already holds (memory_plan.memory_budget_bytes). Raises OutOfMemoryError with the
     numbers when not even every layer streaming fits.
     """
     model_dir, device = Path(model_dir), torch.device(device)
@@ -486,7 +488,7 @@ def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torc
     if profile.weight_offload != "off":
         weights = weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir)
         predicted = plan_weight_offload(config, profile, weights, element_bytes, max_model_len,
-                                        device_type=device.type, raw_config=raw)
+                                        device_type=device.type, raw_config=raw, held_bytes=held_bytes)
     # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on
     # the device, the dropped ones would leave holes the allocator keeps (1.7 GiB for the 1.5B
     # shape in FP16), so on CUDA the model is prepared in host memory and placed after.

@@ -294,16 +294,17 @@ def weight_report(model: CausalLM) -> WeightReport:
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
-               profile: Profile | None = None) -> tuple[CausalLM, ModelConfig]:
+               profile: Profile | None = None, held_bytes: int = 0) -> tuple[CausalLM, ModelConfig]:
     """Build the model on the meta device and assign the checkpoint's tensors.
 
     Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
     DeepseekV2ForCausalLM checkpoints load through lowvram.model_deepseek_v2 and return a
-    DeepseekV2Config; on CUDA, `profile` sizes their device cache of routed experts.
+    DeepseekV2Config; on CUDA, `profile` sizes their device cache of routed experts (less
+    `held_bytes`, device memory the process already holds: memory_plan.memory_budget_bytes).
     """
     model_dir = Path(model_dir)
     if is_deepseek_v2_checkpoint(model_dir):
-        return _load_deepseek_v2(model_dir, read_raw_config(model_dir), device, dtype, profile)
+        return _load_deepseek_v2(model_dir, read_raw_config(model_dir), device, dtype, profile, held_bytes)
     config, _ = load_model_config(model_dir)
     files = weight_files(model_dir)
     dtype = _target_dtype(config, device, dtype)
@@ -333,7 +334,7 @@ def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
 
 
 def _load_deepseek_v2(model_dir: Path, raw: dict, device: torch.device, dtype: torch.dtype | None,
-                      profile: Profile | None) -> tuple[CausalLM, ModelConfig]:
+                      profile: Profile | None, held_bytes: int) -> tuple[CausalLM, ModelConfig]:
     # Experts move only between host and a GPU: on the CPU they all stay where they are.
     config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
     dtype = _target_dtype(config, device, dtype)
@@ -341,7 +342,8 @@ def _load_deepseek_v2(model_dir: Path, raw: dict, device: torch.device, dtype: t
     if profile is not None and device.type == "cuda" and config.num_routed_experts:
         max_model_len = min(profile.max_model_len, config.max_position_embeddings)
         max_cached_experts = plan_expert_cache(config, profile, torch.finfo(dtype).bits // 8, max_model_len,
-                                               device_type=device.type, raw_config=raw, model_dir=model_dir)
+                                               device_type=device.type, raw_config=raw, model_dir=model_dir,
+                                               held_bytes=held_bytes)
     model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
     kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
     cached = model.num_cached_experts

@@ -585,13 +585,15 @@ def activation_bytes(config: ModelConfig, profile: Profile, element_bytes: int, 
 # ---------------------------------------------------------------- the pool
 
 
-def memory_budget_bytes(profile: Profile) -> int:
+def memory_budget_bytes(profile: Profile, held_bytes: int = 0) -> int:
     """What weights, KV and workspace may use together: the profile's budget times
-    its utilisation, capped by an emulated card."""
+    its utilisation, capped by an emulated card, less `held_bytes` that this process
+    already holds on the device before the engine loads (another engine's leftovers,
+    the caller's own tensors): the budget is the process's, not one engine's."""
     budget = profile.memory_budget_bytes
     if profile.emulate_vram_gib is not None:
         budget = min(budget, int(profile.emulate_vram_gib * profile.memory_utilization * GIB))
-    return budget
+    return budget - held_bytes
 
 
 @dataclass
@@ -631,7 +633,7 @@ def read_raw_config(model_dir: str | Path | None) -> dict | None:
 
 
 def size_kv_pool(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int, max_model_len: int, *,
-                 device_type: str = "cuda", raw_config: dict | None = None) -> KVPlan:
+                 device_type: str = "cuda", raw_config: dict | None = None, held_bytes: int = 0) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace, never more
     than max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
     precision = kv_precision_for(profile)
@@ -639,7 +641,7 @@ def size_kv_pool(config: ModelConfig, profile: Profile, weight_bytes: int, eleme
     workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, weights)
     per_token = kv_bytes_per_token(config, precision, element_bytes)
     block_size = profile.kv_block_size
-    budget = memory_budget_bytes(profile)
+    budget = memory_budget_bytes(profile, held_bytes)
     free = budget - weight_bytes - workspace.peak_bytes
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, min(free // (per_token * block_size), profile.max_num_seqs * blocks_per_seq))
@@ -648,7 +650,8 @@ def size_kv_pool(config: ModelConfig, profile: Profile, weight_bytes: int, eleme
 
 
 def largest_fitting_context(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int,
-                            max_len: int, *, device_type: str = "cuda", raw_config: dict | None = None) -> int:
+                            max_len: int, *, device_type: str = "cuda", raw_config: dict | None = None,
+                            held_bytes: int = 0) -> int:
     """The longest max_model_len (whole pages, at most `max_len`) for which the pool
     holds one full-length sequence; 0 if none does."""
     block_size = profile.kv_block_size
@@ -657,7 +660,7 @@ def largest_fitting_context(config: ModelConfig, profile: Profile, weight_bytes:
         length = num_blocks * block_size
         changed = profile.replace(max_model_len=max(16, length))
         pool = size_kv_pool(config, changed, weight_bytes, element_bytes, length, device_type=device_type,
-                            raw_config=raw_config)
+                            raw_config=raw_config, held_bytes=held_bytes)
         return pool.num_blocks >= num_blocks
 
     low, high = 0, max(1, max_len // block_size)
@@ -680,7 +683,8 @@ def host_kv_blocks(config: ModelConfig, profile: Profile, element_bytes: int, de
 
 
 def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int, max_model_len: int, *,
-            device_type: str = "cuda", model_dir: str | Path | None = None, host_blocks: int = 0) -> KVPlan:
+            device_type: str = "cuda", model_dir: str | Path | None = None, host_blocks: int = 0,
+            held_bytes: int = 0) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace.
 
     Never more than max_num_seqs full-length sequences need; never fewer than one
@@ -688,21 +692,23 @@ def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_by
     `host_blocks` pages the pool can keep in host memory beyond its device share
     (host_kv_blocks: a unified-memory pool). `device_type` decides which attention path
     the workspace is counted for; `model_dir` lets INT4 dequantization scratch be counted
-    from config.json.
+    from config.json; `held_bytes` is device memory the process held before loading
+    (memory_budget_bytes).
     """
     raw_config = read_raw_config(model_dir)
     plan = size_kv_pool(config, profile, weight_bytes, element_bytes, max_model_len, device_type=device_type,
-                        raw_config=raw_config)
+                        raw_config=raw_config, held_bytes=held_bytes)
     blocks_per_seq = -(-max_model_len // plan.block_size)
     if plan.num_blocks + host_blocks < blocks_per_seq:
         kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
         need = weight_bytes + plan.activation_bytes + kv
         fitting = largest_fitting_context(config, profile, weight_bytes, element_bytes, max_model_len - 1,
-                                          device_type=device_type, raw_config=raw_config)
+                                          device_type=device_type, raw_config=raw_config, held_bytes=held_bytes)
         raise OutOfMemoryError(
             f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
             f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
             f"> budget {plan.budget_bytes / GIB:.2f} GiB"
+            + (f" (after {held_bytes / GIB:.2f} GiB this process already held)" if held_bytes else "")
             + (f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
                f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. " if host_blocks else ". ")
             + (f"Lower max_model_len (e.g. --max-model-len {fitting}), " if fitting else
@@ -857,7 +863,7 @@ def plan_offload(layer_bytes: list[int], staged_bytes: list[int], *, fixed_bytes
 
 def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBytes, element_bytes: int,
                         max_model_len: int, *, device_type: str = "cuda", raw_config: dict | None = None,
-                        num_seqs: int = 1) -> OffloadPlan | None:
+                        num_seqs: int = 1, held_bytes: int = 0) -> OffloadPlan | None:
     """The split the engine makes under the profile's `weight_offload`, from config.json's
     sizes (`weights`); None when every weight stays on the device.
 
@@ -874,7 +880,7 @@ def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBy
     if mode == "off" or (mode == "auto" and device_type != "cuda") or _is_deepseek_v2(config):
         return None
     pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type=device_type,
-                        raw_config=raw_config)
+                        raw_config=raw_config, held_bytes=held_bytes)
     one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
     if mode == "auto" and weights.all_bytes + pool.activation_bytes + one_page_each <= pool.budget_bytes:
         return None
@@ -900,7 +906,8 @@ MIN_CACHED_EXPERTS = 2
 
 
 def plan_expert_cache(config, profile: Profile, element_bytes: int, max_model_len: int, *, device_type: str = "cuda",
-                      raw_config: dict | None = None, model_dir: str | Path | None = None) -> int:
+                      raw_config: dict | None = None, model_dir: str | Path | None = None,
+                      held_bytes: int = 0) -> int:
     """Routed experts per MoE layer to keep on the device (DeepSeek-V2; lowvram.expert_offload):
     all of them when they fit, else as many as fit beside the other weights, the
     workspace and the KV of one full-length sequence (the least plan_kv accepts; pages
@@ -911,6 +918,6 @@ def plan_expert_cache(config, profile: Profile, element_bytes: int, max_model_le
     weights = weight_bytes_by_kind(config, raw_config, element_bytes, model_dir=model_dir, max_cached_experts=0)
     workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, weights).peak_bytes
     kv = kv_pool_bytes(config, max_model_len, profile.kv_block_size, kv_precision_for(profile), element_bytes)
-    room = memory_budget_bytes(profile) - weights.total_bytes - workspace - kv
+    room = memory_budget_bytes(profile, held_bytes) - weights.total_bytes - workspace - kv
     per_layer = room // (routed_expert_bytes(config, raw_config, element_bytes) * config.num_moe_layers)
     return int(max(MIN_CACHED_EXPERTS, min(config.num_routed_experts, per_layer)))

@@ -225,7 +225,7 @@ def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -
         "num_streamed_layers": plan.num_streamed_layers, "is_embedding_on_host": streamer.has_host_embedding,
         "staging_bytes": plan.staging_bytes, "device_weight_bytes": plan.device_weight_bytes,
         "kv_pool_tokens": engine.kv_plan.max_tokens, "kv_backend": engine.kv_pool.backend,
-        "max_model_len": engine.max_model_len, "budget_bytes": engine.kv_plan.budget_bytes,
+        "max_model_len": engine.max_model_len, "budget_bytes": engine.memory_budget_bytes,
         "prompt_tokens": stats.num_prefill_tokens, "decode_tokens": stats.num_decode_tokens,
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),

@@ -226,7 +226,7 @@ def bench(args) -> dict:
         "device": torch.cuda.get_device_name(engine.device) if is_cuda else "cpu",
         "torch": torch.__version__,
         "profile": engine.profile.name, "emulate_vram_gib": engine.profile.emulate_vram_gib,
-        "budget_bytes": engine.kv_plan.budget_bytes,
+        "budget_bytes": engine.memory_budget_bytes,
         "load_s": load_s,
         "num_params": config.num_params(),
         "weight_bytes_on_device": model.weight_bytes,

@@ -170,7 +170,7 @@ class Meter:
         allocated = torch.cuda.memory_allocated() if self.is_cuda else 0
         peak_allocated = torch.cuda.max_memory_allocated() if self.is_cuda else 0
         peak_total = peak_allocated + (self.peak_pool_bytes if outside_torch else 0)
-        budget = self.engine.kv_plan.budget_bytes
+        budget = self.engine.memory_budget_bytes
         row = {
             "pool_device_bytes": pool.device_bytes, "pool_host_bytes": pool.host_bytes,
             "num_live_blocks_on_host": self.engine.runner.num_kv_blocks_on_host(), "torch_allocated_bytes": allocated,
@@ -281,7 +281,7 @@ def run(name: str, model_dir: str, args: argparse.Namespace, contexts: list[int]
     pool = engine.kv_pool
     result.update(pool_backend=pool.backend, num_pool_blocks=pool.num_blocks, block_size=pool.block_size,
                   device_share_tokens=getattr(pool, "max_device_blocks", pool.num_blocks) * pool.block_size,
-                  budget_bytes=engine.kv_plan.budget_bytes, model_weight_bytes=engine.model.weight_bytes)
+                  budget_bytes=engine.memory_budget_bytes, model_weight_bytes=engine.model.weight_bytes)
     if pool.max_blocks_per_step is not None:  # pinned: a step's pages must all be on the device
         limit = pool.max_blocks_per_step * pool.block_size
         for context in [c for c in wanted if c + DECODE_MARGIN_TOKENS > limit]:

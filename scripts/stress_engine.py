@@ -197,7 +197,7 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
     events = [json.loads(line) for line in timeline.read_text().splitlines() if '"type": "event"' in line] \
         if timeline.is_file() else []
     ordered = sorted(latencies_ms) or [0.0]
-    budget = engine.kv_plan.budget_bytes
+    budget = engine.memory_budget_bytes
     result = {
         "mode": mode, "controller": "off" if mode == "off" else "on",
         "num_requests": len(requests), "num_completed": len(outputs), "num_refused": len(refused),

@@ -396,6 +396,20 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
     facts = parse_oom_message(f"lowvram: error: {message}")
     assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
 
+def test_memory_the_process_already_holds_comes_out_of_the_pool():
+    # A second engine in one process (or a caller's own tensors) must not plan the whole budget again.
+    config, profile = _config(R1_DISTILL_QWEN_1_5B), load_profile("4gb").replace(max_model_len=4096)
+    alone = mp.plan_kv(config, profile, 3_000_000_000, 2, 4096, device_type="cuda")
+    assert alone.num_blocks < 8 * 4096 // 16  # the budget binds, not max_num_seqs
+    held = 64 * 2**20
+    shared = mp.plan_kv(config, profile, 3_000_000_000, 2, 4096, device_type="cuda", held_bytes=held)
+    assert shared.budget_bytes == alone.budget_bytes - held
+    block_bytes = 16 * 28_672
+    assert alone.num_blocks - shared.num_blocks in (held // block_bytes, held // block_bytes + 1)
+    with pytest.raises(OutOfMemoryError, match=r"after 3\.00 GiB this process already held"):
+        mp.plan_kv(config, profile, 3_000_000_000, 2, 4096, device_type="cuda", held_bytes=3 * GIB)
+
+
 
 def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share():
     config, profile = _config(R1_DISTILL_QWEN_1_5B), load_profile("4gb")
