@@ -73,6 +73,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def used_block_ids(self) -> set[int]:
+        """Pages some sequence holds (ref count > 0): the union of the tables, so a step
+        touches the live pages only, not every page of the pool."""
+        return {block for table in self.tables.values() for block in table}
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

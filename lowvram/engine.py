@@ -23,7 +23,7 @@ from lowvram.memory_plan import host_kv_blocks, plan_kv
 from lowvram.fusion import fuse_projections
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from lowvram.sampling import SamplingParams, sample_token
+from lowvram.sampling import SamplingParams, sample_tokens
 from lowvram.scheduler import ScheduledBatch, Scheduler
 from lowvram.sequence import Sequence
 from lowvram.tokenizer import Detokenizer, Tokenizer
@@ -225,13 +225,15 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             self._recover_from_oom(batch, exc)
             return []
-        outputs = []
+        rows, sampled = [], []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += num_new
             self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
-                token = sample_token(logits[row], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
-                outputs.append(self._append_token(seq, token))
+                rows.append(row)
+                sampled.append(seq)
+        tokens = sample_tokens(logits, rows, sampled)
+        outputs = [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
         elapsed = time.perf_counter() - start
         self.stats.num_steps += 1
         if batch.is_prefill:

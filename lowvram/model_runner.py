@@ -193,5 +193,4 @@ class ModelRunner:
         """Pages in use whose data lives on the host."""
         if not self.kv_pool.can_spill:
             return 0
-        counts = self.block_manager.ref_counts
-        return self.kv_pool.num_blocks_on_host(b for b in range(len(counts)) if counts[b] > 0)
+        return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())

@@ -117,3 +117,32 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list) -> list[int]:
+    """Next token of each sequence (`params`, `generator`, `prompt_token_ids`,
+    `output_token_ids`) from its row of FP32 logits [S, V].
+
+    Plain greedy rows (no penalties) take one argmax together and one copy to the host:
+    each `int()` of a row waits for the GPU, which at batch 8 cost more than the decode
+    step's own host work. Ties go to the lowest token id either way, so the tokens are
+    the ones `sample_token` picks row by row.
+    """
+    plain = [i for i, seq in enumerate(seqs) if seq.params.is_greedy and not has_penalties(seq.params)]
+    tokens = [0] * len(seqs)
+    if plain:
+        picked_rows = [rows[i] for i in plain]
+        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
+        for i, token in zip(plain, torch.argmax(picked, dim=-1).tolist()):
+            tokens[i] = token
+    plain_set = set(plain)
+    for i, seq in enumerate(seqs):
+        if i not in plain_set:
+            tokens[i] = sample_token(logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids,
+                                     seq.output_token_ids)
+    return tokens
+

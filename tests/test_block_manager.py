@@ -51,6 +51,10 @@ def test_full_pages_are_shared_by_prefix_with_ref_counts():
     assert [bm.ref_counts[b] for b in (0, 1, 2)] == [2, 2, 1]
     bm.allocate(2, 11)
     assert bm.block_table(2) == [0, 1, 3]
+    # The live pages a step counts are exactly those with a holder.
+    assert bm.used_block_ids() == {0, 1, 2, 3} == {b for b, n in enumerate(bm.ref_counts) if n > 0}
+    bm.free(1)
+    assert bm.used_block_ids() == {0, 1, 3} == {b for b, n in enumerate(bm.ref_counts) if n > 0}
 
 
 def test_a_prefix_must_match_from_the_start_and_leave_one_token():

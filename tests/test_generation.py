@@ -115,6 +115,29 @@ def test_filters_keep_the_right_tokens():
     assert keep(SamplingParams(min_p=0.4)) == [True, True, False, False]
 
 
+def test_a_batch_samples_the_tokens_each_row_would_alone():
+    from types import SimpleNamespace
+
+    from lowvram.sampling import sample_token, sample_tokens
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    logits[4, 7] = logits[4, 9] = logits[4].max() + 1  # a tie: the lower id wins in both paths
+    prompt, output = [1, 2, 3], [4, 5]
+
+    def seq(**params):
+        return SimpleNamespace(params=SamplingParams(**params), prompt_token_ids=prompt, output_token_ids=output,
+                               generator=torch.Generator().manual_seed(11))
+
+    # Row 1 is a chunked prefill that samples nothing; greedy rows with and without a penalty, a random one.
+    seqs = [seq(temperature=0), seq(temperature=0, repetition_penalty=1.3), seq(temperature=0.8), seq(temperature=0)]
+    rows = [0, 2, 3, 4]
+    alone = [sample_token(logits[r], s.params, torch.Generator().manual_seed(11), prompt, output)
+             for r, s in zip(rows, seqs)]
+    assert sample_tokens(logits, rows, seqs) == alone
+    assert alone[3] == 7
+    assert sample_tokens(logits[:1], [0], seqs[:1]) == [int(torch.argmax(logits[0]))]
+
+
 def test_tokenizer_follows_tokenizer_json_exactly():
     """The ids must be those of the pipeline the model was trained with (tokenizer.json)."""
     from tokenizers import Tokenizer as RawTokenizer
