@@ -2,9 +2,13 @@
 
 Decode reads every weight once per token, so the kernel is built to spread the weight bytes
 over all SMs: each program owns BLOCK_N output columns and a contiguous range of K blocks
-(split-K). With more than one split, programs write float32 partial sums to a workspace
-[SPLIT_K, M, N] and a second small kernel adds them up, adds the bias and casts. Two passes
-keep the result deterministic (atomics would not) and cost one extra launch.
+(split-K). With more than one split, each program writes its float32 partial sums to a
+workspace [SPLIT_K, M, N] and counts itself in on an int32 counter of its column block; the
+last to arrive adds up every split's partial in split order 0..SPLIT_K-1, adds the bias and
+casts (`awq_gemv_store`). Summing in a fixed order keeps the result the same from run to run
+whichever program arrives last (float atomics on the output would not), and a decode step
+pays one launch per projection: a separate summing kernel added 112 launches per token to a
+28-layer model, whose gaps took about a tenth of a CUDA-graph step on an H200.
 
 Each K block lies inside one quantization group (BLOCK_K divides the group size), so one
 scale and zero row serves the whole tile and the scale can be applied after the reduction:
@@ -31,6 +35,16 @@ import triton
 import triton.language as tl
 
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
+MIN_SPLIT_COUNTERS = 4096  # 262,144 outputs in 64-column blocks: grown only for wider layers
+
+# One int32 arrival counter per column block, per device. They are zero between launches (the
+# last program of a column block resets its own), so one buffer serves every decode GEMV and
+# every replay of a CUDA graph. That assumes one GEMV in flight per device at a time: the
+# engine runs its decode steps, eager or replayed, on one stream at a time; two GEMVs running
+# at once on different streams would count into the same slots and sum each other's partials.
+_split_counters: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: graphs captured with them still point at them.
+_replaced_split_counters: list[torch.Tensor] = []
 
 
 @triton.jit
@@ -89,9 +103,49 @@ def awq_load_block(
 
 
 @triton.jit
+def awq_store_output(acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_BIAS: tl.constexpr):
+    """y[rows, cols] = acc + bias[cols] under mask, cast to y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def awq_gemv_store(
+    acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N,
+    HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+):
+    """Finish a decode program: acc holds its float32 sums for output rows/cols (which
+    broadcast to acc's shape), valid under mask. With one split it writes y. With several it
+    writes its partial, and the last program of its column block to arrive writes y from all
+    of them.
+
+    Ordering: the CTA barrier puts every thread's partial stores before the count, whose
+    release (acq_rel, GPU scope) publishes them; the acquire of the last count makes every
+    split's partial visible to the last program, which reads them from L2 (".cg": L1 is not
+    coherent across SMs). The last program resets the counter for the next launch or replay.
+    """
+    if IS_PARTIAL:
+        # partials: [SPLIT_K, M, N] float32
+        partial_ptrs = partial_ptr + rows * N + cols
+        tl.store(partial_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        num_splits = tl.num_programs(1)
+        counter = counter_ptr + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for split in range(num_splits):  # fixed order: the sum does not depend on who came last
+                total += tl.load(partial_ptrs + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            awq_store_output(total, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_BIAS)
+            tl.store(counter, 0)
+    else:
+        awq_store_output(acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_BIAS)
+
+
+@triton.jit
 def _awq_gemv_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
-    M, N, K, num_packed_cols, stride_xm, stride_xk, stride_om, stride_os,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    M, N, K, num_packed_cols, stride_xm, stride_xk, stride_ym,
     K_BLOCKS_PER_SPLIT,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -131,39 +185,11 @@ def _awq_gemv_kernel(
             acc += partial * scales[None, :]
 
     if BLOCK_M == 1:
-        out_offsets = offs_n
-        out_mask = mask_n
+        awq_gemv_store(acc, 0, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr,
+                       M, N, HAS_BIAS, IS_PARTIAL)
     else:
-        out_offsets = offs_m[:, None] * stride_om + offs_n[None, :]
-        out_mask = mask_m[:, None] & mask_n[None, :]
-
-    if IS_PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + out_offsets, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            if BLOCK_M == 1:
-                acc += bias
-            else:
-                acc += bias[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _splitk_sum_kernel(
-    partial_ptr, bias_ptr, y_ptr, M, N, stride_ym, num_splits,
-    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(0, num_splits):
-        acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
-    cols = offs % N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rows = offs // N
-    tl.store(y_ptr + rows * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        awq_gemv_store(acc, offs_m[:, None], offs_n[None, :], mask_m[:, None] & mask_n[None, :],
+                       y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
 
 
 @triton.jit
@@ -202,8 +228,8 @@ def awq_load_lanes(
 
 @triton.jit
 def _awq_gemv_row_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
-    N, num_packed_cols, stride_xk, stride_os, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    N, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
 ):
@@ -230,19 +256,14 @@ def _awq_gemv_row_kernel(
             acc += tl.sum(x[:, None, None] * centered, axis=0) * scales
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
-    mask = mask_c[:, None]
-    if IS_PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + cols, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    awq_gemv_store(acc, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
+                   HAS_BIAS, IS_PARTIAL)
 
 
 @triton.jit
 def _awq_gemv_lanes_dot_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr,
-    M, N, num_packed_cols, stride_xm, stride_xk, stride_om, stride_os, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    M, N, num_packed_cols, stride_xm, stride_xk, stride_ym, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
 ):
@@ -267,14 +288,8 @@ def _awq_gemv_lanes_dot_kernel(
                     mask=mask_m[:, None], other=0.0)
         centered = tl.reshape(centered, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, centered.to(x.dtype)) * tl.reshape(scales, (BLOCK_N,))[None, :]
-    out_offsets = offs_m[:, None] * stride_om + cols[None, :]
-    out_mask = mask_m[:, None] & mask_cols[None, :]
-    if IS_PARTIAL:
-        tl.store(out_ptr + pid_k * stride_os + out_offsets, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=mask_cols, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    awq_gemv_store(acc, offs_m[:, None], cols[None, :], mask_m[:, None] & mask_cols[None, :], y_ptr, stride_ym,
+                   bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
 
 
 def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
@@ -301,6 +316,28 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
 
 
+def split_counters(device: torch.device, num_column_blocks: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters of `device`, at least `num_column_blocks` of them.
+
+    Made (or grown) outside CUDA-graph capture only: a buffer made during a capture would live
+    in the graph's private pool. The engine's eager warm-up before each capture makes it.
+    """
+    counters = _split_counters.get(device)
+    if counters is not None and counters.numel() >= num_column_blocks:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"the decode GEMV needs {num_column_blocks} split-K counters on {device} but has "
+            f"{0 if counters is None else counters.numel()}, and they cannot be made during CUDA-graph "
+            f"capture; run the step once eagerly before capturing it")
+    if counters is not None:
+        _replaced_split_counters.append(counters)
+    size = max(MIN_SPLIT_COUNTERS, triton.next_power_of_2(num_column_blocks))
+    counters = torch.zeros(size, dtype=torch.int32, device=device)
+    _split_counters[device] = counters
+    return counters
+
+
 def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
@@ -321,26 +358,27 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
     block_m = 1 if num_rows == 1 else DOT_MIN_M
     is_partial = split_k > 1
     has_bias = bias is not None
+    num_column_blocks = triton.cdiv(num_outputs, block_n)
     if is_partial:
-        # partials: [SPLIT_K, M, N] float32
-        out = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
-        stride_om, stride_os = num_outputs, num_rows * num_outputs
+        # partials: [SPLIT_K, M, N] float32, from the graph pool under capture
+        partials = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
+        counters = split_counters(y.device, num_column_blocks)
     else:
-        out = y
-        stride_om, stride_os = y.stride(0), 0
-    grid = (triton.cdiv(num_outputs, block_n), split_k)
+        partials = counters = y  # not read
+    outputs = (bias if has_bias else scales, y, partials, counters)
+    grid = (num_column_blocks, split_k)
     if num_rows == 1 and config.get("unpack") == "lanes":
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, bias if has_bias else scales, out,
-            num_outputs, num_outputs // 8, x.stride(1), stride_os, k_blocks_per_split, num_k_blocks,
+            x, qweight, qzeros, scales, *outputs,
+            num_outputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             num_warps=config["num_warps"],
         )
     elif config.get("unpack") == "lanes":
         _awq_gemv_lanes_dot_kernel[grid](
-            x, qweight, qzeros, scales, bias if has_bias else scales, out,
-            num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), stride_om, stride_os,
+            x, qweight, qzeros, scales, *outputs,
+            num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
             k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
@@ -348,17 +386,11 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
         )
     else:
         _awq_gemv_kernel[grid](
-            x, qweight, qzeros, scales, bias if has_bias else scales, out,
-            num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1),
-            stride_om, stride_os, k_blocks_per_split,
+            x, qweight, qzeros, scales, *outputs,
+            num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
+            k_blocks_per_split,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
             num_warps=config["num_warps"],
-        )
-    if is_partial:
-        block = 256
-        _splitk_sum_kernel[(triton.cdiv(num_rows * num_outputs, block),)](
-            out, bias if has_bias else out, y, num_rows, num_outputs, y.stride(0), split_k,
-            BLOCK=block, HAS_BIAS=has_bias, num_warps=4,
         )
     return y

@@ -85,6 +85,89 @@ def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
         assert error <= SMALL_TOLERANCE
 
 
+def split_partials(x, qweight, qzeros, scales, group_size, config):
+    """The float32 partial sum of each K split of `config`, one split-free launch per K range."""
+    num_inputs = x.shape[1]
+    num_k_blocks = num_inputs // config["block_k"]
+    split_inputs = -(-num_k_blocks // config["split_k"]) * config["block_k"]
+    assert split_inputs % group_size == 0, "each split must start on a group"
+    partials = []
+    for start in range(0, num_inputs, split_inputs):
+        end = min(start + split_inputs, num_inputs)
+        groups = slice(start // group_size, end // group_size)
+        partial = torch.empty((x.shape[0], qweight.shape[1] * 8), dtype=torch.float32, device=x.device)
+        w4a16.w4a16_gemv.launch_awq_gemv(x[:, start:end], qweight[start:end], qzeros[groups], scales[groups],
+                                         group_size, None, partial, config | {"split_k": 1})
+        partials.append(partial)
+    return partials
+
+
+@needs_triton
+@pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 3, 8])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
+    # The split programs reduce themselves: whichever arrives last, y must be exactly
+    # (((0 + p_0) + p_1) + ... + p_{S-1}) + bias in float32, as the separate summing kernel
+    # computed it. A float32 y keeps every bit of that sum (float16 would round most changes of
+    # order away). 8 K blocks in 3 splits leaves a short last split; N = 200 a partial column block.
+    group_size = 32
+    qweight, qzeros, scales, bias = random_awq(256, 200, group_size, seed=30 + split_k)
+    x = random_x(num_rows, 256, seed=31)
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, **form}
+    partials = split_partials(x, qweight, qzeros, scales, group_size, config)
+    assert len(partials) == split_k
+    for layer_bias in (None, bias):
+        expected = torch.zeros_like(partials[0])
+        for partial in partials:
+            expected += partial
+        if layer_bias is not None:
+            expected += layer_bias.float()
+        outputs = []
+        for _ in range(3):  # the counters must be back at zero for every launch
+            y = torch.full((num_rows, 200), float("nan"), dtype=torch.float32, device=DEVICE)
+            w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, layer_bias, y, config)
+            outputs.append(y)
+        error = relative_error(outputs[0], awq_linear_ref(x, qweight, qzeros, scales, group_size, layer_bias))
+        largest = (outputs[0] - expected).abs().max().item()
+        print(f"split_k={split_k} M={num_rows} {form} bias={layer_bias is not None}: rel err {error:.2e}, "
+              f"largest difference from the ordered split sum {largest:.2e}")
+        assert error <= SMALL_TOLERANCE
+        assert torch.equal(outputs[0], expected)
+        assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
+    if split_k > 1:
+        assert not w4a16.w4a16_gemv._split_counters[y.device].any()
+
+
+@needs_triton
+def test_split_counters_grow_for_wider_layers(monkeypatch):
+    gemv = w4a16.w4a16_gemv
+    monkeypatch.setattr(gemv, "_split_counters", {})
+    monkeypatch.setattr(gemv, "_replaced_split_counters", [])
+    monkeypatch.setattr(gemv, "MIN_SPLIT_COUNTERS", 2)
+    config = {"block_n": 64, "block_k": 32, "split_k": 4, "num_warps": 4}
+    for num_outputs in (128, 512):  # 2 column blocks, then 8
+        qweight, qzeros, scales, bias = random_awq(128, num_outputs, 32, seed=num_outputs)
+        x = random_x(1, 128, seed=33)
+        y = torch.full((1, num_outputs), float("nan"), dtype=torch.float16, device=DEVICE)
+        gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config)
+        assert relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias)) <= SMALL_TOLERANCE
+    counters = gemv._split_counters[y.device]
+    assert counters.numel() == 8 and not counters.any()
+    # graphs captured with the smaller buffer still point at it
+    assert [c.numel() for c in gemv._replaced_split_counters] == [2]
+
+
+def test_split_counters_are_not_made_during_graph_capture(monkeypatch):
+    gemv = w4a16.w4a16_gemv
+    if gemv is None:
+        pytest.skip("triton is unavailable")
+    monkeypatch.setattr(gemv, "_split_counters", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be made during CUDA-graph capture"):
+        gemv.split_counters(torch.device("cuda", 0), 24)
+
+
 @needs_triton
 def test_prefill_kernel_row_and_column_tails():
     qweight, qzeros, scales, bias = random_awq(128, 200, 32, seed=3)
@@ -272,3 +355,50 @@ def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
         error = relative_error(y, ref)
         print(f"K={num_inputs} N={num_outputs} {config}: rel err {error:.2e}")
         assert error <= GPU_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 8])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("shape", [(8960, 1536), (1536, 8960)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
+    # Inside a decode graph the last-arriving program sums the splits; many waves of programs
+    # make the arrival order vary between replays. A partial read before it was visible (a
+    # memory-ordering fault) or a counter not reset would show as a replay that differs from
+    # the eager result of the same input; float32 outputs keep even a change of summing order.
+    num_inputs, num_outputs = shape
+    qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 5)
+    xs = [random_x(num_rows, num_inputs, seed=40 + i) for i in range(3)]
+    config = {"block_n": 64, "block_k": 128, "split_k": 12, "num_warps": 4, **form}
+    eager = []
+    for x in xs:
+        y = torch.empty((num_rows, num_outputs), dtype=torch.float32, device="cuda")
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
+        eager.append(y)
+    static_x = xs[0].clone()
+    static_y = torch.empty((num_rows, num_outputs), dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as the engine does
+        w4a16.w4a16_gemv.launch_awq_gemv(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w4a16.w4a16_gemv.launch_awq_gemv(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
+    num_mismatches = 0
+    for replay in range(30):
+        which = replay % len(xs)
+        static_x.copy_(xs[which])
+        static_y.fill_(float("nan"))
+        graph.replay()
+        if not torch.equal(static_y, eager[which]):
+            num_mismatches += 1
+            print(f"replay {replay}: largest difference from eager "
+                  f"{(static_y - eager[which]).abs().max().item():.2e}")
+    torch.cuda.synchronize()
+    error = relative_error(eager[0], awq_linear_ref(xs[0], qweight, qzeros, scales, 128, bias))
+    print(f"K={num_inputs} N={num_outputs} M={num_rows} {config}: rel err {error:.2e}, "
+          f"{num_mismatches} of 30 replays differ from eager")
+    assert error <= GPU_TOLERANCE
+    assert num_mismatches == 0
+    assert not w4a16.w4a16_gemv._split_counters[static_y.device].any()
