@@ -28,9 +28,11 @@ class RMSNorm(nn.Module):
         # Normalise in FP32 (inside the kernel too): FP16 squares overflow past |x| ~ 256.
         return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0]
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one pass on the GPU."""
-        return rms_norm(x, self.weight, self.eps, residual, use_reference=not x.is_cuda)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass on the GPU; with no residual yet
+        (the first layer's input norm) (norm(x), x)."""
+        normed, total = rms_norm(x, self.weight, self.eps, residual, use_reference=not x.is_cuda)
+        return normed, x if residual is None else total
 
 
 class Rotary(nn.Module):
@@ -128,10 +130,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h, positions, meta, kv_pages):
-        attn = self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
-        normed, h = self.post_attention_layernorm.add_and_norm(attn, h)
-        return h + self.mlp(normed)
+    def forward(self, h, residual, positions, meta, kv_pages):
+        """(h, residual) -> (this layer's MLP output, the residual stream before it).
+
+        The residual add after the MLP is left to the next norm (the next layer's input
+        norm, or the model's final norm), which fuses it: one kernel less per layer. The
+        first layer gets the embeddings as h and no residual.
+        """
+        x, residual = self.input_layernorm.add_and_norm(h, residual)
+        attn = self.self_attn(x, positions, meta, kv_pages)
+        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -160,10 +169,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer, pages in zip(self.model.layers, kv_pages):
-            h = layer(h, positions, meta, pages)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, meta, pages)
+        return self.model.norm.add_and_norm(h, residual)[0]
 
     def reserve_positions(self, num_positions: int, device: torch.device) -> None:
         """Build the position tables for contexts up to `num_positions` now, not mid-step."""
