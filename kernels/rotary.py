@@ -6,6 +6,9 @@ it reads the head's two halves, rotates them in float32 with the token's cos and
 and writes them back where they were. q and k may be strided views of a fused QKV output,
 so the projection's result is rotated without a copy.
 
+The dense models' attention does not launch this kernel: rotary_kv_write.py rotates q and
+k inside the KV store, with the same rotation helper (`_rotate_half`).
+
 The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
 as `lowvram.model.Rotary` computes it.
 """

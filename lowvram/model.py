@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowvram.attention import AttentionMetadata, paged_attention
+from lowvram.attention import AttentionMetadata, Rope, paged_attention
 from lowvram.kernels.activation import silu_and_mul
 from lowvram.kernels.rms_norm import rms_norm
-from lowvram.kernels.rotary import apply_rotary, apply_rotary_ref
+from lowvram.kernels.rotary import apply_rotary_ref
 from lowvram.kv_quant import KVPages
 from lowvram.model_config import ModelConfig
 
@@ -71,10 +71,11 @@ class Rotary(nn.Module):
         self.reserve(num_positions, positions.device)
         return [apply_rotary_ref(x, positions, self.cos, self.sin) for x in xs]
 
-    def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, num_positions: int) -> None:
-        """Rotate q [T, H, D] and k [T, Hkv, D] in place (one kernel on the GPU); see forward."""
+    def rope(self, positions: torch.Tensor, num_positions: int) -> Rope:
+        """The rotation of tokens at `positions` [T], for paged_attention to apply to q and k
+        as it stores k (one kernel on the GPU); `num_positions` as in forward."""
         self.reserve(num_positions, positions.device)
-        apply_rotary(q, k, positions, self.cos, self.sin, use_reference=not q.is_cuda)
+        return Rope(positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -101,8 +102,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv when fused
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.rotary.rotate_(positions, q, k, meta.max_context_len)
-        out = paged_attention(q, k, v, kv_pages, meta, self.scale)
+        rope = self.rotary.rope(positions, meta.max_context_len)
+        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope)  # rotates q and k in place first
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 
