@@ -8,14 +8,11 @@ arithmetic), so nothing may differ, in float32 or bfloat16 on the CPU or float16
 import pytest
 import torch
 
-from lowvram.attention import AttentionMetadata
-from lowvram.kv_quant import allocate_pages
 from lowvram.model import CausalLM
 from lowvram.model_deepseek_v2 import DeepseekV2ForCausalLM, MoE, layer_kv_pages
 
 from deepseek_v2_paging import greedy_through_pages
-
-BLOCK_SIZE = 4
+from dense_paging import hidden_states_through_pages
 
 
 def _dense_forward_with_adds_in_the_layers(self, input_ids, positions, meta, kv_pages):
@@ -39,43 +36,14 @@ def _deepseek_v2_forward_with_adds_in_the_layers(self, input_ids, positions, met
     return self.model.norm(h)
 
 
-def _step(model, token_ids: list[int], num_cached: int, pages) -> torch.Tensor:
-    """One forward over `token_ids` after `num_cached` cached tokens (block table 0, 1, ...)."""
-    device = model.lm_head.weight.device
-    num_new = len(token_ids)
-    positions = torch.arange(num_cached, num_cached + num_new, device=device)
-    context_len = num_cached + num_new
-    meta = AttentionMetadata(
-        is_prefill=num_cached == 0, slot_mapping=positions.clone(),
-        block_tables=torch.arange(context_len // BLOCK_SIZE + 1, dtype=torch.int32, device=device)[None],
-        context_lens=torch.tensor([context_len], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor([0, num_new], dtype=torch.int32, device=device),
-        max_context_len=context_len, context_lens_cpu=[context_len], query_lens_cpu=[num_new],
-    )
-    with torch.no_grad():
-        return model(torch.tensor(token_ids, device=device), positions, meta, pages)
-
-
-def _dense_hidden_states(model, prompt: list[int], decoded: list[int]) -> list[torch.Tensor]:
-    config = model.config
-    device = model.lm_head.weight.device
-    num_blocks = (len(prompt) + len(decoded)) // BLOCK_SIZE + 2
-    pages = [allocate_pages(num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, "fp16",
-                            dtype=model.lm_head.weight.dtype, device=device) for _ in range(config.num_layers)]
-    hidden = [_step(model, prompt, 0, pages)]
-    for i, token in enumerate(decoded):
-        hidden.append(_step(model, [token], len(prompt) + i, pages))
-    return hidden
-
-
 def _check_dense_model(model_dir, device, dtype, monkeypatch):
     from lowvram.loader import load_model
 
     model, _ = load_model(model_dir, torch.device(device), dtype)
     prompt, decoded = [1, 17, 5, 33, 2, 9, 60, 4, 12], [7, 3, 21, 8, 40]
-    fused = _dense_hidden_states(model, prompt, decoded)
+    fused = hidden_states_through_pages(model, prompt, decoded)
     monkeypatch.setattr(CausalLM, "forward", _dense_forward_with_adds_in_the_layers)
-    separate = _dense_hidden_states(model, prompt, decoded)
+    separate = hidden_states_through_pages(model, prompt, decoded)
     num_diff = sum(int((a != b).sum()) for a, b in zip(fused, separate))
     print(f"{model_dir.name} {dtype}: {num_diff} hidden values differ over prefill + {len(decoded)} decode steps")
     assert num_diff == 0

@@ -11,12 +11,16 @@ rounding; against apply_rotary then write_kv nothing may differ on either.
 import pytest
 import torch
 
+from lowvram import attention
 from lowvram.errors import KernelError
 from lowvram.kernels import dispatch
 from lowvram.kernels.kv_write import write_kv, write_kv_ref
 from lowvram.kernels.rotary import apply_rotary
 from lowvram.kernels.rotary_kv_write import rotary_write_kv, rotary_write_kv_ref
 from lowvram.kv_quant import allocate_pages
+from lowvram.model import Attention
+
+from dense_paging import hidden_states_through_pages
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IS_EXACT_VS_REFERENCE = DEVICE.type == "cpu"
@@ -155,6 +159,38 @@ def test_rotary_write_kv_at_the_real_shape_gpu(precision, has_window):
     """R1-Distill-Qwen-1.5B: 12 heads and 2 KV heads of 128; a prefill's worth of tokens."""
     _check_against_reference_and_separate_kernels(precision, 12, 2, 128, torch.float16, has_window=has_window,
                                                   block_size=16, num_tokens=100, seed=5)
+
+
+def _attention_forward_rotating_first(self, h, positions, meta, kv_pages):
+    """Attention.forward as it was: apply_rotary's kernel, then paged_attention's own KV store."""
+    num_tokens = h.shape[0]
+    q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    q, k, v = self.qkv_proj(h).split((q_size, kv_size, kv_size), dim=-1)
+    q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv
+    k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+    v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+    self.rotary.reserve(meta.max_context_len, positions.device)
+    apply_rotary(q, k, positions, self.rotary.cos, self.rotary.sin)
+    out = attention.paged_attention(q, k, v, kv_pages, meta, self.scale)
+    return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_dense_model_through_the_kernels_is_unchanged_by_the_fusion(tiny_qwen2_dir, precision, monkeypatch):
+    from lowvram.fusion import fuse_projections
+    from lowvram.loader import load_model
+
+    model, _ = load_model(tiny_qwen2_dir, DEVICE, torch.float16)
+    fuse_projections(model)  # q, k and v become strided views of one output, as in the engine
+    # The attention kernels also on the CPU (interpreted), not only on CUDA.
+    monkeypatch.setattr(attention, "_is_kernel_path", lambda q, head_dim: True)
+    prompt, decoded = [1, 17, 5, 33, 2, 9, 60, 4, 12], [7, 3, 21]
+    fused = hidden_states_through_pages(model, prompt, decoded, precision)
+    monkeypatch.setattr(Attention, "forward", _attention_forward_rotating_first)
+    separate = hidden_states_through_pages(model, prompt, decoded, precision)
+    num_diff = sum(int((a != b).sum()) for a, b in zip(fused, separate))
+    print(f"tiny qwen2 {precision} pages: {num_diff} hidden values differ from rotating in a kernel of its own")
+    assert num_diff == 0
 
 
 def test_rotary_write_kv_rejects_bad_inputs():
