@@ -30,9 +30,18 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), in one pass on the GPU; with no residual yet
-        (the first layer's input norm) (norm(x), x)."""
-        normed, total = rms_norm(x, self.weight, self.eps, residual, use_reference=not x.is_cuda)
-        return normed, x if residual is None else total
+        (the first layer's input norm) (norm(x), x).
+
+        With a residual both results are written over the inputs (x gets the norm, residual
+        the sum), as vLLM's fused_add_rms_norm does: the caller still holds both inputs
+        while a layer runs, so new tensors would keep two more [T, hidden] alive than the
+        memory plan (lowvram.memory_plan.step_workspace) counts.
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x
+        # Only norm weights of another dtype than the activations (none we load) need a new tensor.
+        out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
+        return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)
 
 
 class Rotary(nn.Module):
@@ -139,8 +148,8 @@ class DecoderLayer(nn.Module):
         first layer gets the embeddings as h and no residual.
         """
         x, residual = self.input_layernorm.add_and_norm(h, residual)
-        attn = self.self_attn(x, positions, meta, kv_pages)
-        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        # The attention output is not kept past the add: the MLP runs without it.
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
         return self.mlp(x), residual
 
 

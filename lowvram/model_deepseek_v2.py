@@ -480,8 +480,8 @@ class DecoderLayer(nn.Module):
         """(h, residual) -> (this layer's MLP output, the residual stream before it), as the
         dense model's layer (lowvram.model.DecoderLayer): the next norm adds the two."""
         x, residual = self.input_layernorm.add_and_norm(h, residual)
-        attn = self.self_attn(x, positions, meta, kv_pages)
-        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        # The attention output is not kept past the add: the MLP runs without it.
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
         return (self.mlp(x, residual) if isinstance(self.mlp, MoE) else self.mlp(x)), residual
 
 

@@ -74,3 +74,18 @@ def test_deepseek_v2_output_is_unchanged_by_the_residual_add_moving_into_the_nex
     num_diff = int((fused != separate).sum())
     print(f"DeepSeek-V2 {dtype}: {num_diff} logits differ over prefill + {len(decoded)} decode steps")
     assert num_diff == 0
+
+
+def test_add_and_norm_writes_over_its_inputs():
+    # The caller still holds both inputs while a layer runs: new tensors here would keep two
+    # more [T, hidden] alive in every phase than lowvram.memory_plan counts.
+    from lowvram.model import RMSNorm
+
+    norm = RMSNorm(8, 1e-6)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    expected_sum = x + residual
+    normed, total = norm.add_and_norm(x, residual)
+    assert normed.data_ptr() == x.data_ptr() and total.data_ptr() == residual.data_ptr()
+    assert torch.equal(total, expected_sum)
+    first, stream = norm.add_and_norm(x, None)  # the first layer: the input is the residual stream
+    assert stream is x and first.data_ptr() != x.data_ptr()
