@@ -62,9 +62,16 @@ def write_kv(
         write_kv_ref(k, v, slot_mapping, pages)
         return
     num_tokens, num_kv_heads, head_dim = k.shape
-    code_dim = pages.k.shape[3]
-    block_h = triton.next_power_of_2(num_kv_heads)
-    block_c = triton.next_power_of_2(code_dim)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping, *_cache_pointers(pages),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_kv_heads, pages.k.shape[3], head_dim, **_store_constants(pages),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def _cache_pointers(pages: KVPages) -> tuple[torch.Tensor, ...]:
+    """The cache arguments of `_write_token`, in its order."""
     # Unused pointer slots get the code tensor: the kernel never reads them for fp16 pages.
     k_scale = pages.k_scale if pages.is_quantized else pages.k
     k_zero = pages.k_zero if pages.is_quantized else pages.k
@@ -72,39 +79,40 @@ def write_kv(
     v_zero = pages.v_zero if pages.is_quantized else pages.v
     # Without a window the kernel never reads these either.
     window = (pages.window_k, pages.window_v, pages.window_row) if pages.has_window else (pages.k, pages.v, pages.k)
-    _write_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping,
-        pages.k, pages.v, k_scale, k_zero, v_scale, v_zero,
-        *window,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_kv_heads, code_dim, head_dim,
-        BITS=pages.bits, QMAX=(1 << pages.bits) - 1 if pages.is_quantized else 0,
-        BLOCK_H=block_h, BLOCK_C=block_c,
-        HAS_WINDOW=pages.has_window, PAGE_SIZE=pages.block_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-    )
+    return (pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *window)
 
 
-def _check_write_args(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:
+def _store_constants(pages: KVPages) -> dict[str, int | bool]:
+    """The constexpr arguments of `_write_token` for these pages."""
+    return {
+        "BITS": pages.bits, "QMAX": (1 << pages.bits) - 1 if pages.is_quantized else 0,
+        "BLOCK_H": triton.next_power_of_2(pages.num_kv_heads), "BLOCK_C": triton.next_power_of_2(pages.k.shape[3]),
+        "HAS_WINDOW": pages.has_window, "PAGE_SIZE": pages.block_size,
+        "BLOCK_D": triton.next_power_of_2(pages.head_dim),
+    }
+
+
+def _check_write_args(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages,
+                      name: str = "write_kv") -> None:
     pages.validate()
     if k.dim() != 3:
-        raise KernelError(f"write_kv: k has shape {tuple(k.shape)}; expected [num_tokens, num_kv_heads, head_dim]")
+        raise KernelError(f"{name}: k has shape {tuple(k.shape)}; expected [num_tokens, num_kv_heads, head_dim]")
     expected = (k.shape[0], pages.num_kv_heads, pages.head_dim)
-    for name, x in (("k", k), ("v", v)):
+    for arg, x in (("k", k), ("v", v)):
         if tuple(x.shape) != expected:
-            raise KernelError(f"write_kv: {name} has shape {tuple(x.shape)}; expected {expected} to match the pages")
+            raise KernelError(f"{name}: {arg} has shape {tuple(x.shape)}; expected {expected} to match the pages")
         if x.dtype not in (torch.float16, torch.float32) and not (x.dtype == torch.bfloat16 and x.device.type == "cpu"):
-            raise KernelError(f"write_kv: {name} has dtype {x.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
+            raise KernelError(f"{name}: {arg} has dtype {x.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
         if x.shape[0] and x.stride(2) != 1:
-            raise KernelError(f"write_kv: {name} must be contiguous in its last dim (strides {x.stride()})")
+            raise KernelError(f"{name}: {arg} must be contiguous in its last dim (strides {x.stride()})")
         if x.device != pages.device:
-            raise KernelError(f"write_kv: {name} is on {x.device} but the pages are on {pages.device}")
+            raise KernelError(f"{name}: {arg} is on {x.device} but the pages are on {pages.device}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
-        raise KernelError(f"write_kv: slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{k.shape[0]}]")
+        raise KernelError(f"{name}: slot_mapping has shape {tuple(slot_mapping.shape)}; expected [{k.shape[0]}]")
     if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise KernelError(f"write_kv: slot_mapping has dtype {slot_mapping.dtype}; expected int32 or int64")
+        raise KernelError(f"{name}: slot_mapping has dtype {slot_mapping.dtype}; expected int32 or int64")
     if slot_mapping.device != pages.device or (slot_mapping.numel() > 1 and slot_mapping.stride(0) != 1):
-        raise KernelError(f"write_kv: slot_mapping must be contiguous and on {pages.device}")
+        raise KernelError(f"{name}: slot_mapping must be contiguous and on {pages.device}")
 
 
 if HAS_TRITON:
@@ -187,8 +195,8 @@ if HAS_TRITON:
         return row * PAGE_SIZE + tl.maximum(slot, 0) % PAGE_SIZE
 
     @triton.jit
-    def _write_kv_kernel(
-        k_ptr, v_ptr, slot_ptr,
+    def _write_token(
+        token, k_ptr, v_ptr, slot_ptr,
         k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
         window_k_ptr, window_v_ptr, window_row_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
@@ -196,8 +204,8 @@ if HAS_TRITON:
         BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
         HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        # One program per token, all KV heads: the row min/max is a reduction over head_dim.
-        token = tl.program_id(0)
+        # Store one token's k and v rows (every KV head) at its slot; also the body of the
+        # fused RoPE + KV-write kernel (rotary_kv_write.py).
         slot = tl.load(slot_ptr + token).to(tl.int64)
         _store_row(
             k_ptr + token.to(tl.int64) * stride_kt, stride_kh, k_cache_ptr, k_scale_ptr, k_zero_ptr,
@@ -218,3 +226,23 @@ if HAS_TRITON:
                 v_ptr + token.to(tl.int64) * stride_vt, stride_vh, window_v_ptr, window_v_ptr, window_v_ptr,
                 window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D,
             )
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, slot_ptr,
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+        window_k_ptr, window_v_ptr, window_row_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh,
+        num_kv_heads, code_dim, head_dim,
+        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # One program per token, all KV heads: the row min/max is a reduction over head_dim.
+        _write_token(
+            tl.program_id(0), k_ptr, v_ptr, slot_ptr,
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+            window_k_ptr, window_v_ptr, window_row_ptr,
+            stride_kt, stride_kh, stride_vt, stride_vh,
+            num_kv_heads, code_dim, head_dim,
+            BITS, QMAX, BLOCK_H, BLOCK_C, HAS_WINDOW, PAGE_SIZE, BLOCK_D,
+        )

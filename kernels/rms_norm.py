@@ -4,7 +4,9 @@ A decoder layer normalises twice; in plain torch each norm is about seven kernel
 square, mean, add, rsqrt, multiply, cast, scale), which inside a CUDA graph costs more in
 launch gaps than in arithmetic. Here one program normalises one row, in float32 like the
 reference, and the post-attention norm also adds the attention output to the residual
-stream and writes the sum back, so the add costs no extra pass over memory.
+stream and writes the sum back, so the add costs no extra pass over memory. A decoder
+layer has both results written over its inputs (as vLLM's fused_add_rms_norm does), so
+moving the residual add into the norm keeps no more [T, hidden] tensors alive.
 
 The reference is `rms_norm_ref`: normalise in float32, round to the input dtype, then
 multiply by the weight in that dtype, exactly as `lowvram.model.RMSNorm` does on the CPU.
@@ -27,9 +29,13 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    # out and sum may be x and residual (in place), and with a short row several threads load
+    # one element: no thread stores before every thread has loaded.
+    tl.debug_barrier()
+    if HAS_RESIDUAL:
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
     normed = (xf * inv_rms).to(x.dtype)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
@@ -46,27 +52,40 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
+             out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
              use_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Normalise each row of x [T, C] (after adding residual [T, C] when given).
 
-    Returns (normed [T, C] in weight's dtype promotion with x, the sum x + residual or None).
-    Rows may be strided; the last dim must be contiguous.
+    Returns (normed [T, C] in weight's dtype promotion with x, the sum x + residual or None),
+    written into `out` and `sum_out` when given: these may be x and residual themselves
+    (a program reads its whole row before it writes), so a decoder layer can update its
+    residual stream in place. Rows may be strided; the last dim must be contiguous.
     """
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise KernelError(f"rms_norm: x is {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [T, C] and [C]")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise KernelError(f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
                           f"{tuple(x.shape)} {x.dtype}; they must match")
-    tensors = (x, weight) if residual is None else (x, weight, residual)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if out is not None and (out.shape != x.shape or out.dtype != out_dtype):
+        raise KernelError(f"rms_norm: out is {tuple(out.shape)} {out.dtype}; expected {tuple(x.shape)} {out_dtype}")
+    if sum_out is not None and (residual is None or sum_out.shape != x.shape or sum_out.dtype != x.dtype):
+        raise KernelError(f"rms_norm: sum_out is {tuple(sum_out.shape)} {sum_out.dtype}; expected "
+                          f"{tuple(x.shape)} {x.dtype}, and a residual to add")
+    tensors = [t for t in (x, weight, residual, out, sum_out) if t is not None]
     if any(t.stride(-1) != 1 for t in tensors):
-        raise KernelError("rms_norm: x, weight and residual must be contiguous in their last dim")
+        raise KernelError("rms_norm: x, weight, residual and the outputs must be contiguous in their last dim")
     if any(t.device != x.device for t in tensors):
-        raise KernelError("rms_norm: x, weight and residual must be on one device")
+        raise KernelError("rms_norm: x, weight, residual and the outputs must be on one device")
     if x.dtype == torch.bfloat16 or not use_triton("rms_norm", x.device, use_reference) or x.shape[0] == 0:
-        return rms_norm_ref(x, weight, eps, residual)
+        normed, total = rms_norm_ref(x, weight, eps, residual)
+        if sum_out is not None:
+            total = sum_out.copy_(total)
+        return (normed if out is None else out.copy_(normed)), total
     num_rows, num_cols = x.shape
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    total = torch.empty_like(x) if residual is not None else None
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    total = None if residual is None else sum_out if sum_out is not None else torch.empty_like(x)
     block = triton.next_power_of_2(num_cols)
     _rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out, total if total is not None else out,

@@ -6,6 +6,9 @@ it reads the head's two halves, rotates them in float32 with the token's cos and
 and writes them back where they were. q and k may be strided views of a fused QKV output,
 so the projection's result is rotated without a copy.
 
+The dense models' attention does not launch this kernel: rotary_kv_write.py rotates q and
+k inside the KV store, with the same rotation helper (`_rotate_half`).
+
 The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
 as `lowvram.model.Rotary` computes it.
 """
@@ -16,6 +19,14 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
+
+
+@triton.jit
+def _rotate_half(x1, x2, cos, sin):
+    # The halves rotated in float32 and rounded once to their dtype; shared with the fused
+    # RoPE + KV-write kernel (rotary_kv_write.py) so both paths round alike.
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 
 
 @triton.jit
@@ -34,9 +45,9 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, num_q_heads, s
     sin = tl.load(sin_ptr + position * stride_cos + offs, mask=mask, other=0.0)
     x1 = tl.load(base + offs, mask=mask, other=0.0)
     x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + offs, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
-    tl.store(base + HALF + offs, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+    out1, out2 = _rotate_half(x1, x2, cos, sin)
+    tl.store(base + offs, out1, mask=mask)
+    tl.store(base + HALF + offs, out2, mask=mask)
 
 
 def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,15 +61,8 @@ def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                  use_reference: bool = False) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place; cos, sin: float32 [P, D/2] with P > every position."""
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise KernelError(f"apply_rotary: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one T and D")
+    _check_rotary_args(q, k, positions, cos, sin, "apply_rotary")
     head_dim = q.shape[2]
-    if head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
-        raise KernelError(f"apply_rotary: cos/sin are {tuple(cos.shape)}; expected [positions, {head_dim // 2}]")
-    if q.stride(2) != 1 or k.stride(2) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
-        raise KernelError("apply_rotary: q and k must be contiguous in their last dim, cos and sin contiguous")
-    if positions.shape != (q.shape[0],):
-        raise KernelError(f"apply_rotary: positions is {tuple(positions.shape)}; expected [{q.shape[0]}]")
     if q.dtype == torch.bfloat16 or not use_triton("apply_rotary", q.device, use_reference):
         q.copy_(apply_rotary_ref(q, positions, cos, sin))
         k.copy_(apply_rotary_ref(k, positions, cos, sin))
@@ -70,3 +74,20 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
         q, k, positions, cos, sin, q.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
     )
+
+
+def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       name: str) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise KernelError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one T and D")
+    head_dim = q.shape[2]
+    if head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
+        raise KernelError(f"{name}: cos/sin are {tuple(cos.shape)}; expected [positions, {head_dim // 2}]")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise KernelError(f"{name}: cos/sin are {cos.dtype}/{sin.dtype}; expected float32 (the rotation is done in float32)")
+    if q.stride(2) != 1 or k.stride(2) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise KernelError(f"{name}: q and k must be contiguous in their last dim, cos and sin contiguous")
+    if any(t.device != q.device for t in (k, positions, cos, sin)):
+        raise KernelError(f"{name}: q, k, positions, cos and sin must be on one device")
+    if positions.shape != (q.shape[0],):
+        raise KernelError(f"{name}: positions is {tuple(positions.shape)}; expected [{q.shape[0]}]")

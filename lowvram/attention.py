@@ -1,5 +1,6 @@
 """Attention over paged KV: the metadata the runner builds, and the dispatch to the
-kernels (`lowvram.kernels.paged_attention`, `lowvram.kernels.kv_write`).
+kernels (`lowvram.kernels.paged_attention`, `lowvram.kernels.kv_write`,
+`lowvram.kernels.rotary_kv_write`).
 
 Pages of one layer are a `KVPages` (FP16, INT8 or INT4); the slot of the token at
 position p of a sequence is `block_table[p // block_size] * block_size + p % block_size`.
@@ -13,6 +14,7 @@ import torch
 
 from lowvram.kernels.kv_write import write_kv
 from lowvram.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from lowvram.kernels.rotary_kv_write import rotary_write_kv
 from lowvram.kv_quant import KVPages
 
 
@@ -35,6 +37,16 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
 
 
+@dataclass
+class Rope:
+    """Rotate-half RoPE for this step's q and k: each token's position [T] and the float32
+    cos and sin tables [P, D/2], P above every position (`lowvram.model.Rotary`)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
     # Triton kernels run on CUDA for head sizes of 16 and up (a size that is not a power
     # of two, like MLA's 576, is padded inside the kernels); the CPU (and tiny head
@@ -43,13 +55,18 @@ def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KVPages, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, rope: Rope | None = None) -> torch.Tensor:
     """Store this step's k, v (quantizing for INT8/INT4 pages) then attend.
 
-    q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+    q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. With `rope`, q and k are first rotated in
+    place, in the kernel that stores k and v (one launch, not two).
     """
     use_reference = not _is_kernel_path(q, q.shape[-1])
-    write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
+    if rope is None:
+        write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
+    else:
+        rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
+                        use_reference=use_reference)
     if meta.is_prefill:
         return paged_prefill_attention(q, pages, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                                        max_q_len=max(meta.query_lens_cpu), use_reference=use_reference)

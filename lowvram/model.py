@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowvram.attention import AttentionMetadata, paged_attention
+from lowvram.attention import AttentionMetadata, Rope, paged_attention
 from lowvram.kernels.activation import silu_and_mul
 from lowvram.kernels.rms_norm import rms_norm
-from lowvram.kernels.rotary import apply_rotary, apply_rotary_ref
+from lowvram.kernels.rotary import apply_rotary_ref
 from lowvram.kv_quant import KVPages
 from lowvram.model_config import ModelConfig
 
@@ -28,9 +28,20 @@ class RMSNorm(nn.Module):
         # Normalise in FP32 (inside the kernel too): FP16 squares overflow past |x| ~ 256.
         return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0]
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one pass on the GPU."""
-        return rms_norm(x, self.weight, self.eps, residual, use_reference=not x.is_cuda)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one pass on the GPU; with no residual yet
+        (the first layer's input norm) (norm(x), x).
+
+        With a residual both results are written over the inputs (x gets the norm, residual
+        the sum), as vLLM's fused_add_rms_norm does: the caller still holds both inputs
+        while a layer runs, so new tensors would keep two more [T, hidden] alive than the
+        memory plan (lowvram.memory_plan.step_workspace) counts.
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x
+        # Only norm weights of another dtype than the activations (none we load) need a new tensor.
+        out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
+        return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)
 
 
 class Rotary(nn.Module):
@@ -69,10 +80,11 @@ class Rotary(nn.Module):
         self.reserve(num_positions, positions.device)
         return [apply_rotary_ref(x, positions, self.cos, self.sin) for x in xs]
 
-    def rotate_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, num_positions: int) -> None:
-        """Rotate q [T, H, D] and k [T, Hkv, D] in place (one kernel on the GPU); see forward."""
+    def rope(self, positions: torch.Tensor, num_positions: int) -> Rope:
+        """The rotation of tokens at `positions` [T], for paged_attention to apply to q and k
+        as it stores k (one kernel on the GPU); `num_positions` as in forward."""
         self.reserve(num_positions, positions.device)
-        apply_rotary(q, k, positions, self.cos, self.sin, use_reference=not q.is_cuda)
+        return Rope(positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -99,8 +111,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv when fused
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.rotary.rotate_(positions, q, k, meta.max_context_len)
-        out = paged_attention(q, k, v, kv_pages, meta, self.scale)
+        rope = self.rotary.rope(positions, meta.max_context_len)
+        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope)  # rotates q and k in place first
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 
@@ -128,10 +140,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h, positions, meta, kv_pages):
-        attn = self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
-        normed, h = self.post_attention_layernorm.add_and_norm(attn, h)
-        return h + self.mlp(normed)
+    def forward(self, h, residual, positions, meta, kv_pages):
+        """(h, residual) -> (this layer's MLP output, the residual stream before it).
+
+        The residual add after the MLP is left to the next norm (the next layer's input
+        norm, or the model's final norm), which fuses it: one kernel less per layer. The
+        first layer gets the embeddings as h and no residual.
+        """
+        x, residual = self.input_layernorm.add_and_norm(h, residual)
+        # The attention output is not kept past the add: the MLP runs without it.
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -160,10 +179,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer, pages in zip(self.model.layers, kv_pages):
-            h = layer(h, positions, meta, pages)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, positions, meta, pages)
+        return self.model.norm.add_and_norm(h, residual)[0]
 
     def reserve_positions(self, num_positions: int, device: torch.device) -> None:
         """Build the position tables for contexts up to `num_positions` now, not mid-step."""

@@ -476,10 +476,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h, positions, meta, kv_pages):
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_pages)
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, h) if isinstance(self.mlp, MoE) else self.mlp(x))
+    def forward(self, h, residual, positions, meta, kv_pages):
+        """(h, residual) -> (this layer's MLP output, the residual stream before it), as the
+        dense model's layer (lowvram.model.DecoderLayer): the next norm adds the two."""
+        x, residual = self.input_layernorm.add_and_norm(h, residual)
+        # The attention output is not kept past the add: the MLP runs without it.
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
+        return (self.mlp(x, residual) if isinstance(self.mlp, MoE) else self.mlp(x)), residual
 
 
 class DeepseekV2Model(nn.Module):
@@ -509,11 +512,11 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, meta, layer_kv_pages(kv_pages, i))
+            h, residual = layer(h, residual, positions, meta, layer_kv_pages(kv_pages, i))
         self.expert_stats.num_tokens += input_ids.shape[0]
-        return self.model.norm(h)
+        return self.model.norm.add_and_norm(h, residual)[0]
 
     @property
     def moe_layers(self) -> list[MoE]:

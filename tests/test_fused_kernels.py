@@ -44,6 +44,30 @@ def test_rms_norm_matches_the_reference(num_cols, has_residual):
         assert got_sum is None
 
 
+@pytest.mark.parametrize("num_cols", [16, 1536])  # 16: a row shorter than the threads, which then share elements
+def test_rms_norm_in_place_over_its_inputs_equals_the_out_of_place_result(num_cols):
+    # A decoder layer has the norm written over x and the sum over the residual.
+    generator = torch.Generator().manual_seed(num_cols)
+    x = (torch.randn(6, num_cols, generator=generator) * 30).to(DEVICE, DTYPE)
+    residual = (torch.randn(6, num_cols, generator=generator) * 30).to(DEVICE, DTYPE)
+    weight = (torch.rand(num_cols, generator=generator) + 0.5).to(DEVICE, DTYPE)
+    for use_reference in (False, True):
+        expected, expected_sum = rms_norm(x, weight, 1e-6, residual, use_reference=use_reference)
+        x_in_place, residual_in_place = x.clone(), residual.clone()
+        got, got_sum = rms_norm(x_in_place, weight, 1e-6, residual_in_place, out=x_in_place, sum_out=residual_in_place,
+                                use_reference=use_reference)
+        assert got.data_ptr() == x_in_place.data_ptr() and got_sum.data_ptr() == residual_in_place.data_ptr()
+        assert torch.equal(got, expected) and torch.equal(got_sum, expected_sum)
+
+
+def test_rms_norm_rejects_outputs_of_the_wrong_dtype():
+    x = torch.zeros(2, 8, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(KernelError, match="out is"):
+        rms_norm(x, torch.ones(8, device=DEVICE, dtype=torch.float32), 1e-6, out=x)
+    with pytest.raises(KernelError, match="sum_out"):
+        rms_norm(x, torch.ones(8, device=DEVICE, dtype=torch.float16), 1e-6, sum_out=x)
+
+
 def test_rms_norm_reads_strided_rows():
     x = torch.randn(4, 128).to(DEVICE, DTYPE)[:, :64]
     weight = torch.ones(64, device=DEVICE, dtype=DTYPE)
