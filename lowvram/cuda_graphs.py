@@ -95,8 +95,11 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None):
         self.forward = forward
+        # An embedding table in host memory (HostEmbedding.stage): rows gathered before each replay.
+        self.stage_embeddings = stage_embeddings
+        self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.table_widths = table_buckets(max_blocks_per_seq)
         self.device = device
@@ -142,6 +145,8 @@ class DecodeGraphs:
             if graph is None:
                 return None
         graph.replay()
+        if self._replayed is not None:
+            self._replayed.record()
         self.num_replays += 1
         # Every graph writes the same buffer, and the next replay overwrites it: hand out a copy.
         return self.logits[:num_seqs].clone()
@@ -160,6 +165,9 @@ class DecodeGraphs:
         padding = batch - num_seqs
         # Built on the host and copied in one go per buffer: a handful of small copies per step.
         self.input_ids[:batch].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
+        if self.stage_embeddings is not None:
+            self._replayed.synchronize()  # the last replay's copy of the staged rows is done
+            self.stage_embeddings(input_ids + [0] * padding, self.batch_sizes[-1])
         self.positions[:batch].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
         self.slot_mapping[:batch].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
         self.context_lens[:batch].copy_(torch.tensor(context_lens + [0] * padding, dtype=torch.int32),

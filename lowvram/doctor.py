@@ -259,7 +259,9 @@ def _evaluate(setup: _Setup, profile: Profile, context_len: int, num_seqs: int,
               element_bytes: int) -> tuple[_Fit, WeightBytes, mp.KVPlan, int]:
     """The two checks for `num_seqs` sequences of `context_len` tokens under `profile`."""
     config = setup.config
-    weights = mp.weight_bytes_by_kind(config, setup.raw, element_bytes, model_dir=setup.model_dir)
+    weights = mp.weight_bytes_by_kind(config, setup.raw, element_bytes, model_dir=setup.model_dir,
+                                      is_embedding_on_host=mp.keeps_embeddings_on_host(config, profile,
+                                                                                       setup.device_type))
     weights.offload = mp.plan_weight_offload(config, profile, weights, element_bytes, context_len,
                                              device_type=setup.device_type, raw_config=setup.raw, num_seqs=num_seqs)
     pool = mp.size_kv_pool(config, profile, weights.total_bytes, element_bytes, context_len,

@@ -56,6 +56,7 @@ from lowvram.loader import load_model
 from lowvram.memory_plan import (
     NUM_STAGING_BUFFERS,
     OffloadPlan,
+    keeps_embeddings_on_host,
     plan_offload,
     plan_weight_offload,
     weight_bytes_by_kind,
@@ -204,7 +205,11 @@ def plan_for_model(model: CausalLM, strategy: str, *, budget_bytes: int, workspa
 class HostEmbedding(nn.Module):
     """An embedding table in host memory: a step's rows are gathered on the host and only
     the [T, hidden] activations cross the bus. Keeps the name `weight`, so state_dict and
-    the loader's reports see the same tensor as before."""
+    the loader's reports see the same tensor as before.
+
+    A CUDA graph cannot hold the host-side gather, so a decode graph is captured with a
+    copy from a fixed pinned buffer instead, and `stage` fills that buffer with the next
+    replay's rows before each replay (lowvram.cuda_graphs)."""
 
     def __init__(self, weight: torch.Tensor, device: torch.device):
         super().__init__()
@@ -213,8 +218,23 @@ class HostEmbedding(nn.Module):
         self.device = torch.device(device)
         self._rows: torch.Tensor | None = None  # pinned [T, hidden], reused by every step
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._graph_rows: torch.Tensor | None = None  # pinned [max batch, hidden], what graphs copy from
+
+    def stage(self, token_ids: list[int], capacity: int) -> None:
+        """Gather the rows of `token_ids` (a graph's batch, padding included) for the next
+        replay. `capacity` is the largest batch any graph holds: the buffer is made once at
+        that size, since graphs keep its address. The caller makes sure no replay still reads it."""
+        if self._graph_rows is None:
+            with torch.inference_mode(False):
+                self._graph_rows = torch.empty(capacity, self.embedding_dim, dtype=self.weight.dtype,
+                                               pin_memory=True)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        torch.index_select(self.weight, 0, ids, out=self._graph_rows[:len(token_ids)])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._graph_rows is not None and torch.cuda.is_current_stream_capturing():
+            # [B, hidden]: the replay copies what `stage` gathered; input_ids are not read.
+            return self._graph_rows[:input_ids.shape[0]].to(self.device, non_blocking=True)
         ids = input_ids.to("cpu")  # [T]
         if self._copied is None:
             return self.weight.index_select(0, ids).to(self.device)
@@ -229,6 +249,16 @@ class HostEmbedding(nn.Module):
         out = rows.to(self.device, non_blocking=True)
         self._copied.record()
         return out
+
+
+def keep_embedding_on_host(model: CausalLM, device: torch.device) -> None:
+    """Place a host-loaded model on `device` but its (untied) embedding table, which a
+    HostEmbedding serves from host memory; `model.weight_bytes` drops by the table."""
+    embedding = model.model.embed_tokens.weight
+    place_on_device(model, device, kept={id(embedding)})
+    model.model.embed_tokens = HostEmbedding(embedding, device)
+    model.weight_bytes -= _nbytes(embedding)
+    log.info("embedding table (%.0f MiB) kept in host memory", _nbytes(embedding) / 2**20)
 
 
 class HostComputed(nn.Module):
@@ -485,20 +515,24 @@ def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torc
     element_bytes = torch.finfo(dtype).bits // 8
     max_model_len = min(profile.max_model_len, config.max_position_embeddings)
     predicted = None
+    is_embedding_on_host = keeps_embeddings_on_host(config, profile, device.type)
     if profile.weight_offload != "off":
-        weights = weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir)
+        weights = weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir,
+                                       is_embedding_on_host=is_embedding_on_host)
         predicted = plan_weight_offload(config, profile, weights, element_bytes, max_model_len,
                                         device_type=device.type, raw_config=raw, held_bytes=held_bytes)
     # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on
     # the device, the dropped ones would leave holes the allocator keeps (1.7 GiB for the 1.5B
     # shape in FP16), so on CUDA the model is prepared in host memory and placed after.
     is_prepared_on_host = prepare is not None and device.type == "cuda"
-    on_host = predicted is not None or is_prepared_on_host
+    on_host = predicted is not None or is_prepared_on_host or is_embedding_on_host
     model, config = load_model(model_dir, torch.device("cpu") if on_host else device, dtype)
     if prepare is not None:
         prepare(model)
     if predicted is None:
-        if on_host:
+        if is_embedding_on_host:
+            keep_embedding_on_host(model, device)
+        elif on_host:
             place_on_device(model, device)
         return model, config
     plan = plan_for_model(model, predicted.strategy, budget_bytes=predicted.budget_bytes,

@@ -294,6 +294,12 @@ class WeightBytes:
     host_expert_bytes: int = 0
     num_cached_experts: int = 0
     num_routed_experts: int = 0
+    # The embedding table stays in host memory (profile embeddings_on_host; untied heads only).
+    is_embedding_on_host: bool = False
+
+    @property
+    def host_embedding_bytes(self) -> int:
+        return self.embedding_bytes if self.is_embedding_on_host else 0
 
     @property
     def all_bytes(self) -> int:
@@ -304,8 +310,9 @@ class WeightBytes:
     @property
     def total_bytes(self) -> int:
         """The weights the device holds."""
-        on_device = self.all_bytes if self.offload is None else self.offload.device_weight_bytes
-        return on_device - self.host_expert_bytes
+        if self.offload is not None:
+            return self.offload.device_weight_bytes - self.host_expert_bytes
+        return self.all_bytes - self.host_expert_bytes - self.host_embedding_bytes
 
     def rows(self) -> list[tuple[str, int]]:
         """(label, bytes) for every kind present, in the order a table shows them."""
@@ -318,6 +325,8 @@ class WeightBytes:
         if self.compensation_bytes:
             rows.append(("compensation terms", self.compensation_bytes))
         rows.append(("embeddings", self.embedding_bytes))
+        if self.is_embedding_on_host and self.offload is None:
+            rows.append(("embeddings held in host memory (embeddings_on_host)", -self.embedding_bytes))
         if self.head_bytes:
             rows.append(("lm head", self.head_bytes))
         rows.append(("norms", self.norm_bytes))
@@ -334,8 +343,16 @@ FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", 
 FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part in parts}
 
 
+def keeps_embeddings_on_host(config: ModelConfig, profile: Profile, device_type: str) -> bool:
+    """Whether the engine leaves the embedding table in host memory: the profile asks, on
+    CUDA, and the head does not share the table (a tied head needs it on the device)."""
+    return (profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head
+            and not _is_deepseek_v2(config))
+
+
 def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_bytes: int, *,
-                         model_dir: str | Path | None = None, max_cached_experts: int | None = None) -> WeightBytes:
+                         model_dir: str | Path | None = None, max_cached_experts: int | None = None,
+                         is_embedding_on_host: bool = False) -> WeightBytes:
     """Weights on the device, from config.json (and, given the directory, the shapes
     in the compensation side file).
 
@@ -344,7 +361,8 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
     loader keeps them. A tied head shares the embedding and costs nothing.
     DeepSeek-V2: `max_cached_experts` routed experts per MoE layer on the device, the
     rest in host memory (None: all on the device); kv_b_proj is dequantized at load
-    and the routers are float32.
+    and the routers are float32. `is_embedding_on_host` (keeps_embeddings_on_host) leaves
+    the embedding table out of the device total.
     """
     awq = awq_settings(raw_config, config)
     compensation = compensation_settings(model_dir) if awq else Compensation()
@@ -386,6 +404,7 @@ def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_b
     table = config.vocab_size * config.hidden_size * element_bytes
     weights.embedding_bytes = table
     weights.head_bytes = 0 if config.is_tied_head else table
+    weights.is_embedding_on_host = is_embedding_on_host and not config.is_tied_head and not is_mla
     weights.norm_bytes = (2 * config.num_layers + 1) * config.hidden_size * element_bytes
     if is_mla:
         _add_deepseek_v2_extras(weights, config, element_bytes, max_cached_experts)
@@ -882,7 +901,8 @@ def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBy
     pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type=device_type,
                         raw_config=raw_config, held_bytes=held_bytes)
     one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
-    if mode == "auto" and weights.all_bytes + pool.activation_bytes + one_page_each <= pool.budget_bytes:
+    if mode == "auto" and (weights.all_bytes - weights.host_embedding_bytes + pool.activation_bytes
+                           + one_page_each <= pool.budget_bytes):
         return None
     strategy = DEFAULT_OFFLOAD_STRATEGY if mode == "auto" else mode
     staged = weights.layer_bytes if strategy == "stream" else [

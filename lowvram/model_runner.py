@@ -50,7 +50,9 @@ class ModelRunner:
             max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
             # The rotary tables must not be replaced after a graph captured them.
             model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
-            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device)
+            stage = getattr(model.model.embed_tokens, "stage", None)
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device,
+                                       stage_embeddings=stage)
 
     @property
     def num_graph_captures(self) -> int:

@@ -117,3 +117,19 @@ def test_graph_logits_match_eager_logits(tiny_llama_dir):
     worst = ((recorded[0] - recorded[1]).abs().max() / recorded[0].abs().max()).item()
     print(f"graph vs eager decode logits: largest relative difference {worst:.2e}")
     assert worst <= 2e-3
+
+
+@pytest.mark.gpu
+def test_an_embedding_table_in_host_memory_gives_the_same_tokens(tiny_qwen2_dir):
+    """Graphs copy each replay's rows from a pinned buffer that the step fills on the host."""
+    profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
+    on_device = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(embeddings_on_host=False), **profile)
+    on_host = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(embeddings_on_host=True), **profile)
+    assert not on_device.config.is_tied_head
+    table = on_device.model.model.embed_tokens.weight
+    assert table.is_cuda and on_host.model.model.embed_tokens.weight.device.type == "cpu"
+    assert on_host.model.weight_bytes == on_device.model.weight_bytes - table.numel() * table.element_size()
+    prompts = _prompts(on_device, [5, 40, 300])
+    expected = _generate(on_device, prompts, [12, 18, 6])
+    assert _generate(on_host, prompts, [12, 18, 6]) == expected
+    assert on_host.runner.graphs.num_replays > 0 and on_host.runner.graphs.stage_embeddings is not None

@@ -277,8 +277,13 @@ def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
 # ---------------------------------------------------------------- plans and verdicts
 
 
+# The hand-computed plans keep the embedding table on the device; test_embeddings_on_host_by_hand
+# takes it off.
+ON_DEVICE_4GB = load_profile("4gb").replace(embeddings_on_host=False)
+
+
 def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"), device="cuda",
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda",
                        capacity=HUGE_CARD)
     assert plan.context_len == 16384 and plan.num_seqs == 1 and plan.kv_precision == "fp16"
     assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
@@ -297,7 +302,7 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
 
 
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, ON_DEVICE_4GB,
                        device="cuda", capacity=HUGE_CARD)
     # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
     # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
@@ -307,8 +312,26 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
     assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_275_215_900
 
 
+def test_embeddings_on_host_by_hand():
+    # The 4gb profile keeps the untied embedding table (151,936 x 1536 FP16) in host memory: FP16
+    # weights at a 16K context now fit, by what the table took.
+    table = 151_936 * 1536 * 2
+    on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"), device="cuda",
+                          capacity=HUGE_CARD)
+    on_device = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda",
+                            capacity=HUGE_CARD)
+    assert on_host.weights.total_bytes == on_device.weights.total_bytes - table == 3_554_176_000 - 466_747_392
+    assert ("embeddings held in host memory (embeddings_on_host)", -table) in on_host.weights.rows()
+    assert on_host.fits and on_host.engine_margin_bytes == -331_099_062 + table == 135_648_330
+    # A tied head reads the table on the device; the CPU has no device to save.
+    tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)
+    assert not plan_memory(_config(tied), tied, load_profile("4gb"), device="cuda").weights.is_embedding_on_host
+    assert not plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"),
+                           device="cpu").weights.is_embedding_on_host
+
+
 def test_deepseek_coder_plan_by_hand():
-    plan = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, load_profile("4gb"), device="cuda",
+    plan = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda",
                        context_len=4096, num_seqs=2, capacity=HUGE_CARD)
     assert plan.kv_bytes == 2 * 4096 * 196_608
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
@@ -317,7 +340,7 @@ def test_deepseek_coder_plan_by_hand():
     assert plan.workspace.peak_bytes == 101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs
     assert plan.engine_need_bytes == 2_692_943_872 + 138_723_384 + 1_610_612_736
     assert not plan.fits
-    longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, load_profile("4gb"), device="cuda",
+    longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda",
                           capacity=HUGE_CARD).max_context
     # fp16: (3,865,470,566 - 2,692,943,872 - 140,690,012 workspace at 5248 tokens) // 196,608 = 5248
     assert longest["fp16"] == 5248
@@ -353,7 +376,7 @@ def test_device_total_adds_context_allocator_and_fragmentation():
 
 
 def test_recommendations_are_ranked_and_their_verdicts_hold():
-    profile = load_profile("4gb")
+    profile = ON_DEVICE_4GB
     config = _config(R1_DISTILL_QWEN_1_5B)
     plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda")
     assert not plan.fits
@@ -429,10 +452,11 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
     assert mp.host_kv_blocks(config, profile.replace(kv_backend="device"), 2, "cuda") == 0
     assert mp.host_kv_blocks(config, profile, 4, "cpu") == 0
     # The doctor's verdict stays device-only, and says the engine runs it with unified memory.
-    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda", capacity=HUGE_CARD)
+    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert not plan.fits
     assert any("the engine still runs a 16384-token context" in note for note in plan.notes)
-    short = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda", capacity=HUGE_CARD, context_len=1024)
+    short = plan_memory(config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD,
+                        context_len=1024)
     assert short.fits and not any("the engine still runs" in note for note in short.notes)
 
 
@@ -507,7 +531,8 @@ def test_cli_prints_environment_and_plan_and_exits_0_when_it_fits(tiny_llama_dir
 
 def test_cli_exits_1_with_recommendations_when_it_does_not_fit(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_QWEN_1_5B))
-    code = _run(["--model", str(tmp_path / "config.json"), "--profile", "4gb", "--device", "cuda", "--quick"])
+    code = _run(["--model", str(tmp_path / "config.json"), "--profile", "4gb", "--device", "cuda", "--quick",
+                 "--batch", "2"])
     out = capsys.readouterr().out
     assert code == 1
     assert "verdict: does not fit" in out and "weight_format: awq" in out and "max_model_len:" in out
