@@ -93,7 +93,6 @@ class MemoryPlan:
     budget_bytes: int
     cuda_context_bytes: int
     is_context_measured: bool
-    allocator_overhead_bytes: int
     fragmentation_bytes: int
     device_capacity_bytes: int
     device_capacity_source: str
@@ -110,8 +109,9 @@ class MemoryPlan:
 
     @property
     def peak_allocated_bytes(self) -> int:
-        """Predicted torch.cuda.max_memory_allocated() of the run."""
-        return self.engine_need_bytes + self.allocator_overhead_bytes
+        """Predicted torch.cuda.max_memory_allocated() of the run (the cuBLAS workspace is in
+        the workspace)."""
+        return self.engine_need_bytes
 
     @property
     def device_need_bytes(self) -> int:
@@ -148,10 +148,9 @@ class MemoryPlan:
             "workspace": {"peak_bytes": self.workspace.peak_bytes, "peak_phase": self.workspace.peak_phase,
                           "phases": self.workspace.phases, "rope_bytes": self.workspace.rope_bytes,
                           "metadata_bytes": self.workspace.metadata_bytes, "num_tokens": self.workspace.num_tokens,
-                          "graph_bytes": self.workspace.graph_bytes,
+                          "graph_bytes": self.workspace.graph_bytes, "cublas_bytes": self.workspace.cublas_bytes,
                           "uses_kernels": self.workspace.uses_kernels},
             "cuda_context_bytes": self.cuda_context_bytes, "is_context_measured": self.is_context_measured,
-            "allocator_overhead_bytes": self.allocator_overhead_bytes,
             "fragmentation_bytes": self.fragmentation_bytes,
             "engine_need_bytes": self.engine_need_bytes, "budget_bytes": self.budget_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
@@ -241,7 +240,6 @@ class _Setup:
     model_dir: Path | None
     device_type: str
     cuda_context_bytes: int
-    allocator_overhead_bytes: int
     capacity_bytes: int | None  # None: the profile's card
     capacity_source: str
     is_context_in_capacity: bool
@@ -272,7 +270,7 @@ def _evaluate(setup: _Setup, profile: Profile, context_len: int, num_seqs: int,
     # torch's allocator cap (emulation) leaves the context out; a real card holds it.
     is_emulated = profile.emulate_vram_gib is not None and setup.device_type == "cuda" and setup.capacity_bytes is None
     context = setup.cuda_context_bytes if setup.is_context_in_capacity and not is_emulated else 0
-    device_need = engine_need + setup.allocator_overhead_bytes + fragmentation + context
+    device_need = engine_need + fragmentation + context
     fit = _Fit(engine_need, pool.budget_bytes, device_need, _capacity(setup, profile), fragmentation, context)
     return fit, weights, pool, kv_bytes
 
@@ -355,7 +353,7 @@ def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, 
             if available < card:
                 capacity_bytes, capacity_source = available, f"free on {gpu.name} now"
     setup = _Setup(config, raw, Path(model_dir) if model_dir is not None else None, device_type, context_bytes,
-                   mp.CUBLAS_WORKSPACE_BYTES if is_cuda else 0, capacity_bytes, capacity_source, is_cuda)
+                   capacity_bytes, capacity_source, is_cuda)
     fit, weights, pool, kv_bytes = _evaluate(setup, planned, context_len, num_seqs, element_bytes)
     if weights.weight_format == "fp16" and profile.weight_format == "awq":
         notes.append("the profile asks for weight_format awq but the checkpoint is not AWQ: weights are planned as "
@@ -386,7 +384,6 @@ def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, 
         kv_bytes_per_token={p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS},
         kv_bytes=kv_bytes, workspace=pool.workspace, budget_bytes=pool.budget_bytes,
         cuda_context_bytes=context_bytes, is_context_measured=measured is not None,
-        allocator_overhead_bytes=setup.allocator_overhead_bytes,
         fragmentation_bytes=fit.fragmentation_bytes,
         device_capacity_bytes=fit.capacity_bytes, device_capacity_source=capacity_source,
         is_context_in_capacity=fit.context_bytes > 0,
@@ -692,6 +689,7 @@ def render_plan(console, plan: MemoryPlan) -> None:
     ws = plan.workspace
     path = "Triton attention" if ws.uses_kernels else "plain-torch attention"
     graphs = f"; decode CUDA graphs {_size(ws.graph_bytes)}" if ws.graph_bytes else ""
+    graphs += f"; cuBLAS workspace {_size(ws.cublas_bytes)}" if ws.cublas_bytes else ""
     table.add_row(f"workspace (peak: {ws.peak_phase})", _size(ws.peak_bytes),
                   f"{ws.num_tokens}-token step, {path}; RoPE tables {_size(ws.rope_bytes)}{graphs}")
     table.add_row("[bold]engine total[/bold]", f"[bold]{_size(plan.engine_need_bytes)}[/bold]",
@@ -700,7 +698,6 @@ def render_plan(console, plan: MemoryPlan) -> None:
         if plan.is_context_in_capacity:
             table.add_row("CUDA context", _size(plan.cuda_context_bytes),
                           "measured here" if plan.is_context_measured else "typical, not measured")
-        table.add_row("allocator overhead", _size(plan.allocator_overhead_bytes), "cuBLAS workspaces")
     table.add_row(f"fragmentation reserve ({mp.FRAGMENTATION_RESERVE_FRACTION:.0%})", _size(plan.fragmentation_bytes),
                   "of KV + workspace")
     table.add_row("[bold]device total[/bold]", f"[bold]{_size(plan.device_need_bytes)}[/bold]",

@@ -107,6 +107,14 @@ class LLMEngine:
             # Projections are fused before any weight offload, so the fused tensors are the ones that stream.
             self.model, self.config = load_model_for_profile(self.model_dir, self.profile, self.device, self.dtype,
                                                              prepare=fuse_projections, held_bytes=held)
+        if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
+            # Plan from what loading really allocated when that is more than the tensors' own bytes
+            # (allocator rounding, buffers no weight report counts), so the pool leaves room for it.
+            loaded = torch.cuda.memory_allocated(self.device) - held
+            if loaded > self.model.weight_bytes:
+                log.info("loading allocated %.1f MiB beyond the weights' %.1f MiB; the plan counts it",
+                         (loaded - self.model.weight_bytes) / 2**20, self.model.weight_bytes / 2**20)
+                self.model.weight_bytes = loaded
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids

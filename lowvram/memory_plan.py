@@ -14,8 +14,8 @@ Three kinds of memory make up a run:
   `[heads, new tokens, context]`, which dwarfs everything else at long contexts.
 
 Outside torch's allocator the device also holds the CUDA context and the
-allocator's own slack; `CUDA_CONTEXT_BYTES`, `CUBLAS_WORKSPACE_BYTES` and
-`FRAGMENTATION_RESERVE_FRACTION` carry those, and
+allocator's own slack; `CUDA_CONTEXT_BYTES` and
+`FRAGMENTATION_RESERVE_FRACTION` carry those (`CUBLAS_WORKSPACE_BYTES`, which torch allocates, is in the workspace), and
 `scripts/bench_doctor_accuracy.py` measures them on a GPU.
 """
 
@@ -497,6 +497,9 @@ class Workspace:
     context_len: int
     uses_kernels: bool
     graph_bytes: int = 0  # what the decode CUDA graphs keep allocated (decode_graph_bytes)
+    # The cuBLAS workspace of the engine's own stream: its first matmul allocates it through
+    # torch's allocator and it stays for the life of the process (CUDA only).
+    cublas_bytes: int = 0
 
     @property
     def peak_phase(self) -> str:
@@ -504,7 +507,8 @@ class Workspace:
 
     @property
     def peak_bytes(self) -> int:
-        return self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes
+        return (self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes
+                + self.cublas_bytes)
 
 
 def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, context_len: int, element_bytes: int,
@@ -579,8 +583,9 @@ def decode_graph_bytes(config: ModelConfig, max_num_seqs: int, max_model_len: in
 
 def profile_workspace(config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int,
                       device_type: str, weights: WeightBytes | None = None) -> Workspace:
-    """The workspace the engine reserves for a profile: its largest possible step, and the
-    decode graphs' buffers where the profile replays graphs (CUDA, dense models)."""
+    """The workspace the engine reserves for a profile: its largest possible step, the
+    cuBLAS workspace of its stream (CUDA), and the decode graphs' buffers where the profile
+    replays graphs (CUDA, dense models)."""
     num_tokens = step_tokens(profile, max_model_len)
     kernels = uses_attention_kernels(device_type, config.head_dim)
     workspace = step_workspace(
@@ -588,6 +593,8 @@ def profile_workspace(config: ModelConfig, profile: Profile, max_model_len: int,
         element_bytes=element_bytes, uses_kernels=kernels, block_size=profile.kv_block_size,
         int4_scratch=int4_scratch_bytes(weights, num_tokens, kernels),
     )
+    if device_type == "cuda":
+        workspace.cublas_bytes = CUBLAS_WORKSPACE_BYTES
     if device_type == "cuda" and profile.enable_cuda_graphs and not _is_deepseek_v2(config):
         workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len,
                                                    profile.kv_block_size)
@@ -909,8 +916,7 @@ def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBy
         layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
     host_embedding = 0 if config.is_tied_head else weights.embedding_bytes
     kv = num_seqs * kv_pool_bytes(config, max_model_len, profile.kv_block_size, pool.kv_precision, element_bytes)
-    reserve = (CUBLAS_WORKSPACE_BYTES if device_type == "cuda" else 0) + int(
-        FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes))
+    reserve = int(FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes))
     return plan_offload(
         weights.layer_bytes, staged, fixed_bytes=weights.all_bytes - sum(weights.layer_bytes) - host_embedding,
         host_embedding_bytes=host_embedding, budget_bytes=pool.budget_bytes, workspace_bytes=pool.activation_bytes,

@@ -289,16 +289,18 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
     assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
     # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
     # + the decode graphs: inputs, the float32 logits of one sequence, the capture stream's cuBLAS workspace
+    # + the cuBLAS workspace of the engine's own stream
     graphs = (28 + 1024 * 4) + 151_936 * 4 + mp.CUBLAS_WORKSPACE_BYTES
     assert graphs == 35_214_876 == plan.workspace.graph_bytes
-    assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4) + graphs
-    assert plan.engine_need_bytes == 3_554_176_000 + 172_631_580 + 469_762_048 == 4_196_569_628
+    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES == 34_603_008
+    assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4) + graphs + 34_603_008
+    assert plan.engine_need_bytes == 3_554_176_000 + 207_234_588 + 469_762_048 == 4_231_172_636
     assert plan.budget_bytes == int(4 * 0.9 * GIB) == 3_865_470_566
-    assert not plan.fits and plan.engine_margin_bytes == -331_099_062
-    # (3,865,470,566 - 3,554,176,000 - 168,431,572 workspace at 4976 tokens) // 28,672 = 4982 -> 4976 in pages
-    assert plan.max_context["fp16"] == 4976
-    # int8: (311,294,566 - 172,628,076 workspace at 9376 tokens, RoPE tables for 16384) // 14,784 = 9379 -> 9376
-    assert plan.max_context["int8"] == 9376
+    assert not plan.fits and plan.engine_margin_bytes == -365_702_070
+    # (3,865,470,566 - 3,554,176,000 - 200,936,860 workspace at 3840 tokens) // 28,672 = 3848 -> 3840 in pages
+    assert plan.max_context["fp16"] == 3840
+    # int8: (311,294,566 - 203,035,748 workspace at 7312 tokens, RoPE tables for 8192) // 14,784 = 7322 -> 7312
+    assert plan.max_context["int8"] == 7312
 
 
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
@@ -307,9 +309,9 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
     # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
     # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
     assert plan.workspace.phases["mlp"] == 147_324_928
-    assert plan.workspace.peak_bytes == 147_324_928 + 8_388_608 + 53_248 + 35_214_876 == 190_981_660
-    assert plan.engine_need_bytes == 1_614_472_192 + 190_981_660 + 469_762_048
-    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_275_215_900
+    assert plan.workspace.peak_bytes == 147_324_928 + 8_388_608 + 53_248 + 35_214_876 + 34_603_008 == 225_584_668
+    assert plan.engine_need_bytes == 1_614_472_192 + 225_584_668 + 469_762_048
+    assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_309_818_908
 
 
 def test_embeddings_on_host_by_hand():
@@ -322,7 +324,7 @@ def test_embeddings_on_host_by_hand():
                             capacity=HUGE_CARD)
     assert on_host.weights.total_bytes == on_device.weights.total_bytes - table == 3_554_176_000 - 466_747_392
     assert ("embeddings held in host memory (embeddings_on_host)", -table) in on_host.weights.rows()
-    assert on_host.fits and on_host.engine_margin_bytes == -331_099_062 + table == 135_648_330
+    assert on_host.fits and on_host.engine_margin_bytes == -365_702_070 + table == 101_045_322
     # A tied head reads the table on the device; the CPU has no device to save.
     tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)
     assert not plan_memory(_config(tied), tied, load_profile("4gb"), device="cuda").weights.is_embedding_on_host
@@ -336,14 +338,16 @@ def test_deepseek_coder_plan_by_hand():
     assert plan.kv_bytes == 2 * 4096 * 196_608
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
     # + the decode graphs: inputs, float32 logits of 2 sequences (vocab 32,256), the cuBLAS workspace
+    # + the cuBLAS workspace of the engine's stream
     graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mp.CUBLAS_WORKSPACE_BYTES
-    assert plan.workspace.peak_bytes == 101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs
-    assert plan.engine_need_bytes == 2_692_943_872 + 138_723_384 + 1_610_612_736
+    assert plan.workspace.peak_bytes == (101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs
+                                         + mp.CUBLAS_WORKSPACE_BYTES)
+    assert plan.engine_need_bytes == 2_692_943_872 + 173_326_392 + 1_610_612_736
     assert not plan.fits
     longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda",
                           capacity=HUGE_CARD).max_context
-    # fp16: (3,865,470,566 - 2,692,943,872 - 140,690,012 workspace at 5248 tokens) // 196,608 = 5248
-    assert longest["fp16"] == 5248
+    # fp16: (3,865,470,566 - 2,692,943,872 - 175,292,932 workspace at 5072 tokens) // 196,608 = 5072
+    assert longest["fp16"] == 5072
     # int4: 16384 x 52,224 B of KV fits beside the weights: the model's whole window
     assert longest["int4"] == 16384
 
@@ -361,12 +365,13 @@ def test_largest_context_is_the_edge_of_fitting():
     assert plan.max_context["fp16"] < plan.max_context["int8"] < plan.max_context["int4"]
 
 
-def test_device_total_adds_context_allocator_and_fragmentation():
+def test_device_total_adds_context_and_fragmentation():
     plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
                        device="cuda")
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
-    assert plan.device_need_bytes == (plan.engine_need_bytes + mp.CUBLAS_WORKSPACE_BYTES + fragmentation
-                                      + mp.CUDA_CONTEXT_BYTES)
+    # The cuBLAS workspace is in the engine's own total (its workspace), which sizes the KV pool.
+    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES
+    assert plan.device_need_bytes == plan.engine_need_bytes + fragmentation + mp.CUDA_CONTEXT_BYTES
     assert plan.device_capacity_bytes == 4 * GIB
     emulated = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ,
                            load_profile("4gb").replace(emulate_vram_gib=3.0), device="cuda")
@@ -415,7 +420,7 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
         mp.plan_kv(config, load_profile("4gb"), 3_554_176_000, 2, 16384, device_type="cuda")
     message = str(info.value)
     assert "lowvram doctor --profile 4gb --context 16384" in message
-    assert "--max-model-len 4832" in message
+    assert "--max-model-len 3696" in message
     facts = parse_oom_message(f"lowvram: error: {message}")
     assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
 
