@@ -574,5 +574,6 @@ def test_predicted_peak_matches_a_real_gpu_run(tmp_path):
     print(f"predicted {row['predicted_peak_allocated_bytes']} B, measured {row['measured_peak_allocated_bytes']} B "
           f"({row['error']:+.1%}); beyond weights {row['predicted_beyond_weights_bytes']} vs "
           f"{row['measured_beyond_weights_bytes']} B")
-    assert row["measured_weight_bytes"] == row["predicted_weight_bytes"]
+    # The engine plans from what loading really allocated (a few MiB more than the tensors here).
+    assert 0 <= row["measured_weight_bytes"] - row["predicted_weight_bytes"] <= 0.005 * row["predicted_weight_bytes"]
     assert abs(row["error"]) <= 0.10
