@@ -117,10 +117,10 @@ def largest_group_size(config) -> int:
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, profile, device: str, emulate_vram_gib: float | None,
-                        num_samples: int, shape: str | None = None) -> tuple[Path, dict]:
-    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank; an AWQ input is used as is.
-    `shape`: `model_dir` holds random weights of this named shape (lowvram.shapes), which
-    lets the result be shared through the checkpoint cache."""
+                        num_samples: int, shape: str | None = None, quantize_head: bool = False) -> tuple[Path, dict]:
+    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank (and lm_head too with
+    `quantize_head`); an AWQ input is used as is. `shape`: `model_dir` holds random weights of
+    this named shape (lowvram.shapes), which lets the result be shared through the checkpoint cache."""
     from lowvram.model_config import load_model_config
     from lowvram.quantize import quantize_model
 
@@ -131,15 +131,17 @@ def quantize_checkpoint(model_dir: Path, out_dir: Path, profile, device: str, em
         from lowvram.shapes import random_awq_checkpoint
 
         settings = {"num_samples": num_samples, "group_size": largest_group_size(config),
-                    "fp16_budget_mib": profile.fp16_budget_mib, "rank": profile.compensation_rank}
+                    "fp16_budget_mib": profile.fp16_budget_mib, "rank": profile.compensation_rank,
+                    "quantize_head": quantize_head}
         _, awq_dir = random_awq_checkpoint(shape, out_dir.parent, device=device, emulate_vram_gib=emulate_vram_gib,
                                            **settings)
         return awq_dir, settings
     report = quantize_model(model_dir, out_dir, group_size=largest_group_size(config),
                             fp16_budget_mib=profile.fp16_budget_mib, rank=profile.compensation_rank,
-                            num_samples=num_samples, device=device, emulate_vram_gib=emulate_vram_gib)
-    return out_dir, {"seconds": round(report.seconds, 2), "num_samples": report.num_samples,
-                     "seq_len": report.seq_len, "group_size": report.group_size,
+                            num_samples=num_samples, device=device, emulate_vram_gib=emulate_vram_gib,
+                            quantize_head=quantize_head)
+    return out_dir, {"quantize_head": quantize_head, "seconds": round(report.seconds, 2),
+                     "num_samples": report.num_samples, "seq_len": report.seq_len, "group_size": report.group_size,
                      "fp16_budget_mib": report.fp16_budget_mib, "rank": report.rank,
                      "num_fp16_groups": len(report.fp16_groups), "peak_device_bytes": report.peak_device_bytes}
 
@@ -374,7 +376,8 @@ def _weight_format(engine) -> str:
 
 
 def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_layers: int | None = None,
-                    quantize: bool = False, calib_samples: int = DEFAULT_CALIB_SAMPLES, profile: str | None = None,
+                    quantize: bool = False, quantize_head: bool = False, calib_samples: int = DEFAULT_CALIB_SAMPLES,
+                    profile: str | None = None,
                     device: str | None = None, emulate_vram_gib: float | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                     context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -386,7 +389,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     model: a model directory or hub id; None writes random weights of `shape` (a name from
         `lowvram.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b), with `num_layers`
         decoder layers if given.
-    quantize: make the checkpoint AWQ INT4 first (`calib_samples` calibration blocks).
+    quantize: make the checkpoint AWQ INT4 first (`calib_samples` calibration blocks);
+        `quantize_head` makes lm_head INT4 too.
     profile, device, emulate_vram_gib: as for LLMEngine.
     batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
         context length, `max_tokens` tokens per request; prefill at every context length.
@@ -439,7 +443,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
             cacheable = model is None and num_layers is None and (shape or DEFAULT_SHAPE) != TINY_SHAPE
             model_dir, quantization = quantize_checkpoint(source_dir, work_dir / "awq", base, compute_device.type,
                                                           emulate_vram_gib, calib_samples,
-                                                          shape=(shape or DEFAULT_SHAPE) if cacheable else None)
+                                                          shape=(shape or DEFAULT_SHAPE) if cacheable else None,
+                                                          quantize_head=quantize_head)
         if compute_device.type == "cuda":
             _release(compute_device)
             torch.cuda.reset_peak_memory_stats(compute_device)

@@ -142,7 +142,7 @@ def cmd_bench_speed(args) -> int:
     command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
     result = run_speed_bench(
         args.model, shape=args.shape, num_layers=args.num_layers, quantize=args.quantize,
-        calib_samples=args.calib_samples, profile=args.profile, device=args.device,
+        quantize_head=args.quantize_head, calib_samples=args.calib_samples, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
         max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--quantize", action="store_true",
                        help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank")
     speed.add_argument("--calib-samples", type=int, default=8, help="calibration blocks for --quantize (default 8)")
+    speed.add_argument("--quantize-head", action="store_true",
+                       help="with --quantize, make lm_head INT4 too (as `lowvram quantize --quantize-head`: less "
+                            "memory and faster decode; vLLM and transformers cannot load such a checkpoint)")
     speed.add_argument("--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without")
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")

@@ -143,15 +143,15 @@ def cached_checkpoint(key: str, make: Callable[[Path], object], work_dir: str | 
 
 def random_awq_checkpoint(shape: str, work_dir: str | Path, *, num_samples: int = 8, group_size: int = 128,
                           fp16_budget_mib: float = 0.0, rank: int = 0, device: str = "auto",
-                          emulate_vram_gib: float | None = None) -> tuple[Path, Path]:
+                          emulate_vram_gib: float | None = None, quantize_head: bool = False) -> tuple[Path, Path]:
     """Random weights of `shape` and their AWQ INT4 version (`num_samples` calibration
-    blocks; FP16-kept layers and compensation as given, none by default): (source
-    directory, AWQ directory), cached as `cached_checkpoint` says."""
+    blocks; FP16-kept layers, compensation and an INT4 lm_head as given, none by default):
+    (source directory, AWQ directory), cached as `cached_checkpoint` says."""
     from lowvram.quantize import quantize_model
 
     source = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
-    key = f"{shape}-awq-n{num_samples}-g{group_size}-f{fp16_budget_mib:g}-r{rank}"
+    key = f"{shape}-awq-n{num_samples}-g{group_size}-f{fp16_budget_mib:g}-r{rank}" + ("-head" if quantize_head else "")
     awq = cached_checkpoint(key, lambda d: quantize_model(
         source, d, group_size=group_size, fp16_budget_mib=fp16_budget_mib, rank=rank, num_samples=num_samples,
-        device=device, emulate_vram_gib=emulate_vram_gib), work_dir)
+        device=device, emulate_vram_gib=emulate_vram_gib, quantize_head=quantize_head), work_dir)
     return source, awq

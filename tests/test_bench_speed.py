@@ -112,6 +112,19 @@ def test_quantize_measures_awq_int4_weights():
     assert record["decode"][0]["decode_tokens_per_s"] > 0
 
 
+def test_quantize_head_measures_an_int4_lm_head():
+    kept = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu",
+                           batch_sizes=(1,), context_lens=(16,), max_tokens=2)
+    record = run_speed_bench(shape="tiny", quantize=True, quantize_head=True, calib_samples=2, profile="cpu",
+                             device="cpu", batch_sizes=(1,), context_lens=(16,), max_tokens=2)
+    assert record["model"]["quantization"]["quantize_head"] is True
+    # The head is read as packed INT4 with group scales: under a quarter of its FP16 bytes plus scales.
+    fp16, int4 = kept["model"]["weight_bytes"], record["model"]["weight_bytes"]
+    assert int4["head_bytes"] < 0.3 * fp16["head_bytes"]
+    assert int4["total_bytes"] == fp16["total_bytes"] - fp16["head_bytes"] + int4["head_bytes"]
+    assert record["decode"][0]["decode_tokens_per_s"] > 0
+
+
 def test_an_unknown_shape_names_the_known_ones(capsys):
     with pytest.raises(ConfigError, match="known shapes: .*r1-distill-qwen-1.5b.*tiny"):
         run_speed_bench(shape="gpt-5", device="cpu")
@@ -178,4 +191,4 @@ def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeyp
     for record in runs:
         assert record["model"]["weight_format"].startswith("awq-int4")
         assert record["model"]["quantization"] == {"num_samples": 2, "group_size": 128, "fp16_budget_mib": budget,
-                                                   "rank": rank}
+                                                   "rank": rank, "quantize_head": False}
