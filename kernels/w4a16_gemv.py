@@ -35,7 +35,9 @@ and adds t_s Bt[:, its columns] to its partial before `awq_gemv_store`. The sum 
 t_s Bt is (x A^T) B^T, so the split reduction produces the whole term without a second kernel.
 Every column block recomputes its t_s: A is small (R * K * 2 bytes) and stays in L2, while a
 separate x A^T kernel would cost a launch per projection, which is what the fusion removes.
-Ranks are padded to BLOCK_R (a power of two, at least 16 for tl.dot) by masking.
+Ranks are padded to BLOCK_R (a power of two, at least 16 for tl.dot) by masking. A fused
+q/k/v or gate/up layer's B is block diagonal (lowvram.fusion) and is read whole, zeros
+included: its R is the sum of its parts' ranks.
 """
 
 import torch
