@@ -10,6 +10,10 @@ Triton, and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them). Everyth
 the plain-torch path: dequantize, then matmul. The choice is logged once per device on the
 `lowvram.kernels` logger.
 
+Residual compensation, y += (x A^T) Bt with A [R, K] and Bt [R, N], is computed inside the
+decode kernel (w4a16_gemv explains how); the larger paths add it with one more matmul pair
+(tl.dot GEMM) or fold it into the dequantized W (cuBLAS path), where it costs little.
+
 `awq_linear_ref` is the high-precision reference the kernels are tested against.
 """
 
@@ -45,30 +49,38 @@ except Exception as exc:  # no triton, or a triton that cannot initialise on thi
 _logged_choices: set[str] = set()
 
 
-def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None):
-    """Reference: x [..., K] @ dequantized W [K, N] (+ bias), returned as float32.
+def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None):
+    """Reference: x [..., K] @ dequantized W [K, N] (+ bias) (+ (x A^T) Bt), returned as float32.
 
-    The matmul runs in float64 so a global TF32 setting on the GPU cannot loosen it.
+    The matmuls run in float64 so a global TF32 setting on the GPU cannot loosen them.
     """
     check_awq_shapes(qweight, qzeros, scales, group_size)
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=torch.float64)
-    y = x.to(torch.float64) @ weight.to(x.device)
+    x64 = x.to(torch.float64)
+    y = x64 @ weight.to(x.device)
     if bias is not None:
         y = y + bias.to(torch.float64)
+    if lora_a is not None:
+        y = y + (x64 @ lora_a.to(torch.float64).t()) @ lora_bt.to(torch.float64)
     return y.to(torch.float32)
 
 
-def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, use_reference: bool = False):
-    """y [..., N] = x [..., K] @ W [K, N] + bias, W given as AutoAWQ GEMM tensors.
+def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
+               use_reference: bool = False):
+    """y [..., N] = x [..., K] @ W [K, N] + bias + (x A^T) Bt, W given as AutoAWQ GEMM tensors.
 
     x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
     float32 under the Triton interpreter), any strides; qweight int32 [K, N/8], qzeros int32
     [K/G, N/8], scales float16 [K/G, N], bias [N] or None, all contiguous and on x's device;
-    group_size in 32/64/128 and dividing K. Returns y in x's dtype. Raises KernelError, naming
-    the tensor, for bad shapes, dtypes, strides, devices or group size. use_reference forces the
-    plain-torch path (the engine does this on the CPU, where the interpreter is for tests only).
+    group_size in 32/64/128 and dividing K. lora_a [R, K] (contiguous) and lora_bt [R, N]
+    (any strides, contiguous is fastest), both or neither, float, on x's device: the residual
+    compensation, added in the same decode launch. Returns y in x's dtype. Raises KernelError,
+    naming the tensor, for bad shapes, dtypes, strides, devices or group size. use_reference
+    forces the plain-torch path (the engine does this on the CPU, where the interpreter is for
+    tests only).
     """
     num_inputs, num_outputs = _check_inputs(x, qweight, qzeros, scales, group_size, bias)
+    _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs)
     use_triton = not use_reference and _select_backend(x.device)
     if use_triton:
         allowed = (torch.float16, torch.float32) if x.device.type == "cpu" else (torch.float16,)
@@ -84,10 +96,14 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, use_referen
     if num_rows == 0:
         return x.new_empty(out_shape)
     if not use_triton:
-        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias).reshape(out_shape)
+        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt).reshape(out_shape)
 
+    has_lora = lora_a is not None
     if num_rows >= DEQUANT_MATMUL_MIN_M:
-        weight = w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, group_size, x.dtype)
+        weight = w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, group_size, x.dtype)  # [K, N], ours
+        if has_lora:
+            # W += A^T Bt: K * N * R multiply-adds however many rows, one op, then one matmul
+            weight.addmm_(lora_a.t().to(x.dtype), lora_bt.to(x.dtype))
         if bias is None:
             y = x2d @ weight
         else:
@@ -98,20 +114,25 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, use_referen
     if num_rows <= MAX_DECODE_M:
         config = w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, group_size,
                                                _num_sms(x.device))
-        w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config)
+        w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     else:
         config = w4a16_gemm.choose_gemm_config(num_rows, group_size)
         w4a16_gemm.launch_awq_gemm(x2d, qweight, qzeros, scales, group_size, bias, y, config)
+        if has_lora:
+            y.addmm_(x2d @ lora_a.t().to(x.dtype), lora_bt.to(x.dtype))
     return y.reshape(out_shape)
 
 
-def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias):
+def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None):
     # CPU matmuls are fastest and most accurate in float32; GPUs keep the activation dtype.
     compute_dtype = x2d.dtype if x2d.is_cuda else torch.float32
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=compute_dtype)
-    y = x2d.to(compute_dtype) @ weight
+    x = x2d.to(compute_dtype)
+    y = x @ weight
     if bias is not None:
         y = y + bias.to(compute_dtype)
+    if lora_a is not None:
+        y = torch.addmm(y, x @ lora_a.t().to(compute_dtype), lora_bt.to(compute_dtype))
     return y.to(x2d.dtype)
 
 
@@ -143,6 +164,26 @@ def _check_inputs(x, qweight, qzeros, scales, group_size, bias):
             raise KernelError(f"bias must be contiguous and on {x.device}, got strides "
                               f"{bias.stride()} on {bias.device}")
     return num_inputs, num_outputs
+
+
+def _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs):
+    if lora_a is None and lora_bt is None:
+        return
+    if lora_a is None or lora_bt is None:
+        raise KernelError("lora_a and lora_bt come together: pass both or neither")
+    for name, tensor, width in (("lora_a", lora_a, num_inputs), ("lora_bt", lora_bt, num_outputs)):
+        if not tensor.is_floating_point() or tensor.dim() != 2 or tensor.shape[1] != width:
+            readable = "[R, K] = [R, %d]" if name == "lora_a" else "[R, N] = [R, %d]"
+            raise KernelError(f"{name} must be a float tensor {readable % width}, got "
+                              f"{tensor.dtype} {list(tensor.shape)}")
+        if tensor.device != x.device:
+            raise KernelError(f"{name} is on {tensor.device} but x is on {x.device}; "
+                              f"move the layer and its input to one device")
+    if lora_a.shape[0] != lora_bt.shape[0]:
+        raise KernelError(f"lora_a has rank {lora_a.shape[0]} but lora_bt has rank {lora_bt.shape[0]}")
+    if lora_a.stride(1) != 1:
+        raise KernelError(f"lora_a {list(lora_a.shape)} must have unit stride along K, got strides "
+                          f"{lora_a.stride()}; call .contiguous() when loading")
 
 
 def _select_backend(device: torch.device) -> bool:

@@ -28,6 +28,16 @@ threads inside the loop; one more multiply per weight). Which is fastest depends
 GPU and shape; profile_decode.py --sweep-gemv measures them. With 2-16 rows the same
 unpacking feeds tl.dot (`_awq_gemv_lanes_dot_kernel`, also "unpack": "lanes"); the
 interleaving form stays the multi-row default until the sweep says otherwise.
+
+Residual compensation (y += (x A^T) B^T, rank R) rides along in the same launch. Each split
+program also accumulates t_s = x[its K range] A[:, its K range]^T in float32 while it walks K,
+and adds t_s Bt[:, its columns] to its partial before `awq_gemv_store`. The sum over splits of
+t_s Bt is (x A^T) B^T, so the split reduction produces the whole term without a second kernel.
+Every column block recomputes its t_s: A is small (R * K * 2 bytes) and stays in L2, while a
+separate x A^T kernel would cost a launch per projection, which is what the fusion removes.
+Ranks are padded to BLOCK_R (a power of two, at least 16 for tl.dot) by masking. A fused
+q/k/v or gate/up layer's B is block diagonal (lowvram.fusion) and is read whole, zeros
+included: its R is the sum of its parts' ranks.
 """
 
 import torch
@@ -143,13 +153,58 @@ def awq_gemv_store(
 
 
 @triton.jit
+def lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr):
+    """A[:, offs_k]^T as [BLOCK_K, BLOCK_R]; ranks past `rank` read as zero."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(lora_a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None], mask=(offs_r < rank)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def lora_bt_tile(lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl.constexpr):
+    """Bt[:, cols] as [BLOCK_R, BLOCK_N] for columns cols [BLOCK_N]; zero past `rank` and N."""
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = (offs_r < rank)[:, None] & (cols < N)[None, :]
+    return tl.load(lora_bt_ptr + offs_r[:, None] * stride_br + cols[None, :] * stride_bn, mask=mask, other=0.0)
+
+
+@triton.jit
+def lora_row_down(t, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr):
+    """One row: t [BLOCK_R] + x [BLOCK_K] (float32) @ A[:, offs_k]^T."""
+    a = lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R).to(tl.float32)
+    return t + tl.sum(x[:, None] * a, axis=0)
+
+
+@triton.jit
+def lora_row_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl.constexpr):
+    """One row: t [BLOCK_R] @ Bt[:, cols] as float32 [BLOCK_N]."""
+    bt = lora_bt_tile(lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R).to(tl.float32)
+    return tl.sum(t[:, None] * bt, axis=0)
+
+
+@triton.jit
+def lora_rows_down(t, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr):
+    """Rows: t [BLOCK_M, BLOCK_R] + x [BLOCK_M, BLOCK_K] @ A[:, offs_k]^T on tensor cores."""
+    return t + tl.dot(x, lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R).to(x.dtype))
+
+
+@triton.jit
+def lora_rows_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl.constexpr):
+    """Rows: t [BLOCK_M, BLOCK_R] @ Bt[:, cols] as float32 [BLOCK_M, BLOCK_N]. t is rounded to
+    Bt's dtype first, as the plain-torch path rounds x A^T to the activation dtype."""
+    bt = lora_bt_tile(lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R)
+    return tl.dot(t.to(bt.dtype), bt)
+
+
+@triton.jit
 def _awq_gemv_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
     M, N, K, num_packed_cols, stride_xm, stride_xk, stride_ym,
     K_BLOCKS_PER_SPLIT,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_PARTIAL: tl.constexpr,
+    IS_PARTIAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,8 +219,12 @@ def _awq_gemv_kernel(
 
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if HAS_LORA:
+            t = tl.zeros((BLOCK_R,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_LORA:
+            t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
 
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
@@ -178,12 +237,21 @@ def _awq_gemv_kernel(
             x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
             partial = tl.sum(x[:, None] * centered.to(tl.float32), axis=0)
             acc += partial * scales
+            if HAS_LORA:
+                t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
         else:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None], other=0.0)
             partial = tl.dot(x, centered.to(x.dtype))
             acc += partial * scales[None, :]
+            if HAS_LORA:
+                t = lora_rows_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
 
+    if HAS_LORA:
+        if BLOCK_M == 1:
+            acc += lora_row_up(t, lora_bt_ptr, offs_n, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        else:
+            acc += lora_rows_up(t, lora_bt_ptr, offs_n, lora_rank, N, stride_br, stride_bn, BLOCK_R)
     if BLOCK_M == 1:
         awq_gemv_store(acc, 0, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr,
                        M, N, HAS_BIAS, IS_PARTIAL)
@@ -229,9 +297,11 @@ def awq_load_lanes(
 @triton.jit
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
     N, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -244,18 +314,27 @@ def _awq_gemv_row_kernel(
         acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_C, 8), dtype=tl.float32)
+    if HAS_LORA:
+        t = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
         centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
                                           num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
         centered = centered.to(tl.float32)
-        x = tl.load(x_ptr + (k_start + tl.arange(0, BLOCK_K)) * stride_xk).to(tl.float32)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
         if REDUCE_AT_END:
             acc3 += x[:, None, None] * (centered * scales[None, :, :])
         else:
             acc += tl.sum(x[:, None, None] * centered, axis=0) * scales
+        if HAS_LORA:
+            t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
+    if HAS_LORA:
+        # cols [C, 8] flattened row-major and back: the term lands on the column it was read for
+        term = lora_row_up(t, lora_bt_ptr, tl.reshape(cols, (BLOCK_N,)), lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        acc += tl.reshape(term, (BLOCK_C, 8))
     awq_gemv_store(acc, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
                    HAS_BIAS, IS_PARTIAL)
 
@@ -263,9 +342,11 @@ def _awq_gemv_row_kernel(
 @triton.jit
 def _awq_gemv_lanes_dot_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
     M, N, num_packed_cols, stride_xm, stride_xk, stride_ym, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
     # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
@@ -279,6 +360,8 @@ def _awq_gemv_lanes_dot_kernel(
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
         centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols2, N,
@@ -288,6 +371,10 @@ def _awq_gemv_lanes_dot_kernel(
                     mask=mask_m[:, None], other=0.0)
         centered = tl.reshape(centered, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, centered.to(x.dtype)) * tl.reshape(scales, (BLOCK_N,))[None, :]
+        if HAS_LORA:
+            t = lora_rows_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
+    if HAS_LORA:
+        acc += lora_rows_up(t, lora_bt_ptr, cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
     awq_gemv_store(acc, offs_m[:, None], cols[None, :], mask_m[:, None] & mask_cols[None, :], y_ptr, stride_ym,
                    bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
 
@@ -338,11 +425,18 @@ def split_counters(device: torch.device, num_column_blocks: int) -> torch.Tensor
     return counters
 
 
-def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
+def lora_block_r(rank: int) -> int:
+    """The padded rank the kernels work in: a power of two, at least tl.dot's 16."""
+    return max(DOT_MIN_M, triton.next_power_of_2(rank))
+
+
+def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
     x: [M, K] (M <= 16, any strides); qweight/qzeros/scales contiguous; y: [M, N] with unit
-    column stride. `config` comes from choose_gemv_config (or a benchmark sweep).
+    column stride. `config` comes from choose_gemv_config (or a benchmark sweep). lora_a [R, K]
+    (unit stride along K) and lora_bt [R, N] (any strides; contiguous reads fastest), both or
+    neither, add (x A^T) Bt in the same launch.
     """
     num_rows, num_inputs = x.shape
     num_outputs = y.shape[1]
@@ -366,31 +460,39 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config):
     else:
         partials = counters = y  # not read
     outputs = (bias if has_bias else scales, y, partials, counters)
+    has_lora = lora_a is not None
+    if has_lora:
+        rank = lora_a.shape[0]
+        lora = (lora_a, lora_bt, rank, lora_a.stride(0), lora_bt.stride(0), lora_bt.stride(1))
+    else:
+        rank = 0
+        lora = (scales, scales, 0, 0, 0, 0)  # not read
+    lora_flags = {"HAS_LORA": has_lora, "BLOCK_R": lora_block_r(rank)}
     grid = (num_column_blocks, split_k)
     if num_rows == 1 and config.get("unpack") == "lanes":
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, *outputs,
+            x, qweight, qzeros, scales, *outputs, *lora,
             num_outputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
-            num_warps=config["num_warps"],
+            **lora_flags, num_warps=config["num_warps"],
         )
     elif config.get("unpack") == "lanes":
         _awq_gemv_lanes_dot_kernel[grid](
-            x, qweight, qzeros, scales, *outputs,
+            x, qweight, qzeros, scales, *outputs, *lora,
             num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
             k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            num_warps=config["num_warps"],
+            **lora_flags, num_warps=config["num_warps"],
         )
     else:
         _awq_gemv_kernel[grid](
-            x, qweight, qzeros, scales, *outputs,
+            x, qweight, qzeros, scales, *outputs, *lora,
             num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
             k_blocks_per_split,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            num_warps=config["num_warps"],
+            **lora_flags, num_warps=config["num_warps"],
         )
     return y

@@ -9,6 +9,12 @@ Residual compensation (written by `lowvram quantize`) corrects the INT4 error wi
 optional extras, stored beside the AWQ tensors under names no other loader knows:
 - `lowvram_lora_a` [r, K] and `lowvram_lora_b` [N, r]: a rank-r term, y += (x A^T) B^T;
 - `lowvram_bias_correction` [N]: y += c, the INT4 error's mean effect on the output.
+
+Both run inside the INT4 kernel's one launch. The correction is folded into the bias when it
+is attached (bias := bias + c, or c when the layer has none), so it costs nothing at all. B is
+kept transposed: `lowvram_lora_b` is a [N, r] view of a contiguous [r, N] tensor, `lora_bt`,
+which the decode kernel reads a column block at a time. The files keep the names and layouts
+`lowvram quantize` wrote; only the modules hold them this way.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from lowvram.kernels.w4a16 import awq_linear
 LORA_A = "lowvram_lora_a"
 LORA_B = "lowvram_lora_b"
 BIAS_CORRECTION = "lowvram_bias_correction"
-COMPENSATION_NAMES = (LORA_A, LORA_B, BIAS_CORRECTION)
+COMPENSATION_NAMES = (LORA_A, LORA_B, BIAS_CORRECTION)  # names in the checkpoint
+LORA_NAMES = (LORA_A, LORA_B)  # the ones a module keeps as buffers
 AWQ_NAMES = ("qweight", "qzeros", "scales")
 
 
@@ -33,7 +40,8 @@ class AwqLinear(nn.Module):
         in_features: K; must be a multiple of group_size.
         out_features: N; must be a multiple of 8 (eight 4-bit columns per int32).
         group_size: inputs sharing one scale and zero point (32, 64 or 128).
-        has_bias: whether the layer adds a bias (Qwen2's q/k/v do).
+        has_bias: whether the checkpoint's layer has a bias (Qwen2's q/k/v do); a bias
+            correction gives a layer without one a bias made of the correction.
     The buffers start empty; the loader assigns the checkpoint's tensors.
     """
 
@@ -50,20 +58,32 @@ class AwqLinear(nn.Module):
         self.register_buffer("qzeros", torch.empty(num_groups, out_features // PACK_FACTOR, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(num_groups, out_features, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if has_bias else None
-        for name in COMPENSATION_NAMES:
+        for name in LORA_NAMES:
             self.register_buffer(name, None)
+        self.has_own_bias = has_bias
+        self.is_bias_corrected = False  # the bias already holds lowvram_bias_correction
 
     @property
     def has_compensation(self) -> bool:
-        return any(getattr(self, name) is not None for name in COMPENSATION_NAMES)
+        return self.is_bias_corrected or any(getattr(self, name) is not None for name in LORA_NAMES)
 
     @property
     def lora_rank(self) -> int:
         lora_a = getattr(self, LORA_A)
         return 0 if lora_a is None else lora_a.shape[0]
 
+    @property
+    def lora_bt(self) -> torch.Tensor | None:
+        """B^T [r, N], contiguous as set_compensation stores it."""
+        lora_b = getattr(self, LORA_B)
+        return None if lora_b is None else lora_b.t()
+
     def set_compensation(self, name: str, tensor: torch.Tensor) -> None:
-        """Attach one compensation tensor, checking its shape against the layer."""
+        """Attach one compensation tensor, checking its shape against the layer.
+
+        A bias correction is added to the bias here, so the bias must already hold its
+        checkpoint value (the loader attaches compensation after every other tensor).
+        """
         expected = {
             LORA_A: (None, self.in_features),
             LORA_B: (self.out_features, None),
@@ -73,25 +93,37 @@ class AwqLinear(nn.Module):
         if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
             readable = ["r" if e is None else e for e in expected]
             raise ValueError(f"{name} has shape {list(shape)}, expected {readable}")
-        self.register_buffer(name, tensor)
+        if name == BIAS_CORRECTION:
+            self._fold_bias_correction(tensor)
+        elif name == LORA_B:
+            self.register_buffer(name, tensor.t().contiguous().t())  # [N, r] over a contiguous [r, N]
+        else:
+            self.register_buffer(name, tensor.contiguous())
+
+    def _fold_bias_correction(self, correction: torch.Tensor) -> None:
+        if self.bias is None:
+            folded = correction.clone()
+        elif self.bias.is_meta:
+            raise ValueError(f"{BIAS_CORRECTION} was attached before the bias was loaded; attach it after")
+        else:
+            # one rounding to the bias dtype instead of one per add in the forward pass
+            folded = (self.bias.float() + correction.to(self.bias.device).float()).to(self.bias.dtype)
+        self.bias = nn.Parameter(folded, requires_grad=False)
+        self.is_bias_corrected = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On the CPU the model always takes the plain-torch path: Triton there is only the
         # interpreter, which tests use to check the kernels themselves.
-        y = awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                       use_reference=not x.is_cuda)
-        lora_a, lora_b = getattr(self, LORA_A), getattr(self, LORA_B)
-        if lora_a is not None and lora_b is not None:
-            # the rank-r product costs r * (K + N) per token, a few percent of the INT4 matmul
-            y = y + (x @ lora_a.t().to(x.dtype)) @ lora_b.t().to(x.dtype)
-        bias_correction = getattr(self, BIAS_CORRECTION)
-        if bias_correction is not None:
-            y = y + bias_correction.to(y.dtype)
-        return y
+        lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
+        if lora_a is None or lora_bt is None:
+            lora_a = lora_bt = None
+        # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
+        return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                          lora_a=lora_a, lora_bt=lora_bt, use_reference=not x.is_cuda)
 
     def extra_repr(self) -> str:
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
-        if getattr(self, BIAS_CORRECTION) is not None:
+        if self.is_bias_corrected:
             extras += ", bias_correction=True"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}{extras}")

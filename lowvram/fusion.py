@@ -10,6 +10,8 @@ Both nn.Linear and AwqLinear fuse. AWQ packs eight output columns per int32 and 
 scales along K, so concatenating qweight, qzeros and scales along N keeps every column's
 nibble order and group. A residual compensation fuses too: the rank-r factors stack into
 A = [A_q; A_k; A_v] and a block-diagonal B, so each output still sees only its own term.
+Bias corrections are already inside the parts' biases, so AWQ parts with and without a bias
+fuse, the missing biases read as zeros.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
+from lowvram.awq_linear import LORA_A, LORA_B, AwqLinear
 from lowvram.model import MLP, Attention, DecoderLayer
 
 
@@ -33,12 +35,18 @@ def _cat_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 def _cat_awq(parts: list[AwqLinear]) -> AwqLinear:
     first = parts[0]
-    has_bias = first.bias is not None
-    fused = AwqLinear(first.in_features, sum(p.out_features for p in parts), first.group_size, has_bias)
+    biases = [p.bias for p in parts]
+    has_bias = any(b is not None for b in biases)
+    fused = AwqLinear(first.in_features, sum(p.out_features for p in parts), first.group_size,
+                      any(p.has_own_bias for p in parts))
+    fused.is_bias_corrected = any(p.is_bias_corrected for p in parts)
     for name in ("qweight", "qzeros", "scales"):
         fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1).contiguous())  # along N
     if has_bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        like = next(b for b in biases if b is not None)
+        fused.bias = nn.Parameter(torch.cat([
+            b if b is not None else torch.zeros(p.out_features, dtype=like.dtype, device=like.device)
+            for b, p in zip(biases, parts)]), requires_grad=False)
     if any(p.lora_rank for p in parts):
         like = next(getattr(p, LORA_A) for p in parts if p.lora_rank)
         lora_a = torch.cat([getattr(p, LORA_A) for p in parts if p.lora_rank])  # [r_total, K]
@@ -51,12 +59,6 @@ def _cat_awq(parts: list[AwqLinear]) -> AwqLinear:
             row += p.out_features
         fused.set_compensation(LORA_A, lora_a)
         fused.set_compensation(LORA_B, lora_b)  # [N_total, r_total], block diagonal
-    corrections = [getattr(p, BIAS_CORRECTION) for p in parts]
-    if any(c is not None for c in corrections):
-        like = next(c for c in corrections if c is not None)
-        fused.set_compensation(BIAS_CORRECTION, torch.cat([
-            c if c is not None else torch.zeros(p.out_features, dtype=like.dtype, device=like.device)
-            for c, p in zip(corrections, parts)]))
     return fused
 
 
@@ -66,7 +68,7 @@ def fuse(parts: list[nn.Module]) -> nn.Module | None:
         if len({(p.in_features, p.weight.dtype, p.weight.device, p.bias is None) for p in parts}) == 1:
             return _cat_linear(parts)
     elif all(type(p) is AwqLinear for p in parts):
-        if len({(p.in_features, p.group_size, p.qweight.device, p.bias is None) for p in parts}) == 1:
+        if len({(p.in_features, p.group_size, p.qweight.device) for p in parts}) == 1:
             return _cat_awq(parts)
     return None
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from lowvram.awq_format import dequantize_awq
-from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
+from lowvram.awq_linear import LORA_A, LORA_B, AwqLinear
 from lowvram.config import Profile
 from lowvram.loader import load_model
 from lowvram.memory_plan import (
@@ -275,8 +275,8 @@ class HostComputed(nn.Module):
 
 def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
     """The float32 host nn.Linear an AwqLinear computes: INT4 dequantized (in slices of
-    output columns, on `compute_device`), low-rank compensation folded into the weight,
-    bias correction into the bias."""
+    output columns, on `compute_device`), low-rank compensation folded into the weight (the
+    bias already holds any bias correction)."""
     k, n, g = awq.in_features, awq.out_features, awq.group_size
     weight = torch.empty(n, k, dtype=torch.float32)  # nn.Linear layout [N, K]
     cols = max(8, DEQUANT_CHUNK_ELEMENTS // k // 8 * 8)  # whole int32 words of 8 columns
@@ -290,9 +290,6 @@ def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
     if lora_a is not None and lora_b is not None:
         weight += lora_b.float().cpu() @ lora_a.float().cpu()  # [N, r] @ [r, K]: x A^T B^T = x (B A)^T
     bias = awq.bias.float().cpu() if awq.bias is not None else None
-    correction = getattr(awq, BIAS_CORRECTION)
-    if correction is not None:
-        bias = correction.float().cpu() if bias is None else bias + correction.float().cpu()
     linear = nn.Linear(k, n, bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowvram.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
+from lowvram.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, LORA_NAMES, AwqLinear
 from lowvram.config import Profile
 from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
@@ -143,11 +143,16 @@ def _convert(module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.d
 
 
 def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype) -> int:
-    """Assign every tensor from the shards; returns the bytes loaded."""
+    """Assign every tensor from the shards; returns the bytes loaded.
+
+    Compensation tensors are attached last, once every bias holds its checkpoint value: a bias
+    correction is added to the bias as it attaches (and gives a bias-free layer one).
+    """
     from safetensors import SafetensorError, safe_open
 
     loaded: set[str] = set()
     names_on_disk: set[str] = set()
+    compensation: list[tuple[nn.Module, str, str, torch.Tensor]] = []
     num_bytes = 0
     for path in files:
         try:
@@ -158,7 +163,10 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
                     if target is None:
                         continue
                     tensor = _convert(*target, f.get_tensor(name), device, dtype)
-                    _assign(*target, name, tensor)
+                    if isinstance(target[0], AwqLinear) and target[1] in COMPENSATION_NAMES:
+                        compensation.append((*target, name, tensor))
+                    else:
+                        _assign(*target, name, tensor)
                     loaded.add(name)
                     num_bytes += tensor.numel() * tensor.element_size()
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
@@ -174,6 +182,8 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
             f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is incomplete or "
             f"does not match config.json{_quantization_hint(missing, names_on_disk)}"
         )
+    for module, attr, name, tensor in compensation:
+        _assign(module, attr, name, tensor)
     return num_bytes
 
 
@@ -274,8 +284,10 @@ def weight_report(model: CausalLM) -> WeightReport:
     report.embedding_bytes = _bytes(fresh([model.model.embed_tokens.weight]))
     for name, module in model.named_modules():
         if isinstance(module, AwqLinear):
-            awq = [module.qweight, module.qzeros, module.scales, module.bias]
-            extras = [getattr(module, n) for n in COMPENSATION_NAMES]
+            # a bias correction was added into the bias; a bias made of the correction alone is compensation
+            bias = [module.bias]
+            awq = [module.qweight, module.qzeros, module.scales] + (bias if module.has_own_bias else [])
+            extras = [getattr(module, n) for n in LORA_NAMES] + ([] if module.has_own_bias else bias)
             if name == "lm_head":
                 report.head_bytes += _bytes(fresh(awq + extras))
                 continue

@@ -220,9 +220,11 @@ class Compensation:
 
     def bytes_of(self, linear: LinearShape, element_bytes: int) -> int:
         """Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype
-        (the loader converts them like every floating tensor)."""
+        (the loader converts them like every floating tensor). The loader adds a correction
+        into the layer's bias, so it costs bytes only where the layer has no bias."""
         rank = self.ranks.get(linear.name, 0)
-        correction = linear.out_features if linear.name in self.bias_corrected else 0
+        is_own_tensor = linear.name in self.bias_corrected and not linear.has_bias
+        correction = linear.out_features if is_own_tensor else 0
         return (rank * (linear.in_features + linear.out_features) + correction) * element_bytes
 
 

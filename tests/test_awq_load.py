@@ -258,3 +258,115 @@ def test_triton_path_on_cuda_agrees_with_cpu(awq_qwen2_dir):
     print(f"largest relative logit difference, CUDA (FP16, Triton) vs CPU (FP32): {rel:.2e}")
     assert rel <= 2e-2
     assert torch.equal(gpu.argmax(-1), cpu.argmax(-1))
+
+
+def random_compensation(seed: int) -> dict[str, torch.Tensor]:
+    """Compensation for tiny qwen2 (hidden 64, intermediate 160, kv 32) that moves the logits:
+    ranks differ between q, k and v (fused, R = 4 + 8 = 12 over a block-diagonal B), corrections
+    land on biased layers (q) and bias-free ones (gate, down), and up has none beside gate."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (4, 64, 64, True), "self_attn.v_proj": (8, 64, 32, False),
+              "mlp.gate_proj": (16, 64, 160, True), "mlp.down_proj": (6, 160, 64, True)}
+    tensors = {}
+    for layer in (0, 1):
+        for name, (rank, k, n, has_correction) in shapes.items():
+            prefix = f"model.layers.{layer}.{name}"
+            tensors[f"{prefix}.{LORA_A}"] = (torch.randn(rank, k, generator=gen) * 0.1).half()
+            tensors[f"{prefix}.{LORA_B}"] = (torch.randn(n, rank, generator=gen) * 0.1).half()
+            if has_correction:
+                tensors[f"{prefix}.{BIAS_CORRECTION}"] = (torch.randn(n, generator=gen) * 0.1).half()
+    return tensors
+
+
+def generated_logits(engine: LLMEngine, prompts: list[str], max_tokens: int) -> torch.Tensor:
+    """The logits of every step of greedy generation, [num_prompts, max_tokens, vocab]."""
+    recorded: dict[str, list[torch.Tensor]] = {}
+    run = engine.runner.run
+
+    def recording_run(batch, *args, **kwargs):
+        logits = run(batch, *args, **kwargs)
+        for row, seq in enumerate(batch.seqs):
+            recorded.setdefault(seq.request_id, []).append(logits[row].float().cpu().clone())
+        return logits
+
+    engine.runner.run = recording_run
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return torch.stack([torch.stack(recorded[str(i)]) for i in range(len(prompts))])
+
+
+def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_dir, tmp_path, monkeypatch):
+    """Loaded, fused and run through the Triton kernels (interpreted), a compensated model gives
+    the logits of the INT4 layers followed by the two torch matmuls and the correction add."""
+    from lowvram.kernels import w4a16
+
+    if w4a16.w4a16_gemv is None or not w4a16._backend_for("cpu", None)[0]:
+        pytest.skip("the Triton interpreter is not available")
+    checkpoint = tmp_path / "compensated"
+    shutil.copytree(awq_qwen2_dir, checkpoint)
+    compensation = random_compensation(seed=3)
+    save_file(compensation, str(checkpoint / COMPENSATION_FILE), metadata={"format": "pt"})
+    # 3 prompts: prefill through the GEMM path plus one addmm, decode at 3 rows; 1 prompt: the row kernel
+    cases = [(PROMPTS, 3), (PROMPTS[:1], 3)]
+
+    import lowvram.awq_linear
+    import lowvram.engine
+    with monkeypatch.context() as patch:
+        kernels_only = lambda *args, **kwargs: w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
+        patch.setattr(lowvram.awq_linear, "awq_linear", kernels_only)
+        launch, rows_with_lora = w4a16.w4a16_gemv.launch_awq_gemv, set()
+
+        def counting_launch(x, *args, **kwargs):
+            if args[-1] is not None:  # lora_bt
+                rows_with_lora.add(x.shape[0])
+            return launch(x, *args, **kwargs)
+
+        patch.setattr(w4a16.w4a16_gemv, "launch_awq_gemv", counting_launch)
+        engine = LLMEngine(str(checkpoint), "cpu")
+        qkv = engine.model.model.layers[0].self_attn.qkv_proj
+        assert qkv is not None and qkv.lora_rank == 12 and qkv.is_bias_corrected
+        fused = [generated_logits(engine, prompts, max_tokens) for prompts, max_tokens in cases]
+        assert {1, 3} <= rows_with_lora, rows_with_lora
+
+    monkeypatch.setattr(lowvram.engine, "fuse_projections", lambda model: 0)
+    engine = LLMEngine(str(awq_qwen2_dir), "cpu")
+
+    def unfused(layer: AwqLinear, lora_a, lora_b, correction):
+        def forward(x):  # the forward pass before the fusion: INT4, then the terms in plain torch
+            y = w4a16.awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.group_size, layer.bias,
+                                 use_reference=True)
+            y = y + (x @ lora_a.t().to(x.dtype)) @ lora_b.t().to(x.dtype)
+            return y if correction is None else y + correction.to(y.dtype)
+        return forward
+
+    for name, module in engine.model.named_modules():
+        if f"{name}.{LORA_A}" in compensation:
+            module.forward = unfused(module, compensation[f"{name}.{LORA_A}"], compensation[f"{name}.{LORA_B}"],
+                                     compensation.get(f"{name}.{BIAS_CORRECTION}"))
+    plain = prefill_logits(awq_qwen2_dir)
+    for (prompts, max_tokens), got in zip(cases, fused):
+        expected = generated_logits(engine, prompts, max_tokens)
+        rel = ((got - expected).abs().max() / expected.abs().max()).item()
+        moved = ((expected[:, 0] - plain[: len(prompts)]).abs().max() / expected.abs().max()).item()
+        print(f"{len(prompts)} prompts x {max_tokens} steps: largest relative logit difference, kernels vs "
+              f"unfused torch terms {rel:.2e} (the compensation moves them by {moved:.2e})")
+        assert rel <= 1e-4 < moved
+
+
+def test_bias_correction_is_added_into_the_bias():
+    with torch.device("meta"):  # as the loader builds it
+        layer = AwqLinear(64, 16, 32, has_bias=True)
+    with pytest.raises(ValueError, match="before the bias was loaded"):
+        layer.set_compensation(BIAS_CORRECTION, torch.ones(16))
+    layer.bias = torch.nn.Parameter(torch.arange(16.0), requires_grad=False)
+    layer.set_compensation(BIAS_CORRECTION, torch.full((16,), 0.5))
+    assert torch.equal(layer.bias, torch.arange(16.0) + 0.5) and layer.has_compensation
+    bare = AwqLinear(64, 16, 32)
+    bare.set_compensation(BIAS_CORRECTION, torch.full((16,), 0.25, dtype=torch.float16))
+    assert torch.equal(bare.bias, torch.full((16,), 0.25, dtype=torch.float16))
+    assert "bias_correction=True" in repr(bare) and not bare.has_own_bias
+    bare.set_compensation(LORA_B, torch.randn(16, 4))
+    assert bare.lora_bt.is_contiguous() and bare.lora_bt.shape == (4, 16)

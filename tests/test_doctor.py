@@ -99,8 +99,9 @@ def test_fp16_kept_layers_and_compensation_terms(tmp_path):
     assert weights.num_fp16_layers == 28 and weights.num_int4_layers == 168
     assert weights.fp16_linear_bytes == 28 * 8960 * 1536 * 2
     assert weights.int4_bytes == 28 * (24_314_368 - 7_150_080)
-    # low-rank A [r, K] + B [N, r] and a bias correction [N], in the compute dtype
-    assert weights.compensation_bytes == (32 * (1536 + 1536) + 1536) * 2 + 8 * (1536 + 8960) * 2
+    # low-rank A [r, K] + B [N, r], in the compute dtype; q_proj's bias correction is added
+    # into its bias at load and takes no bytes of its own
+    assert weights.compensation_bytes == 32 * (1536 + 1536) * 2 + 8 * (1536 + 8960) * 2
     assert mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2).compensation_bytes == 0
 
 

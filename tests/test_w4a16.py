@@ -45,6 +45,15 @@ def random_x(num_rows, num_inputs, seed, dtype=torch.float16, device=DEVICE):
     return torch.randn(num_rows, num_inputs, generator=gen).to(dtype).to(device)
 
 
+def random_lora(rank, num_inputs, num_outputs, seed, dtype=torch.float32, device=DEVICE):
+    """Compensation factors A [R, K] and Bt [R, N] whose term is about a tenth of y, as a
+    fitted correction is: large enough that leaving it out fails every tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    lora_a = torch.randn(rank, num_inputs, generator=gen) * 0.05
+    lora_bt = torch.randn(rank, num_outputs, generator=gen) * 0.05
+    return lora_a.to(dtype).to(device), lora_bt.to(dtype).to(device)
+
+
 def relative_error(y, ref):
     assert torch.isfinite(y).all(), "output has NaN/inf (an element was not written)"
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
@@ -83,6 +92,63 @@ def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
         error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias))
         print(f"decode M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: rel err {error:.2e}")
         assert error <= SMALL_TOLERANCE
+
+
+@needs_triton
+@pytest.mark.parametrize("rank", [16, 12])
+@pytest.mark.parametrize("num_rows", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
+    # Each split adds its share t_s Bt of the rank-R term; the split reduction must give the
+    # whole (x A^T) Bt. R = 12 is padded to 16 by masks; N = 200 leaves a partial column block.
+    qweight, qzeros, scales, bias = random_awq(256, 200, 64, seed=50 + split_k)
+    x = random_x(num_rows, 256, seed=51, dtype=torch.float32)
+    lora_a, lora_bt = random_lora(rank, 256, 200, seed=rank)
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, **form}
+    for layer_bias in (None, bias):
+        ref = awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias, lora_a=lora_a, lora_bt=lora_bt)
+        without = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias), ref)
+        y = torch.full((num_rows, 200), float("nan"), dtype=torch.float32, device=DEVICE)
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, layer_bias, y, config, lora_a, lora_bt)
+        error = relative_error(y, ref)
+        print(f"decode + lora R={rank} M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: "
+              f"rel err {error:.2e} (leaving the term out: {without:.2e})")
+        assert error <= SMALL_TOLERANCE < without
+
+
+@needs_triton
+@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+def test_decode_kernel_reads_transposed_lora_bt(form):
+    # Bt given as B.t() of a contiguous B [N, R]: strided reads, same result
+    qweight, qzeros, scales, bias = random_awq(128, 64, 32, seed=52)
+    x = random_x(1, 128, seed=53, dtype=torch.float32)
+    lora_a, lora_bt = random_lora(8, 128, 64, seed=54)
+    strided = lora_bt.t().contiguous().t()
+    assert not strided.is_contiguous()
+    y = torch.empty((1, 64), dtype=torch.float32, device=DEVICE)
+    config = {"block_n": 64, "block_k": 32, "split_k": 2, "num_warps": 4, **form}
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config, lora_a, strided)
+    error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias, lora_a=lora_a, lora_bt=lora_bt))
+    print(f"strided lora_bt {form}: rel err {error:.2e}")
+    assert error <= SMALL_TOLERANCE
+
+
+@needs_triton
+@pytest.mark.parametrize("num_rows", [1, 5, 33, 48])
+def test_awq_linear_adds_compensation_on_every_path(num_rows, monkeypatch):
+    # 1 and 5 rows: the decode kernel; 33: the tl.dot GEMM then one addmm; 48 (with the
+    # threshold lowered): the lora term folded into the dequantized W before cuBLAS
+    monkeypatch.setattr(w4a16, "DEQUANT_MATMUL_MIN_M", 40)
+    qweight, qzeros, scales, bias = random_awq(256, 128, 64, seed=55)
+    x = random_x(num_rows, 256, seed=56)
+    lora_a, lora_bt = random_lora(8, 256, 128, seed=57, dtype=torch.float16)
+    ref = awq_linear_ref(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt)
+    y = awq_linear(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt)
+    torch_y = awq_linear(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt, use_reference=True)
+    error, torch_error = relative_error(y, ref), relative_error(torch_y, ref)
+    print(f"awq_linear + lora M={num_rows}: rel err kernels {error:.2e}, plain torch {torch_error:.2e}")
+    assert error <= SMALL_TOLERANCE and torch_error <= SMALL_TOLERANCE
 
 
 def split_partials(x, qweight, qzeros, scales, group_size, config):
@@ -257,6 +323,9 @@ def test_path_choice_is_logged_once(caplog):
         ("scales_shape", r"scales must be float16 \[K/G, N\] = \[2, 32\]"),
         ("bias_shape", r"bias must be a float tensor \[N\] = \[32\]"),
         ("x_int", r"x must be a floating-point tensor"),
+        ("lora_alone", r"lora_a and lora_bt come together"),
+        ("lora_a_shape", r"lora_a must be a float tensor \[R, K\] = \[R, 128\]"),
+        ("lora_ranks", r"lora_a has rank 4 but lora_bt has rank 8"),
     ],
 )
 def test_bad_inputs_raise_kernel_error(case, pattern):
@@ -280,8 +349,16 @@ def test_bad_inputs_raise_kernel_error(case, pattern):
         bias = bias[:8]
     elif case == "x_int":
         x = x.to(torch.int32)
+    lora_a, lora_bt = random_lora(8, 128, 32, seed=18)
+    lora = {"lora_a": lora_a, "lora_bt": lora_bt} if case.startswith("lora") else {}
+    if case == "lora_alone":
+        lora = {"lora_a": lora_a}
+    elif case == "lora_a_shape":
+        lora["lora_a"] = lora_a[:, :64]
+    elif case == "lora_ranks":
+        lora["lora_a"] = lora_a[:4]
     with pytest.raises(KernelError, match=pattern):
-        awq_linear(x, qweight, qzeros, scales, group_size, bias)
+        awq_linear(x, qweight, qzeros, scales, group_size, bias, **lora)
 
 
 @needs_triton
@@ -402,3 +479,43 @@ def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
     assert error <= GPU_TOLERANCE
     assert num_mismatches == 0
     assert not w4a16.w4a16_gemv._split_counters[static_y.device].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 8])
+@pytest.mark.parametrize("shape", [(1536, 17920), (8960, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
+    # The fused gate/up and down projections of the 1.5B model with rank-16 compensation:
+    # every decode form against the float64 reference, then the default form replayed in a
+    # CUDA graph, where the lora term must not need a launch of its own.
+    num_inputs, num_outputs = shape
+    qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 7)
+    lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=60, dtype=torch.float16)
+    x = random_x(num_rows, num_inputs, seed=61)
+    ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
+    default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16._num_sms(x.device))
+    for config in (default, *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form}
+                              for form in ROW_FORMS)):
+        y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config, lora_a, lora_bt)
+        error = relative_error(y, ref)
+        print(f"K={num_inputs} N={num_outputs} M={num_rows} R=16 {config}: rel err {error:.2e}")
+        assert error <= GPU_TOLERANCE
+    static_x, static_y = x.clone(), torch.empty((num_rows, num_outputs), dtype=torch.float16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream makes the split counters
+        static_y.copy_(awq_linear(static_x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y.copy_(awq_linear(static_x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt))
+    x2 = random_x(num_rows, num_inputs, seed=62)
+    static_x.copy_(x2)
+    static_y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    error = relative_error(static_y, awq_linear_ref(x2, qweight, qzeros, scales, 128, bias, lora_a=lora_a,
+                                                    lora_bt=lora_bt))
+    print(f"K={num_inputs} N={num_outputs} M={num_rows} R=16 graph replay: rel err {error:.2e}")
+    assert error <= GPU_TOLERANCE
