@@ -144,7 +144,8 @@ def cmd_bench_speed(args) -> int:
         args.model, shape=args.shape, num_layers=args.num_layers, quantize=args.quantize,
         quantize_head=args.quantize_head, calib_samples=args.calib_samples, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
-        max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs, command=command,
+        max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs,
+        prefill_graphs=args.prefill_graphs, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time transformers generate on the same checkpoint (FP16, batch 1)")
     speed.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="replay decode steps from CUDA graphs (default: as the profile says)")
+    speed.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)")
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
     speed.add_argument("--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)")

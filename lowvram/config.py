@@ -63,6 +63,7 @@ class Profile:
     allow_oversubscription: bool = False
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True
+    enable_prefill_graphs: bool = False
     embeddings_on_host: bool = False
     weight_format: str = "auto"
     fp16_budget_mib: int = 64
@@ -104,6 +105,9 @@ FIELD_DOCS: dict[str, str] = {
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
     "enable_cuda_graphs": "Replay decode steps from CUDA graphs on CUDA devices (false = eager launches, for debugging).",
+    "enable_prefill_graphs": "With enable_cuda_graphs, also replay the prefill of short prompts (one sequence, up "
+                             "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
+                             "graphs keep a 512-token step's activations allocated.",
     "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): each step "
                           "gathers its rows on the host and copies only them over. Frees vocab x hidden x 2 bytes "
                           "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
@@ -184,6 +188,7 @@ def validate_profile(p: Profile, source: str) -> None:
     _check_bool(source, "allow_oversubscription", p.allow_oversubscription)
     _check_bool(source, "enable_prefix_caching", p.enable_prefix_caching)
     _check_bool(source, "enable_cuda_graphs", p.enable_cuda_graphs)
+    _check_bool(source, "enable_prefill_graphs", p.enable_prefill_graphs)
     _check_bool(source, "embeddings_on_host", p.embeddings_on_host)
     _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
     _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)

@@ -136,7 +136,9 @@ class LLMEngine:
                                           enable_prefix_caching=self.profile.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool, max_num_seqs=self.profile.max_num_seqs,
-                                  max_model_len=self.max_model_len, use_cuda_graphs=self.profile.enable_cuda_graphs)
+                                  max_model_len=self.max_model_len, use_cuda_graphs=self.profile.enable_cuda_graphs,
+                                  max_prefill_graph_tokens=(self.profile.max_num_batched_tokens
+                                                            if self.profile.enable_prefill_graphs else 0))
         self.requests: dict[str, Sequence] = {}
         self.controller_state = ControllerState(kv_precision=self.kv_precision)
         self.controller_events: deque[Event] = deque(maxlen=256)

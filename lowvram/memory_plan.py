@@ -600,7 +600,23 @@ def profile_workspace(config: ModelConfig, profile: Profile, max_model_len: int,
     if device_type == "cuda" and profile.enable_cuda_graphs and not _is_deepseek_v2(config):
         workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len,
                                                    profile.kv_block_size)
+        if profile.enable_prefill_graphs:
+            workspace.graph_bytes += prefill_graph_bytes(config, profile, max_model_len, element_bytes, kernels,
+                                                         weights)
     return workspace
+
+
+def prefill_graph_bytes(config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int,
+                        uses_kernels: bool, weights: WeightBytes | None = None) -> int:
+    """What prefill graphs (lowvram.cuda_graphs.PrefillGraphs) hold for good: their pool keeps
+    the activations of the largest bucket's step, which eager steps cannot reuse."""
+    from lowvram.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
+
+    tokens = min(MAX_PREFILL_GRAPH_TOKENS, step_tokens(profile, max_model_len))
+    step = step_workspace(config, num_tokens=tokens, num_seqs=2, context_len=max_model_len,
+                          element_bytes=element_bytes, uses_kernels=uses_kernels, block_size=profile.kv_block_size,
+                          int4_scratch=int4_scratch_bytes(weights, tokens, uses_kernels))
+    return step.phases[step.peak_phase]
 
 
 def activation_bytes(config: ModelConfig, profile: Profile, element_bytes: int, max_model_len: int | None = None,

@@ -15,7 +15,7 @@ import torch
 
 from lowvram.attention import AttentionMetadata
 from lowvram.block_manager import BlockManager
-from lowvram.cuda_graphs import DecodeGraphs
+from lowvram.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
 from lowvram.errors import KernelError
 from lowvram.kv_pool import KVPool
 from lowvram.kv_quant import KVPages
@@ -31,10 +31,13 @@ class ModelRunner:
             `use_cuda_graphs` they size the decode graphs (`lowvram.cuda_graphs`).
         use_cuda_graphs: replay decode steps from CUDA graphs (CUDA devices, models that
             allow it); prefill steps and anything a graph cannot hold run eagerly.
+        max_prefill_graph_tokens: with use_cuda_graphs, also replay the prefill of one
+            sequence's new tokens, up to this many (0 = off; at most MAX_PREFILL_GRAPH_TOKENS),
+            from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
     """
 
     def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool, *, max_num_seqs: int = 1,
-                 max_model_len: int = 0, use_cuda_graphs: bool = False):
+                 max_model_len: int = 0, use_cuda_graphs: bool = False, max_prefill_graph_tokens: int = 0):
         if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
             raise KernelError(
                 f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
@@ -46,18 +49,24 @@ class ModelRunner:
         self.device = kv_pool.device
         self.block_size = block_manager.block_size
         self.graphs = None
+        self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
             max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
             # The rotary tables must not be replaced after a graph captured them.
             model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
             stage = getattr(model.model.embed_tokens, "stage", None)
+            prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
+            capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
             self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device,
-                                       stage_embeddings=stage)
+                                       stage_embeddings=stage, stage_capacity=capacity)
+            if prefill_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(self._last_logits, prefill_tokens, max_blocks_per_seq,
+                                                    self.device, stage_embeddings=stage, stage_capacity=capacity)
 
     @property
     def num_graph_captures(self) -> int:
-        """Decode graphs captured so far (0 without graphs)."""
-        return self.graphs.num_captures if self.graphs is not None else 0
+        """Decode and prefill graphs captured so far (0 without graphs)."""
+        return sum(g.num_captures for g in (self.graphs, self.prefill_graphs) if g is not None)
 
     @property
     def kv_pages(self) -> list[KVPages]:
@@ -141,6 +150,10 @@ class ModelRunner:
             logits = self._replay(batch)
             if logits is not None:
                 return logits
+        if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
+            logits = self._replay_prefill(batch)
+            if logits is not None:
+                return logits
         ids, pos, meta, last_rows = self.prepare(batch)
         hidden = self.model(ids, pos, meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
@@ -155,9 +168,23 @@ class ModelRunner:
         return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
                                getattr(self.kv_pool, "pages_version", None))
 
+    def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        table = self.block_manager.block_table(batch.seqs[0].seq_id)
+        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(table))
+        if key is None:
+            return None
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
+        return self.prefill_graphs.run(key, input_ids, positions, slots, tables[0], context_lens[0],
+                                       self.kv_pool.pages, getattr(self.kv_pool, "pages_version", None))
+
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_pages: list[KVPages]) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
+
+    def _last_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_pages: list[KVPages], last_row: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
+        return self.model.compute_logits(hidden.index_select(0, last_row))  # [1, vocab]
 
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is

@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention kv_pool profile_decode stress streaming_7b deepseek_v2 speed
+# paged_attention kv_pool profile_decode stress streaming_7b deepseek_v2 speed speed_prefill_graphs speed_head
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -68,5 +68,8 @@ if [ "$what" != tests ]; then
     run_bench streaming_7b 240 python3 scripts/bench_7b_streaming.py
     run_bench deepseek_v2 300 python3 scripts/bench_deepseek_v2.py --model-dir /tmp/dsv2-lite-awq --profile 4gb --emulate-vram-gib 4
     run_bench speed 420 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --vs-hf --output "$results/bench_speed.md" --plot "$results/bench_speed.png"
+    # Prefill graphs (off by default until this shows them faster) and an INT4 lm_head.
+    run_bench speed_prefill_graphs 120 lowvram bench speed --cuda-graphs --prefill-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_prefill_graphs.md"
+    run_bench speed_head 150 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_head.md"
 fi
 exit "$status"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lowvram.config import load_profile
-from lowvram.cuda_graphs import DecodeGraphs, batch_buckets, table_buckets
+from lowvram.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, table_buckets, token_buckets
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
 
@@ -32,6 +32,15 @@ def test_a_batch_gets_the_smallest_bucket_that_holds_it():
     assert graphs.bucket(9, 10) is None and graphs.bucket(1, 1025) is None
     graphs.failed.add((4, 256))
     assert graphs.bucket(3, 65) is None  # a bucket whose capture failed runs eagerly
+
+
+def test_prefill_graphs_take_one_sequence_of_up_to_their_largest_bucket():
+    assert token_buckets(512) == [64, 128, 256, 512]
+    assert token_buckets(100) == [64, 100] and token_buckets(32) == [32]
+    graphs = PrefillGraphs(lambda *a: None, max_tokens=512, max_blocks_per_seq=1024, device=torch.device("cpu"))
+    assert graphs.bucket(70, 65) == (128, 256)
+    assert graphs.bucket(1, 1) == (64, 64)
+    assert graphs.bucket(513, 10) is None and graphs.bucket(10, 1025) is None
 
 
 def test_the_cpu_runs_eagerly(tiny_qwen2_dir):
@@ -133,3 +142,36 @@ def test_an_embedding_table_in_host_memory_gives_the_same_tokens(tiny_qwen2_dir)
     expected = _generate(on_device, prompts, [12, 18, 6])
     assert _generate(on_host, prompts, [12, 18, 6]) == expected
     assert on_host.runner.graphs.num_replays > 0 and on_host.runner.graphs.stage_embeddings is not None
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_give_the_eager_logits_and_tokens(tiny_qwen2_dir):
+    """Prompts of several buckets, one after a cached prefix; a prompt past the largest bucket runs eagerly."""
+    profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
+    eager = LLMEngine(str(tiny_qwen2_dir), GRAPHED, **profile)
+    graphed = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(enable_prefill_graphs=True), **profile)
+    prompts = _prompts(eager, [5, 100, 300, 700])
+    prompts.append(prompts[2][:200] + [9, 8, 7])  # 200 cached tokens, then 3 new ones
+    recorded = []
+    for engine in (eager, graphed):
+        rows = []
+        run = engine.runner.run
+
+        def recording_run(batch, run=run, rows=rows, **kwargs):
+            logits = run(batch, **kwargs)
+            if batch.is_prefill:
+                rows.append(logits.cpu())
+            return logits
+
+        engine.runner.run = recording_run
+        tokens = [_generate(engine, [p], 8)["0"] for p in prompts]
+        recorded.append((torch.cat(rows), tokens))
+    (eager_logits, eager_tokens), (graph_logits, graph_tokens) = recorded
+    worst = ((eager_logits - graph_logits).abs().max() / eager_logits.abs().max()).item()
+    graphs = graphed.runner.prefill_graphs
+    print(f"prefill graphs: {graphs.num_captures} captured, {graphs.num_replays} replays; "
+          f"largest relative logit difference {worst:.2e}")
+    assert graphs.num_replays >= 4 and {size for size, _ in graphs.graphs} >= {64, 128, 512}
+    assert worst <= 2e-3
+    assert graph_tokens == eager_tokens
+

@@ -315,6 +315,17 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
     assert plan.fits and plan.engine_margin_bytes == 3_865_470_566 - 2_309_818_908
 
 
+def test_prefill_graphs_hold_a_512_token_step_by_hand():
+    config = _config(R1_DISTILL_QWEN_1_5B_AWQ)
+    off = mp.profile_workspace(config, load_profile("4gb"), 16384, 2, "cuda")
+    on = mp.profile_workspace(config, load_profile("4gb").replace(enable_prefill_graphs=True), 16384, 2, "cuda")
+    # The MLP phase of a 512-token step: input and running sum, the normed input, three [512, 8960]
+    assert on.graph_bytes - off.graph_bytes == 2 * 512 * 1536 * 2 + 512 * 1536 * 2 + 3 * 512 * 8960 * 2 == 32_243_712
+    assert mp.profile_workspace(config, load_profile("4gb").replace(enable_prefill_graphs=True,
+                                                                    enable_cuda_graphs=False),
+                                16384, 2, "cuda").graph_bytes == 0
+
+
 def test_embeddings_on_host_by_hand():
     # The 4gb profile keeps the untied embedding table (151,936 x 1536 FP16) in host memory: FP16
     # weights at a 16K context now fit, by what the table took.
