@@ -503,22 +503,42 @@ class Quantizer:
         return scores
 
     def quantize_head(self, hs: list[torch.Tensor]) -> tuple[AwqTensors, torch.Tensor]:
-        """AWQ for lm_head, its scales folded into the final norm; returns (packed head, folded norm weight)."""
-        norm = self.source.get("model.norm.weight").to(self.device, torch.float32)
-        weight = self.source.get("lm_head.weight").to(self.device, torch.float32)
+        """AWQ for lm_head, its scales folded into the final norm; returns (packed head, folded norm weight).
+
+        The search holds the head in float32 several times over ([vocab, hidden]: 0.9 GiB each
+        for a 152K vocabulary), more than a 4 GB card has beside the calibration data; where
+        the device runs out, the head is quantized in host memory instead (slower, same method).
+        """
+        try:
+            return self._quantize_head(hs, self.device)
+        except torch.cuda.OutOfMemoryError:
+            if self.device.type != "cuda":
+                raise
+            log.info("lm_head's scale search does not fit the device; quantizing the head on the CPU")
+            torch.cuda.empty_cache()
+            return self._quantize_head(hs, torch.device("cpu"))
+
+    def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[AwqTensors, torch.Tensor]:
+        on_device = device == self.device
+        dtype = self.dtype if device.type == "cuda" else torch.float32
+        keep = self.store.keep if on_device else (lambda t: t)
+        load = self.store.load if on_device else (lambda t: t.to(device))
+        norm = self.source.get("model.norm.weight").to(device, torch.float32)
+        weight = self.source.get("lm_head.weight").to(device, torch.float32)
         per_chunk = math.ceil(MAX_HEAD_TOKENS / len(hs))
-        x = torch.cat([sample_tokens(self.runner.rms_norm(self.store.load(h), norm.to(self.dtype)).reshape(-1, norm.shape[0]),
+        x = torch.cat([sample_tokens(self.runner.rms_norm(load(h).to(dtype), norm.to(dtype)).reshape(-1, norm.shape[0]),
                                      per_chunk) for h in hs])[:MAX_HEAD_TOKENS]
         pieces = list(torch.split(x, HEAD_CHUNK_TOKENS))
-        compute_weight = weight.to(self.dtype)
-        refs = [self.store.keep(F.linear(piece, compute_weight)) for piece in pieces]
+        compute_weight = weight.to(dtype)
+        refs = [keep(F.linear(piece, compute_weight)) for piece in pieces]
+        del compute_weight
         if self.method == "awq":
             def loss_fn(trial):
-                trial_weight = trial[0].to(self.dtype)
+                trial_weight = trial[0].to(dtype)
                 total, count = 0.0, 0
                 for piece, ref in zip(pieces, refs):
                     out = F.linear(piece, trial_weight)
-                    total += float((out.float() - self.store.load(ref).float()).pow(2).sum())
+                    total += float((out.float() - load(ref).float()).pow(2).sum())
                     count += out.numel()
                 return total / count
 

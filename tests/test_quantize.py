@@ -150,6 +150,32 @@ def test_cli_parser_runs_the_quantizer(tiny_llama_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["group_size"] == 64
 
 
+def test_a_head_too_large_for_the_device_is_quantized_on_the_cpu(tiny_llama_dir, tmp_path, monkeypatch):
+    """On a CUDA run, a device OOM in the head's scale search retries the head in host memory."""
+    from lowvram.quantize import Quantizer
+
+    quantize_model(tiny_llama_dir, tmp_path / "plain", quantize_head=True, **FAST)
+    original = Quantizer._quantize_head
+    devices = []
+
+    def on(self, hs, device):
+        devices.append(device.type)
+        if len(devices) == 1:
+            self.device = torch.device("cuda")  # what a GPU run sees; the CPU retry must not need it
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 890.00 MiB")
+        self.device = torch.device("cpu")
+        return original(self, hs, device)
+
+    monkeypatch.setattr(Quantizer, "_quantize_head", on)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    quantize_model(tiny_llama_dir, tmp_path / "retried", quantize_head=True, **FAST)
+    assert devices == ["cpu", "cpu"]  # the first try on the run's device, then the host
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    retried = load_file(str(tmp_path / "retried" / "model.safetensors"))
+    for name in ("lm_head.qweight", "lm_head.qzeros", "lm_head.scales", "model.norm.weight"):
+        assert torch.equal(plain[name], retried[name]), name
+
+
 def test_quantize_head_writes_an_int4_head(tiny_llama_dir, tmp_path):
     quantize_model(tiny_llama_dir, tmp_path / "head", quantize_head=True, **FAST)
     written = load_file(str(tmp_path / "head" / "model.safetensors"))
