@@ -88,22 +88,29 @@ def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
 
 
 class _StepGraphs:
-    """What decode and prefill graphs share: one graph per key, captured lazily on the
-    process's capture stream into one memory pool, dropped when the KV pages move, a
-    failed capture remembered (that key runs eagerly), and the logits of every graph
-    written into one static buffer of `max_rows` rows."""
+    """What decode and prefill graphs share: one graph per (row bucket, table width) key,
+    captured lazily on the process's capture stream into one memory pool, dropped when the
+    KV pages move, a failed capture remembered (that key runs eagerly), the per-row static
+    inputs (token ids, positions, KV slots) sized for the largest row bucket, and the logits
+    of every graph written into one static buffer of `max_logit_rows` rows."""
 
     kind = "step"
 
-    def __init__(self, device: torch.device, max_rows: int,
-                 stage_embeddings: Callable[[list[int], int], None] | None, stage_capacity: int):
+    def __init__(self, device: torch.device, row_sizes: list[int], max_blocks_per_seq: int, max_logit_rows: int,
+                 stage_embeddings: Callable[[list[int], int], None] | None, stage_capacity: int | None):
         self.device = device
-        self.max_rows = max_rows
+        self.row_sizes = row_sizes
+        self.table_widths = table_buckets(max_blocks_per_seq)
+        max_rows = row_sizes[-1]
+        self.max_logit_rows = max_logit_rows
         # An embedding table in host memory (HostEmbedding.stage): rows gathered before each replay.
         self.stage_embeddings = stage_embeddings
-        self.stage_capacity = stage_capacity
+        self.stage_capacity = stage_capacity or max_rows
         self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
-        self.logits: torch.Tensor | None = None  # [max_rows, vocab] float32, made at the first capture
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None  # [max_logit_rows, vocab] float32, made at the first capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
@@ -111,6 +118,23 @@ class _StepGraphs:
         self.pages_version: int | None = None
         self.num_replays = 0
         self.num_captures = 0
+
+    def bucket(self, num_rows: int, num_table_blocks: int) -> tuple[int, int] | None:
+        """The graph key for `num_rows` rows (sequences to decode, or one sequence's new tokens)
+        over tables of `num_table_blocks` pages, or None when no graph holds them."""
+        rows, width = _bucket(num_rows, self.row_sizes), _bucket(num_table_blocks, self.table_widths)
+        if rows is None or width is None or (rows, width) in self.failed:
+            return None
+        return rows, width
+
+    def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> None:
+        """The per-row inputs of a `size`-row bucket, padded (padding rows store no KV)."""
+        padding = size - len(input_ids)
+        # Built on the host and copied in one go per buffer: a handful of small copies per step.
+        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
+        self._stage(input_ids + [0] * padding)
+        self.positions[:size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
 
     def _stage(self, token_ids: list[int]) -> None:
         if self.stage_embeddings is not None:
@@ -166,7 +190,7 @@ class _StepGraphs:
                 del warm
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self.logits is None:  # on the engine's stream, which reads it after every replay
-                self.logits = torch.empty((self.max_rows, vocab_size), dtype=dtype, device=self.device)
+                self.logits = torch.empty((self.max_logit_rows, vocab_size), dtype=dtype, device=self.device)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -200,23 +224,12 @@ class DecodeGraphs(_StepGraphs):
     def __init__(self, forward: Callable[..., torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
                  stage_capacity: int | None = None):
-        self.batch_sizes = batch_buckets(max_num_seqs)
-        self.table_widths = table_buckets(max_blocks_per_seq)
-        max_batch, max_width = self.batch_sizes[-1], self.table_widths[-1]
-        super().__init__(device, max_batch, stage_embeddings, stage_capacity or max_batch)
+        batch_sizes = batch_buckets(max_num_seqs)
+        super().__init__(device, batch_sizes, max_blocks_per_seq, batch_sizes[-1], stage_embeddings, stage_capacity)
         self.forward = forward
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        max_batch, max_width = batch_sizes[-1], self.table_widths[-1]
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_batch, max_width), dtype=torch.int32, device=device)
-
-    def bucket(self, num_seqs: int, num_table_blocks: int) -> tuple[int, int] | None:
-        """The graph key that serves this batch, or None when it is too large for any graph."""
-        batch, width = _bucket(num_seqs, self.batch_sizes), _bucket(num_table_blocks, self.table_widths)
-        if batch is None or width is None or (batch, width) in self.failed:
-            return None
-        return batch, width
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages],
@@ -228,13 +241,8 @@ class DecodeGraphs(_StepGraphs):
         return self._replay(key, kv_pages, pages_version, len(input_ids))
 
     def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:
-        num_seqs = len(input_ids)
-        padding = batch - num_seqs
-        # Built on the host and copied in one go per buffer: a handful of small copies per step.
-        self.input_ids[:batch].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
-        self._stage(input_ids + [0] * padding)
-        self.positions[:batch].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slot_mapping[:batch].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
+        padding = batch - len(input_ids)
+        self._fill_rows(batch, input_ids, positions, slots)
         self.context_lens[:batch].copy_(torch.tensor(context_lens + [0] * padding, dtype=torch.int32),
                                         non_blocking=True)
         rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * padding
@@ -295,25 +303,13 @@ class PrefillGraphs(_StepGraphs):
     def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int, max_blocks_per_seq: int,
                  device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
                  stage_capacity: int | None = None):
-        self.token_sizes = token_buckets(max_tokens)
-        self.table_widths = table_buckets(max_blocks_per_seq)
-        max_size, max_width = self.token_sizes[-1], self.table_widths[-1]
-        super().__init__(device, 1, stage_embeddings, stage_capacity or max_size)
+        super().__init__(device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity)
         self.forward = forward
-        self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
+        max_width = self.table_widths[-1]
         self.context_lens = torch.zeros(2, dtype=torch.int32, device=device)  # [the sequence, the padding]
         self.cu_seqlens = torch.zeros(3, dtype=torch.int32, device=device)  # [0, new tokens, bucket]
         self.block_tables = torch.zeros((2, max_width), dtype=torch.int32, device=device)
         self.last_row = torch.zeros(1, dtype=torch.long, device=device)
-
-    def bucket(self, num_tokens: int, num_table_blocks: int) -> tuple[int, int] | None:
-        """The graph key for `num_tokens` new tokens over a table of that many pages, or None."""
-        size, width = _bucket(num_tokens, self.token_sizes), _bucket(num_table_blocks, self.table_widths)
-        if size is None or width is None or (size, width) in self.failed:
-            return None
-        return size, width
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
             table: list[int], context_len: int, kv_pages: list[KVPages],
@@ -322,11 +318,7 @@ class PrefillGraphs(_StepGraphs):
         `context_len`), by replaying the graph for `key`; None when it could not be captured."""
         size, width = key
         num_new = len(input_ids)
-        padding = size - num_new
-        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
-        self._stage(input_ids + [0] * padding)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
+        self._fill_rows(size, input_ids, positions, slots)
         self.context_lens.copy_(torch.tensor([context_len, 0], dtype=torch.int32), non_blocking=True)
         self.cu_seqlens.copy_(torch.tensor([0, num_new, size], dtype=torch.int32), non_blocking=True)
         self.block_tables[0, :width].copy_(torch.tensor(table + [0] * (width - len(table)), dtype=torch.int32),
