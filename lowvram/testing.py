@@ -249,12 +249,7 @@ def make_tiny_model(
     fields["bos_token_id"] = bos_token_id
     fields["eos_token_id"] = eos_token_id
     config = config_cls(**fields)
-    config.architectures = [model_cls.__name__]
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-        _randomize_constant_parameters(model)
+    model = _random_model(model_cls, config, seed)
     state_dict = {
         name: tensor.detach().to(torch.bfloat16).contiguous()
         for name, tensor in model.state_dict().items()
@@ -266,6 +261,17 @@ def make_tiny_model(
     generation_config = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     _write_json(out_dir / "generation_config.json", generation_config)
     return out_dir
+
+
+def _random_model(model_cls, config, seed: int) -> torch.nn.Module:
+    """A transformers model of `config` with seeded random weights (constant ones too), leaving
+    the global RNG as it was."""
+    config.architectures = [model_cls.__name__]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        _randomize_constant_parameters(model)
+    return model
 
 
 def _randomize_constant_parameters(model: torch.nn.Module) -> None:
@@ -383,12 +389,7 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int
               "bos_token_id": tokenizer.token_to_id(BOS_TOKEN), "eos_token_id": tokenizer.token_to_id(EOS_TOKEN)}
     fields.update(overrides)
     config = DeepseekV2Config(**fields)
-    config.architectures = [DeepseekV2ForCausalLM.__name__]
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DeepseekV2ForCausalLM(config)
-        _randomize_constant_parameters(model)
+    model = _random_model(DeepseekV2ForCausalLM, config, seed)
     state_dict = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().to(torch.bfloat16)
