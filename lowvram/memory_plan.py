@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowvram.config import Profile
+from lowvram.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
 from lowvram.errors import OutOfMemoryError
 from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
 from lowvram.model_config import ModelConfig
@@ -610,8 +611,6 @@ def prefill_graph_bytes(config: ModelConfig, profile: Profile, max_model_len: in
                         uses_kernels: bool, weights: WeightBytes | None = None) -> int:
     """What prefill graphs (lowvram.cuda_graphs.PrefillGraphs) hold for good: their pool keeps
     the activations of the largest bucket's step, which eager steps cannot reuse."""
-    from lowvram.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
-
     tokens = min(MAX_PREFILL_GRAPH_TOKENS, step_tokens(profile, max_model_len))
     step = step_workspace(config, num_tokens=tokens, num_seqs=2, context_len=max_model_len,
                           element_bytes=element_bytes, uses_kernels=uses_kernels, block_size=profile.kv_block_size,
