@@ -66,7 +66,7 @@ def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=
 
 
 def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
-               use_reference: bool = False):
+               use_reference: bool = False, batch_invariant: bool = False):
     """y [..., N] = x [..., K] @ W [K, N] + bias + (x A^T) Bt, W given as AutoAWQ GEMM tensors.
 
     x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
@@ -77,7 +77,9 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
     compensation, added in the same decode launch. Returns y in x's dtype. Raises KernelError,
     naming the tensor, for bad shapes, dtypes, strides, devices or group size. use_reference
     forces the plain-torch path (the engine does this on the CPU, where the interpreter is for
-    tests only).
+    tests only). batch_invariant gives each row of y the same bits however many rows x has:
+    one kernel tiling for every M on the Triton path (w4a16_gemv.invariant_gemv_config), one
+    row at a time on the plain-torch path.
     """
     num_inputs, num_outputs = _check_inputs(x, qweight, qzeros, scales, group_size, bias)
     _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs)
@@ -96,9 +98,18 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
     if num_rows == 0:
         return x.new_empty(out_shape)
     if not use_triton:
-        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt).reshape(out_shape)
+        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt,
+                                 batch_invariant).reshape(out_shape)
 
     has_lora = lora_a is not None
+    if batch_invariant:
+        y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
+        config = w4a16_gemv.invariant_gemv_config(num_outputs, num_inputs, group_size, num_sms(x.device))
+        for start in range(0, num_rows, w4a16_gemv.INVARIANT_MAX_ROWS):
+            stop = min(start + w4a16_gemv.INVARIANT_MAX_ROWS, num_rows)
+            w4a16_gemv.launch_awq_gemv(x2d[start:stop], qweight, qzeros, scales, group_size, bias, y[start:stop],
+                                       config, lora_a, lora_bt)
+        return y.reshape(out_shape)
     if num_rows >= DEQUANT_MATMUL_MIN_M:
         weight = w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, group_size, x.dtype)  # [K, N], ours
         if has_lora:
@@ -113,7 +124,7 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
     y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     if num_rows <= MAX_DECODE_M:
         config = w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, group_size,
-                                               _num_sms(x.device))
+                                               num_sms(x.device))
         w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     else:
         config = w4a16_gemm.choose_gemm_config(num_rows, group_size)
@@ -123,16 +134,26 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
     return y.reshape(out_shape)
 
 
-def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None):
+def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None,
+                      batch_invariant=False):
     # CPU matmuls are fastest and most accurate in float32; GPUs keep the activation dtype.
     compute_dtype = x2d.dtype if x2d.is_cuda else torch.float32
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=compute_dtype)
     x = x2d.to(compute_dtype)
-    y = x @ weight
-    if bias is not None:
-        y = y + bias.to(compute_dtype)
-    if lora_a is not None:
-        y = torch.addmm(y, x @ lora_a.t().to(compute_dtype), lora_bt.to(compute_dtype))
+
+    def rows_times_weight(rows: torch.Tensor) -> torch.Tensor:
+        y = rows @ weight
+        if bias is not None:
+            y = y + bias.to(compute_dtype)
+        if lora_a is not None:
+            y = torch.addmm(y, rows @ lora_a.t().to(compute_dtype), lora_bt.to(compute_dtype))
+        return y
+
+    if batch_invariant:
+        # BLAS picks its blocking (and so a row's summation order) from the row count
+        y = torch.cat([rows_times_weight(x[i:i + 1]) for i in range(x.shape[0])])
+    else:
+        y = rows_times_weight(x)
     return y.to(x2d.dtype)
 
 
@@ -221,5 +242,5 @@ def _num_sms_for(device_type: str, device_index) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     return _num_sms_for(device.type, device.index)

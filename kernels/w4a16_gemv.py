@@ -45,6 +45,9 @@ import triton
 import triton.language as tl
 
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
+# Rows per launch in the batch-invariant form: bounds the float32 split-K partials
+# ([SPLIT_K, rows, N]) of a long prefill chunk; rows are independent, so no row changes.
+INVARIANT_MAX_ROWS = 64
 MIN_SPLIT_COUNTERS = 4096  # 262,144 outputs in 64-column blocks: grown only for wider layers
 
 # One int32 arrival counter per column block, per device. They are zero between launches (the
@@ -208,10 +211,13 @@ def _awq_gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # row tiles: more than one only in the batch-invariant form
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
+    # each row tile has its own column-block counters
+    counter_ptr += pid_m * tl.num_programs(0)
 
     num_k_blocks = K // BLOCK_K
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
@@ -403,6 +409,19 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
 
 
+def invariant_gemv_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int) -> dict:
+    """One configuration for every row count: the batch-invariant form.
+
+    Each output row's sum then runs in the same order however many rows come with it: the
+    same K blocks, split the same way, summed in split order, through tl.dot on 16-row tiles
+    (a row's products do not depend on the other rows of its tile). Decode steps of one
+    request or of eight, and prefill chunks of any length, give a row the same bits. The
+    tiling is the multi-row decode one, sized from N and K only.
+    """
+    config = choose_gemv_config(DOT_MIN_M, num_outputs, num_inputs, group_size, num_sms)
+    return {**config, "block_m": DOT_MIN_M}
+
+
 def split_counters(device: torch.device, num_column_blocks: int) -> torch.Tensor:
     """The zeroed int32 arrival counters of `device`, at least `num_column_blocks` of them.
 
@@ -433,8 +452,9 @@ def lora_block_r(rank: int) -> int:
 def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
-    x: [M, K] (M <= 16, any strides); qweight/qzeros/scales contiguous; y: [M, N] with unit
-    column stride. `config` comes from choose_gemv_config (or a benchmark sweep). lora_a [R, K]
+    x: [M, K] (M <= 16, or any M with invariant_gemv_config; any strides); qweight/qzeros/scales
+    contiguous; y: [M, N] with unit column stride. `config` comes from choose_gemv_config,
+    invariant_gemv_config or a benchmark sweep (which may add "num_stages"). lora_a [R, K]
     (unit stride along K) and lora_bt [R, N] (any strides; contiguous reads fastest), both or
     neither, add (x A^T) Bt in the same launch.
     """
@@ -444,19 +464,21 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     if group_size % block_k != 0 or block_n % 8 != 0:
         raise ValueError(f"block_k {block_k} must divide group size {group_size} and block_n "
                          f"{block_n} must be a multiple of 8")
-    if num_rows > DOT_MIN_M:
+    is_row_tiled = config.get("block_m") == DOT_MIN_M  # invariant_gemv_config: any number of rows
+    if num_rows > DOT_MIN_M and not is_row_tiled:
         raise ValueError(f"the decode kernel takes at most {DOT_MIN_M} rows, got {num_rows}")
     num_k_blocks = num_inputs // block_k
     k_blocks_per_split = triton.cdiv(num_k_blocks, max(1, min(config["split_k"], num_k_blocks)))
     split_k = triton.cdiv(num_k_blocks, k_blocks_per_split)
-    block_m = 1 if num_rows == 1 else DOT_MIN_M
+    block_m = 1 if num_rows == 1 and not is_row_tiled else DOT_MIN_M
+    num_row_tiles = triton.cdiv(num_rows, DOT_MIN_M)
     is_partial = split_k > 1
     has_bias = bias is not None
     num_column_blocks = triton.cdiv(num_outputs, block_n)
     if is_partial:
         # partials: [SPLIT_K, M, N] float32, from the graph pool under capture
         partials = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
-        counters = split_counters(y.device, num_column_blocks)
+        counters = split_counters(y.device, num_column_blocks * num_row_tiles)
     else:
         partials = counters = y  # not read
     outputs = (bias if has_bias else scales, y, partials, counters)
@@ -468,23 +490,27 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
         rank = 0
         lora = (scales, scales, 0, 0, 0, 0)  # not read
     lora_flags = {"HAS_LORA": has_lora, "BLOCK_R": lora_block_r(rank)}
-    grid = (num_column_blocks, split_k)
-    if num_rows == 1 and config.get("unpack") == "lanes":
+    grid = (num_column_blocks, split_k, num_row_tiles)
+    launch_options = {"num_warps": config["num_warps"]}
+    if "num_stages" in config:
+        launch_options["num_stages"] = config["num_stages"]
+    is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
+    if is_lanes and num_rows == 1:
         _awq_gemv_row_kernel[grid](
             x, qweight, qzeros, scales, *outputs, *lora,
             num_outputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
-            **lora_flags, num_warps=config["num_warps"],
+            **lora_flags, **launch_options,
         )
-    elif config.get("unpack") == "lanes":
+    elif is_lanes:
         _awq_gemv_lanes_dot_kernel[grid](
             x, qweight, qzeros, scales, *outputs, *lora,
             num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
             k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            **lora_flags, num_warps=config["num_warps"],
+            **lora_flags, **launch_options,
         )
     else:
         _awq_gemv_kernel[grid](
@@ -493,6 +519,6 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
             k_blocks_per_split,
             GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            **lora_flags, num_warps=config["num_warps"],
+            **lora_flags, **launch_options,
         )
     return y

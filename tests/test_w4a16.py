@@ -381,7 +381,7 @@ def test_real_shapes_on_gpu(shape, num_rows):
     y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
     if num_rows <= w4a16.MAX_DECODE_M:
         config = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128,
-                                                     w4a16._num_sms(x.device))
+                                                     w4a16.num_sms(x.device))
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
     else:
         config = w4a16.w4a16_gemm.choose_gemm_config(num_rows, 128)
@@ -493,7 +493,7 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=60, dtype=torch.float16)
     x = random_x(num_rows, num_inputs, seed=61)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
-    default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16._num_sms(x.device))
+    default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
     for config in (default, *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form}
                               for form in ROW_FORMS)):
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
