@@ -5,8 +5,19 @@ sequence, one KV head and one partition of the context, and processes all the
 query heads of that KV head's group together (GQA), so every K/V byte is read
 once. Long contexts are split into partitions that run in parallel
 (flash-decoding); a second kernel merges the partial results through their
-log-sum-exp. The number of partitions is chosen so that the grid fills the
-GPU, bounded by a minimum partition length.
+log-sum-exp. By default the number of partitions is chosen so that the grid fills
+the GPU, bounded by a minimum partition length.
+
+Batch invariance. The default partitioning depends on the batch (its size and its
+longest context), so a sequence's sum can be cut differently when other sequences
+join it. With `partition_tokens=` (the engine passes `INVARIANT_PARTITION_TOKENS`)
+partitions start at fixed absolute positions, a sequence always goes through the
+merge, and the merge adds exactly the sequence's own partitions, one at a time in
+split order; partitions past a sequence's context are neither computed nor read.
+Nothing a sequence's result is made of then depends on its neighbours, the block
+table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
+option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
+meets the same tiles whatever chunk of the prompt, and whatever batch, it comes in.
 
 Prefill (a batch of new tokens, possibly after a cached prefix) is compute
 bound and follows flash-attention 2: one program per (query tile, sequence,
@@ -50,6 +61,16 @@ FORCE_REFERENCE = False
 # Decode partitions shorter than this cost more in the merge than they win in parallelism.
 MIN_PARTITION_TOKENS = 128
 TARGET_WAVES = 4
+# The partition length for batch-invariant decoding (`partition_tokens=`): every sequence is cut
+# at the same absolute positions whatever else is in the batch. 256 is a multiple of every token
+# tile the kernel uses (16 to 256). It is short enough that one 8K sequence of the 1.5B shape
+# (2 KV heads) still spreads over 64 programs, and long enough that the partial results written
+# and merged (a float32 row per query head: 3 KB for 6 heads of 128) stay small beside the K/V
+# bytes a partition reads (128 KB at FP16, 35 KB at INT4).
+INVARIANT_PARTITION_TOKENS = 256
+# Partial results the merge loads before adding them, in split order; the order, not this
+# count, decides the result.
+MERGE_CHUNK = 8
 _LOG2_E = 1.4426950408889634
 
 
@@ -224,11 +245,29 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 
 
 def plan_decode_partitions(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device, num_splits: int | None = None
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    device: torch.device,
+    num_splits: int | None = None,
+    *,
+    partition_tokens: int | None = None,
 ) -> tuple[int, int]:
-    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole tiles."""
+    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole tiles.
+
+    With `partition_tokens` every partition has that many tokens (a positive multiple of the
+    kernel's token tile, else KernelError) and num_splits covers `max_context_len`.
+    """
     block_n = _decode_block_n(device)
     max_context_len = max(1, max_context_len)
+    if partition_tokens is not None:
+        if num_splits is not None:
+            raise KernelError(f"plan_decode_partitions: pass num_splits ({num_splits}) or partition_tokens "
+                              f"({partition_tokens}), not both")
+        if not isinstance(partition_tokens, int) or partition_tokens <= 0 or partition_tokens % block_n:
+            raise KernelError(f"partition_tokens={partition_tokens!r} must be a positive multiple of the decode "
+                              f"kernel's {block_n}-token tile")
+        return math.ceil(max_context_len / partition_tokens), partition_tokens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(device))
     partition_tokens = math.ceil(math.ceil(max_context_len / max(1, num_splits)) / block_n) * block_n
@@ -248,6 +287,7 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    partition_tokens: int | None = None,
     max_context_len: int | None = None,
     use_reference: bool = False,
 ) -> torch.Tensor:
@@ -263,29 +303,36 @@ def paged_decode_attention(
     block table's capacity (`max_blocks * block_size`) so no device sync is
     needed. Pass the true maximum when the table is padded far beyond it; it
     must not be below any `context_lens` entry (tokens past it are not read).
+
+    `partition_tokens` (instead of `num_splits`) fixes the partition length, a positive
+    multiple of the kernel's token tile (`INVARIANT_PARTITION_TOKENS` is one). A sequence's
+    output then depends only on its own q, context and pages, bit for bit, not on the other
+    sequences of the batch, `max_context_len` or the block table's width: what a batched
+    server needs for greedy outputs that match the request run alone.
     """
     name = "paged_decode_attention"
     _check_common(name, q, pages, block_tables, context_lens)
     if q.shape[0] != context_lens.shape[0]:
         raise KernelError(f"{name}: q has {q.shape[0]} rows but context_lens has {context_lens.shape[0]} sequences")
-    if q.shape[0] == 0:
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = pages.num_kv_heads
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * pages.block_size
+    is_invariant = partition_tokens is not None
+    num_splits, partition_tokens = plan_decode_partitions(
+        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, partition_tokens=partition_tokens
+    )
+    if num_seqs == 0:
         return torch.empty_like(q)
     if not _use_triton(name, q.device, use_reference):
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
-    _check_kernel_head_dim(name, q.shape[2])
-
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = pages.num_kv_heads
+    _check_kernel_head_dim(name, head_dim)
     group_size = num_heads // num_kv_heads
-    is_interpreted = _is_interpreted(q.device)
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * pages.block_size
-    num_splits, partition_tokens = plan_decode_partitions(
-        num_seqs, num_kv_heads, max_context_len, q.device, num_splits
-    )
-
+    # Fixed partitions always go through the merge, even as one split, so that a sequence takes
+    # the same path whether or not a longer one shares its batch.
+    is_split = num_splits > 1 or is_invariant
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if num_splits > 1:
+    if is_split:
         partial_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
@@ -302,14 +349,13 @@ def paged_decode_attention(
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BITS=pages.bits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)),
         BLOCK_N=_tile_rows(_block_d(head_dim), _decode_block_n(q.device)),
-        IS_SPLIT=num_splits > 1, HAS_WINDOW=pages.has_window,
+        IS_SPLIT=is_split, HAS_WINDOW=pages.has_window,
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
-    if num_splits > 1:
+    if is_split:
         _merge_partitions_kernel[(num_seqs, num_heads)](
-            partial_out, partial_lse, out, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            CHUNK=4 if is_interpreted else 16,
+            partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), MERGE_CHUNK=MERGE_CHUNK,
             num_warps=4,
         )
     return out
@@ -359,7 +405,9 @@ def paged_prefill_attention(
     block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
-    grid = (triton.cdiv(max(1, max_q_len), block_m), num_seqs, num_heads)
+    # One more query tile than the longest chunk needs: a chunk after a cached prefix may start
+    # inside a tile.
+    grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
         q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, cu_seqlens_q, context_lens, out,
@@ -464,6 +512,10 @@ if HAS_TRITON:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         context_len = tl.load(context_lens_ptr + seq)
+        # Partitions past this sequence's context (the batch's longest sets num_splits) do
+        # nothing: the merge reads only the sequence's own. An empty context still has one.
+        if split >= _num_partitions(context_len, partition_tokens, num_splits):
+            return
         start = split * partition_tokens
         end = tl.minimum(start + partition_tokens, context_len)
 
@@ -520,38 +572,61 @@ if HAS_TRITON:
             tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_gd)
 
     @triton.jit
-    def _merge_partitions_kernel(
-        partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-    ):
-        # One program per (sequence, head): weight each partition by exp2(lse - max lse).
-        # Partial outputs are summed CHUNK partitions at a time to bound register use.
-        seq = tl.program_id(0)
-        head = tl.program_id(1)
-        row = seq.to(tl.int64) * tl.num_programs(1) + head
-        offs_s = tl.arange(0, BLOCK_SPLITS)
-        lse = tl.load(partial_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-        max_lse = tl.max(lse, axis=0)
-        max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # empty context: all weights 0
-        total = tl.sum(tl.exp2(lse - max_lse), axis=0)
+    def _num_partitions(context_len, partition_tokens, num_splits):
+        # Partitions holding this sequence's tokens: at least one (an empty context gives
+        # zeros through it), at most num_splits (max_context_len may stop short of context_len).
+        return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
 
-        offs_c = tl.arange(0, CHUNK)
+    @triton.jit
+    def _merge_partitions(
+        partial_out_ptr, partial_lse_ptr, out_ptr, rows, mask_h, num_splits, num_parts,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    ):
+        # Output rows `rows` [BLOCK_H] (sequence * num_heads + head) from their first num_parts
+        # partials, each weighted by exp2(lse - max lse). Every output element is a sum in split
+        # order 0, 1, ..., num_parts - 1, whatever num_splits, the tile shapes or the number of
+        # warps, so a sequence's result does not depend on the batch around it; splits past
+        # num_parts are never read. The max is exact in any order. MERGE_CHUNK partials are
+        # loaded before they are added, so their loads overlap.
         offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for chunk_start in range(0, num_splits, CHUNK):
+        offs_c = tl.arange(0, 64)
+        mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+        max_lse = tl.full(rows.shape, float("-inf"), tl.float32)
+        for chunk_start in range(0, num_parts, 64):
             splits = chunk_start + offs_c
-            mask_c = splits < num_splits
-            weights = tl.exp2(
-                tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask_c, other=float("-inf")) - max_lse
-            )
-            parts = tl.load(
-                partial_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=mask_c[:, None] & mask_d[None, :], other=0.0,
-            )
-            acc += tl.sum(parts * weights[:, None], axis=0)
-        result = acc / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
+            lse = tl.load(partial_lse_ptr + rows[:, None] * num_splits + splits[None, :],
+                          mask=mask_h[:, None] & (splits < num_parts)[None, :], other=float("-inf"),
+                          cache_modifier=".cg")
+            max_lse = tl.maximum(max_lse, tl.max(lse, axis=1))
+        max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # empty context: all weights 0
+        total = tl.zeros(rows.shape, tl.float32)
+        acc = tl.zeros([rows.shape[0], BLOCK_D], tl.float32)
+        for chunk_start in range(0, num_parts, MERGE_CHUNK):
+            for i in tl.static_range(MERGE_CHUNK):
+                split = chunk_start + i
+                is_part = tl.full(rows.shape, split, tl.int32) < num_parts  # [BLOCK_H], as the interpreter wants
+                lse = tl.load(partial_lse_ptr + rows * num_splits + split, mask=mask_h & is_part,
+                              other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(partial_out_ptr + (rows * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=mask_hd & is_part[:, None], other=0.0, cache_modifier=".cg")
+                weight = tl.exp2(lse - max_lse)  # 0 past num_parts: adds exact zeros
+                total += weight
+                acc += part * weight[:, None]
+        result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], result.to(out_ptr.dtype.element_ty),
+                 mask=mask_hd)
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_partitions_kernel(
+        partial_out_ptr, partial_lse_ptr, out_ptr, context_lens_ptr, partition_tokens, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    ):
+        # One program per (sequence, head).
+        seq = tl.program_id(0)
+        rows = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1) + tl.arange(0, 1)
+        num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
+        _merge_partitions(partial_out_ptr, partial_lse_ptr, out_ptr, rows, rows >= 0, num_splits, num_parts,
+                          HEAD_DIM, BLOCK_D, MERGE_CHUNK)
 
     @triton.jit
     def _prefill_kernel(
@@ -564,7 +639,6 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
-        q_tile = tl.program_id(0)
         seq = tl.program_id(1)
         head = tl.program_id(2)
         kv_head = head // group_size
@@ -572,23 +646,26 @@ if HAS_TRITON:
         q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
         context_len = tl.load(context_lens_ptr + seq)
         num_cached = context_len - q_len
+        # Query tiles, like K/V tiles, sit at absolute positions (tile t holds positions
+        # t * BLOCK_M ...), the chunk's new tokens masked in: a token meets the same tiles,
+        # in the same row, whatever chunk of the prompt it comes in.
+        q_tile = num_cached // BLOCK_M + tl.program_id(0)
 
-        offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_positions = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        mask_m = offs_m < q_len
+        mask_m = (q_positions >= num_cached) & (q_positions < context_len)
         mask_md = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
-        token_rows = (q_start + offs_m).to(tl.int64)
+        token_rows = (q_start + q_positions - num_cached).to(tl.int64)
         q = tl.load(
             q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
             mask=mask_md, other=0.0,
         )
         dot_dtype = q.dtype
-        q_positions = num_cached + offs_m
 
-        # K/V up to the last query of this tile (causal); none when the tile is past q_len.
-        end = tl.minimum(context_len, num_cached + (q_tile + 1) * BLOCK_M)
-        end = tl.where(q_tile * BLOCK_M < q_len, end, 0)
+        # K/V up to the last query of this tile (causal); none when the tile has no new token.
+        end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
+        end = tl.where((q_tile * BLOCK_M < context_len) & (q_len > 0), end, 0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -1,0 +1,171 @@
+"""Batch invariance of paged attention: a sequence's output, bit for bit, whatever shares its batch.
+
+Greedy generation in a batched server gives the text of the request run alone only if every
+kernel gives a row the same bits whatever the other rows are. Decode attention does so with
+fixed partitions (`partition_tokens=`); prefill attention whatever the chunking of the prompt.
+Each test also checks the outputs against the reference, so two equal wrong answers fail.
+"""
+
+import pytest
+import torch
+
+from lowvram.errors import KernelError
+from lowvram.kernels import paged_attention
+from lowvram.kernels.paged_attention import (
+    INVARIANT_PARTITION_TOKENS,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    plan_decode_partitions,
+)
+from test_paged_attention import DEVICE, TINY_DIM, TINY_HEADS, PagedCase, _report
+
+# (page precision, q dtype, pages kept in FP16): q is float16 only over float16 pages on the CPU
+# (float16 pages need a float16 q), float32 otherwise, as in test_paged_attention.
+CASES = [
+    ("fp16", torch.float16, 0),
+    ("fp16", torch.float32, 0),
+    ("int8", torch.float32, 0),
+    ("int8", torch.float32, 3),
+    ("int4", torch.float32, 0),
+    ("int4", torch.float32, 3),
+]
+CASE_IDS = [f"{precision}-{str(dtype)[6:]}{'-window' if window else ''}" for precision, dtype, window in CASES]
+# The interpreter's decode tile is 16 tokens: 32-token partitions give the 300-token sequence
+# more partitions than the merge loads at once (MERGE_CHUNK).
+PARTITION_TOKENS = 32
+
+
+def _case(precision, dtype, num_window_blocks, context_lens, seed):
+    pages_dtype = dtype if precision == "fp16" else torch.float32
+    return PagedCase(precision, pages_dtype, 8, 2, TINY_DIM, context_lens, seed=seed,
+                     num_window_blocks=num_window_blocks)
+
+
+def _tolerance(dtype):
+    return 2e-3 if dtype == torch.float16 else 1e-5
+
+
+@pytest.mark.parametrize("precision,dtype,num_window_blocks", CASES, ids=CASE_IDS)
+def test_decode_row_is_the_same_alone_and_in_a_batch(precision, dtype, num_window_blocks):
+    # 70 to 120 tokens: 3 or 4 partitions, as many as the sequence alone has splits; a sum over the
+    # batch's splits rather than the sequence's own would change how they are added.
+    context_lens = [150, 37, 5, 300, 0, 120, 70, 100]
+    case = _case(precision, dtype, num_window_blocks, context_lens, seed=50)
+    q = torch.randn(len(context_lens), TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(51))
+    q = q.to(DEVICE, dtype)
+    # The batch's block table is wider than any sequence needs, and max_context_len larger
+    # still, so the batch has more partitions than any of its sequences.
+    padding = torch.full((len(context_lens), 7), -1, dtype=torch.int32, device=DEVICE)
+    wide_tables = torch.cat([case.block_tables, padding], dim=1)
+    batched = paged_decode_attention(q, case.pages, wide_tables, case.context_lens_t, 0.3,
+                                     partition_tokens=PARTITION_TOKENS, max_context_len=500)
+    expected = paged_decode_attention_ref(q, case.pages, case.block_tables, case.context_lens_t, 0.3)
+    assert _report(f"decode {precision} batched vs reference", batched, expected) <= _tolerance(dtype)
+
+    for seq, context_len in enumerate(context_lens):
+        num_blocks = max(1, -(-context_len // 8))
+        alone = paged_decode_attention(q[seq : seq + 1], case.pages, case.block_tables[seq : seq + 1, :num_blocks],
+                                       case.context_lens_t[seq : seq + 1], 0.3, partition_tokens=PARTITION_TOKENS)
+        # Two other batches: the sequence with the shortest one, and in another slot.
+        pair = [seq, 2]
+        in_pair = paged_decode_attention(q[pair], case.pages, case.block_tables[pair],
+                                         case.context_lens_t[pair], 0.3, partition_tokens=PARTITION_TOKENS)
+        assert torch.equal(alone[0], batched[seq]), f"sequence {seq} ({context_len} tokens): alone != batched"
+        assert torch.equal(in_pair[0], batched[seq]), f"sequence {seq} ({context_len} tokens): pair != batched"
+    assert not batched[4].any(), "an empty context must give zeros"
+
+
+def test_decode_partitions_are_fixed_by_partition_tokens():
+    device = torch.device("cpu")
+    assert plan_decode_partitions(1, 2, 1000, device, partition_tokens=256) == (4, 256)
+    assert plan_decode_partitions(64, 2, 1000, device, partition_tokens=256) == (4, 256)
+    assert plan_decode_partitions(1, 2, 256, device, partition_tokens=256) == (1, 256)
+    assert INVARIANT_PARTITION_TOKENS % paged_attention._decode_block_n(torch.device("cuda")) == 0
+    assert INVARIANT_PARTITION_TOKENS % paged_attention._decode_block_n(device) == 0
+
+
+@pytest.mark.parametrize("partition_tokens", [0, -16, 24, 16.0])
+def test_decode_rejects_partitions_that_are_not_whole_tiles(partition_tokens):
+    case = _case("int8", torch.float32, 0, [5, 9], seed=52)
+    q = torch.zeros(2, TINY_HEADS, TINY_DIM, device=DEVICE)
+    with pytest.raises(KernelError, match=f"partition_tokens={partition_tokens!r}"):
+        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 1.0,
+                               partition_tokens=partition_tokens)
+    with pytest.raises(KernelError, match="not both"):
+        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 1.0,
+                               num_splits=2, partition_tokens=32)
+
+
+def _prefill(case, q, seqs, chunks):
+    """Prefill attention of one chunk per sequence in `seqs`: `chunks[i] = (first, end)` are the
+    positions of sequence seqs[i]'s new tokens (its context is then `end` tokens); returns the rows."""
+    num_new = [end - first for first, end in chunks]
+    cu_seqlens = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    rows = torch.cat([q[seq][first:end] for seq, (first, end) in zip(seqs, chunks)])
+    context_lens = torch.tensor([end for _, end in chunks], dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(rows, case.pages, case.block_tables[seqs], cu_seqlens, context_lens, 0.3)
+    expected = paged_prefill_attention_ref(rows, case.pages, case.block_tables[seqs], cu_seqlens, context_lens, 0.3)
+    return out, expected, cu_seqlens.tolist()
+
+
+@pytest.mark.parametrize("precision,dtype,num_window_blocks", CASES, ids=CASE_IDS)
+def test_prefill_rows_are_the_same_whatever_the_chunks(precision, dtype, num_window_blocks):
+    # Every token's K/V is already in the pages, as after the earlier chunks were written.
+    context_lens = [45, 21, 70]
+    case = _case(precision, dtype, num_window_blocks, context_lens, seed=53)
+    generator = torch.Generator().manual_seed(54)
+    q = [torch.randn(n, TINY_HEADS, TINY_DIM, generator=generator).to(DEVICE, dtype) for n in context_lens]
+
+    whole, expected, _ = _prefill(case, q, [0], [(0, 45)])
+    assert _report(f"prefill {precision} one chunk vs reference", whole, expected) <= _tolerance(dtype)
+    for boundaries in ([0, 19, 45], [0, 7, 30, 45], [0, 16, 32, 45], [0, 44, 45]):
+        for first, end in zip(boundaries, boundaries[1:]):
+            out, _, _ = _prefill(case, q, [0], [(first, end)])
+            assert torch.equal(out, whole[first:end]), f"chunk {first}:{end} of {boundaries} != one chunk"
+
+    # Batched with two other sequences (one chunk each, one after a cached prefix), in the middle.
+    out, expected, starts = _prefill(case, q, [1, 0, 2], [(3, 21), (0, 45), (50, 70)])
+    assert _report(f"prefill {precision} batched vs reference", out, expected) <= _tolerance(dtype)
+    assert torch.equal(out[starts[1] : starts[2]], whole), "batched != alone"
+    out, _, starts = _prefill(case, q, [2, 0], [(0, 33), (19, 45)])
+    assert torch.equal(out[starts[1] : starts[2]], whole[19:45]), "second chunk, batched != one chunk"
+
+
+# ---------------------------------------------------------------- GPU tests at model shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_decode_row_is_the_same_alone_and_in_a_batch_gpu(precision):
+    # 1.5B shape; the batch's longest context gives 33000 / 256 = 129 partitions, the
+    # sequence under test 32, so the merge sees very different num_splits.
+    context_lens = [8192, 1000, 33000, 17]
+    case = PagedCase(precision, torch.float16, 16, 2, 128, context_lens, seed=55, num_window_blocks=0)
+    q = torch.randn(len(context_lens), 12, 128, generator=torch.Generator().manual_seed(56)).to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    batched = paged_decode_attention(q, *args, partition_tokens=INVARIANT_PARTITION_TOKENS)
+    expected = paged_decode_attention_ref(q.float(), *args)
+    assert _report(f"decode gpu {precision} batched, fixed partitions", batched, expected) <= 2e-3
+    for seq in range(len(context_lens)):
+        num_blocks = -(-context_lens[seq] // 16)
+        alone = paged_decode_attention(q[seq : seq + 1], case.pages, case.block_tables[seq : seq + 1, :num_blocks],
+                                       case.context_lens_t[seq : seq + 1], 128**-0.5,
+                                       partition_tokens=INVARIANT_PARTITION_TOKENS)
+        assert torch.equal(alone[0], batched[seq]), f"sequence {seq}: alone != batched"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_prefill_rows_are_the_same_whatever_the_chunks_gpu(precision):
+    context_lens = [3000, 500]
+    case = PagedCase(precision, torch.float16, 16, 2, 128, context_lens, seed=57)
+    generator = torch.Generator().manual_seed(58)
+    q = [torch.randn(n, 12, 128, generator=generator).to(DEVICE, torch.float16) for n in context_lens]
+    whole, _, _ = _prefill(case, q, [0], [(0, 3000)])
+    for first, end in ((0, 1000), (1000, 2048), (2048, 3000), (2999, 3000)):
+        out, _, _ = _prefill(case, q, [0], [(first, end)])
+        assert torch.equal(out, whole[first:end]), f"chunk {first}:{end} != one chunk"
+    out, _, starts = _prefill(case, q, [1, 0], [(0, 500), (1000, 3000)])
+    assert torch.equal(out[starts[1] :], whole[1000:]), "batched chunk != one chunk"
