@@ -62,6 +62,7 @@ class AwqLinear(nn.Module):
             self.register_buffer(name, None)
         self.has_own_bias = has_bias
         self.is_bias_corrected = False  # the bias already holds lowvram_bias_correction
+        self.is_batch_invariant = False  # set by lowvram.batch_invariance
 
     @property
     def has_compensation(self) -> bool:
@@ -119,7 +120,8 @@ class AwqLinear(nn.Module):
             lora_a = lora_bt = None
         # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
         return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                          lora_a=lora_a, lora_bt=lora_bt, use_reference=not x.is_cuda)
+                          lora_a=lora_a, lora_bt=lora_bt, use_reference=not x.is_cuda,
+                          batch_invariant=self.is_batch_invariant)
 
     def extra_repr(self) -> str:
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""

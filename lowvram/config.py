@@ -65,6 +65,7 @@ class Profile:
     enable_cuda_graphs: bool = True
     enable_prefill_graphs: bool = False
     embeddings_on_host: bool = False
+    batch_invariant: bool = False
     weight_format: str = "auto"
     fp16_budget_mib: int = 64
     compensation_rank: int = 16
@@ -111,6 +112,10 @@ FIELD_DOCS: dict[str, str] = {
     "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): each step "
                           "gathers its rows on the host and copies only them over. Frees vocab x hidden x 2 bytes "
                           "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
+    "batch_invariant": "Give each request the same logits, to the bit, whether it runs alone or batched with "
+                       "others (greedy output then does not depend on the load): one kernel tiling for every "
+                       "batch size in matmuls and decode attention. Costs speed; KV compression and "
+                       "preemption can still change a request's text.",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
@@ -190,6 +195,7 @@ def validate_profile(p: Profile, source: str) -> None:
     _check_bool(source, "enable_cuda_graphs", p.enable_cuda_graphs)
     _check_bool(source, "enable_prefill_graphs", p.enable_prefill_graphs)
     _check_bool(source, "embeddings_on_host", p.embeddings_on_host)
+    _check_bool(source, "batch_invariant", p.batch_invariant)
     _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
     _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)
     _check_range(source, "compensation_rank", p.compensation_rank, 0, 1024, is_int=True)

@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from lowvram.batch_invariance import make_batch_invariant
 from lowvram.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
 from lowvram.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.controller import KV_LADDER, ControllerState, Event, Observation, decide, escalate_after_oom
-from lowvram.errors import OutOfMemoryError, RequestError
+from lowvram.errors import ConfigError, OutOfMemoryError, RequestError
 from lowvram.kv_pool import create_kv_pool
 from lowvram.layer_streaming import load_model_for_profile
 from lowvram.loader import is_deepseek_v2_checkpoint, load_model, resolve_model_path
@@ -99,7 +100,12 @@ class LLMEngine:
         # The budget is the process's: what it already holds on the device (an earlier engine's
         # cuBLAS workspaces, the caller's tensors) leaves that much less for this one.
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        if is_deepseek_v2_checkpoint(self.model_dir):
+        is_deepseek_v2 = is_deepseek_v2_checkpoint(self.model_dir)
+        if self.profile.batch_invariant and is_deepseek_v2:
+            raise ConfigError(f"batch_invariant: true is not available for DeepSeek-V2 models ({self.model_dir}): "
+                              f"its MLA attention and expert routing have no batch-invariant kernels; set "
+                              f"batch_invariant: false in profile '{self.profile.name}'")
+        if is_deepseek_v2:
             # MoE: routed experts leave the device through their own cache, sized from the profile.
             self.model, self.config = load_model(self.model_dir, self.device, self.dtype, profile=self.profile,
                                                  held_bytes=held)
@@ -115,6 +121,9 @@ class LLMEngine:
                 log.info("loading allocated %.1f MiB beyond the weights' %.1f MiB; the plan counts it",
                          (loaded - self.model.weight_bytes) / 2**20, self.model.weight_bytes / 2**20)
                 self.model.weight_bytes = loaded
+        if self.profile.batch_invariant:
+            log.info("batch-invariant kernels in %d layers: every request decodes as it would alone",
+                     make_batch_invariant(self.model))
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids

@@ -99,6 +99,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, set by lowvram.fusion after loading
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.is_batch_invariant = False  # set by lowvram.batch_invariance
 
     def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
         num_tokens = h.shape[0]
@@ -112,7 +113,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rope = self.rotary.rope(positions, meta.max_context_len)
-        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope)  # rotates q and k in place first
+        # rotates q and k in place first
+        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope, batch_invariant=self.is_batch_invariant)
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 
