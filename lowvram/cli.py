@@ -145,7 +145,7 @@ def cmd_bench_speed(args) -> int:
         quantize_head=args.quantize_head, calib_samples=args.calib_samples, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
         max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs,
-        prefill_graphs=args.prefill_graphs, command=command,
+        prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replay decode steps from CUDA graphs (default: as the profile says)")
     speed.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)")
+    speed.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="the same results for a request alone or batched (default: as the profile says)")
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
     speed.add_argument("--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)")

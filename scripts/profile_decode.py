@@ -172,7 +172,7 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 def sweep_gemv(config, group_size: int) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
-    from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
+    from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
 
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = {"qkv": (hidden, config.q_size + 2 * config.kv_size), "o": (config.q_size, hidden),
@@ -201,7 +201,23 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
                     continue
                 timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
             ok = [t for t in timed if "us" in t]
+            # Second pass: software pipelining depth and warp count around the five fastest.
+            for t in sorted(ok, key=lambda t: t["us"])[:5]:
+                for stages, warps in ((1, t["config"]["num_warps"]), (2, t["config"]["num_warps"]),
+                                      (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
+                    cfg = {**t["config"], "num_stages": stages, "num_warps": warps}
+                    try:
+                        ms = do_bench_cudagraph(lambda cfg=cfg, x=x, y=y: launch_awq_gemv(
+                            x, qweight, qzeros, scales, group_size, None, y, cfg), rep=20)
+                    except Exception as exc:
+                        timed.append({"config": cfg, "error": str(exc)[:80]})
+                        continue
+                    timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
+            ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
+            invariant = invariant_gemv_config(n, k, group_size, num_sms)
+            invariant_ms = do_bench_cudagraph(lambda x=x, y=y: launch_awq_gemv(
+                x, qweight, qzeros, scales, group_size, None, y, invariant), rep=20)
             by_form = {}
             for t in ok:
                 form = t["config"].get("unpack", "interleave") + "/" + t["config"].get("reduce", "block")
@@ -210,6 +226,7 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
                             "best_by_form": by_form,
                             "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
+                            "batch_invariant": {"config": invariant, "us": round(invariant_ms * 1000, 2)},
                             "top5": sorted(ok, key=lambda t: t["us"])[:5]})
             print("   best by form: " + ", ".join(f"{f} {t['us']} us" for f, t in by_form.items()))
             print(json.dumps(results[-1]["best"] | {"shape": name, "rows": rows,

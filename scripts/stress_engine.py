@@ -367,6 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests whose output is checked against a solo run")
     parser.add_argument("--seed", type=int, default=6,
                         help="draw of the mix (6: several long requests run together; see above)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the profile's batch_invariant mode: requests decode as they would alone")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--summary-md", default=None, help="write the Markdown summary table here too")
@@ -416,7 +418,7 @@ def workload_record(args, requests: list[Request], controller) -> dict:
             "seed": args.seed, "num_prompt_tokens": sum(lengths),
             "prompt_tokens_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
             "num_output_tokens": sum(r.max_tokens for r in requests), "max_output_tokens": args.max_output_tokens,
-            "controller": dataclasses.asdict(controller)}
+            "controller": dataclasses.asdict(controller), "batch_invariant": args.batch_invariant}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="lowvram-stress-"))
     model = prepare_model(args, work)
     profile = load_profile(args.profile).replace(emulate_vram_gib=args.emulate_vram_gib, device=args.device,
-                                                 max_model_len=args.max_prompt_tokens + args.max_output_tokens)
+                                                 max_model_len=args.max_prompt_tokens + args.max_output_tokens,
+                                                 batch_invariant=args.batch_invariant or None)
     requests = make_requests(Tokenizer(resolve_model_path(model)), args.num_requests, args.max_prompt_tokens,
                              args.max_output_tokens, args.seed, args.long_share)
     controller = profile.controller

@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention kv_pool profile_decode stress streaming_7b deepseek_v2 speed speed_prefill_graphs speed_head
+# paged_attention kv_pool profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -65,11 +65,14 @@ if [ "$what" != tests ]; then
     run_bench kv_pool_128k 480 python3 scripts/bench_kv_pool.py --runs um,device-int8 --max-prefill-s 330 --transfer-mib 0
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
+    # Batch-invariant mode, controller on: every request checked against its run alone.
+    run_bench stress_invariant 400 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes on --check-alone 64 --batch-invariant --summary-md "$results/stress_invariant.md"
     run_bench streaming_7b 240 python3 scripts/bench_7b_streaming.py
     run_bench deepseek_v2 300 python3 scripts/bench_deepseek_v2.py --model-dir /tmp/dsv2-lite-awq --profile 4gb --emulate-vram-gib 4
     run_bench speed 420 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --vs-hf --output "$results/bench_speed.md" --plot "$results/bench_speed.png"
     # Prefill graphs (off by default until this shows them faster) and an INT4 lm_head.
     run_bench speed_prefill_graphs 120 lowvram bench speed --cuda-graphs --prefill-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_prefill_graphs.md"
+    run_bench speed_invariant 120 lowvram bench speed --cuda-graphs --batch-invariant --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_invariant.md"
     run_bench speed_head 150 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_head.md"
 fi
 exit "$status"
