@@ -24,11 +24,19 @@ bound and follows flash-attention 2: one program per (query tile, sequence,
 query head), online softmax over K/V tiles up to the causal limit.
 
 Both kernels gather K/V through the block table one token row at a time
-(`block_table[seq, p // B] * B + p % B`), dequantize INT8/INT4 rows in
-registers as `(q - zero) * scale`, and accumulate in float32. Scores use
-exp2 with the softmax scale folded into log2(e). Tokens of pages kept in FP16
-beside INT8/INT4 ones (`KVPages.window_row`, see `lowvram.kv_quant`) are read
-from the FP16 copy instead of their codes.
+(`block_table[seq, p // B] * B + p % B`) and accumulate in float32. Scores use
+exp2 with the softmax scale folded into log2(e). INT8/INT4 codes go into the
+dots as they are (integers up to 255 are exact in float16) and each token's
+scale and zero are applied to the dots' results, per token rather than per
+element: `q . k_j = s_j (q . c_j) - s_j z_j sum(q)` for K and
+`sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V. Dequantizing
+every element first made the quantized pages slower to read than FP16 ones of
+twice their size. INT4 codes are not interleaved back into element order: the
+low nibbles (elements 2i) and high nibbles (2i + 1) are two half-width planes,
+each dotted with the matching half of q, and the output is stored back to
+element order once. Tokens of pages kept in FP16 beside INT8/INT4 ones
+(`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
+instead of their codes, with scale 1 and zero 0.
 
 The public wrappers check shapes, dtypes and strides, then run the Triton
 kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
@@ -204,6 +212,15 @@ def _block_d(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
 
 
+def _plane_layout(pages: KVPages) -> dict:
+    """How the kernels split a head's columns: INT4 into its low and high nibbles (elements
+    2i and 2i + 1, each plane half the head), the others into one plane."""
+    num_planes = 2 if pages.bits == 4 else 1
+    plane_dim = pages.head_dim // num_planes
+    # tl.dot needs at least 16 columns: head sizes 16 to 31 pad INT4's half-head planes.
+    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, triton.next_power_of_2(plane_dim))}
+
+
 def _tile_rows(block_d: int, rows: int) -> int:
     # Wide rows shrink the tiles so q, K and V tiles fit shared memory and the
     # float32 accumulator fits registers.
@@ -346,7 +363,7 @@ def paged_decode_attention(
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)),
         BLOCK_N=_tile_rows(_block_d(head_dim), _decode_block_n(q.device)),
         IS_SPLIT=is_split, HAS_WINDOW=pages.has_window,
@@ -414,7 +431,7 @@ def paged_prefill_attention(
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         pages.num_kv_heads, num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window,
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
@@ -424,48 +441,6 @@ def paged_prefill_attention(
 # ---------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _load_kv_tile(
-        cache_ptr, scale_ptr, zero_ptr, rows, mask_n,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    ):
-        # rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head; returns [BLOCK_N, BLOCK_D] in OUT_DTYPE.
-        # Masked rows read nothing (unwritten slots may hold NaN) and come back as 0. Columns
-        # past HEAD_DIM come back finite (0, or the dequantized 0 code): q is 0 there and
-        # they are never stored.
-        offs_d = tl.arange(0, BLOCK_D)
-        if BLOCK_D == HEAD_DIM:
-            mask = mask_n[:, None]
-        else:
-            mask = mask_n[:, None] & (offs_d < HEAD_DIM)[None, :]
-        if BITS == 16:
-            tile = tl.load(cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
-            tile = tile.to(OUT_DTYPE)
-        else:
-            scale = tl.load(scale_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-            zero = tl.load(zero_ptr + rows, mask=mask_n, other=0.0).to(tl.float32)
-            if BITS == 8:
-                codes = tl.load(
-                    cache_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0
-                ).to(tl.int32)
-            elif BLOCK_D == HEAD_DIM:
-                offs_b = tl.arange(0, BLOCK_D // 2)
-                packed = tl.load(
-                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + offs_b[None, :], mask=mask_n[:, None], other=0
-                ).to(tl.int32)
-                # low nibble = element 2i, high nibble = element 2i+1
-                codes = tl.interleave(packed & 15, (packed >> 4) & 15)
-            else:
-                # A masked tile (MLA's 576 in 1024 columns): each element reads its own byte
-                # (twice per byte, from cache). The interleave form above returned wrong values
-                # on an H200 at this width, though the interpreter agreed with the reference.
-                packed = tl.load(
-                    cache_ptr + rows[:, None] * (HEAD_DIM // 2) + (offs_d // 2)[None, :], mask=mask, other=0
-                ).to(tl.int32)
-                codes = (packed >> ((offs_d % 2) * 4)[None, :]) & 15
-            tile = ((codes.to(tl.float32) - zero[:, None]) * scale[:, None]).to(OUT_DTYPE)
-        return tile
 
     @triton.jit
     def _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
@@ -480,22 +455,133 @@ if HAS_TRITON:
         return window_page, rows
 
     @triton.jit
-    def _load_paged_tile(
+    def _load_rows(ptr, rows, mask_rows, cols, ROW_LEN: tl.constexpr, NUM_COLS: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+        # [len(rows), BLOCK_C]: elements `cols` of rows `rows`. Masked rows read nothing (unwritten
+        # slots may hold NaN) and, like columns past NUM_COLS, come back as 0.
+        if BLOCK_C == NUM_COLS:
+            mask = mask_rows[:, None]
+        else:
+            mask = mask_rows[:, None] & (tl.arange(0, BLOCK_C) < NUM_COLS)[None, :]
+        return tl.load(ptr + rows[:, None] * ROW_LEN + cols[None, :], mask=mask, other=0)
+
+    @triton.jit
+    def _load_operands(
         cache_ptr, scale_ptr, zero_ptr, window_ptr, rows, window_page, window_rows, mask_n,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        OUT_DTYPE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
-        # _load_kv_tile, except that tokens of pages kept in FP16 come from the window, not their codes.
+        # One K or V tile as the dots take it: (plane0, plane1, scale, zero), the planes
+        # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] such that
+        # a value is (plane - zero) * scale. rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head.
+        # FP16 pages: one plane of values (scale and zero are not used). INT8: one plane of
+        # codes 0..255, exact in float16. INT4: two planes, the low nibbles (elements 2i) and
+        # the high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in
+        # FP16 come from the window with scale 1 and zero 0. Masked rows come back as 0.
+        offs_c = tl.arange(0, BLOCK_C)
         if HAS_WINDOW:
             is_window = mask_n & (window_page >= 0)
-            tile = _load_kv_tile(cache_ptr, scale_ptr, zero_ptr, rows, mask_n & (window_page < 0), HEAD_DIM, BLOCK_D,
-                                 BITS, OUT_DTYPE)
-            kept = _load_kv_tile(window_ptr, window_ptr, window_ptr, window_rows, is_window, HEAD_DIM, BLOCK_D, 16,
-                                 OUT_DTYPE)
-            tile = tl.where(is_window[:, None], kept, tile)
+            mask_codes = mask_n & (window_page < 0)
         else:
-            tile = _load_kv_tile(cache_ptr, scale_ptr, zero_ptr, rows, mask_n, HEAD_DIM, BLOCK_D, BITS, OUT_DTYPE)
-        return tile
+            mask_codes = mask_n
+        if BITS == 16:
+            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            plane1 = plane0
+            scale = mask_n.to(tl.float32)  # not used
+            zero = scale
+        else:
+            scale = tl.load(scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+            zero = tl.load(zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+            if BITS == 8:
+                plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+                plane1 = plane0
+            else:
+                packed = _load_rows(cache_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C)
+                plane0 = (packed & 15).to(DOT_DTYPE)
+                plane1 = (packed >> 4).to(DOT_DTYPE)
+            if HAS_WINDOW:
+                kept = _load_rows(window_ptr, window_rows, is_window, offs_c * NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                                  BLOCK_C)
+                plane0 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane0)
+                if NUM_PLANES == 2:
+                    kept = _load_rows(window_ptr, window_rows, is_window, offs_c * 2 + 1, HEAD_DIM, PLANE_DIM,
+                                      BLOCK_C)
+                    plane1 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane1)
+                scale = tl.where(is_window, 1.0, scale)
+                zero = tl.where(is_window, 0.0, zero)
+        return plane0, plane1, scale, zero
+
+    @triton.jit
+    def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
+                           NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes, and
+        # their float32 sums over all columns [R].
+        offs_c = tl.arange(0, BLOCK_C)
+        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
+        q0 = tl.load(row_ptrs + (offs_c * NUM_PLANES)[None, :], mask=mask, other=0.0)
+        q_sum = tl.sum(q0.to(tl.float32), axis=1)
+        q1 = q0
+        if NUM_PLANES == 2:
+            q1 = tl.load(row_ptrs + (offs_c * 2 + 1)[None, :], mask=mask, other=0.0)
+            q_sum += tl.sum(q1.to(tl.float32), axis=1)
+        return q0, q1, q_sum
+
+    @triton.jit
+    def _store_planes(row_ptrs, result0, result1, mask_rows, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+        # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
+        offs_c = tl.arange(0, BLOCK_C)
+        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
+        tl.store(row_ptrs + (offs_c * NUM_PLANES)[None, :], result0.to(row_ptrs.dtype.element_ty), mask=mask)
+        if NUM_PLANES == 2:
+            tl.store(row_ptrs + (offs_c * 2 + 1)[None, :], result1.to(row_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _attend_tile(
+        q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
+        k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr,
+        rows, window_page, window_rows, mask_n,
+        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ):
+        # One K/V tile of the online softmax of query rows q0/q1 (planes [R, BLOCK_C], q_sum [R]
+        # their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0, acc1).
+        # V's loads are issued before the QK dot so that both tiles are in flight together.
+        k0, k1, k_scale, k_zero = _load_operands(
+            k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows, mask_n,
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
+        v0, v1, v_scale, v_zero = _load_operands(
+            v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
+        qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
+        if NUM_PLANES == 2:
+            qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
+        if BITS == 16:
+            scores = qk * scale_log2
+        else:
+            # q . (codes - zero) * scale = (q . codes - zero * sum(q)) * scale
+            scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
+        scores = tl.where(is_visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if BITS == 16:
+            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q0.dtype), v0, input_precision="ieee")
+        else:
+            # p . (codes - zero) * scale = v_max * (w . codes - w . zero) with w = p * scale / v_max,
+            # v_max a row's largest scale among the tokens it sees (not the tile's: which other
+            # tokens a tile holds depends on the chunk). It keeps w in [0, 1] and out of float16's
+            # subnormals. The zero term uses w as rounded for the dot, so the two terms cancel in
+            # float32 and w's rounding weighs on (codes - zero), as p's did on the values.
+            v_max = tl.max(tl.where(is_visible, v_scale[None, :], 0.0), axis=1)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
+            w = (p * v_scale[None, :] / v_max).to(q0.dtype)
+            zero_term = tl.sum(w.to(tl.float32) * v_zero[None, :], axis=1)[:, None]
+            acc0 = acc0 * alpha[:, None] + (tl.dot(w, v0, input_precision="ieee") - zero_term) * v_max
+            if NUM_PLANES == 2:
+                acc1 = acc1 * alpha[:, None] + (tl.dot(w, v1, input_precision="ieee") - zero_term) * v_max
+        return m_new, l_i, acc0, acc1
 
     @triton.jit
     def _decode_kernel(
@@ -505,8 +591,9 @@ if HAS_TRITON:
         scale_log2,
         stride_qs, stride_qh, stride_bt,
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -520,21 +607,17 @@ if HAS_TRITON:
         end = tl.minimum(start + partition_tokens, context_len)
 
         offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         mask_g = offs_g < group_size
-        mask_gd = mask_g[:, None] & (offs_d < HEAD_DIM)[None, :]
         heads = kv_head * group_size + offs_g
-        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot) and BLOCK_D: [BLOCK_G, BLOCK_D]
-        q = tl.load(
-            q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_gd, other=0.0,
-        )
-        dot_dtype = q.dtype
+        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
+        q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
+        q0, q1, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
         for tile_start in range(start, end, BLOCK_N):
@@ -544,32 +627,27 @@ if HAS_TRITON:
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
             window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                                                     PAGE_SIZE, HAS_WINDOW)
-            k = _load_paged_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows,
-                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_G, BLOCK_N]
-            scores = tl.where(mask_n[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_paged_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows,
-                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                q0, q1, q_sum, m_i, l_i, acc0, acc1, mask_n[None, :], scale_log2,
+                k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
+                window_v_ptr, rows, window_page, window_rows, mask_n,
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
         has_tokens = l_i > 0.0
-        result = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+        denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
+        result0 = acc0 / denominator
+        result1 = acc1 / denominator
+        head_rows = seq.to(tl.int64) * num_kv_heads * group_size + heads  # [BLOCK_G]
         if IS_SPLIT:
             # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
-            lse_offs = (seq.to(tl.int64) * num_kv_heads * group_size + heads) * num_splits + split
+            lse_offs = head_rows * num_splits + split
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
-            tl.store(
-                partial_out_ptr + lse_offs[:, None] * HEAD_DIM + offs_d[None, :], result, mask=mask_gd
-            )
+            _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, mask_g,
+                          PLANE_DIM, NUM_PLANES, BLOCK_C)
         else:
-            out_offs = (seq.to(tl.int64) * num_kv_heads * group_size + heads)[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_gd)
+            _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, mask_g,
+                          PLANE_DIM, NUM_PLANES, BLOCK_C)
 
     @triton.jit
     def _num_partitions(context_len, partition_tokens, num_splits):
@@ -636,8 +714,9 @@ if HAS_TRITON:
         scale_log2,
         stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
         num_kv_heads, group_size,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -653,15 +732,10 @@ if HAS_TRITON:
 
         q_positions = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
         mask_m = (q_positions >= num_cached) & (q_positions < context_len)
-        mask_md = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
         token_rows = (q_start + q_positions - num_cached).to(tl.int64)
-        q = tl.load(
-            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-            mask=mask_md, other=0.0,
-        )
-        dot_dtype = q.dtype
+        q0, q1, q_sum = _load_query_planes(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m,
+                                           HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         # K/V up to the last query of this tile (causal); none when the tile has no new token.
         end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -669,7 +743,8 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
@@ -679,20 +754,13 @@ if HAS_TRITON:
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
             window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                                                     PAGE_SIZE, HAS_WINDOW)
-            k = _load_paged_tile(k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows,
-                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-            is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])
-            scores = tl.where(is_visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = _load_paged_tile(v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows,
-                                 mask_n, HEAD_DIM, BLOCK_D, BITS, HAS_WINDOW, dot_dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision="ieee")
-            m_i = m_new
+            is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
+            m_i, l_i, acc0, acc1 = _attend_tile(
+                q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
+                k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
+                window_v_ptr, rows, window_page, window_rows, mask_n,
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
-        result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        out_offs = token_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_md)
+        denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, acc0 / denominator,
+                      acc1 / denominator, mask_m, PLANE_DIM, NUM_PLANES, BLOCK_C)
