@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from lowvram.kernels.kv_write import write_kv
-from lowvram.kernels.paged_attention import (INVARIANT_PARTITION_TOKENS, paged_decode_attention,
-                                             paged_prefill_attention)
+from lowvram.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from lowvram.kernels.rotary_kv_write import rotary_write_kv
 from lowvram.kv_quant import KVPages
 
@@ -61,8 +60,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KV
 
     q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. With `rope`, q and k are first rotated in
     place, in the kernel that stores k and v (one launch, not two). `batch_invariant` gives
-    each row the same bits whatever else the step holds (lowvram.batch_invariance): decode
-    partitions of a fixed length, and on the plain-torch path one prefill row at a time.
+    each row the same bits whatever else the step holds and whichever kind of step computes
+    it (lowvram.batch_invariance).
     """
     use_reference = not _is_kernel_path(q, q.shape[-1])
     if rope is None:
@@ -70,21 +69,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KV
     else:
         rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
                         use_reference=use_reference)
-    if meta.is_prefill and batch_invariant and use_reference:
-        return _prefill_rows_ref(q, pages, meta, scale)
-    if meta.is_prefill:
+    if batch_invariant and use_reference:
+        return _rows_ref(q, pages, meta, scale)
+    if meta.is_prefill or batch_invariant:
+        # Batch-invariant decode rows go through the prefill kernel too, whose tiles sit at
+        # absolute positions: a generated token then gets the same bits from its decode step
+        # and from the prefill that recomputes it after a preemption.
         return paged_prefill_attention(q, pages, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
                                        max_q_len=max(meta.query_lens_cpu), use_reference=use_reference)
     return paged_decode_attention(q, pages, meta.block_tables, meta.context_lens, scale,
-                                  max_context_len=meta.max_context_len,
-                                  partition_tokens=INVARIANT_PARTITION_TOKENS if batch_invariant else None,
-                                  use_reference=use_reference)
+                                  max_context_len=meta.max_context_len, use_reference=use_reference)
 
 
-def _prefill_rows_ref(q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The plain-torch prefill one query row at a time, each over exactly its causal prefix:
-    the whole-chunk reference's matmul and softmax shapes follow the chunk, so a token's
-    bits would depend on where the scheduler cut its prompt."""
+def _rows_ref(q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Plain-torch attention one query row at a time, each over exactly its causal prefix, for
+    prefill and decode rows alike: the whole-chunk reference's matmul and softmax shapes
+    follow the chunk, so a token's bits would depend on where the scheduler cut its prompt,
+    and on whether a decode step or a recompute computed it."""
     out = torch.empty_like(q)
     one_row = torch.tensor([0, 1], dtype=torch.int32, device=q.device)  # cu_seqlens_q of a one-row step
     row = 0

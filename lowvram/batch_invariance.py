@@ -3,24 +3,25 @@ whether it runs alone or batched with others, so greedy decoding gives the same 
 
 Floating-point sums depend on their order, and the fast kernels choose their order from the
 batch: cuBLAS picks a tiling from the matrix sizes, the W4A16 decode kernel has a one-row
-form and a multi-row form, and decode attention splits a context into more partitions when
-fewer sequences run. Each choice is right for speed and changes a row's last bits, and a
-last-bit change in the logits of a random-weight or uncertain model flips a greedy token
-sooner or later. The mode fixes every such choice to depend on the row alone:
+form and a multi-row form, decode attention splits a context into more partitions when
+fewer sequences run, and prefill chunk boundaries move with the token budget. Each choice
+is right for speed and changes a row's last bits, and a last-bit change in the logits of a
+random-weight or uncertain model flips a greedy token sooner or later. The mode fixes every
+such choice to depend on the row alone:
 - INT4 layers: the W4A16 decode kernel's 16-row tl.dot form for every row count, one tiling
-  per layer shape (`w4a16_gemv.invariant_gemv_config`), also for prefill chunks;
+  per layer shape (`w4a16_gemv.invariant_gemv_config`), prefill chunks included;
 - dense layers, the FP16 head included: the same scheme in `kernels/linear_invariant.py`;
-- decode attention: partitions of a fixed length (`INVARIANT_PARTITION_TOKENS` in
-  kernels/paged_attention.py), so a sequence's partial sums and their merge depend on its
-  own context only; on the plain-torch path, prefill attention one row at a time.
-Norms, RoPE, the activation and the KV write already work one row at a time, and prefill
-attention walks K/V tiles at fixed positions, so chunk boundaries do not move its sums.
+- attention: decode rows go through the prefill kernel, whose query and K/V tiles sit at
+  absolute positions, so a token's bits depend neither on the chunking of its prompt nor
+  on whether a decode step or the recompute after a preemption computes it; on the
+  plain-torch path, one row at a time over its causal prefix.
+Norms, RoPE, the activation and the KV write already work one row at a time.
 
-What it costs: prefill runs through the decode-style kernels (no cuBLAS), and a one-request
-decode step uses the multi-row GEMV; docs/performance.md has the measured speeds. What it
-does not cover: a request whose KV the controller compresses reads different K/V than it
-would alone, and a preempted request recomputes its generated tokens' K/V by prefill, not by
-the decode steps that first wrote them; both can change its text.
+The engine also keeps the KV at FP16 in this mode (the controller's ladder starts at
+spilling): compressed pages would change what a request reads. What it costs: prefill runs
+through the decode-style matmul kernels (no cuBLAS), a one-request decode step uses the
+multi-row GEMV, and decode attention has no context partitions; docs/performance.md has
+the measured speeds.
 """
 
 from __future__ import annotations

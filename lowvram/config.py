@@ -114,8 +114,9 @@ FIELD_DOCS: dict[str, str] = {
                           "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
     "batch_invariant": "Give each request the same logits, to the bit, whether it runs alone or batched with "
                        "others (greedy output then does not depend on the load): one kernel tiling for every "
-                       "batch size in matmuls and decode attention. Costs speed; KV compression and "
-                       "preemption can still change a request's text.",
+                       "batch size in matmuls and attention, the same kernel for decode and prefill rows. "
+                       "Costs speed, and the KV stays FP16 (the controller spills, batches and throttles "
+                       "instead of compressing).",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",

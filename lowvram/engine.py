@@ -136,6 +136,10 @@ class LLMEngine:
         self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
                                host_blocks=host_blocks, held_bytes=held)
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
+        # The lowest precision the controller may compress to. Batch-invariant mode keeps the
+        # starting one: compressed pages change what a request reads, so it would not decode
+        # as it does alone.
+        self.min_kv_precision = self.kv_precision if self.profile.batch_invariant else KV_LADDER[-1]
         self.kv_pool = create_kv_pool(self.config, self.profile, self.kv_plan.num_blocks, self.device, self.dtype,
                                       self.kv_precision, max_model_len=self.max_model_len)
         if host_blocks and not self.kv_pool.can_read_host:
@@ -336,7 +340,8 @@ class LLMEngine:
                           token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
                           kv_bytes_by_precision=self.kv_bytes_by_precision())
         self.controller_state, events = decide(self.controller_state, obs, self.profile.controller,
-                                               max_num_seqs=self.profile.max_num_seqs)
+                                               max_num_seqs=self.profile.max_num_seqs,
+                                               min_precision=self.min_kv_precision)
         for event in events:
             self._apply(event)
         if self.timeline_path:
@@ -392,7 +397,7 @@ class LLMEngine:
                 self.stats.num_preemptions += 1
         # Escalate even with the controller off: retrying the same step as it was would fail again.
         self.controller_state, events = escalate_after_oom(self.controller_state, self.stats.num_steps,
-                                                           self.profile.max_num_seqs)
+                                                           self.profile.max_num_seqs, self.min_kv_precision)
         for event in events:
             self._apply(event)
         events_json = [{"step": e.step, "action": e.action.kind, "value": e.action.value, "reason": e.reason}

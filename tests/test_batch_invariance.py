@@ -146,26 +146,40 @@ def _prompt_ids(engine, lengths):
     return [[(11 * i + 5 * n) % (vocab - 10) + 5 for i in range(n)] for n in lengths]
 
 
-def _run(engine, prompts, max_tokens, ids):
+def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
+    """Generate greedily; at step `preempt_at_step` the batch limit drops to one (the newest
+    running requests are preempted, to be recomputed) and rises again four steps later."""
     from lowvram.sampling import SamplingParams
-    from lowvram.testing import finished_token_ids
 
     for request_id, prompt in zip(ids, prompts):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(request_id, None, params, prompt_token_ids=prompt)
-    return finished_token_ids(engine)
+    done, num_steps, num_preempted = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        num_steps += 1
+        if num_steps == preempt_at_step:
+            num_preempted = len(engine.scheduler.set_batch_limit(1))
+        elif preempt_at_step is not None and num_steps == preempt_at_step + 4:
+            engine.scheduler.set_batch_limit(engine.profile.max_num_seqs)
+    if preempt_at_step is not None:
+        assert num_preempted > 0, "nothing was running to preempt"
+    return done
 
 
-def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max_tokens):
-    """Batched (chunked prefill under a small token budget, decode batches that shrink) against
-    one request at a time on a fresh engine: the same tokens and the same logits, bit for bit."""
+def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None):
+    """Batched (chunked prefill under a small token budget, decode batches that shrink, and
+    with `preempt_at_step` requests preempted and recomputed) against one request at a time
+    on a fresh engine: the same tokens and the same logits, bit for bit."""
     from lowvram.engine import LLMEngine
 
     batched = LLMEngine(str(model_dir), profile)
     prompts = _prompt_ids(batched, lengths)
     ids = [f"r{i}" for i in range(len(prompts))]
     batched_logits = _record_logits(batched, monkeypatch)
-    batched_tokens = _run(batched, prompts, max_tokens, ids)
+    batched_tokens = _run(batched, prompts, max_tokens, ids, preempt_at_step)
     monkeypatch.undo()
 
     alone = LLMEngine(str(model_dir), profile)
@@ -181,11 +195,28 @@ def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max
     assert not different
 
 
-def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch):
+@pytest.mark.parametrize("preempt_at_step", [None, 9], ids=["batched", "preempted"])
+def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch, preempt_at_step):
     from lowvram.config import load_profile
 
     profile = load_profile("cpu").replace(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=32)
-    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 40, 23, 61], max_tokens=8)
+    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 40, 23, 61], max_tokens=8,
+                                   preempt_at_step=preempt_at_step)
+
+
+def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(tiny_qwen2_dir, monkeypatch):
+    from lowvram.config import ControllerConfig, load_profile
+    from lowvram.engine import LLMEngine
+
+    controller = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=1e5,
+                                  latency_low_ms=5e4, patience_tokens=2, cooldown_steps=3)
+    profile = load_profile("cpu").replace(batch_invariant=True, controller=controller, max_num_seqs=4)
+    engine = LLMEngine(str(tiny_qwen2_dir), profile)
+    engine.memory_in_use_bytes = lambda *_: int(0.95 * engine.kv_plan.budget_bytes)  # a card near full
+    outputs = _run(engine, _prompt_ids(engine, [9, 30, 17, 44, 5]), 16, [f"r{i}" for i in range(5)])
+    actions = [event.action.kind for event in engine.controller_events]
+    assert len(outputs) == 5 and actions[:2] == ["spill", "batch_limit"]
+    assert "kv_precision" not in actions and engine.kv_pool.precision == "fp16"
 
 
 def test_batch_invariance_refuses_deepseek_v2(tmp_path):
@@ -201,10 +232,12 @@ def test_batch_invariance_refuses_deepseek_v2(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_requests_decode_as_they_do_alone_on_the_gpu(tiny_qwen2_dir, monkeypatch, cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs, preempt_at_step", [(False, None), (True, None), (True, 30)],
+                         ids=["eager", "graphs", "graphs-preempted"])
+def test_requests_decode_as_they_do_alone_on_the_gpu(tiny_qwen2_dir, monkeypatch, cuda_graphs, preempt_at_step):
     from lowvram.config import load_profile
 
     profile = load_profile("4gb").replace(batch_invariant=True, enable_cuda_graphs=cuda_graphs, max_num_seqs=4,
                                           max_num_batched_tokens=256, max_model_len=4096, emulate_vram_gib=4.0)
-    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 300, 97, 1100], max_tokens=24)
+    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 300, 97, 1100], max_tokens=24,
+                                   preempt_at_step=preempt_at_step)
