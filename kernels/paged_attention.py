@@ -680,7 +680,8 @@ if HAS_TRITON:
                 acc1 = acc1 * alpha[:, None] + (tl.dot(w, v1, input_precision="ieee") - zero_term) * v_max
         return m_new, l_i, acc0, acc1
 
-    @triton.jit
+    # Neither the table's width nor the batch's partition count picks a compiled variant.
+    @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
         window_k_ptr, window_v_ptr, window_row_ptr,
@@ -797,7 +798,7 @@ if HAS_TRITON:
         for chunk_start in range(0, num_parts, MERGE_CHUNK):
             for i in tl.static_range(MERGE_CHUNK):
                 split = chunk_start + i
-                is_part = tl.full(rows.shape, split, tl.int32) < num_parts  # [BLOCK_H], as the interpreter wants
+                is_part = split + tl.zeros_like(rows) < num_parts  # [BLOCK_H]: the interpreter masks with vectors
                 lse = tl.load(partial_lse_ptr + rows * num_splits + split, mask=mask_h & is_part,
                               other=float("-inf"), cache_modifier=".cg")
                 part = tl.load(partial_out_ptr + (rows * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :],
