@@ -4,16 +4,23 @@ Decode (one new token per sequence) is memory bound: each program owns one
 sequence, one KV head and one partition of the context, and processes all the
 query heads of that KV head's group together (GQA), so every K/V byte is read
 once. Long contexts are split into partitions that run in parallel
-(flash-decoding); a second kernel merges the partial results through their
-log-sum-exp. By default the number of partitions is chosen so that the grid fills
-the GPU, bounded by a minimum partition length.
+(flash-decoding) and the partial results are merged through their log-sum-exp.
+By default the number of partitions is chosen so that the grid fills the GPU,
+bounded by a minimum partition length. With few partitions the decode kernel
+merges them itself: each partition program counts itself in on an int32 counter
+of its (sequence, KV head), and the last to arrive adds up all of them (the
+pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
+layer; with many, a second kernel merges them with one program per head, as
+the last arrival alone would take too long. `DecodeConfig.max_fused_splits`
+draws the line.
 
 Batch invariance. The default partitioning depends on the batch (its size and its
 longest context), so a sequence's sum can be cut differently when other sequences
 join it. With `partition_tokens=` (the engine passes `INVARIANT_PARTITION_TOKENS`)
 partitions start at fixed absolute positions, a sequence always goes through the
 merge, and the merge adds exactly the sequence's own partitions, one at a time in
-split order; partitions past a sequence's context are neither computed nor read.
+split order (in either merge, so both give the same bits); partitions past a
+sequence's context are neither computed nor read.
 Nothing a sequence's result is made of then depends on its neighbours, the block
 table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
 option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -76,10 +84,49 @@ TARGET_WAVES = 4
 # and merged (a float32 row per query head: 3 KB for 6 heads of 128) stay small beside the K/V
 # bytes a partition reads (128 KB at FP16, 35 KB at INT4).
 INVARIANT_PARTITION_TOKENS = 256
-# Partial results the merge loads before adding them, in split order; the order, not this
-# count, decides the result.
-MERGE_CHUNK = 8
+# 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
+MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
+
+# One int32 arrival counter per (sequence, KV head) for the merge inside the decode kernel, per
+# device. They are zero between launches (the program that merges resets its own), so one
+# buffer serves every layer and every replay of a CUDA graph. That assumes one decode attention
+# in flight per device at a time, as the engine runs its steps on one stream; two at once on
+# different streams would count into the same slots.
+_merge_counters: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by a larger one stay alive: graphs captured with them still point at them.
+_replaced_merge_counters: list[torch.Tensor] = []
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs of the decode kernel; benchmarks sweep them through `paged_decode_attention(_config=)`.
+
+    block_n: tokens per K/V tile, a power of two >= 16 (partitions are whole tiles).
+    num_warps, num_stages: Triton's launch options (stages of the tile loads' pipeline).
+    max_fused_splits: with at most this many partitions, the decode kernel merges them itself
+    (the last partition of a sequence's KV head to finish adds them up), saving the merge
+    kernel's launch but leaving the merge to one program per KV head; with more, the merge
+    kernel runs one program per head. Both merges give the same bits.
+
+    The default (`default_decode_config`) depends on the device and head size only, never on
+    the batch: a tile size that followed the batch would change how a sequence's tokens are
+    summed whenever its neighbours changed.
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    max_fused_splits: int
+
+
+def default_decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
+    """The decode kernel's configuration unless a benchmark passes another."""
+    block_d = _block_d(head_dim)
+    # Triton's own default of 3 stages, as before the knobs existed; 16 partitions are at most
+    # two rounds of the merge's loads, cheaper than a second launch.
+    return DecodeConfig(block_n=_tile_rows(block_d, _decode_block_n(device)), num_warps=8 if block_d >= 512 else 4,
+                        num_stages=3, max_fused_splits=16)
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
@@ -269,13 +316,16 @@ def plan_decode_partitions(
     num_splits: int | None = None,
     *,
     partition_tokens: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[int, int]:
-    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole tiles.
+    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole
+    tiles of `block_n` tokens (by default the default configuration's for head sizes up to 256).
 
     With `partition_tokens` every partition has that many tokens (a positive multiple of the
     kernel's token tile, else KernelError) and num_splits covers `max_context_len`.
     """
-    block_n = _decode_block_n(device)
+    if block_n is None:
+        block_n = _decode_block_n(device)
     max_context_len = max(1, max_context_len)
     if partition_tokens is not None:
         if num_splits is not None:
@@ -296,6 +346,42 @@ def _decode_block_n(device: torch.device) -> int:
     return 16 if _is_interpreted(device) else 64
 
 
+def _check_config(name: str, config: DecodeConfig) -> None:
+    if config.block_n < 16 or config.block_n & (config.block_n - 1):
+        raise KernelError(f"{name}: DecodeConfig.block_n is {config.block_n}; expected a power of two >= 16")
+    if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
+        raise KernelError(f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
+                          "expected num_warps a power of two up to 16 and num_stages >= 1")
+
+
+def _merge_chunk(block_h: int, block_d: int) -> int:
+    """Partial results the merge loads before it adds them (in split order: the order, not this
+    count, decides the result), so their loads overlap: about 4K floats in flight."""
+    return max(1, min(8, 4096 // (block_h * block_d)))
+
+
+def merge_counters(device: torch.device, num_counters: int) -> torch.Tensor:
+    """The zeroed int32 arrival counters of `device`, at least `num_counters` of them.
+
+    Made (or grown) outside CUDA-graph capture only: a buffer made during a capture would live
+    in that graph's private pool. The engine's eager warm-up before each capture makes it.
+    """
+    counters = _merge_counters.get(device)
+    if counters is not None and counters.numel() >= num_counters:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KernelError(
+            f"paged_decode_attention needs {num_counters} merge counters on {device} but has "
+            f"{0 if counters is None else counters.numel()}, and they cannot be made during CUDA-graph capture; "
+            "run the step once eagerly before capturing it")
+    if counters is not None:
+        _replaced_merge_counters.append(counters)
+    counters = torch.zeros(max(MIN_MERGE_COUNTERS, triton.next_power_of_2(num_counters)), dtype=torch.int32,
+                           device=device)
+    _merge_counters[device] = counters
+    return counters
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     pages: KVPages,
@@ -307,6 +393,7 @@ def paged_decode_attention(
     partition_tokens: int | None = None,
     max_context_len: int | None = None,
     use_reference: bool = False,
+    _config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context.
 
@@ -326,6 +413,8 @@ def paged_decode_attention(
     output then depends only on its own q, context and pages, bit for bit, not on the other
     sequences of the batch, `max_context_len` or the block table's width: what a batched
     server needs for greedy outputs that match the request run alone.
+
+    `_config` overrides the kernel's tuning (`DecodeConfig`), for benchmarks.
     """
     name = "paged_decode_attention"
     _check_common(name, q, pages, block_tables, context_lens)
@@ -333,11 +422,14 @@ def paged_decode_attention(
         raise KernelError(f"{name}: q has {q.shape[0]} rows but context_lens has {context_lens.shape[0]} sequences")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = pages.num_kv_heads
+    config = _config or default_decode_config(q.device, head_dim)
+    _check_config(name, config)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
     is_invariant = partition_tokens is not None
     num_splits, partition_tokens = plan_decode_partitions(
-        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, partition_tokens=partition_tokens
+        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, partition_tokens=partition_tokens,
+        block_n=config.block_n,
     )
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -345,34 +437,39 @@ def paged_decode_attention(
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
     _check_kernel_head_dim(name, head_dim)
     group_size = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
     # Fixed partitions always go through the merge, even as one split, so that a sequence takes
     # the same path whether or not a longer one shares its batch.
     is_split = num_splits > 1 or is_invariant
+    is_fused = is_split and num_splits <= config.max_fused_splits
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
+        # From the graph's pool under CUDA-graph capture, like every per-step buffer.
         partial_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
+    counters = merge_counters(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
+    block_h = triton.next_power_of_2(group_size)  # the heads the fused merge adds up together
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
-        block_tables, context_lens, out, partial_out, partial_lse,
+        block_tables, context_lens, out, partial_out, partial_lse, counters,
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
-        BLOCK_N=_tile_rows(_block_d(head_dim), _decode_block_n(q.device)),
-        IS_SPLIT=is_split, HAS_WINDOW=pages.has_window,
-        num_warps=8 if _block_d(head_dim) >= 512 else 4,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
+        IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
+        BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if is_split:
+    if is_split and not is_fused:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), MERGE_CHUNK=MERGE_CHUNK,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_CHUNK=_merge_chunk(1, block_d),
             num_warps=4,
         )
     return out
@@ -583,17 +680,19 @@ if HAS_TRITON:
                 acc1 = acc1 * alpha[:, None] + (tl.dot(w, v1, input_precision="ieee") - zero_term) * v_max
         return m_new, l_i, acc0, acc1
 
-    @triton.jit
+    # Neither the table's width nor the batch's partition count picks a compiled variant.
+    @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
         window_k_ptr, window_v_ptr, window_row_ptr,
-        block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+        block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
         scale_log2,
         stride_qs, stride_qh, stride_bt,
         num_kv_heads, group_size, partition_tokens, num_splits,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        IS_SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -601,7 +700,8 @@ if HAS_TRITON:
         context_len = tl.load(context_lens_ptr + seq)
         # Partitions past this sequence's context (the batch's longest sets num_splits) do
         # nothing: the merge reads only the sequence's own. An empty context still has one.
-        if split >= _num_partitions(context_len, partition_tokens, num_splits):
+        num_parts = _num_partitions(context_len, partition_tokens, num_splits)
+        if split >= num_parts:
             return
         start = split * partition_tokens
         end = tl.minimum(start + partition_tokens, context_len)
@@ -645,6 +745,22 @@ if HAS_TRITON:
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
             _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, mask_g,
                           PLANE_DIM, NUM_PLANES, BLOCK_C)
+            if IS_FUSED:
+                # The last of the sequence's partitions of this KV head to finish merges them.
+                # The CTA barrier puts every thread's partial stores before the count, whose
+                # release (acq_rel, GPU scope) publishes them; the acquire of the last count
+                # makes every partition's partials visible to the last program, which reads
+                # them from L2 (".cg": L1 is not coherent across SMs). The last program resets
+                # the counter for the next launch or replay. The merge is the merge kernel's,
+                # for the group's heads at once.
+                tl.debug_barrier()
+                counter = counter_ptr + seq * num_kv_heads + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
+                    offs_h = tl.arange(0, BLOCK_H)
+                    merge_rows = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size + offs_h
+                    _merge_partitions(partial_out_ptr, partial_lse_ptr, out_ptr, merge_rows, offs_h < group_size,
+                                      num_splits, num_parts, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+                    tl.store(counter, 0)
         else:
             _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, mask_g,
                           PLANE_DIM, NUM_PLANES, BLOCK_C)
@@ -682,7 +798,7 @@ if HAS_TRITON:
         for chunk_start in range(0, num_parts, MERGE_CHUNK):
             for i in tl.static_range(MERGE_CHUNK):
                 split = chunk_start + i
-                is_part = tl.full(rows.shape, split, tl.int32) < num_parts  # [BLOCK_H], as the interpreter wants
+                is_part = split + tl.zeros_like(rows) < num_parts  # [BLOCK_H]: the interpreter masks with vectors
                 lse = tl.load(partial_lse_ptr + rows * num_splits + split, mask=mask_h & is_part,
                               other=float("-inf"), cache_modifier=".cg")
                 part = tl.load(partial_out_ptr + (rows * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :],

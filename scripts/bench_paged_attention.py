@@ -6,31 +6,55 @@ replayed from a CUDA graph, as the decode step runs it, with pages cold in L2) a
 of a plain device-to-device copy. One layer of the R1-Distill-Qwen-1.5B shape (12 query
 heads, 2 KV heads, head_dim 128).
 
-    python scripts/bench_paged_attention.py [--json results.json]
+Each (precision, context, batch) is timed twice: with the default partitioning and with the
+fixed partitions of batch-invariant decoding (INVARIANT_PARTITION_TOKENS). Beside the copy
+bandwidth of a large buffer, each row has that of a copy moving its own byte count, timed
+the same way: at small sizes that copy is latency bound too, and it is the fairer ceiling.
+--sweep also times a small grid of kernel configurations per row (tile tokens, warps,
+pipeline stages; then the best of them with the merge inside the decode kernel) and
+reports the best; about three minutes on an H200, most of it compiling.
+
+    python scripts/bench_paged_attention.py [--sweep] [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import math
 import platform
 import sys
+import time
 
 import torch
 
 from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
-from lowvram.kernels.paged_attention import paged_decode_attention, plan_decode_partitions
+from lowvram.kernels.paged_attention import (
+    INVARIANT_PARTITION_TOKENS,
+    DecodeConfig,
+    default_decode_config,
+    paged_decode_attention,
+    plan_decode_partitions,
+)
 from lowvram.kv_quant import allocate_pages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
 CONTEXT_LENS = (8192, 32768, 131072)
-BATCH_SIZES = (1, 8)
+BATCH_SIZES = (1, 4, 8)
 PRECISIONS = ("fp16", "int8", "int4")
+PARTITIONINGS = ("auto", "invariant")  # plan_decode_partitions' default, or INVARIANT_PARTITION_TOKENS
 TARGET_FRACTION = 0.60
 MAX_COPIES = 16  # calls per timed graph
 REPLAYS = 20
+# --sweep: 12 tile configurations per row with the merge kernel, then the best of them with the
+# merge in the decode kernel; each is compiled once per precision, which is most of the time.
+SWEEP_BLOCK_N = (32, 64, 128)
+SWEEP_NUM_WARPS = (4, 8)
+SWEEP_NUM_STAGES = (2, 3)
+ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
@@ -52,31 +76,10 @@ def random_pages(precision: str, num_blocks: int, generator: torch.Generator):
     return pages
 
 
-def bench_decode(precision: str, context_len: int, batch_size: int, copy_gbs: float) -> dict:
-    """Median time of one decode-attention call (kernel plus partition merge), replayed from a
-    CUDA graph as the model's decode step runs it, so Python's launch cost is not counted.
-
-    The graph holds `copies` calls over distinct pages, together at least four times the L2
-    cache, so each call reads its pages from device memory as a 28-layer model would.
-    """
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
-    bytes_read = batch_size * context_len * _bytes_per_token(precision)
-    copies = min(MAX_COPIES, max(1, math.ceil(4 * _l2_bytes() / bytes_read)))
-    num_blocks = copies * batch_size * blocks_per_seq
-    pages = random_pages(precision, num_blocks, generator)
-    # Scattered blocks, as a long-running pool hands them out.
-    order = torch.randperm(num_blocks, device="cuda", generator=generator).to(torch.int32)
-    tables = [t.contiguous() for t in order.view(copies, batch_size, blocks_per_seq)]  # [S, max_blocks] each
-    context_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
-    scale = HEAD_DIM**-0.5
-
-    def run_all():
-        for table in tables:
-            paged_decode_attention(q, pages, table, context_lens, scale, max_context_len=context_len)
-
-    run_all()  # compiles the kernels outside the capture
+def replay_time_ms(run_all, calls_per_graph: int) -> float:
+    """Median time of one of the `calls_per_graph` calls `run_all` makes, replayed from a CUDA
+    graph so Python's launch cost is not counted."""
+    run_all()  # compiles the kernels (and makes any lasting buffer) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -90,23 +93,69 @@ def bench_decode(precision: str, context_len: int, batch_size: int, copy_gbs: fl
         graph.replay()
         end.record()
         end.synchronize()
-        times_ms.append(start.elapsed_time(end) / copies)
-    time_ms = sorted(times_ms)[len(times_ms) // 2]
-    achieved_gbs = bytes_read / (time_ms * 1e-3) / 1e9
-    num_splits, partition_tokens = plan_decode_partitions(batch_size, NUM_KV_HEADS, context_len, q.device)
-    row = {
-        "precision": precision,
-        "context_len": context_len,
-        "batch_size": batch_size,
-        "num_splits": num_splits,
-        "partition_tokens": partition_tokens,
-        "time_us": round(time_ms * 1e3, 2),
-        "kv_bytes_read": bytes_read,
-        "achieved_gbs": round(achieved_gbs, 1),
-        "fraction_of_copy": round(achieved_gbs / copy_gbs, 3),
-        "calls_per_graph": copies,
-    }
-    return row
+        times_ms.append(start.elapsed_time(end) / calls_per_graph)
+    del graph
+    return sorted(times_ms)[len(times_ms) // 2]
+
+
+def same_bytes_copy_gbs(num_bytes: int, copies: int) -> float:
+    """Read plus written GB/s of device-to-device copies moving `num_bytes` in all (so reading
+    half of it), over `copies` distinct buffers per graph like the attention calls."""
+    sources = [torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(copies)]
+    targets = [torch.empty_like(source) for source in sources]
+
+    def run_all():
+        for source, target in zip(sources, targets):
+            target.copy_(source)
+
+    time_ms = replay_time_ms(run_all, copies)
+    del sources, targets
+    torch.cuda.empty_cache()
+    return 2 * (num_bytes // 2) / (time_ms * 1e-3) / 1e9
+
+
+@dataclasses.dataclass
+class Setup:
+    """Pages and inputs of one (precision, context, batch): `copies` sets of distinct pages,
+    together at least four times the L2 cache, so each call reads its pages from device memory
+    as a 28-layer model would."""
+
+    precision: str
+    context_len: int
+    batch_size: int
+    copies: int
+    bytes_read: int
+    pages: object
+    tables: list
+    context_lens: torch.Tensor
+    q: torch.Tensor
+
+    @classmethod
+    def make(cls, precision: str, context_len: int, batch_size: int) -> Setup:
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
+        bytes_read = batch_size * context_len * _bytes_per_token(precision)
+        copies = _copies(bytes_read)
+        num_blocks = copies * batch_size * blocks_per_seq
+        pages = random_pages(precision, num_blocks, generator)
+        # Scattered blocks, as a long-running pool hands them out.
+        order = torch.randperm(num_blocks, device="cuda", generator=generator).to(torch.int32)
+        tables = [t.contiguous() for t in order.view(copies, batch_size, blocks_per_seq)]  # [S, max_blocks] each
+        context_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
+        return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
+
+    def time_us(self, partitioning: str, config: DecodeConfig) -> float:
+        """Median time of one decode-attention call (kernel, and merge kernel when there is one)."""
+        partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+
+        def run_all():
+            for table in self.tables:
+                paged_decode_attention(self.q, self.pages, table, self.context_lens, HEAD_DIM**-0.5,
+                                       max_context_len=self.context_len, partition_tokens=partition_tokens,
+                                       _config=config)
+
+        return replay_time_ms(run_all, self.copies) * 1e3
 
 
 def _bytes_per_token(precision: str) -> int:
@@ -119,46 +168,138 @@ def _l2_bytes() -> int:
     return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20
 
 
+def _copies(bytes_per_call: int) -> int:
+    return min(MAX_COPIES, max(1, math.ceil(4 * _l2_bytes() / bytes_per_call)))
+
+
 def fits_in_memory(precision: str, context_len: int, batch_size: int) -> bool:
     free_bytes, _ = torch.cuda.mem_get_info()
     per_call = batch_size * context_len * _bytes_per_token(precision)
-    copies = min(MAX_COPIES, max(1, math.ceil(4 * _l2_bytes() / per_call)))
-    return copies * per_call * 2 < free_bytes * 0.5
+    return _copies(per_call) * per_call * 2 < free_bytes * 0.5
+
+
+def sweep_configs() -> list[DecodeConfig]:
+    """The tile grid, every configuration merging in the merge kernel."""
+    return [DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=0)
+            for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)]
+
+
+def _config_label(config: DecodeConfig, num_splits: int) -> str:
+    merge = "fused" if num_splits <= config.max_fused_splits else "kernel"
+    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
+
+
+def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float) -> dict:
+    time_us = setup.time_us(partitioning, config)
+    achieved_gbs = setup.bytes_read / (time_us * 1e-6) / 1e9
+    return {"time_us": round(time_us, 2), "achieved_gbs": round(achieved_gbs, 1),
+            "fraction_of_copy": round(achieved_gbs / copy_gbs, 3)}
+
+
+def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool) -> dict:
+    """One row: the default configuration, and with `sweep` every configuration of the grid."""
+    config = default_decode_config(setup.q.device, HEAD_DIM)
+    partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+    num_splits, partition_tokens = plan_decode_partitions(
+        setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, partition_tokens=partition_tokens,
+        block_n=config.block_n)
+    timed = _timed(setup, partitioning, config, copy_gbs)
+    row = {
+        "precision": setup.precision,
+        "context_len": setup.context_len,
+        "batch_size": setup.batch_size,
+        "partitioning": partitioning,
+        "num_splits": num_splits,
+        "partition_tokens": partition_tokens,
+        "time_us": timed["time_us"],
+        "kv_bytes_read": setup.bytes_read,
+        "achieved_gbs": timed["achieved_gbs"],
+        "fraction_of_copy": timed["fraction_of_copy"],
+        "calls_per_graph": setup.copies,
+        "config": _config_label(config, num_splits),
+        "same_bytes_copy_gbs": round(same_copy_gbs, 1),
+        "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
+    }
+    if sweep:
+        candidates = sweep_configs()
+        results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
+        timed_tiles = [(result, candidate) for result, candidate in zip(results, candidates) if "time_us" in result]
+        if timed_tiles:
+            _, best_tiles = min(timed_tiles, key=lambda pair: pair[0]["time_us"])
+            results.append(_sweep_result(setup, partitioning,
+                                         dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs))
+        row["sweep"] = results
+        timed_all = [result for result in results if "time_us" in result]
+        if timed_all:
+            best = min(timed_all, key=lambda result: result["time_us"])
+            row["best"] = {**best, "fraction_of_same_bytes_copy": round(best["achieved_gbs"] / same_copy_gbs, 3)}
+    return row
+
+
+def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float) -> dict:
+    partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+    num_splits, _ = plan_decode_partitions(setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device,
+                                           partition_tokens=partition_tokens, block_n=config.block_n)
+    try:
+        result = _timed(setup, partitioning, config, copy_gbs)
+    except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
+        result = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"}
+    return {"config": _config_label(config, num_splits), **dataclasses.asdict(config), "num_splits": num_splits,
+            **result}
+
+
+def print_row(row: dict) -> None:
+    line = (f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
+            f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
+            f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}")
+    if "best" in row:
+        best = row["best"]
+        line += f"  best {best['config']:<18} {best['time_us']:>8.1f} {best['fraction_of_copy']:>7.1%}"
+        fraction = best["fraction_of_copy"]
+    else:
+        fraction = row["fraction_of_copy"]
+    if row["context_len"] >= 8192 and fraction < TARGET_FRACTION:
+        line += "  below target"
+    print(line, flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time a grid of kernel configurations per row and report the best")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
+    started_s = time.perf_counter()
     gpu_name = torch.cuda.get_device_name(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"{gpu_name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
-          f"{TARGET_FRACTION:.0%} of copy at 8K+")
-    header = (
-        f"{'precision':>9} {'context':>8} {'batch':>5} {'splits':>6} {'time_us':>9} {'GB/s':>8} {'of copy':>8}"
-    )
+          f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way")
+    header = (f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
+              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}")
+    if args.sweep:
+        header += f"  {'best config':<23} {'time_us':>8} {'of copy':>7}"
     print(header)
     rows = []
-    for precision in PRECISIONS:
-        for context_len in CONTEXT_LENS:
-            for batch_size in BATCH_SIZES:
-                if not fits_in_memory(precision, context_len, batch_size):
-                    print(f"{precision:>9} {context_len:>8} {batch_size:>5}  skipped: not enough free memory")
-                    continue
-                row = bench_decode(precision, context_len, batch_size, copy_gbs)
-                torch.cuda.empty_cache()  # the pages and the graph went with the call
-                rows.append(row)
-                mark = "" if row["fraction_of_copy"] >= TARGET_FRACTION else "  below target"
-                print(
-                    f"{precision:>9} {context_len:>8} {batch_size:>5} {row['num_splits']:>6} {row['time_us']:>9.1f} "
-                    f"{row['achieved_gbs']:>8.0f} {row['fraction_of_copy']:>8.1%}{mark}"
-                )
+    for precision, context_len, batch_size in itertools.product(PRECISIONS, CONTEXT_LENS, BATCH_SIZES):
+        if not fits_in_memory(precision, context_len, batch_size):
+            print(f"{precision:>9} {context_len:>7} {batch_size:>5}  skipped: not enough free memory")
+            continue
+        bytes_read = batch_size * context_len * _bytes_per_token(precision)
+        same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
+        setup = Setup.make(precision, context_len, batch_size)
+        for partitioning in PARTITIONINGS:
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep)
+            rows.append(row)
+            print_row(row)
+        del setup
+        torch.cuda.empty_cache()  # the pages and the graphs went with the setup
+    print(f"{time.perf_counter() - started_s:.0f} s")
     if args.json:
         result = {
             "command": " ".join([sys.executable, *sys.argv]),
@@ -173,6 +314,8 @@ def main() -> int:
             },
             "copy_bandwidth_gbs": round(copy_gbs, 1),
             "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
+            "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,
+            "sweep_configs": [dataclasses.asdict(config) for config in sweep_configs()] if args.sweep else None,
             "rows": rows,
         }
         with open(args.json, "w") as f:

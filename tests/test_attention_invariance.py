@@ -6,6 +6,8 @@ fixed partitions (`partition_tokens=`); prefill attention whatever the chunking 
 Each test also checks the outputs against the reference, so two equal wrong answers fail.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from lowvram.errors import KernelError
 from lowvram.kernels import paged_attention
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
+    DecodeConfig,
+    default_decode_config,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -33,8 +37,11 @@ CASES = [
 ]
 CASE_IDS = [f"{precision}-{str(dtype)[6:]}{'-window' if window else ''}" for precision, dtype, window in CASES]
 # The interpreter's decode tile is 16 tokens: 32-token partitions give the 300-token sequence
-# more partitions than the merge loads at once (MERGE_CHUNK).
+# more partitions than the merge loads at once.
 PARTITION_TOKENS = 32
+# Merges of up to 4 partitions in the decode kernel, of more in the merge kernel: short
+# sequences alone take the first, the same sequences in a wide batch the second.
+MIXED_MERGES = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_fused_splits=4)
 
 
 def _case(precision, dtype, num_window_blocks, context_lens, seed):
@@ -60,21 +67,54 @@ def test_decode_row_is_the_same_alone_and_in_a_batch(precision, dtype, num_windo
     padding = torch.full((len(context_lens), 7), -1, dtype=torch.int32, device=DEVICE)
     wide_tables = torch.cat([case.block_tables, padding], dim=1)
     batched = paged_decode_attention(q, case.pages, wide_tables, case.context_lens_t, 0.3,
-                                     partition_tokens=PARTITION_TOKENS, max_context_len=500)
+                                     partition_tokens=PARTITION_TOKENS, max_context_len=500, _config=MIXED_MERGES)
     expected = paged_decode_attention_ref(q, case.pages, case.block_tables, case.context_lens_t, 0.3)
     assert _report(f"decode {precision} batched vs reference", batched, expected) <= _tolerance(dtype)
 
     for seq, context_len in enumerate(context_lens):
         num_blocks = max(1, -(-context_len // 8))
         alone = paged_decode_attention(q[seq : seq + 1], case.pages, case.block_tables[seq : seq + 1, :num_blocks],
-                                       case.context_lens_t[seq : seq + 1], 0.3, partition_tokens=PARTITION_TOKENS)
+                                       case.context_lens_t[seq : seq + 1], 0.3, partition_tokens=PARTITION_TOKENS,
+                                       _config=MIXED_MERGES)
         # Two other batches: the sequence with the shortest one, and in another slot.
         pair = [seq, 2]
-        in_pair = paged_decode_attention(q[pair], case.pages, case.block_tables[pair],
-                                         case.context_lens_t[pair], 0.3, partition_tokens=PARTITION_TOKENS)
+        in_pair = paged_decode_attention(q[pair], case.pages, case.block_tables[pair], case.context_lens_t[pair],
+                                         0.3, partition_tokens=PARTITION_TOKENS, _config=MIXED_MERGES)
         assert torch.equal(alone[0], batched[seq]), f"sequence {seq} ({context_len} tokens): alone != batched"
         assert torch.equal(in_pair[0], batched[seq]), f"sequence {seq} ({context_len} tokens): pair != batched"
     assert not batched[4].any(), "an empty context must give zeros"
+
+
+@pytest.mark.parametrize("precision,dtype,num_window_blocks", CASES[:3] + CASES[4:5], ids=CASE_IDS[:3] + CASE_IDS[4:5])
+def test_fused_and_separate_merges_give_the_same_bits(precision, dtype, num_window_blocks):
+    # Which merge runs depends on the batch (num_splits against max_fused_splits); the result
+    # must not.
+    context_lens = [150, 37, 0, 300]
+    case = _case(precision, dtype, num_window_blocks, context_lens, seed=59)
+    q = torch.randn(len(context_lens), TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(60))
+    args = (q.to(DEVICE, dtype), case.pages, case.block_tables, case.context_lens_t, 0.3)
+    expected = paged_decode_attention_ref(*args)
+    for partitioning in ({"partition_tokens": PARTITION_TOKENS}, {"num_splits": 3}):
+        outs = []
+        for max_fused_splits in (0, 1 << 30):
+            config = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_fused_splits=max_fused_splits)
+            outs.append(paged_decode_attention(*args, **partitioning, _config=config))
+            label = f"decode {precision} {partitioning} max_fused_splits={max_fused_splits}"
+            assert _report(label, outs[-1], expected) <= _tolerance(dtype)
+        assert torch.equal(outs[0], outs[1]), f"{partitioning}: the two merges differ"
+
+
+def test_fused_merge_leaves_its_counters_at_zero():
+    # The counters serve every layer and graph replay: a counter left above zero would make the
+    # next call's last partition miss its turn and leave its output unwritten.
+    case = _case("int4", torch.float32, 0, [150, 37, 0, 300, 64], seed=61)
+    q = torch.randn(5, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(62)).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 0.3)
+    first = paged_decode_attention(*args, num_splits=6)
+    counters = paged_attention.merge_counters(DEVICE, 1)
+    assert counters.numel() >= paged_attention.MIN_MERGE_COUNTERS and not counters.any()
+    assert torch.equal(paged_decode_attention(*args, num_splits=6), first)
+    assert _report("decode fused merge", first, paged_decode_attention_ref(*args)) <= 1e-5
 
 
 def test_decode_partitions_are_fixed_by_partition_tokens():
@@ -154,6 +194,32 @@ def test_decode_row_is_the_same_alone_and_in_a_batch_gpu(precision):
                                        case.context_lens_t[seq : seq + 1], 128**-0.5,
                                        partition_tokens=INVARIANT_PARTITION_TOKENS)
         assert torch.equal(alone[0], batched[seq]), f"sequence {seq}: alone != batched"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 2, 128), (16, 1, 576)])
+def test_fused_and_separate_merges_give_the_same_bits_gpu(precision, num_heads, num_kv_heads, head_dim):
+    # The merge inside the decode kernel (atomics, partials read back from L2) against the
+    # merge kernel, at the 1.5B shape and DeepSeek-V2-Lite's latent one (V aliased to K).
+    context_lens = [8192, 1000, 4097, 17]
+    case = PagedCase(precision, torch.float16, 16, num_kv_heads, head_dim, context_lens, seed=63)
+    if head_dim == 576:
+        case.pages.v, case.pages.v_scale, case.pages.v_zero = case.pages.k, case.pages.k_scale, case.pages.k_zero
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(64))
+    q = q.to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, case.context_lens_t, head_dim**-0.5)
+    expected = paged_decode_attention_ref(q.float(), *args)
+    default = default_decode_config(DEVICE, head_dim)
+    for partitioning in ({"partition_tokens": INVARIANT_PARTITION_TOKENS}, {"num_splits": 8}, {"num_splits": 40}):
+        separate, fused = (paged_decode_attention(q, *args, **partitioning,
+                                                  _config=replace(default, max_fused_splits=max_fused_splits))
+                           for max_fused_splits in (0, 1 << 30))
+        label = f"decode gpu {precision} D={head_dim} {partitioning}"
+        assert _report(f"{label} fused", fused, expected) <= 2e-3
+        assert torch.equal(fused, separate), f"{label}: the two merges differ"
+    counters = paged_attention.merge_counters(DEVICE, 1)
+    assert not counters.any(), "the fused merge left a counter above zero"
 
 
 @pytest.mark.gpu
