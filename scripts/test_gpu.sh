@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention kv_pool profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -60,6 +60,7 @@ if [ "$what" != tests ]; then
     run_bench doctor_accuracy 150 python3 scripts/bench_doctor_accuracy.py --contexts 1024,4096,8192 --batches 1,4 --max-seconds 100
     run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
     run_bench paged_attention 90 python3 scripts/bench_paged_attention.py
+    run_bench paged_attention_sweep 240 python3 scripts/bench_paged_attention.py --sweep
     run_bench kv_pool 300 python3 scripts/bench_kv_pool.py
     # The um pool to 128K with spill: its chunked prefill reads the spilled context over the bus, ~3-4 minutes.
     run_bench kv_pool_128k 480 python3 scripts/bench_kv_pool.py --runs um,device-int8 --max-prefill-s 330 --transfer-mib 0
