@@ -16,7 +16,7 @@ draws the line.
 
 Batch invariance. The default partitioning depends on the batch (its size and its
 longest context), so a sequence's sum can be cut differently when other sequences
-join it. With `partition_tokens=` (the engine passes `INVARIANT_PARTITION_TOKENS`)
+join it. With `partition_tokens=` (`INVARIANT_PARTITION_TOKENS`, say)
 partitions start at fixed absolute positions, a sequence always goes through the
 merge, and the merge adds exactly the sequence's own partitions, one at a time in
 split order (in either merge, so both give the same bits); partitions past a
