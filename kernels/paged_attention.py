@@ -123,8 +123,9 @@ class DecodeConfig:
 def default_decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
     """The decode kernel's configuration unless a benchmark passes another."""
     block_d = _block_d(head_dim)
-    # Triton's own default of 3 stages, as before the knobs existed; 16 partitions are at most
-    # two rounds of the merge's loads, cheaper than a second launch.
+    # Tiles and warps as before the knobs existed, and Triton's own default of 3 stages. Merging
+    # up to 16 partial rows per head in the last program should cost less than a second launch;
+    # the benchmark's sweep (scripts/bench_paged_attention.py --sweep) is there to say.
     return DecodeConfig(block_n=_tile_rows(block_d, _decode_block_n(device)), num_warps=8 if block_d >= 512 else 4,
                         num_stages=3, max_fused_splits=16)
 
@@ -255,8 +256,9 @@ def _check_kernel_head_dim(name: str, head_dim: int) -> None:
 
 def _block_d(head_dim: int) -> int:
     # Tiles span a power of two along the head dim; columns past head_dim are masked
-    # (MLA's 576 = 512 latent + 64 RoPE runs in 1024-wide tiles).
-    return triton.next_power_of_2(head_dim)
+    # (MLA's 576 = 512 latent + 64 RoPE runs in 1024-wide tiles). Plain Python: the
+    # reference path needs it too, where Triton may be missing.
+    return 1 << max(0, head_dim - 1).bit_length()
 
 
 def _plane_layout(pages: KVPages) -> dict:
