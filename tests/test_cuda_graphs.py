@@ -137,7 +137,10 @@ def test_an_embedding_table_in_host_memory_gives_the_same_tokens(tiny_qwen2_dir)
     assert not on_device.config.is_tied_head
     table = on_device.model.model.embed_tokens.weight
     assert table.is_cuda and on_host.model.model.embed_tokens.weight.device.type == "cpu"
-    assert on_host.model.weight_bytes == on_device.model.weight_bytes - table.numel() * table.element_size()
+    # The engine plans from what loading allocated (allocator rounding included), so the
+    # difference is the table's bytes give or take a few rounded blocks.
+    moved = on_device.model.weight_bytes - on_host.model.weight_bytes
+    assert abs(moved - table.numel() * table.element_size()) <= 4096
     prompts = _prompts(on_device, [5, 40, 300])
     expected = _generate(on_device, prompts, [12, 18, 6])
     assert _generate(on_host, prompts, [12, 18, 6]) == expected
