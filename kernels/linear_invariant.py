@@ -31,7 +31,7 @@ try:
     import triton
     import triton.language as tl
 
-    from lowvram.kernels.w4a16_gemv import DOT_MIN_M, INVARIANT_MAX_ROWS, awq_gemv_store, split_counters
+    from lowvram.kernels.w4a16_gemv import DOT_MIN_M, INVARIANT_MAX_ROWS, SPLIT_COUNTERS, awq_gemv_store
 
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
@@ -103,7 +103,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if is_partial:
         # partials: [SPLIT_K, M, N] float32
         partials = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
-        counters = split_counters(y.device, num_column_blocks * num_row_tiles)
+        counters = SPLIT_COUNTERS.get(y.device, num_column_blocks * num_row_tiles)
     else:
         partials = counters = y  # not read
     _linear_rows_kernel[(num_column_blocks, split_k, num_row_tiles)](

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from lowvram.errors import KernelError
+from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels.dispatch import use_triton
 from lowvram.kv_quant import KVPages, gather_kv
 
@@ -88,14 +89,9 @@ INVARIANT_PARTITION_TOKENS = 256
 MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
 
-# One int32 arrival counter per (sequence, KV head) for the merge inside the decode kernel, per
-# device. They are zero between launches (the program that merges resets its own), so one
-# buffer serves every layer and every replay of a CUDA graph. That assumes one decode attention
-# in flight per device at a time, as the engine runs its steps on one stream; two at once on
-# different streams would count into the same slots.
-_merge_counters: dict[torch.device, torch.Tensor] = {}
-# Buffers replaced by a larger one stay alive: graphs captured with them still point at them.
-_replaced_merge_counters: list[torch.Tensor] = []
+# One counter per (sequence, KV head) for the merge inside the decode kernel; see
+# kernels/arrival_counters.py.
+MERGE_COUNTERS = ArrivalCounters("paged_decode_attention's merge", MIN_MERGE_COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -362,28 +358,6 @@ def _merge_chunk(block_h: int, block_d: int) -> int:
     return max(1, min(8, 4096 // (block_h * block_d)))
 
 
-def merge_counters(device: torch.device, num_counters: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of `device`, at least `num_counters` of them.
-
-    Made (or grown) outside CUDA-graph capture only: a buffer made during a capture would live
-    in that graph's private pool. The engine's eager warm-up before each capture makes it.
-    """
-    counters = _merge_counters.get(device)
-    if counters is not None and counters.numel() >= num_counters:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise KernelError(
-            f"paged_decode_attention needs {num_counters} merge counters on {device} but has "
-            f"{0 if counters is None else counters.numel()}, and they cannot be made during CUDA-graph capture; "
-            "run the step once eagerly before capturing it")
-    if counters is not None:
-        _replaced_merge_counters.append(counters)
-    counters = torch.zeros(max(MIN_MERGE_COUNTERS, triton.next_power_of_2(num_counters)), dtype=torch.int32,
-                           device=device)
-    _merge_counters[device] = counters
-    return counters
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     pages: KVPages,
@@ -453,7 +427,7 @@ def paged_decode_attention(
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
-    counters = merge_counters(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
+    counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     block_h = triton.next_power_of_2(group_size)  # the heads the fused merge adds up together
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](

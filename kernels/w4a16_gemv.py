@@ -44,20 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
+from lowvram.kernels.arrival_counters import ArrivalCounters
+
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
 # Rows per launch in the batch-invariant form: bounds the float32 split-K partials
 # ([SPLIT_K, rows, N]) of a long prefill chunk; rows are independent, so no row changes.
 INVARIANT_MAX_ROWS = 64
 MIN_SPLIT_COUNTERS = 4096  # 262,144 outputs in 64-column blocks: grown only for wider layers
 
-# One int32 arrival counter per column block, per device. They are zero between launches (the
-# last program of a column block resets its own), so one buffer serves every decode GEMV and
-# every replay of a CUDA graph. That assumes one GEMV in flight per device at a time: the
-# engine runs its decode steps, eager or replayed, on one stream at a time; two GEMVs running
-# at once on different streams would count into the same slots and sum each other's partials.
-_split_counters: dict[torch.device, torch.Tensor] = {}
-# Buffers replaced by a larger one stay alive: graphs captured with them still point at them.
-_replaced_split_counters: list[torch.Tensor] = []
+# One counter per column block (and row tile); see kernels/arrival_counters.py.
+SPLIT_COUNTERS = ArrivalCounters("the decode GEMV's split-K", MIN_SPLIT_COUNTERS)
 
 
 @triton.jit
@@ -422,28 +418,6 @@ def invariant_gemv_config(num_outputs: int, num_inputs: int, group_size: int, nu
     return {**config, "block_m": DOT_MIN_M}
 
 
-def split_counters(device: torch.device, num_column_blocks: int) -> torch.Tensor:
-    """The zeroed int32 arrival counters of `device`, at least `num_column_blocks` of them.
-
-    Made (or grown) outside CUDA-graph capture only: a buffer made during a capture would live
-    in the graph's private pool. The engine's eager warm-up before each capture makes it.
-    """
-    counters = _split_counters.get(device)
-    if counters is not None and counters.numel() >= num_column_blocks:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"the decode GEMV needs {num_column_blocks} split-K counters on {device} but has "
-            f"{0 if counters is None else counters.numel()}, and they cannot be made during CUDA-graph "
-            f"capture; run the step once eagerly before capturing it")
-    if counters is not None:
-        _replaced_split_counters.append(counters)
-    size = max(MIN_SPLIT_COUNTERS, triton.next_power_of_2(num_column_blocks))
-    counters = torch.zeros(size, dtype=torch.int32, device=device)
-    _split_counters[device] = counters
-    return counters
-
-
 def lora_block_r(rank: int) -> int:
     """The padded rank the kernels work in: a power of two, at least tl.dot's 16."""
     return max(DOT_MIN_M, triton.next_power_of_2(rank))
@@ -478,7 +452,7 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     if is_partial:
         # partials: [SPLIT_K, M, N] float32, from the graph pool under capture
         partials = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
-        counters = split_counters(y.device, num_column_blocks * num_row_tiles)
+        counters = SPLIT_COUNTERS.get(y.device, num_column_blocks * num_row_tiles)
     else:
         partials = counters = y  # not read
     outputs = (bias if has_bias else scales, y, partials, counters)

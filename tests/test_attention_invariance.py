@@ -111,7 +111,7 @@ def test_fused_merge_leaves_its_counters_at_zero():
     q = torch.randn(5, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(62)).to(DEVICE)
     args = (q, case.pages, case.block_tables, case.context_lens_t, 0.3)
     first = paged_decode_attention(*args, num_splits=6)
-    counters = paged_attention.merge_counters(DEVICE, 1)
+    counters = paged_attention.MERGE_COUNTERS.get(torch.device(DEVICE), 1)
     assert counters.numel() >= paged_attention.MIN_MERGE_COUNTERS and not counters.any()
     assert torch.equal(paged_decode_attention(*args, num_splits=6), first)
     assert _report("decode fused merge", first, paged_decode_attention_ref(*args)) <= 1e-5
@@ -218,7 +218,7 @@ def test_fused_and_separate_merges_give_the_same_bits_gpu(precision, num_heads, 
         label = f"decode gpu {precision} D={head_dim} {partitioning}"
         assert _report(f"{label} fused", fused, expected) <= 2e-3
         assert torch.equal(fused, separate), f"{label}: the two merges differ"
-    counters = paged_attention.merge_counters(DEVICE, 1)
+    counters = paged_attention.MERGE_COUNTERS.get(torch.device(DEVICE), 1)
     assert not counters.any(), "the fused merge left a counter above zero"
 
 

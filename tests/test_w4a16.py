@@ -202,15 +202,15 @@ def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
         assert torch.equal(outputs[0], expected)
         assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
     if split_k > 1:
-        assert not w4a16.w4a16_gemv._split_counters[y.device].any()
+        assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[y.device].any()
 
 
 @needs_triton
 def test_split_counters_grow_for_wider_layers(monkeypatch):
+    from lowvram.kernels.arrival_counters import ArrivalCounters
+
     gemv = w4a16.w4a16_gemv
-    monkeypatch.setattr(gemv, "_split_counters", {})
-    monkeypatch.setattr(gemv, "_replaced_split_counters", [])
-    monkeypatch.setattr(gemv, "MIN_SPLIT_COUNTERS", 2)
+    monkeypatch.setattr(gemv, "SPLIT_COUNTERS", ArrivalCounters("the decode GEMV's split-K", 2))
     config = {"block_n": 64, "block_k": 32, "split_k": 4, "num_warps": 4}
     for num_outputs in (128, 512):  # 2 column blocks, then 8
         qweight, qzeros, scales, bias = random_awq(128, num_outputs, 32, seed=num_outputs)
@@ -218,20 +218,18 @@ def test_split_counters_grow_for_wider_layers(monkeypatch):
         y = torch.full((1, num_outputs), float("nan"), dtype=torch.float16, device=DEVICE)
         gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config)
         assert relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias)) <= SMALL_TOLERANCE
-    counters = gemv._split_counters[y.device]
+    counters = gemv.SPLIT_COUNTERS.by_device[y.device]
     assert counters.numel() == 8 and not counters.any()
     # graphs captured with the smaller buffer still point at it
-    assert [c.numel() for c in gemv._replaced_split_counters] == [2]
+    assert [c.numel() for c in gemv.SPLIT_COUNTERS.replaced] == [2]
 
 
-def test_split_counters_are_not_made_during_graph_capture(monkeypatch):
-    gemv = w4a16.w4a16_gemv
-    if gemv is None:
-        pytest.skip("triton is unavailable")
-    monkeypatch.setattr(gemv, "_split_counters", {})
+def test_arrival_counters_are_not_made_during_graph_capture(monkeypatch):
+    from lowvram.kernels.arrival_counters import ArrivalCounters
+
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="cannot be made during CUDA-graph capture"):
-        gemv.split_counters(torch.device("cuda", 0), 24)
+    with pytest.raises(KernelError, match="cannot be made during CUDA-graph capture"):
+        ArrivalCounters("the decode GEMV's split-K", 16).get(torch.device("cuda", 0), 24)
 
 
 @needs_triton
@@ -478,7 +476,7 @@ def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
           f"{num_mismatches} of 30 replays differ from eager")
     assert error <= GPU_TOLERANCE
     assert num_mismatches == 0
-    assert not w4a16.w4a16_gemv._split_counters[static_y.device].any()
+    assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[static_y.device].any()
 
 
 @pytest.mark.gpu
