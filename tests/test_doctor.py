@@ -280,7 +280,10 @@ def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
 
 # The hand-computed plans keep the embedding table on the device; test_embeddings_on_host_by_hand
 # takes it off.
-ON_DEVICE_4GB = load_profile("4gb").replace(embeddings_on_host=False)
+# The hand computations below count the decode graphs; the 4gb profile's prefill graphs have
+# their own test (test_prefill_graphs_hold_a_512_token_step_by_hand).
+PROFILE_4GB = load_profile("4gb").replace(enable_prefill_graphs=False)
+ON_DEVICE_4GB = PROFILE_4GB.replace(embeddings_on_host=False)
 
 
 def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
@@ -317,11 +320,11 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
 
 def test_prefill_graphs_hold_a_512_token_step_by_hand():
     config = _config(R1_DISTILL_QWEN_1_5B_AWQ)
-    off = mp.profile_workspace(config, load_profile("4gb"), 16384, 2, "cuda")
-    on = mp.profile_workspace(config, load_profile("4gb").replace(enable_prefill_graphs=True), 16384, 2, "cuda")
+    off = mp.profile_workspace(config, PROFILE_4GB, 16384, 2, "cuda")
+    on = mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
     # The MLP phase of a 512-token step: input and running sum, the normed input, three [512, 8960]
     assert on.graph_bytes - off.graph_bytes == 2 * 512 * 1536 * 2 + 512 * 1536 * 2 + 3 * 512 * 8960 * 2 == 32_243_712
-    assert mp.profile_workspace(config, load_profile("4gb").replace(enable_prefill_graphs=True,
+    assert mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True,
                                                                     enable_cuda_graphs=False),
                                 16384, 2, "cuda").graph_bytes == 0
 
@@ -330,7 +333,7 @@ def test_embeddings_on_host_by_hand():
     # The 4gb profile keeps the untied embedding table (151,936 x 1536 FP16) in host memory: FP16
     # weights at a 16K context now fit, by what the table took.
     table = 151_936 * 1536 * 2
-    on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"), device="cuda",
+    on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cuda",
                           capacity=HUGE_CARD)
     on_device = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda",
                             capacity=HUGE_CARD)
@@ -339,8 +342,8 @@ def test_embeddings_on_host_by_hand():
     assert on_host.fits and on_host.engine_margin_bytes == -365_702_070 + table == 101_045_322
     # A tied head reads the table on the device; the CPU has no device to save.
     tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)
-    assert not plan_memory(_config(tied), tied, load_profile("4gb"), device="cuda").weights.is_embedding_on_host
-    assert not plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, load_profile("4gb"),
+    assert not plan_memory(_config(tied), tied, PROFILE_4GB, device="cuda").weights.is_embedding_on_host
+    assert not plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB,
                            device="cpu").weights.is_embedding_on_host
 
 
@@ -365,7 +368,7 @@ def test_deepseek_coder_plan_by_hand():
 
 
 def test_largest_context_is_the_edge_of_fitting():
-    profile = load_profile("4gb")
+    profile = PROFILE_4GB
     plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, profile, device="cuda")
     for precision, longest in plan.max_context.items():
         assert longest > 0
@@ -378,7 +381,7 @@ def test_largest_context_is_the_edge_of_fitting():
 
 
 def test_device_total_adds_context_and_fragmentation():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, load_profile("4gb"),
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, PROFILE_4GB,
                        device="cuda")
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
     # The cuBLAS workspace is in the engine's own total (its workspace), which sizes the KV pool.
@@ -386,7 +389,7 @@ def test_device_total_adds_context_and_fragmentation():
     assert plan.device_need_bytes == plan.engine_need_bytes + fragmentation + mp.CUDA_CONTEXT_BYTES
     assert plan.device_capacity_bytes == 4 * GIB
     emulated = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ,
-                           load_profile("4gb").replace(emulate_vram_gib=3.0), device="cuda")
+                           PROFILE_4GB.replace(emulate_vram_gib=3.0), device="cuda")
     # torch's allocator cap leaves the CUDA context out
     assert emulated.device_need_bytes == emulated.peak_allocated_bytes + emulated.fragmentation_bytes
     assert emulated.device_capacity_bytes == 3 * GIB
@@ -429,7 +432,7 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
 
     config = _config(R1_DISTILL_QWEN_1_5B)
     with pytest.raises(OutOfMemoryError) as info:
-        mp.plan_kv(config, load_profile("4gb"), 3_554_176_000, 2, 16384, device_type="cuda")
+        mp.plan_kv(config, PROFILE_4GB, 3_554_176_000, 2, 16384, device_type="cuda")
     message = str(info.value)
     assert "lowvram doctor --profile 4gb --context 16384" in message
     assert "--max-model-len 3696" in message
@@ -438,7 +441,7 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
 
 def test_memory_the_process_already_holds_comes_out_of_the_pool():
     # A second engine in one process (or a caller's own tensors) must not plan the whole budget again.
-    config, profile = _config(R1_DISTILL_QWEN_1_5B), load_profile("4gb").replace(max_model_len=4096)
+    config, profile = _config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB.replace(max_model_len=4096)
     alone = mp.plan_kv(config, profile, 3_000_000_000, 2, 4096, device_type="cuda")
     assert alone.num_blocks < 8 * 4096 // 16  # the budget binds, not max_num_seqs
     held = 64 * 2**20
@@ -452,7 +455,7 @@ def test_memory_the_process_already_holds_comes_out_of_the_pool():
 
 
 def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share():
-    config, profile = _config(R1_DISTILL_QWEN_1_5B), load_profile("4gb")
+    config, profile = _config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB
     with pytest.raises(OutOfMemoryError):
         mp.plan_kv(config, profile, 3_554_176_000, 2, 16384, device_type="cuda")
     # 8 GiB of host spill at 28,672 B per token: 299,593 tokens, 18,724 pages of 16
@@ -493,11 +496,11 @@ def _env(**changes):
 
 
 def test_a_healthy_machine_has_no_problems():
-    assert find_problems(_env(), load_profile("4gb"), "cuda") == []
+    assert find_problems(_env(), PROFILE_4GB, "cuda") == []
 
 
 def test_problems_come_with_concrete_fixes():
-    profile = load_profile("4gb")
+    profile = PROFILE_4GB
     cpu_build = _env(cuda_available=False, torch_cuda_version=None, gpus=[])
     problem = find_problems(cpu_build, profile, "cuda")[0]
     assert problem.severity == "error" and "download.pytorch.org/whl/cu" in problem.fix
