@@ -187,37 +187,27 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
         for rows in (1, 8):
             x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
+
+            def time_config(cfg: dict, x=x, y=y, qweight=qweight, qzeros=qzeros, scales=scales) -> dict:
+                try:
+                    ms = do_bench_cudagraph(
+                        lambda: launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg), rep=20)
+                except Exception as exc:  # an invalid configuration for this shape
+                    return {"config": cfg, "error": str(exc)[:80]}
+                return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
+
             default = choose_gemv_config(rows, n, k, group_size, num_sms)
             candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
-            timed = []
-            for cfg in candidates:
-                try:
-                    def call(cfg=cfg, x=x, y=y, qweight=qweight, qzeros=qzeros, scales=scales):
-                        launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg)
-
-                    ms = do_bench_cudagraph(call, rep=20)
-                except Exception as exc:  # an invalid configuration for this shape
-                    timed.append({"config": cfg, "error": str(exc)[:80]})
-                    continue
-                timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
+            timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
             # Second pass: software pipelining depth and warp count around the five fastest.
             for t in sorted(ok, key=lambda t: t["us"])[:5]:
                 for stages, warps in ((1, t["config"]["num_warps"]), (2, t["config"]["num_warps"]),
                                       (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
-                    cfg = {**t["config"], "num_stages": stages, "num_warps": warps}
-                    try:
-                        ms = do_bench_cudagraph(lambda cfg=cfg, x=x, y=y: launch_awq_gemv(
-                            x, qweight, qzeros, scales, group_size, None, y, cfg), rep=20)
-                    except Exception as exc:
-                        timed.append({"config": cfg, "error": str(exc)[:80]})
-                        continue
-                    timed.append({"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)})
+                    timed.append(time_config({**t["config"], "num_stages": stages, "num_warps": warps}))
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
-            invariant = invariant_gemv_config(n, k, group_size, num_sms)
-            invariant_ms = do_bench_cudagraph(lambda x=x, y=y: launch_awq_gemv(
-                x, qweight, qzeros, scales, group_size, None, y, invariant), rep=20)
+            invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
             by_form = {}
             for t in ok:
                 form = t["config"].get("unpack", "interleave") + "/" + t["config"].get("reduce", "block")
@@ -226,7 +216,7 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
                             "best_by_form": by_form,
                             "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
-                            "batch_invariant": {"config": invariant, "us": round(invariant_ms * 1000, 2)},
+                            "batch_invariant": invariant,
                             "top5": sorted(ok, key=lambda t: t["us"])[:5]})
             print("   best by form: " + ", ".join(f"{f} {t['us']} us" for f, t in by_form.items()))
             print(json.dumps(results[-1]["best"] | {"shape": name, "rows": rows,
