@@ -36,6 +36,7 @@ def _write(tmp_path, text):
     ("controller:\n  memory_high_water: 0.5\n  memory_low_water: 0.6\n", ["memory_low_water", "below"]),
     ("max_num_seqs: 64\nmax_num_batched_tokens: 32\n", ["max_num_batched_tokens", "max_num_seqs"]),
     ("allow_oversubscription: maybe\n", ["allow_oversubscription", "true or false"]),
+    ("batch_invariant: sometimes\n", ["batch_invariant", "'sometimes'", "true or false"]),
     ("[1, 2\n", ["not valid YAML"]),
     ("- a\n- b\n", ["mapping"]),
 ])
