@@ -20,6 +20,7 @@ decode kernel (w4a16_gemv explains how); the larger paths add it with one more m
 import functools
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -132,6 +133,67 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
         if has_lora:
             y.addmm_(x2d @ lora_a.t().to(x.dtype), lora_bt.to(x.dtype))
     return y.reshape(out_shape)
+
+
+@dataclass
+class InputNorm:
+    """The one-row kernel's RMSNorm prologue: it multiplies W by weight * normalise(x + residual)
+    (kernels/rms_norm.py's arithmetic) instead of x, and stores x + residual to sum_out.
+
+    weight: [K] in x's dtype; residual, sum_out: [1, K] contiguous, both or neither (the
+    first layer's norm has no residual yet). sum_out must not be x or residual: the other
+    programs of the launch still read them.
+    """
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    sum_out: torch.Tensor | None = None
+
+
+def can_fuse_one_row(x: torch.Tensor) -> bool:
+    """Whether awq_linear_one_row serves x: one float16 row on a device with the Triton kernels."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float16 and x.is_contiguous()
+            and _select_backend(x.device))
+
+
+def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
+                       norm=None, is_gated: bool = False):
+    """awq_linear of one row with the input's last step fused into the decode kernel:
+    norm (InputNorm) multiplies W by weight * normalise(x + residual) and stores the
+    sum to norm.sum_out; is_gated takes x [1, 2K] (gate then up) and multiplies by
+    silu(gate) * up. x: [1, K] (or [1, 2K]) contiguous, float16 (float32 too under the
+    interpreter); can_fuse_one_row says when this runs. Returns y [1, N].
+    """
+    if (norm is None) == (not is_gated):
+        raise KernelError("awq_linear_one_row fuses one prologue: give norm or is_gated, not both or neither")
+    width = qweight.shape[0] * (2 if is_gated else 1)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
+        raise KernelError(f"awq_linear_one_row: x is {list(x.shape)} with strides {x.stride()}; expected one "
+                          f"contiguous row of {width} ({'gate then up, ' if is_gated else ''}K = {qweight.shape[0]})")
+    num_inputs, num_outputs = _check_inputs(x[:, :qweight.shape[0]], qweight, qzeros, scales, group_size, bias)
+    _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs)
+    if not _select_backend(x.device):
+        raise KernelError(f"awq_linear_one_row needs the Triton kernels, which {x.device} does not have")
+    if norm is not None:
+        expected = (num_inputs,)
+        if norm.weight.shape != expected or norm.weight.dtype != x.dtype or not norm.weight.is_contiguous():
+            raise KernelError(f"the norm weight is {norm.weight.dtype} {list(norm.weight.shape)}; expected a "
+                              f"contiguous {x.dtype} [{num_inputs}]")
+        if (norm.residual is None) != (norm.sum_out is None):
+            raise KernelError("the norm's residual and sum_out come together: pass both or neither")
+        for name in ("residual", "sum_out"):
+            tensor = getattr(norm, name)
+            if tensor is not None and (tensor.shape != x.shape or tensor.dtype != x.dtype
+                                       or not tensor.is_contiguous() or tensor.device != x.device):
+                raise KernelError(f"the norm's {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
+                                  f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}")
+        if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
+            raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")
+    config = w4a16_gemv.choose_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device))
+    y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
+    return w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
+                                      norm=norm, is_gated=is_gated)
 
 
 def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None,

@@ -296,14 +296,91 @@ def awq_load_lanes(
     return codes - zeros[None, :, :], scales.to(tl.float32)
 
 
+# float32 2**23: OR-ing an integer below 2**23 into its mantissa gives 2**23 + that integer, exactly
+FLOAT32_MAGIC = tl.constexpr(0x4B000000)
+
+
+@triton.jit
+def awq_load_lanes_f32(
+    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """awq_load_lanes with (q - z) made as float32 without an integer-to-float conversion.
+
+    A conversion (I2F) issues at a quarter of the float32 rate or less, and a decode GEMV
+    converts every weight: on an H200 that, not memory, bounded the widest projections. Here
+    each nibble is OR-ed into the mantissa of 2**23 (FLOAT32_MAGIC), which reads as the float
+    2**23 + q, and the zero's float 2**23 + z is subtracted: two logic ops and one add give
+    q - z exactly.
+    """
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    group = k_start // GROUP_SIZE
+    shifts = tl.arange(0, 8) * 4
+    weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+    if EVEN_N:
+        packed = tl.load(weight_ptrs)
+        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
+        scales = tl.load(scales_ptr + group * N + cols)
+    else:
+        mask_c = offs_c < num_packed_cols
+        packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
+        scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0)
+    zeros = (((packed_zeros[:, None] >> shifts[None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
+    codes = (((packed[:, :, None] >> shifts[None, None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
+    return codes - zeros[None, :, :], scales.to(tl.float32)  # [K, C, 8], [C, 8]
+
+
+# What the one-row kernel reads as x (PROLOGUE): x itself; RMSNorm of x (+ residual); or
+# silu(gate) * up of a fused gate/up output [2K].
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
+
+
+@triton.jit
+def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: tl.constexpr,
+                ROW_BLOCK: tl.constexpr):
+    """1 / rms of the whole row x (+ residual), in float32 as kernels/rms_norm.py computes it;
+    the program with is_writer set also stores the sum x + residual to sum_ptr."""
+    offs = tl.arange(0, ROW_BLOCK)
+    mask = offs < K
+    row = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        row = row + tl.load(residual_ptr + offs, mask=mask, other=0.0)
+        if is_writer:
+            tl.store(sum_ptr + offs, row, mask=mask)
+    rowf = row.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+
+
+@triton.jit
+def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K,
+              PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """x[offs_k] as float32 after the prologue, rounded where the separate kernels round
+    (kernels/rms_norm.py, kernels/activation.py), so fusing changes no bits of x."""
+    x = tl.load(x_ptr + offs_k * stride_xk)
+    if PROLOGUE == 1:
+        if HAS_RESIDUAL:
+            x = x + tl.load(residual_ptr + offs_k)
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
+        x = (normed.to(tl.float32) * tl.load(norm_weight_ptr + offs_k).to(tl.float32)).to(x.dtype)
+    elif PROLOGUE == 2:
+        up = tl.load(x_ptr + (K + offs_k) * stride_xk)
+        gate = x.to(tl.float32)
+        activated = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
+        x = (activated.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
 @triton.jit
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    N, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    residual_ptr, norm_weight_ptr, sum_ptr, eps,
+    N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -312,6 +389,11 @@ def _awq_gemv_row_kernel(
     mask_c = offs_c < num_packed_cols
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
+    inv_rms = 1.0
+    if PROLOGUE == 1:
+        # every program needs the whole row's norm; it is K * 2 bytes, read from L2
+        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
+                              HAS_RESIDUAL, ROW_BLOCK)
     if REDUCE_AT_END:
         acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
     else:
@@ -320,11 +402,15 @@ def _awq_gemv_row_kernel(
         t = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
-        centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
-                                          num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
-        centered = centered.to(tl.float32)
+        if MAGIC_DEQUANT:
+            centered, scales = awq_load_lanes_f32(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
+                                                  num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+        else:
+            centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
+                                              num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+            centered = centered.to(tl.float32)
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
+        x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
         if REDUCE_AT_END:
             acc3 += x[:, None, None] * (centered * scales[None, :, :])
         else:
@@ -423,16 +509,21 @@ def lora_block_r(rank: int) -> int:
     return max(DOT_MIN_M, triton.next_power_of_2(rank))
 
 
-def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None):
+def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None,
+                    norm=None, is_gated: bool = False):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
     x: [M, K] (M <= 16, or any M with invariant_gemv_config; any strides); qweight/qzeros/scales
     contiguous; y: [M, N] with unit column stride. `config` comes from choose_gemv_config,
     invariant_gemv_config or a benchmark sweep (which may add "num_stages"). lora_a [R, K]
     (unit stride along K) and lora_bt [R, N] (any strides; contiguous reads fastest), both or
-    neither, add (x A^T) Bt in the same launch.
+    neither, add (x A^T) Bt in the same launch. With one row and the lane form, `norm` fuses an
+    RMSNorm before the matmul (w4a16.InputNorm), and `is_gated` reads x as a fused gate/up output
+    [1, 2K] and multiplies W by silu(gate) * up: one launch instead of two, whose gap inside a
+    CUDA graph costs more than the norm or activation itself.
     """
-    num_rows, num_inputs = x.shape
+    num_rows = x.shape[0]
+    num_inputs = qweight.shape[0]
     num_outputs = y.shape[1]
     block_n, block_k = config["block_n"], config["block_k"]
     if group_size % block_k != 0 or block_n % 8 != 0:
@@ -469,12 +560,24 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     if "num_stages" in config:
         launch_options["num_stages"] = config["num_stages"]
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
+    has_prologue = norm is not None or is_gated
+    if has_prologue and not (is_lanes and num_rows == 1):
+        raise ValueError("the norm and gate prologues run in the one-row lane kernel only")
     if is_lanes and num_rows == 1:
+        if norm is not None:
+            prologue, has_residual = PROLOGUE_RMS_NORM, norm.residual is not None
+            residual = norm.residual if has_residual else x
+            fused = (residual, norm.weight, norm.sum_out if has_residual else x, norm.eps)
+        else:
+            prologue, has_residual = PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE, False
+            fused = (x, x, x, 0.0)  # not read
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora,
-            num_outputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
+            x, qweight, qzeros, scales, *outputs, *lora, *fused,
+            num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
+            MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
+            HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
             **lora_flags, **launch_options,
         )
     elif is_lanes:

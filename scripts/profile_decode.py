@@ -153,15 +153,17 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 
     def splits(bn: int, bk: int) -> list[int]:
         auto = max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))
-        return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 4, 8} if s <= k // bk)
+        return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 1, 2, 4, 8} if s <= k // bk)
 
     found = [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
              for bn in (64, 128) for bk in (64, 128) if bk <= group_size for sk in splits(bn, bk)]
     if rows == 1:
-        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
-                  for bn in (64, 128, 256) for bk in (32, 64, 128) if bk <= group_size
-                  for r in ("block", "end") if r == "block" or bk * bn <= 16384
-                  for w in (4, 8) for sk in splits(bn, bk)]
+        # the lane kernel with the float bit-trick dequantization (its default) and with
+        # integer-to-float conversions ("convert"), over tile sizes, reductions and splits
+        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r,
+                   "dequant": d}
+                  for d in ("magic", "convert") for bn in (32, 64, 128) for bk in (64, 128) if bk <= group_size
+                  for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
     else:  # the lane unpacking feeding tl.dot
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
                   for bn in (64, 128) for bk in (32, 64, 128) if bk <= group_size
@@ -210,7 +212,8 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
             by_form = {}
             for t in ok:
-                form = t["config"].get("unpack", "interleave") + "/" + t["config"].get("reduce", "block")
+                form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
+                                 t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert")))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
@@ -225,6 +228,24 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
     return results
 
 
+def sweep_shape_only(args) -> int:
+    """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes."""
+    from types import SimpleNamespace
+
+    from lowvram.shapes import shape_config
+
+    c = shape_config(args.shape)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    config = SimpleNamespace(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+                             q_size=c["num_attention_heads"] * head_dim, kv_size=c["num_key_value_heads"] * head_dim)
+    record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
+              "group_size": args.group_size, "gemv_sweep": sweep_gemv(config, args.group_size)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -236,11 +257,16 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--sweep-gemv", action="store_true")
+    parser.add_argument("--sweep-gemv-only", action="store_true",
+                        help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
+    parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the decode steps (Python's share)")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    if args.sweep_gemv_only:
+        return sweep_shape_only(args)
     work = Path(tempfile.mkdtemp(prefix="lowvram-profile-"))
     model = args.model
     if model is None and args.quantize:

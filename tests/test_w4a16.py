@@ -74,13 +74,17 @@ def test_awq_linear_matches_reference(num_rows, group_size):
         assert error <= SMALL_TOLERANCE
 
 
-ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"}]
+# The one-row lane kernel makes (q - z) with a float bit trick by default ("magic"); "convert"
+# is the plain integer-to-float conversion it replaced, kept for the benchmark sweep.
+ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
+             {"unpack": "lanes", "reduce": "block", "dequant": "convert"}]
+ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert"]
 
 
 @needs_triton
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
     # N = 200 leaves a partial column block; every output starts as NaN so a skipped store shows
     qweight, qzeros, scales, bias = random_awq(256, 200, 64, seed=split_k)
@@ -98,7 +102,7 @@ def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
 @pytest.mark.parametrize("rank", [16, 12])
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
     # Each split adds its share t_s Bt of the rank-R term; the split reduction must give the
     # whole (x A^T) Bt. R = 12 is padded to 16 by masks; N = 200 leaves a partial column block.
@@ -118,7 +122,76 @@ def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("reduce", ["block", "end"])
+def test_one_row_kernel_fuses_the_rms_norm(has_residual, split_k, reduce):
+    # K = 192 is not a power of two (the row's norm reads a masked block); N = 200 leaves a
+    # partial column block. The result must be the norm kernel's output through the matmul.
+    from lowvram.kernels.rms_norm import rms_norm_ref
+    from lowvram.kernels.w4a16 import InputNorm
+
+    qweight, qzeros, scales, bias = random_awq(192, 200, 64, seed=60 + split_k)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=61, dtype=dtype) * 4
+    residual = random_x(1, 192, seed=62, dtype=dtype) if has_residual else None
+    weight = (torch.rand(192, generator=torch.Generator().manual_seed(63)) + 0.5).to(dtype).to(DEVICE)
+    lora_a, lora_bt = random_lora(16, 192, 200, seed=64)
+    normed, total = rms_norm_ref(x, weight, 1e-6, residual)
+    ref = awq_linear_ref(normed, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt)
+    unnormed = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt),
+                              ref)
+    sum_out = torch.full_like(x, float("nan")) if has_residual else None
+    y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": reduce}
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, bias, y, config, lora_a, lora_bt,
+                                     norm=InputNorm(weight, 1e-6, residual, sum_out))
+    error = relative_error(y, ref)
+    print(f"norm prologue residual={has_residual} split_k={split_k} {reduce}: rel err {error:.2e} "
+          f"(without the norm: {unnormed:.2e})")
+    assert error <= SMALL_TOLERANCE < unnormed
+    if has_residual:
+        assert torch.equal(sum_out, total)
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_one_row_kernel_fuses_the_silu_gate(split_k):
+    from lowvram.kernels.activation import silu_and_mul_ref
+
+    qweight, qzeros, scales, bias = random_awq(192, 200, 64, seed=70 + split_k)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    gate_up = random_x(1, 384, seed=71, dtype=dtype) * 3  # [1, 2K]: gate, then up
+    ref = awq_linear_ref(silu_and_mul_ref(gate_up), qweight, qzeros, scales, 64, bias)
+    y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": "end"}
+    w4a16.w4a16_gemv.launch_awq_gemv(gate_up, qweight, qzeros, scales, 64, bias, y, config, is_gated=True)
+    error = relative_error(y, ref)
+    print(f"silu-gate prologue split_k={split_k}: rel err {error:.2e}")
+    assert error <= SMALL_TOLERANCE
+
+
+@needs_triton
+def test_one_row_fusion_checks_its_inputs():
+    from lowvram.kernels.w4a16 import InputNorm
+
+    qweight, qzeros, scales, _ = random_awq(128, 64, 64, seed=80)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 128, seed=81, dtype=dtype)
+    weight = torch.ones(128, dtype=dtype, device=DEVICE)
+    with pytest.raises(KernelError, match="norm or is_gated"):
+        w4a16.awq_linear_one_row(x, qweight, qzeros, scales, 64)
+    with pytest.raises(KernelError, match="one contiguous row of 256"):
+        w4a16.awq_linear_one_row(x, qweight, qzeros, scales, 64, is_gated=True)
+    with pytest.raises(KernelError, match="must be a new tensor"):
+        residual = torch.zeros_like(x)
+        w4a16.awq_linear_one_row(x, qweight, qzeros, scales, 64, norm=InputNorm(weight, 1e-6, residual, residual))
+    with pytest.raises(KernelError, match="norm weight"):
+        w4a16.awq_linear_one_row(x, qweight, qzeros, scales, 64, norm=InputNorm(weight[:64], 1e-6))
+
+
+@needs_triton
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 def test_decode_kernel_reads_transposed_lora_bt(form):
     # Bt given as B.t() of a contiguous B [N, R]: strided reads, same result
     qweight, qzeros, scales, bias = random_awq(128, 64, 32, seed=52)
@@ -171,7 +244,7 @@ def split_partials(x, qweight, qzeros, scales, group_size, config):
 @needs_triton
 @pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 3, 8])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
     # The split programs reduce themselves: whichever arrives last, y must be exactly
     # (((0 + p_0) + p_1) + ... + p_{S-1}) + bias in float32, as the separate summing kernel
@@ -415,7 +488,7 @@ def test_float32_activations_are_refused_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 8])
-@pytest.mark.parametrize("form", ROW_FORMS[1:], ids=["lanes-block", "lanes-end"])
+@pytest.mark.parametrize("form", ROW_FORMS[1:], ids=ROW_FORM_IDS[1:])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
     num_inputs, num_outputs = shape
@@ -434,7 +507,7 @@ def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 8])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=["interleave", "lanes-block", "lanes-end"])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 @pytest.mark.parametrize("shape", [(8960, 1536), (1536, 8960)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
     # Inside a decode graph the last-arriving program sums the splits; many waves of programs
