@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lowvram.awq_format import PACK_FACTOR
-from lowvram.kernels.w4a16 import awq_linear
+from lowvram.kernels.w4a16 import InputNorm, awq_linear, awq_linear_one_row, can_fuse_one_row
 
 LORA_A = "lowvram_lora_a"
 LORA_B = "lowvram_lora_b"
@@ -115,13 +115,34 @@ class AwqLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On the CPU the model always takes the plain-torch path: Triton there is only the
         # interpreter, which tests use to check the kernels themselves.
-        lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
-        if lora_a is None or lora_bt is None:
-            lora_a = lora_bt = None
         # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
         return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                          lora_a=lora_a, lora_bt=lora_bt, use_reference=not x.is_cuda,
-                          batch_invariant=self.is_batch_invariant)
+                          **self._lora(), use_reference=not x.is_cuda, batch_invariant=self.is_batch_invariant)
+
+    def can_fuse_input(self, x: torch.Tensor) -> bool:
+        """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside
+        the batch-invariant mode (which keeps one kernel form for every row count)."""
+        return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
+
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(RMSNorm(h + residual)), h + residual) in one kernel: RMSNorm.add_and_norm and
+        this layer fused; with no residual (the first layer) the sum is h itself."""
+        total = None if residual is None else torch.empty_like(h)
+        y = awq_linear_one_row(h, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                               **self._lora(), norm=InputNorm(norm_weight, eps, residual, total))
+        return y, (h if total is None else total)
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of a fused gate/up output [1, 2K], in one kernel."""
+        return awq_linear_one_row(gate_up, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                                  **self._lora(), is_gated=True)
+
+    def _lora(self) -> dict:
+        lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
+        if lora_a is None or lora_bt is None:
+            return {}
+        return {"lora_a": lora_a, "lora_bt": lora_bt}
 
     def extra_repr(self) -> str:
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from lowvram.awq_format import dequantize_awq, quantize_rtn
 from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
+from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.errors import ModelLoadError, UnsupportedModelError
 from lowvram.loader import COMPENSATION_FILE, QUANTIZABLE_LINEARS, load_model
@@ -370,3 +371,36 @@ def test_bias_correction_is_added_into_the_bias():
     assert "bias_correction=True" in repr(bare) and not bare.has_own_bias
     bare.set_compensation(LORA_B, torch.randn(16, 4))
     assert bare.lora_bt.is_contiguous() and bare.lora_bt.shape == (4, 16)
+
+
+@pytest.mark.gpu
+def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_separate_kernels(
+        awq_qwen2_dir, tmp_path, monkeypatch):
+    """One sequence decoding on the GPU runs both norms and the activation inside the INT4
+    kernels (model.fuses_input); every step's logits equal those of the separate kernels."""
+    import lowvram.model
+
+    checkpoint = tmp_path / "compensated"
+    shutil.copytree(awq_qwen2_dir, checkpoint)
+    save_file(random_compensation(seed=5), str(checkpoint / COMPENSATION_FILE), metadata={"format": "pt"})
+    fused_calls = []
+    forward_normed = AwqLinear.forward_normed
+
+    def counting(self, *args, **kwargs):
+        fused_calls.append(1)
+        return forward_normed(self, *args, **kwargs)
+
+    monkeypatch.setattr(AwqLinear, "forward_normed", counting)
+    for use_graphs in (False, True):
+        profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
+        fused = generated_logits(LLMEngine(str(checkpoint), profile), PROMPTS[:1], 6)
+        assert fused_calls, "no layer took the fused path"
+        with monkeypatch.context() as patch:
+            patch.setattr(lowvram.model, "fuses_input", lambda *args: False)
+            separate = generated_logits(LLMEngine(str(checkpoint), profile), PROMPTS[:1], 6)
+        worst = ((fused - separate).abs().max() / separate.abs().max()).item()
+        print(f"graphs={use_graphs}: fused vs separate decode logits, largest relative difference {worst:.2e}, "
+              f"bit-identical: {torch.equal(fused, separate)}")
+        assert worst <= 1e-3
+        assert torch.equal(fused.argmax(-1), separate.argmax(-1))
+        fused_calls.clear()
