@@ -120,6 +120,30 @@ def awq_store_output(acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_B
 
 
 @triton.jit
+def split_arrive(acc, rows, cols, mask, partial_ptr, counter_ptr, M, N):
+    """Store this split's float32 partial sums and count in on the column block's counter:
+    (whether this program came last, and then the sum of every split's partial in split
+    order; zeros otherwise).
+
+    Ordering: the CTA barrier puts every thread's partial stores before the count, whose
+    release (acq_rel, GPU scope) publishes them; the acquire of the last count makes every
+    split's partial visible to the last program, which reads them from L2 (".cg": L1 is not
+    coherent across SMs). The caller's last program resets the counter.
+    """
+    # partials: [SPLIT_K, M, N] float32
+    partial_ptrs = partial_ptr + rows * N + cols
+    tl.store(partial_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
+    tl.debug_barrier()
+    num_splits = tl.num_programs(1)
+    is_last = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel") == num_splits - 1
+    total = tl.zeros_like(acc)
+    if is_last:
+        for split in range(num_splits):  # fixed order: the sum does not depend on who came last
+            total += tl.load(partial_ptrs + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    return is_last, total
+
+
+@triton.jit
 def awq_gemv_store(
     acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N,
     HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
@@ -127,26 +151,13 @@ def awq_gemv_store(
     """Finish a decode program: acc holds its float32 sums for output rows/cols (which
     broadcast to acc's shape), valid under mask. With one split it writes y. With several it
     writes its partial, and the last program of its column block to arrive writes y from all
-    of them.
-
-    Ordering: the CTA barrier puts every thread's partial stores before the count, whose
-    release (acq_rel, GPU scope) publishes them; the acquire of the last count makes every
-    split's partial visible to the last program, which reads them from L2 (".cg": L1 is not
-    coherent across SMs). The last program resets the counter for the next launch or replay.
+    of them (split_arrive), then resets the counter for the next launch or replay.
     """
     if IS_PARTIAL:
-        # partials: [SPLIT_K, M, N] float32
-        partial_ptrs = partial_ptr + rows * N + cols
-        tl.store(partial_ptrs + tl.program_id(1) * M * N, acc, mask=mask)
-        tl.debug_barrier()
-        num_splits = tl.num_programs(1)
-        counter = counter_ptr + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            total = tl.zeros_like(acc)
-            for split in range(num_splits):  # fixed order: the sum does not depend on who came last
-                total += tl.load(partial_ptrs + split * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        is_last, total = split_arrive(acc, rows, cols, mask, partial_ptr, counter_ptr, M, N)
+        if is_last:
             awq_store_output(total, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_BIAS)
-            tl.store(counter, 0)
+            tl.store(counter_ptr + tl.program_id(0), 0)
     else:
         awq_store_output(acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, N, HAS_BIAS)
 
@@ -179,6 +190,32 @@ def lora_row_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl
     """One row: t [BLOCK_R] @ Bt[:, cols] as float32 [BLOCK_N]."""
     bt = lora_bt_tile(lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R).to(tl.float32)
     return tl.sum(t[:, None] * bt, axis=0)
+
+
+@triton.jit
+def lora_once_term(flat_cols, t_ptr, ready_ptr, done_ptr, lora_bt_ptr, rank, N, stride_br, stride_bn,
+                   num_splits, num_column_blocks, BLOCK_R: tl.constexpr):
+    """(x A^T) Bt[:, flat_cols] as float32 [BLOCK_N], in the last program of a column block,
+    when the first column block's programs compute x A^T for everyone (LORA_ONCE).
+
+    Program (0, s) stores its split's share t_s and counts in on ready_ptr; the last program
+    of each column block waits for all num_splits shares and adds them in split order. It
+    cannot wait forever: it came last in its block, so every split of that block has run,
+    and (0, s) precedes (n, s) in launch order. The last of the waiting programs to count
+    in on done_ptr resets both counters for the next launch or replay.
+    """
+    ready = tl.atomic_add(ready_ptr, 0, sem="acquire")
+    while ready < num_splits:
+        ready = tl.atomic_add(ready_ptr, 0, sem="acquire")
+    offs_r = tl.arange(0, BLOCK_R)
+    t = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for split in range(num_splits):
+        t += tl.load(t_ptr + split * BLOCK_R + offs_r, cache_modifier=".cg")
+    term = lora_row_up(t, lora_bt_ptr, flat_cols, rank, N, stride_br, stride_bn, BLOCK_R)
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == num_column_blocks - 1:
+        tl.store(ready_ptr, 0)
+        tl.store(done_ptr, 0)
+    return term
 
 
 @triton.jit
@@ -375,12 +412,12 @@ def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, 
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    residual_ptr, norm_weight_ptr, sum_ptr, eps,
+    residual_ptr, norm_weight_ptr, sum_ptr, eps, lora_t_ptr,
     N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -416,15 +453,35 @@ def _awq_gemv_row_kernel(
         else:
             acc += tl.sum(x[:, None, None] * centered, axis=0) * scales
         if HAS_LORA:
-            t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
+            if LORA_ONCE:
+                if pid_n == 0:
+                    t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
+            else:
+                t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
-    if HAS_LORA:
-        # cols [C, 8] flattened row-major and back: the term lands on the column it was read for
-        term = lora_row_up(t, lora_bt_ptr, tl.reshape(cols, (BLOCK_N,)), lora_rank, N, stride_br, stride_bn, BLOCK_R)
-        acc += tl.reshape(term, (BLOCK_C, 8))
-    awq_gemv_store(acc, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
-                   HAS_BIAS, IS_PARTIAL)
+    flat_cols = tl.reshape(cols, (BLOCK_N,))  # [C, 8] row-major: reshaped back, a term lands on its column
+    if LORA_ONCE:
+        # only with several splits: the counters come with the split-K reduction
+        num_splits = tl.num_programs(1)
+        ready_ptr = counter_ptr + tl.num_programs(0)
+        if pid_n == 0:
+            tl.store(lora_t_ptr + pid_k * BLOCK_R + tl.arange(0, BLOCK_R), t)
+            tl.debug_barrier()
+            tl.atomic_add(ready_ptr, 1, sem="release")
+        is_last, total = split_arrive(acc, 0, cols, mask_c[:, None], partial_ptr, counter_ptr, 1, N)
+        if is_last:
+            term = lora_once_term(flat_cols, lora_t_ptr, ready_ptr, ready_ptr + 1, lora_bt_ptr, lora_rank, N,
+                                  stride_br, stride_bn, num_splits, tl.num_programs(0), BLOCK_R)
+            total += tl.reshape(term, (BLOCK_C, 8))
+            awq_store_output(total, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, N, HAS_BIAS)
+            tl.store(counter_ptr + pid_n, 0)
+    else:
+        if HAS_LORA:
+            term = lora_row_up(t, lora_bt_ptr, flat_cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+            acc += tl.reshape(term, (BLOCK_C, 8))
+        awq_gemv_store(acc, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
+                       HAS_BIAS, IS_PARTIAL)
 
 
 @triton.jit
@@ -540,14 +597,17 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     is_partial = split_k > 1
     has_bias = bias is not None
     num_column_blocks = triton.cdiv(num_outputs, block_n)
+    has_lora = lora_a is not None
+    # x A^T once per launch rather than once per column block (see lora_once_term)
+    is_lora_once = has_lora and is_partial and config.get("lora", "once") == "once"
     if is_partial:
         # partials: [SPLIT_K, M, N] float32, from the graph pool under capture
         partials = x.new_empty((split_k, num_rows, num_outputs), dtype=torch.float32)
-        counters = SPLIT_COUNTERS.get(y.device, num_column_blocks * num_row_tiles)
+        # with is_lora_once, two more past the column blocks' counters: shares ready, blocks done
+        counters = SPLIT_COUNTERS.get(y.device, num_column_blocks * num_row_tiles + 2)
     else:
         partials = counters = y  # not read
     outputs = (bias if has_bias else scales, y, partials, counters)
-    has_lora = lora_a is not None
     if has_lora:
         rank = lora_a.shape[0]
         lora = (lora_a, lora_bt, rank, lora_a.stride(0), lora_bt.stride(0), lora_bt.stride(1))
@@ -571,13 +631,16 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
         else:
             prologue, has_residual = PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE, False
             fused = (x, x, x, 0.0)  # not read
+        # x A^T shares: [SPLIT_K, BLOCK_R] float32
+        lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora, *fused,
+            x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t,
             num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
             HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
+            LORA_ONCE=is_lora_once,
             **lora_flags, **launch_options,
         )
     elif is_lanes:

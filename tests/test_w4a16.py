@@ -76,9 +76,12 @@ def test_awq_linear_matches_reference(num_rows, group_size):
 
 # The one-row lane kernel makes (q - z) with a float bit trick by default ("magic"); "convert"
 # is the plain integer-to-float conversion it replaced, kept for the benchmark sweep.
+# With several splits the lane kernel computes the compensation's x A^T once per launch (in
+# the first column block's programs); "per_block" recomputes it in every column block.
 ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
-             {"unpack": "lanes", "reduce": "block", "dequant": "convert"}]
-ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert"]
+             {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
+             {"unpack": "lanes", "reduce": "end", "lora": "per_block"}]
+ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block"]
 
 
 @needs_triton
@@ -115,6 +118,8 @@ def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
         without = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias), ref)
         y = torch.full((num_rows, 200), float("nan"), dtype=torch.float32, device=DEVICE)
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, layer_bias, y, config, lora_a, lora_bt)
+        if split_k > 1:  # every arrival counter, the compensation's included, is back to zero
+            assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[y.device].any()
         error = relative_error(y, ref)
         print(f"decode + lora R={rank} M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: "
               f"rel err {error:.2e} (leaving the term out: {without:.2e})")
@@ -292,9 +297,10 @@ def test_split_counters_grow_for_wider_layers(monkeypatch):
         gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config)
         assert relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias)) <= SMALL_TOLERANCE
     counters = gemv.SPLIT_COUNTERS.by_device[y.device]
-    assert counters.numel() == 8 and not counters.any()
+    # one counter per column block and two for the compensation's shares, rounded up to a power of two
+    assert counters.numel() == 16 and not counters.any()
     # graphs captured with the smaller buffer still point at it
-    assert [c.numel() for c in gemv.SPLIT_COUNTERS.replaced] == [2]
+    assert [c.numel() for c in gemv.SPLIT_COUNTERS.replaced] == [4]
 
 
 def test_arrival_counters_are_not_made_during_graph_capture(monkeypatch):
