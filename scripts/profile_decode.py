@@ -4,10 +4,12 @@
         --context 512 --batch-sizes 1,8 --json out.json [--sweep-gemv]
 
 For eager steps and for CUDA-graph steps it reports the wall time of a decode step and the
-GPU time of its kernels, so the gap (launches, Python, the scheduler) is visible; the
-torch profiler's kernel table of eager steps shows which kernels cost most. --sweep-gemv
-times the W4A16 decode kernel's block configurations on the model's real shapes inside
-CUDA graphs (no launch overhead), which is what the tuned table in w4a16_gemv comes from.
+GPU time of its kernels, so the gap (launches, Python, the scheduler) is visible; a kernel
+timeline of each splits the GPU's idle time into launch gaps and waits for the host. The
+quantized model has the profile's FP16-kept layers and compensation rank unless --rank and
+--fp16-budget-mib say otherwise. --sweep-gemv times the W4A16 decode kernel's block
+configurations on the model's real shapes inside CUDA graphs, each call on weights not in
+L2, which is what the tuned table in w4a16_gemv comes from (--sweep-gemv-only: just that).
 --host-profile adds the Python functions that take a step's host time (cProfile).
 """
 
@@ -104,6 +106,57 @@ def kernel_table(engine: LLMEngine, num_steps: int) -> list[dict]:
     return rows
 
 
+# A gap between two kernels longer than this is the GPU waiting for the host (the step's
+# Python); shorter ones are launch gaps inside a graph or a burst of launches.
+HOST_GAP_US = 40.0
+
+
+def kernel_timeline(engine: LLMEngine, num_steps: int, top: int = 15) -> dict:
+    """Where the GPU's time goes between the kernels of decode steps, graphs included: each
+    kernel's start and end from the profiler, so the idle time splits into launch gaps
+    (< HOST_GAP_US) and waits for the host, and each kernel name gets its time and the gaps
+    before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == torch.autograd.DeviceType.CUDA and event.duration_ns() > 0:
+            kernels.append((event.start_ns() / 1000, event.duration_ns() / 1000, event.name()))
+    kernels.sort()
+    if len(kernels) < 2:
+        return {"error": "the profiler recorded no kernels"}
+    by_name: dict[str, dict] = {}
+    launch_gap_us = host_gap_us = 0.0
+    previous_end = kernels[0][0]
+    for start, duration, name in kernels:
+        gap = max(0.0, start - previous_end)
+        row = by_name.setdefault(name[:70], {"kernel": name[:70], "calls": 0, "us": 0.0, "gap_before_us": 0.0})
+        row["calls"] += 1
+        row["us"] += duration
+        if gap < HOST_GAP_US:
+            launch_gap_us += gap
+            row["gap_before_us"] += gap
+        else:
+            host_gap_us += gap
+        previous_end = max(previous_end, start + duration)
+    span_us = previous_end - kernels[0][0]
+    rows = sorted(by_name.values(), key=lambda r: -(r["us"] + r["gap_before_us"]))
+    per_step = lambda v: round(v / num_steps, 1)  # noqa: E731
+    return {
+        "steps": num_steps, "kernels_per_step": round(len(kernels) / num_steps, 1),
+        "span_us_per_step": per_step(span_us),
+        "kernel_us_per_step": per_step(sum(d for _, d, _ in kernels)),
+        "launch_gap_us_per_step": per_step(launch_gap_us), "host_gap_us_per_step": per_step(host_gap_us),
+        "kernels": [{"kernel": r["kernel"], "calls_per_step": round(r["calls"] / num_steps, 1),
+                     "us_per_step": per_step(r["us"]), "gap_before_us_per_step": per_step(r["gap_before_us"])}
+                    for r in rows[:top]],
+    }
+
+
 def profile_prefill(engine: LLMEngine, num_tokens: int) -> dict:
     """One long prompt through chunked prefill: tokens/s, and the kernel table of its steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -171,7 +224,16 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
     return found
 
 
-def sweep_gemv(config, group_size: int) -> list[dict]:
+# The sweep's graph calls each layer over copies of its weights this large in all, so every
+# call reads them from memory as a decode step does (an H200's L2 holds 50 MB).
+SWEEP_COLD_BYTES = 256 * 2**20
+
+
+def sweep_gemv(config, group_size: int, rank: int = 0) -> list[dict]:
+    """Times W4A16 decode kernel configurations on the model's projection shapes, with a
+    rank-`rank` compensation as the profile's quantization adds (0: none). Each timed graph
+    runs one call over each of several copies of the weights (SWEEP_COLD_BYTES): from
+    memory, not from L2."""
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
@@ -182,24 +244,34 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name, (k, n) in shapes.items():
-        qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
-        qzeros = torch.randint(-2**31, 2**31 - 1, (k // group_size, n // 8), dtype=torch.int32, device="cuda")
-        scales = torch.rand(k // group_size, n, dtype=torch.float16, device="cuda") * 0.01
-        nbytes = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+        nbytes = k * n // 2 + k // group_size * n // 2 + k // group_size * n * 2
+        num_copies = max(1, min(64, SWEEP_COLD_BYTES // nbytes))
+        copies = [(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"),
+                   torch.randint(-2**31, 2**31 - 1, (k // group_size, n // 8), dtype=torch.int32, device="cuda"),
+                   torch.rand(k // group_size, n, dtype=torch.float16, device="cuda") * 0.01)
+                  for _ in range(num_copies)]
+        lora = ((torch.randn(rank, k, dtype=torch.float16, device="cuda") * 0.01,
+                 torch.randn(rank, n, dtype=torch.float16, device="cuda") * 0.01) if rank else (None, None))
         for rows in (1, 8):
             x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
 
-            def time_config(cfg: dict, x=x, y=y, qweight=qweight, qzeros=qzeros, scales=scales) -> dict:
+            def calls(cfg: dict, x=x, y=y) -> None:
+                for qweight, qzeros, scales in copies:
+                    launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg, *lora)
+
+            def time_config(cfg: dict) -> dict:
                 try:
-                    ms = do_bench_cudagraph(
-                        lambda: launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg), rep=20)
+                    ms = do_bench_cudagraph(lambda: calls(cfg), rep=20) / num_copies
                 except Exception as exc:  # an invalid configuration for this shape
                     return {"config": cfg, "error": str(exc)[:80]}
                 return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
 
             default = choose_gemv_config(rows, n, k, group_size, num_sms)
             candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
+            if rank and rows == 1:  # the compensation's x A^T in every column block, as before
+                candidates += [{**c, "lora": "per_block"} for c in candidates if c.get("unpack") == "lanes"
+                               and c.get("dequant") == "magic"]
             timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
             # Second pass: software pipelining depth and warp count around the five fastest.
@@ -213,10 +285,12 @@ def sweep_gemv(config, group_size: int) -> list[dict]:
             by_form = {}
             for t in ok:
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
-                                 t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert")))
+                                 t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
+                                 t["config"].get("lora", "once")))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t
-            results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes,
+            results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes, "lora_rank": rank,
+                            "num_weight_copies": num_copies,
                             "best_by_form": by_form,
                             "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
                             "batch_invariant": invariant,
@@ -240,7 +314,8 @@ def sweep_shape_only(args) -> int:
                              q_size=c["num_attention_heads"] * head_dim, kv_size=c["num_key_value_heads"] * head_dim)
     record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
-              "group_size": args.group_size, "gemv_sweep": sweep_gemv(config, args.group_size)}
+              "group_size": args.group_size, "lora_rank": args.rank,
+              "gemv_sweep": sweep_gemv(config, args.group_size, args.rank)}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
@@ -260,11 +335,18 @@ def main() -> int:
     parser.add_argument("--sweep-gemv-only", action="store_true",
                         help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="compensation rank of the quantized model and the sweep (default: the profile's)")
+    parser.add_argument("--fp16-budget-mib", type=float, default=None,
+                        help="FP16-kept layers of the quantized model (default: the profile's)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the decode steps (Python's share)")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    profile = load_profile(args.profile)
+    args.rank = profile.compensation_rank if args.rank is None else args.rank
+    args.fp16_budget_mib = profile.fp16_budget_mib if args.fp16_budget_mib is None else args.fp16_budget_mib
     if args.sweep_gemv_only:
         return sweep_shape_only(args)
     work = Path(tempfile.mkdtemp(prefix="lowvram-profile-"))
@@ -272,7 +354,8 @@ def main() -> int:
     if model is None and args.quantize:
         from lowvram.shapes import random_awq_checkpoint
 
-        model = str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib)[1])
+        model = str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
+                                          fp16_budget_mib=args.fp16_budget_mib)[1])
     elif model is None:
         from lowvram.shapes import cached_checkpoint, write_random_checkpoint
 
@@ -280,7 +363,8 @@ def main() -> int:
     elif args.quantize:
         from lowvram.quantize import quantize_model
 
-        quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib)
+        quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
+                       fp16_budget_mib=args.fp16_budget_mib)
         model = str(work / "awq")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     base = load_profile(args.profile).replace(emulate_vram_gib=args.emulate_vram_gib,
@@ -306,6 +390,7 @@ def main() -> int:
                 kernels = kernel_table(engine, 8)
                 run["kernels"] = kernels[:25]
                 run["kernel_gpu_us_per_step"] = round(sum(r["us_per_step"] for r in kernels), 1)
+            run["timeline"] = kernel_timeline(engine, 16)
             if args.host_profile:
                 run["host_functions"] = host_profile(engine, 16)
             run["controller_events"] = [e.reason for e in engine.controller_events]
@@ -315,7 +400,12 @@ def main() -> int:
                 run["graph_replays"] = engine.runner.graphs.num_replays
                 run["graph_captures"] = engine.runner.graphs.num_captures
             record["runs"].append(run)
-            print(json.dumps({k: v for k, v in run.items() if k not in ("kernels", "host_functions")}))
+            print(json.dumps({k: v for k, v in run.items() if k not in ("kernels", "host_functions", "timeline")}))
+            timeline = run["timeline"]
+            print("  timeline per step: " + json.dumps({k: v for k, v in timeline.items() if k != "kernels"}))
+            for row in timeline.get("kernels", []):
+                print(f"    {row['us_per_step']:>8.1f} us + {row['gap_before_us_per_step']:>7.1f} us gaps "
+                      f"{row['calls_per_step']:>6.1f} calls  {row['kernel']}")
             for row in run.get("host_functions", [])[:12]:
                 print(f"    {row['self_us_per_step']:>9.1f} us self {row['cumulative_us_per_step']:>9.1f} us cum "
                       f"{row['calls_per_step']:>7.1f} calls  {row['function']}")
@@ -323,7 +413,7 @@ def main() -> int:
     record["prefill"] = profile_prefill(engine, args.prefill_tokens)
     print(json.dumps({k: v for k, v in record["prefill"].items() if k != "kernels"}))
     if args.sweep_gemv and engine.config.quantization is not None:
-        record["gemv_sweep"] = sweep_gemv(engine.config, engine.config.quantization.group_size)
+        record["gemv_sweep"] = sweep_gemv(engine.config, engine.config.quantization.group_size, args.rank)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
