@@ -45,8 +45,8 @@ and take the columns in the order that leaves each pair in its register (q is
 loaded, and the output stored, in that order); the integer-to-float conversion
 instructions this replaces run at a quarter of the float rate or less and made
 the quantized pages slower than FP16 ones on an H200 (`DecodeConfig.codes` keeps
-them, and a per-byte form, for comparison). Head sizes that are not whole words
-read bytes, INT4's as two half-width planes of low nibbles (elements 2i) and
+them, and a per-byte form, for comparison). Head sizes that are not whole words,
+or wider than 512, read bytes, INT4's as two half-width planes of low nibbles (elements 2i) and
 high nibbles (2i + 1). Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0.
@@ -116,7 +116,7 @@ class DecodeConfig:
     integer-to-float conversion instructions, which run at a quarter of the float rate or
     less. "bytes" and "cvt" give the same bits; "words" adds a row's products in another
     column order, so it differs from them by float32 rounding. "words" needs a head size that
-    is a multiple of 32 // bits and falls back to "bytes" otherwise.
+    is a multiple of 32 // bits and at most 512, and falls back to "bytes" otherwise.
 
     The default (`default_decode_config`) depends on the device and head size only, never on
     the batch: a tile size that followed the batch would change how a sequence's tokens are
@@ -278,7 +278,9 @@ def _code_form(pages: KVPages, codes: str) -> str:
     """The form of `DecodeConfig.codes` the kernels can take for these pages."""
     if not pages.is_quantized:
         return "cvt"  # not used
-    if codes == "words" and not _can_read_words(pages):
+    # Tiles wider than 512 columns (MLA's 576) spill registers while they stage the words' floats
+    # (sm_90, 8 warps: 488 bytes of stack per thread); bytes fit.
+    if codes == "words" and (not _can_read_words(pages) or _block_d(pages.head_dim) > 512):
         return "bytes"
     return codes
 
