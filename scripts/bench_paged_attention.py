@@ -10,9 +10,14 @@ Each (precision, context, batch) is timed twice: with the default partitioning a
 fixed partitions of batch-invariant decoding (INVARIANT_PARTITION_TOKENS). Beside the copy
 bandwidth of a large buffer, each row has that of a copy moving its own byte count, timed
 the same way: at small sizes that copy is latency bound too, and it is the fairer ceiling.
---sweep also times a small grid of kernel configurations per row (tile tokens, warps,
-pipeline stages; then the best of them with the merge inside the decode kernel) and
-reports the best; about three minutes on an H200, most of it compiling.
+Quantized rows are also timed with each form of turning codes into floats
+(`DecodeConfig.codes`: "words", the default, "bytes" and "cvt", the conversion instructions
+the kernel used before), under `by_codes`. --sweep also times a small grid of kernel
+configurations per row (tile tokens, warps, pipeline stages; then the best of them with the
+merge inside the decode kernel, with each other form of codes, and, with the default
+partitioning, with 8, 16 and 32 partitions, merged in the decode kernel up to
+`max_fused_splits`) and reports the best; about four minutes on an H200, most of it
+compiling.
 
     python scripts/bench_paged_attention.py [--sweep] [--json results.json]
 """
@@ -33,6 +38,7 @@ import torch
 
 from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels.paged_attention import (
+    CODE_FORMS,
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
     default_decode_config,
@@ -55,6 +61,7 @@ SWEEP_BLOCK_N = (32, 64, 128)
 SWEEP_NUM_WARPS = (4, 8)
 SWEEP_NUM_STAGES = (2, 3)
 ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
+SWEEP_NUM_SPLITS = (8, 16, 32)  # forced partition counts for the default partitioning
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
@@ -145,15 +152,16 @@ class Setup:
         q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
         return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
 
-    def time_us(self, partitioning: str, config: DecodeConfig) -> float:
-        """Median time of one decode-attention call (kernel, and merge kernel when there is one)."""
+    def time_us(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None) -> float:
+        """Median time of one decode-attention call (kernel, and merge kernel when there is one);
+        `num_splits` forces the partition count of the default partitioning."""
         partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
 
         def run_all():
             for table in self.tables:
                 paged_decode_attention(self.q, self.pages, table, self.context_lens, HEAD_DIM**-0.5,
                                        max_context_len=self.context_len, partition_tokens=partition_tokens,
-                                       _config=config)
+                                       num_splits=num_splits, _config=config)
 
         return replay_time_ms(run_all, self.copies) * 1e3
 
@@ -184,13 +192,15 @@ def sweep_configs() -> list[DecodeConfig]:
             for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)]
 
 
-def _config_label(config: DecodeConfig, num_splits: int) -> str:
+def _config_label(config: DecodeConfig, num_splits: int, precision: str) -> str:
     merge = "fused" if num_splits <= config.max_fused_splits else "kernel"
-    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
+    codes = f"/{config.codes}" if precision != "fp16" else ""  # FP16 pages have no codes
+    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}{codes}"
 
 
-def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float) -> dict:
-    time_us = setup.time_us(partitioning, config)
+def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float,
+           num_splits: int | None = None) -> dict:
+    time_us = setup.time_us(partitioning, config, num_splits)
     achieved_gbs = setup.bytes_read / (time_us * 1e-6) / 1e9
     return {"time_us": round(time_us, 2), "achieved_gbs": round(achieved_gbs, 1),
             "fraction_of_copy": round(achieved_gbs / copy_gbs, 3)}
@@ -216,10 +226,15 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         "achieved_gbs": timed["achieved_gbs"],
         "fraction_of_copy": timed["fraction_of_copy"],
         "calls_per_graph": setup.copies,
-        "config": _config_label(config, num_splits),
+        "config": _config_label(config, num_splits, setup.precision),
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
+    if setup.precision != "fp16":
+        # The default configuration with each form of codes: the old conversions against the new.
+        row["by_codes"] = {codes: timed if codes == config.codes else
+                           _timed(setup, partitioning, dataclasses.replace(config, codes=codes), copy_gbs)
+                           for codes in CODE_FORMS}
     if sweep:
         candidates = sweep_configs()
         results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
@@ -228,6 +243,15 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
             _, best_tiles = min(timed_tiles, key=lambda pair: pair[0]["time_us"])
             results.append(_sweep_result(setup, partitioning,
                                          dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs))
+            if setup.precision != "fp16":
+                results += [_sweep_result(setup, partitioning, dataclasses.replace(best_tiles, codes=codes), copy_gbs)
+                            for codes in CODE_FORMS if codes != best_tiles.codes]
+            if partitioning == "auto":
+                # Fewer partitions than the default: with at most max_fused_splits of them the
+                # decode kernel merges them itself (batch 1 gets 64 by default, merged by a kernel).
+                fused_tiles = dataclasses.replace(best_tiles, max_fused_splits=config.max_fused_splits)
+                results += [_sweep_result(setup, partitioning, fused_tiles, copy_gbs, num_splits)
+                            for num_splits in SWEEP_NUM_SPLITS if num_splits < row["num_splits"]]
         row["sweep"] = results
         timed_all = [result for result in results if "time_us" in result]
         if timed_all:
@@ -236,25 +260,30 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
     return row
 
 
-def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float) -> dict:
+def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float,
+                  forced_splits: int | None = None) -> dict:
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, _ = plan_decode_partitions(setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device,
-                                           partition_tokens=partition_tokens, block_n=config.block_n)
+                                           forced_splits, partition_tokens=partition_tokens, block_n=config.block_n)
     try:
-        result = _timed(setup, partitioning, config, copy_gbs)
+        result = _timed(setup, partitioning, config, copy_gbs, forced_splits)
     except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
         result = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"}
-    return {"config": _config_label(config, num_splits), **dataclasses.asdict(config), "num_splits": num_splits,
-            **result}
+    label = _config_label(config, num_splits, setup.precision)
+    if forced_splits is not None:
+        label += f"/{num_splits}splits"
+    return {"config": label, **dataclasses.asdict(config), "num_splits": num_splits, **result}
 
 
 def print_row(row: dict) -> None:
     line = (f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
             f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}")
+    if "by_codes" in row:
+        line += "  " + " ".join(f"{codes} {timed['time_us']:.1f}" for codes, timed in row["by_codes"].items())
     if "best" in row:
         best = row["best"]
-        line += f"  best {best['config']:<18} {best['time_us']:>8.1f} {best['fraction_of_copy']:>7.1%}"
+        line += f"  best {best['config']:<32} {best['time_us']:>8.1f} {best['fraction_of_copy']:>7.1%}"
         fraction = best["fraction_of_copy"]
     else:
         fraction = row["fraction_of_copy"]
@@ -272,7 +301,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     started_s = time.perf_counter()
     gpu_name = torch.cuda.get_device_name(0)
@@ -281,9 +309,9 @@ def main() -> int:
     print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
           f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way")
     header = (f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
-              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}")
+              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}  (quantized: us by form of codes)")
     if args.sweep:
-        header += f"  {'best config':<23} {'time_us':>8} {'of copy':>7}"
+        header += f"  {'best config':<32} {'time_us':>8} {'of copy':>7}"
     print(header)
     rows = []
     for precision, context_len, batch_size in itertools.product(PRECISIONS, CONTEXT_LENS, BATCH_SIZES):
@@ -299,29 +327,39 @@ def main() -> int:
             print_row(row)
         del setup
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
+        if args.json:
+            # After every setup, so a run stopped by a time limit keeps what it measured.
+            write_json(args.json, rows, gpu_name, copy_gbs, args.sweep, is_complete=False)
     print(f"{time.perf_counter() - started_s:.0f} s")
     if args.json:
-        result = {
-            "command": " ".join([sys.executable, *sys.argv]),
-            "gpu": gpu_name,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(),
-            "versions": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "triton": triton.__version__,
-                "cuda": torch.version.cuda,
-            },
-            "copy_bandwidth_gbs": round(copy_gbs, 1),
-            "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
-            "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,
-            "sweep_configs": [dataclasses.asdict(config) for config in sweep_configs()] if args.sweep else None,
-            "rows": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, rows, gpu_name, copy_gbs, args.sweep, is_complete=True)
         print(f"wrote {args.json}")
     return 0
+
+
+def write_json(path: str, rows: list, gpu_name: str, copy_gbs: float, sweep: bool, is_complete: bool) -> None:
+    import triton
+
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "gpu": gpu_name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+        },
+        "copy_bandwidth_gbs": round(copy_gbs, 1),
+        "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
+        "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,
+        "sweep_configs": [dataclasses.asdict(config) for config in sweep_configs()] if sweep else None,
+        "is_complete": is_complete,
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
