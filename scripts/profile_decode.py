@@ -208,8 +208,10 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
         auto = max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))
         return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 1, 2, 4, 8} if s <= k // bk)
 
-    found = [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
-             for bn in (64, 128) for bk in (64, 128) if bk <= group_size for sk in splits(bn, bk)]
+    found = []
+    if rows > 1:  # the interleaving kernel: one row is always faster in the lane kernel
+        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
+                  for bn in (64, 128) for bk in (64, 128) if bk <= group_size for sk in splits(bn, bk)]
     if rows == 1:
         # the lane kernel with the float bit-trick dequantization (its default) and with
         # integer-to-float conversions ("convert"), over tile sizes, reductions and splits
@@ -229,7 +231,7 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 SWEEP_COLD_BYTES = 256 * 2**20
 
 
-def sweep_gemv(config, group_size: int, rank: int = 0) -> list[dict]:
+def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ...] = (1, 8)) -> list[dict]:
     """Times W4A16 decode kernel configurations on the model's projection shapes, with a
     rank-`rank` compensation as the profile's quantization adds (0: none). Each timed graph
     runs one call over each of several copies of the weights (SWEEP_COLD_BYTES): from
@@ -252,7 +254,7 @@ def sweep_gemv(config, group_size: int, rank: int = 0) -> list[dict]:
                   for _ in range(num_copies)]
         lora = ((torch.randn(rank, k, dtype=torch.float16, device="cuda") * 0.01,
                  torch.randn(rank, n, dtype=torch.float16, device="cuda") * 0.01) if rank else (None, None))
-        for rows in (1, 8):
+        for rows in row_counts:
             x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
 
@@ -270,8 +272,7 @@ def sweep_gemv(config, group_size: int, rank: int = 0) -> list[dict]:
             default = choose_gemv_config(rows, n, k, group_size, num_sms)
             candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
-                candidates += [{**c, "lora": "per_block"} for c in candidates if c.get("unpack") == "lanes"
-                               and c.get("dequant") == "magic"]
+                candidates.append({**default, "lora": "per_block"})
             timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
             # Second pass: software pipelining depth and warp count around the five fastest.
@@ -315,7 +316,8 @@ def sweep_shape_only(args) -> int:
     record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
               "group_size": args.group_size, "lora_rank": args.rank,
-              "gemv_sweep": sweep_gemv(config, args.group_size, args.rank)}
+              "gemv_sweep": sweep_gemv(config, args.group_size, args.rank,
+                                       tuple(int(r) for r in args.sweep_rows.split(",")))}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
@@ -335,6 +337,7 @@ def main() -> int:
     parser.add_argument("--sweep-gemv-only", action="store_true",
                         help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
+    parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
     parser.add_argument("--rank", type=int, default=None,
                         help="compensation rank of the quantized model and the sweep (default: the profile's)")
     parser.add_argument("--fp16-budget-mib", type=float, default=None,

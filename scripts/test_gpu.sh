@@ -59,13 +59,13 @@ if [ "$what" != tests ]; then
     run_bench quantize 150 python3 scripts/bench_quantize.py --num-samples 32
     run_bench doctor_accuracy 150 python3 scripts/bench_doctor_accuracy.py --contexts 1024,4096,8192 --batches 1,4 --max-seconds 100
     run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
-    run_bench paged_attention 90 python3 scripts/bench_paged_attention.py
-    run_bench paged_attention_sweep 240 python3 scripts/bench_paged_attention.py --sweep
+    run_bench paged_attention 150 python3 scripts/bench_paged_attention.py
+    run_bench paged_attention_sweep 300 python3 scripts/bench_paged_attention.py --sweep
     run_bench kv_pool 300 python3 scripts/bench_kv_pool.py
     # The um pool to 128K with spill: its chunked prefill reads the spilled context over the bus, ~3-4 minutes.
     run_bench kv_pool_128k 480 python3 scripts/bench_kv_pool.py --runs um,device-int8 --max-prefill-s 330 --transfer-mib 0
     # The one-row INT4 kernel's tile sizes, splits and dequantization forms on the 1.5B shape's projections.
-    run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only
+    run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     # Batch-invariant mode, controller on: every request checked against its run alone.
