@@ -17,7 +17,8 @@ A graph fixes every shape and address it was captured with. So:
   change), every graph is dropped and recaptured on demand.
 - Graphs are captured lazily, the first time a bucket is needed, and share one memory
   pool, so their activations take the space of one step, not one per graph. Every graph
-  writes its logits into one static buffer sized for the largest batch.
+  writes its logits into one static buffer sized for the largest batch; a replay hands out
+  a view of it, which the caller reads before the next replay.
 - Warm-up runs and captures go on one stream per device for the whole process: torch
   keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for the life of
   the process, so a fresh stream per capture held one more workspace per graph, and
@@ -211,7 +212,8 @@ class _StepGraphs:
     def _replay(self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None,
                 num_rows: int) -> torch.Tensor | None:
         """Replay (capturing first if needed) the graph for `key`, whose inputs are filled;
-        logits [num_rows, vocab], or None when the capture failed.
+        logits [num_rows, vocab], or None when the capture failed. The logits are a view of
+        the static buffer every graph writes: valid until the next replay of any bucket.
 
         `pages_version` is the pool's count of page reallocations: while it stays the same the
         page addresses are not read again (a few hundred tensors, a noticeable share of a step)."""
@@ -227,8 +229,8 @@ class _StepGraphs:
         if self._replayed is not None:
             self._replayed.record()
         self.num_replays += 1
-        # Every graph writes the same buffer, and the next replay overwrites it: hand out a copy.
-        return self.logits[:num_rows].clone()
+        # No copy: the caller samples from these before the next replay overwrites them.
+        return self.logits[:num_rows]
 
     def _check_pages(self, kv_pages: list[KVPages]) -> None:
         signature = pages_signature(kv_pages)

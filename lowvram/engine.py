@@ -255,7 +255,7 @@ class LLMEngine:
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 rows.append(row)
                 sampled.append(seq)
-        tokens = sample_tokens(logits, rows, sampled)
+        tokens = sample_tokens(logits, rows, sampled)  # before the next run overwrites graph logits
         outputs = [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
         elapsed = time.perf_counter() - start
         self.stats.num_steps += 1
