@@ -194,7 +194,10 @@ class ModelRunner:
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is
         not enough, parts are kept to half the share so the next one can come in meanwhile."""
-        every = list(dict.fromkeys(b for table in tables.values() for b in table))
+        if len(tables) == 1:  # one table holds no page twice: nothing to merge (every batch-1 step)
+            every = list(next(iter(tables.values())))
+        else:
+            every = list(dict.fromkeys(b for table in tables.values() for b in table))
         limit = self.kv_pool.max_blocks_per_step
         if limit is None or len(every) <= limit:
             return [(batch, every)]
