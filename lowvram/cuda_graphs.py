@@ -5,9 +5,10 @@ each costs more to launch from Python than to run. Captured once, the whole forw
 (embedding to logits) replays as one graph, so the step costs the GPU time only.
 
 A graph fixes every shape and address it was captured with. So:
-- Inputs live in static buffers sized for the largest batch; a step copies its token ids,
-  positions, KV slots, block tables and context lengths in and replays. Padding rows
-  write no KV (slot -1) and attend to nothing (context length 0); their logits are dropped.
+- Inputs live in static buffers sized for the largest batch, all views of one device buffer
+  (StagedInputs): a step writes its token ids, positions, KV slots, block tables and context
+  lengths into a pinned host mirror, copies them over in one transfer and replays. Padding
+  rows write no KV (slot -1) and attend to nothing (context length 0); their logits are dropped.
 - One graph per (batch size, block-table width) bucket. The width fixes how many context
   partitions the decode attention kernel splits into, so it is bucketed by powers of four
   from 64 pages up to the model's longest context: short contexts do not pay for the
@@ -16,7 +17,8 @@ A graph fixes every shape and address it was captured with. So:
   change), every graph is dropped and recaptured on demand.
 - Graphs are captured lazily, the first time a bucket is needed, and share one memory
   pool, so their activations take the space of one step, not one per graph. Every graph
-  writes its logits into one static buffer sized for the largest batch.
+  writes its logits into one static buffer sized for the largest batch; a replay hands out
+  a view of it, which the caller reads before the next replay.
 - Warm-up runs and captures go on one stream per device for the whole process: torch
   keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for the life of
   the process, so a fresh stream per capture held one more workspace per graph, and
@@ -36,6 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from lowvram.attention import AttentionMetadata
@@ -87,17 +90,75 @@ def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
                  if isinstance(value, torch.Tensor))
 
 
+class StagedInputs:
+    """A graph's static inputs as views of one device buffer, filled from a pinned host mirror
+    by one copy per step.
+
+    Built from lists, each input cost a tensor on the host and its own copy (five or six
+    per step, a noticeable share of a batch-1 decode step's host time). Here a step writes
+    its values into numpy views of the mirror and `upload` copies the used front of the
+    mirror over at once. The device views never move, so graphs may capture them.
+
+    Ordering: the copy is asynchronous (pinned memory), so the mirror may only be written
+    again once the previous copy has read it; `host` waits for the event recorded after that
+    copy. In practice the engine reads every step's tokens before the next step starts, so
+    the copy is long done and the wait returns at once. The copy itself is queued on the
+    current stream, ahead of the replay that reads the inputs and behind the previous replay
+    that read them, so the device side needs no event.
+
+    Args:
+        fields: name -> (dtype, number of elements, initial value), laid out in this order,
+            each at an 8-byte boundary. Put the largest, partly used input last: `upload`
+            copies everything up to the end of what a step uses of it.
+        device: where the inputs live; on the CPU (tests) the mirror is ordinary memory.
+    """
+
+    def __init__(self, fields: dict[str, tuple[torch.dtype, int, int]], device: torch.device):
+        self.offsets: dict[str, int] = {}
+        num_bytes = 0
+        for name, (dtype, numel, _) in fields.items():
+            self.offsets[name] = num_bytes
+            num_bytes += -(-numel * dtype.itemsize // 8) * 8
+        is_cuda = device.type == "cuda"
+        self._device_bytes = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        self._host_bytes = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=is_cuda)
+        self._copied = torch.cuda.Event() if is_cuda else None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self._host: dict[str, np.ndarray] = {}
+        for name, (dtype, numel, initial) in fields.items():
+            start, end = self.offsets[name], self.offsets[name] + numel * dtype.itemsize
+            self._host[name] = self._host_bytes[start:end].view(dtype).numpy()
+            self._host[name][:] = initial
+            self.inputs[name] = self._device_bytes[start:end].view(dtype)
+        self._device_bytes.copy_(self._host_bytes)
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The mirror's views, to write this step's inputs into (after the last copy read them)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
+
+    def upload(self, last: str, num_elements: int) -> None:
+        """Copy the mirror to the device up to the first `num_elements` of input `last`."""
+        end = self.offsets[last] + num_elements * self._host[last].itemsize
+        self._device_bytes[:end].copy_(self._host_bytes[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 class _StepGraphs:
     """What decode and prefill graphs share: one graph per (row bucket, table width) key,
     captured lazily on the process's capture stream into one memory pool, dropped when the
     KV pages move, a failed capture remembered (that key runs eagerly), the per-row static
-    inputs (token ids, positions, KV slots) sized for the largest row bucket, and the logits
-    of every graph written into one static buffer of `max_logit_rows` rows."""
+    inputs (token ids, positions, KV slots) sized for the largest row bucket and staged with
+    the kind's other inputs (`input_fields`) in one StagedInputs, and the logits of every
+    graph written into one static buffer of `max_logit_rows` rows."""
 
     kind = "step"
 
     def __init__(self, device: torch.device, row_sizes: list[int], max_blocks_per_seq: int, max_logit_rows: int,
-                 stage_embeddings: Callable[[list[int], int], None] | None, stage_capacity: int | None):
+                 stage_embeddings: Callable[[list[int], int], None] | None, stage_capacity: int | None,
+                 input_fields: dict[str, tuple[torch.dtype, int, int]]):
         self.device = device
         self.row_sizes = row_sizes
         self.table_widths = table_buckets(max_blocks_per_seq)
@@ -107,9 +168,14 @@ class _StepGraphs:
         self.stage_embeddings = stage_embeddings
         self.stage_capacity = stage_capacity or max_rows
         self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
-        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.long, device=device)
+        self.staged = StagedInputs({
+            "input_ids": (torch.long, max_rows, 0),
+            "positions": (torch.long, max_rows, 0),
+            "slot_mapping": (torch.long, max_rows, -1),
+            **input_fields,
+        }, device)
+        inputs = self.staged.inputs
+        self.input_ids, self.positions, self.slot_mapping = inputs["input_ids"], inputs["positions"], inputs["slot_mapping"]
         self.logits: torch.Tensor | None = None  # [max_logit_rows, vocab] float32, made at the first capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
@@ -127,26 +193,27 @@ class _StepGraphs:
             return None
         return rows, width
 
-    def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> None:
-        """The per-row inputs of a `size`-row bucket, padded (padding rows store no KV)."""
-        padding = size - len(input_ids)
-        # Built on the host and copied in one go per buffer: a handful of small copies per step.
-        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
-        self._stage(input_ids + [0] * padding)
-        self.positions[:size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
-
-    def _stage(self, token_ids: list[int]) -> None:
+    def _fill_rows(self, host: dict[str, np.ndarray], size: int, input_ids: list[int], positions: list[int],
+                   slots: list[int]) -> None:
+        """The per-row inputs of a `size`-row bucket into the host mirror, padded (padding rows store no KV)."""
+        num_rows = len(input_ids)
+        host["input_ids"][:num_rows] = input_ids
+        host["input_ids"][num_rows:size] = 0
+        host["positions"][:num_rows] = positions
+        host["positions"][num_rows:size] = 0
+        host["slot_mapping"][:num_rows] = slots
+        host["slot_mapping"][num_rows:size] = -1
         if self.stage_embeddings is not None:
             # The last replay's copy of the staged rows is done (the engine also reads every
             # step's tokens on the host before the next step, so graphs of the other kind are too).
             self._replayed.synchronize()
-            self.stage_embeddings(token_ids, self.stage_capacity)
+            self.stage_embeddings(input_ids + [0] * (size - num_rows), self.stage_capacity)
 
     def _replay(self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None,
                 num_rows: int) -> torch.Tensor | None:
         """Replay (capturing first if needed) the graph for `key`, whose inputs are filled;
-        logits [num_rows, vocab], or None when the capture failed.
+        logits [num_rows, vocab], or None when the capture failed. The logits are a view of
+        the static buffer every graph writes: valid until the next replay of any bucket.
 
         `pages_version` is the pool's count of page reallocations: while it stays the same the
         page addresses are not read again (a few hundred tensors, a noticeable share of a step)."""
@@ -162,8 +229,8 @@ class _StepGraphs:
         if self._replayed is not None:
             self._replayed.record()
         self.num_replays += 1
-        # Every graph writes the same buffer, and the next replay overwrites it: hand out a copy.
-        return self.logits[:num_rows].clone()
+        # No copy: the caller samples from these before the next replay overwrites them.
+        return self.logits[:num_rows]
 
     def _check_pages(self, kv_pages: list[KVPages]) -> None:
         signature = pages_signature(kv_pages)
@@ -225,11 +292,19 @@ class DecodeGraphs(_StepGraphs):
                  device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
                  stage_capacity: int | None = None):
         batch_sizes = batch_buckets(max_num_seqs)
-        super().__init__(device, batch_sizes, max_blocks_per_seq, batch_sizes[-1], stage_embeddings, stage_capacity)
+        max_batch, max_width = batch_sizes[-1], table_buckets(max_blocks_per_seq)[-1]
+        fields = {
+            "context_lens": (torch.int32, max_batch, 0),
+            # [max_batch * max_width]: a bucket's tables are packed rows of its own width (_tables),
+            # so a step copies batch x width entries, not whole rows of the widest bucket. Last, as
+            # StagedInputs.upload copies the front of the buffer up to what the step uses.
+            "block_tables": (torch.int32, max_batch * max_width, 0),
+        }
+        super().__init__(device, batch_sizes, max_blocks_per_seq, max_batch, stage_embeddings, stage_capacity,
+                         fields)
         self.forward = forward
-        max_batch, max_width = batch_sizes[-1], self.table_widths[-1]
-        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_batch, max_width), dtype=torch.int32, device=device)
+        self.context_lens = self.staged.inputs["context_lens"]
+        self.block_tables = self.staged.inputs["block_tables"]
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages],
@@ -241,18 +316,26 @@ class DecodeGraphs(_StepGraphs):
         return self._replay(key, kv_pages, pages_version, len(input_ids))
 
     def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:
-        padding = batch - len(input_ids)
-        self._fill_rows(batch, input_ids, positions, slots)
-        self.context_lens[:batch].copy_(torch.tensor(context_lens + [0] * padding, dtype=torch.int32),
-                                        non_blocking=True)
-        rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * padding
-        self.block_tables[:batch, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        host = self.staged.host()
+        self._fill_rows(host, batch, input_ids, positions, slots)
+        num_seqs = len(input_ids)
+        host["context_lens"][:num_seqs] = context_lens
+        host["context_lens"][num_seqs:batch] = 0
+        rows = host["block_tables"][:batch * width].reshape(batch, width)  # [B, width]
+        for row, table in zip(rows, tables):
+            row[:len(table)] = table
+            row[len(table):] = 0
+        rows[num_seqs:] = 0
+        self.staged.upload("block_tables", batch * width)
+
+    def _tables(self, batch: int, width: int) -> torch.Tensor:
+        return self.block_tables[:batch * width].view(batch, width)  # [B, width], packed rows
 
     def _meta(self, batch: int, width: int, block_size: int) -> AttentionMetadata:
         return AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch, :width],  # [B, width], row stride = the widest bucket
+            block_tables=self._tables(batch, width),
             context_lens=self.context_lens[:batch],
             cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=self.device),
             max_context_len=width * block_size,
@@ -303,28 +386,40 @@ class PrefillGraphs(_StepGraphs):
     def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int, max_blocks_per_seq: int,
                  device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
                  stage_capacity: int | None = None):
-        super().__init__(device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity)
+        max_width = table_buckets(max_blocks_per_seq)[-1]
+        fields = {
+            "last_row": (torch.long, 1, 0),
+            "context_lens": (torch.int32, 2, 0),  # [the sequence, the padding]
+            "cu_seqlens": (torch.int32, 3, 0),  # [0, new tokens, bucket]
+            # [2 * max_width]: the sequence's and the padding's (empty) tables, packed at the bucket's width.
+            "block_tables": (torch.int32, 2 * max_width, 0),
+        }
+        super().__init__(device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity,
+                         fields)
         self.forward = forward
-        max_width = self.table_widths[-1]
-        self.context_lens = torch.zeros(2, dtype=torch.int32, device=device)  # [the sequence, the padding]
-        self.cu_seqlens = torch.zeros(3, dtype=torch.int32, device=device)  # [0, new tokens, bucket]
-        self.block_tables = torch.zeros((2, max_width), dtype=torch.int32, device=device)
-        self.last_row = torch.zeros(1, dtype=torch.long, device=device)
+        inputs = self.staged.inputs
+        self.last_row, self.context_lens = inputs["last_row"], inputs["context_lens"]
+        self.cu_seqlens, self.block_tables = inputs["cu_seqlens"], inputs["block_tables"]
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
             table: list[int], context_len: int, kv_pages: list[KVPages],
             pages_version: int | None = None) -> torch.Tensor | None:
         """Logits [1, vocab] at the last of `input_ids` (one sequence's new tokens, ending at
         `context_len`), by replaying the graph for `key`; None when it could not be captured."""
-        size, width = key
-        num_new = len(input_ids)
-        self._fill_rows(size, input_ids, positions, slots)
-        self.context_lens.copy_(torch.tensor([context_len, 0], dtype=torch.int32), non_blocking=True)
-        self.cu_seqlens.copy_(torch.tensor([0, num_new, size], dtype=torch.int32), non_blocking=True)
-        self.block_tables[0, :width].copy_(torch.tensor(table + [0] * (width - len(table)), dtype=torch.int32),
-                                           non_blocking=True)
-        self.last_row.fill_(num_new - 1)
+        self._fill(input_ids, positions, slots, table, context_len, *key)
         return self._replay(key, kv_pages, pages_version, 1)
+
+    def _fill(self, input_ids, positions, slots, table, context_len: int, size: int, width: int) -> None:
+        host = self.staged.host()
+        self._fill_rows(host, size, input_ids, positions, slots)
+        num_new = len(input_ids)
+        host["last_row"][0] = num_new - 1
+        host["context_lens"][:] = (context_len, 0)
+        host["cu_seqlens"][:] = (0, num_new, size)
+        tables = host["block_tables"][:2 * width]
+        tables[:len(table)] = table
+        tables[len(table):] = 0  # the rest of the sequence's row, and the padding's row
+        self.staged.upload("block_tables", 2 * width)
 
     def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
         size, width = key
@@ -332,7 +427,7 @@ class PrefillGraphs(_StepGraphs):
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:, :width],  # [2, width]: the sequence, the padding (empty)
+            block_tables=self.block_tables[:2 * width].view(2, width),  # [2, width]: the sequence, the padding (empty)
             context_lens=self.context_lens,
             cu_seqlens_q=self.cu_seqlens,
             max_context_len=width * block_size,

@@ -31,6 +31,9 @@ from lowvram.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("lowvram")
 
+# Decode steps between two readings of the allocator's counters by the controller (_allocated_bytes).
+ALLOCATOR_READ_EVERY_STEPS = 16
+
 
 @dataclass
 class EngineStats:
@@ -161,6 +164,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
+        self._allocated_reading: tuple[int, int] | None = None  # (step, bytes): the controller's last reading
         log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
                  self.kv_plan.kv_bytes / 2**20)
 
@@ -255,7 +259,7 @@ class LLMEngine:
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 rows.append(row)
                 sampled.append(seq)
-        tokens = sample_tokens(logits, rows, sampled)
+        tokens = sample_tokens(logits, rows, sampled)  # before the next run overwrites graph logits
         outputs = [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
         elapsed = time.perf_counter() - start
         self.stats.num_steps += 1
@@ -290,17 +294,39 @@ class LLMEngine:
         plus what the process held before it loaded (memory_in_use_bytes counts that too)."""
         return self.kv_plan.budget_bytes + self.held_bytes
 
-    def memory_in_use_bytes(self, num_blocks_on_host: int | None = None) -> int:
+    def memory_in_use_bytes(self, num_blocks_on_host: int | None = None, allocated_bytes: int | None = None) -> int:
         """Device memory held now: everything but the KV pool as the allocator reports it,
-        plus the pool's live resident pages (the controller watches memory_pressure_bytes)."""
+        plus the pool's live resident pages (the controller watches memory_pressure_bytes).
+        `allocated_bytes`: a recent reading of the allocator's bytes in use, when the caller has one."""
         if self.device.type == "cuda":
-            # The nested form skips memory_allocated()'s flattening of every statistic (~0.1 ms a step).
-            allocated = torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]["current"]
+            allocated = self._read_allocated_bytes() if allocated_bytes is None else allocated_bytes
             pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
             other = max(0, allocated - pool_in_allocator)
         else:
             other = self.model.weight_bytes + self.kv_plan.activation_bytes
         return other + self.kv_bytes_in_use(num_blocks_on_host)
+
+    def _read_allocated_bytes(self) -> int:
+        # The nested form skips memory_allocated()'s flattening of every statistic (~0.1 ms a step).
+        return torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]["current"]
+
+    def _allocated_bytes(self, is_plain_decode: bool) -> int | None:
+        """The allocator's bytes in use for the controller (None off CUDA), read afresh only
+        when they may have moved.
+
+        A reading builds a dict of every allocator statistic, a noticeable share of the host
+        time of a decode step replayed from a graph. Between decode steps the KV pages are
+        what grows, and the controller counts those from the block manager every step; what
+        else the allocator holds (weights, graph pools, buffers) moves with a prefill, a graph
+        capture or a controller action, after which the counters are read at once. Otherwise
+        they are read every ALLOCATOR_READ_EVERY_STEPS steps, for anything else that allocates."""
+        if self.device.type != "cuda":
+            return None
+        step = self.stats.num_steps
+        reading = self._allocated_reading
+        if not is_plain_decode or reading is None or step - reading[0] >= ALLOCATOR_READ_EVERY_STEPS:
+            reading = self._allocated_reading = (step, self._read_allocated_bytes())
+        return reading[1]
 
     def memory_pressure_bytes(self, memory_in_use_bytes: int | None = None,
                               num_blocks_on_host: int | None = None) -> int:
@@ -334,8 +360,10 @@ class LLMEngine:
         return {p: num_live * self.kv_pool.shape.block_bytes(p) for p in KV_LADDER}
 
     def _control(self, token_latency_ms: float | None) -> None:
+        if not self.profile.controller.is_enabled and not self.timeline_path:
+            return  # nobody reads the observation: skip gathering it
         on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
-        in_use = self.memory_in_use_bytes(on_host)
+        in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=token_latency_ms is not None))
         obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.memory_budget_bytes,
                           token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
                           kv_bytes_by_precision=self.kv_bytes_by_precision())
@@ -354,6 +382,7 @@ class LLMEngine:
     def _apply(self, event: Event) -> None:
         """Carry out one controller decision. Nothing here drops a request."""
         kind, value = event.action.kind, event.action.value
+        self._allocated_reading = None  # what it moves, the next step reads afresh
         note = ""
         if kind == "kv_precision":
             try:
@@ -428,6 +457,7 @@ class LLMEngine:
         recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, self.block_manager.block_size)
         freed = self.kv_pool.set_precision(precision, used, fp16_block_ids=recent)
         self.kv_precision = precision
+        self._allocated_reading = None  # the pool's pages were reallocated
         return freed
 
     def snapshot(self) -> EngineSnapshot:

@@ -118,7 +118,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False) -> torch.Tensor:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
-        (or [T, vocab] at every new token with is_all_rows, for scoring text)."""
+        (or [T, vocab] at every new token with is_all_rows, for scoring text).
+
+        A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
+        not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
         self.copy_pages(batch.copies)
         pool = self.kv_pool
         if not pool.can_spill:
@@ -134,7 +137,9 @@ class ModelRunner:
             upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(tables)
             if upcoming:
                 pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
-            logits.append(self._forward(part, is_all_rows))
+            part_logits = self._forward(part, is_all_rows)
+            # The next part's replay would overwrite a graph's logits before the cat reads them.
+            logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def _pages_of_others(self, tables: dict[int, list[int]]) -> list[int]:
@@ -189,7 +194,10 @@ class ModelRunner:
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is
         not enough, parts are kept to half the share so the next one can come in meanwhile."""
-        every = list(dict.fromkeys(b for table in tables.values() for b in table))
+        if len(tables) == 1:  # one table holds no page twice: nothing to merge (every batch-1 step)
+            every = list(next(iter(tables.values())))
+        else:
+            every = list(dict.fromkeys(b for table in tables.values() for b in table))
         limit = self.kv_pool.max_blocks_per_step
         if limit is None or len(every) <= limit:
             return [(batch, every)]

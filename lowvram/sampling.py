@@ -112,6 +112,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
                  prompt_ids: list[int], output_ids: list[int]) -> int:
     """Pick the next token from one row of FP32 logits [V]."""
+    # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     if params.is_greedy:
         return int(torch.argmax(logits))

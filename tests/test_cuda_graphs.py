@@ -43,6 +43,34 @@ def test_prefill_graphs_take_one_sequence_of_up_to_their_largest_bucket():
     assert graphs.bucket(513, 10) is None and graphs.bucket(10, 1025) is None
 
 
+def test_decode_inputs_are_staged_into_the_static_tensors_with_padding_rows_emptied():
+    graphs = DecodeGraphs(lambda *a: None, max_num_seqs=4, max_blocks_per_seq=300, device=torch.device("cpu"))
+    # A full batch over wide tables first, so the smaller step after it has stale values to overwrite.
+    graphs._fill([1, 2, 3, 4], [70, 71, 72, 73], [5, 6, 7, 8], [list(range(10, 80))] * 4, [71, 72, 73, 74], 4, 256)
+    graphs._fill([11, 12, 13], [3, 40, 5], [33, 640, 85], [[2], [4, 5, 6], [9]], [4, 41, 6], 4, 64)
+    assert graphs.input_ids[:4].tolist() == [11, 12, 13, 0]
+    assert graphs.positions[:4].tolist() == [3, 40, 5, 0]
+    assert graphs.slot_mapping[:4].tolist() == [33, 640, 85, -1]  # the padding row stores no KV
+    assert graphs.context_lens[:4].tolist() == [4, 41, 6, 0]  # and attends to nothing
+    tables = graphs._tables(4, 64)  # [4, 64]: what the (4, 64) graph reads
+    assert tables[:, :3].tolist() == [[2, 0, 0], [4, 5, 6], [9, 0, 0], [0, 0, 0]]
+    assert not tables[:, 3:].any()
+    assert tables.data_ptr() == graphs.block_tables.data_ptr()  # every bucket reads the same static buffer
+
+
+def test_prefill_inputs_are_staged_with_an_empty_padding_sequence():
+    graphs = PrefillGraphs(lambda *a: None, max_tokens=128, max_blocks_per_seq=300, device=torch.device("cpu"))
+    graphs._fill(list(range(100)), list(range(100)), list(range(100)), list(range(80)), 100, 128, 256)
+    graphs._fill([7, 8, 9], [16, 17, 18], [160, 161, 162], [3, 4], 19, 64, 64)
+    assert graphs.input_ids[:5].tolist() == [7, 8, 9, 0, 0] and not graphs.input_ids[3:64].any()
+    assert graphs.positions[:4].tolist() == [16, 17, 18, 0]
+    assert graphs.slot_mapping[:3].tolist() == [160, 161, 162] and (graphs.slot_mapping[3:64] == -1).all()
+    assert graphs.context_lens.tolist() == [19, 0] and graphs.cu_seqlens.tolist() == [0, 3, 64]
+    assert graphs.last_row.tolist() == [2]
+    tables = graphs.block_tables[:128].view(2, 64)  # [the sequence, the padding]
+    assert tables[0, :3].tolist() == [3, 4, 0] and not tables[0, 2:].any() and not tables[1].any()
+
+
 def test_the_cpu_runs_eagerly(tiny_qwen2_dir):
     engine = LLMEngine(str(tiny_qwen2_dir), load_profile("cpu").replace(enable_cuda_graphs=True))
     assert engine.runner.graphs is None
@@ -126,6 +154,45 @@ def test_graph_logits_match_eager_logits(tiny_llama_dir):
     worst = ((recorded[0] - recorded[1]).abs().max() / recorded[0].abs().max()).item()
     print(f"graph vs eager decode logits: largest relative difference {worst:.2e}")
     assert worst <= 2e-3
+
+
+@pytest.mark.gpu
+def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny_qwen2_dir):
+    """Staged inputs go over in asynchronous copies from one pinned buffer: with the GPU held
+    back, the host must not overwrite a step's inputs before their copy has read them."""
+    from lowvram.attention import AttentionMetadata
+
+    engine = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(kv_backend="device"), max_model_len=2048,
+                       emulate_vram_gib=4.0)
+    prompt = _prompts(engine, [40])[0]
+    engine.add_request("0", None, SamplingParams(temperature=0, max_tokens=100), prompt_token_ids=prompt)
+    engine.step()  # the prefill: 40 tokens of real KV, the next position is 40
+    runner, seq = engine.runner, engine.requests["0"]
+    table = engine.kv_pool.device_table(engine.block_manager.block_table(seq.seq_id))
+    slot = table[40 // runner.block_size] * runner.block_size + 40 % runner.block_size
+    key = runner.graphs.bucket(1, len(table))
+    token_ids = [(37 * i) % (engine.config.vocab_size - 10) + 5 for i in range(24)]
+    # Every step writes its own token's KV at position 40 before reading it: steps are independent.
+    with torch.inference_mode():
+        runner.graphs.run(key, [token_ids[0]], [40], [slot], [table], [41], runner.kv_pool.pages)  # captures
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of every copy below
+        replayed = [runner.graphs.run(key, [t], [40], [slot], [table], [41], runner.kv_pool.pages).clone()
+                    for t in token_ids]
+        eager = []
+        dev = engine.device
+        for t in token_ids:
+            meta = AttentionMetadata(False, torch.tensor([slot], device=dev),
+                                     torch.tensor([table], dtype=torch.int32, device=dev),
+                                     torch.tensor([41], dtype=torch.int32, device=dev),
+                                     torch.tensor([0, 1], dtype=torch.int32, device=dev), 41, [41], [1])
+            ids, pos = torch.tensor([t], device=dev), torch.tensor([40], device=dev)
+            eager.append(runner._logits(ids, pos, meta, runner.kv_pool.pages))
+    replayed, eager = torch.cat(replayed), torch.cat(eager)  # [24, vocab]
+    worst = ((replayed - eager).abs().max() / eager.abs().max()).item()
+    print(f"{len(token_ids)} queued replays vs eager steps: largest relative logit difference {worst:.2e}")
+    assert worst <= 2e-3
+    assert len(set(replayed.argmax(-1).tolist())) > 1  # the inputs really changed the logits
 
 
 @pytest.mark.gpu

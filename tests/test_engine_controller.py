@@ -171,3 +171,41 @@ def test_cached_pages_are_reported_as_reclaimable_in_the_crash_report(tiny_qwen2
     assert main(["doctor", "--oom", str(engine.last_crash_report)]) == 0
     out = capsys.readouterr().out
     assert "cached for reuse" in out and "reclaimable" in out
+
+
+def test_device_memory_growth_reaches_the_controller_though_decode_steps_read_the_allocator_seldom(
+        tiny_qwen2_dir, monkeypatch):
+    """A reading of the allocator's counters costs a noticeable share of a graph-replayed
+    decode step, so decode steps read them every ALLOCATOR_READ_EVERY_STEPS steps; memory
+    that grows meanwhile still reaches the controller within that many steps."""
+    from lowvram.engine import ALLOCATOR_READ_EVERY_STEPS
+
+    llm = LLM(str(tiny_qwen2_dir), _profile())
+    engine = llm.engine
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the allocator's path, over a fake allocator
+    pool_in_allocator = 0 if engine.kv_pool.backend == "um" else engine.kv_pool.device_bytes
+    allocated = {"bytes": pool_in_allocator}
+    read_at_steps = []
+
+    def read_allocated_bytes():
+        read_at_steps.append(engine.stats.num_steps)
+        return allocated["bytes"]
+
+    monkeypatch.setattr(engine, "_read_allocated_bytes", read_allocated_bytes)
+    engine.add_request("0", "a long answer", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    while engine.stats.num_steps < 40:
+        engine.step()
+    assert read_at_steps[0] == 1  # the prefill reads at once
+    assert len(read_at_steps) <= 1 + 40 // ALLOCATOR_READ_EVERY_STEPS
+    assert len(read_at_steps) < 10  # most of the 40 steps go without a reading
+    assert not engine.controller_events
+    allocated["bytes"] += engine.memory_budget_bytes  # something else took the whole card
+    grew_at = engine.stats.num_steps
+    while not engine.controller_events and engine.has_unfinished_requests():
+        engine.step()
+    first = engine.controller_events[0]
+    assert first.action.kind == "kv_precision" and "memory" in first.reason
+    assert first.step - grew_at <= ALLOCATOR_READ_EVERY_STEPS + engine.profile.controller.patience_tokens
+    reads = len(read_at_steps)
+    engine.step()
+    assert len(read_at_steps) == reads + 1  # a controller action moves memory: the next step reads afresh
