@@ -606,15 +606,16 @@ if HAS_TRITON:
         # The codes in the two 16-bit halves of int32 `pairs` (16 times the code when
         # IS_SIXTEENFOLD, up to 240) as exact DOT_DTYPE values: (low half, high half). In
         # float16 both halves get 1024's exponent bits in one logic op and stay in one register,
-        # so each subtraction below is half of one HADD2; a sixteenfold code is (1024 + 16 c) / 16
-        # - 64 in one fused multiply-add, exact as 16 is a power of two.
+        # so each subtraction below is half of one HADD2; a sixteenfold code is
+        # ((1024 + 16 c) - 1024) / 16, exact as 16 is a power of two. (Not one fused multiply-
+        # add: some Triton versions compute tl.fma of float16 and Python floats in float32.)
         if DOT_DTYPE == tl.float16:
             biased = pairs | 0x64006400
-            low = biased.to(tl.int16).to(tl.float16, bitcast=True)
-            high = (biased >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            low = biased.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+            high = (biased >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
             if IS_SIXTEENFOLD:
-                return tl.fma(low, 0.0625, -64.0), tl.fma(high, 0.0625, -64.0)
-            return low - 1024.0, high - 1024.0
+                return (low * 0.0625).to(tl.float16), (high * 0.0625).to(tl.float16)
+            return low.to(tl.float16), high.to(tl.float16)
         else:
             low = ((pairs & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True)
             high = ((pairs >> 16) | 0x4B000000).to(tl.float32, bitcast=True)
