@@ -530,18 +530,25 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
 
     Aims for about two programs per SM: the small projections (N = 256 or 1536) have too few
     column blocks to fill a large GPU on their own. One row uses the lane form with 64-column
-    blocks and at least four K splits, reducing at the end except for wide outputs: the best
-    of a sweep on an H200 for every projection of the 1.5B shape (profile_decode.py
-    --sweep-gemv; docs/performance.md), 1.3x to 1.8x faster than the interleaving form.
+    blocks and at least four K splits; long inputs (32 K blocks or more) aim for four programs
+    per SM and reduce every K block, as wide outputs do; the others reduce at the end. The
+    compensation's x A^T is computed once per launch for those two: for the short, narrow
+    projections (q/k/v, o) waiting for the shares costs more than recomputing them. All of
+    this is the best of a sweep on an H200 with the weights read from memory, for every
+    projection of the 1.5B shape (profile_decode.py --sweep-gemv-only; docs/performance.md).
     """
     block_k = min(group_size, 128)
     num_k_blocks = num_inputs // block_k
     if num_rows == 1:
         block_n = 64
         num_n_blocks = triton.cdiv(num_outputs, block_n)
-        split_k = max(1, min(num_k_blocks, max(4, triton.cdiv(2 * num_sms, num_n_blocks))))
+        is_long = num_k_blocks >= 32
+        programs_per_sm = 4 if is_long else 2
+        split_k = max(1, min(num_k_blocks, max(4, triton.cdiv(programs_per_sm * num_sms, num_n_blocks))))
+        is_wide = num_outputs > 4096
         return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4,
-                "unpack": "lanes", "reduce": "block" if num_outputs > 4096 else "end"}
+                "unpack": "lanes", "reduce": "block" if is_wide or is_long else "end",
+                "lora": "once" if is_wide or is_long else "per_block"}
     block_n = 64 if num_outputs <= 2048 else 128
     num_n_blocks = triton.cdiv(num_outputs, block_n)
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
