@@ -150,3 +150,20 @@ def test_tokenizer_follows_tokenizer_json_exactly():
     text = heldout_text(4000)
     raw = RawTokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert list(Tokenizer(model_dir).hf.encode(text, add_special_tokens=False)) == raw
+
+
+def test_fast_decode_gives_the_text_of_transformers_decode(tiny_qwen2_dir):
+    """Tokenizer.decode goes to the tokenizers library directly when no clean-up is configured;
+    any ids, special ones and partial multi-byte characters included, decode as transformers does."""
+    import random
+
+    from lowvram.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_qwen2_dir)
+    assert tokenizer._backend is not None  # the test tokenizer has clean_up_tokenization_spaces False
+    rng = random.Random(0)
+    vocab = tokenizer.hf.vocab_size + len(tokenizer.hf.get_added_vocab())
+    for length in (0, 1, 2, 5, 40):
+        for _ in range(20):
+            ids = [rng.randrange(vocab) for _ in range(length)]
+            assert tokenizer.decode(ids) == tokenizer.hf.decode(ids, skip_special_tokens=True), ids
