@@ -38,16 +38,14 @@ scale and zero are applied to the dots' results, per token rather than per
 element: `q . k_j = s_j (q . c_j) - s_j z_j sum(q)` for K and
 `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V. Dequantizing
 every element first made the quantized pages slower to read than FP16 ones of
-twice their size. Codes are not put back into element order either: the kernels
-load them as int32 words and turn them into float16 two at a time with logic ops
-(a code OR-ed into the mantissa of 1024.0 is 1024 + code) and one float16 add,
-and take the columns in the order that leaves each pair in its register (q is
-loaded, and the output stored, in that order); the integer-to-float conversion
-instructions this replaces run at a quarter of the float rate or less and made
-the quantized pages slower than FP16 ones on an H200 (`DecodeConfig.codes` keeps
-them, and a per-byte form, for comparison). Head sizes that are not whole words,
-or wider than 512, read bytes, INT4's as two half-width planes of low nibbles (elements 2i) and
-high nibbles (2i + 1). Tokens of pages kept in FP16 beside INT8/INT4 ones
+twice their size. A code becomes a float without an integer-to-float conversion
+instruction (those run at a quarter of the float rate or less): OR-ed into the
+mantissa of 1024.0 it reads as 1024 + code, and one float16 add removes the 1024.
+The default reads the codes a byte at a time, INT4's as two half-width planes of
+low nibbles (elements 2i) and high nibbles (2i + 1). A form that loads int32
+words and makes two codes at a time, taking the columns in the order that leaves
+each pair in one register, compiles to fewer instructions but measured slower on
+an H200 (`DecodeConfig.codes`, docs/performance.md), as did the conversions. Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0.
 
@@ -116,7 +114,9 @@ class DecodeConfig:
     integer-to-float conversion instructions, which run at a quarter of the float rate or
     less. "bytes" and "cvt" give the same bits; "words" adds a row's products in another
     column order, so it differs from them by float32 rounding. "words" needs a head size that
-    is a multiple of 32 // bits and at most 512, and falls back to "bytes" otherwise.
+    is a multiple of 32 // bits and at most 512, and falls back to "bytes" otherwise. "bytes"
+    is the default: the fastest in every row of `bench_paged_attention.py` on an H200, 8-16%
+    ahead of "cvt" and "words" at 32K tokens and more.
 
     The default (`default_decode_config`) depends on the device and head size only, never on
     the batch: a tile size that followed the batch would change how a sequence's tokens are
@@ -127,7 +127,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     max_fused_splits: int
-    codes: str = "words"
+    codes: str = "bytes"
 
 
 CODE_FORMS = ("words", "bytes", "cvt")
