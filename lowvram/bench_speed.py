@@ -23,7 +23,8 @@ Everything is measured through one LLMEngine built with the profile:
   start where NVML allows. The engine above sizes its KV pool from the whole budget, so
   its peak is about the budget; a second engine then serves one request of the longest
   context plus `max_tokens` with the pool sized for that request alone (max_num_seqs 1),
-  the figure llama-bench's peak memory compares with.
+  the figure llama-bench's peak memory compares with; its decode speed is timed after a
+  short warm-up request, as above.
 With `vs_hf`, transformers' own `generate` runs on the same unquantized checkpoint,
 batch 1: FP16 on CUDA, float32 on the CPU.
 """
@@ -268,6 +269,9 @@ def measure_one_request(model_dir: Path, base, context_len: int, max_tokens: int
         torch.cuda.reset_peak_memory_stats(device)
     engine = LLMEngine(str(model_dir), profile)
     prompts = _Prompts(engine.config.vocab_size, seed + 1)
+    # A short request of the same length first, as time_decode does: without it the figure
+    # included the new engine's graph capture and moved between runs (314, then 202 tokens/s).
+    _generate(engine, prompts.make(1, context_len), NUM_WARMUP_TOKENS)
     elapsed_s, num_tokens, _ = _generate(engine, prompts.make(1, context_len), max_tokens)
     result = {"context_tokens": context_len, "new_tokens": max_tokens, "max_num_seqs": 1,
               "max_model_len": engine.max_model_len, "kv_pool_blocks": engine.block_manager.num_blocks,
