@@ -345,10 +345,11 @@ def awq_load_lanes_f32(
     """awq_load_lanes with (q - z) made as float32 without an integer-to-float conversion.
 
     A conversion (I2F) issues at a quarter of the float32 rate or less, and a decode GEMV
-    converts every weight: on an H200 that, not memory, bounded the widest projections. Here
-    each nibble is OR-ed into the mantissa of 2**23 (FLOAT32_MAGIC), which reads as the float
-    2**23 + q, and the zero's float 2**23 + z is subtracted: two logic ops and one add give
-    q - z exactly.
+    converts every weight. Here each nibble is OR-ed into the mantissa of 2**23
+    (FLOAT32_MAGIC), which reads as the float 2**23 + q, and the zero's float 2**23 + z is
+    subtracted: two logic ops and one add give q - z exactly. On an H200 this measured no
+    faster than converting, from memory or from L2 (docs/performance.md): the conversions
+    were not what bounds the kernel. It stays the default; "dequant": "convert" is the other.
     """
     offs_k = k_start + tl.arange(0, BLOCK_K)
     group = k_start // GROUP_SIZE
