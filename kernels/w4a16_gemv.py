@@ -309,15 +309,14 @@ def awq_lane_columns(pid_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def awq_load_lanes(
+def awq_load_lanes_raw(
     qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
-    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
+    """One K block's tensors as stored, for the lane form: packed codes [BLOCK_K, C], packed
+    zeros [C] and scales [C, 8] of output columns cols."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     group = k_start // GROUP_SIZE
-    shifts = tl.arange(0, 8) * 4
     weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
     if EVEN_N:
         packed = tl.load(weight_ptrs)
@@ -328,6 +327,19 @@ def awq_load_lanes(
         packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
         packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
         scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0)
+    return packed, packed_zeros, scales
+
+
+@triton.jit
+def awq_load_lanes(
+    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
+    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
+    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
+                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+    shifts = tl.arange(0, 8) * 4
     zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
     codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
     return codes - zeros[None, :, :], scales.to(tl.float32)
@@ -351,19 +363,9 @@ def awq_load_lanes_f32(
     faster than converting, from memory or from L2 (docs/performance.md): the conversions
     were not what bounds the kernel. It stays the default; "dequant": "convert" is the other.
     """
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    group = k_start // GROUP_SIZE
+    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
+                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
     shifts = tl.arange(0, 8) * 4
-    weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
-    if EVEN_N:
-        packed = tl.load(weight_ptrs)
-        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
-        scales = tl.load(scales_ptr + group * N + cols)
-    else:
-        mask_c = offs_c < num_packed_cols
-        packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
-        packed_zeros = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
-        scales = tl.load(scales_ptr + group * N + cols, mask=mask_c[:, None], other=0.0)
     zeros = (((packed_zeros[:, None] >> shifts[None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
     codes = (((packed[:, :, None] >> shifts[None, None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
     return codes - zeros[None, :, :], scales.to(tl.float32)  # [K, C, 8], [C, 8]
