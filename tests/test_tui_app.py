@@ -649,3 +649,17 @@ def test_quantize_on_load_reports_each_layer_and_chats_with_int4_weights(chat_mo
 
     quantization, reply = run(main())
     assert quantization is not None and reply
+
+
+def test_the_gauge_timer_firing_after_the_screens_are_gone_is_harmless():
+    # The panel's refresh timer can fire once more while the app closes, after its screens
+    # are popped; it must not raise (it did: an IndexError on the empty screen stack).
+    async def main():
+        app, _ = scripted_app()
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+        return app
+
+    app = run(main())
+    assert not app.screen_stack
+    app._refresh_panel()

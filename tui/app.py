@@ -478,6 +478,8 @@ class ChatApp(App):
 
     # -- gauges and status -------------------------------------------------------
     def _refresh_panel(self) -> None:
+        if not self.screen_stack:  # the timer can fire once more after the app's screens are gone
+            return
         panels = self.main_screen.query(EnginePanel)  # none while the app closes
         if self.backend is not None and panels:
             panels.first().show(self.backend.snapshot(), self.backend.profile_name)
