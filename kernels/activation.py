@@ -14,16 +14,22 @@ from lowvram.kernels.dispatch import use_triton
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32, silu rounded to gate's dtype first as the reference rounds it.
+    Shared with the decode GEMV's gate prologue (w4a16_gemv), which must give the same bits."""
+    gate_f = gate.to(tl.float32)
+    activated = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype)
+    return activated.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_cols
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + num_cols + offs, mask=mask, other=0.0)
-    gate_f = gate.to(tl.float32)
-    activated = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype)
-    out = activated.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, out.to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(gate, up).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

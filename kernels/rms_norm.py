@@ -21,6 +21,21 @@ from lowvram.kernels.dispatch import use_triton
 
 
 @triton.jit
+def rms_inverse(xf, num_cols, eps):
+    """1 / rms of a float32 row xf of num_cols values (masked elements zero)."""
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+
+
+@triton.jit
+def normalize_and_scale(x, inv_rms, weight):
+    """weight * x / rms in float32, the normalised x rounded to x's dtype first as the reference
+    rounds it. Shared with the decode GEMV's norm prologue (w4a16_gemv), which must give the
+    same bits as this kernel."""
+    normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
+    return normed.to(tl.float32) * weight.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols, stride_x, stride_r, stride_o,
                      stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -29,16 +44,13 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    inv_rms = rms_inverse(x.to(tl.float32), num_cols, eps)
     # out and sum may be x and residual (in place), and with a short row several threads load
     # one element: no thread stores before every thread has loaded.
     tl.debug_barrier()
     if HAS_RESIDUAL:
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
-    normed = (xf * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
+    out = normalize_and_scale(x, inv_rms, tl.load(weight_ptr + offs, mask=mask, other=0.0))
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

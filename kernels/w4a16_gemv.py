@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
+from lowvram.kernels.rms_norm import normalize_and_scale, rms_inverse
 
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
 # Rows per launch in the batch-invariant form: bounds the float32 split-K partials
@@ -379,7 +381,7 @@ PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 @triton.jit
 def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: tl.constexpr,
                 ROW_BLOCK: tl.constexpr):
-    """1 / rms of the whole row x (+ residual), in float32 as kernels/rms_norm.py computes it;
+    """1 / rms of the whole row x (+ residual), as kernels/rms_norm.py computes it;
     the program with is_writer set also stores the sum x + residual to sum_ptr."""
     offs = tl.arange(0, ROW_BLOCK)
     mask = offs < K
@@ -388,26 +390,22 @@ def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: t
         row = row + tl.load(residual_ptr + offs, mask=mask, other=0.0)
         if is_writer:
             tl.store(sum_ptr + offs, row, mask=mask)
-    rowf = row.to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(rowf * rowf, axis=0) / K + eps)
+    return rms_inverse(row.to(tl.float32), K, eps)
 
 
 @triton.jit
 def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K,
               PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """x[offs_k] as float32 after the prologue, rounded where the separate kernels round
-    (kernels/rms_norm.py, kernels/activation.py), so fusing changes no bits of x."""
+    """x[offs_k] as float32 after the prologue, through the separate kernels' own arithmetic
+    (kernels/rms_norm.py, kernels/activation.py) and rounded where they store, so fusing
+    changes no bits of x."""
     x = tl.load(x_ptr + offs_k * stride_xk)
     if PROLOGUE == 1:
         if HAS_RESIDUAL:
             x = x + tl.load(residual_ptr + offs_k)
-        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
-        x = (normed.to(tl.float32) * tl.load(norm_weight_ptr + offs_k).to(tl.float32)).to(x.dtype)
+        x = normalize_and_scale(x, inv_rms, tl.load(norm_weight_ptr + offs_k)).to(x.dtype)
     elif PROLOGUE == 2:
-        up = tl.load(x_ptr + (K + offs_k) * stride_xk)
-        gate = x.to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
-        x = (activated.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        x = silu_mul(x, tl.load(x_ptr + (K + offs_k) * stride_xk)).to(x.dtype)
     return x.to(tl.float32)
 
 
