@@ -51,6 +51,15 @@ class RMSNorm(nn.Module):
         out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
         return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)
 
+    def add_norm_project(self, proj: nn.Module, x: torch.Tensor,
+                         residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm(x + residual)), x + residual): add_and_norm, then proj; one kernel when proj
+        can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU)."""
+        if fuses_input(proj, x, self):
+            return proj.forward_normed(x, residual, self.weight, self.eps)
+        normed, residual = self.add_and_norm(x, residual)
+        return proj(normed), residual
+
 
 class Rotary(nn.Module):
     """Non-interleaved RoPE (rotate-half), with linear position scaling."""
@@ -171,21 +180,20 @@ class DecoderLayer(nn.Module):
         first layer gets the embeddings as h and no residual.
 
         A decode step of one sequence over INT4 projections goes further: both norms run
-        inside the fused q/k/v and gate/up kernels, and the activation inside the down
-        projection's (fuses_input), so a layer is six launches instead of nine. Inside a
+        inside the fused q/k/v and gate/up kernels (RMSNorm.add_norm_project), and the
+        activation inside the down projection's, so a layer is six launches instead of nine. Inside a
         CUDA graph each launch saved is a gap of a microsecond or two.
         """
         attn, mlp = self.self_attn, self.mlp  # either may be a stand-in (layer_streaming.HostComputed)
-        if fuses_input(getattr(attn, "qkv_proj", None), h, self.input_layernorm):
-            qkv, residual = attn.qkv_proj.forward_normed(h, residual, self.input_layernorm.weight,
-                                                         self.input_layernorm.eps)
+        qkv_proj, gate_up_proj = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
+        if qkv_proj is not None:
+            qkv, residual = self.input_layernorm.add_norm_project(qkv_proj, h, residual)
             h = attn.attend(qkv, positions, meta, kv_pages)
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
             h = attn(x, positions, meta, kv_pages)
-        if fuses_input(getattr(mlp, "gate_up_proj", None), h, self.post_attention_layernorm):
-            gate_up, residual = mlp.gate_up_proj.forward_normed(h, residual, self.post_attention_layernorm.weight,
-                                                                self.post_attention_layernorm.eps)
+        if gate_up_proj is not None:
+            gate_up, residual = self.post_attention_layernorm.add_norm_project(gate_up_proj, h, residual)
             return mlp.activate_and_down(gate_up), residual
         # The attention output is not kept past the add: the MLP runs without it.
         x, residual = self.post_attention_layernorm.add_and_norm(h, residual)
