@@ -515,6 +515,15 @@ def nibble_sum(packed, x, zero_word, j: tl.constexpr):
 
 
 @triton.jit
+def nibble_scale(scale_ptrs, mask_c, j: tl.constexpr, EVEN_N: tl.constexpr):
+    """The group's float32 scales [C] of nibble j's columns; scale_ptrs [C] point at 8c."""
+    column = (j % 4) * 2 + j // 4
+    if EVEN_N:
+        return tl.load(scale_ptrs + column).to(tl.float32)
+    return tl.load(scale_ptrs + column, mask=mask_c, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def nibble_sums(packed, x, zero_word):
     """nibble_sum of all eight nibbles, joined [C, 2, 2, 2] in stream_columns' order."""
     return join8(nibble_sum(packed, x, zero_word, 0), nibble_sum(packed, x, zero_word, 1),
@@ -533,6 +542,7 @@ def _awq_gemv_stream_kernel(
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
+    SEPARATE_SUMS: tl.constexpr,
 ):
     # One row, "unpack": "stream": the packed words are never rearranged. A tile is BLOCK_K
     # rows of BLOCK_N / 8 packed columns, laid out by Triton with the columns across threads
@@ -553,17 +563,35 @@ def _awq_gemv_stream_kernel(
     if PROLOGUE == 1:
         inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, ROW_BLOCK)
-    acc = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
     if HAS_LORA:
         t = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if SEPARATE_SUMS:
+        a0 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        a1 = tl.zeros_like(a0)
+        a2 = tl.zeros_like(a0)
+        a3 = tl.zeros_like(a0)
+        a4 = tl.zeros_like(a0)
+        a5 = tl.zeros_like(a0)
+        a6 = tl.zeros_like(a0)
+        a7 = tl.zeros_like(a0)
+    else:
+        acc = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
     for group in range(kb_start // BLOCKS_PER_GROUP, tl.cdiv(kb_end, BLOCKS_PER_GROUP)):
         if EVEN_N:
             zero_word = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
-            scales = tl.load(scales_ptr + group * N + cols)
         else:
             zero_word = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
-            scales = tl.load(scales_ptr + group * N + cols, mask=mask_cols, other=0.0)
-        in_group = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
+        if SEPARATE_SUMS:
+            g0 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+            g1 = tl.zeros_like(g0)
+            g2 = tl.zeros_like(g0)
+            g3 = tl.zeros_like(g0)
+            g4 = tl.zeros_like(g0)
+            g5 = tl.zeros_like(g0)
+            g6 = tl.zeros_like(g0)
+            g7 = tl.zeros_like(g0)
+        else:
+            in_group = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
         for kb in range(tl.maximum(kb_start, group * BLOCKS_PER_GROUP),
                         tl.minimum(kb_end, (group + 1) * BLOCKS_PER_GROUP)):
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -574,14 +602,41 @@ def _awq_gemv_stream_kernel(
                 packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
             x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE,
                           HAS_RESIDUAL)
-            in_group += nibble_sums(packed, x, zero_word)
+            if SEPARATE_SUMS:
+                g0 += nibble_sum(packed, x, zero_word, 0)
+                g1 += nibble_sum(packed, x, zero_word, 1)
+                g2 += nibble_sum(packed, x, zero_word, 2)
+                g3 += nibble_sum(packed, x, zero_word, 3)
+                g4 += nibble_sum(packed, x, zero_word, 4)
+                g5 += nibble_sum(packed, x, zero_word, 5)
+                g6 += nibble_sum(packed, x, zero_word, 6)
+                g7 += nibble_sum(packed, x, zero_word, 7)
+            else:
+                in_group += nibble_sums(packed, x, zero_word)
             if HAS_LORA:
                 if LORA_ONCE:
                     if pid_n == 0:
                         t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
                 else:
                     t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
-        acc += in_group * scales.to(tl.float32)
+        if SEPARATE_SUMS:
+            scale_ptrs = scales_ptr + group * N + offs_c * 8
+            a0 += g0 * nibble_scale(scale_ptrs, mask_c, 0, EVEN_N)
+            a1 += g1 * nibble_scale(scale_ptrs, mask_c, 1, EVEN_N)
+            a2 += g2 * nibble_scale(scale_ptrs, mask_c, 2, EVEN_N)
+            a3 += g3 * nibble_scale(scale_ptrs, mask_c, 3, EVEN_N)
+            a4 += g4 * nibble_scale(scale_ptrs, mask_c, 4, EVEN_N)
+            a5 += g5 * nibble_scale(scale_ptrs, mask_c, 5, EVEN_N)
+            a6 += g6 * nibble_scale(scale_ptrs, mask_c, 6, EVEN_N)
+            a7 += g7 * nibble_scale(scale_ptrs, mask_c, 7, EVEN_N)
+        else:
+            if EVEN_N:
+                scales = tl.load(scales_ptr + group * N + cols)
+            else:
+                scales = tl.load(scales_ptr + group * N + cols, mask=mask_cols, other=0.0)
+            acc += in_group * scales.to(tl.float32)
+    if SEPARATE_SUMS:
+        acc = join8(a0, a1, a2, a3, a4, a5, a6, a7)
     flat_cols = tl.reshape(cols, (BLOCK_N,))  # row-major: reshaped back, a term lands on its column
     if LORA_ONCE:
         ready_ptr = counter_ptr + tl.num_programs(0)
@@ -768,7 +823,8 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
                 num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
                 GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
                 HAS_BIAS=has_bias, IS_PARTIAL=is_partial, PROLOGUE=prologue, HAS_RESIDUAL=has_residual,
-                ROW_BLOCK=row_block, LORA_ONCE=is_lora_once, **lora_flags, **launch_options,
+                ROW_BLOCK=row_block, LORA_ONCE=is_lora_once, SEPARATE_SUMS=config.get("sums") == "separate",
+                **lora_flags, **launch_options,
             )
             return y
         _awq_gemv_row_kernel[grid](

@@ -242,8 +242,8 @@ def stream_candidates(n: int, k: int, num_sms: int) -> list[dict]:
             num_k_blocks = k // bk
             fill = triton.cdiv(16 * num_sms // w, triton.cdiv(n, bn))
             splits = {max(1, min(num_k_blocks, s)) for s in (k // 128, k // 256, k // 512, fill)}
-            found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "stream"}
-                      for sk in sorted(splits)]
+            found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "stream",
+                       "sums": "separate"} for sk in sorted(splits)]
     return found
 
 
@@ -253,7 +253,7 @@ SWEEP_COLD_BYTES = 256 * 2**20
 
 
 def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ...] = (1, 8),
-               forms: str = "all") -> list[dict]:
+               forms: str = "all", only_shapes: str = "") -> list[dict]:
     """Times W4A16 decode kernel configurations on the model's projection shapes, with a
     rank-`rank` compensation as the profile's quantization adds (0: none). Each timed graph
     runs one call over each of several copies of the weights (SWEEP_COLD_BYTES): from
@@ -268,6 +268,8 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name, (k, n) in shapes.items():
+        if only_shapes and name not in only_shapes.split(","):
+            continue
         nbytes = k * n // 2 + k // group_size * n // 2 + k // group_size * n * 2
         num_copies = max(1, min(64, SWEEP_COLD_BYTES // nbytes))
         copies = [(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"),
@@ -303,14 +305,17 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                 for stages, warps in ((1, t["config"]["num_warps"]), (2, t["config"]["num_warps"]),
                                       (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
                     timed.append(time_config({**t["config"], "num_stages": stages, "num_warps": warps}))
-                if rank and t["config"].get("unpack") == "stream":
-                    timed.append(time_config({**t["config"], "lora": "per_block"}))
+                if t["config"].get("unpack") == "stream":
+                    timed.append(time_config({**t["config"], "sums": "joined"}))
+                    if rank:
+                        timed.append(time_config({**t["config"], "lora": "per_block"}))
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
             by_form = {}
             for t in ok:
-                form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
+                form = "/".join((t["config"].get("unpack", "interleave"),
+                                 t["config"].get("reduce", t["config"].get("sums", "block")),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
                                  t["config"].get("lora", "once")))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
@@ -342,7 +347,8 @@ def sweep_shape_only(args) -> int:
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
               "group_size": args.group_size, "lora_rank": args.rank,
               "gemv_sweep": sweep_gemv(config, args.group_size, args.rank,
-                                       tuple(int(r) for r in args.sweep_rows.split(",")), args.sweep_forms)}
+                                       tuple(int(r) for r in args.sweep_rows.split(",")), args.sweep_forms,
+                                       args.sweep_shapes)}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
@@ -365,6 +371,8 @@ def main() -> int:
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
     parser.add_argument("--sweep-forms", choices=("all", "stream"), default="all",
                         help="kernel forms of the GEMV sweep besides the default: all, or the streaming one only")
+    parser.add_argument("--sweep-shapes", default="", help="projections the GEMV sweep times (qkv,o,gate_up,down; "
+                        "default all)")
     parser.add_argument("--rank", type=int, default=None,
                         help="compensation rank of the quantized model and the sweep (default: the profile's)")
     parser.add_argument("--fp16-budget-mib", type=float, default=None,

@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_stream profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_stream gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -67,7 +67,9 @@ if [ "$what" != tests ]; then
     # The one-row INT4 kernel's tile sizes, splits and dequantization forms on the 1.5B shape's projections.
     run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1
     # The streaming one-row kernel's configurations alone.
-    run_bench gemv_stream 300 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --sweep-forms stream
+    run_bench gemv_stream 300 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --sweep-forms stream ${GEMV_STREAM_ARGS:-}
+    # The floor under the GEMV's tilings: reading the packed words alone.
+    run_bench gemv_floor 120 python3 scripts/probe_gemv_floor.py
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     # Batch-invariant mode, controller on: every request checked against its run alone.

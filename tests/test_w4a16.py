@@ -81,9 +81,9 @@ def test_awq_linear_matches_reference(num_rows, group_size):
 ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
              {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
              {"unpack": "lanes", "reduce": "end", "lora": "per_block"},
-             {"unpack": "stream"}, {"unpack": "stream", "lora": "per_block"}]
+             {"unpack": "stream"}, {"unpack": "stream", "lora": "per_block"}, {"unpack": "stream", "sums": "separate"}]
 ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block",
-                "stream", "stream-lora-per-block"]
+                "stream", "stream-lora-per-block", "stream-separate"]
 
 
 @needs_triton
@@ -132,7 +132,8 @@ def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
 @pytest.mark.parametrize("has_residual", [False, True])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("form", [{"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
-                                  {"unpack": "stream"}], ids=["lanes-block", "lanes-end", "stream"])
+                                  {"unpack": "stream"}, {"unpack": "stream", "sums": "separate"}],
+                         ids=["lanes-block", "lanes-end", "stream", "stream-separate"])
 def test_one_row_kernel_fuses_the_rms_norm(has_residual, split_k, form):
     # K = 192 is not a power of two (the row's norm reads a masked block); N = 200 leaves a
     # partial column block. The result must be the norm kernel's output through the matmul.
