@@ -485,180 +485,6 @@ def _awq_gemv_row_kernel(
                        HAS_BIAS, IS_PARTIAL)
 
 
-# Nibble j of an AWQ word holds column 8c + AWQ_COLUMN_OF_NIBBLE[j] of its packed column c.
-AWQ_COLUMN_OF_NIBBLE = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-@triton.jit
-def join8(a0, a1, a2, a3, a4, a5, a6, a7):
-    """Eight [C] tensors as one [C, 2, 2, 2], inside each thread's registers (tl.join adds a
-    minor dimension in the thread), so per-nibble values are carried and stored as one."""
-    return tl.join(tl.join(tl.join(a0, a1), tl.join(a2, a3)), tl.join(tl.join(a4, a5), tl.join(a6, a7)))
-
-
-@triton.jit
-def stream_columns(offs_c):
-    """Output columns of the nibbles of packed columns offs_c [C], joined as join8 joins them."""
-    base = offs_c * 8
-    return join8(base + 0, base + 2, base + 4, base + 6, base + 1, base + 3, base + 5, base + 7)
-
-
-@triton.jit
-def nibble_sum(packed, x, zero_word, j: tl.constexpr):
-    """sum_k x[k] * (q[k, c, j] - z[c, j]) over a tile's rows as float32 [C], for nibble j.
-
-    (q - z) comes out exact without an integer-to-float conversion (see awq_load_lanes_f32):
-    each nibble is OR-ed into the mantissa of 2**23 and the zero's float is subtracted."""
-    codes = (((packed >> (4 * j)) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
-    zeros = (((zero_word >> (4 * j)) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
-    return tl.sum(x[:, None] * (codes - zeros[None, :]), axis=0)
-
-
-@triton.jit
-def nibble_scale(scale_ptrs, mask_c, j: tl.constexpr, EVEN_N: tl.constexpr):
-    """The group's float32 scales [C] of nibble j's columns; scale_ptrs [C] point at 8c."""
-    column = (j % 4) * 2 + j // 4
-    if EVEN_N:
-        return tl.load(scale_ptrs + column).to(tl.float32)
-    return tl.load(scale_ptrs + column, mask=mask_c, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def nibble_sums(packed, x, zero_word):
-    """nibble_sum of all eight nibbles, joined [C, 2, 2, 2] in stream_columns' order."""
-    return join8(nibble_sum(packed, x, zero_word, 0), nibble_sum(packed, x, zero_word, 1),
-                 nibble_sum(packed, x, zero_word, 2), nibble_sum(packed, x, zero_word, 3),
-                 nibble_sum(packed, x, zero_word, 4), nibble_sum(packed, x, zero_word, 5),
-                 nibble_sum(packed, x, zero_word, 6), nibble_sum(packed, x, zero_word, 7))
-
-
-@triton.jit
-def _awq_gemv_stream_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    residual_ptr, norm_weight_ptr, sum_ptr, eps, lora_t_ptr,
-    N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
-    SEPARATE_SUMS: tl.constexpr,
-):
-    # One row, "unpack": "stream": the packed words are never rearranged. A tile is BLOCK_K
-    # rows of BLOCK_N / 8 packed columns, laid out by Triton with the columns across threads
-    # and the rows inside each thread, so the sum over K needs no exchange between threads;
-    # each nibble position j keeps its own sums, joined as [C, 2, 2, 2] (join8). The scale is
-    # applied once per group: sum_k x (q - z) s = s * sum_k x (q - z) inside a group.
-    BLOCK_C: tl.constexpr = BLOCK_N // 8
-    BLOCKS_PER_GROUP: tl.constexpr = GROUP_SIZE // BLOCK_K
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < num_packed_cols
-    cols = stream_columns(offs_c)  # [C, 2, 2, 2]
-    mask_cols = cols < N
-    kb_start = pid_k * K_BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
-    inv_rms = 1.0
-    if PROLOGUE == 1:
-        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
-                              HAS_RESIDUAL, ROW_BLOCK)
-    if HAS_LORA:
-        t = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    if SEPARATE_SUMS:
-        a0 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        a1 = tl.zeros_like(a0)
-        a2 = tl.zeros_like(a0)
-        a3 = tl.zeros_like(a0)
-        a4 = tl.zeros_like(a0)
-        a5 = tl.zeros_like(a0)
-        a6 = tl.zeros_like(a0)
-        a7 = tl.zeros_like(a0)
-    else:
-        acc = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
-    for group in range(kb_start // BLOCKS_PER_GROUP, tl.cdiv(kb_end, BLOCKS_PER_GROUP)):
-        if EVEN_N:
-            zero_word = tl.load(qzeros_ptr + group * num_packed_cols + offs_c)
-        else:
-            zero_word = tl.load(qzeros_ptr + group * num_packed_cols + offs_c, mask=mask_c, other=0)
-        if SEPARATE_SUMS:
-            g0 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-            g1 = tl.zeros_like(g0)
-            g2 = tl.zeros_like(g0)
-            g3 = tl.zeros_like(g0)
-            g4 = tl.zeros_like(g0)
-            g5 = tl.zeros_like(g0)
-            g6 = tl.zeros_like(g0)
-            g7 = tl.zeros_like(g0)
-        else:
-            in_group = tl.zeros((BLOCK_C, 2, 2, 2), dtype=tl.float32)
-        for kb in range(tl.maximum(kb_start, group * BLOCKS_PER_GROUP),
-                        tl.minimum(kb_end, (group + 1) * BLOCKS_PER_GROUP)):
-            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
-            if EVEN_N:
-                packed = tl.load(weight_ptrs)
-            else:
-                packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
-            x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE,
-                          HAS_RESIDUAL)
-            if SEPARATE_SUMS:
-                g0 += nibble_sum(packed, x, zero_word, 0)
-                g1 += nibble_sum(packed, x, zero_word, 1)
-                g2 += nibble_sum(packed, x, zero_word, 2)
-                g3 += nibble_sum(packed, x, zero_word, 3)
-                g4 += nibble_sum(packed, x, zero_word, 4)
-                g5 += nibble_sum(packed, x, zero_word, 5)
-                g6 += nibble_sum(packed, x, zero_word, 6)
-                g7 += nibble_sum(packed, x, zero_word, 7)
-            else:
-                in_group += nibble_sums(packed, x, zero_word)
-            if HAS_LORA:
-                if LORA_ONCE:
-                    if pid_n == 0:
-                        t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
-                else:
-                    t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
-        if SEPARATE_SUMS:
-            scale_ptrs = scales_ptr + group * N + offs_c * 8
-            a0 += g0 * nibble_scale(scale_ptrs, mask_c, 0, EVEN_N)
-            a1 += g1 * nibble_scale(scale_ptrs, mask_c, 1, EVEN_N)
-            a2 += g2 * nibble_scale(scale_ptrs, mask_c, 2, EVEN_N)
-            a3 += g3 * nibble_scale(scale_ptrs, mask_c, 3, EVEN_N)
-            a4 += g4 * nibble_scale(scale_ptrs, mask_c, 4, EVEN_N)
-            a5 += g5 * nibble_scale(scale_ptrs, mask_c, 5, EVEN_N)
-            a6 += g6 * nibble_scale(scale_ptrs, mask_c, 6, EVEN_N)
-            a7 += g7 * nibble_scale(scale_ptrs, mask_c, 7, EVEN_N)
-        else:
-            if EVEN_N:
-                scales = tl.load(scales_ptr + group * N + cols)
-            else:
-                scales = tl.load(scales_ptr + group * N + cols, mask=mask_cols, other=0.0)
-            acc += in_group * scales.to(tl.float32)
-    if SEPARATE_SUMS:
-        acc = join8(a0, a1, a2, a3, a4, a5, a6, a7)
-    flat_cols = tl.reshape(cols, (BLOCK_N,))  # row-major: reshaped back, a term lands on its column
-    if LORA_ONCE:
-        ready_ptr = counter_ptr + tl.num_programs(0)
-        if pid_n == 0:
-            tl.store(lora_t_ptr + pid_k * BLOCK_R + tl.arange(0, BLOCK_R), t)
-            tl.debug_barrier()
-            tl.atomic_add(ready_ptr, 1, sem="release")
-        is_last, total = split_arrive(acc, 0, cols, mask_cols, partial_ptr, counter_ptr, 1, N)
-        if is_last:
-            term = lora_once_term(flat_cols, lora_t_ptr, ready_ptr, ready_ptr + 1, lora_bt_ptr, lora_rank, N,
-                                  stride_br, stride_bn, tl.num_programs(1), tl.num_programs(0), BLOCK_R)
-            total += tl.reshape(term, (BLOCK_C, 2, 2, 2))
-            awq_store_output(total, 0, cols, mask_cols, y_ptr, 0, bias_ptr, N, HAS_BIAS)
-            tl.store(counter_ptr + pid_n, 0)
-    else:
-        if HAS_LORA:
-            term = lora_row_up(t, lora_bt_ptr, flat_cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
-            acc += tl.reshape(term, (BLOCK_C, 2, 2, 2))
-        awq_gemv_store(acc, 0, cols, mask_cols, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
-                       HAS_BIAS, IS_PARTIAL)
-
-
 @triton.jit
 def _awq_gemv_lanes_dot_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
@@ -802,11 +628,10 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     if "num_stages" in config:
         launch_options["num_stages"] = config["num_stages"]
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
-    is_stream = config.get("unpack") == "stream" and num_rows == 1 and not is_row_tiled
     has_prologue = norm is not None or is_gated
-    if has_prologue and not ((is_lanes or is_stream) and num_rows == 1):
-        raise ValueError("the norm and gate prologues run in the one-row kernels only")
-    if (is_lanes or is_stream) and num_rows == 1:
+    if has_prologue and not (is_lanes and num_rows == 1):
+        raise ValueError("the norm and gate prologues run in the one-row lane kernel only")
+    if is_lanes and num_rows == 1:
         if norm is not None:
             prologue, has_residual = PROLOGUE_RMS_NORM, norm.residual is not None
             residual = norm.residual if has_residual else x
@@ -816,24 +641,14 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
             fused = (x, x, x, 0.0)  # not read
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
-        row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
-        if is_stream:
-            _awq_gemv_stream_kernel[grid](
-                x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t,
-                num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
-                GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
-                HAS_BIAS=has_bias, IS_PARTIAL=is_partial, PROLOGUE=prologue, HAS_RESIDUAL=has_residual,
-                ROW_BLOCK=row_block, LORA_ONCE=is_lora_once, SEPARATE_SUMS=config.get("sums") == "separate",
-                **lora_flags, **launch_options,
-            )
-            return y
         _awq_gemv_row_kernel[grid](
             x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t,
             num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block, LORA_ONCE=is_lora_once,
+            HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
+            LORA_ONCE=is_lora_once,
             **lora_flags, **launch_options,
         )
     elif is_lanes:

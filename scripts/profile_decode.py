@@ -199,7 +199,7 @@ def finish(engine: LLMEngine) -> None:
         engine.step()
 
 
-def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int, forms: str = "all") -> list[dict]:
+def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) -> list[dict]:
     """Block configurations to time: the interleaving kernel, and for one row the lane
     kernel with either reduction (see w4a16_gemv), each at split-K around two programs per SM."""
     import triton
@@ -208,8 +208,6 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int, fo
         auto = max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))
         return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 1, 2, 4, 8} if s <= k // bk)
 
-    if forms == "stream":
-        return stream_candidates(n, k, num_sms) if rows == 1 else []
     found = []
     if rows > 1:  # the interleaving kernel: one row is always faster in the lane kernel
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
@@ -219,31 +217,10 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int, fo
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
                   for bn in (32, 64, 128) for bk in (64, 128) if bk <= group_size
                   for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
-        found += stream_candidates(n, k, num_sms)
     else:  # the lane unpacking feeding tl.dot
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
                   for bn in (64, 128) for bk in (32, 64, 128) if bk <= group_size
                   for w in (4, 8) for sk in splits(bn, bk)]
-    return found
-
-
-def stream_candidates(n: int, k: int, num_sms: int) -> list[dict]:
-    """The streaming kernel's configurations: rows of 256 to 1024 outputs (32 to 128 packed
-    words) across 1 to 4 warps, K tiles of at most 64 words per thread, and splits giving each
-    program 128, 256 or 512 rows of K or about 16 resident warps per SM."""
-    import triton
-
-    found = []
-    for bn, w in ((256, 1), (512, 1), (512, 2), (1024, 1), (1024, 2), (1024, 4)):
-        words_per_thread = bn // 8 // (32 * w)
-        for bk in (16, 32, 64):
-            if bk * words_per_thread > 64:
-                continue
-            num_k_blocks = k // bk
-            fill = triton.cdiv(16 * num_sms // w, triton.cdiv(n, bn))
-            splits = {max(1, min(num_k_blocks, s)) for s in (k // 128, k // 256, k // 512, fill)}
-            found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "stream",
-                       "sums": "separate"} for sk in sorted(splits)]
     return found
 
 
@@ -253,7 +230,7 @@ SWEEP_COLD_BYTES = 256 * 2**20
 
 
 def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ...] = (1, 8),
-               forms: str = "all", only_shapes: str = "") -> list[dict]:
+               only_shapes: str = "") -> list[dict]:
     """Times W4A16 decode kernel configurations on the model's projection shapes, with a
     rank-`rank` compensation as the profile's quantization adds (0: none). Each timed graph
     runs one call over each of several copies of the weights (SWEEP_COLD_BYTES): from
@@ -294,28 +271,22 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                 return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
 
             default = choose_gemv_config(rows, n, k, group_size, num_sms)
-            candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms, forms)
+            candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
             # Second pass: software pipelining depth and warp count around the five fastest.
-            # The streaming kernel's best also with the other place for the compensation's x A^T.
             for t in sorted(ok, key=lambda t: t["us"])[:5]:
                 for stages, warps in ((1, t["config"]["num_warps"]), (2, t["config"]["num_warps"]),
                                       (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
                     timed.append(time_config({**t["config"], "num_stages": stages, "num_warps": warps}))
-                if t["config"].get("unpack") == "stream":
-                    timed.append(time_config({**t["config"], "sums": "joined"}))
-                    if rank:
-                        timed.append(time_config({**t["config"], "lora": "per_block"}))
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
             by_form = {}
             for t in ok:
-                form = "/".join((t["config"].get("unpack", "interleave"),
-                                 t["config"].get("reduce", t["config"].get("sums", "block")),
+                form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
                                  t["config"].get("lora", "once")))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
@@ -347,7 +318,7 @@ def sweep_shape_only(args) -> int:
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
               "group_size": args.group_size, "lora_rank": args.rank,
               "gemv_sweep": sweep_gemv(config, args.group_size, args.rank,
-                                       tuple(int(r) for r in args.sweep_rows.split(",")), args.sweep_forms,
+                                       tuple(int(r) for r in args.sweep_rows.split(",")),
                                        args.sweep_shapes)}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
@@ -369,8 +340,6 @@ def main() -> int:
                         help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
-    parser.add_argument("--sweep-forms", choices=("all", "stream"), default="all",
-                        help="kernel forms of the GEMV sweep besides the default: all, or the streaming one only")
     parser.add_argument("--sweep-shapes", default="", help="projections the GEMV sweep times (qkv,o,gate_up,down; "
                         "default all)")
     parser.add_argument("--rank", type=int, default=None,

@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_stream gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_prefill_graphs speed_invariant speed_head
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -65,9 +65,7 @@ if [ "$what" != tests ]; then
     # The um pool to 128K with spill: its chunked prefill reads the spilled context over the bus, ~3-4 minutes.
     run_bench kv_pool_128k 480 python3 scripts/bench_kv_pool.py --runs um,device-int8 --max-prefill-s 330 --transfer-mib 0
     # The one-row INT4 kernel's tile sizes, splits and dequantization forms on the 1.5B shape's projections.
-    run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1
-    # The streaming one-row kernel's configurations alone.
-    run_bench gemv_stream 300 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --sweep-forms stream ${GEMV_STREAM_ARGS:-}
+    run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 ${GEMV_SWEEP_ARGS:-}
     # The floor under the GEMV's tilings: reading the packed words alone.
     run_bench gemv_floor 120 python3 scripts/probe_gemv_floor.py
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
