@@ -195,6 +195,18 @@ def lora_row_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl
 
 
 @triton.jit
+def lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr,
+                        AT_END: tl.constexpr):
+    """One K block of x A^T for one row: into t [BLOCK_R] (a sum across threads per block), or
+    with AT_END into t_tile [BLOCK_K, BLOCK_R] (products only; the caller sums once)."""
+    if AT_END:
+        t_tile += x[:, None] * lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R).to(tl.float32)
+    else:
+        t = lora_row_down(t, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R)
+    return t, t_tile
+
+
+@triton.jit
 def lora_once_term(flat_cols, t_ptr, ready_ptr, done_ptr, lora_bt_ptr, rank, N, stride_br, stride_bn,
                    num_splits, num_column_blocks, BLOCK_R: tl.constexpr):
     """(x A^T) Bt[:, flat_cols] as float32 [BLOCK_N], in the last program of a column block,
@@ -311,12 +323,37 @@ def awq_lane_columns(pid_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def awq_load_lanes(
+    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
+    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
+    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
+                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+    return awq_unpack_lanes_int(packed, packed_zeros, scales)
+
+
+@triton.jit
+def awq_unpack_lanes_int(packed, packed_zeros, scales):
+    """(q - z) as int32 [K, C, 8] and float32 scales [C, 8] from awq_load_lanes_raw's tensors."""
+    shifts = tl.arange(0, 8) * 4
+    zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
+    codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
+    return codes - zeros[None, :, :], scales.to(tl.float32)
+
+
+# float32 2**23: OR-ing an integer below 2**23 into its mantissa gives 2**23 + that integer, exactly
+FLOAT32_MAGIC = tl.constexpr(0x4B000000)
+
+
+@triton.jit
 def awq_load_lanes_raw(
     qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """One K block's tensors as stored, for the lane form: packed codes [BLOCK_K, C], packed
-    zeros [C] and scales [C, 8] of output columns cols."""
+    """One K block's tensors as stored: packed codes [BLOCK_K, C], packed zeros [C] and
+    scales [C, 8] (see awq_load_lanes)."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     group = k_start // GROUP_SIZE
     weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
@@ -333,40 +370,13 @@ def awq_load_lanes_raw(
 
 
 @triton.jit
-def awq_load_lanes(
-    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-):
-    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
-    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
-    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
-                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
-    shifts = tl.arange(0, 8) * 4
-    zeros = (packed_zeros[:, None] >> shifts[None, :]) & 0xF  # [C, 8]
-    codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [K, C, 8]
-    return codes - zeros[None, :, :], scales.to(tl.float32)
-
-
-# float32 2**23: OR-ing an integer below 2**23 into its mantissa gives 2**23 + that integer, exactly
-FLOAT32_MAGIC = tl.constexpr(0x4B000000)
-
-
-@triton.jit
-def awq_load_lanes_f32(
-    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-):
-    """awq_load_lanes with (q - z) made as float32 without an integer-to-float conversion.
-
-    A conversion (I2F) issues at a quarter of the float32 rate or less, and a decode GEMV
-    converts every weight. Here each nibble is OR-ed into the mantissa of 2**23
-    (FLOAT32_MAGIC), which reads as the float 2**23 + q, and the zero's float 2**23 + z is
-    subtracted: two logic ops and one add give q - z exactly. On an H200 this measured no
-    faster than converting, from memory or from L2 (docs/performance.md): the conversions
-    were not what bounds the kernel. It stays the default; "dequant": "convert" is the other.
+def awq_unpack_lanes_f32(packed, packed_zeros, scales):
+    """(q - z) as float32 [K, C, 8] and float32 scales [C, 8] from awq_load_lanes_raw's
+    tensors, without an integer-to-float conversion: each nibble OR-ed into the mantissa of
+    2**23 (FLOAT32_MAGIC) reads as the float 2**23 + q, and subtracting the zero's 2**23 + z
+    leaves q - z exactly, in two logic ops and one add. (On an H200 this measured no faster
+    than converting: the conversions were not what bounds the kernel; docs/performance.md.)
     """
-    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
-                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
     shifts = tl.arange(0, 8) * 4
     zeros = (((packed_zeros[:, None] >> shifts[None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
     codes = (((packed[:, :, None] >> shifts[None, None, :]) & 0xF) | FLOAT32_MAGIC).to(tl.float32, bitcast=True)
@@ -419,6 +429,7 @@ def _awq_gemv_row_kernel(
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
+    PREFETCH: tl.constexpr, LORA_AT_END: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -436,16 +447,32 @@ def _awq_gemv_row_kernel(
         acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_C, 8), dtype=tl.float32)
-    if HAS_LORA:
-        t = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_R,), dtype=tl.float32)  # x A^T (compensation)
+    # LORA_AT_END: x A^T's products summed over K once after the loop, not per K block
+    if LORA_AT_END:
+        t_tile = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    else:
+        t_tile = tl.zeros((1, BLOCK_R), dtype=tl.float32)  # not used
+    if PREFETCH:
+        # the next K block's loads are issued before this one is unpacked, so two tiles are in
+        # flight while a program computes (the last iteration reloads its own, from L2)
+        packed, packed_zeros, group_scales = awq_load_lanes_raw(
+            qweight_ptr, qzeros_ptr, scales_ptr, kb_start * BLOCK_K, offs_c, cols, N, num_packed_cols,
+            GROUP_SIZE, BLOCK_K, EVEN_N)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
-        if MAGIC_DEQUANT:
-            centered, scales = awq_load_lanes_f32(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
-                                                  num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+        if PREFETCH:
+            next_packed, next_zeros, next_scales = awq_load_lanes_raw(
+                qweight_ptr, qzeros_ptr, scales_ptr, tl.minimum(kb + 1, kb_end - 1) * BLOCK_K, offs_c, cols, N,
+                num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
         else:
-            centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N,
-                                              num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+            packed, packed_zeros, group_scales = awq_load_lanes_raw(
+                qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
+                GROUP_SIZE, BLOCK_K, EVEN_N)
+        if MAGIC_DEQUANT:
+            centered, scales = awq_unpack_lanes_f32(packed, packed_zeros, group_scales)
+        else:
+            centered, scales = awq_unpack_lanes_int(packed, packed_zeros, group_scales)
             centered = centered.to(tl.float32)
         offs_k = k_start + tl.arange(0, BLOCK_K)
         x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
@@ -456,11 +483,17 @@ def _awq_gemv_row_kernel(
         if HAS_LORA:
             if LORA_ONCE:
                 if pid_n == 0:
-                    t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
+                    t, t_tile = lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R,
+                                                    LORA_AT_END)
             else:
-                t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
+                t, t_tile = lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R,
+                                                LORA_AT_END)
+        if PREFETCH:
+            packed, packed_zeros, group_scales = next_packed, next_zeros, next_scales
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
+    if LORA_AT_END:
+        t = tl.sum(t_tile, axis=0)
     flat_cols = tl.reshape(cols, (BLOCK_N,))  # [C, 8] row-major: reshaped back, a term lands on its column
     if LORA_ONCE:
         # only with several splits: the counters come with the split-K reduction
@@ -648,7 +681,8 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
             HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
-            LORA_ONCE=is_lora_once,
+            LORA_ONCE=is_lora_once, PREFETCH=bool(config.get("prefetch", False)),
+            LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
             **lora_flags, **launch_options,
         )
     elif is_lanes:

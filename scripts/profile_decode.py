@@ -276,11 +276,17 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
-            # Second pass: software pipelining depth and warp count around the five fastest.
+            # Second pass around the five fastest: software pipelining depth and warp count, and
+            # for the one-row lane kernel the next K block's loads issued early ("prefetch") and
+            # the compensation's x A^T summed once after the K loop ("lora_reduce": "end").
             for t in sorted(ok, key=lambda t: t["us"])[:5]:
                 for stages, warps in ((1, t["config"]["num_warps"]), (2, t["config"]["num_warps"]),
                                       (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
                     timed.append(time_config({**t["config"], "num_stages": stages, "num_warps": warps}))
+                if rows == 1 and t["config"].get("unpack") == "lanes":
+                    variants = [{"prefetch": True}] + ([{"lora_reduce": "end"}, {"prefetch": True, "lora_reduce": "end"}]
+                                                       if rank else [])
+                    timed += [time_config({**t["config"], **variant}) for variant in variants]
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
@@ -288,7 +294,8 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
             for t in ok:
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
-                                 t["config"].get("lora", "once")))
+                                 t["config"].get("lora", "once"), "prefetch" if t["config"].get("prefetch") else "",
+                                 "lora-end" if t["config"].get("lora_reduce") == "end" else ""))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes, "lora_rank": rank,
