@@ -284,8 +284,8 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                                       (4, t["config"]["num_warps"]), (3, 2), (3, 8)):
                     timed.append(time_config({**t["config"], "num_stages": stages, "num_warps": warps}))
                 if rows == 1 and t["config"].get("unpack") == "lanes":
-                    variants = [{"prefetch": True}] + ([{"lora_reduce": "end"}, {"prefetch": True, "lora_reduce": "end"}]
-                                                       if rank else [])
+                    variants = [{"prefetch": 1}, {"prefetch": 2}] + (
+                        [{"lora_reduce": "end"}, {"prefetch": 1, "lora_reduce": "end"}] if rank else [])
                     timed += [time_config({**t["config"], **variant}) for variant in variants]
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
@@ -294,7 +294,8 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
             for t in ok:
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
-                                 t["config"].get("lora", "once"), "prefetch" if t["config"].get("prefetch") else "",
+                                 t["config"].get("lora", "once"),
+                                 f"prefetch{t['config']['prefetch']}" if t["config"].get("prefetch") else "",
                                  "lora-end" if t["config"].get("lora_reduce") == "end" else ""))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t
