@@ -18,9 +18,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One request (n = 1). KV is cached for the first `num_computed_tokens` tokens."""
+    """One request (n = 1). KV is cached for the first `num_computed_tokens` tokens.
+
+    Sequences compare by identity: the scheduler's queues ask `seq in running` every
+    step, and comparing every field of two requests to tell them apart cost more than
+    the rest of the scheduling.
+    """
 
     seq_id: int
     request_id: str

@@ -141,3 +141,13 @@ def test_throttling_never_starves_an_idle_engine():
     seq = _seq(0, 3)
     sched.add(seq)
     assert sched.schedule().seqs == [seq]
+
+
+def test_equal_looking_sequences_are_different_requests():
+    # Queues hold sequences by identity: a twin request is another entry, not the same one.
+    a, twin = _seq(0, 4), _seq(0, 4)
+    sched = Scheduler(BlockManager(8, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    sched.add(a)
+    sched.add(twin)
+    sched.finish(twin)
+    assert list(sched.waiting) == [a] and sched.waiting[0] is a and a != twin
