@@ -200,6 +200,14 @@ class BlockManager:
             self.cached_free[match.copy_from] = None
         return match.copy_from, dst
 
+    def num_uncommitted(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Fully computed pages of the sequence whose content `commit` has not recorded yet
+        (0 with prefix caching off): a caller can skip gathering the tokens when it is 0."""
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = min(len(self.tables.get(seq_id, ())), num_computed_tokens // self.block_size)
+        return max(0, num_full - self.num_hashed.get(seq_id, 0))
+
     def commit(self, seq_id: int, token_ids: list[int], num_computed_tokens: int) -> None:
         """Record the content of the sequence's pages that are now fully computed."""
         if not self.enable_prefix_caching:

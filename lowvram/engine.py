@@ -255,7 +255,9 @@ class LLMEngine:
         rows, sampled = [], []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += num_new
-            self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            # A decode step fills a page one token in block_size: the ids are gathered only then.
+            if self.block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens):
+                self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 rows.append(row)
                 sampled.append(seq)

@@ -85,7 +85,7 @@ class ModelRunner:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             table = self.kv_pool.device_table(self.block_manager.block_table(seq.seq_id))
-            input_ids.extend(seq.all_token_ids[start:end])
+            input_ids.extend(seq.token_ids_between(start, end))
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
             context_lens.append(end)

@@ -57,6 +57,20 @@ def test_full_pages_are_shared_by_prefix_with_ref_counts():
     assert bm.used_block_ids() == {0, 1, 3} == {b for b, n in enumerate(bm.ref_counts) if n > 0}
 
 
+def test_uncommitted_pages_are_the_full_pages_commit_would_record():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(100, 111))
+    bm.allocate(1, 11)
+    assert [bm.num_uncommitted(1, n) for n in (0, 3, 4, 7, 8, 11)] == [0, 0, 1, 1, 2, 2]
+    bm.commit(1, tokens, 5)
+    assert bm.num_uncommitted(1, 5) == 0 and bm.num_uncommitted(1, 8) == 1
+    bm.commit(1, tokens, 11)
+    assert bm.num_uncommitted(1, 11) == 0
+    assert bm.num_uncommitted(1, 12) == 1  # the third page just filled
+    assert bm.num_uncommitted(2, 8) == 0  # no table
+    assert BlockManager(8, 4, enable_prefix_caching=False).num_uncommitted(1, 8) == 0
+
+
 def test_a_prefix_must_match_from_the_start_and_leave_one_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = list(range(8))

@@ -143,6 +143,14 @@ def test_throttling_never_starves_an_idle_engine():
     assert sched.schedule().seqs == [seq]
 
 
+def test_token_ids_between_is_a_slice_of_all_token_ids():
+    seq = _seq(0, 5)
+    seq.output_token_ids.extend([50, 51, 52])
+    every = seq.all_token_ids
+    assert [seq.token_ids_between(a, b) for a in range(9) for b in range(a, 10)] == [
+        every[a:b] for a in range(9) for b in range(a, 10)]
+
+
 def test_equal_looking_sequences_are_different_requests():
     # Queues hold sequences by identity: a twin request is another entry, not the same one.
     a, twin = _seq(0, 4), _seq(0, 4)
