@@ -18,6 +18,7 @@ Allocation order is deterministic, so tests can assert exact page ids.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ class BlockManager:
     def used_block_ids(self) -> set[int]:
         """Pages some sequence holds (ref count > 0): the union of the tables, so a step
         touches the live pages only, not every page of the pool."""
-        return {block for table in self.tables.values() for block in table}
+        return set(itertools.chain.from_iterable(self.tables.values()))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

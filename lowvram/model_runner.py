@@ -11,6 +11,8 @@ next part's.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lowvram.attention import AttentionMetadata
@@ -194,12 +196,14 @@ class ModelRunner:
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is
         not enough, parts are kept to half the share so the next one can come in meanwhile."""
+        limit = self.kv_pool.max_blocks_per_step
+        if limit is None:  # one part; the pool takes each page once however often it is listed
+            return [(batch, list(itertools.chain.from_iterable(tables.values())))]
         if len(tables) == 1:  # one table holds no page twice: nothing to merge (every batch-1 step)
             every = list(next(iter(tables.values())))
         else:
-            every = list(dict.fromkeys(b for table in tables.values() for b in table))
-        limit = self.kv_pool.max_blocks_per_step
-        if limit is None or len(every) <= limit:
+            every = list(dict.fromkeys(itertools.chain.from_iterable(tables.values())))
+        if len(every) <= limit:
             return [(batch, every)]
         budget = max(1, limit // 2)
         parts: list[tuple[ScheduledBatch, list[int]]] = []
