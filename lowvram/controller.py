@@ -166,14 +166,14 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     window = state.latency_window
     if obs.token_latency_ms is not None:
         window = (window + (obs.token_latency_ms,))[-LATENCY_WINDOW:]
-    state = replace(state, latency_window=window)
     mem = obs.memory_fraction
     latency = obs.token_latency_ms
     is_memory_high = mem > config.memory_high_water
     is_latency_high = latency is not None and latency > config.latency_high_ms
     is_calm = mem < config.memory_low_water and (latency is None or latency < config.latency_low_ms)
-    state = replace(
+    state = replace(  # one copy a step: every decode step comes through here
         state,
+        latency_window=window,
         memory_streak=state.memory_streak + 1 if is_memory_high else 0,
         latency_streak=(state.latency_streak + 1 if is_latency_high else 0) if latency is not None else state.latency_streak,
         calm_streak=state.calm_streak + 1 if is_calm else 0,

@@ -110,3 +110,24 @@ def test_kv_precision_is_relaxed_only_when_the_larger_pages_would_still_fit():
     drained = Observation(51, 500, BUDGET, 20.0, kv_bytes_by_precision={"fp16": 400, "int8": 200, "int4": 110})
     state, events = decide(state, drained, CFG, max_num_seqs=8)
     assert kinds(events) == [("kv_precision", "fp16")]
+
+
+def test_the_state_after_each_observation_of_a_mixed_trace():
+    # memory fraction, latency: a decode, a prefill, a slow decode, a calm decode, ...
+    trace = [(0.95, 40.0), (0.95, None), (0.5, 120.0), (0.5, 20.0), (0.95, 130.0), (0.8, None), (0.5, 10.0)]
+    state = ControllerState()
+    seen = []
+    for step, (mem, latency) in enumerate(trace):
+        state, events = decide(state, Observation(step, int(mem * BUDGET), BUDGET, latency), CFG, max_num_seqs=8)
+        seen.append((state.memory_streak, state.latency_streak, state.calm_streak, state.latency_window, len(events)))
+    assert seen == [
+        (1, 0, 0, (40.0,), 0),
+        (2, 0, 0, (40.0,), 0),  # a prefill step adds no latency and keeps the latency streak
+        (0, 1, 0, (40.0, 120.0), 0),
+        (0, 0, 1, (40.0, 120.0, 20.0), 0),
+        (1, 1, 0, (40.0, 120.0, 20.0, 130.0), 0),
+        (0, 1, 0, (40.0, 120.0, 20.0, 130.0), 0),
+        (0, 0, 1, (40.0, 120.0, 20.0, 130.0, 10.0), 0),
+    ]
+    state, _ = run([(0.5, float(i)) for i in range(40)], state)
+    assert state.latency_window == tuple(float(i) for i in range(8, 40))  # the last 32
