@@ -95,10 +95,18 @@ class KVShape:
         return allocate_pages(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, precision, self.dtype,
                               "meta")
 
-    @functools.cache  # the engine asks every step; a template costs tens of microseconds
     def layer_block_bytes(self, precision: str) -> int:
         """One page of one layer: K and V codes plus scales and zeros."""
-        return sum(t[0].numel() * t.element_size() for _, t in _tensors(self.template(precision)))
+        # The engine asks several times a step and a template costs tens of microseconds; the
+        # answers live on the instance, as a cache keyed by the shape would hash it at every call.
+        known = self._layer_block_bytes
+        if precision not in known:
+            known[precision] = sum(t[0].numel() * t.element_size() for _, t in _tensors(self.template(precision)))
+        return known[precision]
+
+    @functools.cached_property
+    def _layer_block_bytes(self) -> dict[str, int]:
+        return {}
 
     def code_block_bytes(self, precision: str) -> int:
         """One page of one layer's K codes (V is the same size)."""
