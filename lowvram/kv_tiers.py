@@ -89,6 +89,9 @@ class _TieredKVPool(KVPool):
         self.max_device_units = max(1, self.max_device_blocks // unit_size)
         self._is_resident = bytearray(self.num_units)
         self._num_resident = 0
+        # The same flags as a set of the units on the host, for the per-step questions about
+        # a step's or the live pages, which set operations answer in C loops.
+        self._host_units = set(range(self.num_units))
 
     # -- hooks -------------------------------------------------------------------
     def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
@@ -116,6 +119,8 @@ class _TieredKVPool(KVPool):
         g = self.unit_size
         if block_ids is None:
             return sum(min(g, self.num_blocks - u * g) for u in range(self.num_units) if not self._is_resident[u])
+        if g == 1 and isinstance(block_ids, (set, frozenset)):  # the live pages, every step
+            return len(self._host_units.intersection(block_ids))
         return sum(1 for b in block_ids if not self._is_resident[b // g])
 
     def is_resident(self, block_id: int) -> bool:
@@ -146,6 +151,12 @@ class _TieredKVPool(KVPool):
 
     def _make_resident(self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *,
                        is_required: bool) -> None:
+        if self.unit_size == 1:
+            block_ids = block_ids if isinstance(block_ids, (list, tuple, set, frozenset)) else list(block_ids)
+            if self._host_units.isdisjoint(block_ids):  # every page resident: the usual step
+                if is_required:
+                    self.num_page_hits += len(set(block_ids))
+                return
         units = self._units_of(block_ids)
         missing = [u for u in units if not self._is_resident[u]]
         if is_required:
@@ -221,6 +232,10 @@ class _TieredKVPool(KVPool):
             if self._is_resident[u] != is_resident:
                 self._is_resident[u] = is_resident
                 self._num_resident += 1 if is_resident else -1
+                if is_resident:
+                    self._host_units.discard(u)
+                else:
+                    self._host_units.add(u)
 
     def _wait_for_transfers(self) -> None:
         """Make the compute stream wait (on the GPU) for every transfer enqueued so far."""

@@ -257,6 +257,22 @@ def test_managed_pages_move_in_units_of_whole_os_pages():
     assert pool.num_page_misses == 2 and pool.spilled_bytes == 2 * unit_bytes
 
 
+def test_hits_and_pages_on_host_count_each_distinct_page_once():
+    pool, _ = _managed(num_blocks=8, max_device_blocks=3, page_bytes=CODE_BYTES_FP32)  # pages move one by one
+    assert pool.unit_size == 1 and [pool.is_resident(b) for b in range(8)] == [True] * 3 + [False] * 5
+    pool.ensure_resident([0, 1, 0, 2, 1])  # shared pages appear once per table that holds them
+    assert (pool.num_page_hits, pool.num_page_misses) == (3, 0)
+    pool.ensure_resident([2, 5, 2])
+    assert (pool.num_page_hits, pool.num_page_misses) == (4, 1)
+    pool.prefetch([6, 6])  # not required: counts nothing
+    assert (pool.num_page_hits, pool.num_page_misses) == (4, 1)
+    on_host = [b for b in range(8) if not pool.is_resident(b)]
+    assert len(on_host) == 5
+    for pages in ([0, 1, 2, 3], [5, 6, 7], list(range(8))):
+        expected = sum(1 for b in pages if b in on_host)
+        assert pool.num_blocks_on_host(set(pages)) == pool.num_blocks_on_host(pages) == expected
+
+
 def test_managed_context_longer_than_the_device_share_keeps_its_newest_pages_there():
     pool, _ = _managed()
     pool.record_step({1: list(range(16))})  # one sequence reads all 16 pages; 8 fit
