@@ -521,7 +521,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         # Hold back a tail that could still become a stop string.
-        hold = max((len(s) - 1 for s in seq.params.stop), default=0) if not seq.is_finished else 0
+        stops = seq.params.stop
+        hold = max(len(s) for s in stops) - 1 if stops and not seq.is_finished else 0
         visible = len(seq.text) - hold
         delta = seq.text[seq.num_emitted_chars : max(visible, seq.num_emitted_chars)]
         seq.num_emitted_chars += len(delta)
