@@ -60,6 +60,23 @@ def test_decode_preempts_newest_and_resumes_it_first():
     assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and b.num_cached_tokens == 4
 
 
+def test_decode_takes_a_new_page_exactly_when_the_last_one_is_full():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = _seq(0, 6), _seq(1, 3)
+    sched.add(a)
+    sched.add(b)
+    _finish_step(sched.schedule())  # prefill: a holds pages [0, 1], b [2]
+    tables = []
+    for _ in range(4):
+        batch = sched.schedule()
+        assert not batch.is_prefill and batch.seqs == [a, b] and batch.num_new_tokens == [1, 1]
+        tables.append((list(bm.block_table(0)), list(bm.block_table(1)), bm.num_free_blocks))
+        _finish_step(batch)
+    # b's 5th token opens page 3 in the second step; a's 9th token opens page 4 in the third.
+    assert tables == [([0, 1], [2], 5), ([0, 1], [2, 3], 4), ([0, 1, 4], [2, 3], 3), ([0, 1, 4], [2, 3], 3)]
+
+
 def test_resume_without_prefix_caching_recomputes_everything():
     bm = BlockManager(4, 4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
