@@ -87,7 +87,6 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -96,6 +95,5 @@ class Detokenizer:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += delta
             return delta
         return ""
