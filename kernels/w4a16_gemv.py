@@ -580,7 +580,8 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     blocks and at least four K splits; long inputs (32 K blocks or more) aim for four programs
     per SM and reduce every K block, as wide outputs do; the others reduce at the end. The
     compensation's x A^T is computed once per launch for those two: for the short, narrow
-    projections (q/k/v, o) waiting for the shares costs more than recomputing them. All of
+    projections (q/k/v, o) waiting for the shares costs more than recomputing them, and they
+    sum its products once after the K loop ("lora_reduce": "end", 0.5 us less each). All of
     this is the best of a sweep on an H200 with the weights read from memory, for every
     projection of the 1.5B shape (profile_decode.py --sweep-gemv-only; docs/performance.md).
     """
@@ -595,7 +596,7 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
         is_wide = num_outputs > 4096
         return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4,
                 "unpack": "lanes", "reduce": "block" if is_wide or is_long else "end",
-                "lora": "once" if is_wide or is_long else "per_block"}
+                **({"lora": "once"} if is_wide or is_long else {"lora": "per_block", "lora_reduce": "end"})}
     block_n = 64 if num_outputs <= 2048 else 128
     num_n_blocks = triton.cdiv(num_outputs, block_n)
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
