@@ -429,7 +429,7 @@ def _awq_gemv_row_kernel(
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
-    PREFETCH: tl.constexpr, LORA_AT_END: tl.constexpr,
+    LORA_AT_END: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -453,32 +453,11 @@ def _awq_gemv_row_kernel(
         t_tile = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
     else:
         t_tile = tl.zeros((1, BLOCK_R), dtype=tl.float32)  # not used
-    # PREFETCH (0, 1 or 2): how many K blocks ahead of the one being unpacked are already
-    # loading, so up to PREFETCH + 1 tiles are in flight while a program computes. Loads past
-    # the program's last block repeat that block (from L2) rather than branch.
-    last_kb = kb_end - 1
-    if PREFETCH >= 1:
-        packed, packed_zeros, group_scales = awq_load_lanes_raw(
-            qweight_ptr, qzeros_ptr, scales_ptr, kb_start * BLOCK_K, offs_c, cols, N, num_packed_cols,
-            GROUP_SIZE, BLOCK_K, EVEN_N)
-    if PREFETCH == 2:
-        next_packed, next_zeros, next_scales = awq_load_lanes_raw(
-            qweight_ptr, qzeros_ptr, scales_ptr, tl.minimum(kb_start + 1, last_kb) * BLOCK_K, offs_c, cols, N,
-            num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
-        if PREFETCH == 2:
-            far_packed, far_zeros, far_scales = awq_load_lanes_raw(
-                qweight_ptr, qzeros_ptr, scales_ptr, tl.minimum(kb + 2, last_kb) * BLOCK_K, offs_c, cols, N,
-                num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
-        elif PREFETCH == 1:
-            next_packed, next_zeros, next_scales = awq_load_lanes_raw(
-                qweight_ptr, qzeros_ptr, scales_ptr, tl.minimum(kb + 1, last_kb) * BLOCK_K, offs_c, cols, N,
-                num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
-        else:
-            packed, packed_zeros, group_scales = awq_load_lanes_raw(
-                qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
-                GROUP_SIZE, BLOCK_K, EVEN_N)
+        packed, packed_zeros, group_scales = awq_load_lanes_raw(
+            qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K,
+            EVEN_N)
         if MAGIC_DEQUANT:
             centered, scales = awq_unpack_lanes_f32(packed, packed_zeros, group_scales)
         else:
@@ -498,11 +477,6 @@ def _awq_gemv_row_kernel(
             else:
                 t, t_tile = lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R,
                                                 LORA_AT_END)
-        if PREFETCH == 2:
-            packed, packed_zeros, group_scales = next_packed, next_zeros, next_scales
-            next_packed, next_zeros, next_scales = far_packed, far_zeros, far_scales
-        elif PREFETCH == 1:
-            packed, packed_zeros, group_scales = next_packed, next_zeros, next_scales
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
     if LORA_AT_END:
@@ -695,7 +669,7 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
             HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
-            LORA_ONCE=is_lora_once, PREFETCH=int(config.get("prefetch", 0)),
+            LORA_ONCE=is_lora_once,
             LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
             **lora_flags, **launch_options,
         )

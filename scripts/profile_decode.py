@@ -279,17 +279,15 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
             ok = [t for t in timed if "us" in t]
-            # Second pass around the five fastest: the warp count, and
-            # for the one-row lane kernel the next K block's loads issued early ("prefetch") and
-            # the compensation's x A^T summed once after the K loop ("lora_reduce": "end").
+            # Second pass around the five fastest: the warp count (pipelining depths 1-4
+            # measured the same on an H200), and with compensation for the one-row lane kernel
+            # the other place to sum x A^T's products ("lora_reduce": "end" or per K block).
             for t in sorted(ok, key=lambda t: t["us"])[:5]:
-                # (pipelining depth 1-4 measured no different on an H200: only the warp count)
                 for warps in (2, 8):
                     timed.append(time_config({**t["config"], "num_warps": warps}))
-                if rows == 1 and t["config"].get("unpack") == "lanes":
-                    variants = [{"prefetch": 1}, {"prefetch": 2}] + (
-                        [{"lora_reduce": "end"}, {"prefetch": 1, "lora_reduce": "end"}] if rank else [])
-                    timed += [time_config({**t["config"], **variant}) for variant in variants]
+                if rank and rows == 1 and t["config"].get("unpack") == "lanes":
+                    other = "block" if t["config"].get("lora_reduce") == "end" else "end"
+                    timed.append(time_config({**t["config"], "lora_reduce": other}))
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
@@ -298,7 +296,6 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
                                  t["config"].get("lora", "once"),
-                                 f"prefetch{t['config']['prefetch']}" if t["config"].get("prefetch") else "",
                                  "lora-end" if t["config"].get("lora_reduce") == "end" else ""))
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t

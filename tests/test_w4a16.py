@@ -78,15 +78,12 @@ def test_awq_linear_matches_reference(num_rows, group_size):
 # is the plain integer-to-float conversion it replaced, kept for the benchmark sweep.
 # With several splits the lane kernel computes the compensation's x A^T once per launch (in
 # the first column block's programs); "per_block" recomputes it in every column block.
-# "prefetch" loads the next one or two K blocks before unpacking this one; "lora_reduce": "end" sums
-# x A^T's products once after the K loop.
+# "lora_reduce": "end" sums x A^T's products once after the K loop (the narrow projections' default).
 ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
              {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
              {"unpack": "lanes", "reduce": "end", "lora": "per_block"},
-             {"unpack": "lanes", "reduce": "block", "prefetch": True},
-             {"unpack": "lanes", "reduce": "end", "lora_reduce": "end", "prefetch": 2, "dequant": "convert"}]
-ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block", "lanes-prefetch",
-                "lanes-prefetch-lora-end"]
+             {"unpack": "lanes", "reduce": "end", "lora": "per_block", "lora_reduce": "end", "dequant": "convert"}]
+ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block", "lanes-lora-end"]
 
 
 @needs_triton
