@@ -49,6 +49,16 @@ def shape_config(name: str, num_layers: int | None = None) -> dict:
     return config
 
 
+def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(K, N) of each decoder-layer projection of a named shape, q/k/v and gate/up fused as
+    the engine loads them: qkv, o, gate_up, down."""
+    c = shape_config(name)
+    h, i = c["hidden_size"], c["intermediate_size"]
+    head_dim = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+
+
 def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     head_dim = h // c["num_attention_heads"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import pstats
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,9 @@ from lowvram.model_runner import ModelRunner
 from lowvram.sampling import SamplingParams
 from lowvram.scheduler import Scheduler
 from lowvram.testing import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_decode import cprofile_rows  # noqa: E402  (a sibling script)
 
 UM_DEVICE_SHARE_TOKENS = 69_000  # the 4gb profile's um device share for R1-Distill-Qwen-1.5B (docs/kv_pool.md)
 NUM_LOGIT_SHIFTS = 97  # distinct rolled logit matrices cycled through (prime: no short period with the batch)
@@ -156,15 +158,7 @@ def profile_rows(engine: LLMEngine, batch: int, context: int, num_tokens: int, w
         engine.step()
         num_profiled += 1
     profiler.disable()
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        where = f"{Path(filename).name}:{line}:{name}" if line else name
-        rows.append({"function": where[:90], "calls_per_step": round(calls / num_profiled, 2),
-                     "self_us_per_step": round(1e6 * tottime / num_profiled, 2),
-                     "cumulative_us_per_step": round(1e6 * cumtime / num_profiled, 2)})
-    rows.sort(key=lambda r: -r["self_us_per_step"])
-    return rows[:top]
+    return cprofile_rows(profiler, num_profiled, top)
 
 
 def bench(engine: LLMEngine, batch: int, args) -> dict:

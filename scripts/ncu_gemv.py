@@ -31,14 +31,9 @@ def main() -> int:
     from probe_gemv_floor import _read_tiles_kernel
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
-    from lowvram.shapes import shape_config
+    from lowvram.shapes import projection_shapes
 
-    c = shape_config(args.shape)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    hidden, inter = c["hidden_size"], c["intermediate_size"]
-    q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    shapes = {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * inter),
-              "down": (inter, hidden)}
+    shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = args.group_size
     for name, (k, n) in shapes.items():

@@ -51,14 +51,9 @@ def main() -> int:
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from lowvram.shapes import shape_config
+    from lowvram.shapes import projection_shapes
 
-    c = shape_config(args.shape)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    hidden, inter = c["hidden_size"], c["intermediate_size"]
-    q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    shapes = {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * inter),
-              "down": (inter, hidden)}
+    shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     tilings = [  # (block_n, block_k, num_warps, split rule)
         (64, 128, 4, "lanes"), (64, 128, 4, "k/128"), (256, 16, 1, "k/128"), (256, 32, 1, "k/128"),

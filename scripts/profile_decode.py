@@ -70,7 +70,6 @@ def time_decode(engine: LLMEngine, num_steps: int) -> dict:
 def host_profile(engine: LLMEngine, num_steps: int, top: int = 25) -> list[dict]:
     """cProfile of decode steps: the Python functions that take the host's time per step."""
     import cProfile
-    import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
@@ -78,13 +77,19 @@ def host_profile(engine: LLMEngine, num_steps: int, top: int = 25) -> list[dict]
         engine.step()
     torch.cuda.synchronize()
     profiler.disable()
-    stats = pstats.Stats(profiler)
+    return cprofile_rows(profiler, num_steps, top)
+
+
+def cprofile_rows(profiler, num_steps: int, top: int) -> list[dict]:
+    """A cProfile run's `top` functions by own time, per step of the `num_steps` it ran."""
+    import pstats
+
     rows = []
-    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
         where = f"{Path(filename).name}:{line}:{name}" if line else name
-        rows.append({"function": where[:90], "calls_per_step": round(calls / num_steps, 1),
-                     "self_us_per_step": round(1e6 * tottime / num_steps, 1),
-                     "cumulative_us_per_step": round(1e6 * cumtime / num_steps, 1)})
+        rows.append({"function": where[:90], "calls_per_step": round(calls / num_steps, 2),
+                     "self_us_per_step": round(1e6 * tottime / num_steps, 2),
+                     "cumulative_us_per_step": round(1e6 * cumtime / num_steps, 2)})
     rows.sort(key=lambda r: -r["self_us_per_step"])
     return rows[:top]
 
