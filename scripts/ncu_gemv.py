@@ -2,7 +2,7 @@
 
 Each projection's kernel runs twice (the first launch compiles and warms up), with the
 default configuration and the rank-R compensation the profile's quantization adds, then
-the read-only kernel of probe_gemv_floor.py on the same tiling. Run it under ncu, e.g.
+probe_gemv_floor.py's kernel on the same tiling in each of its modes (read, f32, half2). Run it under ncu, e.g.
 
     ncu --clock-control none --kernel-name regex:"_awq_gemv_row_kernel|_read_tiles_kernel" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=128)
     args = parser.parse_args()
-    from probe_gemv_floor import _read_tiles_kernel
+    from probe_gemv_floor import MODES, _read_tiles_kernel
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
     from lowvram.shapes import projection_shapes
@@ -53,9 +53,10 @@ def main() -> int:
         per_split = triton.cdiv(num_k_blocks, config["split_k"])
         split = triton.cdiv(num_k_blocks, per_split)
         out = torch.empty(split * triton.cdiv(n, block_n) * block_n // 8, dtype=torch.int32, device="cuda")
-        _read_tiles_kernel[(triton.cdiv(n, block_n), split)](qweight, out, n // 8, per_split, num_k_blocks,
-                                                             BLOCK_C=block_n // 8, BLOCK_K=block_k,
-                                                             num_warps=config["num_warps"])
+        for mode in MODES.values():
+            _read_tiles_kernel[(triton.cdiv(n, block_n), split)](qweight, x, out, n // 8, per_split, num_k_blocks,
+                                                                 BLOCK_C=block_n // 8, BLOCK_K=block_k, MODE=mode,
+                                                                 num_warps=config["num_warps"])
     torch.cuda.synchronize()
     return 0
 
