@@ -41,11 +41,10 @@ every element first made the quantized pages slower to read than FP16 ones of
 twice their size. A code becomes a float without an integer-to-float conversion
 instruction (those run at a quarter of the float rate or less): OR-ed into the
 mantissa of 1024.0 it reads as 1024 + code, and one float16 add removes the 1024.
-The default reads the codes a byte at a time, INT4's as two half-width planes of
-low nibbles (elements 2i) and high nibbles (2i + 1). A form that loads int32
-words and makes two codes at a time, taking the columns in the order that leaves
-each pair in one register, compiles to fewer instructions but measured slower on
-an H200 (`DecodeConfig.codes`, docs/performance.md), as did the conversions. Tokens of pages kept in FP16 beside INT8/INT4 ones
+The codes are read a byte at a time, INT4's as two half-width planes of low
+nibbles (elements 2i) and high nibbles (2i + 1). The conversions, and a form that
+unpacked int32 words two codes at a time, measured no faster than bytes on an
+H200 (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0.
 
@@ -108,15 +107,6 @@ class DecodeConfig:
     (the last partition of a sequence's KV head to finish adds them up), saving the merge
     kernel's launch but leaving the merge to one program per KV head; with more, the merge
     kernel runs one program per head. Both merges give the same bits.
-    codes: how INT8/INT4 codes become the dots' floats, exactly in every form: "words" loads
-    the pages as int32 words and turns two codes at a time into float16 with logic ops and one
-    float add (see `_unpack_words`); "bytes" does the same one byte at a time; "cvt" uses the
-    integer-to-float conversion instructions, which run at a quarter of the float rate or
-    less. "bytes" and "cvt" give the same bits; "words" adds a row's products in another
-    column order, so it differs from them by float32 rounding. "words" needs a head size that
-    is a multiple of 32 // bits and at most 512, and falls back to "bytes" otherwise. "bytes"
-    is the default: the fastest in every row of `bench_paged_attention.py` on an H200, 8-17%
-    ahead of "cvt" at 32K tokens and more, and ahead of "words" too.
 
     The default (`default_decode_config`) depends on the device and head size only, never on
     the batch: a tile size that followed the batch would change how a sequence's tokens are
@@ -127,10 +117,6 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     max_fused_splits: int
-    codes: str = "bytes"
-
-
-CODE_FORMS = ("words", "bytes", "cvt")
 
 
 def default_decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
@@ -274,41 +260,13 @@ def _block_d(head_dim: int) -> int:
     return 1 << max(0, head_dim - 1).bit_length()
 
 
-def _code_form(pages: KVPages, codes: str) -> str:
-    """The form of `DecodeConfig.codes` the kernels can take for these pages."""
-    if not pages.is_quantized:
-        return "cvt"  # not used
-    # Tiles wider than 512 columns (MLA's 576) spill registers while they stage the words' floats
-    # (sm_90, 8 warps: 488 bytes of stack per thread); bytes fit.
-    if codes == "words" and (not _can_read_words(pages) or _block_d(pages.head_dim) > 512):
-        return "bytes"
-    return codes
-
-
-def _can_read_words(pages: KVPages) -> bool:
-    # Whole int32 words per row, and rows that start on a word.
-    tensors = (pages.k, pages.v)
-    return (pages.head_dim % (32 // pages.bits) == 0
-            and all(t.is_contiguous() and t.storage_offset() % 4 == 0 for t in tensors))
-
-
-def _code_pointers(pages: KVPages, code_form: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if code_form == "words":
-        return pages.k.view(torch.int32), pages.v.view(torch.int32)  # [..., row_bytes // 4]
-    return pages.k, pages.v
-
-
-def _plane_layout(pages: KVPages, code_form: str) -> dict:
-    """How the kernels split a head's columns. Bytes of INT4 codes split into their low and high
-    nibbles (elements 2i and 2i + 1, each plane half the head); the other forms keep one plane.
-    Words of codes come out in their own column order (`_plane_channels`): WORD_CODES is the
-    number of codes in an int32 word then, and 0 otherwise."""
-    num_planes = 2 if pages.bits == 4 and code_form != "words" else 1
+def _plane_layout(pages: KVPages) -> dict:
+    """How the kernels split a head's columns: INT4 into its low and high nibbles (elements
+    2i and 2i + 1, each plane half the head), the others into one plane."""
+    num_planes = 2 if pages.bits == 4 else 1
     plane_dim = pages.head_dim // num_planes
-    word_codes = 32 // pages.bits if code_form == "words" else 0
     # tl.dot needs at least 16 columns: head sizes 16 to 31 pad INT4's half-head planes.
-    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, triton.next_power_of_2(plane_dim)),
-            "CODES": code_form, "WORD_CODES": word_codes}
+    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, triton.next_power_of_2(plane_dim))}
 
 
 def _tile_rows(block_d: int, rows: int) -> int:
@@ -395,8 +353,6 @@ def _check_config(name: str, config: DecodeConfig) -> None:
     if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
         raise KernelError(f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
                           "expected num_warps a power of two up to 16 and num_stages >= 1")
-    if config.codes not in CODE_FORMS:
-        raise KernelError(f"{name}: DecodeConfig.codes is {config.codes!r}; expected one of {', '.join(CODE_FORMS)}")
 
 
 def _merge_chunk(block_h: int, block_d: int) -> int:
@@ -476,15 +432,14 @@ def paged_decode_attention(
         partial_out, partial_lse = out, out  # unused without splitting
     counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
-    code_form = _code_form(pages, config.codes)
     block_h = triton.next_power_of_2(group_size)  # the heads the fused merge adds up together
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, *_code_pointers(pages, code_form), k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, context_lens, out, partial_out, partial_lse, counters,
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages, code_form), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
         BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
@@ -543,17 +498,16 @@ def paged_prefill_attention(
     block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
-    code_form = _code_form(pages, DecodeConfig.codes)  # the decode kernel's default
     # One more query tile than the longest chunk needs: a chunk after a cached prefix may start
     # inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, *_code_pointers(pages, code_form), k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
+        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, cu_seqlens_q, context_lens, out,
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         pages.num_kv_heads, num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages, code_form), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window,
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
@@ -588,93 +542,35 @@ if HAS_TRITON:
         return tl.load(ptr + rows[:, None] * ROW_LEN + cols[None, :], mask=mask, other=0)
 
     @triton.jit
-    def _code_values(codes, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr):
-        # Codes 0..255 (any integer type) as exact DOT_DTYPE values. "cvt" converts them with
-        # I2F instructions, a quarter of the float rate or less on NVIDIA GPUs. Otherwise a code
-        # OR-ed into the low mantissa bits of 1024 (float16, ten mantissa bits) or of 2**23
-        # (float32) makes that power of two plus the code, exactly: a logic op and a float
-        # subtraction, which the float16 pipes run two at a time.
-        if CODES == "cvt":
-            return codes.to(DOT_DTYPE)
-        elif DOT_DTYPE == tl.float16:
+    def _code_values(codes, DOT_DTYPE: tl.constexpr):
+        # Codes 0..255 (any integer type) as exact DOT_DTYPE values without I2F instructions (a
+        # quarter of the float rate or less on NVIDIA GPUs): a code OR-ed into the low mantissa
+        # bits of 1024 (float16, ten mantissa bits) or of 2**23 (float32) makes that power of two
+        # plus the code, exactly: a logic op and a float subtraction, which the float16 pipes run
+        # two at a time.
+        if DOT_DTYPE == tl.float16:
             return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
         else:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _code_pair(pairs, IS_SIXTEENFOLD: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        # The codes in the two 16-bit halves of int32 `pairs` (16 times the code when
-        # IS_SIXTEENFOLD, up to 240) as exact DOT_DTYPE values: (low half, high half). In
-        # float16 both halves get 1024's exponent bits in one logic op and stay in one register,
-        # so each subtraction below is half of one HADD2; a sixteenfold code is
-        # ((1024 + 16 c) - 1024) / 16, exact as 16 is a power of two. (Not one fused multiply-
-        # add: some Triton versions compute tl.fma of float16 and Python floats in float32.)
-        if DOT_DTYPE == tl.float16:
-            biased = pairs | 0x64006400
-            low = biased.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-            high = (biased >> 16).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-            if IS_SIXTEENFOLD:
-                return (low * 0.0625).to(tl.float16), (high * 0.0625).to(tl.float16)
-            return low.to(tl.float16), high.to(tl.float16)
-        else:
-            low = ((pairs & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True)
-            high = ((pairs >> 16) | 0x4B000000).to(tl.float32, bitcast=True)
-            if IS_SIXTEENFOLD:
-                return tl.fma(low, 0.0625, -524288.0), tl.fma(high, 0.0625, -524288.0)
-            return low - 8388608.0, high - 8388608.0
-
-    @triton.jit
-    def _unpack_words(words, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        # int32 words of codes [R, W] (4 INT8 or 8 INT4 codes each, element 4j + i or 8j + i in
-        # byte or nibble i of word j) -> [R, W * 32 // BITS] exact DOT_DTYPE values. Masks pick
-        # two codes at once, one per 16-bit half (`_code_pair`); INT4's odd nibbles are masked
-        # in place (16 times their value) rather than shifted down. The codes come out with the
-        # two halves of a word side by side, so a float16 pair never leaves its register: the
-        # column order of `_plane_channels`, which the queries and outputs follow instead.
-        if BITS == 8:
-            even_low, even_high = _code_pair(words & 0x00FF00FF, False, DOT_DTYPE)  # elements 4j, 4j + 2
-            odd_low, odd_high = _code_pair((words >> 8) & 0x00FF00FF, False, DOT_DTYPE)  # 4j + 1, 4j + 3
-            lows = tl.join(even_low, odd_low)
-            highs = tl.join(even_high, odd_high)
-        else:
-            shifted = words >> 8
-            a_low, a_high = _code_pair(words & 0x000F000F, False, DOT_DTYPE)  # elements 8j, 8j + 4
-            b_low, b_high = _code_pair(words & 0x00F000F0, True, DOT_DTYPE)  # 8j + 1, 8j + 5
-            c_low, c_high = _code_pair(shifted & 0x000F000F, False, DOT_DTYPE)  # 8j + 2, 8j + 6
-            d_low, d_high = _code_pair(shifted & 0x00F000F0, True, DOT_DTYPE)  # 8j + 3, 8j + 7
-            lows = tl.join(tl.join(a_low, b_low), tl.join(c_low, d_low))
-            highs = tl.join(tl.join(a_high, b_high), tl.join(c_high, d_high))
-        values = tl.join(lows, highs)  # [R, W, 2, 2] or [R, W, 2, 2, 2]: the last dim is the half
-        return tl.reshape(values, [words.shape[0], words.shape[1] * (32 // BITS)])
-
-    @triton.jit
-    def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr, WORD_CODES: tl.constexpr):
-        # The element of the head each column of a plane holds (see _load_operands). Words of
-        # codes (`_unpack_words`): column 4j + 2k + h (INT8) holds element 4j + k + 2h, column
-        # 8j + 4k + 2l + h (INT4) element 8j + k + 2l + 4h, h being the half of the word; that is,
-        # the column with its low bits reversed (so the order is its own inverse).
-        if WORD_CODES == 4:
-            return (offs_c & ~3) | ((offs_c & 1) << 1) | ((offs_c >> 1) & 1)
-        elif WORD_CODES == 8:
-            return (offs_c & ~7) | ((offs_c & 1) << 2) | (offs_c & 2) | ((offs_c >> 2) & 1)
-        else:
-            return offs_c * NUM_PLANES + PLANE
+    def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
+        # The element of the head each column of a plane holds (see _load_operands).
+        return offs_c * NUM_PLANES + PLANE
 
     @triton.jit
     def _load_operands(
         cache_ptr, scale_ptr, zero_ptr, window_ptr, rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CODES: tl.constexpr,
-        WORD_CODES: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
         # One K or V tile as the dots take it: (plane0, plane1, scale, zero), the planes
         # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] such that
         # a value is (plane - zero) * scale. rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head.
         # FP16 pages: one plane of values (scale and zero are not used). INT8: one plane of
-        # codes 0..255, exact in float16. INT4 bytes: two planes, the low nibbles (elements 2i)
-        # and the high ones (2i + 1), so no nibble moves between columns. INT8/INT4 words: one
-        # plane in the words' column order (`_plane_channels`). Tokens of pages kept in FP16 come
-        # from the window with scale 1 and zero 0. Masked rows come back as 0.
+        # codes 0..255, exact in float16. INT4: two planes, the low nibbles (elements 2i) and the
+        # high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in FP16
+        # come from the window with scale 1 and zero 0. Masked rows come back as 0.
         offs_c = tl.arange(0, BLOCK_C)
         if HAS_WINDOW:
             is_window = mask_n & (window_page >= 0)
@@ -689,26 +585,20 @@ if HAS_TRITON:
         else:
             scale = tl.load(scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
             zero = tl.load(zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
-            if CODES == "words":
-                offs_w = tl.arange(0, BLOCK_C // WORD_CODES)
-                words = _load_rows(cache_ptr, rows, mask_codes, offs_w, HEAD_DIM // WORD_CODES,
-                                   HEAD_DIM // WORD_CODES, BLOCK_C // WORD_CODES)
-                plane0 = _unpack_words(words, BITS, DOT_DTYPE)
-                plane1 = plane0
-            elif BITS == 8:
+            if BITS == 8:
                 codes = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C)
-                plane0 = _code_values(codes, DOT_DTYPE, CODES)
+                plane0 = _code_values(codes, DOT_DTYPE)
                 plane1 = plane0
             else:
                 packed = _load_rows(cache_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C)
-                plane0 = _code_values(packed & 15, DOT_DTYPE, CODES)
-                plane1 = _code_values(packed >> 4, DOT_DTYPE, CODES)
+                plane0 = _code_values(packed & 15, DOT_DTYPE)
+                plane1 = _code_values(packed >> 4, DOT_DTYPE)
             if HAS_WINDOW:
-                cols = _plane_channels(offs_c, 0, NUM_PLANES, WORD_CODES)
+                cols = _plane_channels(offs_c, 0, NUM_PLANES)
                 kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
                 plane0 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane0)
                 if NUM_PLANES == 2:
-                    cols = _plane_channels(offs_c, 1, 2, WORD_CODES)
+                    cols = _plane_channels(offs_c, 1, 2)
                     kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
                     plane1 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane1)
                 scale = tl.where(is_window, 1.0, scale)
@@ -717,29 +607,29 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
-                           NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr, WORD_CODES: tl.constexpr):
+                           NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
         # Query rows (row_ptrs [R, 1] to their first element) split like the K planes, and
         # their float32 sums over all columns [R].
         offs_c = tl.arange(0, BLOCK_C)
         mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        q0 = tl.load(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES, WORD_CODES)[None, :], mask=mask, other=0.0)
+        q0 = tl.load(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :], mask=mask, other=0.0)
         q_sum = tl.sum(q0.to(tl.float32), axis=1)
         q1 = q0
         if NUM_PLANES == 2:
-            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, 2, WORD_CODES)[None, :], mask=mask, other=0.0)
+            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, 2)[None, :], mask=mask, other=0.0)
             q_sum += tl.sum(q1.to(tl.float32), axis=1)
         return q0, q1, q_sum
 
     @triton.jit
     def _store_planes(row_ptrs, result0, result1, mask_rows, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
-                      BLOCK_C: tl.constexpr, WORD_CODES: tl.constexpr):
+                      BLOCK_C: tl.constexpr):
         # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
         offs_c = tl.arange(0, BLOCK_C)
         mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        tl.store(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES, WORD_CODES)[None, :],
+        tl.store(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :],
                  result0.to(row_ptrs.dtype.element_ty), mask=mask)
         if NUM_PLANES == 2:
-            tl.store(row_ptrs + _plane_channels(offs_c, 1, 2, WORD_CODES)[None, :],
+            tl.store(row_ptrs + _plane_channels(offs_c, 1, 2)[None, :],
                      result1.to(row_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -748,17 +638,17 @@ if HAS_TRITON:
         k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr,
         rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, CODES: tl.constexpr, WORD_CODES: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
         # One K/V tile of the online softmax of query rows q0/q1 (planes [R, BLOCK_C], q_sum [R]
         # their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0, acc1).
         # V's loads are issued before the QK dot so that both tiles are in flight together.
         k0, k1, k_scale, k_zero = _load_operands(
             k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, CODES, WORD_CODES)
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
         v0, v1, v_scale, v_zero = _load_operands(
             v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, CODES, WORD_CODES)
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
         qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
         if NUM_PLANES == 2:
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
@@ -801,8 +691,7 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr, CODES: tl.constexpr,
-        WORD_CODES: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -822,7 +711,7 @@ if HAS_TRITON:
         heads = kv_head * group_size + offs_g
         # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
-        q0, q1, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, WORD_CODES)
+        q0, q1, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -841,7 +730,7 @@ if HAS_TRITON:
                 q0, q1, q_sum, m_i, l_i, acc0, acc1, mask_n[None, :], scale_log2,
                 k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
                 window_v_ptr, rows, window_page, window_rows, mask_n,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, CODES, WORD_CODES)
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -854,7 +743,7 @@ if HAS_TRITON:
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
             _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, mask_g,
-                          PLANE_DIM, NUM_PLANES, BLOCK_C, WORD_CODES)
+                          PLANE_DIM, NUM_PLANES, BLOCK_C)
             if IS_FUSED:
                 # The last of the sequence's partitions of this KV head to finish merges them.
                 # The CTA barrier puts every thread's partial stores before the count, whose
@@ -873,7 +762,7 @@ if HAS_TRITON:
                     tl.store(counter, 0)
         else:
             _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, mask_g,
-                          PLANE_DIM, NUM_PLANES, BLOCK_C, WORD_CODES)
+                          PLANE_DIM, NUM_PLANES, BLOCK_C)
 
     @triton.jit
     def _num_partitions(context_len, partition_tokens, num_splits):
@@ -942,7 +831,7 @@ if HAS_TRITON:
         num_kv_heads, group_size,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, CODES: tl.constexpr, WORD_CODES: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -961,7 +850,7 @@ if HAS_TRITON:
         mask_m = (q_positions >= num_cached) & (q_positions < context_len)
         token_rows = (q_start + q_positions - num_cached).to(tl.int64)
         q0, q1, q_sum = _load_query_planes(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m,
-                                           HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, WORD_CODES)
+                                           HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         # K/V up to the last query of this tile (causal); none when the tile has no new token.
         end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -985,8 +874,8 @@ if HAS_TRITON:
                 q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
                 k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
                 window_v_ptr, rows, window_page, window_rows, mask_n,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, CODES, WORD_CODES)
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, acc0 / denominator,
-                      acc1 / denominator, mask_m, PLANE_DIM, NUM_PLANES, BLOCK_C, WORD_CODES)
+                      acc1 / denominator, mask_m, PLANE_DIM, NUM_PLANES, BLOCK_C)

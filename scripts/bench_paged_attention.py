@@ -10,12 +10,9 @@ Each (precision, context, batch) is timed twice: with the default partitioning a
 fixed partitions of batch-invariant decoding (INVARIANT_PARTITION_TOKENS). Beside the copy
 bandwidth of a large buffer, each row has that of a copy moving its own byte count, timed
 the same way: at small sizes that copy is latency bound too, and it is the fairer ceiling.
-Quantized rows are also timed with each form of turning codes into floats
-(`DecodeConfig.codes`: "words", the default, "bytes" and "cvt", the conversion instructions
-the kernel used before), under `by_codes`. --sweep also times a small grid of kernel
-configurations per row (tile tokens, warps, pipeline stages; then the best of them with the
-merge inside the decode kernel, with each other form of codes, and, with the default
-partitioning, with 8, 16 and 32 partitions, merged in the decode kernel up to
+--sweep also times a small grid of kernel configurations per row (tile tokens, warps,
+pipeline stages; then the best of them with the merge inside the decode kernel and, with
+the default partitioning, with 8, 16 and 32 partitions, merged in the decode kernel up to
 `max_fused_splits`) and reports the best; about four minutes on an H200, most of it
 compiling.
 
@@ -38,7 +35,6 @@ import torch
 
 from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels.paged_attention import (
-    CODE_FORMS,
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
     default_decode_config,
@@ -192,10 +188,9 @@ def sweep_configs() -> list[DecodeConfig]:
             for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)]
 
 
-def _config_label(config: DecodeConfig, num_splits: int, precision: str) -> str:
+def _config_label(config: DecodeConfig, num_splits: int) -> str:
     merge = "fused" if num_splits <= config.max_fused_splits else "kernel"
-    codes = f"/{config.codes}" if precision != "fp16" else ""  # FP16 pages have no codes
-    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}{codes}"
+    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
 
 
 def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float,
@@ -226,15 +221,10 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         "achieved_gbs": timed["achieved_gbs"],
         "fraction_of_copy": timed["fraction_of_copy"],
         "calls_per_graph": setup.copies,
-        "config": _config_label(config, num_splits, setup.precision),
+        "config": _config_label(config, num_splits),
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
-    if setup.precision != "fp16":
-        # The default configuration with each form of codes: the old conversions against the new.
-        row["by_codes"] = {codes: timed if codes == config.codes else
-                           _timed(setup, partitioning, dataclasses.replace(config, codes=codes), copy_gbs)
-                           for codes in CODE_FORMS}
     if sweep:
         candidates = sweep_configs()
         results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
@@ -243,9 +233,6 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
             _, best_tiles = min(timed_tiles, key=lambda pair: pair[0]["time_us"])
             results.append(_sweep_result(setup, partitioning,
                                          dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs))
-            if setup.precision != "fp16":
-                results += [_sweep_result(setup, partitioning, dataclasses.replace(best_tiles, codes=codes), copy_gbs)
-                            for codes in CODE_FORMS if codes != best_tiles.codes]
             if partitioning == "auto":
                 # Fewer partitions than the default: with at most max_fused_splits of them the
                 # decode kernel merges them itself (batch 1 gets 64 by default, merged by a kernel).
@@ -269,7 +256,7 @@ def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gb
         result = _timed(setup, partitioning, config, copy_gbs, forced_splits)
     except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
         result = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"}
-    label = _config_label(config, num_splits, setup.precision)
+    label = _config_label(config, num_splits)
     if forced_splits is not None:
         label += f"/{num_splits}splits"
     return {"config": label, **dataclasses.asdict(config), "num_splits": num_splits, **result}
@@ -279,8 +266,6 @@ def print_row(row: dict) -> None:
     line = (f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
             f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}")
-    if "by_codes" in row:
-        line += "  " + " ".join(f"{codes} {timed['time_us']:.1f}" for codes, timed in row["by_codes"].items())
     if "best" in row:
         best = row["best"]
         line += f"  best {best['config']:<32} {best['time_us']:>8.1f} {best['fraction_of_copy']:>7.1%}"
@@ -309,7 +294,7 @@ def main() -> int:
     print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
           f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way")
     header = (f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
-              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}  (quantized: us by form of codes)")
+              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}")
     if args.sweep:
         header += f"  {'best config':<32} {'time_us':>8} {'of copy':>7}"
     print(header)

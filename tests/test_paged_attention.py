@@ -4,7 +4,6 @@ Without CUDA the kernels run in the Triton interpreter on tiny shapes; the
 `gpu` tests run real model shapes. Every comparison prints its largest difference.
 """
 
-import dataclasses
 import math
 
 import pytest
@@ -298,32 +297,17 @@ def test_quantized_pages_keep_float16_queries_accurate(precision):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 24), (4, 4, 40), (4, 1, 20)])
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_code_forms_agree(precision, num_heads, num_kv_heads, head_dim, dtype):
-    # Every form of turning codes into floats (DecodeConfig.codes) is exact: "bytes" gives the
-    # bits of "cvt", and "words", which sums the columns in another order, stays within float32
-    # rounding of them. Groups of 3, 4 and 1 query heads, contexts that end inside a page, and
-    # an INT4 head of 20 that has no whole words (so "words" falls back to "bytes").
+def test_codes_become_floats_exactly(precision, num_heads, num_kv_heads, head_dim, dtype):
+    # Codes OR-ed into a float's mantissa are exact, so decode stays within float32 rounding of
+    # the reference. Groups of 3, 4 and 1 query heads, contexts that end inside a page, and an
+    # INT4 head of 20 whose half-head planes are padded.
     case = PagedCase(precision, dtype, 8, num_kv_heads, head_dim, [1, 13, 40, 29], seed=70, num_window_blocks=2)
     q = torch.randn(4, num_heads, head_dim, generator=torch.Generator().manual_seed(71)).to(DEVICE, dtype)
     args = (q, case.pages, case.block_tables, case.context_lens_t, head_dim**-0.5)
     expected = paged_decode_attention_ref(q.float(), *args[1:])
-    base = paged_attention.default_decode_config(DEVICE, head_dim)
-    outs = {}
-    for codes in paged_attention.CODE_FORMS:
-        config = dataclasses.replace(base, codes=codes)
-        outs[codes] = paged_decode_attention(*args, num_splits=3, _config=config)
-        label = f"decode {precision} {dtype} H={num_heads} Hkv={num_kv_heads} D={head_dim} codes={codes}"
-        assert _report(label, outs[codes], expected) <= (1e-5 if dtype == torch.float32 else 6e-4)
-    assert torch.equal(outs["bytes"], outs["cvt"])
-    assert _report("words against cvt", outs["words"], outs["cvt"]) <= (1e-6 if dtype == torch.float32 else 1e-3)
-
-
-def test_unknown_code_form_is_rejected():
-    case = PagedCase("int8", torch.float32, 8, 2, TINY_DIM, [5], seed=72)
-    q = torch.zeros(1, TINY_HEADS, TINY_DIM, device=DEVICE)
-    config = dataclasses.replace(paged_attention.default_decode_config(DEVICE, TINY_DIM), codes="float")
-    with pytest.raises(KernelError, match="codes"):
-        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 1.0, _config=config)
+    out = paged_decode_attention(*args, num_splits=3)
+    label = f"decode {precision} {dtype} H={num_heads} Hkv={num_kv_heads} D={head_dim}"
+    assert _report(label, out, expected) <= (1e-5 if dtype == torch.float32 else 6e-4)
 
 
 def test_choose_num_splits_fills_the_gpu():
