@@ -2,7 +2,8 @@
 
 Each projection's kernel runs twice (the first launch compiles and warms up), with the
 default configuration and the rank-R compensation the profile's quantization adds, then
-probe_gemv_floor.py's kernel on the same tiling in each of its modes (read, f32, half2). Run it under ncu, e.g.
+probe_gemv_floor.py's kernel on the same tiling in each of its modes (read, f32, half2).
+Run it under ncu, e.g.
 
     ncu --clock-control none --kernel-name regex:"_awq_gemv_row_kernel|_read_tiles_kernel" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \

@@ -8,6 +8,14 @@ def _seq(seq_id: int, num_prompt: int) -> Sequence:
     return Sequence(seq_id, str(seq_id), None, list(range(1, num_prompt + 1)), SamplingParams(), detokenizer=None)
 
 
+def _scheduler_with(block_manager: BlockManager, *seqs: Sequence) -> Scheduler:
+    """A scheduler of up to 4 sequences and 100 tokens a step, with seqs added in order."""
+    sched = Scheduler(block_manager, max_num_seqs=4, max_num_batched_tokens=100)
+    for seq in seqs:
+        sched.add(seq)
+    return sched
+
+
 def _finish_step(batch):
     """What the engine does after a step: advance, and sample one token where a sequence caught up."""
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -43,10 +51,8 @@ def test_max_num_seqs_limits_admission():
 
 def test_decode_preempts_newest_and_resumes_it_first():
     bm = BlockManager(4, 4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
     a, b = _seq(0, 8), _seq(1, 7)
-    sched.add(a)
-    sched.add(b)
+    sched = _scheduler_with(bm, a, b)
     _finish_step(sched.schedule())  # a: 8 prompt + 1 out = 9 tokens (needs 3 pages), b: 7 + 1 = 8 (2 pages)
     batch = sched.schedule()
     # a needs a third page, none is free: b (newest) is preempted and its pages freed
@@ -62,10 +68,8 @@ def test_decode_preempts_newest_and_resumes_it_first():
 
 def test_decode_takes_a_new_page_exactly_when_the_last_one_is_full():
     bm = BlockManager(8, 4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
     a, b = _seq(0, 6), _seq(1, 3)
-    sched.add(a)
-    sched.add(b)
+    sched = _scheduler_with(bm, a, b)
     _finish_step(sched.schedule())  # prefill: a holds pages [0, 1], b [2]
     tables = []
     for _ in range(4):
@@ -79,10 +83,8 @@ def test_decode_takes_a_new_page_exactly_when_the_last_one_is_full():
 
 def test_resume_without_prefix_caching_recomputes_everything():
     bm = BlockManager(4, 4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
     a, b = _seq(0, 8), _seq(1, 7)
-    sched.add(a)
-    sched.add(b)
+    sched = _scheduler_with(bm, a, b)
     _finish_step(sched.schedule())
     assert [s.seq_id for s in sched.schedule().preempted] == [1]
     sched.finish(a)
