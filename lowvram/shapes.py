@@ -49,14 +49,19 @@ def shape_config(name: str, num_layers: int | None = None) -> dict:
     return config
 
 
+def layer_projection_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int) -> dict[str, tuple[int, int]]:
+    """(K, N) of each decoder-layer projection, q/k/v and gate/up fused as the engine loads
+    them: qkv, o, gate_up, down."""
+    return {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate),
+            "down": (intermediate, hidden)}
+
+
 def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
-    """(K, N) of each decoder-layer projection of a named shape, q/k/v and gate/up fused as
-    the engine loads them: qkv, o, gate_up, down."""
+    """layer_projection_shapes of a named shape."""
     c = shape_config(name)
-    h, i = c["hidden_size"], c["intermediate_size"]
-    head_dim = h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return layer_projection_shapes(c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * head_dim,
+                                   c["num_key_value_heads"] * head_dim)
 
 
 def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:

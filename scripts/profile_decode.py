@@ -29,6 +29,7 @@ import torch
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
+from lowvram.shapes import layer_projection_shapes, projection_shapes
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -206,7 +207,8 @@ def finish(engine: LLMEngine) -> None:
 
 def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) -> list[dict]:
     """Block configurations to time: the interleaving kernel, and for one row the lane
-    kernel with either reduction (see w4a16_gemv), each at split-K around two programs per SM."""
+    kernel with either reduction (see w4a16_gemv), each at split-K around two programs per SM
+    and at one or two K blocks per program."""
     import triton
 
     def splits(bn: int, bk: int) -> list[int]:
@@ -237,19 +239,16 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 SWEEP_COLD_BYTES = 256 * 2**20
 
 
-def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ...] = (1, 8),
-               only_shapes: str = "") -> list[dict]:
-    """Times W4A16 decode kernel configurations on the model's projection shapes, with a
-    rank-`rank` compensation as the profile's quantization adds (0: none). Each timed graph
-    runs one call over each of several copies of the weights (SWEEP_COLD_BYTES): from
-    memory, not from L2."""
+def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 0,
+               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "") -> list[dict]:
+    """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
+    lowvram.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
+    quantization adds (0: none). Each timed graph runs one call over each of several copies
+    of the weights (SWEEP_COLD_BYTES): from memory, not from L2."""
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
 
-    hidden, inter = config.hidden_size, config.intermediate_size
-    shapes = {"qkv": (hidden, config.q_size + 2 * config.kv_size), "o": (config.q_size, hidden),
-              "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name, (k, n) in shapes.items():
@@ -319,18 +318,10 @@ def sweep_gemv(config, group_size: int, rank: int = 0, row_counts: tuple[int, ..
 
 def sweep_shape_only(args) -> int:
     """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes."""
-    from types import SimpleNamespace
-
-    from lowvram.shapes import shape_config
-
-    c = shape_config(args.shape)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    config = SimpleNamespace(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                             q_size=c["num_attention_heads"] * head_dim, kv_size=c["num_key_value_heads"] * head_dim)
     record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
               "group_size": args.group_size, "lora_rank": args.rank,
-              "gemv_sweep": sweep_gemv(config, args.group_size, args.rank,
+              "gemv_sweep": sweep_gemv(projection_shapes(args.shape), args.group_size, args.rank,
                                        tuple(int(r) for r in args.sweep_rows.split(",")),
                                        args.sweep_shapes)}
     if args.json:
@@ -433,7 +424,9 @@ def main() -> int:
     record["prefill"] = profile_prefill(engine, args.prefill_tokens)
     print(json.dumps({k: v for k, v in record["prefill"].items() if k != "kernels"}))
     if args.sweep_gemv and engine.config.quantization is not None:
-        record["gemv_sweep"] = sweep_gemv(engine.config, engine.config.quantization.group_size, args.rank)
+        c = engine.config
+        shapes = layer_projection_shapes(c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
+        record["gemv_sweep"] = sweep_gemv(shapes, c.quantization.group_size, args.rank)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
