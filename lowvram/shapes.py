@@ -49,11 +49,14 @@ def shape_config(name: str, num_layers: int | None = None) -> dict:
     return config
 
 
+# A decoder layer's projections, q/k/v and gate/up fused as the engine loads them.
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 def layer_projection_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int) -> dict[str, tuple[int, int]]:
-    """(K, N) of each decoder-layer projection, q/k/v and gate/up fused as the engine loads
-    them: qkv, o, gate_up, down."""
-    return {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate),
-            "down": (intermediate, hidden)}
+    """(K, N) of each of PROJECTIONS."""
+    shapes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * intermediate), (intermediate, hidden))
+    return dict(zip(PROJECTIONS, shapes))
 
 
 def projection_shapes(name: str) -> dict[str, tuple[int, int]]:

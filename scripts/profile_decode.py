@@ -29,7 +29,7 @@ import torch
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
-from lowvram.shapes import layer_projection_shapes, projection_shapes
+from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -344,8 +344,8 @@ def main() -> int:
                         help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
-    parser.add_argument("--sweep-shapes", default="", help="projections the GEMV sweep times (qkv,o,gate_up,down; "
-                        "default all)")
+    parser.add_argument("--sweep-shapes", default="",
+                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all)")
     parser.add_argument("--rank", type=int, default=None,
                         help="compensation rank of the quantized model and the sweep (default: the profile's)")
     parser.add_argument("--fp16-budget-mib", type=float, default=None,
@@ -354,6 +354,10 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS)
+    if unknown:
+        parser.error(f"--sweep-shapes: unknown projections {', '.join(sorted(unknown))}; "
+                     f"choose from {', '.join(PROJECTIONS)}")
 
     profile = load_profile(args.profile)
     args.rank = profile.compensation_rank if args.rank is None else args.rank
