@@ -119,14 +119,29 @@ class DecodeConfig:
     max_fused_splits: int
 
 
-def default_decode_config(device: torch.device, head_dim: int) -> DecodeConfig:
-    """The decode kernel's configuration unless a benchmark passes another."""
+@functools.lru_cache(maxsize=None)
+def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -> DecodeConfig:
+    """The decode kernel's configuration for pages of `bits` (16, 8 or 4) unless a benchmark
+    passes another."""
     block_d = _block_d(head_dim)
-    # Tiles and warps as before the knobs existed, and Triton's own default of 3 stages. Merging
-    # up to 16 partial rows per head in the last program should cost less than a second launch;
-    # the benchmark's sweep (scripts/bench_paged_attention.py --sweep) is there to say.
-    return DecodeConfig(block_n=_tile_rows(block_d, _decode_block_n(device)), num_warps=8 if block_d >= 512 else 4,
-                        num_stages=3, max_fused_splits=16)
+    block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
+    if _has_async_copies(device):
+        # Measured on an H200 at 128K tokens x 8 sequences (scripts/bench_paged_attention.py
+        # --sweep, docs/performance.md): two pipeline stages beat three at every precision,
+        # and INT8 codes, whose byte-wise tiles cost the most instructions per token, are read
+        # fastest in 128-token tiles over 8 warps (a quarter less time than 64 over 4).
+        num_stages = 2
+        if bits == 8:
+            block_n, num_warps = 2 * block_n, 8
+    # Merging up to 16 partial rows per head in the last program costs less than a second launch.
+    return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
+                        max_fused_splits=16)
+
+
+def _has_async_copies(device: torch.device) -> bool:
+    # Ampere and later pipeline tile loads through shared memory (cp.async) and have the
+    # shared memory for two stages of 128-token INT8 tiles; Turing keeps the first tiles.
+    return device.type == "cuda" and not _is_interpreted(device) and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
@@ -284,6 +299,17 @@ def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return pages.k, pages.k, pages.v, pages.v
 
 
+def _needs_wide_offsets(pages: KVPages) -> bool:
+    """Whether some element of a page array (codes, scales, the FP16 window) lies 2**31 or
+    more elements past its first: the kernels then compute page offsets in int64."""
+    arrays = [pages.k, pages.v]
+    if pages.is_quantized:
+        arrays += [pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero]
+    if pages.has_window:
+        arrays += [pages.window_k, pages.window_v]
+    return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in arrays)
+
+
 def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Without a window the kernel never reads these slots.
     if pages.has_window:
@@ -401,7 +427,7 @@ def paged_decode_attention(
         raise KernelError(f"{name}: q has {q.shape[0]} rows but context_lens has {context_lens.shape[0]} sequences")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = pages.num_kv_heads
-    config = _config or default_decode_config(q.device, head_dim)
+    config = _config or default_decode_config(q.device, head_dim, pages.bits)
     _check_config(name, config)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
@@ -443,6 +469,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
         BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
+        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if is_split and not is_fused:
@@ -508,7 +535,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         pages.num_kv_heads, num_heads // pages.num_kv_heads,
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window, WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out
@@ -519,12 +546,21 @@ def paged_prefill_attention(
 if HAS_TRITON:
 
     @triton.jit
+    def _wide(index, WIDE_OFFSETS: tl.constexpr):
+        # Page offsets in int64 only where a page array's elements do not all have int32
+        # offsets (see _needs_wide_offsets): the 64-bit address arithmetic of every token row
+        # is a large share of the quantized pages' instructions.
+        if WIDE_OFFSETS:
+            index = index.to(tl.int64)
+        return index
+
+    @triton.jit
     def _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                      PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
         # Each token's page row in the FP16 window arrays (-1: the page is not kept in FP16),
         # and the token's row there: [BLOCK_N] each.
         if HAS_WINDOW:
-            window_page = tl.load(window_row_ptr + block, mask=mask_n, other=-1).to(tl.int64)
+            window_page = tl.load(window_row_ptr + block, mask=mask_n, other=-1).to(block.dtype)
         else:
             window_page = tl.zeros_like(block) - 1
         rows = (tl.maximum(window_page, 0) * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
@@ -566,7 +602,7 @@ if HAS_TRITON:
     ):
         # One K or V tile as the dots take it: (plane0, plane1, scale, zero), the planes
         # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] such that
-        # a value is (plane - zero) * scale. rows: int64 [BLOCK_N] = slot * num_kv_heads + kv_head.
+        # a value is (plane - zero) * scale. rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
         # FP16 pages: one plane of values (scale and zero are not used). INT8: one plane of
         # codes 0..255, exact in float16. INT4: two planes, the low nibbles (elements 2i) and the
         # high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in FP16
@@ -691,7 +727,7 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -722,7 +758,7 @@ if HAS_TRITON:
         for tile_start in range(start, end, BLOCK_N):
             positions = tile_start + offs_n
             mask_n = positions < end
-            block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
             window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                                                     PAGE_SIZE, HAS_WINDOW)
@@ -831,7 +867,7 @@ if HAS_TRITON:
         num_kv_heads, group_size,
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -865,7 +901,7 @@ if HAS_TRITON:
         for tile_start in range(0, end, BLOCK_N):
             positions = tile_start + offs_n
             mask_n = positions < end
-            block = tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+            block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
             rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
             window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                                                     PAGE_SIZE, HAS_WINDOW)

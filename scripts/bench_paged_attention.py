@@ -16,7 +16,10 @@ the default partitioning, with 8, 16 and 32 partitions, merged in the decode ker
 `max_fused_splits`) and reports the best; about four minutes on an H200, most of it
 compiling.
 
-    python scripts/bench_paged_attention.py [--sweep] [--json results.json]
+--precisions, --contexts and --batches (comma-separated) pick the rows.
+
+    python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
+        [--batches 8] [--json results.json]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from lowvram.kernels.paged_attention import (
     paged_decode_attention,
     plan_decode_partitions,
 )
-from lowvram.kv_quant import allocate_pages
+from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
 CONTEXT_LENS = (8192, 32768, 131072)
@@ -203,7 +206,7 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool) -> dict:
     """One row: the default configuration, and with `sweep` every configuration of the grid."""
-    config = default_decode_config(setup.q.device, HEAD_DIM)
+    config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, partition_tokens = plan_decode_partitions(
         setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, partition_tokens=partition_tokens,
@@ -282,7 +285,18 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--sweep", action="store_true",
                         help="also time a grid of kernel configurations per row and report the best")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated page precisions")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXT_LENS)), help="comma-separated context lengths")
+    parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)), help="comma-separated batch sizes")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
+    if unknown := set(precisions) - set(PRECISIONS):
+        parser.error(f"--precisions: {', '.join(sorted(unknown))} not among {', '.join(PRECISIONS)}")
+    try:
+        context_lens = [int(n) for n in args.contexts.split(",")]
+        batch_sizes = [int(n) for n in args.batches.split(",")]
+    except ValueError as exc:
+        parser.error(f"--contexts and --batches take comma-separated integers: {exc}")
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -299,7 +313,7 @@ def main() -> int:
         header += f"  {'best config':<32} {'time_us':>8} {'of copy':>7}"
     print(header)
     rows = []
-    for precision, context_len, batch_size in itertools.product(PRECISIONS, CONTEXT_LENS, BATCH_SIZES):
+    for precision, context_len, batch_size in itertools.product(precisions, context_lens, batch_sizes):
         if not fits_in_memory(precision, context_len, batch_size):
             print(f"{precision:>9} {context_len:>7} {batch_size:>5}  skipped: not enough free memory")
             continue

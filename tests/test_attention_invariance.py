@@ -210,7 +210,7 @@ def test_fused_and_separate_merges_give_the_same_bits_gpu(precision, num_heads, 
     q = q.to(DEVICE, torch.float16)
     args = (case.pages, case.block_tables, case.context_lens_t, head_dim**-0.5)
     expected = paged_decode_attention_ref(q.float(), *args)
-    default = default_decode_config(DEVICE, head_dim)
+    default = default_decode_config(DEVICE, head_dim, case.pages.bits)
     for partitioning in ({"partition_tokens": INVARIANT_PARTITION_TOKENS}, {"num_splits": 8}, {"num_splits": 40}):
         separate, fused = (paged_decode_attention(q, *args, **partitioning,
                                                   _config=replace(default, max_fused_splits=max_fused_splits))

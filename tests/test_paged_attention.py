@@ -5,6 +5,7 @@ Without CUDA the kernels run in the Triton interpreter on tiny shapes; the
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -123,6 +124,35 @@ def _prefill_batch(case, num_new_tokens, num_heads, seed):
 
 
 # ---------------------------------------------------------------- CPU (interpreter) tests
+
+
+def test_page_offsets_widen_only_past_int32():
+    """The kernels compute page offsets in int32 unless some page array reaches 2**31
+    elements from its start (shapes only: meta tensors hold no memory)."""
+    def pages(num_blocks, precision):
+        return allocate_pages(num_blocks, 16, 2, 128, precision, device="meta")
+
+    assert not paged_attention._needs_wide_offsets(pages(2**31 // 4096 - 1, "int8"))
+    assert paged_attention._needs_wide_offsets(pages(2**31 // 4096, "int8"))
+    assert paged_attention._needs_wide_offsets(pages(2**31 // 4096, "fp16"))
+    assert not paged_attention._needs_wide_offsets(pages(2**31 // 4096, "int4"))  # half-width codes
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_wide_page_offsets_give_the_same_bits(precision, monkeypatch):
+    """The int64 page offsets of very large page arrays, forced on small ones: decode and
+    prefill give exactly what the int32 ones give."""
+    case = PagedCase(precision, torch.float32, 4, 2, TINY_DIM, [9, 3], seed=25,
+                     num_window_blocks=0 if precision == "fp16" else 1)
+    q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(26)).to(DEVICE)
+    decode_args = (q, case.pages, case.block_tables, case.context_lens_t, TINY_DIM**-0.5)
+    q_new, cu_seqlens = _prefill_batch(case, [3, 2], TINY_HEADS, seed=27)
+    prefill_args = (q_new, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, TINY_DIM**-0.5)
+    narrow = paged_decode_attention(*decode_args), paged_prefill_attention(*prefill_args)
+    monkeypatch.setattr(paged_attention, "_needs_wide_offsets", lambda pages: True)
+    wide = paged_decode_attention(*decode_args), paged_prefill_attention(*prefill_args)
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)
 
 
 def test_kernel_path_is_exercised():
@@ -392,6 +422,57 @@ def _prefill_error_gpu(case, num_new, num_heads, head_dim, generator, label):
     q = torch.randn(sum(num_new), num_heads, head_dim, generator=generator).to(DEVICE, torch.float16)
     args = (case.pages, case.block_tables, cu_seqlens, case.context_lens_t, head_dim**-0.5)
     return _report(label, paged_prefill_attention(q, *args), paged_prefill_attention_ref(q.float(), *args))
+
+
+def _int8_errors_past_int32_offsets() -> tuple[float, float]:
+    """Decode and prefill errors against the references on INT8 pages of 2**31 + 8 * 4096
+    codes per array (4 GiB with V), with a sequence in the last pages, past int32 offsets.
+    The pages are released before returning or raising."""
+    block_size, num_kv_heads, head_dim = 16, 2, 128
+    num_blocks = 2**31 // (block_size * num_kv_heads * head_dim) + 8
+    pages = allocate_pages(num_blocks, block_size, num_kv_heads, head_dim, "int8", device=DEVICE)
+    try:
+        assert paged_attention._needs_wide_offsets(pages)
+        generator = torch.Generator(device=DEVICE).manual_seed(24)
+        last = slice(num_blocks - 8, num_blocks)
+        for name in ("k", "v"):
+            getattr(pages, name)[last].random_(0, 256, generator=generator)
+        for name, high in (("k_scale", 0.02), ("k_zero", 255.0), ("v_scale", 0.02), ("v_zero", 255.0)):
+            getattr(pages, name)[last].uniform_(0.005 if high < 1 else 0.0, high, generator=generator)
+        block_tables = torch.arange(num_blocks - 8, num_blocks, dtype=torch.int32, device=DEVICE).flip(0)[None]
+        context_lens = torch.tensor([8 * block_size - 3], dtype=torch.int32, device=DEVICE)
+        q = torch.randn(1, 12, head_dim, device=DEVICE, generator=generator).to(torch.float16)
+        args = (pages, block_tables, context_lens, head_dim**-0.5)
+        decode = _report("decode gpu int8 past int32 offsets", paged_decode_attention(q, *args),
+                         paged_decode_attention_ref(q.float(), *args))
+        cu_seqlens = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+        q = torch.randn(5, 12, head_dim, device=DEVICE, generator=generator).to(torch.float16)
+        args = (pages, block_tables, cu_seqlens, context_lens, head_dim**-0.5)
+        prefill = _report("prefill gpu int8 past int32 offsets", paged_prefill_attention(q, *args),
+                          paged_prefill_attention_ref(q.float(), *args))
+        return decode, prefill
+    finally:
+        for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+            setattr(pages, name, None)
+
+
+@pytest.mark.gpu
+def test_pages_past_int32_offsets_gpu(exact_fp32_matmul):
+    """Page arrays too large for int32 offsets are read through int64 ones. They take 4 GiB,
+    above the emulated card's cap, which is lifted for this test only."""
+    if torch.cuda.mem_get_info()[0] < 6 * 2**30:
+        pytest.skip("needs 6 GiB of free device memory")
+    total = torch.cuda.get_device_properties(0).total_memory
+    previous_cap = os.environ.get("LOWVRAM_TEST_EMULATE_GIB")
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    try:
+        decode, prefill = _int8_errors_past_int32_offsets()
+    finally:
+        torch.cuda.empty_cache()
+        if previous_cap:
+            torch.cuda.set_per_process_memory_fraction(float(previous_cap) * 2**30 / total)
+    assert decode <= _gpu_tolerance("int8")
+    assert prefill <= _gpu_tolerance("int8")
 
 
 @pytest.mark.gpu
