@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -544,6 +545,9 @@ def paged_prefill_attention(
 # ---------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
+    # Codes become float16 through inline PTX (_byte_halves, _nibble_halves) on the GPU; the
+    # interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
+    _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit
     def _wide(index, WIDE_OFFSETS: tl.constexpr):
@@ -590,19 +594,91 @@ if HAS_TRITON:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _byte_halves(codes):
+        # uint8 codes as float16 values four at a time: PRMT puts bytes 0-1 and 2-3 under
+        # 0x64, the high byte of 1024.0, and one float16-pair subtraction per pair removes 1024.
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, k;
+            mov.b32 k, 0x64006400;
+            prmt.b32 lo, $2, k, 0x7170;
+            prmt.b32 hi, $2, k, 0x7372;
+            sub.f16x2 $0, lo, k;
+            sub.f16x2 $1, hi, k;
+            }""",
+            constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4)
+
+    @triton.jit
+    def _nibble_halves(packed):
+        # uint8 bytes of two INT4 codes as two float16 planes, low nibbles and high, four bytes
+        # at a time: PRMT spreads bytes 0-1 (2-3) over two halves, a mask keeps a nibble under
+        # 0x64 (the high byte of 1024.0), a shift and a logic op bring the high nibble down
+        # under it, and float16-pair subtractions remove the 1024s.
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b, k;
+            mov.b32 k, 0x64006400;
+            prmt.b32 a, $4, k, 0x7170;
+            prmt.b32 b, $4, k, 0x7372;
+            and.b32 $0, a, 0xFF0FFF0F;
+            and.b32 $1, b, 0xFF0FFF0F;
+            shr.b32 a, a, 4;
+            shr.b32 b, b, 4;
+            lop3.b32 $2, a, 0x000F000F, k, 0xEA;
+            lop3.b32 $3, b, 0x000F000F, k, 0xEA;
+            sub.f16x2 $0, $0, k;
+            sub.f16x2 $1, $1, k;
+            sub.f16x2 $2, $2, k;
+            sub.f16x2 $3, $3, k;
+            }""",
+            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+    @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
         # The element of the head each column of a plane holds (see _load_operands).
         return offs_c * NUM_PLANES + PLANE
 
     @triton.jit
+    def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, window_page, mask_n,
+                     BITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        # The float32 scales and zeros of a tile's tokens [BLOCK_N] each: (k_scale, k_zero,
+        # v_scale, v_zero), 0 for masked tokens and those of pages kept in FP16 (which
+        # _load_operands then reads with scale 1); unused zeros for FP16 pages.
+        if BITS == 16:
+            k_scale = tl.zeros(mask_n.shape, tl.float32)
+            return k_scale, k_scale, k_scale, k_scale
+        mask_codes = mask_n
+        if HAS_WINDOW:
+            mask_codes = mask_n & (window_page < 0)
+        k_scale = tl.load(k_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+        k_zero = tl.load(k_zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+        v_zero = tl.load(v_zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+        return k_scale, k_zero, v_scale, v_zero
+
+    @triton.jit
+    def _token_rows(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr,
+                    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+        # Where the tokens at `positions` (those below `end`) live: (mask, rows, window_page,
+        # window_rows), rows = slot * num_kv_heads + kv_head in the page arrays (see _window_rows
+        # for the FP16 window).
+        mask_n = positions < end
+        block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
+        rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
+        window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
+                                                PAGE_SIZE, HAS_WINDOW)
+        return mask_n, rows, window_page, window_rows
+
+    @triton.jit
     def _load_operands(
-        cache_ptr, scale_ptr, zero_ptr, window_ptr, rows, window_page, window_rows, mask_n,
+        cache_ptr, scale, zero, window_ptr, rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
         BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
         # One K or V tile as the dots take it: (plane0, plane1, scale, zero), the planes
-        # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] such that
-        # a value is (plane - zero) * scale. rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
+        # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] (the tile's
+        # as _tile_scales loads them, window tokens set to 1 and 0) such that a value is
+        # (plane - zero) * scale. rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
         # FP16 pages: one plane of values (scale and zero are not used). INT8: one plane of
         # codes 0..255, exact in float16. INT4: two planes, the low nibbles (elements 2i) and the
         # high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in FP16
@@ -616,19 +692,21 @@ if HAS_TRITON:
         if BITS == 16:
             plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
             plane1 = plane0
-            scale = mask_n.to(tl.float32)  # not used
-            zero = scale
         else:
-            scale = tl.load(scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
-            zero = tl.load(zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
             if BITS == 8:
                 codes = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C)
-                plane0 = _code_values(codes, DOT_DTYPE)
+                if _PTX_CODES and DOT_DTYPE == tl.float16:
+                    plane0 = _byte_halves(codes)
+                else:
+                    plane0 = _code_values(codes, DOT_DTYPE)
                 plane1 = plane0
             else:
                 packed = _load_rows(cache_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C)
-                plane0 = _code_values(packed & 15, DOT_DTYPE)
-                plane1 = _code_values(packed >> 4, DOT_DTYPE)
+                if _PTX_CODES and DOT_DTYPE == tl.float16:
+                    plane0, plane1 = _nibble_halves(packed)
+                else:
+                    plane0 = _code_values(packed & 15, DOT_DTYPE)
+                    plane1 = _code_values(packed >> 4, DOT_DTYPE)
             if HAS_WINDOW:
                 cols = _plane_channels(offs_c, 0, NUM_PLANES)
                 kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
@@ -671,8 +749,8 @@ if HAS_TRITON:
     @triton.jit
     def _attend_tile(
         q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
-        k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr,
-        rows, window_page, window_rows, mask_n,
+        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+        k_scale, k_zero, v_scale, v_zero,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
         BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
@@ -680,10 +758,10 @@ if HAS_TRITON:
         # their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0, acc1).
         # V's loads are issued before the QK dot so that both tiles are in flight together.
         k0, k1, k_scale, k_zero = _load_operands(
-            k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, rows, window_page, window_rows, mask_n,
+            k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
             HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
         v0, v1, v_scale, v_zero = _load_operands(
-            v_cache_ptr, v_scale_ptr, v_zero_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+            v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
             HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
         qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
         if NUM_PLANES == 2:
@@ -755,18 +833,27 @@ if HAS_TRITON:
         acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
+        # A tile's rows and scales are loaded during the tile before it: at two bytes per token
+        # the scales are too narrow for the compiler to pipeline, and waiting for them in
+        # every tile left the quantized pages' programs idle.
+        mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
+                                                             window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
+                                                        window_page, mask_n, BITS, HAS_WINDOW)
         for tile_start in range(start, end, BLOCK_N):
-            positions = tile_start + offs_n
-            mask_n = positions < end
-            block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
-            rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-            window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
-                                                    PAGE_SIZE, HAS_WINDOW)
+            next_mask, next_rows, next_window_page, next_window_rows = _token_rows(
+                table_row, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
+                PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+            next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
+                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_window_page, next_mask,
+                BITS, HAS_WINDOW)
             m_i, l_i, acc0, acc1 = _attend_tile(
                 q0, q1, q_sum, m_i, l_i, acc0, acc1, mask_n[None, :], scale_log2,
-                k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
-                window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_scale, k_zero, v_scale, v_zero,
                 HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
+            mask_n, rows, window_page, window_rows = next_mask, next_rows, next_window_page, next_window_rows
+            k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -900,16 +987,15 @@ if HAS_TRITON:
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
             positions = tile_start + offs_n
-            mask_n = positions < end
-            block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
-            rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-            window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
-                                                    PAGE_SIZE, HAS_WINDOW)
+            mask_n, rows, window_page, window_rows = _token_rows(table_row, positions, end, kv_head, num_kv_heads,
+                                                                 window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+            k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
+                                                            window_page, mask_n, BITS, HAS_WINDOW)
             is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
             m_i, l_i, acc0, acc1 = _attend_tile(
                 q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
-                k_cache_ptr, k_scale_ptr, k_zero_ptr, window_k_ptr, v_cache_ptr, v_scale_ptr, v_zero_ptr,
-                window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_scale, k_zero, v_scale, v_zero,
                 HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
