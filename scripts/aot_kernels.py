@@ -1,0 +1,161 @@
+"""Registers and instruction counts of the decode kernels, compiled for a GPU without one.
+
+Triton compiles a kernel ahead of time for the given architecture (90: H100/H200; 86: RTX
+30xx; 75: GTX 1650) and its bundled cuobjdump reads the cubin: registers per thread, spills,
+and the SASS of the kernel's longest loop (its main loop) counted by opcode. Registers bound
+how many programs an SM holds (65,536 per SM); the main loop's length, over the tokens or K
+rows one pass covers, is what a memory-bound kernel must issue per byte. Both show a
+change's cost before any GPU run; they are a guide, not a timing.
+
+    python scripts/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 4] [--stages 2]
+    python scripts/aot_kernels.py gemv [--arch 90] [--shape r1-distill-qwen-1.5b] [--rank 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) for each instruction in cuobjdump -sass output."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(SASS_LINE.match, sass.splitlines()) if m]
+
+
+def opcode(instruction: str) -> str:
+    """The opcode without predicate or modifiers: "@!P1 LDG.E.U16 R1, ..." -> "LDG"."""
+    return PREDICATE.sub("", instruction).split()[0].split(".")[0]
+
+
+def longest_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The instructions between the target and the source of the longest backward branch."""
+    best: list[str] = []
+    for address, text in instructions:
+        if opcode(text) != "BRA":
+            continue
+        target = re.search(r"0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            body = [t for a, t in instructions if start <= a <= address]
+            if len(body) > len(best):
+                best = body
+    return best
+
+
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+    """`fn` compiled for sm_`arch`, every pointer 16-byte aligned and every other argument
+    a 32-bit integer (floats where `pointer_types` names them "fp32")."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for index, param in enumerate(fn.params):
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            signature[param.name] = pointer_types.get(param.name, "*fp16")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[param.name] = pointer_types.get(param.name, "i32")
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def usage(kernel) -> dict:
+    """Registers, spill bytes, and the main loop's length and most frequent opcodes."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+        path = f.name
+    try:
+        resources = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True,
+                                   text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(path)
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", resources))
+    loop = longest_loop(sass_instructions(sass))
+    return {"registers": int(found.get("REG", 0)), "spill_bytes": int(found.get("LOCAL", 0)),
+            "loop_instructions": len(loop), "loop_opcodes": dict(Counter(map(opcode, loop)).most_common(12))}
+
+
+def attention(args) -> None:
+    from lowvram.kernels import paged_attention as pa
+
+    for bits in (int(b) for b in args.bits.split(",")):
+        cache = "*fp16" if bits == 16 else "*u8"
+        pointer_types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
+                         "context_lens_ptr": "*i32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+                         "counter_ptr": "*i32", "window_row_ptr": "*i32", "scale_log2": "fp32"}
+        num_planes = 2 if bits == 4 else 1
+        plane_dim = args.head_dim // num_planes
+        constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, "PLANE_DIM": plane_dim, "NUM_PLANES": num_planes,
+                      "BLOCK_C": max(16, plane_dim), "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n,
+                      "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False, "BLOCK_D": args.head_dim,
+                      "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, args.head_dim), "WIDE_OFFSETS": args.wide}
+        kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages)
+        found = usage(kernel)
+        per_token = found["loop_instructions"] * args.warps / args.block_n
+        print(f"decode attention, {bits}-bit pages, {args.block_n} tokens x {args.warps} warps, "
+              f"{args.stages} stages: {found['registers']} registers, {found['spill_bytes']} bytes spilled, "
+              f"loop {found['loop_instructions']} instructions per warp ({per_token:.1f} per token); "
+              f"{found['loop_opcodes']}")
+
+
+def gemv(args) -> None:
+    from lowvram.kernels import w4a16_gemv as g
+    from lowvram.shapes import projection_shapes
+
+    pointer_types = {"qweight_ptr": "*i32", "qzeros_ptr": "*i32", "partial_ptr": "*fp32", "counter_ptr": "*i32",
+                     "lora_t_ptr": "*fp32", "eps": "fp32"}
+    common = {"GROUP_SIZE": args.group_size, "HAS_BIAS": False, "HAS_LORA": bool(args.rank),
+              "BLOCK_R": g.lora_block_r(args.rank) if args.rank else 16, "PROLOGUE": g.PROLOGUE_NONE,
+              "HAS_RESIDUAL": False, "ROW_BLOCK": 16}
+    for name, (k, n) in projection_shapes(args.shape).items():
+        config = g.choose_gemv_config(1, n, k, args.group_size, 132)
+        constexprs = {**common, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"],
+                      "EVEN_N": n % config["block_n"] == 0, "IS_PARTIAL": True,
+                      "REDUCE_AT_END": config.get("reduce") == "end", "MAGIC_DEQUANT": True,
+                      "LORA_ONCE": bool(args.rank) and config.get("lora", "once") == "once",
+                      "LORA_AT_END": bool(args.rank) and config.get("lora_reduce") == "end"}
+        kernel = compile_kernel(g._awq_gemv_row_kernel, pointer_types, constexprs, args.arch, config["num_warps"],
+                                config.get("num_stages", 3))
+        found = usage(kernel)
+        print(f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
+              f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kernel", choices=("attention", "gemv"))
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90, 86, 75)")
+    parser.add_argument("--bits", default="16,8,4", help="attention: page precisions")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-n", type=int, default=64, help="attention: tokens per tile")
+    parser.add_argument("--warps", type=int, default=4, help="attention: warps per program")
+    parser.add_argument("--stages", type=int, default=2, help="attention: pipeline stages")
+    parser.add_argument("--wide", action="store_true", help="attention: int64 page offsets")
+    parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")
+    parser.add_argument("--rank", type=int, default=16, help="gemv: compensation rank (0: none)")
+    parser.add_argument("--group-size", type=int, default=128)
+    args = parser.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    attention(args) if args.kernel == "attention" else gemv(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
