@@ -1,7 +1,6 @@
 """scripts/aot_kernels.py: reading cuobjdump's SASS, and compiling the decode attention kernel
 for sm_90 on a machine without a GPU."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -9,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import SCRIPTS, load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "aot_kernels.py"
+SCRIPT = SCRIPTS / "aot_kernels.py"
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -27,10 +27,7 @@ SASS = """
 
 @pytest.fixture(scope="module")
 def aot():
-    spec = importlib.util.spec_from_file_location("aot_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("aot_kernels")
 
 
 def test_opcodes_drop_predicates_and_modifiers(aot):

@@ -2,21 +2,15 @@
 (growing one sequence through the prefix cache, timing decode, recording memory), on a tiny
 checkpoint with the device backend."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_kv_pool.py"
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kv_pool", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_kv_pool")
 
 
 def test_main_path_grows_one_sequence_and_records_decode_and_memory(bench, tiny_qwen2_dir, tmp_path, capsys):

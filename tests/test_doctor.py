@@ -577,13 +577,9 @@ def test_cli_missing_model_is_a_clean_error(tmp_path, capsys):
 def test_predicted_peak_matches_a_real_gpu_run(tmp_path):
     """A short version of scripts/bench_doctor_accuracy.py: the 1.5B shape with 4 layers,
     a 1024-token context, FP16; the predicted peak allocation must be within 10%."""
-    import importlib.util
-    from pathlib import Path
+    from script_modules import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_doctor_accuracy.py"
-    spec = importlib.util.spec_from_file_location("bench_doctor_accuracy", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_doctor_accuracy")
     model_dir = bench.write_checkpoint(tmp_path, num_layers=4)
     row = bench.run_row(model_dir, load_profile("8gb"), 1024, 2, "fp16", 4, context_bytes=0)
     print(f"predicted {row['predicted_peak_allocated_bytes']} B, measured {row['measured_peak_allocated_bytes']} B "

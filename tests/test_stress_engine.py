@@ -7,28 +7,17 @@ weights and workspace take about half the budget and the KV share holds about 4.
 full-length sequences of the 8 that may run together.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_PROMPT_TOKENS = 512
 MAX_OUTPUT_TOKENS = 16
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("stress_engine", ROOT / "scripts" / "stress_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["stress_engine"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-stress_engine = _load_script()
+stress_engine = load_script("stress_engine")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,17 @@
+"""Benchmark and tool scripts under scripts/, loaded as modules for the tests that drive them."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/<name>.py as the module `name`, registered in sys.modules (dataclasses look
+    their module up while a class is built)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
