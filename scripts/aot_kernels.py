@@ -50,9 +50,12 @@ def longest_loop(instructions: list[tuple[int, str]]) -> list[str]:
     return best
 
 
-def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int):
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int,
+                   divisible: frozenset = frozenset()):
     """`fn` compiled for sm_`arch`, every pointer 16-byte aligned and every other argument
-    a 32-bit integer (floats where `pointer_types` names them "fp32")."""
+    a 32-bit integer (floats where `pointer_types` names them "fp32"); the integers named in
+    `divisible` are taken as multiples of 16, as Triton specialises them at launch when they
+    are (row strides of aligned tensors): without it a kernel's loads may not vectorize."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -66,6 +69,8 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_war
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = pointer_types.get(param.name, "i32")
+            if param.name in divisible:
+                attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
@@ -106,7 +111,9 @@ def attention(args) -> None:
                       "BLOCK_C": max(16, plane_dim), "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n,
                       "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False, "BLOCK_D": args.head_dim,
                       "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, args.head_dim), "WIDE_OFFSETS": args.wide}
-        kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages)
+        # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
+        kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
+                                frozenset({"stride_qs", "stride_qh"}))
         found = usage(kernel)
         per_token = found["loop_instructions"] * args.warps / args.block_n
         print(f"decode attention, {bits}-bit pages, {args.block_n} tokens x {args.warps} warps, "
@@ -132,7 +139,7 @@ def gemv(args) -> None:
                       "LORA_ONCE": bool(args.rank) and config.get("lora", "once") == "once",
                       "LORA_AT_END": bool(args.rank) and config.get("lora_reduce") == "end"}
         kernel = compile_kernel(g._awq_gemv_row_kernel, pointer_types, constexprs, args.arch, config["num_warps"],
-                                config.get("num_stages", 3))
+                                config.get("num_stages", 3), frozenset({"N", "K", "num_packed_cols"}))
         found = usage(kernel)
         print(f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
               f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}")
