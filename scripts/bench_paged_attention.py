@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import json
 import math
-import platform
 import sys
 import time
 
 import torch
 
-from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
+from lowvram.bench_record import measure_copy_bandwidth_gbps, run_metadata
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
@@ -302,7 +300,8 @@ def main() -> int:
         return 2
 
     started_s = time.perf_counter()
-    gpu_name = torch.cuda.get_device_name(0)
+    metadata = run_metadata(" ".join([sys.executable, *sys.argv]))
+    gpu_name = metadata["gpu"]
     copy_gbs = copy_bandwidth_gbs()
     print(f"{gpu_name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
@@ -328,28 +327,18 @@ def main() -> int:
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
         if args.json:
             # After every setup, so a run stopped by a time limit keeps what it measured.
-            write_json(args.json, rows, gpu_name, copy_gbs, args.sweep, is_complete=False)
+            write_json(args.json, metadata, rows, copy_gbs, args.sweep, is_complete=False)
     print(f"{time.perf_counter() - started_s:.0f} s")
     if args.json:
-        write_json(args.json, rows, gpu_name, copy_gbs, args.sweep, is_complete=True)
+        write_json(args.json, metadata, rows, copy_gbs, args.sweep, is_complete=True)
         print(f"wrote {args.json}")
     return 0
 
 
-def write_json(path: str, rows: list, gpu_name: str, copy_gbs: float, sweep: bool, is_complete: bool) -> None:
-    import triton
-
+def write_json(path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, is_complete: bool) -> None:
+    """The record: `metadata` (lowvram.bench_record.run_metadata, taken once per run), then the rows."""
     result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "gpu": gpu_name,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-        },
+        **metadata,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
         "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,

@@ -16,12 +16,13 @@ copies of the weights to leave L2 (as profile_decode.py's sweep does).
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from lowvram.bench_record import run_metadata
 
 COLD_BYTES = 256 * 2**20
 
@@ -172,8 +173,7 @@ def main() -> int:
         print(json.dumps({k2: v for k2, v in row.items() if k2 != "tilings"} | {"best_by_mode": best}))
         for t in row["tilings"]:
             print("   ", json.dumps(t))
-    record = {"command": " ".join(["probe_gemv_floor.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
+    record = {**run_metadata(" ".join(["probe_gemv_floor.py", *sys.argv[1:]])), "shape": args.shape,
               "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -21,11 +21,11 @@ import json
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from lowvram.bench_record import run_metadata
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
@@ -318,8 +318,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
 
 def sweep_shape_only(args) -> int:
     """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes."""
-    record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "shape": args.shape,
+    record = {**run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]])), "shape": args.shape,
               "group_size": args.group_size, "lora_rank": args.rank,
               "gemv_sweep": sweep_gemv(projection_shapes(args.shape), args.group_size, args.rank,
                                        tuple(int(r) for r in args.sweep_rows.split(",")),
@@ -382,12 +381,10 @@ def main() -> int:
                        fp16_budget_mib=args.fp16_budget_mib)
         model = str(work / "awq")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    base = load_profile(args.profile).replace(emulate_vram_gib=args.emulate_vram_gib,
-                                               max_model_len=max(args.context + 3 * args.steps + 64,
-                                                                 args.prefill_tokens + 16),
-                                               max_num_seqs=max(batch_sizes))
-    record = {"command": " ".join(["profile_decode.py", *sys.argv[1:]]), "gpu": torch.cuda.get_device_name(),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "runs": []}
+    base = profile.replace(emulate_vram_gib=args.emulate_vram_gib,
+                           max_model_len=max(args.context + 3 * args.steps + 64, args.prefill_tokens + 16),
+                           max_num_seqs=max(batch_sizes))
+    record = {**run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]])), "runs": []}
     engine = None
     for use_graphs in (False, True):
         del engine
