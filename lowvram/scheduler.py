@@ -131,20 +131,18 @@ class Scheduler:
             if seq not in self.running or seq.num_uncomputed_tokens != 1:  # preempted below to make room for an older one
                 continue
             num_tokens = seq.num_tokens
-            if block_manager.num_missing(seq.seq_id, num_tokens) == 0:  # 15 steps in 16: the last page has room
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
-                continue
-            while not block_manager.can_allocate(seq.seq_id, num_tokens):
-                victim = self.running[-1]
-                self.preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq in self.running:
+            if block_manager.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
+                while not block_manager.can_allocate(seq.seq_id, num_tokens):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
                 block_manager.allocate(seq.seq_id, num_tokens)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(1)
         return batch
 
     def preempt(self, seq: Sequence) -> None:
