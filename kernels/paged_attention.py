@@ -639,6 +639,13 @@ if HAS_TRITON:
         return offs_c * NUM_PLANES + PLANE
 
     @triton.jit
+    def _code_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
+        # The tokens read from their codes: unmasked ones outside the pages kept in FP16.
+        if HAS_WINDOW:
+            return mask_n & (window_page < 0)
+        return mask_n
+
+    @triton.jit
     def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, window_page, mask_n,
                      BITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
         # The float32 scales and zeros of a tile's tokens [BLOCK_N] each: (k_scale, k_zero,
@@ -647,9 +654,7 @@ if HAS_TRITON:
         if BITS == 16:
             k_scale = tl.zeros(mask_n.shape, tl.float32)
             return k_scale, k_scale, k_scale, k_scale
-        mask_codes = mask_n
-        if HAS_WINDOW:
-            mask_codes = mask_n & (window_page < 0)
+        mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         k_scale = tl.load(k_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
         k_zero = tl.load(k_zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
         v_scale = tl.load(v_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
@@ -684,11 +689,9 @@ if HAS_TRITON:
         # high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in FP16
         # come from the window with scale 1 and zero 0. Masked rows come back as 0.
         offs_c = tl.arange(0, BLOCK_C)
+        mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         if HAS_WINDOW:
             is_window = mask_n & (window_page >= 0)
-            mask_codes = mask_n & (window_page < 0)
-        else:
-            mask_codes = mask_n
         if BITS == 16:
             plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
             plane1 = plane0
