@@ -67,6 +67,19 @@ def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
                                    c["num_key_value_heads"] * head_dim)
 
 
+def random_awq_tensors(num_inputs: int, num_outputs: int, group_size: int, *, device: str | torch.device = "cpu",
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight [K, N/8], qzeros [K/G, N/8], float16 scales [K/G, N]) of one AWQ layer with
+    uniformly random codes and zeros and small positive scales: what the kernel benchmarks
+    time and check against the reference."""
+    qweight = torch.randint(-2**31, 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, device=device,
+                            generator=generator)
+    qzeros = torch.randint(-2**31, 2**31 - 1, (num_inputs // group_size, num_outputs // 8), dtype=torch.int32,
+                           device=device, generator=generator)
+    scales = torch.rand(num_inputs // group_size, num_outputs, device=device, generator=generator) * 0.02 + 1e-3
+    return qweight, qzeros, scales.half()
+
+
 def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     head_dim = h // c["num_attention_heads"]

@@ -24,6 +24,7 @@ from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16_gemm import choose_gemm_config, launch_awq_dequant, launch_awq_gemm
 from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
+from lowvram.shapes import random_awq_tensors
 
 GROUP_SIZE = 128
 # (K, N): R1-Distill-Qwen-1.5B q/o, gate/up, down, k/v; deepseek-coder-1.3b gate/up
@@ -56,13 +57,7 @@ def measure_copy_gbps() -> float:
 
 def random_layer(num_inputs, num_outputs, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (num_inputs, num_outputs // 8),
-                            dtype=torch.int32, device="cuda", generator=gen)
-    qzeros = torch.randint(-(2**31), 2**31 - 1, (num_inputs // GROUP_SIZE, num_outputs // 8),
-                           dtype=torch.int32, device="cuda", generator=gen)
-    scales = (torch.rand(num_inputs // GROUP_SIZE, num_outputs, device="cuda", generator=gen)
-              * 0.02 + 1e-3).half()
-    return qweight, qzeros, scales
+    return random_awq_tensors(num_inputs, num_outputs, GROUP_SIZE, device="cuda", generator=gen)
 
 
 def relative_error(y, ref) -> float:

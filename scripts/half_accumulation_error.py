@@ -19,7 +19,7 @@ import torch
 
 from lowvram.awq_format import dequantize_awq
 from lowvram.bench_record import run_metadata
-from lowvram.shapes import projection_shapes
+from lowvram.shapes import projection_shapes, random_awq_tensors
 
 GROUP_SIZE = 128
 SPANS = (4, 8, 16, 32)
@@ -57,9 +57,7 @@ def main() -> int:
     for name, (k, n) in projection_shapes(args.shape).items():
         if name not in args.projections.split(","):
             continue
-        qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=generator)
-        qzeros = torch.randint(-2**31, 2**31 - 1, (k // GROUP_SIZE, n // 8), dtype=torch.int32, generator=generator)
-        scales = (torch.rand(k // GROUP_SIZE, n, generator=generator) * 0.02 + 1e-3).half()
+        qweight, qzeros, scales = random_awq_tensors(k, n, GROUP_SIZE, generator=generator)
         centered = dequantize_awq(qweight, qzeros, torch.ones_like(scales), GROUP_SIZE, dtype=torch.float64)
         per_row_scales = scales.double().repeat_interleave(GROUP_SIZE, 0)
         for x_scale in X_SCALES:

@@ -32,15 +32,13 @@ def main() -> int:
     from probe_gemv_floor import MODES, _read_tiles_kernel
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
-    from lowvram.shapes import projection_shapes
+    from lowvram.shapes import projection_shapes, random_awq_tensors
 
     shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = args.group_size
     for name, (k, n) in shapes.items():
-        qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
-        qzeros = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device="cuda")
-        scales = torch.rand(k // g, n, dtype=torch.float16, device="cuda") * 0.01
+        qweight, qzeros, scales = random_awq_tensors(k, n, g, device="cuda")
         lora = ((torch.randn(args.rank, k, dtype=torch.float16, device="cuda") * 0.01,
                  torch.randn(args.rank, n, dtype=torch.float16, device="cuda") * 0.01) if args.rank else (None, None))
         x = torch.randn(1, k, dtype=torch.float16, device="cuda")

@@ -29,7 +29,7 @@ from lowvram.bench_record import run_metadata
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
-from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes
+from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -256,10 +256,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             continue
         nbytes = k * n // 2 + k // group_size * n // 2 + k // group_size * n * 2
         num_copies = max(1, min(64, SWEEP_COLD_BYTES // nbytes))
-        copies = [(torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda"),
-                   torch.randint(-2**31, 2**31 - 1, (k // group_size, n // 8), dtype=torch.int32, device="cuda"),
-                   torch.rand(k // group_size, n, dtype=torch.float16, device="cuda") * 0.01)
-                  for _ in range(num_copies)]
+        copies = [random_awq_tensors(k, n, group_size, device="cuda") for _ in range(num_copies)]
         lora = ((torch.randn(rank, k, dtype=torch.float16, device="cuda") * 0.01,
                  torch.randn(rank, n, dtype=torch.float16, device="cuda") * 0.01) if rank else (None, None))
         for rows in row_counts:

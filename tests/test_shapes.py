@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lowvram.errors import ConfigError
 from lowvram.model_config import load_model_config
@@ -58,3 +59,18 @@ def test_cached_checkpoints_are_made_once_per_key(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "broken").exists()
     calls.clear()
     assert cached_checkpoint("broken", make, tmp_path / "e").is_dir() and len(calls) == 1
+
+
+def test_random_awq_tensors_have_the_layout_the_kernels_take():
+    from lowvram.awq_format import dequantize_awq
+    from lowvram.shapes import random_awq_tensors
+
+    generator = torch.Generator().manual_seed(0)
+    qweight, qzeros, scales = random_awq_tensors(256, 64, 128, generator=generator)
+    assert (qweight.shape, qzeros.shape, scales.shape) == ((256, 8), (2, 8), (2, 64))
+    assert qweight.dtype == qzeros.dtype == torch.int32 and scales.dtype == torch.float16
+    assert (scales > 0).all()
+    weight = dequantize_awq(qweight, qzeros, scales, 128, dtype=torch.float32)  # codes over the whole 0..15 range
+    assert weight.abs().max() > 10 * scales.float().min()
+    again = random_awq_tensors(256, 64, 128, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip((qweight, qzeros, scales), again))
