@@ -118,28 +118,31 @@ def largest_group_size(config) -> int:
 
 
 def quantize_checkpoint(model_dir: Path, out_dir: Path, profile, device: str, emulate_vram_gib: float | None,
-                        num_samples: int, shape: str | None = None, quantize_head: bool = False) -> tuple[Path, dict]:
-    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank (and lm_head too with
-    `quantize_head`); an AWQ input is used as is. `shape`: `model_dir` holds random weights of
-    this named shape (lowvram.shapes), which lets the result be shared through the checkpoint cache."""
+                        num_samples: int, shape: str | None = None, quantize_head: bool = False,
+                        fp16_budget_mib: float | None = None, rank: int | None = None) -> tuple[Path, dict]:
+    """AWQ INT4 of `model_dir` with the profile's FP16 budget and rank unless `fp16_budget_mib`
+    or `rank` are given (0 and 0: every linear INT4 without compensation, as a published AutoAWQ
+    checkpoint is), and lm_head too with `quantize_head`; an AWQ input is used as is. `shape`:
+    `model_dir` holds random weights of this named shape (lowvram.shapes), which lets the result
+    be shared through the checkpoint cache."""
     from lowvram.model_config import load_model_config
     from lowvram.quantize import quantize_model
 
     config, _ = load_model_config(model_dir)
     if config.quantization is not None:
         return model_dir, {"note": "the checkpoint is already AWQ INT4; used as is"}
+    fp16_budget_mib = profile.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib
+    rank = profile.compensation_rank if rank is None else rank
     if shape is not None:  # random weights of a named shape: made once per session where cached
         from lowvram.shapes import random_awq_checkpoint
 
         settings = {"num_samples": num_samples, "group_size": largest_group_size(config),
-                    "fp16_budget_mib": profile.fp16_budget_mib, "rank": profile.compensation_rank,
-                    "quantize_head": quantize_head}
+                    "fp16_budget_mib": fp16_budget_mib, "rank": rank, "quantize_head": quantize_head}
         _, awq_dir = random_awq_checkpoint(shape, out_dir.parent, device=device, emulate_vram_gib=emulate_vram_gib,
                                            **settings)
         return awq_dir, settings
     report = quantize_model(model_dir, out_dir, group_size=largest_group_size(config),
-                            fp16_budget_mib=profile.fp16_budget_mib, rank=profile.compensation_rank,
-                            num_samples=num_samples, device=device, emulate_vram_gib=emulate_vram_gib,
+                            fp16_budget_mib=fp16_budget_mib, rank=rank, num_samples=num_samples, device=device, emulate_vram_gib=emulate_vram_gib,
                             quantize_head=quantize_head)
     return out_dir, {"quantize_head": quantize_head, "seconds": round(report.seconds, 2),
                      "num_samples": report.num_samples, "seq_len": report.seq_len, "group_size": report.group_size,
@@ -381,6 +384,7 @@ def _weight_format(engine) -> str:
 
 def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_layers: int | None = None,
                     quantize: bool = False, quantize_head: bool = False, calib_samples: int = DEFAULT_CALIB_SAMPLES,
+                    fp16_budget_mib: float | None = None, rank: int | None = None,
                     profile: str | None = None,
                     device: str | None = None, emulate_vram_gib: float | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
@@ -395,7 +399,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
         `lowvram.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b), with `num_layers`
         decoder layers if given.
     quantize: make the checkpoint AWQ INT4 first (`calib_samples` calibration blocks);
-        `quantize_head` makes lm_head INT4 too.
+        `quantize_head` makes lm_head INT4 too; `fp16_budget_mib` and `rank` replace the
+        profile's FP16-kept layers and compensation rank (0 and 0: a plain AWQ checkpoint).
     profile, device, emulate_vram_gib: as for LLMEngine.
     batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
         context length, `max_tokens` tokens per request; prefill at every context length.
@@ -451,7 +456,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
             model_dir, quantization = quantize_checkpoint(source_dir, work_dir / "awq", base, compute_device.type,
                                                           emulate_vram_gib, calib_samples,
                                                           shape=(shape or DEFAULT_SHAPE) if cacheable else None,
-                                                          quantize_head=quantize_head)
+                                                          quantize_head=quantize_head,
+                                                          fp16_budget_mib=fp16_budget_mib, rank=rank)
         if compute_device.type == "cuda":
             _release(compute_device)
             torch.cuda.reset_peak_memory_stats(compute_device)
@@ -521,6 +527,10 @@ def write_markdown(result: dict) -> str:
     copy_text = "-" if copy is None else f"{copy:,.0f}"
     setup = (f"KV pages: {p['kv_precision']} in {p['kv_backend']} memory; copy bandwidth {copy_text} GB/s "
              f"(read + write); weights read per decode step {m['weight_bytes_read_per_step'] / MB:,.1f} MB.")
+    quantized = m.get("quantization") or {}
+    if "rank" in quantized:
+        setup += (f" Quantized here: {quantized['fp16_budget_mib']:g} MiB of layers kept FP16, compensation rank "
+                  f"{quantized['rank']}, lm_head {'INT4' if quantized.get('quantize_head') else 'FP16'}.")
     lines = [f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on {where}", "", setup, "",
              "| prompt tokens | TTFT ms | prefill tokens/s |", "|---:|---:|---:|"]
     lines += [f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |"

@@ -142,7 +142,8 @@ def cmd_bench_speed(args) -> int:
     command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
     result = run_speed_bench(
         args.model, shape=args.shape, num_layers=args.num_layers, quantize=args.quantize,
-        quantize_head=args.quantize_head, calib_samples=args.calib_samples, profile=args.profile, device=args.device,
+        quantize_head=args.quantize_head, calib_samples=args.calib_samples, fp16_budget_mib=args.fp16_budget_mib,
+        rank=args.rank, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
         max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs,
         prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant, command=command,
@@ -203,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--quantize-head", action="store_true",
                        help="with --quantize, make lm_head INT4 too (as `lowvram quantize --quantize-head`: less "
                             "memory and faster decode; vLLM and transformers cannot load such a checkpoint)")
+    speed.add_argument("--fp16-budget-mib", type=float, default=None,
+                       help="with --quantize, MiB of the most sensitive layers kept FP16 (default: the profile's)")
+    speed.add_argument("--rank", type=int, default=None,
+                       help="with --quantize, the residual compensation's rank (default: the profile's); "
+                            "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is")
     speed.add_argument("--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without")
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")

@@ -247,6 +247,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
     of the weights (SWEEP_COLD_BYTES): from memory, not from L2."""
     from triton.testing import do_bench_cudagraph
 
+    from lowvram.kernels.w4a16 import InputNorm
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -260,16 +261,28 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
         lora = ((torch.randn(rank, k, dtype=torch.float16, device="cuda") * 0.01,
                  torch.randn(rank, n, dtype=torch.float16, device="cuda") * 0.01) if rank else (None, None))
         for rows in row_counts:
-            x = torch.randn(rows, k, dtype=torch.float16, device="cuda")
+            # The one-row decode path's prologues, as the model runs them (awq_linear): RMSNorm
+            # and the residual sum before q/k/v and gate/up, silu(gate) * up before down.
+            norm = None
+            if rows == 1 and name in ("qkv", "gate_up"):
+                norm = InputNorm(torch.rand(k, dtype=torch.float16, device="cuda") + 0.5, 1e-6,
+                                 torch.randn(1, k, dtype=torch.float16, device="cuda"),
+                                 torch.empty(1, k, dtype=torch.float16, device="cuda"))
+            is_gated = rows == 1 and name == "down"
+            x = torch.randn(rows, 2 * k if is_gated else k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
 
-            def calls(cfg: dict, x=x, y=y) -> None:
+            def calls(cfg: dict, x=x, y=y, norm=norm, is_gated=is_gated, has_prologue=True) -> None:
                 for qweight, qzeros, scales in copies:
-                    launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg, *lora)
+                    if has_prologue:
+                        launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg, *lora, norm=norm,
+                                        is_gated=is_gated)
+                    else:  # the batch-invariant form has no prologues: the model runs them as kernels of their own
+                        launch_awq_gemv(x[:, :k], qweight, qzeros, scales, group_size, None, y, cfg, *lora)
 
-            def time_config(cfg: dict) -> dict:
+            def time_config(cfg: dict, has_prologue: bool = True) -> dict:
                 try:
-                    ms = do_bench_cudagraph(lambda: calls(cfg), rep=20) / num_copies
+                    ms = do_bench_cudagraph(lambda: calls(cfg, has_prologue=has_prologue), rep=20) / num_copies
                 except Exception as exc:  # an invalid configuration for this shape
                     return {"config": cfg, "error": str(exc)[:80]}
                 return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
@@ -291,7 +304,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
                     timed.append(time_config({**t["config"], "lora_reduce": other}))
             ok = [t for t in timed if "us" in t]
             best = min(ok, key=lambda t: t["us"])
-            invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms))
+            invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms), has_prologue=False)
             by_form = {}
             for t in ok:
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),

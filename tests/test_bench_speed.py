@@ -125,6 +125,16 @@ def test_quantize_head_measures_an_int4_lm_head():
     assert record["decode"][0]["decode_tokens_per_s"] > 0
 
 
+def test_rank_and_fp16_budget_replace_the_profiles():
+    """--rank / --fp16-budget-mib: the cpu profile quantizes without compensation; rank 4 adds it."""
+    record = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu", rank=4,
+                             fp16_budget_mib=0, batch_sizes=(1,), context_lens=(16,), max_tokens=2)
+    assert record["model"]["quantization"]["rank"] == 4
+    assert record["model"]["weight_bytes"]["compensation_bytes"] > 0
+    assert record["model"]["weight_bytes"]["num_fp16_layers"] == 0
+    assert "compensation rank 4, lm_head FP16" in write_markdown(record)
+
+
 def test_an_unknown_shape_names_the_known_ones(capsys):
     with pytest.raises(ConfigError, match="known shapes: .*r1-distill-qwen-1.5b.*tiny"):
         run_speed_bench(shape="gpt-5", device="cpu")
