@@ -221,6 +221,7 @@ def time_decode(engine, prompts: _Prompts, context_len: int, batch_size: int, ma
     _generate(engine, prompts.make(batch_size, context_len), NUM_WARMUP_TOKENS)
     num_preemptions = engine.stats.num_preemptions
     num_events = engine.num_controller_events
+    num_pipelined = engine.stats.num_pipelined_steps
     decode_s, num_tokens, num_steps = _generate(engine, prompts.make(batch_size, context_len), max_tokens)
     step_s = decode_s / max(num_steps, 1)
     pool = engine.kv_pool
@@ -238,6 +239,7 @@ def time_decode(engine, prompts: _Prompts, context_len: int, batch_size: int, ma
         "kv_precision": engine.kv_precision,
         "num_preemptions": engine.stats.num_preemptions - num_preemptions,
         "num_controller_events": engine.num_controller_events - num_events,
+        "num_pipelined_steps": engine.stats.num_pipelined_steps - num_pipelined,
     }
 
 
@@ -390,7 +392,7 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                     context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS, max_tokens: int = DEFAULT_MAX_TOKENS,
                     vs_hf: bool = False, cuda_graphs: bool | None = None, prefill_graphs: bool | None = None,
-                    batch_invariant: bool | None = None, seed: int = 0,
+                    batch_invariant: bool | None = None, pipelined_decode: bool | None = None, seed: int = 0,
                     command: str = "lowvram bench speed",
                     progress: Callable[[str], None] | None = None) -> dict:
     """Measure prefill and decode speed through LLMEngine; returns the JSON-ready record.
@@ -404,8 +406,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     profile, device, emulate_vram_gib: as for LLMEngine.
     batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
         context length, `max_tokens` tokens per request; prefill at every context length.
-    cuda_graphs, prefill_graphs, batch_invariant: override the profile's enable_cuda_graphs,
-        enable_prefill_graphs and batch_invariant (None keeps them).
+    cuda_graphs, prefill_graphs, batch_invariant, pipelined_decode: override the profile's
+        enable_cuda_graphs, enable_prefill_graphs, batch_invariant and pipelined_decode (None keeps them).
     vs_hf: also time transformers' generate on the unquantized checkpoint (batch 1, the first
         context length).
     Raises ConfigError for an unknown shape or bad sizes, ModelLoadError for a missing model.
@@ -422,7 +424,7 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     started = time.perf_counter()
     base = load_profile(profile).replace(device=device, emulate_vram_gib=emulate_vram_gib,
                                          enable_cuda_graphs=cuda_graphs, enable_prefill_graphs=prefill_graphs,
-                                         batch_invariant=batch_invariant)
+                                         batch_invariant=batch_invariant, pipelined_decode=pipelined_decode)
     needed_len = max(context_lens) + max_tokens
     base = base.replace(max_model_len=needed_len if base.max_model_len < needed_len else None,
                         max_num_seqs=max(batch_sizes) if base.max_num_seqs < max(batch_sizes) else None)
@@ -491,7 +493,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
                      "is_controller_enabled": engine.profile.controller.is_enabled,
                      "enable_cuda_graphs": getattr(engine.profile, "enable_cuda_graphs", None),
                      "enable_prefill_graphs": getattr(engine.profile, "enable_prefill_graphs", None),
-                     "batch_invariant": getattr(engine.profile, "batch_invariant", None)},
+                     "batch_invariant": getattr(engine.profile, "batch_invariant", None),
+                     "pipelined_decode": engine.pipelines_decode},
             kv_bytes_per_token=kv_pool.shape.block_bytes(engine.kv_precision) // kv_pool.block_size,
             max_tokens=max_tokens, prefill=prefill, decode=decode,
             memory=memory_summary(engine, cuda_context_bytes), num_controller_events=engine.num_controller_events,

@@ -146,7 +146,8 @@ def cmd_bench_speed(args) -> int:
         rank=args.rank, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
         max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs,
-        prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant, command=command,
+        prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant,
+        pipelined_decode=args.pipelined_decode, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replay decode steps from CUDA graphs (default: as the profile says)")
     speed.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)")
+    speed.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,
+                       help="queue each greedy decode step before the host reads the last (default: as the profile says)")
     speed.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                        help="the same results for a request alone or batched (default: as the profile says)")
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")

@@ -64,6 +64,7 @@ class Profile:
     enable_prefix_caching: bool = True
     enable_cuda_graphs: bool = True
     enable_prefill_graphs: bool = False
+    pipelined_decode: bool = True
     embeddings_on_host: bool = False
     batch_invariant: bool = False
     weight_format: str = "auto"
@@ -109,8 +110,12 @@ FIELD_DOCS: dict[str, str] = {
     "enable_prefill_graphs": "With enable_cuda_graphs, also replay the prefill of short prompts (one sequence, up "
                              "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
                              "graphs keep a 512-token step's activations allocated.",
-    "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): each step "
-                          "gathers its rows on the host and copies only them over. Frees vocab x hidden x 2 bytes "
+    "pipelined_decode": "On CUDA, queue each greedy decode step before the host has read the previous step's "
+                        "tokens (its inputs come from the previous step's argmax on the device), so the host's "
+                        "work between steps (detokenizing, scheduling, outputs) overlaps the GPU's instead of "
+                        "leaving it idle. Steps that sample on the host, prefill or admit a request run alone.",
+    "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): it is "
+                          "pinned and the GPU reads each step's rows from it over the bus. Frees vocab x hidden x 2 bytes "
                           "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
     "batch_invariant": "Give each request the same logits, to the bit, whether it runs alone or batched with "
                        "others (greedy output then does not depend on the load): one kernel tiling for every "
@@ -195,6 +200,7 @@ def validate_profile(p: Profile, source: str) -> None:
     _check_bool(source, "enable_prefix_caching", p.enable_prefix_caching)
     _check_bool(source, "enable_cuda_graphs", p.enable_cuda_graphs)
     _check_bool(source, "enable_prefill_graphs", p.enable_prefill_graphs)
+    _check_bool(source, "pipelined_decode", p.pipelined_decode)
     _check_bool(source, "embeddings_on_host", p.embeddings_on_host)
     _check_bool(source, "batch_invariant", p.batch_invariant)
     _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)

@@ -24,8 +24,10 @@ A graph fixes every shape and address it was captured with. So:
   the process, so a fresh stream per capture held one more workspace per graph, and
   dropped engines left theirs behind. memory_plan.decode_graph_bytes counts what stays.
 
-- An embedding table in host memory cannot be read inside a graph: each replay copies its
-  rows from a pinned buffer the step fills on the host first (HostEmbedding.stage).
+- An embedding table in host memory is pinned and read by the GPU through unified
+  addressing (HostEmbedding.device_view), inside the graph like any other gather. Where the
+  driver cannot map it, each replay copies its rows from a pinned buffer the step fills on
+  the host first (HostEmbedding.stage).
 Prefill graphs (profile `enable_prefill_graphs`, off by default until measured) do the same
 for one sequence's new tokens up to 512, padded to a bucket of 64, 128, 256 or 512 tokens;
 see PrefillGraphs. Anything a graph cannot hold (a longer or multi-sequence prefill, a
@@ -308,11 +310,17 @@ class DecodeGraphs(_StepGraphs):
 
     def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
             tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages],
-            pages_version: int | None = None) -> torch.Tensor | None:
+            pages_version: int | None = None, device_input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [S, vocab] of the decode step, by replaying the graph for `key`; None when the
-        graph could not be captured (the caller runs the step eagerly)."""
+        graph could not be captured (the caller runs the step eagerly). `device_input_ids`
+        [S]: the step's token ids on the device, copied over `input_ids` (placeholders) in
+        stream order after the upload, so the host never reads them (not with staged embeddings)."""
         batch, width = key
+        if device_input_ids is not None and self.stage_embeddings is not None:
+            raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, tables, context_lens, batch, width)
+        if device_input_ids is not None:
+            self.input_ids[:len(input_ids)].copy_(device_input_ids)
         return self._replay(key, kv_pages, pages_version, len(input_ids))
 
     def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:

@@ -7,7 +7,7 @@ import json
 from collections import deque
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -24,9 +24,9 @@ from lowvram.memory_plan import host_kv_blocks, plan_kv
 from lowvram.fusion import fuse_projections
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from lowvram.sampling import SamplingParams, sample_tokens
+from lowvram.sampling import SamplingParams, has_penalties, sample_tokens
 from lowvram.scheduler import ScheduledBatch, Scheduler
-from lowvram.sequence import Sequence
+from lowvram.sequence import Sequence, SequenceStatus
 from lowvram.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("lowvram")
@@ -45,6 +45,7 @@ class EngineStats:
     decode_s: float = 0.0
     num_steps: int = 0
     num_preemptions: int = 0
+    num_pipelined_steps: int = 0  # decode steps queued before the host read the step before them
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -78,6 +79,29 @@ class EngineSnapshot:
     num_controller_events: int = 0
     num_kv_blocks_cached: int = 0
     memory_pressure_bytes: int = 0  # what the controller compares with the budget (may exceed it)
+
+
+# The output token of a step whose successor was queued before it was read (LLMEngine._continue).
+PENDING_TOKEN = -1
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step queued on the device whose tokens the engine has not read yet."""
+
+    batch: ScheduledBatch
+    rows: list[int]  # logits rows that sample a token
+    sampled: list[Sequence]  # ... and their sequences
+    start: float
+    is_warmup: bool  # it captured a graph
+    tokens: list[int] | None = None  # sampled on the host already
+    device_tokens: torch.Tensor | None = None  # [S] int64 argmax on the device, for the next step's inputs
+    host_tokens: torch.Tensor | None = None  # pinned copy of device_tokens, valid once `copied` is reached
+    copied: torch.cuda.Event | None = None
+    num_preemptions: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.num_preemptions = {seq.seq_id: seq.num_preemptions for seq in self.sampled}
 
 
 class LLMEngine:
@@ -165,6 +189,13 @@ class LLMEngine:
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
         self._allocated_reading: tuple[int, int] | None = None  # (step, bytes): the controller's last reading
+        # Pipelined decode (step): on a GPU the host's work between steps then overlaps the
+        # next step. On the CPU a step runs as it is queued, so there is nothing to overlap,
+        # and a step queued behind a request's last token would be computed for nothing.
+        self.pipelines_decode = self.device.type == "cuda" and self.profile.pipelined_decode
+        self._inflight: _Launched | None = None  # a pipelined decode step queued but not read (step)
+        self._drained: list[RequestOutput] = []  # outputs of a queued step finished early (_drain)
+        self._last_finish = 0.0
         log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
                  self.kv_plan.kv_bytes / 2**20)
 
@@ -241,29 +272,140 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        self.stats.num_preemptions += len(batch.preempted)
-        if batch.is_empty:
-            return []
-        start = time.perf_counter()
+        """Run one step and return the outputs it produced.
+
+        Plain greedy decode steps are pipelined: step N + 1 is queued on the GPU, its input
+        tokens taken from step N's argmax on the device, before the host reads step N's
+        tokens and turns them into outputs, so the GPU does not wait for the host between
+        steps (_continue). Anything else (a prefill, sampling on the host, a request waiting
+        to be admitted, a sequence at its length limit) runs its step alone, as before; a
+        controller action first finishes the queued step (_drain)."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            batch = self.scheduler.schedule()
+            self.stats.num_preemptions += len(batch.preempted)
+            if batch.is_empty:
+                return []
+            try:
+                launched = self._launch(batch)
+            except torch.OutOfMemoryError as exc:
+                self._recover_from_oom(batch, exc)
+                return []
+        if self._can_continue(launched):
+            self._inflight = self._continue(launched)
+        outputs = self._finish(launched)
+        queued = self._inflight
+        if queued is not None and not any(seq.status is SequenceStatus.RUNNING for seq in queued.batch.seqs):
+            self._inflight = None  # every sequence of the queued step finished: nothing to read from it
+        if self._drained:
+            outputs += self._drained
+            self._drained = []
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Queue `batch` on the device and count its tokens as computed. Its tokens are read
+        later (_finish): plain greedy decode rows are picked by one argmax on the device and
+        copied to pinned host memory behind an event; other steps sample now.
+        `input_ids`: a decode step's input tokens on the device (_continue)."""
         num_captures = self.runner.num_graph_captures
-        try:
-            logits = self.runner.run(batch)
-        except torch.OutOfMemoryError as exc:
-            self._recover_from_oom(batch, exc)
-            return []
+        start = time.perf_counter()
+        logits = self.runner.run(batch, input_ids=input_ids)
         rows, sampled = [], []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             seq.num_computed_tokens += num_new
-            # A decode step fills a page one token in block_size: the ids are gathered only then.
-            if self.block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens):
-                self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 rows.append(row)
                 sampled.append(seq)
-        tokens = sample_tokens(logits, rows, sampled)  # before the next run overwrites graph logits
-        outputs = [self._append_token(seq, token) for seq, token in zip(sampled, tokens)]
-        elapsed = time.perf_counter() - start
+        launched = _Launched(batch, rows, sampled, start, self.runner.num_graph_captures != num_captures)
+        is_device_greedy = (self.pipelines_decode and not batch.is_prefill and len(rows) == len(batch.seqs)
+                            and all(seq.params.is_greedy and not has_penalties(seq.params) for seq in sampled))
+        if is_device_greedy:
+            # Queued before the next replay overwrites the graphs' logits; ties go to the
+            # lowest id, as in sample_tokens.
+            launched.device_tokens = torch.argmax(logits, dim=-1)
+            if launched.device_tokens.is_cuda:
+                launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
+                launched.host_tokens.copy_(launched.device_tokens, non_blocking=True)
+                launched.copied = torch.cuda.Event()
+                launched.copied.record()
+            else:
+                launched.host_tokens = launched.device_tokens
+        else:
+            launched.tokens = sample_tokens(logits, rows, sampled)  # before the next run overwrites graph logits
+        return launched
+
+    def _can_continue(self, launched: _Launched) -> bool:
+        """Whether the step after `launched` can be queued before `launched`'s tokens are
+        known: `launched` is a plain greedy decode step of every running sequence, no
+        request waits to be admitted, none reaches its length limit with the token it
+        samples, and the pages the next step needs are free (no one is preempted for them)."""
+        if launched.device_tokens is None or self.scheduler.waiting or not self.runner.accepts_device_input_ids:
+            return False
+        seqs = launched.batch.seqs
+        if len(seqs) != len(self.scheduler.running):
+            return False
+        missing = 0
+        for seq in seqs:
+            num_tokens = seq.num_tokens + 1  # with the token `launched` samples
+            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens or num_tokens >= self.max_model_len:
+                return False
+            missing += self.block_manager.num_missing(seq.seq_id, num_tokens)
+        return missing <= self.block_manager.num_free_blocks
+
+    def _continue(self, launched: _Launched) -> _Launched | None:
+        """Queue the decode step after `launched`, before its tokens are read. Each sequence
+        gets a placeholder for the token `launched` samples, so the scheduler and the page
+        tables see the next step's shape; the runner copies the device argmax into the
+        step's input ids. _finish puts the real tokens in place of the placeholders."""
+        for seq in launched.batch.seqs:
+            seq.output_token_ids.append(PENDING_TOKEN)
+        batch = self.scheduler.schedule()
+        if batch.is_prefill or batch.preempted or batch.seqs != launched.batch.seqs:
+            raise RuntimeError("the pipelined decode step got other sequences than the step before it")
+        try:
+            queued = self._launch(batch, input_ids=launched.device_tokens)
+            self.stats.num_pipelined_steps += 1
+            return queued
+        except torch.OutOfMemoryError:
+            # Not queued: the tokens come from `launched` alone, and the next step, scheduled
+            # as usual, meets the shortage and recovers from it.
+            for seq in batch.seqs:
+                seq.output_token_ids.pop()
+            return None
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and turn them into outputs: commit full pages, append
+        each token (in place of its placeholder), finish sequences, count, and let the
+        controller see the step. Sequences finished or preempted meanwhile are skipped."""
+        if launched.tokens is None:
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            launched.tokens = launched.host_tokens.tolist()
+        block_manager = self.block_manager
+        # The queued next step counts this step's token as computed already: in place of its
+        # placeholder it completes the ids that pages are committed with.
+        placeheld = []
+        for seq, token in zip(launched.sampled, launched.tokens):
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+                seq.output_token_ids[-1] = token
+                placeheld.append(seq)
+        for seq in launched.batch.seqs:
+            # A decode step fills a page one token in block_size: the ids are gathered only then.
+            if (seq.status is SequenceStatus.RUNNING
+                    and block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens)):
+                block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        for seq in placeheld:
+            seq.output_token_ids.pop()  # _append_token adds it again, with its checks
+        outputs = []
+        for seq, token in zip(launched.sampled, launched.tokens):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_preemptions != launched.num_preemptions[seq.seq_id]:
+                continue  # aborted, finished by the step before, or preempted: nothing to add
+            outputs.append(self._append_token(seq, token))
+        now = time.perf_counter()
+        # A pipelined step was queued while the one before it ran: its latency runs from the later of the two.
+        elapsed = now - max(launched.start, self._last_finish)
+        self._last_finish = now
+        batch = launched.batch
         self.stats.num_steps += 1
         if batch.is_prefill:
             self.stats.num_prefill_tokens += sum(batch.num_new_tokens)
@@ -272,12 +414,18 @@ class LLMEngine:
             self.stats.num_decode_tokens += len(batch.seqs)
             self.stats.decode_s += elapsed
             self.recent_token_latency_ms.append(elapsed * 1000)
-        # A step that captured a decode graph paid a one-off cost that says nothing about
-        # the load: the controller does not see its latency (else new batch sizes in a row
+        # A step that captured a graph paid a one-off cost that says nothing about the
+        # load: the controller does not see its latency (else new batch sizes in a row
         # would read as a slow card and compress the KV).
-        is_warmup = self.runner.num_graph_captures != num_captures
-        self._control(None if batch.is_prefill or is_warmup else elapsed * 1000)
+        self._control(None if batch.is_prefill or launched.is_warmup else elapsed * 1000)
         return outputs
+
+    def _drain(self) -> None:
+        """Finish a queued decode step now, before something changes the pages, the batch or
+        the model under it; its outputs go out with the current step's."""
+        if self._inflight is not None:
+            launched, self._inflight = self._inflight, None
+            self._drained += self._finish(launched)
 
     # -- the feedback controller --------------------------------------------------
     def kv_bytes_in_use(self, num_blocks_on_host: int | None = None) -> int:
@@ -383,6 +531,7 @@ class LLMEngine:
 
     def _apply(self, event: Event) -> None:
         """Carry out one controller decision. Nothing here drops a request."""
+        self._drain()
         kind, value = event.action.kind, event.action.value
         self._allocated_reading = None  # what it moves, the next step reads afresh
         note = ""
@@ -450,6 +599,7 @@ class LLMEngine:
         when it grows). New tokens are stored at the new precision from the next step.
         Compressing keeps the pages of each running sequence's last `kv_recent_fp16_tokens`
         tokens in FP16 as well (see `lowvram.kv_pool`)."""
+        self._drain()
         from lowvram.kv_pool import recent_window_blocks
 
         free = set(self.block_manager.free_blocks)

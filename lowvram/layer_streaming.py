@@ -202,20 +202,56 @@ def plan_for_model(model: CausalLM, strategy: str, *, budget_bytes: int, workspa
 # ---------------------------------------------------------------- host-side modules
 
 
-class HostEmbedding(nn.Module):
-    """An embedding table in host memory: a step's rows are gathered on the host and only
-    the [T, hidden] activations cross the bus. Keeps the name `weight`, so state_dict and
-    the loader's reports see the same tensor as before.
+class _PinnedAsDevice:
+    """The CUDA array interface of a pinned host tensor: with unified addressing the GPU reads
+    pinned host memory at the host address, so torch.as_tensor(this, device="cuda") makes a
+    CUDA tensor whose kernels read the rows over the bus (no copy is made). Two-byte dtypes
+    go through as int16 (the interface has no bfloat16)."""
 
-    A CUDA graph cannot hold the host-side gather, so a decode graph is captured with a
-    copy from a fixed pinned buffer instead, and `stage` fills that buffer with the next
-    replay's rows before each replay (lowvram.cuda_graphs)."""
+    def __init__(self, host: torch.Tensor):
+        self.host = host  # kept alive by the CUDA tensor's storage, which holds this object
+        typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[host.element_size()]
+        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": typestr,
+                                         "data": (host.data_ptr(), False), "strides": None, "version": 3}
+
+
+def pinned_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor over pinned, contiguous `host` memory (read through unified addressing),
+    or None where the driver does not map it (the caller then copies rows over itself)."""
+    if not host.is_pinned() or not host.is_contiguous():
+        return None
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[host.element_size()]
+    try:
+        view = torch.as_tensor(_PinnedAsDevice(host), device=device)
+    except (RuntimeError, TypeError) as exc:  # no unified addressing, or an unmapped allocation
+        log.info("pinned host memory is not readable from %s (%s); rows are copied instead", device, exc)
+        return None
+    return view.view(int_dtype).view(host.dtype) if view.dtype != host.dtype else view
+
+
+class HostEmbedding(nn.Module):
+    """An embedding table in host memory: only the [T, hidden] activations cross the bus.
+    Keeps the name `weight`, so state_dict and the loader's reports see the same tensor as before.
+
+    On a CUDA device the table is pinned and the GPU gathers its rows itself, reading the
+    pinned memory through unified addressing (`device_view`): a step's token ids never need
+    to reach the host, and a CUDA graph captures the gather like any other kernel. Where the
+    driver cannot map the table, a step gathers its rows on the host instead; a decode graph
+    is then captured with a copy from a fixed pinned buffer, and `stage` fills that buffer
+    with the next replay's rows before each replay (lowvram.cuda_graphs)."""
 
     def __init__(self, weight: torch.Tensor, device: torch.device):
         super().__init__()
+        self.device = torch.device(device)
+        self.device_view: torch.Tensor | None = None  # [V, hidden] on the device, reading host memory
+        if self.device.type == "cuda":
+            with torch.inference_mode(False):
+                pinned = torch.empty_like(weight, pin_memory=True)
+                pinned.copy_(weight)
+            weight = pinned
+            self.device_view = pinned_device_view(weight, self.device)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.device = torch.device(device)
         self._rows: torch.Tensor | None = None  # pinned [T, hidden], reused by every step
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self._graph_rows: torch.Tensor | None = None  # pinned [max batch, hidden], what graphs copy from
@@ -232,6 +268,8 @@ class HostEmbedding(nn.Module):
         torch.index_select(self.weight, 0, ids, out=self._graph_rows[:len(token_ids)])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.device_view is not None:
+            return torch.nn.functional.embedding(input_ids.to(self.device), self.device_view)
         if self._graph_rows is not None and torch.cuda.is_current_stream_capturing():
             # [B, hidden]: the replay copies what `stage` gathered; input_ids are not read.
             return self._graph_rows[:input_ids.shape[0]].to(self.device, non_blocking=True)

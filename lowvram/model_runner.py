@@ -56,7 +56,10 @@ class ModelRunner:
             max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
             # The rotary tables must not be replaced after a graph captured them.
             model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
-            stage = getattr(model.model.embed_tokens, "stage", None)
+            # An embedding table in host memory that the GPU cannot read directly has each
+            # replay's rows staged on the host (HostEmbedding.stage).
+            embed = model.model.embed_tokens
+            stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
             capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
             self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device,
@@ -117,29 +120,43 @@ class ModelRunner:
         last_rows = [end - 1 for end in cu_seqlens[1:]]
         return ids, pos, meta, last_rows
 
+    @property
+    def accepts_device_input_ids(self) -> bool:
+        """Whether `run` can take a decode step's input ids on the device without reading them
+        on the host: not where graphs stage host-memory embedding rows before each replay."""
+        return self.graphs is None or self.graphs.stage_embeddings is None
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
         (or [T, vocab] at every new token with is_all_rows, for scoring text).
+
+        input_ids: a decode step's input token per sequence [S] int64 on the device (the
+        previous step's argmax, not yet read by the host), used in place of the ids in the
+        sequences, whose last entries are then placeholders.
 
         A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
         not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
         self.copy_pages(batch.copies)
         pool = self.kv_pool
         if not pool.can_spill:
-            return self._forward(batch, is_all_rows)
+            return self._forward(batch, is_all_rows, input_ids)
         tables = {seq.seq_id: self.block_manager.block_table(seq.seq_id) for seq in batch.seqs}
         pool.record_step(tables, live_seq_ids=self.block_manager.tables.keys())
         parts = self._split(batch, tables)
         free = self.block_manager.free_blocks
         logits = []
+        first_row = 0
         for i, (part, blocks) in enumerate(parts):
             pool.ensure_resident(blocks, free_block_ids=free)
             # Issued before this part's kernels are queued, so the copies overlap them.
             upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(tables)
             if upcoming:
                 pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
-            part_logits = self._forward(part, is_all_rows)
+            part_ids = None if input_ids is None else input_ids[first_row : first_row + len(part.seqs)]
+            first_row += len(part.seqs)
+            part_logits = self._forward(part, is_all_rows, part_ids)
             # The next part's replay would overwrite a graph's logits before the cat reads them.
             logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -152,9 +169,9 @@ class ModelRunner:
             return []
         return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
 
-    def _forward(self, batch: ScheduledBatch, is_all_rows: bool) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.graphs is not None and not batch.is_prefill and not is_all_rows:
-            logits = self._replay(batch)
+            logits = self._replay(batch, input_ids)
             if logits is not None:
                 return logits
         if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
@@ -162,18 +179,20 @@ class ModelRunner:
             if logits is not None:
                 return logits
         ids, pos, meta, last_rows = self.prepare(batch)
+        if input_ids is not None:  # one new token per sequence: the rows line up
+            ids = input_ids
         hidden = self.model(ids, pos, meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
 
-    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _replay(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         # The bucket first, from the block manager's tables: a batch no graph holds is gathered once, eagerly.
         widest = max(len(self.block_manager.block_table(seq.seq_id)) for seq in batch.seqs)
         key = self.graphs.bucket(len(batch.seqs), widest)
         if key is None:
             return None
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.graphs.run(key, input_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
-                               getattr(self.kv_pool, "pages_version", None))
+        host_ids, positions, slots, context_lens, tables = self.gather(batch)
+        return self.graphs.run(key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
+                               getattr(self.kv_pool, "pages_version", None), device_input_ids=input_ids)
 
     def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
         table = self.block_manager.block_table(batch.seqs[0].seq_id)

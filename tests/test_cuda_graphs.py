@@ -197,7 +197,7 @@ def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny
 
 @pytest.mark.gpu
 def test_an_embedding_table_in_host_memory_gives_the_same_tokens(tiny_qwen2_dir):
-    """Graphs copy each replay's rows from a pinned buffer that the step fills on the host."""
+    """The GPU reads the pinned table's rows itself, inside the graphs (no staging on the host)."""
     profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
     on_device = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(embeddings_on_host=False), **profile)
     on_host = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(embeddings_on_host=True), **profile)
@@ -211,7 +211,54 @@ def test_an_embedding_table_in_host_memory_gives_the_same_tokens(tiny_qwen2_dir)
     prompts = _prompts(on_device, [5, 40, 300])
     expected = _generate(on_device, prompts, [12, 18, 6])
     assert _generate(on_host, prompts, [12, 18, 6]) == expected
-    assert on_host.runner.graphs.num_replays > 0 and on_host.runner.graphs.stage_embeddings is not None
+    embed = on_host.model.model.embed_tokens
+    assert embed.weight.is_pinned() and embed.device_view is not None and embed.device_view.is_cuda
+    assert on_host.runner.graphs.num_replays > 0 and on_host.runner.graphs.stage_embeddings is None
+    assert on_host.stats.num_pipelined_steps > 0
+
+
+@pytest.mark.gpu
+def test_pipelined_decode_gives_the_tokens_of_steps_run_one_by_one(tiny_qwen2_dir):
+    """Each decode step queued from the previous one's argmax on the device, before the host
+    reads it: batches shrink as requests finish, one crosses pages, one stops on a token."""
+    profile = {"max_model_len": 2048, "emulate_vram_gib": 4.0}
+    steady = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(pipelined_decode=False), **profile)
+    piped = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(embeddings_on_host=True), **profile)
+    assert piped.pipelines_decode
+    prompts = _prompts(steady, [5, 40, 300, 17])
+    expected = _generate(steady, prompts, [12, 18, 40, 25])
+    got = _generate(piped, prompts, [12, 18, 40, 25])
+    assert got == expected
+    assert steady.stats.num_pipelined_steps == 0 and piped.stats.num_pipelined_steps > 30
+    assert piped.runner.graphs.num_replays > 0 and piped._inflight is None
+    # a stop token: the step queued after it is dropped
+    stop = expected["2"][20]
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
+    for engine in (steady, piped):
+        engine.add_request("stop", None, params, prompt_token_ids=prompts[2])
+    outs = [[o for _ in range(200) if e.has_unfinished_requests() for o in e.step() if o.finished] for e in (steady, piped)]
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids == expected["2"][:expected["2"].index(stop) + 1]
+
+
+@pytest.mark.gpu
+def test_pinned_rows_are_read_by_the_gpu_inside_a_graph():
+    from lowvram.layer_streaming import HostEmbedding
+
+    table = torch.randn(1000, 64, dtype=torch.float16)
+    embed = HostEmbedding(table, torch.device("cuda"))
+    assert embed.weight.is_pinned() and embed.device_view is not None
+    ids = torch.tensor([3, 999, 0, 3, 517], device="cuda")
+    assert torch.equal(embed(ids).cpu(), table[ids.cpu()])
+    static_ids = torch.zeros(5, dtype=torch.long, device="cuda")
+    embed(static_ids)  # warm-up off the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = embed(static_ids)
+    for _ in range(2):
+        new = torch.randint(0, 1000, (5,), device="cuda")
+        static_ids.copy_(new)
+        graph.replay()
+        assert torch.equal(out.cpu(), table[new.cpu()])
 
 
 @pytest.mark.gpu

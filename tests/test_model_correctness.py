@@ -16,8 +16,8 @@ def _record_logits(engine: LLMEngine) -> dict[str, list[torch.Tensor]]:
     per_request: dict[str, list[torch.Tensor]] = {}
     run = engine.runner.run
 
-    def recording_run(batch):
-        logits = run(batch)
+    def recording_run(batch, **kwargs):
+        logits = run(batch, **kwargs)
         for row, seq in enumerate(batch.seqs):
             per_request.setdefault(seq.request_id, []).append(logits[row].clone())
         return logits

@@ -1,0 +1,100 @@
+"""Pipelined decode: step N + 1 queued from step N's argmax before the host reads step N.
+
+On the CPU a queued step runs at once, so these tests turn the pipeline on by hand to check
+its bookkeeping (placeholders, page commits, finishing, draining) against the engine
+without it; tests/test_cuda_graphs.py checks it on a GPU with graphs."""
+
+import pytest
+
+from lowvram import SamplingParams
+from lowvram.engine import PENDING_TOKEN, LLMEngine
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen2_dir):
+    plain = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    piped = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    piped.pipelines_decode = True
+    return plain, piped
+
+
+def run(engine, requests, abort_after=None):
+    """requests: id -> (prompt ids, params); returns id -> (token ids, finish reason, text)."""
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(request_id, prompt_token_ids=ids, params=params)
+    results, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PENDING_TOKEN not in out.outputs[0].token_ids
+            if out.finished:
+                results[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].text)
+        steps += 1
+        if abort_after and steps == abort_after[1]:
+            engine.abort_request(abort_after[0])
+    return results
+
+
+def test_the_same_tokens_text_and_finishes_as_without(engines):
+    plain, piped = engines
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free = run(plain, {"probe": ([5, 6, 7], greedy)})["probe"]
+    requests = {
+        "long": ([5, 6, 7], greedy),
+        "short": ([9, 10, 11, 12] * 5, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+        # ends on a token the pipeline had already queued a step after
+        "eos": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[free[0][17]])),
+        "stop": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[free[2][4:7]])),
+        "pages": (list(range(20, 50)), SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)),
+    }
+    before = piped.stats.num_pipelined_steps
+    expected = run(plain, requests)
+    got = run(piped, requests)
+    assert got == expected
+    assert got["eos"][1] == "stop" and len(got["eos"][0]) == free[0].index(free[0][17]) + 1
+    assert got["stop"][1] == "stop" and got["long"][1] == "length"
+    assert piped.stats.num_pipelined_steps - before > 30
+    assert plain.stats.num_pipelined_steps == 0
+    assert piped._inflight is None
+
+
+def test_committed_pages_hold_the_real_tokens(engines):
+    """Full pages are committed with the sampled ids, not placeholders: a later prompt that
+    repeats a generated text reuses them and decodes as it does from scratch."""
+    plain, piped = engines
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompt = list(range(60, 75))
+    first = run(piped, {"a": (prompt, greedy)})["a"][0]
+    again = prompt + first[:40]
+    cached = piped.block_manager.match_prefix(again).num_tokens
+    assert cached >= 48  # the prompt's page and pages filled with generated tokens
+    follow = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert run(piped, {"b": (again, follow)}) == run(plain, {"b": (again, follow)})
+
+
+def test_an_abort_and_a_precision_change_lose_nothing(engines):
+    plain, piped = engines
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    requests = {"x": ([3, 4, 5], greedy), "y": ([8, 9], greedy)}
+    expected = run(plain, requests)
+    # abort "y" between steps while a step holding it is queued
+    got = run(piped, requests, abort_after=("y", 12))
+    assert got["x"] == expected["x"] and "y" not in got
+    assert piped._inflight is None
+    # a precision change while a step is queued finishes that step first (_drain)
+    for request_id, (ids, params) in requests.items():
+        piped.add_request(request_id + "2", prompt_token_ids=ids, params=params)
+    tokens = {"x2": [], "y2": []}
+    for _ in range(10):
+        for out in piped.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert piped._inflight is not None
+    piped.set_kv_precision("int8")
+    assert piped._inflight is None
+    drained = piped.step()  # the drained step's outputs come with the next step's
+    assert {out.request_id for out in drained} == {"x2", "y2"}
+    while piped.has_unfinished_requests():
+        for out in piped.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    piped.set_kv_precision("fp16")
+    assert tokens["x2"][:10] == expected["x"][0][:10] and tokens["y2"][:10] == expected["y"][0][:10]
+    assert len(tokens["x2"]) == len(tokens["y2"]) == 30
