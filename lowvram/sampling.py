@@ -117,6 +117,11 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    if generator is not None and probs.device != generator.device:
+        # A seeded request draws from its own host generator wherever the logits are: the
+        # same seed gives the same text on any device and batch (a CUDA multinomial would
+        # not take a host generator at all).
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

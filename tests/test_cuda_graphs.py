@@ -241,6 +241,28 @@ def test_pipelined_decode_gives_the_tokens_of_steps_run_one_by_one(tiny_qwen2_di
 
 
 @pytest.mark.gpu
+def test_seeded_sampling_on_the_gpu_is_the_same_alone_and_batched(tiny_qwen2_dir):
+    """A seeded request draws from its host generator though its logits are on the GPU; greedy
+    neighbours are pipelined around it."""
+    engine = LLMEngine(str(tiny_qwen2_dir), GRAPHED, max_model_len=2048, emulate_vram_gib=4.0)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
+    prompt = _prompts(engine, [30])[0]
+
+    def run(requests):
+        for request_id, params in requests.items():
+            engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return done
+
+    alone = run({"s": seeded})["s"]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    batched = run({"g1": greedy, "s": seeded, "g2": greedy, "u": SamplingParams(temperature=1.0, max_tokens=9)})
+    assert len(alone) == 20 and batched["s"] == alone and len(batched["u"]) <= 9
+
+
+@pytest.mark.gpu
 def test_pinned_rows_are_read_by_the_gpu_inside_a_graph():
     from lowvram.layer_streaming import HostEmbedding
 
