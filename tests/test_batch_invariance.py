@@ -127,17 +127,19 @@ def test_dense_head_rows_do_not_depend_on_the_batch_at_the_real_shape():
 
 def _record_logits(engine, monkeypatch):
     """Each request's logits row at every sampled position: {(request id, position): [V]}."""
-    import lowvram.engine as engine_module
-
     recorded = {}
-    sample = engine_module.sample_tokens
+    run = engine.runner.run
 
-    def recording_sample(logits, rows, seqs):
-        for row, seq in zip(rows, seqs):
-            recorded[(seq.request_id, len(seq.output_token_ids))] = logits[row].detach().cpu().clone()
-        return sample(logits, rows, seqs)
+    def recording_run(batch, **kwargs):
+        # Rows that sample, keyed by the index of the token they sample: a pipelined step's
+        # sequences already hold a placeholder for the token of the step before (engine._continue).
+        logits = run(batch, **kwargs)
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                recorded[(seq.request_id, len(seq.output_token_ids))] = logits[row].detach().cpu().clone()
+        return logits
 
-    monkeypatch.setattr(engine_module, "sample_tokens", recording_sample)
+    monkeypatch.setattr(engine.runner, "run", recording_run)
     return recorded
 
 
@@ -172,13 +174,17 @@ def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
     return done
 
 
-def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None):
+def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None,
+                                   is_pipelined=None):
     """Batched (chunked prefill under a small token budget, decode batches that shrink, and
     with `preempt_at_step` requests preempted and recomputed) against one request at a time
-    on a fresh engine: the same tokens and the same logits, bit for bit."""
+    on a fresh engine: the same tokens and the same logits, bit for bit. `is_pipelined`
+    turns pipelined decode on or off in both engines (None: as on their device)."""
     from lowvram.engine import LLMEngine
 
     batched = LLMEngine(str(model_dir), profile)
+    if is_pipelined is not None:
+        batched.pipelines_decode = is_pipelined
     prompts = _prompt_ids(batched, lengths)
     ids = [f"r{i}" for i in range(len(prompts))]
     batched_logits = _record_logits(batched, monkeypatch)
@@ -186,6 +192,8 @@ def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max
     monkeypatch.undo()
 
     alone = LLMEngine(str(model_dir), profile)
+    if is_pipelined is not None:
+        alone.pipelines_decode = is_pipelined
     alone_logits = _record_logits(alone, monkeypatch)
     alone_tokens = {}
     for request_id, prompt in zip(ids, prompts):
@@ -198,13 +206,15 @@ def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max
     assert not different
 
 
+@pytest.mark.parametrize("is_pipelined", [False, True], ids=["steps", "pipelined"])
 @pytest.mark.parametrize("preempt_at_step", [None, 1], ids=["batched", "preempted"])
-def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch, preempt_at_step):
+def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch, preempt_at_step, is_pipelined):
+    # Pipelined: a preemption between steps drops the preempted request's row of the queued step.
     from lowvram.config import load_profile
 
     profile = load_profile("cpu").replace(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=32)
     check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 40, 23, 61], max_tokens=8,
-                                   preempt_at_step=preempt_at_step)
+                                   preempt_at_step=preempt_at_step, is_pipelined=is_pipelined)
 
 
 def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(tiny_qwen2_dir, monkeypatch):

@@ -30,8 +30,8 @@ def test_fp16_logits_close_to_transformers_fp32(fixture, request):
     recorded = {}
     run = engine.runner.run
 
-    def recording_run(batch):
-        logits = run(batch)
+    def recording_run(batch, **kwargs):
+        logits = run(batch, **kwargs)
         for row, seq in enumerate(batch.seqs):
             recorded.setdefault(seq.request_id, []).append(logits[row].cpu())
         return logits

@@ -198,8 +198,8 @@ def test_pinned_engine_runs_batches_larger_than_the_device_share_in_parts(tiny_q
         run = eng.runner.run
         rows = logits.setdefault(name, [])
 
-        def recording_run(batch, *, is_all_rows=False, run=run, rows=rows):
-            out = run(batch, is_all_rows=is_all_rows)
+        def recording_run(batch, run=run, rows=rows, **kwargs):
+            out = run(batch, **kwargs)
             rows.append(out.float().cpu())
             return out
 
