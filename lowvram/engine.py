@@ -360,8 +360,15 @@ class LLMEngine:
         for seq in launched.batch.seqs:
             seq.output_token_ids.append(PENDING_TOKEN)
         batch = self.scheduler.schedule()
+        self.stats.num_preemptions += len(batch.preempted)
         if batch.is_prefill or batch.preempted or batch.seqs != launched.batch.seqs:
-            raise RuntimeError("the pipelined decode step got other sequences than the step before it")
+            # Not expected (_can_continue rules it out). Nothing is queued: the sequences go
+            # on from `launched`'s tokens, and the scheduler, which keeps no state of its own
+            # about a batch, schedules whatever this one held again at the next step.
+            log.warning("a pipelined decode step was scheduled with other sequences than the step before it "
+                        "(%d against %d); it runs on its own", len(batch.seqs), len(launched.batch.seqs))
+            self._drop_placeholders(launched.batch.seqs)
+            return None
         try:
             queued = self._launch(batch, input_ids=launched.device_tokens)
             self.stats.num_pipelined_steps += 1
@@ -369,9 +376,14 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             # Not queued: the tokens come from `launched` alone, and the next step, scheduled
             # as usual, meets the shortage and recovers from it.
-            for seq in batch.seqs:
-                seq.output_token_ids.pop()
+            self._drop_placeholders(batch.seqs)
             return None
+
+    @staticmethod
+    def _drop_placeholders(seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.output_token_ids and seq.output_token_ids[-1] == PENDING_TOKEN:
+                seq.output_token_ids.pop()
 
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens and turn them into outputs: commit full pages, append

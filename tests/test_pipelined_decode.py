@@ -98,3 +98,26 @@ def test_an_abort_and_a_precision_change_lose_nothing(engines):
     piped.set_kv_precision("fp16")
     assert tokens["x2"][:10] == expected["x"][0][:10] and tokens["y2"][:10] == expected["y"][0][:10]
     assert len(tokens["x2"]) == len(tokens["y2"]) == 30
+
+
+def test_an_unexpected_schedule_runs_the_step_alone(engines, monkeypatch):
+    """Should the scheduler give the queued step other sequences than the step before it,
+    nothing is queued, no placeholder stays behind, and the tokens are the same."""
+    plain, piped = engines
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    requests = {"a": ([5, 6, 7], greedy), "b": ([9, 10], greedy)}
+    expected = run(plain, requests)
+    schedule = piped.scheduler.schedule
+    calls = {"n": 0}
+
+    def odd_schedule():
+        batch = schedule()
+        calls["n"] += 1
+        if calls["n"] in (6, 9) and len(batch.seqs) == 2:
+            batch.seqs, batch.num_new_tokens = batch.seqs[:1], batch.num_new_tokens[:1]
+        return batch
+
+    monkeypatch.setattr(piped.scheduler, "schedule", odd_schedule)
+    before = piped.stats.num_pipelined_steps
+    assert run(piped, requests) == expected
+    assert calls["n"] > 9 and piped.stats.num_pipelined_steps - before > 5
