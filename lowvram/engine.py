@@ -337,9 +337,10 @@ class LLMEngine:
     def _can_continue(self, launched: _Launched) -> bool:
         """Whether the step after `launched` can be queued before `launched`'s tokens are
         known: `launched` is a plain greedy decode step of every running sequence, no
-        request waits to be admitted, none reaches its length limit with the token it
+        waiting request may be admitted now (one waiting for a place in a full batch does
+        not stop the pipeline), none reaches its length limit with the token it
         samples, and the pages the next step needs are free (no one is preempted for them)."""
-        if launched.device_tokens is None or self.scheduler.waiting or not self.runner.accepts_device_input_ids:
+        if launched.device_tokens is None or self.scheduler.may_admit() or not self.runner.accepts_device_input_ids:
             return False
         seqs = launched.batch.seqs
         if len(seqs) != len(self.scheduler.running):

@@ -84,9 +84,7 @@ class Scheduler:
         for seq in self.running:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
                 budget -= self._try_add(batch, seq, budget)
-        # Throttled: only sequences that were already admitted once (preempted) come back.
-        while (self.waiting and budget > 0 and len(self.running) < self.batch_limit
-               and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0)):
+        while budget > 0 and self.may_admit():
             seq = self.waiting[0]
             took = self._try_add(batch, seq, budget)
             if not took:
@@ -96,6 +94,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return batch
+
+    def may_admit(self) -> bool:
+        """Whether the next waiting sequence may join the running ones now (pages permitting):
+        there is one, the batch is below its limit, and admission is not throttled (when it
+        is, only sequences that were admitted once, preempted since, come back)."""
+        return bool(self.waiting and len(self.running) < self.batch_limit
+                    and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0))
 
     def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         if seq.num_computed_tokens == 0 and not self.block_manager.block_table(seq.seq_id):

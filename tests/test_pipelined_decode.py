@@ -121,3 +121,28 @@ def test_an_unexpected_schedule_runs_the_step_alone(engines, monkeypatch):
     before = piped.stats.num_pipelined_steps
     assert run(piped, requests) == expected
     assert calls["n"] > 9 and piped.stats.num_pipelined_steps - before > 5
+
+
+def test_a_request_waiting_for_a_full_batch_does_not_stop_the_pipeline(tiny_qwen2_dir):
+    """Two places, three requests: the third waits while the first two decode pipelined, and
+    comes in (a prefill, which runs alone) when one of them finishes."""
+    from lowvram.config import load_profile
+
+    profile = load_profile("cpu").replace(max_num_seqs=2)
+    plain = LLMEngine(str(tiny_qwen2_dir), profile)
+    piped = LLMEngine(str(tiny_qwen2_dir), profile)
+    piped.pipelines_decode = True
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    requests = {"a": ([5, 6, 7], greedy), "b": ([9, 10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+                "c": ([3, 4], greedy)}
+    expected = run(plain, requests)
+    for request_id, (ids, params) in requests.items():
+        piped.add_request(request_id, prompt_token_ids=ids, params=params)
+    pipelined_while_waiting, got = 0, {}
+    while piped.has_unfinished_requests():
+        before, waiting = piped.stats.num_pipelined_steps, bool(piped.scheduler.waiting)
+        got.update({o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+                    for o in piped.step() if o.finished})
+        pipelined_while_waiting += waiting and piped.stats.num_pipelined_steps > before
+    assert got == expected
+    assert pipelined_while_waiting > 5
