@@ -94,6 +94,7 @@ class _Launched:
     sampled: list[Sequence]  # ... and their sequences
     start: float
     is_warmup: bool  # it captured a graph
+    is_tail: bool = False  # read right after the step before it, nothing queued after it (step)
     tokens: list[int] | None = None  # sampled on the host already
     device_tokens: torch.Tensor | None = None  # [S] int64 argmax on the device, for the next step's inputs
     host_tokens: torch.Tensor | None = None  # pinned copy of device_tokens, valid once `copied` is reached
@@ -195,6 +196,7 @@ class LLMEngine:
         self.pipelines_decode = self.device.type == "cuda" and self.profile.pipelined_decode
         self._inflight: _Launched | None = None  # a pipelined decode step queued but not read (step)
         self._drained: list[RequestOutput] = []  # outputs of a queued step finished early (_drain)
+        self._oom_in_queue: tuple[ScheduledBatch, BaseException] | None = None  # _continue's, for step
         self._last_finish = 0.0
         log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
                  self.kv_plan.kv_bytes / 2**20)
@@ -281,6 +283,7 @@ class LLMEngine:
         to be admitted, a sequence at its length limit) runs its step alone, as before; a
         controller action first finishes the queued step (_drain)."""
         launched, self._inflight = self._inflight, None
+        was_queued = launched is not None
         if launched is None:
             batch = self.scheduler.schedule()
             self.stats.num_preemptions += len(batch.preempted)
@@ -293,7 +296,16 @@ class LLMEngine:
                 return []
         if self._can_continue(launched):
             self._inflight = self._continue(launched)
+        # A queued step read with nothing queued after it ran while the host worked on the
+        # step before: its token comes right after that one's, which says nothing of how
+        # fast the card is, so the controller does not see its latency.
+        launched.is_tail = was_queued and self._inflight is None
         outputs = self._finish(launched)
+        if self._oom_in_queue is not None:
+            # The step after `launched` could not be queued: now that `launched`'s tokens are
+            # in, recover as a step that ran out of memory does.
+            (batch, exc), self._oom_in_queue = self._oom_in_queue, None
+            self._recover_from_oom(batch, exc)
         queued = self._inflight
         if queued is not None and not any(seq.status is SequenceStatus.RUNNING for seq in queued.batch.seqs):
             self._inflight = None  # every sequence of the queued step finished: nothing to read from it
@@ -374,10 +386,10 @@ class LLMEngine:
             queued = self._launch(batch, input_ids=launched.device_tokens)
             self.stats.num_pipelined_steps += 1
             return queued
-        except torch.OutOfMemoryError:
-            # Not queued: the tokens come from `launched` alone, and the next step, scheduled
-            # as usual, meets the shortage and recovers from it.
+        except torch.OutOfMemoryError as exc:
+            # Not queued: the tokens come from `launched` alone; step() then recovers.
             self._drop_placeholders(batch.seqs)
+            self._oom_in_queue = (batch, exc)
             return None
 
     @staticmethod
@@ -430,7 +442,7 @@ class LLMEngine:
         # A step that captured a graph paid a one-off cost that says nothing about the
         # load: the controller does not see its latency (else new batch sizes in a row
         # would read as a slow card and compress the KV).
-        self._control(None if batch.is_prefill or launched.is_warmup else elapsed * 1000)
+        self._control(None if batch.is_prefill or launched.is_warmup or launched.is_tail else elapsed * 1000)
         return outputs
 
     def _drain(self) -> None:
@@ -438,6 +450,7 @@ class LLMEngine:
         the model under it; its outputs go out with the current step's."""
         if self._inflight is not None:
             launched, self._inflight = self._inflight, None
+            launched.is_tail = True
             self._drained += self._finish(launched)
 
     # -- the feedback controller --------------------------------------------------

@@ -146,3 +146,60 @@ def test_a_request_waiting_for_a_full_batch_does_not_stop_the_pipeline(tiny_qwen
         pipelined_while_waiting += waiting and piped.stats.num_pipelined_steps > before
     assert got == expected
     assert pipelined_while_waiting > 5
+
+
+def test_steps_read_right_after_the_one_before_show_the_controller_no_latency(engines, monkeypatch):
+    """When the pipeline breaks (a request finishes, another waits to come in), the queued
+    step is read right after the step before it: its short latency is not the card's."""
+    plain, piped = engines
+    seen = []
+    finish, control = piped._finish, piped._control
+
+    def recording_finish(launched):
+        monkeypatch.setattr(piped, "_control", lambda latency: (seen.append((launched, latency)), control(latency)))
+        try:
+            return finish(launched)
+        finally:
+            monkeypatch.setattr(piped, "_control", control)
+
+    monkeypatch.setattr(piped, "_finish", recording_finish)
+    requests = {f"r{i}": ([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True))
+                for i in range(3)}
+    run(piped, requests)
+    tails = [latency for launched, latency in seen if launched.is_tail]
+    steady = [latency for launched, latency in seen
+              if not launched.is_tail and not launched.batch.is_prefill and not launched.is_warmup]
+    assert len(tails) >= 2 and all(latency is None for latency in tails)
+    assert steady and all(latency is not None for latency in steady)
+
+
+def test_running_out_of_memory_while_queueing_a_step_recovers_after_the_step_before(engines, tmp_path, monkeypatch):
+    """The step before keeps its tokens; then the engine recovers as from any out-of-memory
+    step (requests back to the queue, the controller a rung down to INT8 KV, a crash report),
+    and every request still finishes, its tokens the same up to there."""
+    import torch
+
+    plain, piped = engines
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    requests = {"a": ([5, 6, 7], greedy), "b": ([9, 10], greedy)}
+    expected = run(plain, requests)
+    run_step = piped.runner.run
+    calls = {"queued": 0}
+
+    def failing_run(batch, **kwargs):
+        if kwargs.get("input_ids") is not None:
+            calls["queued"] += 1
+            if calls["queued"] == 4:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        return run_step(batch, **kwargs)
+
+    monkeypatch.setattr(piped.runner, "run", failing_run)
+    events_before = piped.num_controller_events
+    got = run(piped, requests)
+    for request_id, (tokens, reason, _) in got.items():
+        assert len(tokens) == 16 and reason == "length" and tokens[:5] == expected[request_id][0][:5]
+    assert calls["queued"] > 4 and piped.num_controller_events > events_before
+    assert piped.controller_events[-1].action.kind == "kv_precision"
+    assert piped.last_crash_report is not None and piped.last_crash_report.exists()
+    piped.set_kv_precision("fp16")
