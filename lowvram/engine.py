@@ -442,7 +442,8 @@ class LLMEngine:
         # A step that captured a graph paid a one-off cost that says nothing about the
         # load: the controller does not see its latency (else new batch sizes in a row
         # would read as a slow card and compress the KV).
-        self._control(None if batch.is_prefill or launched.is_warmup or launched.is_tail else elapsed * 1000)
+        is_plain_decode = not batch.is_prefill and not launched.is_warmup
+        self._control(elapsed * 1000 if is_plain_decode and not launched.is_tail else None, is_plain_decode)
         return outputs
 
     def _drain(self) -> None:
@@ -535,11 +536,16 @@ class LLMEngine:
         num_live = self.block_manager.num_used_blocks
         return {p: num_live * self.kv_pool.shape.block_bytes(p) for p in KV_LADDER}
 
-    def _control(self, token_latency_ms: float | None) -> None:
+    def _control(self, token_latency_ms: float | None, is_plain_decode: bool | None = None) -> None:
+        """Let the controller see a step: its latency (None: not one that measures the card)
+        and the memory in use. `is_plain_decode` (default: whether there is a latency) lets
+        the step go without a fresh reading of the allocator (_allocated_bytes)."""
         if not self.profile.controller.is_enabled and not self.timeline_path:
             return  # nobody reads the observation: skip gathering it
+        if is_plain_decode is None:
+            is_plain_decode = token_latency_ms is not None
         on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
-        in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=token_latency_ms is not None))
+        in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=is_plain_decode))
         obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.memory_budget_bytes,
                           token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
                           kv_bytes_by_precision=self.kv_bytes_by_precision())

@@ -156,7 +156,8 @@ def test_steps_read_right_after_the_one_before_show_the_controller_no_latency(en
     finish, control = piped._finish, piped._control
 
     def recording_finish(launched):
-        monkeypatch.setattr(piped, "_control", lambda latency: (seen.append((launched, latency)), control(latency)))
+        monkeypatch.setattr(piped, "_control",
+                            lambda latency, *args: (seen.append((launched, latency)), control(latency, *args)))
         try:
             return finish(launched)
         finally:
