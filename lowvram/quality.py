@@ -127,6 +127,13 @@ def builtin_variants(model: str | None, device: str, calib_samples: int = 32) ->
         Variant("awq-fp16-comp", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
                 "(rank 16 low-rank term + bias correction)",
                 quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True)),
+        # The two corrections apart, and half the rank: what each buys against what it costs in
+        # decode speed (every compensated INT4 matmul does the rank's products too).
+        Variant("awq-comp", "AWQ INT4 and residual compensation (rank 16 + bias correction), no FP16-kept layers",
+                quantized("awq-comp", method="awq", rank=16, bias_correction=True)),
+        Variant("awq-fp16-comp-r8", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation of "
+                "rank 8 (+ bias correction)",
+                quantized("awq-fp16-comp-r8", method="awq", fp16_budget_mib=fp16_mib, rank=8, bias_correction=True)),
         Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
         Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
     ]
@@ -196,7 +203,7 @@ def to_markdown(report: QualityReport) -> str:
     gaps = []
     if {"fp16", "rtn-int4"} <= by_name.keys():
         base, rtn = by_name["fp16"].perplexity, by_name["rtn-int4"].perplexity
-        for name in ("awq-int4", "awq-fp16", "awq-fp16-comp"):
+        for name in ("awq-int4", "awq-fp16", "awq-fp16-comp", "awq-comp", "awq-fp16-comp-r8"):
             if name in by_name and rtn > base:
                 closed = (rtn - by_name[name].perplexity) / (rtn - base)
                 gaps.append(f"- {name} closes {100 * closed:.0f}% of RTN's perplexity gap to FP16 "
