@@ -90,8 +90,7 @@ class _Launched:
     """A step queued on the device whose tokens the engine has not read yet."""
 
     batch: ScheduledBatch
-    rows: list[int]  # logits rows that sample a token
-    sampled: list[Sequence]  # ... and their sequences
+    sampled: list[Sequence]  # the sequences that sample a token
     start: float
     is_warmup: bool  # it captured a graph
     is_tail: bool = False  # read right after the step before it, nothing queued after it (step)
@@ -328,7 +327,7 @@ class LLMEngine:
             if seq.num_uncomputed_tokens == 0:  # a chunked prefill that is not done samples nothing
                 rows.append(row)
                 sampled.append(seq)
-        launched = _Launched(batch, rows, sampled, start, self.runner.num_graph_captures != num_captures)
+        launched = _Launched(batch, sampled, start, self.runner.num_graph_captures != num_captures)
         is_device_greedy = (self.pipelines_decode and not batch.is_prefill and len(rows) == len(batch.seqs)
                             and all(seq.params.is_greedy and not has_penalties(seq.params) for seq in sampled))
         if is_device_greedy:
@@ -536,14 +535,12 @@ class LLMEngine:
         num_live = self.block_manager.num_used_blocks
         return {p: num_live * self.kv_pool.shape.block_bytes(p) for p in KV_LADDER}
 
-    def _control(self, token_latency_ms: float | None, is_plain_decode: bool | None = None) -> None:
+    def _control(self, token_latency_ms: float | None, is_plain_decode: bool) -> None:
         """Let the controller see a step: its latency (None: not one that measures the card)
-        and the memory in use. `is_plain_decode` (default: whether there is a latency) lets
-        the step go without a fresh reading of the allocator (_allocated_bytes)."""
+        and the memory in use. `is_plain_decode` lets the step go without a fresh reading of
+        the allocator (_allocated_bytes)."""
         if not self.profile.controller.is_enabled and not self.timeline_path:
             return  # nobody reads the observation: skip gathering it
-        if is_plain_decode is None:
-            is_plain_decode = token_latency_ms is not None
         on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
         in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=is_plain_decode))
         obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.memory_budget_bytes,

@@ -220,13 +220,12 @@ def pinned_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor
     or None where the driver does not map it (the caller then copies rows over itself)."""
     if not host.is_pinned() or not host.is_contiguous():
         return None
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[host.element_size()]
     try:
-        view = torch.as_tensor(_PinnedAsDevice(host), device=device)
+        view = torch.as_tensor(_PinnedAsDevice(host), device=device)  # integers of the element's size
     except (RuntimeError, TypeError) as exc:  # no unified addressing, or an unmapped allocation
         log.info("pinned host memory is not readable from %s (%s); rows are copied instead", device, exc)
         return None
-    return view.view(int_dtype).view(host.dtype) if view.dtype != host.dtype else view
+    return view.view(host.dtype)
 
 
 class HostEmbedding(nn.Module):
