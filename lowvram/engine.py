@@ -274,6 +274,12 @@ class LLMEngine:
         return logprobs
 
     # -- the step -----------------------------------------------------------
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether rows without penalties sample on the device: on a GPU, and wherever decode
+        is pipelined. A seeded request's draw on the host first copies its probabilities there."""
+        return self.device.type == "cuda" or self.pipelines_decode
+
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs it produced.
 
@@ -317,11 +323,11 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue `batch` on the device and count its tokens as computed. Its tokens are read
-        later (_finish). With pipelined decode, rows without penalties sample on the device
-        (sample_tokens_on_device: an argmax for greedy rows, a Gumbel-max draw from the
-        request's device generator for the others), for every step of the request, prefill
-        included, so a seeded request draws the same way whether its step is pipelined or
-        not; when every row does, the tokens go to pinned host memory behind an event and the
+        later (_finish). On a GPU (and wherever decode is pipelined), rows without penalties
+        sample on the device (sample_tokens_on_device: an argmax for greedy rows, a Gumbel-max
+        draw from the request's device generator for the others), for every step of the
+        request, prefill included, so a seeded request draws the same way whether its step is
+        pipelined or not; when every row does, the tokens go to pinned host memory behind an event and the
         step may be continued (_continue). Other rows sample on the host now.
         `input_ids`: a decode step's input tokens on the device (_continue)."""
         num_captures = self.runner.num_graph_captures
@@ -335,7 +341,7 @@ class LLMEngine:
                 sampled.append(seq)
         launched = _Launched(batch, sampled, start, self.runner.num_graph_captures != num_captures)
         # All before the next replay overwrites the graphs' logits.
-        on_device = [i for i, seq in enumerate(sampled) if self.pipelines_decode and not has_penalties(seq.params)]
+        on_device = [i for i, seq in enumerate(sampled) if self.samples_on_device and not has_penalties(seq.params)]
         if sampled and len(on_device) == len(sampled):
             # Where each seeded generator stood before this step's draws: a row dropped
             # because its request was preempted meanwhile gives its draw back (_finish).
@@ -368,8 +374,8 @@ class LLMEngine:
         place in a full batch does not stop the pipeline), none reaches its length limit with
         the token it samples, and the pages the next step needs are free (no one is
         preempted for them)."""
-        if (launched.device_tokens is None or launched.batch.is_prefill or self.scheduler.may_admit()
-                or not self.runner.accepts_device_input_ids):
+        if (not self.pipelines_decode or launched.device_tokens is None or launched.batch.is_prefill
+                or self.scheduler.may_admit() or not self.runner.accepts_device_input_ids):
             return False
         seqs = launched.batch.seqs
         if len(seqs) != len(self.scheduler.running):

@@ -240,3 +240,18 @@ def test_sampled_requests_are_pipelined_and_their_seeds_hold(engines):
     before = piped.stats.num_pipelined_steps
     out = run(piped, {"p": (prompt, penalized)})["p"]
     assert len(out[0]) == 10 and piped.stats.num_pipelined_steps == before
+
+
+def test_device_sampling_without_the_pipeline(tiny_qwen2_dir, monkeypatch):
+    """On a GPU with pipelined decode off, rows still sample on the device (a seeded draw on
+    the host would copy its probabilities there) but no step is queued ahead: a seeded
+    request then draws what the pipelined engine draws, one step at a time."""
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    piped = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    piped.pipelines_decode = True
+    expected = run(piped, {"a": ([5, 6, 7], sampled)})
+    monkeypatch.setattr(LLMEngine, "samples_on_device", property(lambda self: True))
+    alone = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    assert not alone.pipelines_decode
+    assert run(alone, {"a": ([5, 6, 7], sampled)}) == expected
+    assert alone.stats.num_pipelined_steps == 0 and piped.stats.num_pipelined_steps > 10
