@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from lowvram.bench_record import measure_copy_bandwidth_gbps, run_metadata
-from lowvram.errors import ConfigError
+from lowvram.errors import ConfigError, RequestError
 
 TINY_SHAPE = "tiny"  # lowvram.testing's small Qwen2 checkpoint: a CPU run in seconds
 DEFAULT_SHAPE = "r1-distill-qwen-1.5b"
@@ -174,10 +174,12 @@ class _Prompts:
                 for _ in range(num)]
 
 
-def _greedy(max_tokens: int):
+def _greedy(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
+    """The bench's requests: greedy, or sampled at `temperature` and `top_p` from `seed`; never stopped by EOS."""
     from lowvram.sampling import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=temperature, top_p=top_p, seed=seed if temperature else None,
+                          max_tokens=max_tokens, ignore_eos=True)
 
 
 def time_prefill(engine, prompts: _Prompts, prompt_len: int, num_repeats: int = NUM_PREFILL_REPEATS) -> dict:
@@ -197,10 +199,11 @@ def time_prefill(engine, prompts: _Prompts, prompt_len: int, num_repeats: int = 
             "prefill_tokens_per_s": round(prompt_len / ttft_s, 1), "num_repeats": num_repeats}
 
 
-def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) -> tuple[float, int, int]:
+def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> tuple[float, int, int]:
     """Run the requests to the end; returns (seconds, tokens, steps) of the steps after every prefill."""
-    for request_id, ids in requests:
-        engine.add_request(request_id, None, _greedy(max_tokens), prompt_token_ids=ids)
+    for seed, (request_id, ids) in enumerate(requests):
+        engine.add_request(request_id, None, _greedy(max_tokens, temperature, top_p, seed), prompt_token_ids=ids)
     waiting_first = {request_id for request_id, _ in requests}
     while waiting_first and engine.has_unfinished_requests():
         for out in engine.step():
@@ -216,13 +219,14 @@ def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) ->
 
 
 def time_decode(engine, prompts: _Prompts, context_len: int, batch_size: int, max_tokens: int,
-                weight_read_bytes: int, copy_gbps: float | None) -> dict:
+                weight_read_bytes: int, copy_gbps: float | None, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape."""
-    _generate(engine, prompts.make(batch_size, context_len), NUM_WARMUP_TOKENS)
+    _generate(engine, prompts.make(batch_size, context_len), NUM_WARMUP_TOKENS, temperature, top_p)
     num_preemptions = engine.stats.num_preemptions
     num_events = engine.num_controller_events
     num_pipelined = engine.stats.num_pipelined_steps
-    decode_s, num_tokens, num_steps = _generate(engine, prompts.make(batch_size, context_len), max_tokens)
+    decode_s, num_tokens, num_steps = _generate(engine, prompts.make(batch_size, context_len), max_tokens,
+                                                temperature, top_p)
     step_s = decode_s / max(num_steps, 1)
     pool = engine.kv_pool
     kv_bytes_per_token = pool.shape.block_bytes(engine.kv_precision) // pool.block_size
@@ -391,6 +395,7 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
                     device: str | None = None, emulate_vram_gib: float | None = None,
                     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
                     context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS, max_tokens: int = DEFAULT_MAX_TOKENS,
+                    temperature: float = 0.0, top_p: float = 1.0,
                     vs_hf: bool = False, cuda_graphs: bool | None = None, prefill_graphs: bool | None = None,
                     batch_invariant: bool | None = None, pipelined_decode: bool | None = None, seed: int = 0,
                     command: str = "lowvram bench speed",
@@ -406,6 +411,7 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     profile, device, emulate_vram_gib: as for LLMEngine.
     batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
         context length, `max_tokens` tokens per request; prefill at every context length.
+    temperature, top_p: how the decode requests sample (0: greedy), each from its own seed.
     cuda_graphs, prefill_graphs, batch_invariant, pipelined_decode: override the profile's
         enable_cuda_graphs, enable_prefill_graphs, batch_invariant and pipelined_decode (None keeps them).
     vs_hf: also time transformers' generate on the unquantized checkpoint (batch 1, the first
@@ -420,6 +426,10 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     say = progress or (lambda message: None)
     batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens))
     _check_sizes(batch_sizes, context_lens, max_tokens)
+    try:
+        _greedy(1, temperature, top_p, 0)
+    except RequestError as exc:
+        raise ConfigError(f"the decode requests' sampling: {exc}") from None
     check_source(model, shape, num_layers)
     started = time.perf_counter()
     base = load_profile(profile).replace(device=device, emulate_vram_gib=emulate_vram_gib,
@@ -476,7 +486,7 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
             for batch_size in batch_sizes:
                 say(f"decode: batch {batch_size} at {context_len} tokens of context")
                 decode.append(time_decode(engine, prompts, context_len, batch_size, max_tokens, weight_read_bytes,
-                                          copy_gbps))
+                                          copy_gbps, temperature, top_p))
         kv_pool = engine.kv_pool
         record.update(
             device=str(engine.device), copy_bandwidth_gbps=round(copy_gbps, 1),
@@ -496,7 +506,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
                      "batch_invariant": getattr(engine.profile, "batch_invariant", None),
                      "pipelined_decode": engine.pipelines_decode},
             kv_bytes_per_token=kv_pool.shape.block_bytes(engine.kv_precision) // kv_pool.block_size,
-            max_tokens=max_tokens, prefill=prefill, decode=decode,
+            max_tokens=max_tokens, sampling={"temperature": temperature, "top_p": top_p}, prefill=prefill,
+            decode=decode,
             memory=memory_summary(engine, cuda_context_bytes), num_controller_events=engine.num_controller_events,
             hf=None,
         )
@@ -538,7 +549,10 @@ def write_markdown(result: dict) -> str:
              "| prompt tokens | TTFT ms | prefill tokens/s |", "|---:|---:|---:|"]
     lines += [f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |"
               for r in result["prefill"]]
-    decode_note = (f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
+    sampling = result.get("sampling") or {}
+    how = ("greedy" if not sampling.get("temperature") else
+           f"sampled at temperature {sampling['temperature']:g}, top-p {sampling.get('top_p', 1.0):g}, seeded")
+    decode_note = (f"Decode: each request generates {result['max_tokens']} tokens ({how}, ignore_eos); only the "
                    "steps after every prefill are timed.")
     lines += ["", decode_note, "",
               "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |",

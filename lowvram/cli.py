@@ -145,8 +145,8 @@ def cmd_bench_speed(args) -> int:
         quantize_head=args.quantize_head, calib_samples=args.calib_samples, fp16_budget_mib=args.fp16_budget_mib,
         rank=args.rank, profile=args.profile, device=args.device,
         emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
-        max_tokens=args.max_tokens, vs_hf=args.vs_hf, cuda_graphs=args.cuda_graphs,
-        prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, vs_hf=args.vs_hf,
+        cuda_graphs=args.cuda_graphs, prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant,
         pipelined_decode=args.pipelined_decode, command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--context-lens", type=_int_list, default=[512, 4096],
                        help="prompt lengths in tokens for prefill and decode (default 512,4096)")
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
+    speed.add_argument("--temperature", type=float, default=0.0,
+                       help="decode requests sample at this temperature, each from its own seed (default 0: greedy)")
+    speed.add_argument("--top-p", type=float, default=1.0, help="with --temperature, the requests' top-p (default 1)")
     speed.add_argument("--vs-hf", action="store_true",
                        help="also time transformers generate on the same checkpoint (FP16, batch 1)")
     speed.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -24,7 +24,8 @@ from lowvram.memory_plan import host_kv_blocks, plan_kv
 from lowvram.fusion import fuse_projections
 from lowvram.model_runner import ModelRunner
 from lowvram.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from lowvram.sampling import SamplingParams, has_penalties, sample_tokens
+from lowvram.sampling import (SamplingParams, device_generator, has_penalties, sample_tokens,
+                              sample_tokens_on_device)
 from lowvram.scheduler import ScheduledBatch, Scheduler
 from lowvram.sequence import Sequence, SequenceStatus
 from lowvram.tokenizer import Detokenizer, Tokenizer
@@ -99,6 +100,7 @@ class _Launched:
     host_tokens: torch.Tensor | None = None  # pinned copy of device_tokens, valid once `copied` is reached
     copied: torch.cuda.Event | None = None
     num_preemptions: dict[int, int] = field(default_factory=dict)
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> device generator state
 
     def __post_init__(self):
         self.num_preemptions = {seq.seq_id: seq.num_preemptions for seq in self.sampled}
@@ -272,15 +274,21 @@ class LLMEngine:
         return logprobs
 
     # -- the step -----------------------------------------------------------
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether rows without penalties sample on the device: on a GPU, and wherever decode
+        is pipelined. A seeded request's draw on the host first copies its probabilities there."""
+        return self.device.type == "cuda" or self.pipelines_decode
+
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs it produced.
 
-        Plain greedy decode steps are pipelined: step N + 1 is queued on the GPU, its input
-        tokens taken from step N's argmax on the device, before the host reads step N's
-        tokens and turns them into outputs, so the GPU does not wait for the host between
-        steps (_continue). Anything else (a prefill, sampling on the host, a request waiting
-        to be admitted, a sequence at its length limit) runs its step alone, as before; a
-        controller action first finishes the queued step (_drain)."""
+        Decode steps are pipelined: step N + 1 is queued on the GPU, its input tokens taken
+        from step N's tokens sampled on the device, before the host reads step N's tokens
+        and turns them into outputs, so the GPU does not wait for the host between steps
+        (_continue). Anything else (a prefill, a request with penalties, which samples on the
+        host, a request waiting to be admitted, a sequence at its length limit) runs its step
+        alone, as before; a controller action first finishes the queued step (_drain)."""
         launched, self._inflight = self._inflight, None
         was_queued = launched is not None
         if launched is None:
@@ -315,8 +323,12 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue `batch` on the device and count its tokens as computed. Its tokens are read
-        later (_finish): plain greedy decode rows are picked by one argmax on the device and
-        copied to pinned host memory behind an event; other steps sample now.
+        later (_finish). On a GPU (and wherever decode is pipelined), rows without penalties
+        sample on the device (sample_tokens_on_device: an argmax for greedy rows, a Gumbel-max
+        draw from the request's device generator for the others), for every step of the
+        request, prefill included, so a seeded request draws the same way whether its step is
+        pipelined or not; when every row does, the tokens go to pinned host memory behind an event and the
+        step may be continued (_continue). Other rows sample on the host now.
         `input_ids`: a decode step's input tokens on the device (_continue)."""
         num_captures = self.runner.num_graph_captures
         start = time.perf_counter()
@@ -328,12 +340,14 @@ class LLMEngine:
                 rows.append(row)
                 sampled.append(seq)
         launched = _Launched(batch, sampled, start, self.runner.num_graph_captures != num_captures)
-        is_device_greedy = (self.pipelines_decode and not batch.is_prefill and len(rows) == len(batch.seqs)
-                            and all(seq.params.is_greedy and not has_penalties(seq.params) for seq in sampled))
-        if is_device_greedy:
-            # Queued before the next replay overwrites the graphs' logits; ties go to the
-            # lowest id, as in sample_tokens.
-            launched.device_tokens = torch.argmax(logits, dim=-1)
+        # All before the next replay overwrites the graphs' logits.
+        on_device = [i for i, seq in enumerate(sampled) if self.samples_on_device and not has_penalties(seq.params)]
+        if sampled and len(on_device) == len(sampled):
+            # Where each seeded generator stood before this step's draws: a row dropped
+            # because its request was preempted meanwhile gives its draw back (_finish).
+            launched.generator_states = {seq.seq_id: generator.get_state() for seq in sampled
+                                         if (generator := device_generator(seq, logits.device)) is not None}
+            launched.device_tokens = sample_tokens_on_device(logits, rows, sampled)
             if launched.device_tokens.is_cuda:
                 launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
                 launched.host_tokens.copy_(launched.device_tokens, non_blocking=True)
@@ -341,17 +355,27 @@ class LLMEngine:
                 launched.copied.record()
             else:
                 launched.host_tokens = launched.device_tokens
-        else:
-            launched.tokens = sample_tokens(logits, rows, sampled)  # before the next run overwrites graph logits
+            return launched
+        tokens = [0] * len(sampled)
+        on_host = [i for i in range(len(sampled)) if i not in set(on_device)]
+        for i, token in zip(on_host, sample_tokens(logits, [rows[i] for i in on_host], [sampled[i] for i in on_host])):
+            tokens[i] = token
+        if on_device:
+            picked = sample_tokens_on_device(logits, [rows[i] for i in on_device], [sampled[i] for i in on_device])
+            for i, token in zip(on_device, picked.tolist()):
+                tokens[i] = token
+        launched.tokens = tokens
         return launched
 
     def _can_continue(self, launched: _Launched) -> bool:
         """Whether the step after `launched` can be queued before `launched`'s tokens are
-        known: `launched` is a plain greedy decode step of every running sequence, no
-        waiting request may be admitted now (one waiting for a place in a full batch does
-        not stop the pipeline), none reaches its length limit with the token it
-        samples, and the pages the next step needs are free (no one is preempted for them)."""
-        if launched.device_tokens is None or self.scheduler.may_admit() or not self.runner.accepts_device_input_ids:
+        known: `launched` is a decode step of every running sequence that sampled on the
+        device (no penalties), no waiting request may be admitted now (one waiting for a
+        place in a full batch does not stop the pipeline), none reaches its length limit with
+        the token it samples, and the pages the next step needs are free (no one is
+        preempted for them)."""
+        if (not self.pipelines_decode or launched.device_tokens is None or launched.batch.is_prefill
+                or self.scheduler.may_admit() or not self.runner.accepts_device_input_ids):
             return False
         seqs = launched.batch.seqs
         if len(seqs) != len(self.scheduler.running):
@@ -422,6 +446,9 @@ class LLMEngine:
             seq.output_token_ids.pop()  # _append_token adds it again, with its checks
         outputs = []
         for seq, token in zip(launched.sampled, launched.tokens):
+            if seq.num_preemptions != launched.num_preemptions[seq.seq_id] and seq.seq_id in launched.generator_states:
+                # Preempted: its recomputation samples this token again, from the same draw.
+                seq.device_generator.set_state(launched.generator_states[seq.seq_id])
             if seq.status is not SequenceStatus.RUNNING or seq.num_preemptions != launched.num_preemptions[seq.seq_id]:
                 continue  # aborted, finished by the step before, or preempted: nothing to add
             outputs.append(self._append_token(seq, token))

@@ -125,6 +125,46 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token (a 0-d int64 tensor on logits' device) drawn from one row of FP32 logits [V]
+    by the Gumbel-max trick: the argmax of the filtered logits plus Gumbel noise is a draw
+    from their softmax, found without the host. `generator` (on logits' device, or None for
+    the default one) makes a seeded request's draws its own, whatever else is batched."""
+    filtered = filter_logits(logits, params)
+    uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+    return torch.argmax(filtered + gumbel)
+
+
+def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
+    """Next token of each sequence, as sample_tokens picks them but left on logits' device:
+    [len(rows)] int64, with no wait for the GPU. Greedy rows take one argmax together;
+    sampled ones a Gumbel-max draw each from the sequence's device generator
+    (`device_generator`, made from its seed on first use). No row may have penalties."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
+    if greedy:
+        picked_rows = [rows[i] for i in greedy]
+        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
+        if len(greedy) == len(rows):
+            return torch.argmax(picked, dim=-1)
+        tokens[greedy] = torch.argmax(picked, dim=-1)
+    for i, seq in enumerate(seqs):
+        if not seq.params.is_greedy:
+            tokens[i] = gumbel_sample(logits[rows[i]], seq.params, device_generator(seq, logits.device))
+    return tokens
+
+
+def device_generator(seq, device: torch.device) -> torch.Generator | None:
+    """The sequence's generator on `device` for sample_tokens_on_device: seeded from its
+    params' seed when it has one (None, the device's default generator, when not)."""
+    if seq.params.seed is None:
+        return None
+    if seq.device_generator is None:
+        seq.device_generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    return seq.device_generator
+
+
 def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 

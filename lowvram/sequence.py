@@ -34,6 +34,7 @@ class Sequence:
     params: SamplingParams
     detokenizer: Detokenizer
     generator: torch.Generator | None = None
+    device_generator: torch.Generator | None = None  # sampling.device_generator: draws on the GPU
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

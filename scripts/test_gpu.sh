@@ -7,8 +7,9 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_rank8 speed_plain speed_plain_head speed_prefill_graphs speed_invariant speed_head
-# (speed_unpipelined: the speed bench with each decode step run alone; speed_plain: the 1.5B shape quantized as a
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
+# requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
 # published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_head: the same with an INT4 lm_head;
 # speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16)
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
@@ -79,6 +80,8 @@ if [ "$what" != tests ]; then
     run_bench deepseek_v2 300 python3 scripts/bench_deepseek_v2.py --model-dir /tmp/dsv2-lite-awq --profile 4gb --emulate-vram-gib 4
     run_bench speed 420 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --vs-hf --output "$results/bench_speed.md" --plot "$results/bench_speed.png"
     run_bench speed_unpipelined 240 lowvram bench speed --cuda-graphs --no-pipelined-decode --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_unpipelined.md"
+    run_bench speed_sampled 240 lowvram bench speed --cuda-graphs --temperature 1.0 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_sampled.md"
+    run_bench speed_sampled_unpipelined 240 lowvram bench speed --cuda-graphs --no-pipelined-decode --temperature 1.0 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_sampled_unpipelined.md"
     run_bench speed_rank8 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --rank 8 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_rank8.md"
     run_bench speed_plain 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain.md"
     run_bench speed_plain_head 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head.md"

@@ -135,6 +135,16 @@ def test_rank_and_fp16_budget_replace_the_profiles():
     assert "compensation rank 4, lm_head FP16" in write_markdown(record)
 
 
+def test_sampled_decode_requests():
+    record = run_speed_bench(shape="tiny", profile="cpu", device="cpu", temperature=0.8, top_p=0.9,
+                             batch_sizes=(2,), context_lens=(16,), max_tokens=4)
+    assert record["sampling"] == {"temperature": 0.8, "top_p": 0.9}
+    assert record["decode"][0]["num_decode_tokens"] == 2 * 3
+    assert "sampled at temperature 0.8, top-p 0.9, seeded" in write_markdown(record)
+    with pytest.raises(ConfigError, match="top_p"):
+        run_speed_bench(shape="tiny", device="cpu", temperature=1.0, top_p=0.0)
+
+
 def test_an_unknown_shape_names_the_known_ones(capsys):
     with pytest.raises(ConfigError, match="known shapes: .*r1-distill-qwen-1.5b.*tiny"):
         run_speed_bench(shape="gpt-5", device="cpu")

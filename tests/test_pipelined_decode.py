@@ -204,3 +204,54 @@ def test_running_out_of_memory_while_queueing_a_step_recovers_after_the_step_bef
     assert piped.controller_events[-1].action.kind == "kv_precision"
     assert piped.last_crash_report is not None and piped.last_crash_report.exists()
     piped.set_kv_precision("fp16")
+
+def test_sampled_requests_are_pipelined_and_their_seeds_hold(engines):
+    """Sampling on the device (Gumbel-max): a seeded request draws the same tokens alone,
+    batched with others and preempted while a step of it is queued (the dropped row gives
+    its draw back); top_k = 1 is greedy; a request with penalties samples on the host and
+    is not pipelined."""
+    plain, piped = engines
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=11, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    before = piped.stats.num_pipelined_steps
+    alone = run(piped, {"s": (prompt, seeded)})["s"][0]
+    assert piped.stats.num_pipelined_steps - before > 15
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    top3 = SamplingParams(temperature=1.5, top_k=3, max_tokens=20, ignore_eos=True)
+    batched = run(piped, {"g": ([9, 10], greedy), "s": (prompt, seeded), "k": ([3, 4], top3)})
+    assert batched["s"][0] == alone
+    # preempted between steps (the batch limit drops to one for four steps), then recomputed
+    for request_id, ids, params in (("g", [9, 10], greedy), ("s", prompt, seeded)):
+        piped.add_request(request_id, prompt_token_ids=ids, params=params)
+    done, num_steps = {}, 0
+    while piped.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in piped.step() if o.finished})
+        num_steps += 1
+        if num_steps == 4:
+            assert piped.scheduler.set_batch_limit(1)
+        elif num_steps == 8:
+            piped.scheduler.set_batch_limit(piped.profile.max_num_seqs)
+    assert done["s"] == alone and done["g"] == batched["g"][0]
+    assert batched["g"][0] == run(plain, {"g": ([9, 10], greedy)})["g"][0]
+    one = SamplingParams(temperature=1.2, top_k=1, max_tokens=12, seed=3, ignore_eos=True)
+    assert run(piped, {"o": ([9, 10], one)})["o"][0] == batched["g"][0][:12]
+    assert len(batched["k"][0]) == 20 and len(set(batched["k"][0])) > 3  # top_k = 3 at temperature 1.5 varies
+    penalized = SamplingParams(temperature=0.7, repetition_penalty=1.3, max_tokens=10, seed=5, ignore_eos=True)
+    before = piped.stats.num_pipelined_steps
+    out = run(piped, {"p": (prompt, penalized)})["p"]
+    assert len(out[0]) == 10 and piped.stats.num_pipelined_steps == before
+
+
+def test_device_sampling_without_the_pipeline(tiny_qwen2_dir, monkeypatch):
+    """On a GPU with pipelined decode off, rows still sample on the device (a seeded draw on
+    the host would copy its probabilities there) but no step is queued ahead: a seeded
+    request then draws what the pipelined engine draws, one step at a time."""
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    piped = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    piped.pipelines_decode = True
+    expected = run(piped, {"a": ([5, 6, 7], sampled)})
+    monkeypatch.setattr(LLMEngine, "samples_on_device", property(lambda self: True))
+    alone = LLMEngine(str(tiny_qwen2_dir), "cpu")
+    assert not alone.pipelines_decode
+    assert run(alone, {"a": ([5, 6, 7], sampled)}) == expected
+    assert alone.stats.num_pipelined_steps == 0 and piped.stats.num_pipelined_steps > 10
