@@ -227,6 +227,17 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
                   for bn in (64, 128) for bk in (64, 128) if bk <= group_size
                   for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
+        # the K-in-thread form (no compensation): column blocks x row tiles x loads per step x
+        # warps, each thread four words of a row per load, at about 2, 4 and 8 programs per SM
+        for bn, tile_rows, unroll, w in ((256, 16, 2, 4), (512, 8, 2, 4), (256, 8, 2, 2), (256, 8, 4, 2),
+                                         (512, 4, 4, 2), (1024, 4, 2, 4), (512, 8, 4, 4), (128, 16, 2, 2)):
+            if group_size % (tile_rows * unroll):
+                continue
+            blocks = triton.cdiv(n, bn)
+            for per_sm in (2, 4, 8):
+                sk = max(1, min(k // group_size, triton.cdiv(per_sm * num_sms, blocks)))
+                found.append({"block_n": bn, "block_k": group_size, "split_k": sk, "num_warps": w,
+                              "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll})
     else:  # the lane unpacking feeding tl.dot
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
                   for bn in (64, 128) for bk in (32, 64, 128) if bk <= group_size
@@ -240,15 +251,17 @@ SWEEP_COLD_BYTES = 256 * 2**20
 
 
 def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 0,
-               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "") -> list[dict]:
+               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "") -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
     lowvram.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
-    of the weights (SWEEP_COLD_BYTES): from memory, not from L2."""
+    of the weights (SWEEP_COLD_BYTES): from memory, not from L2. `forms` (comma-separated
+    "unpack" values: interleave, lanes, rows) limits the candidates besides the default."""
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16 import InputNorm
-    from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
+    from lowvram.kernels.w4a16_gemv import (choose_gemv_config, decode_gemv_config, invariant_gemv_config,
+                                             launch_awq_gemv)
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -287,8 +300,12 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
                     return {"config": cfg, "error": str(exc)[:80]}
                 return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
 
-            default = choose_gemv_config(rows, n, k, group_size, num_sms)
-            candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
+            default = decode_gemv_config(rows, n, k, group_size, num_sms, bool(rank))
+            lanes_default = choose_gemv_config(rows, n, k, group_size, num_sms)
+            candidates = [default] + ([lanes_default] if lanes_default != default else []) + [
+                c for c in gemv_candidates(rows, n, k, group_size, num_sms)
+                                      if not (rank and c.get("unpack") == "rows")
+                                      and (not forms or c.get("unpack", "interleave") in forms.split(","))]
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
@@ -307,6 +324,11 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms), has_prologue=False)
             by_form = {}
             for t in ok:
+                if t["config"].get("unpack") == "rows":
+                    form = "rows/{block_n}/{tile_rows}x{unroll}/w{num_warps}".format(**t["config"])
+                    if form not in by_form or t["us"] < by_form[form]["us"]:
+                        by_form[form] = t
+                    continue
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
                                  t["config"].get("lora", "once"),
@@ -332,7 +354,7 @@ def sweep_shape_only(args) -> int:
               "group_size": args.group_size, "lora_rank": args.rank,
               "gemv_sweep": sweep_gemv(projection_shapes(args.shape), args.group_size, args.rank,
                                        tuple(int(r) for r in args.sweep_rows.split(",")),
-                                       args.sweep_shapes)}
+                                       args.sweep_shapes, args.sweep_forms)}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
@@ -355,6 +377,8 @@ def main() -> int:
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
     parser.add_argument("--sweep-shapes", default="",
                         help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all)")
+    parser.add_argument("--sweep-forms", default="",
+                        help="GEMV forms the sweep times besides the default, from interleave,lanes,rows (default all)")
     parser.add_argument("--rank", type=int, default=None,
                         help="compensation rank of the quantized model and the sweep (default: the profile's)")
     parser.add_argument("--fp16-budget-mib", type=float, default=None,

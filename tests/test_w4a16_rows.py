@@ -1,0 +1,131 @@
+"""The one-row decode GEMV's K-in-thread form ("unpack": "rows") against the float32 reference.
+
+Under the Triton interpreter on small shapes (its nibbles then come from plain Triton, the
+GPU's from inline PTX); with CUDA the same tests run on the GPU, and the `gpu` tests add the
+1.5B shape's projections and a check that graph replays give the same bits.
+"""
+
+import pytest
+import torch
+
+from lowvram.kernels import w4a16
+from lowvram.kernels.w4a16 import awq_linear_ref
+from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_x, \
+    relative_error
+
+
+def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):
+    return {"block_n": block_n, "block_k": group_size, "split_k": split_k, "num_warps": num_warps,
+            "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll}
+
+
+def run_rows(x, awq, group_size, config, bias=None, **fused):
+    qweight, qzeros, scales, _ = awq
+    y = torch.full((1, scales.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, **fused)
+    return y
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("num_outputs", [256, 200])  # 200: a partial column block, masked
+@pytest.mark.parametrize("tile_rows,unroll", [(4, 2), (8, 1)])
+def test_rows_form_matches_the_reference(split_k, num_outputs, tile_rows, unroll):
+    awq = random_awq(192, num_outputs, 32, seed=90 + split_k)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=91, dtype=dtype)
+    bias = awq[3]
+    ref = awq_linear_ref(x, *awq[:3], 32, bias)
+    y = run_rows(x, awq, 32, rows_config(128, 32, split_k, tile_rows, unroll), bias)
+    error = relative_error(y, ref)
+    print(f"rows form N={num_outputs} split_k={split_k} tile {tile_rows}x{unroll}: rel err {error:.2e}")
+    assert error <= SMALL_TOLERANCE
+
+
+@needs_triton
+def test_every_nibble_lands_on_its_column():
+    # One code per column set, the rest zero, zeros 0 and unit scales: y[n] = x . W[:, n]
+    # exactly, so a nibble added to a neighbour's column or at the wrong power of 16 shows.
+    num_inputs, num_outputs, group_size = 64, 64, 32
+    codes = torch.arange(num_inputs * num_outputs).reshape(num_inputs, num_outputs) % 16
+    from lowvram.awq_format import pack_awq
+
+    qweight = pack_awq(codes.to(torch.int32)).to(DEVICE)
+    qzeros = torch.zeros(num_inputs // group_size, num_outputs // 8, dtype=torch.int32, device=DEVICE)
+    scales = torch.ones(num_inputs // group_size, num_outputs, dtype=torch.float16, device=DEVICE)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = (torch.arange(num_inputs) % 3 - 1).to(dtype).to(DEVICE)[None, :]  # -1, 0, 1: exact sums
+    expected = x.double().cpu() @ codes.double()
+    y = run_rows(x, (qweight, qzeros, scales, None), group_size, rows_config(64, group_size, 2, 4, 2))
+    assert torch.equal(y.double().cpu(), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rows_form_fuses_the_rms_norm(has_residual):
+    from lowvram.kernels.rms_norm import rms_norm_ref
+    from lowvram.kernels.w4a16 import InputNorm
+
+    awq = random_awq(192, 128, 64, seed=93)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=94, dtype=dtype) * 4
+    residual = random_x(1, 192, seed=95, dtype=dtype) if has_residual else None
+    weight = (torch.rand(192, generator=torch.Generator().manual_seed(96)) + 0.5).to(dtype).to(DEVICE)
+    normed, total = rms_norm_ref(x, weight, 1e-6, residual)
+    ref = awq_linear_ref(normed, *awq[:3], 64, awq[3])
+    unnormed = relative_error(awq_linear_ref(x, *awq[:3], 64, awq[3]), ref)
+    sum_out = torch.full_like(x, float("nan")) if has_residual else None
+    y = run_rows(x, awq, 64, rows_config(64, 64, 3, 8, 2), awq[3], norm=InputNorm(weight, 1e-6, residual, sum_out))
+    error = relative_error(y, ref)
+    assert error <= SMALL_TOLERANCE < unnormed
+    if has_residual:
+        assert torch.equal(sum_out, total)
+
+
+@needs_triton
+def test_rows_form_fuses_the_silu_gate():
+    from lowvram.kernels.activation import silu_and_mul_ref
+
+    awq = random_awq(192, 128, 64, seed=97)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    gate_up = random_x(1, 384, seed=98, dtype=dtype) * 3
+    ref = awq_linear_ref(silu_and_mul_ref(gate_up), *awq[:3], 64, awq[3])
+    y = run_rows(gate_up, awq, 64, rows_config(128, 64, 2, 4, 4), awq[3], is_gated=True)
+    assert relative_error(y, ref) <= SMALL_TOLERANCE
+
+
+@needs_triton
+def test_rows_form_refuses_what_it_cannot_run():
+    awq = random_awq(128, 64, 64, seed=99)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 128, seed=100, dtype=dtype)
+    lora = (torch.zeros(16, 128, dtype=dtype, device=DEVICE), torch.zeros(16, 64, dtype=dtype, device=DEVICE))
+    with pytest.raises(ValueError, match="whole groups"):
+        run_rows(x, awq, 64, {**rows_config(64, 64, 1, 4, 1), "block_k": 32})
+    y = torch.empty(1, 64, dtype=dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="no compensation"):
+        w4a16.w4a16_gemv.launch_awq_gemv(x, *awq[:3], 64, None, y, rows_config(64, 64, 1, 4, 1), *lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_inputs,num_outputs", [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536),
+                                                    (1536, 151936)])
+def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
+    awq = random_awq(num_inputs, num_outputs, 128, seed=101)
+    x = random_x(1, num_inputs, seed=102)
+    ref = awq_linear_ref(x, *awq[:3], 128, awq[3])
+    config = w4a16.w4a16_gemv.choose_rows_config(num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
+    y = run_rows(x, awq, 128, config, awq[3])
+    error = relative_error(y, ref)
+    print(f"rows form K={num_inputs} N={num_outputs} {config}: rel err {error:.2e}")
+    assert error <= GPU_TOLERANCE
+    # graph replays give the same bits (the split-K sum runs in split order)
+    graph = torch.cuda.CUDAGraph()
+    static_y = torch.empty_like(y)
+    with torch.cuda.graph(graph):
+        w4a16.w4a16_gemv.launch_awq_gemv(x, *awq[:3], 128, awq[3], static_y, config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, y)
