@@ -556,10 +556,12 @@ def join8(v0, v1, v2, v3, v4, v5, v6, v7):
 @triton.jit
 def _awq_gemv_rows_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
     residual_ptr, norm_weight_ptr, sum_ptr, eps,
     N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, TILE_ROWS: tl.constexpr, UNROLL: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # One row, K summed inside each thread ("unpack": "rows"). A program owns BLOCK_C packed
@@ -567,7 +569,10 @@ def _awq_gemv_rows_kernel(
     # TILE_ROWS rows x BLOCK_C words (each thread a few whole words of one row, 16-byte loads)
     # and adds x * q_j * 16**p into eight per-nibble sums per row slot: no sum across threads
     # until the program's last group. Per group, each slot's sums take the group's scale and
-    # zero: s * (sum x q - z sum x). The threads' slots are added once at the end.
+    # zero: s * (sum x q - z sum x). The threads' slots are added once at the end. The
+    # compensation's x A^T over the program's K range is summed the same way (products per
+    # row slot, one sum at the end), and its term t Bt for the program's columns joins the
+    # partial: the split-K sum makes the whole (x A^T) Bt, as in the lane kernel.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -587,6 +592,7 @@ def _awq_gemv_rows_kernel(
     a5 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
     a6 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
     a7 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    t_tile = tl.zeros((TILE_ROWS, BLOCK_R), tl.float32)  # x A^T's products (compensation)
     for g in range(g_start, g_end):
         p0 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
         p1 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
@@ -608,6 +614,8 @@ def _awq_gemv_rows_kernel(
                 x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE,
                               HAS_RESIDUAL)[:, None]
                 x_sum += x
+                if HAS_LORA:
+                    t_tile += x * lora_a_tile(lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R).to(tl.float32)
                 p0 += x * nibble_times_power(packed, 0)
                 p1 += x * nibble_times_power(packed, 1)
                 p2 += x * nibble_times_power(packed, 2)
@@ -628,9 +636,20 @@ def _awq_gemv_rows_kernel(
         a6 = rows_group_term(a6, p6, x_sum, zeros_word, group_scales, mask_c[None, :], 6, 5)
         a7 = rows_group_term(a7, p7, x_sum, zeros_word, group_scales, mask_c[None, :], 7, 7)
     # 16**-p is exact: the sums' only rounding is float32's, as in the other forms
-    acc = join8(tl.sum(a0, 0), tl.sum(a1, 0) * (1 / 16), tl.sum(a2, 0) * (1 / 256), tl.sum(a3, 0) * (1 / 4096),
-                tl.sum(a4, 0) * (1 / 65536), tl.sum(a5, 0), tl.sum(a6, 0) * (1 / 16), tl.sum(a7, 0) * (1 / 256))
+    y0, y1, y2, y3 = tl.sum(a0, 0), tl.sum(a1, 0) * (1 / 16), tl.sum(a2, 0) * (1 / 256), tl.sum(a3, 0) * (1 / 4096)
+    y4, y5, y6, y7 = tl.sum(a4, 0) * (1 / 65536), tl.sum(a5, 0), tl.sum(a6, 0) * (1 / 16), tl.sum(a7, 0) * (1 / 256)
     base = offs_c * 8
+    if HAS_LORA:
+        t = tl.sum(t_tile, 0)
+        y0 += lora_row_up(t, lora_bt_ptr, base, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y1 += lora_row_up(t, lora_bt_ptr, base + 2, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y2 += lora_row_up(t, lora_bt_ptr, base + 4, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y3 += lora_row_up(t, lora_bt_ptr, base + 6, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y4 += lora_row_up(t, lora_bt_ptr, base + 1, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y5 += lora_row_up(t, lora_bt_ptr, base + 3, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y6 += lora_row_up(t, lora_bt_ptr, base + 5, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y7 += lora_row_up(t, lora_bt_ptr, base + 7, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+    acc = join8(y0, y1, y2, y3, y4, y5, y6, y7)
     cols = join8(base, base + 2, base + 4, base + 6, base + 1, base + 3, base + 5, base + 7)
     awq_gemv_store(acc, 0, cols, cols < N, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N, HAS_BIAS,
                    IS_PARTIAL)
@@ -815,9 +834,8 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
         launch_options["num_stages"] = config["num_stages"]
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
     is_rows = config.get("unpack") == "rows" and num_rows == 1 and not is_row_tiled
-    if is_rows and (has_lora or block_k != group_size):
-        raise ValueError("the K-in-thread form (\"unpack\": \"rows\") takes whole groups (block_k = group size) "
-                         "and no compensation")
+    if is_rows and block_k != group_size:
+        raise ValueError("the K-in-thread form (\"unpack\": \"rows\") takes whole groups (block_k = group size)")
     has_prologue = norm is not None or is_gated
     if has_prologue and not ((is_lanes or is_rows) and num_rows == 1):
         raise ValueError("the norm and gate prologues run in the one-row kernels only")
@@ -831,11 +849,11 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
     if is_rows:
         _awq_gemv_rows_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *fused,
+            x, qweight, qzeros, scales, *outputs, *lora, *fused,
             num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_C=block_n // 8, TILE_ROWS=config["tile_rows"], UNROLL=config["unroll"],
             EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial, PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block, **launch_options,
+            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block, **lora_flags, **launch_options,
         )
     elif is_lanes and num_rows == 1:
         # x A^T shares: [SPLIT_K, BLOCK_R] float32

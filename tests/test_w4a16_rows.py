@@ -10,8 +10,8 @@ import torch
 
 from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16 import awq_linear_ref
-from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_x, \
-    relative_error
+from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_lora, \
+    random_x, relative_error
 
 
 def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):
@@ -19,10 +19,11 @@ def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):
             "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll}
 
 
-def run_rows(x, awq, group_size, config, bias=None, **fused):
+def run_rows(x, awq, group_size, config, bias=None, lora_a=None, lora_bt=None, **fused):
     qweight, qzeros, scales, _ = awq
     y = torch.full((1, scales.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, **fused)
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
+                                     **fused)
     return y
 
 
@@ -99,12 +100,24 @@ def test_rows_form_refuses_what_it_cannot_run():
     awq = random_awq(128, 64, 64, seed=99)
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
     x = random_x(1, 128, seed=100, dtype=dtype)
-    lora = (torch.zeros(16, 128, dtype=dtype, device=DEVICE), torch.zeros(16, 64, dtype=dtype, device=DEVICE))
     with pytest.raises(ValueError, match="whole groups"):
         run_rows(x, awq, 64, {**rows_config(64, 64, 1, 4, 1), "block_k": 32})
-    y = torch.empty(1, 64, dtype=dtype, device=DEVICE)
-    with pytest.raises(ValueError, match="no compensation"):
-        w4a16.w4a16_gemv.launch_awq_gemv(x, *awq[:3], 64, None, y, rows_config(64, 64, 1, 4, 1), *lora)
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("rank", [16, 5])  # 5: ranks padded to 16 by masking
+def test_rows_form_adds_the_compensation(split_k, rank):
+    awq = random_awq(192, 200, 32, seed=103 + rank)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=104, dtype=dtype)
+    lora_a, lora_bt = random_lora(rank, 192, 200, seed=105)
+    ref = awq_linear_ref(x, *awq[:3], 32, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    without = relative_error(awq_linear_ref(x, *awq[:3], 32, awq[3]), ref)
+    y = run_rows(x, awq, 32, rows_config(128, 32, split_k, 4, 2), awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    error = relative_error(y, ref)
+    print(f"rows form with rank {rank} split_k={split_k}: rel err {error:.2e} (without the term {without:.2e})")
+    assert error <= SMALL_TOLERANCE < without
 
 
 @pytest.mark.gpu
