@@ -728,21 +728,26 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
 
 
 def choose_rows_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
-                       programs_per_sm: int = 4) -> dict:
-    """The K-in-thread form's configuration for one row without compensation: 256-column
-    blocks of 16-row tiles loaded two at a time over four warps (each thread four words of a
-    row per load), K split into whole groups for about `programs_per_sm` programs per SM."""
+                       programs_per_sm: int = 8) -> dict:
+    """The K-in-thread form's configuration for one row: 128-column blocks of 16-row tiles
+    loaded two at a time over two warps (each thread four words of a row per load), K split
+    into whole groups for about `programs_per_sm` programs per SM. The best of the sweep on
+    an H200 for gate/up (profile_decode.py --sweep-gemv-only --sweep-forms rows;
+    docs/performance.md)."""
     num_groups = num_inputs // group_size
-    num_n_blocks = triton.cdiv(num_outputs, 256)
+    num_n_blocks = triton.cdiv(num_outputs, 128)
     split_k = max(1, min(num_groups, triton.cdiv(programs_per_sm * num_sms, num_n_blocks)))
     tile_rows, unroll = (16, 2) if group_size % 32 == 0 else (16, 1)
-    return {"block_n": 256, "block_k": group_size, "split_k": split_k, "num_warps": 4, "unpack": "rows",
+    return {"block_n": 128, "block_k": group_size, "split_k": split_k, "num_warps": 2, "unpack": "rows",
             "tile_rows": tile_rows, "unroll": unroll}
 
 
-# Which one-row form serves layers without compensation: "rows" (K summed inside each thread)
-# or "lanes"; LOWVRAM_GEMV_FORM picks the other for a side-by-side measurement.
+# Which one-row form serves wide layers without compensation: "rows" (K summed inside each
+# thread) or "lanes"; LOWVRAM_GEMV_FORM=lanes keeps the lane kernel for a side-by-side run.
 ONE_ROW_FORMS = ("rows", "lanes")
+# Outputs above which one row without compensation takes the K-in-thread form: on an H200 it
+# beat the lane kernel on gate/up (N = 17,920) and lost on q/k/v, o and down (N <= 2,048).
+ROWS_FORM_MIN_OUTPUTS = 4096
 
 
 def one_row_form() -> str:
@@ -754,9 +759,11 @@ def one_row_form() -> str:
 
 def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
                        has_lora: bool) -> dict:
-    """The decode kernel's configuration for a layer: the K-in-thread form for one row without
-    compensation where its whole-group steps fit the group size, else choose_gemv_config."""
-    if num_rows == 1 and not has_lora and group_size % 16 == 0 and one_row_form() == "rows":
+    """The decode kernel's configuration for a layer: the K-in-thread form for one row of a
+    wide layer without compensation where its whole-group steps fit the group size, else
+    choose_gemv_config."""
+    if (num_rows == 1 and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0
+            and one_row_form() == "rows"):
         return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
     return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 

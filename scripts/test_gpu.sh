@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head speed_prefill_graphs speed_invariant speed_head
 # (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
 # requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
 # published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_lanes: the same with the
@@ -76,6 +76,8 @@ if [ "$what" != tests ]; then
     run_bench gemv_rows_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 0 --sweep-forms rows
     run_bench gemv_floor 120 python3 scripts/probe_gemv_floor.py
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
+    # Kernel timeline of a graph-replayed batch-1 step on the plain AutoAWQ-style checkpoint (no compensation).
+    run_bench profile_decode_plain 200 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1 --rank 0 --fp16-budget-mib 0
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     # Batch-invariant mode, controller on: every request checked against its run alone.
     run_bench stress_invariant 400 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes on --check-alone 64 --batch-invariant --summary-md "$results/stress_invariant.md"
