@@ -40,7 +40,11 @@ q/k/v or gate/up layer's B is block diagonal (lowvram.fusion) and is read whole,
 included: its R is the sum of its parts' ranks.
 """
 
+import functools
+import json
 import os
+import re
+from pathlib import Path
 
 import torch
 import triton
@@ -757,13 +761,67 @@ def one_row_form() -> str:
     return form
 
 
+# One-row configurations measured on a GPU (profile_decode.py --sweep-gemv-only --save-tuning):
+# the file LOWVRAM_GEMV_TUNING names, else the one shipped for the GPU's name in kernels/tuned/.
+TUNING_ENV = "LOWVRAM_GEMV_TUNING"
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+TUNABLE_KEYS = {"block_n", "block_k", "split_k", "num_warps", "unpack", "reduce", "lora", "lora_reduce",
+                "tile_rows", "unroll", "dequant", "num_stages"}
+
+
+def tuning_key(num_outputs: int, num_inputs: int, group_size: int, has_lora: bool) -> str:
+    """A one-row layer's key in a tuning file: K x N, the group size, and whether it carries a
+    compensation ("compensated") or not ("plain")."""
+    return f"{num_inputs}x{num_outputs}/g{group_size}/{'compensated' if has_lora else 'plain'}"
+
+
+def tuning_file(device_name: str) -> Path:
+    """The shipped tuning file of a GPU: its name with every run of other characters than
+    letters and digits as one underscore ("NVIDIA H200" -> kernels/tuned/NVIDIA_H200.json)."""
+    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[str, dict]:
+    """Tuning key -> configuration for `device_name`, from $LOWVRAM_GEMV_TUNING or the shipped
+    file ({} when there is none). A named file that is missing or malformed is an error that
+    says which file and what is wrong in it."""
+    named = os.environ.get(TUNING_ENV)
+    path = Path(named) if named else tuning_file(device_name)
+    if not path.is_file():
+        if named:
+            raise ValueError(f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
+                             f"profile_decode.py --sweep-gemv-only --save-tuning writes")
+        return {}
+    try:
+        configs = json.loads(path.read_text())["configs"]
+        if not isinstance(configs, dict):
+            raise TypeError("'configs' is not an object")
+        for key, config in configs.items():
+            unknown = set(config) - TUNABLE_KEYS
+            if unknown or config.get("unpack") not in ONE_ROW_FORMS or not all(
+                    isinstance(config.get(name), int) and config[name] > 0
+                    for name in ("block_n", "block_k", "split_k", "num_warps")):
+                raise ValueError(f"entry {key!r} is not a one-row configuration: {config}")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
+                         f"profile_decode.py --sweep-gemv-only --save-tuning writes it") from exc
+    return configs
+
+
 def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
-                       has_lora: bool) -> dict:
-    """The decode kernel's configuration for a layer: the K-in-thread form for one row of a
-    wide layer without compensation where its whole-group steps fit the group size, else
-    choose_gemv_config."""
+                       has_lora: bool, device_name: str = "") -> dict:
+    """The decode kernel's configuration for a layer: for one row, the GPU's measured one
+    (tuned_configs) when it has one for this layer; else the K-in-thread form for a wide layer
+    without compensation where its whole-group steps fit the group size; else
+    choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's choice for every row."""
+    form = one_row_form()
+    if num_rows == 1 and device_name and form == "rows":
+        tuned = tuned_configs(device_name).get(tuning_key(num_outputs, num_inputs, group_size, has_lora))
+        if tuned is not None and group_size % tuned["block_k"] == 0:
+            return dict(tuned)
     if (num_rows == 1 and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0
-            and one_row_form() == "rows"):
+            and form == "rows"):
         return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
     return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 

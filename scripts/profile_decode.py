@@ -29,7 +29,7 @@ from lowvram.bench_record import run_metadata
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
-from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors
+from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors, shape_config
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -227,14 +227,15 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
                   for bn in (64, 128) for bk in (64, 128) if bk <= group_size
                   for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
-        # the K-in-thread form (no compensation): column blocks x row tiles x loads per step x
-        # warps, each thread four words of a row per load, at about 2, 4 and 8 programs per SM
-        for bn, tile_rows, unroll, w in ((256, 16, 2, 4), (512, 8, 2, 4), (256, 8, 2, 2), (256, 8, 4, 2),
-                                         (512, 4, 4, 2), (1024, 4, 2, 4), (512, 8, 4, 4), (128, 16, 2, 2)):
+        # the K-in-thread form: column blocks x row tiles x loads per step x warps, each thread
+        # four or eight words of a row per load, at about 4, 8 and 16 programs per SM (the
+        # first sweep's 512- and 1024-column blocks were never among the best)
+        for bn, tile_rows, unroll, w in ((256, 16, 2, 4), (256, 8, 2, 2), (128, 16, 2, 2), (128, 16, 4, 2),
+                                         (64, 16, 2, 1), (64, 32, 2, 2)):
             if group_size % (tile_rows * unroll):
                 continue
             blocks = triton.cdiv(n, bn)
-            for per_sm in (2, 4, 8):
+            for per_sm in (4, 8, 16):
                 sk = max(1, min(k // group_size, triton.cdiv(per_sm * num_sms, blocks)))
                 found.append({"block_n": bn, "block_k": group_size, "split_k": sk, "num_warps": w,
                               "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll})
@@ -261,7 +262,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
 
     from lowvram.kernels.w4a16 import InputNorm
     from lowvram.kernels.w4a16_gemv import (choose_gemv_config, decode_gemv_config, invariant_gemv_config,
-                                             launch_awq_gemv)
+                                            launch_awq_gemv)
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -304,8 +305,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             lanes_default = choose_gemv_config(rows, n, k, group_size, num_sms)
             candidates = [default] + ([lanes_default] if lanes_default != default else []) + [
                 c for c in gemv_candidates(rows, n, k, group_size, num_sms)
-                                      if not (rank and c.get("unpack") == "rows")
-                                      and (not forms or c.get("unpack", "interleave") in forms.split(","))]
+                if not forms or c.get("unpack", "interleave") in forms.split(",")]
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
@@ -348,15 +348,37 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
     return results
 
 
+def save_tuning(path: Path, sweep: list[dict], group_size: int, metadata: dict) -> None:
+    """Write each one-row shape's fastest configuration to the tuning file `path` (w4a16_gemv's
+    tuned_configs reads it), keeping the entries of earlier sweeps for other layers."""
+    from lowvram.kernels.w4a16_gemv import tuning_key
+
+    tuning = json.loads(path.read_text()) if path.is_file() else {"configs": {}}
+    for result in sweep:
+        if result["rows"] == 1:
+            key = tuning_key(result["n"], result["k"], group_size, bool(result["lora_rank"]))
+            tuning["configs"][key] = result["best"]["config"]
+    tuning.update(gpu=metadata.get("gpu"), date=metadata.get("date"), command=metadata.get("command"))
+    path.write_text(json.dumps(tuning, indent=2) + "\n")
+
+
 def sweep_shape_only(args) -> int:
-    """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes."""
-    record = {**run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]])), "shape": args.shape,
-              "group_size": args.group_size, "lora_rank": args.rank,
-              "gemv_sweep": sweep_gemv(projection_shapes(args.shape), args.group_size, args.rank,
-                                       tuple(int(r) for r in args.sweep_rows.split(",")),
-                                       args.sweep_shapes, args.sweep_forms)}
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes ("head": the
+    vocabulary projection, as an INT4 lm_head runs it)."""
+    shapes = projection_shapes(args.shape)
+    if "head" in args.sweep_shapes.split(","):
+        config = shape_config(args.shape)
+        shapes["head"] = (config["hidden_size"], config["vocab_size"])
+    metadata = run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]]))
+    record = {**metadata, "shape": args.shape, "group_size": args.group_size, "lora_rank": args.rank, "gemv_sweep": []}
+    for name, shape in shapes.items():  # written after each shape: a run stopped by its time limit keeps those done
+        row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
+        results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms)
+        record["gemv_sweep"] += results
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        if args.save_tuning:
+            save_tuning(Path(args.save_tuning), results, args.group_size, metadata)
     return 0
 
 
@@ -376,7 +398,11 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
     parser.add_argument("--sweep-shapes", default="",
-                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all)")
+                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all), "
+                             "and head (the vocabulary projection, only when named)")
+    parser.add_argument("--save-tuning", default=None,
+                        help="--sweep-gemv-only: write each one-row shape's fastest configuration to this "
+                             "tuning file (LOWVRAM_GEMV_TUNING; kernels/tuned/), merged with its entries")
     parser.add_argument("--sweep-forms", default="",
                         help="GEMV forms the sweep times besides the default, from interleave,lanes,rows (default all)")
     parser.add_argument("--rank", type=int, default=None,
@@ -387,10 +413,10 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS)
+    unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS) - {"head"}
     if unknown:
         parser.error(f"--sweep-shapes: unknown projections {', '.join(sorted(unknown))}; "
-                     f"choose from {', '.join(PROJECTIONS)}")
+                     f"choose from {', '.join(PROJECTIONS)}, head")
 
     profile = load_profile(args.profile)
     args.rank = profile.compensation_rank if args.rank is None else args.rank

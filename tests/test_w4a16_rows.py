@@ -5,10 +5,13 @@ GPU's from inline PTX); with CUDA the same tests run on the GPU, and the `gpu` t
 1.5B shape's projections and a check that graph replays give the same bits.
 """
 
+import json
+
 import pytest
 import torch
+from script_modules import load_script
 
-from lowvram.kernels import w4a16
+from lowvram.kernels import w4a16, w4a16_gemv
 from lowvram.kernels.w4a16 import awq_linear_ref
 from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_lora, \
     random_x, relative_error
@@ -147,3 +150,82 @@ def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, y)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_inputs,num_outputs", [(1536, 17920), (8960, 1536)])
+def test_rows_form_with_the_compensation_at_the_real_shapes(num_inputs, num_outputs):
+    awq = random_awq(num_inputs, num_outputs, 128, seed=106)
+    x = random_x(1, num_inputs, seed=107)
+    lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=108, dtype=torch.float16)
+    ref = awq_linear_ref(x, *awq[:3], 128, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    without = relative_error(awq_linear_ref(x, *awq[:3], 128, awq[3]), ref)
+    config = w4a16.w4a16_gemv.choose_rows_config(num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
+    y = run_rows(x, awq, 128, config, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    error = relative_error(y, ref)
+    print(f"rows form with rank 16 K={num_inputs} N={num_outputs}: rel err {error:.2e} (without {without:.2e})")
+    assert error <= GPU_TOLERANCE < without
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """A tuning directory of our own, and tuned_configs' cache emptied before and after."""
+    monkeypatch.setattr(w4a16_gemv, "TUNED_DIR", tmp_path)
+    monkeypatch.delenv(w4a16_gemv.TUNING_ENV, raising=False)
+    monkeypatch.delenv("LOWVRAM_GEMV_FORM", raising=False)
+    w4a16_gemv.tuned_configs.cache_clear()
+    yield tmp_path
+    w4a16_gemv.tuned_configs.cache_clear()
+
+
+def test_a_gpus_measured_configuration_is_used_for_its_layer(tuning, monkeypatch):
+    from lowvram.kernels.w4a16_gemv import choose_gemv_config, decode_gemv_config, tuned_configs, tuning_key
+
+    measured = rows_config(128, 128, 6, 16, 2, num_warps=2)
+    (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": {tuning_key(17920, 1536, 128, False): measured}}))
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
+    # another layer, another GPU, compensation, several rows: the rules as before
+    assert decode_gemv_config(1, 2048, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 2048, 1536, 128,
+                                                                                                  132)
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA GeForce GTX 1650")["split_k"] != 6
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, True, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
+                                                                                                   128, 132)
+    assert decode_gemv_config(8, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(8, 17920, 1536,
+                                                                                                   128, 132)
+    monkeypatch.setenv("LOWVRAM_GEMV_FORM", "lanes")  # the side-by-side switch wins over the table
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
+                                                                                                   128, 132)
+    assert tuned_configs("NVIDIA GeForce GTX 1650") == {}
+
+
+def test_a_bad_tuning_file_is_named_in_the_error(tuning, monkeypatch):
+    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(tuning / "missing.json"))
+    with pytest.raises(ValueError, match="missing.json: no such file"):
+        w4a16_gemv.tuned_configs("NVIDIA H200")
+    bad = tuning / "bad.json"
+    bad.write_text(json.dumps({"configs": {"1536x17920/g128/plain": {"block_n": 128, "unpack": "sideways"}}}))
+    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(bad))
+    with pytest.raises(ValueError, match=r"bad.json: entry '1536x17920/g128/plain' is not a one-row configuration"):
+        w4a16_gemv.tuned_configs("NVIDIA H200")
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        w4a16_gemv.tuned_configs("other")
+
+
+def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
+    from lowvram.kernels.w4a16_gemv import tuned_configs, tuning_key
+
+    profile_decode = load_script("profile_decode")
+    path = tuning / "tuning.json"
+    fast, slow = rows_config(128, 128, 8, 16, 2, num_warps=2), rows_config(256, 128, 12, 16, 2)
+    sweep = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 0, "best": {"config": fast}},
+             {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 8, "lora_rank": 0, "best": {"config": slow}}]
+    profile_decode.save_tuning(path, sweep, 128, {"gpu": "NVIDIA H200", "date": "today", "command": "sweep"})
+    compensated = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 16, "best": {"config": slow}}]
+    profile_decode.save_tuning(path, compensated, 128, {"gpu": "NVIDIA H200", "date": "later", "command": "again"})
+    saved = json.loads(path.read_text())
+    assert saved["configs"] == {tuning_key(17920, 1536, 128, False): fast, tuning_key(17920, 1536, 128, True): slow}
+    assert saved["date"] == "later"
+    monkeypatch.setenv("LOWVRAM_GEMV_TUNING", str(path))
+    assert tuned_configs("NVIDIA H200") == saved["configs"]
