@@ -168,6 +168,59 @@ def test_rows_form_with_the_compensation_at_the_real_shapes(num_inputs, num_outp
     print(f"rows form with rank 16 K={num_inputs} N={num_outputs}: rel err {error:.2e} (without {without:.2e})")
     assert error <= GPU_TOLERANCE < without
 
+
+def shipped_entries():
+    """(GPU file, key, configuration) of every shipped tuning file's entries."""
+    return [(path.stem, key, config) for path in sorted(w4a16_gemv.TUNED_DIR.glob("*.json"))
+            for key, config in json.loads(path.read_text())["configs"].items()]
+
+
+def parse_key(key):
+    """tuning_key's (num_inputs, num_outputs, group_size, has_lora)."""
+    size, group, kind = key.split("/")
+    num_inputs, num_outputs = (int(v) for v in size.split("x"))
+    return num_inputs, num_outputs, int(group[1:]), kind == "compensated"
+
+
+@needs_triton
+@pytest.mark.parametrize("gpu,key,config", shipped_entries())
+def test_shipped_configurations_compute_the_product(gpu, key, config):
+    # Each shipped entry's tiling (block, row tiles, loads per step, split) at its group size
+    # on a small layer: the interpreter checks the arithmetic, the GPU test below the layouts.
+    assert w4a16_gemv.tuned_configs.__wrapped__(gpu.replace("_", " "))[key] == config
+    _, _, group_size, has_lora = parse_key(key)
+    num_inputs, num_outputs = 2 * group_size, 2 * config["block_n"] + 8 * 3  # a partial last block
+    awq = random_awq(num_inputs, num_outputs, group_size, seed=109)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, num_inputs, seed=110, dtype=dtype)
+    lora = random_lora(16, num_inputs, num_outputs, seed=111) if has_lora else (None, None)
+    ref = awq_linear_ref(x, *awq[:3], group_size, awq[3], lora_a=lora[0], lora_bt=lora[1])
+    y = run_rows(x, awq, group_size, config, awq[3], *lora)
+    assert relative_error(y, ref) <= SMALL_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_this_gpus_shipped_configurations_at_their_shapes():
+    device = torch.device("cuda")
+    entries = w4a16_gemv.tuned_configs(w4a16.device_name(device))
+    if not entries:
+        pytest.skip(f"no tuning file ships for {w4a16.device_name(device)}")
+    for key, config in entries.items():
+        num_inputs, num_outputs, group_size, has_lora = parse_key(key)
+        awq = random_awq(num_inputs, num_outputs, group_size, seed=112)
+        x = random_x(1, num_inputs, seed=113)
+        lora = random_lora(16, num_inputs, num_outputs, seed=114, dtype=torch.float16) if has_lora else (None, None)
+        y = run_rows(x, awq, group_size, config, awq[3], *lora)
+        for cols in (slice(0, min(8192, num_outputs)), slice(max(0, num_outputs - 8192), num_outputs)):
+            words = slice(cols.start // 8, cols.stop // 8)
+            part_lora = (lora[0], lora[1][:, cols]) if has_lora else (None, None)
+            ref = awq_linear_ref(x, awq[0][:, words], awq[1][:, words], awq[2][:, cols], group_size, awq[3][cols],
+                                 lora_a=part_lora[0], lora_bt=part_lora[1])
+            error = relative_error(y[:, cols], ref)
+            print(f"shipped {key} {config} columns {cols.start}-{cols.stop}: rel err {error:.2e}")
+            assert error <= GPU_TOLERANCE
+
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
     """A tuning directory of our own, and tuned_configs' cache emptied before and after."""
