@@ -124,8 +124,8 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
 
     y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     if num_rows <= MAX_DECODE_M:
-        config = w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, group_size,
-                                               num_sms(x.device))
+        config = w4a16_gemv.decode_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms(x.device),
+                                               has_lora, device_name(x.device))
         w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     else:
         config = w4a16_gemm.choose_gemm_config(num_rows, group_size)
@@ -190,7 +190,8 @@ def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lor
                                   f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}")
         if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
             raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")
-    config = w4a16_gemv.choose_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device))
+    config = w4a16_gemv.decode_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
+                                           lora_a is not None, device_name(x.device))
     y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
     return w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
                                       norm=norm, is_gated=is_gated)
@@ -306,3 +307,13 @@ def _num_sms_for(device_type: str, device_index) -> int:
 
 def num_sms(device: torch.device) -> int:
     return _num_sms_for(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_for(device_type: str, device_index) -> str:
+    return torch.cuda.get_device_name(device_index) if device_type == "cuda" else ""
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, which picks its measured GEMV configurations ("" off CUDA)."""
+    return _device_name_for(device.type, device.index)

@@ -40,6 +40,12 @@ q/k/v or gate/up layer's B is block diagonal (lowvram.fusion) and is read whole,
 included: its R is the sum of its parts' ranks.
 """
 
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -505,6 +511,154 @@ def _awq_gemv_row_kernel(
                        HAS_BIAS, IS_PARTIAL)
 
 
+# The K-in-thread form ("unpack": "rows") turns nibbles into floats through inline PTX on
+# the GPU (one lop3 each); the interpreter, which runs no PTX, computes the same bits in Triton.
+_PTX_NIBBLES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# Nibble j of an AWQ word, masked in place (j < 5) or after a 20-bit shift (j >= 5), is
+# q * 16**NIBBLE_POWER[j]: below 2**23, so OR-ed into the mantissa of 2**23 it reads exactly.
+NIBBLE_POWER = (0, 1, 2, 3, 4, 0, 1, 2)
+
+
+@triton.jit
+def nibble_times_power(packed, J: tl.constexpr):
+    """Float32 q_j * 16**p of every AWQ word in `packed` (any shape) for nibble J, in one logic
+    op and one add (two more for J >= 5, shared by the three nibbles that shift): the integer
+    masked into the mantissa of 2**23 (FLOAT32_MAGIC) reads as 2**23 + q * 16**p."""
+    if J >= 5:
+        packed = packed >> 20
+    MASK: tl.constexpr = 0xF << (4 * (J % 5))
+    if _PTX_NIBBLES:
+        magic = tl.full(packed.shape, FLOAT32_MAGIC, tl.int32)
+        # (a & MASK) | magic: the mask stays an immediate, the magic one register for all nibbles
+        bits = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, $2, 0xea;", "=r,r,r", [packed, magic],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (packed & MASK) | FLOAT32_MAGIC
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def rows_group_term(acc, partial, x_sum, zeros_word, scales_ptr, mask, J: tl.constexpr, COLUMN: tl.constexpr):
+    """acc + s * (partial - x_sum * z) for nibble J of a group: partial [R, C] are the row
+    slots' sums of x * q * 16**p, x_sum [R, 1] the slots' sums of x, zeros_word [1, C] the
+    group's packed zeros and scales_ptr [1, C] its scales of column 8c (COLUMN: the nibble's
+    column in the word; mask [1, C]: the columns inside N). The factor 16**p is taken out at
+    the end."""
+    scale = tl.load(scales_ptr + COLUMN, mask=mask, other=0.0).to(tl.float32)
+    return acc + scale * (partial - x_sum * nibble_times_power(zeros_word, J))
+
+
+@triton.jit
+def join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight [C] tensors as one [C, 8] (in the order the joins give; build the matching
+    column indices with the same call)."""
+    low = tl.join(tl.join(v0, v1), tl.join(v2, v3))
+    high = tl.join(tl.join(v4, v5), tl.join(v6, v7))
+    return tl.reshape(tl.join(low, high), (v0.shape[0], 8))
+
+
+@triton.jit
+def _awq_gemv_rows_kernel(
+    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
+    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
+    residual_ptr, norm_weight_ptr, sum_ptr, eps,
+    N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, TILE_ROWS: tl.constexpr, UNROLL: tl.constexpr,
+    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    # One row, K summed inside each thread ("unpack": "rows"). A program owns BLOCK_C packed
+    # columns (8 * BLOCK_C outputs) and whole groups of K. Each step loads UNROLL tiles of
+    # TILE_ROWS rows x BLOCK_C words (each thread a few whole words of one row, 16-byte loads)
+    # and adds x * q_j * 16**p into eight per-nibble sums per row slot: no sum across threads
+    # until the program's last group. Per group, each slot's sums take the group's scale and
+    # zero: s * (sum x q - z sum x). The threads' slots are added once at the end. The
+    # compensation's x A^T over the program's K range is summed the same way (products per
+    # row slot, one sum at the end), and its term t Bt for the program's columns joins the
+    # partial: the split-K sum makes the whole (x A^T) Bt, as in the lane kernel.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_packed_cols
+    offs_r = tl.arange(0, TILE_ROWS)
+    g_start = pid_k * K_BLOCKS_PER_SPLIT
+    g_end = tl.minimum(g_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
+    inv_rms = 1.0
+    if PROLOGUE == 1:
+        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
+                              HAS_RESIDUAL, ROW_BLOCK)
+    a0 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a1 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a2 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a3 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a4 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a5 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a6 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a7 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    t_tile = tl.zeros((TILE_ROWS, BLOCK_R), tl.float32)  # x A^T's products (compensation)
+    for g in range(g_start, g_end):
+        p0 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p1 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p2 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p3 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p4 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p5 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p6 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p7 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        x_sum = tl.zeros((TILE_ROWS, 1), tl.float32)
+        for step in range(0, GROUP_SIZE, TILE_ROWS * UNROLL):
+            for u in tl.static_range(UNROLL):
+                offs_k = g * GROUP_SIZE + step + u * TILE_ROWS + offs_r
+                weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+                if EVEN_N:
+                    packed = tl.load(weight_ptrs)
+                else:
+                    packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+                x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE,
+                              HAS_RESIDUAL)[:, None]
+                x_sum += x
+                if HAS_LORA:
+                    t_tile += x * lora_a_tile(lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R).to(tl.float32)
+                p0 += x * nibble_times_power(packed, 0)
+                p1 += x * nibble_times_power(packed, 1)
+                p2 += x * nibble_times_power(packed, 2)
+                p3 += x * nibble_times_power(packed, 3)
+                p4 += x * nibble_times_power(packed, 4)
+                p5 += x * nibble_times_power(packed, 5)
+                p6 += x * nibble_times_power(packed, 6)
+                p7 += x * nibble_times_power(packed, 7)
+        zeros_word = tl.load(qzeros_ptr + g * num_packed_cols + offs_c, mask=mask_c, other=0)[None, :]
+        group_scales = scales_ptr + g * N + offs_c[None, :] * 8
+        # nibble j holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j] (awq_lane_columns)
+        a0 = rows_group_term(a0, p0, x_sum, zeros_word, group_scales, mask_c[None, :], 0, 0)
+        a1 = rows_group_term(a1, p1, x_sum, zeros_word, group_scales, mask_c[None, :], 1, 2)
+        a2 = rows_group_term(a2, p2, x_sum, zeros_word, group_scales, mask_c[None, :], 2, 4)
+        a3 = rows_group_term(a3, p3, x_sum, zeros_word, group_scales, mask_c[None, :], 3, 6)
+        a4 = rows_group_term(a4, p4, x_sum, zeros_word, group_scales, mask_c[None, :], 4, 1)
+        a5 = rows_group_term(a5, p5, x_sum, zeros_word, group_scales, mask_c[None, :], 5, 3)
+        a6 = rows_group_term(a6, p6, x_sum, zeros_word, group_scales, mask_c[None, :], 6, 5)
+        a7 = rows_group_term(a7, p7, x_sum, zeros_word, group_scales, mask_c[None, :], 7, 7)
+    # 16**-p is exact: the sums' only rounding is float32's, as in the other forms
+    y0, y1, y2, y3 = tl.sum(a0, 0), tl.sum(a1, 0) * (1 / 16), tl.sum(a2, 0) * (1 / 256), tl.sum(a3, 0) * (1 / 4096)
+    y4, y5, y6, y7 = tl.sum(a4, 0) * (1 / 65536), tl.sum(a5, 0), tl.sum(a6, 0) * (1 / 16), tl.sum(a7, 0) * (1 / 256)
+    base = offs_c * 8
+    if HAS_LORA:
+        t = tl.sum(t_tile, 0)
+        y0 += lora_row_up(t, lora_bt_ptr, base, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y1 += lora_row_up(t, lora_bt_ptr, base + 2, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y2 += lora_row_up(t, lora_bt_ptr, base + 4, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y3 += lora_row_up(t, lora_bt_ptr, base + 6, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y4 += lora_row_up(t, lora_bt_ptr, base + 1, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y5 += lora_row_up(t, lora_bt_ptr, base + 3, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y6 += lora_row_up(t, lora_bt_ptr, base + 5, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+        y7 += lora_row_up(t, lora_bt_ptr, base + 7, lora_rank, N, stride_br, stride_bn, BLOCK_R)
+    acc = join8(y0, y1, y2, y3, y4, y5, y6, y7)
+    cols = join8(base, base + 2, base + 4, base + 6, base + 1, base + 3, base + 5, base + 7)
+    awq_gemv_store(acc, 0, cols, cols < N, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N, HAS_BIAS,
+                   IS_PARTIAL)
+
+
 @triton.jit
 def _awq_gemv_lanes_dot_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
@@ -575,6 +729,101 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     num_n_blocks = triton.cdiv(num_outputs, block_n)
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
+
+
+def choose_rows_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
+                       programs_per_sm: int = 8) -> dict:
+    """The K-in-thread form's configuration for one row: 128-column blocks of 16-row tiles
+    loaded two at a time over two warps (each thread four words of a row per load), K split
+    into whole groups for about `programs_per_sm` programs per SM. The best of the sweep on
+    an H200 for gate/up (profile_decode.py --sweep-gemv-only --sweep-forms rows;
+    docs/performance.md)."""
+    num_groups = num_inputs // group_size
+    num_n_blocks = triton.cdiv(num_outputs, 128)
+    split_k = max(1, min(num_groups, triton.cdiv(programs_per_sm * num_sms, num_n_blocks)))
+    tile_rows, unroll = (16, 2) if group_size % 32 == 0 else (16, 1)
+    return {"block_n": 128, "block_k": group_size, "split_k": split_k, "num_warps": 2, "unpack": "rows",
+            "tile_rows": tile_rows, "unroll": unroll}
+
+
+# Which one-row form serves wide layers without compensation: "rows" (K summed inside each
+# thread) or "lanes"; LOWVRAM_GEMV_FORM=lanes keeps the lane kernel for a side-by-side run.
+ONE_ROW_FORMS = ("rows", "lanes")
+# Outputs above which one row without compensation takes the K-in-thread form: on an H200 it
+# beat the lane kernel on gate/up (N = 17,920) and lost on q/k/v, o and down (N <= 2,048).
+ROWS_FORM_MIN_OUTPUTS = 4096
+
+
+def one_row_form() -> str:
+    form = os.environ.get("LOWVRAM_GEMV_FORM", "rows")
+    if form not in ONE_ROW_FORMS:
+        raise ValueError(f"LOWVRAM_GEMV_FORM={form!r}: choose one of {', '.join(ONE_ROW_FORMS)}")
+    return form
+
+
+# One-row configurations measured on a GPU (profile_decode.py --sweep-gemv-only --save-tuning):
+# the file LOWVRAM_GEMV_TUNING names, else the one shipped for the GPU's name in kernels/tuned/.
+TUNING_ENV = "LOWVRAM_GEMV_TUNING"
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+TUNABLE_KEYS = {"block_n", "block_k", "split_k", "num_warps", "unpack", "reduce", "lora", "lora_reduce",
+                "tile_rows", "unroll", "dequant", "num_stages"}
+
+
+def tuning_key(num_outputs: int, num_inputs: int, group_size: int, has_lora: bool) -> str:
+    """A one-row layer's key in a tuning file: K x N, the group size, and whether it carries a
+    compensation ("compensated") or not ("plain")."""
+    return f"{num_inputs}x{num_outputs}/g{group_size}/{'compensated' if has_lora else 'plain'}"
+
+
+def tuning_file(device_name: str) -> Path:
+    """The shipped tuning file of a GPU: its name with every run of other characters than
+    letters and digits as one underscore ("NVIDIA H200" -> kernels/tuned/NVIDIA_H200.json)."""
+    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[str, dict]:
+    """Tuning key -> configuration for `device_name`, from $LOWVRAM_GEMV_TUNING or the shipped
+    file ({} when there is none). A named file that is missing or malformed is an error that
+    says which file and what is wrong in it."""
+    named = os.environ.get(TUNING_ENV)
+    path = Path(named) if named else tuning_file(device_name)
+    if not path.is_file():
+        if named:
+            raise ValueError(f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
+                             f"profile_decode.py --sweep-gemv-only --save-tuning writes")
+        return {}
+    try:
+        configs = json.loads(path.read_text())["configs"]
+        if not isinstance(configs, dict):
+            raise TypeError("'configs' is not an object")
+        for key, config in configs.items():
+            unknown = set(config) - TUNABLE_KEYS
+            if unknown or config.get("unpack") not in ONE_ROW_FORMS or not all(
+                    isinstance(config.get(name), int) and config[name] > 0
+                    for name in ("block_n", "block_k", "split_k", "num_warps")):
+                raise ValueError(f"entry {key!r} is not a one-row configuration: {config}")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
+                         f"profile_decode.py --sweep-gemv-only --save-tuning writes it") from exc
+    return configs
+
+
+def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
+                       has_lora: bool, device_name: str = "") -> dict:
+    """The decode kernel's configuration for a layer: for one row, the GPU's measured one
+    (tuned_configs) when it has one for this layer; else the K-in-thread form for a wide layer
+    without compensation where its whole-group steps fit the group size; else
+    choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's choice for every row."""
+    form = one_row_form()
+    if num_rows == 1 and device_name and form == "rows":
+        tuned = tuned_configs(device_name).get(tuning_key(num_outputs, num_inputs, group_size, has_lora))
+        if tuned is not None and group_size % tuned["block_k"] == 0:
+            return dict(tuned)
+    if (num_rows == 1 and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0
+            and form == "rows"):
+        return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
+    return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 
 
 def invariant_gemv_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int) -> dict:
@@ -649,17 +898,29 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     if "num_stages" in config:
         launch_options["num_stages"] = config["num_stages"]
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
+    is_rows = config.get("unpack") == "rows" and num_rows == 1 and not is_row_tiled
+    if is_rows and block_k != group_size:
+        raise ValueError("the K-in-thread form (\"unpack\": \"rows\") takes whole groups (block_k = group size)")
     has_prologue = norm is not None or is_gated
-    if has_prologue and not (is_lanes and num_rows == 1):
-        raise ValueError("the norm and gate prologues run in the one-row lane kernel only")
-    if is_lanes and num_rows == 1:
-        if norm is not None:
-            prologue, has_residual = PROLOGUE_RMS_NORM, norm.residual is not None
-            residual = norm.residual if has_residual else x
-            fused = (residual, norm.weight, norm.sum_out if has_residual else x, norm.eps)
-        else:
-            prologue, has_residual = PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE, False
-            fused = (x, x, x, 0.0)  # not read
+    if has_prologue and not ((is_lanes or is_rows) and num_rows == 1):
+        raise ValueError("the norm and gate prologues run in the one-row kernels only")
+    if norm is not None:
+        prologue, has_residual = PROLOGUE_RMS_NORM, norm.residual is not None
+        residual = norm.residual if has_residual else x
+        fused = (residual, norm.weight, norm.sum_out if has_residual else x, norm.eps)
+    else:
+        prologue, has_residual = PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE, False
+        fused = (x, x, x, 0.0)  # not read
+    row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
+    if is_rows:
+        _awq_gemv_rows_kernel[grid](
+            x, qweight, qzeros, scales, *outputs, *lora, *fused,
+            num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
+            GROUP_SIZE=group_size, BLOCK_C=block_n // 8, TILE_ROWS=config["tile_rows"], UNROLL=config["unroll"],
+            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial, PROLOGUE=prologue,
+            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block, **lora_flags, **launch_options,
+        )
+    elif is_lanes and num_rows == 1:
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
         _awq_gemv_row_kernel[grid](
@@ -668,7 +929,7 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual, ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
+            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block,
             LORA_ONCE=is_lora_once,
             LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
             **lora_flags, **launch_options,

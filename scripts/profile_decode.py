@@ -29,7 +29,7 @@ from lowvram.bench_record import run_metadata
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
-from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors
+from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors, shape_config
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -227,6 +227,18 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
                   for bn in (64, 128) for bk in (64, 128) if bk <= group_size
                   for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
+        # the K-in-thread form: column blocks x row tiles x loads per step x warps, each thread
+        # four or eight words of a row per load, at about 4, 8 and 16 programs per SM (the
+        # first sweep's 512- and 1024-column blocks were never among the best)
+        for bn, tile_rows, unroll, w in ((256, 16, 2, 4), (256, 8, 2, 2), (128, 16, 2, 2), (128, 16, 4, 2),
+                                         (64, 16, 2, 1), (64, 32, 2, 2)):
+            if group_size % (tile_rows * unroll):
+                continue
+            blocks = triton.cdiv(n, bn)
+            for per_sm in (4, 8, 16):
+                sk = max(1, min(k // group_size, triton.cdiv(per_sm * num_sms, blocks)))
+                found.append({"block_n": bn, "block_k": group_size, "split_k": sk, "num_warps": w,
+                              "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll})
     else:  # the lane unpacking feeding tl.dot
         found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
                   for bn in (64, 128) for bk in (32, 64, 128) if bk <= group_size
@@ -240,15 +252,17 @@ SWEEP_COLD_BYTES = 256 * 2**20
 
 
 def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 0,
-               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "") -> list[dict]:
+               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "") -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
     lowvram.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
-    of the weights (SWEEP_COLD_BYTES): from memory, not from L2."""
+    of the weights (SWEEP_COLD_BYTES): from memory, not from L2. `forms` (comma-separated
+    "unpack" values: interleave, lanes, rows) limits the candidates besides the default."""
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16 import InputNorm
-    from lowvram.kernels.w4a16_gemv import choose_gemv_config, invariant_gemv_config, launch_awq_gemv
+    from lowvram.kernels.w4a16_gemv import (choose_gemv_config, decode_gemv_config, invariant_gemv_config,
+                                            launch_awq_gemv)
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
@@ -287,8 +301,11 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
                     return {"config": cfg, "error": str(exc)[:80]}
                 return {"config": cfg, "us": round(ms * 1000, 2), "gbps": round(nbytes / ms / 1e6, 1)}
 
-            default = choose_gemv_config(rows, n, k, group_size, num_sms)
-            candidates = [default] + gemv_candidates(rows, n, k, group_size, num_sms)
+            default = decode_gemv_config(rows, n, k, group_size, num_sms, bool(rank))
+            lanes_default = choose_gemv_config(rows, n, k, group_size, num_sms)
+            candidates = [default] + ([lanes_default] if lanes_default != default else []) + [
+                c for c in gemv_candidates(rows, n, k, group_size, num_sms)
+                if not forms or c.get("unpack", "interleave") in forms.split(",")]
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
@@ -307,6 +324,11 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             invariant = time_config(invariant_gemv_config(n, k, group_size, num_sms), has_prologue=False)
             by_form = {}
             for t in ok:
+                if t["config"].get("unpack") == "rows":
+                    form = "rows/{block_n}/{tile_rows}x{unroll}/w{num_warps}".format(**t["config"])
+                    if form not in by_form or t["us"] < by_form[form]["us"]:
+                        by_form[form] = t
+                    continue
                 form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
                                  t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
                                  t["config"].get("lora", "once"),
@@ -326,15 +348,37 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
     return results
 
 
+def save_tuning(path: Path, sweep: list[dict], group_size: int, metadata: dict) -> None:
+    """Write each one-row shape's fastest configuration to the tuning file `path` (w4a16_gemv's
+    tuned_configs reads it), keeping the entries of earlier sweeps for other layers."""
+    from lowvram.kernels.w4a16_gemv import tuning_key
+
+    tuning = json.loads(path.read_text()) if path.is_file() else {"configs": {}}
+    for result in sweep:
+        if result["rows"] == 1:
+            key = tuning_key(result["n"], result["k"], group_size, bool(result["lora_rank"]))
+            tuning["configs"][key] = result["best"]["config"]
+    tuning.update(gpu=metadata.get("gpu"), date=metadata.get("date"), command=metadata.get("command"))
+    path.write_text(json.dumps(tuning, indent=2) + "\n")
+
+
 def sweep_shape_only(args) -> int:
-    """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes."""
-    record = {**run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]])), "shape": args.shape,
-              "group_size": args.group_size, "lora_rank": args.rank,
-              "gemv_sweep": sweep_gemv(projection_shapes(args.shape), args.group_size, args.rank,
-                                       tuple(int(r) for r in args.sweep_rows.split(",")),
-                                       args.sweep_shapes)}
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes ("head": the
+    vocabulary projection, as an INT4 lm_head runs it)."""
+    shapes = projection_shapes(args.shape)
+    if "head" in args.sweep_shapes.split(","):
+        config = shape_config(args.shape)
+        shapes["head"] = (config["hidden_size"], config["vocab_size"])
+    metadata = run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]]))
+    record = {**metadata, "shape": args.shape, "group_size": args.group_size, "lora_rank": args.rank, "gemv_sweep": []}
+    for name, shape in shapes.items():  # written after each shape: a run stopped by its time limit keeps those done
+        row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
+        results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms)
+        record["gemv_sweep"] += results
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        if args.save_tuning:
+            save_tuning(Path(args.save_tuning), results, args.group_size, metadata)
     return 0
 
 
@@ -354,7 +398,13 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
     parser.add_argument("--sweep-shapes", default="",
-                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all)")
+                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all), "
+                             "and head (the vocabulary projection, only when named)")
+    parser.add_argument("--save-tuning", default=None,
+                        help="--sweep-gemv-only: write each one-row shape's fastest configuration to this "
+                             "tuning file (LOWVRAM_GEMV_TUNING; kernels/tuned/), merged with its entries")
+    parser.add_argument("--sweep-forms", default="",
+                        help="GEMV forms the sweep times besides the default, from interleave,lanes,rows (default all)")
     parser.add_argument("--rank", type=int, default=None,
                         help="compensation rank of the quantized model and the sweep (default: the profile's)")
     parser.add_argument("--fp16-budget-mib", type=float, default=None,
@@ -363,10 +413,10 @@ def main() -> int:
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS)
+    unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS) - {"head"}
     if unknown:
         parser.error(f"--sweep-shapes: unknown projections {', '.join(sorted(unknown))}; "
-                     f"choose from {', '.join(PROJECTIONS)}")
+                     f"choose from {', '.join(PROJECTIONS)}, head")
 
     profile = load_profile(args.profile)
     args.rank = profile.compensation_rank if args.rank is None else args.rank

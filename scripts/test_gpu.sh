@@ -7,11 +7,13 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_floor profile_decode stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_tuned speed_plain_head speed_prefill_graphs speed_invariant speed_head
 # (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
 # requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
-# published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_head: the same with an INT4 lm_head;
-# speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16)
+# published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_lanes: the same with the
+# one-row lane GEMV instead of the K-in-thread form (LOWVRAM_GEMV_FORM=lanes); speed_plain_head: the same with an INT4 lm_head;
+# speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16; *_tuned: with the one-row
+# configurations gemv_tune measured, at batch 1 and 8; GPU_TEST_FILES: run the GPU tests of these files only)
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
 #   scripts/test_gpu.sh benches profile_decode speed streaming_7b
@@ -39,7 +41,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 status=0
 if [ "$what" != benches ]; then
     # Only modules that hold GPU tests: the others may need packages the GPU image lacks.
-    gpu_files=$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)
+    gpu_files=${GPU_TEST_FILES:-$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)}
     LOWVRAM_TEST_EMULATE_GIB=4 timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         $gpu_files 2>&1 | tee "$results/gpu_tests.log" | grep -v -E "^(PASSED|\.)" | tail -60
     status=${PIPESTATUS[0]}
@@ -71,8 +73,16 @@ if [ "$what" != tests ]; then
     # The one-row INT4 kernel's tile sizes, splits and dequantization forms on the 1.5B shape's projections.
     run_bench gemv_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 ${GEMV_SWEEP_ARGS:-}
     # The floor under the GEMV's tilings: reading the packed words alone.
+    # The K-in-thread form against the lane kernel's default, without compensation (plain AWQ layers).
+    run_bench gemv_rows_sweep 240 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 0 --sweep-forms rows
+    # The GPU's own one-row configurations for gate/up and an INT4 head, without and with the
+    # compensation, written to the tuning file the *_tuned speed runs read (LOWVRAM_GEMV_TUNING).
+    run_bench gemv_tune 150 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 0 --sweep-shapes gate_up,head --sweep-forms rows --save-tuning "$results/gemv_tuning.json"
+    run_bench gemv_tune_compensated 80 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 16 --sweep-shapes gate_up --sweep-forms rows --save-tuning "$results/gemv_tuning.json"
     run_bench gemv_floor 120 python3 scripts/probe_gemv_floor.py
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
+    # Kernel timeline of a graph-replayed batch-1 step on the plain AutoAWQ-style checkpoint (no compensation).
+    run_bench profile_decode_plain 200 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1 --rank 0 --fp16-budget-mib 0
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     # Batch-invariant mode, controller on: every request checked against its run alone.
     run_bench stress_invariant 400 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes on --check-alone 64 --batch-invariant --summary-md "$results/stress_invariant.md"
@@ -84,6 +94,10 @@ if [ "$what" != tests ]; then
     run_bench speed_sampled_unpipelined 240 lowvram bench speed --cuda-graphs --no-pipelined-decode --temperature 1.0 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_sampled_unpipelined.md"
     run_bench speed_rank8 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --rank 8 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_rank8.md"
     run_bench speed_plain 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain.md"
+    run_bench speed_plain_lanes 240 env LOWVRAM_GEMV_FORM=lanes lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_lanes.md"
+    run_bench speed_plain_head_tuned 150 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head_tuned.md"
+    run_bench speed_plain_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_tuned.md"
+    run_bench speed_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_tuned.md"
     run_bench speed_plain_head 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head.md"
     # Prefill graphs (off by default until this shows them faster) and an INT4 lm_head.
     run_bench speed_prefill_graphs 120 lowvram bench speed --cuda-graphs --prefill-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_prefill_graphs.md"

@@ -1,0 +1,284 @@
+"""The one-row decode GEMV's K-in-thread form ("unpack": "rows") against the float32 reference.
+
+Under the Triton interpreter on small shapes (its nibbles then come from plain Triton, the
+GPU's from inline PTX); with CUDA the same tests run on the GPU, and the `gpu` tests add the
+1.5B shape's projections and a check that graph replays give the same bits.
+"""
+
+import json
+
+import pytest
+import torch
+from script_modules import load_script
+
+from lowvram.kernels import w4a16, w4a16_gemv
+from lowvram.kernels.w4a16 import awq_linear_ref
+from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_lora, \
+    random_x, relative_error
+
+
+def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):
+    return {"block_n": block_n, "block_k": group_size, "split_k": split_k, "num_warps": num_warps,
+            "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll}
+
+
+def run_rows(x, awq, group_size, config, bias=None, lora_a=None, lora_bt=None, **fused):
+    qweight, qzeros, scales, _ = awq
+    y = torch.full((1, scales.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
+                                     **fused)
+    return y
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("num_outputs", [256, 200])  # 200: a partial column block, masked
+@pytest.mark.parametrize("tile_rows,unroll", [(4, 2), (8, 1)])
+def test_rows_form_matches_the_reference(split_k, num_outputs, tile_rows, unroll):
+    awq = random_awq(192, num_outputs, 32, seed=90 + split_k)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=91, dtype=dtype)
+    bias = awq[3]
+    ref = awq_linear_ref(x, *awq[:3], 32, bias)
+    y = run_rows(x, awq, 32, rows_config(128, 32, split_k, tile_rows, unroll), bias)
+    error = relative_error(y, ref)
+    print(f"rows form N={num_outputs} split_k={split_k} tile {tile_rows}x{unroll}: rel err {error:.2e}")
+    assert error <= SMALL_TOLERANCE
+
+
+@needs_triton
+def test_every_nibble_lands_on_its_column():
+    # One code per column set, the rest zero, zeros 0 and unit scales: y[n] = x . W[:, n]
+    # exactly, so a nibble added to a neighbour's column or at the wrong power of 16 shows.
+    num_inputs, num_outputs, group_size = 64, 64, 32
+    codes = torch.arange(num_inputs * num_outputs).reshape(num_inputs, num_outputs) % 16
+    from lowvram.awq_format import pack_awq
+
+    qweight = pack_awq(codes.to(torch.int32)).to(DEVICE)
+    qzeros = torch.zeros(num_inputs // group_size, num_outputs // 8, dtype=torch.int32, device=DEVICE)
+    scales = torch.ones(num_inputs // group_size, num_outputs, dtype=torch.float16, device=DEVICE)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = (torch.arange(num_inputs) % 3 - 1).to(dtype).to(DEVICE)[None, :]  # -1, 0, 1: exact sums
+    expected = x.double().cpu() @ codes.double()
+    y = run_rows(x, (qweight, qzeros, scales, None), group_size, rows_config(64, group_size, 2, 4, 2))
+    assert torch.equal(y.double().cpu(), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rows_form_fuses_the_rms_norm(has_residual):
+    from lowvram.kernels.rms_norm import rms_norm_ref
+    from lowvram.kernels.w4a16 import InputNorm
+
+    awq = random_awq(192, 128, 64, seed=93)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=94, dtype=dtype) * 4
+    residual = random_x(1, 192, seed=95, dtype=dtype) if has_residual else None
+    weight = (torch.rand(192, generator=torch.Generator().manual_seed(96)) + 0.5).to(dtype).to(DEVICE)
+    normed, total = rms_norm_ref(x, weight, 1e-6, residual)
+    ref = awq_linear_ref(normed, *awq[:3], 64, awq[3])
+    unnormed = relative_error(awq_linear_ref(x, *awq[:3], 64, awq[3]), ref)
+    sum_out = torch.full_like(x, float("nan")) if has_residual else None
+    y = run_rows(x, awq, 64, rows_config(64, 64, 3, 8, 2), awq[3], norm=InputNorm(weight, 1e-6, residual, sum_out))
+    error = relative_error(y, ref)
+    assert error <= SMALL_TOLERANCE < unnormed
+    if has_residual:
+        assert torch.equal(sum_out, total)
+
+
+@needs_triton
+def test_rows_form_fuses_the_silu_gate():
+    from lowvram.kernels.activation import silu_and_mul_ref
+
+    awq = random_awq(192, 128, 64, seed=97)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    gate_up = random_x(1, 384, seed=98, dtype=dtype) * 3
+    ref = awq_linear_ref(silu_and_mul_ref(gate_up), *awq[:3], 64, awq[3])
+    y = run_rows(gate_up, awq, 64, rows_config(128, 64, 2, 4, 4), awq[3], is_gated=True)
+    assert relative_error(y, ref) <= SMALL_TOLERANCE
+
+
+@needs_triton
+def test_rows_form_refuses_what_it_cannot_run():
+    awq = random_awq(128, 64, 64, seed=99)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 128, seed=100, dtype=dtype)
+    with pytest.raises(ValueError, match="whole groups"):
+        run_rows(x, awq, 64, {**rows_config(64, 64, 1, 4, 1), "block_k": 32})
+
+
+@needs_triton
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("rank", [16, 5])  # 5: ranks padded to 16 by masking
+def test_rows_form_adds_the_compensation(split_k, rank):
+    awq = random_awq(192, 200, 32, seed=103 + rank)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 192, seed=104, dtype=dtype)
+    lora_a, lora_bt = random_lora(rank, 192, 200, seed=105)
+    ref = awq_linear_ref(x, *awq[:3], 32, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    without = relative_error(awq_linear_ref(x, *awq[:3], 32, awq[3]), ref)
+    y = run_rows(x, awq, 32, rows_config(128, 32, split_k, 4, 2), awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    error = relative_error(y, ref)
+    print(f"rows form with rank {rank} split_k={split_k}: rel err {error:.2e} (without the term {without:.2e})")
+    assert error <= SMALL_TOLERANCE < without
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_inputs,num_outputs", [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536),
+                                                    (1536, 151936)])
+def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
+    awq = random_awq(num_inputs, num_outputs, 128, seed=101)
+    x = random_x(1, num_inputs, seed=102)
+    config = w4a16.w4a16_gemv.choose_rows_config(num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
+    y = run_rows(x, awq, 128, config, awq[3])
+    # the float64 reference of a vocabulary-wide head does not fit the emulated card: its first
+    # and last 8,192 columns (the last block is partial) stand for it
+    for cols in (slice(0, min(8192, num_outputs)), slice(max(0, num_outputs - 8192), num_outputs)):
+        words = slice(cols.start // 8, cols.stop // 8)
+        ref = awq_linear_ref(x, awq[0][:, words], awq[1][:, words], awq[2][:, cols], 128, awq[3][cols])
+        error = relative_error(y[:, cols], ref)
+        print(f"rows form K={num_inputs} N={num_outputs} columns {cols.start}-{cols.stop} {config}: "
+              f"rel err {error:.2e}")
+        assert error <= GPU_TOLERANCE
+    # graph replays give the same bits (the split-K sum runs in split order)
+    graph = torch.cuda.CUDAGraph()
+    static_y = torch.empty_like(y)
+    with torch.cuda.graph(graph):
+        w4a16.w4a16_gemv.launch_awq_gemv(x, *awq[:3], 128, awq[3], static_y, config)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, y)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_inputs,num_outputs", [(1536, 17920), (8960, 1536)])
+def test_rows_form_with_the_compensation_at_the_real_shapes(num_inputs, num_outputs):
+    awq = random_awq(num_inputs, num_outputs, 128, seed=106)
+    x = random_x(1, num_inputs, seed=107)
+    lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=108, dtype=torch.float16)
+    ref = awq_linear_ref(x, *awq[:3], 128, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    without = relative_error(awq_linear_ref(x, *awq[:3], 128, awq[3]), ref)
+    config = w4a16.w4a16_gemv.choose_rows_config(num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
+    y = run_rows(x, awq, 128, config, awq[3], lora_a=lora_a, lora_bt=lora_bt)
+    error = relative_error(y, ref)
+    print(f"rows form with rank 16 K={num_inputs} N={num_outputs}: rel err {error:.2e} (without {without:.2e})")
+    assert error <= GPU_TOLERANCE < without
+
+
+def shipped_entries():
+    """(GPU file, key, configuration) of every shipped tuning file's entries."""
+    return [(path.stem, key, config) for path in sorted(w4a16_gemv.TUNED_DIR.glob("*.json"))
+            for key, config in json.loads(path.read_text())["configs"].items()]
+
+
+def parse_key(key):
+    """tuning_key's (num_inputs, num_outputs, group_size, has_lora)."""
+    size, group, kind = key.split("/")
+    num_inputs, num_outputs = (int(v) for v in size.split("x"))
+    return num_inputs, num_outputs, int(group[1:]), kind == "compensated"
+
+
+@needs_triton
+@pytest.mark.parametrize("gpu,key,config", shipped_entries())
+def test_shipped_configurations_compute_the_product(gpu, key, config):
+    # Each shipped entry's tiling (block, row tiles, loads per step, split) at its group size
+    # on a small layer: the interpreter checks the arithmetic, the GPU test below the layouts.
+    assert w4a16_gemv.tuned_configs.__wrapped__(gpu.replace("_", " "))[key] == config
+    _, _, group_size, has_lora = parse_key(key)
+    num_inputs, num_outputs = 2 * group_size, 2 * config["block_n"] + 8 * 3  # a partial last block
+    awq = random_awq(num_inputs, num_outputs, group_size, seed=109)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, num_inputs, seed=110, dtype=dtype)
+    lora = random_lora(16, num_inputs, num_outputs, seed=111) if has_lora else (None, None)
+    ref = awq_linear_ref(x, *awq[:3], group_size, awq[3], lora_a=lora[0], lora_bt=lora[1])
+    y = run_rows(x, awq, group_size, config, awq[3], *lora)
+    assert relative_error(y, ref) <= SMALL_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_this_gpus_shipped_configurations_at_their_shapes():
+    device = torch.device("cuda")
+    entries = w4a16_gemv.tuned_configs(w4a16.device_name(device))
+    if not entries:
+        pytest.skip(f"no tuning file ships for {w4a16.device_name(device)}")
+    for key, config in entries.items():
+        num_inputs, num_outputs, group_size, has_lora = parse_key(key)
+        awq = random_awq(num_inputs, num_outputs, group_size, seed=112)
+        x = random_x(1, num_inputs, seed=113)
+        lora = random_lora(16, num_inputs, num_outputs, seed=114, dtype=torch.float16) if has_lora else (None, None)
+        y = run_rows(x, awq, group_size, config, awq[3], *lora)
+        for cols in (slice(0, min(8192, num_outputs)), slice(max(0, num_outputs - 8192), num_outputs)):
+            words = slice(cols.start // 8, cols.stop // 8)
+            part_lora = (lora[0], lora[1][:, cols]) if has_lora else (None, None)
+            ref = awq_linear_ref(x, awq[0][:, words], awq[1][:, words], awq[2][:, cols], group_size, awq[3][cols],
+                                 lora_a=part_lora[0], lora_bt=part_lora[1])
+            error = relative_error(y[:, cols], ref)
+            print(f"shipped {key} {config} columns {cols.start}-{cols.stop}: rel err {error:.2e}")
+            assert error <= GPU_TOLERANCE
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """A tuning directory of our own, and tuned_configs' cache emptied before and after."""
+    monkeypatch.setattr(w4a16_gemv, "TUNED_DIR", tmp_path)
+    monkeypatch.delenv(w4a16_gemv.TUNING_ENV, raising=False)
+    monkeypatch.delenv("LOWVRAM_GEMV_FORM", raising=False)
+    w4a16_gemv.tuned_configs.cache_clear()
+    yield tmp_path
+    w4a16_gemv.tuned_configs.cache_clear()
+
+
+def test_a_gpus_measured_configuration_is_used_for_its_layer(tuning, monkeypatch):
+    from lowvram.kernels.w4a16_gemv import choose_gemv_config, decode_gemv_config, tuned_configs, tuning_key
+
+    measured = rows_config(128, 128, 6, 16, 2, num_warps=2)
+    (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": {tuning_key(17920, 1536, 128, False): measured}}))
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
+    # another layer, another GPU, compensation, several rows: the rules as before
+    assert decode_gemv_config(1, 2048, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 2048, 1536, 128,
+                                                                                                  132)
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA GeForce GTX 1650")["split_k"] != 6
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, True, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
+                                                                                                   128, 132)
+    assert decode_gemv_config(8, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(8, 17920, 1536,
+                                                                                                   128, 132)
+    monkeypatch.setenv("LOWVRAM_GEMV_FORM", "lanes")  # the side-by-side switch wins over the table
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
+                                                                                                   128, 132)
+    assert tuned_configs("NVIDIA GeForce GTX 1650") == {}
+
+
+def test_a_bad_tuning_file_is_named_in_the_error(tuning, monkeypatch):
+    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(tuning / "missing.json"))
+    with pytest.raises(ValueError, match="missing.json: no such file"):
+        w4a16_gemv.tuned_configs("NVIDIA H200")
+    bad = tuning / "bad.json"
+    bad.write_text(json.dumps({"configs": {"1536x17920/g128/plain": {"block_n": 128, "unpack": "sideways"}}}))
+    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(bad))
+    with pytest.raises(ValueError, match=r"bad.json: entry '1536x17920/g128/plain' is not a one-row configuration"):
+        w4a16_gemv.tuned_configs("NVIDIA H200")
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        w4a16_gemv.tuned_configs("other")
+
+
+def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
+    from lowvram.kernels.w4a16_gemv import tuned_configs, tuning_key
+
+    profile_decode = load_script("profile_decode")
+    path = tuning / "tuning.json"
+    fast, slow = rows_config(128, 128, 8, 16, 2, num_warps=2), rows_config(256, 128, 12, 16, 2)
+    sweep = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 0, "best": {"config": fast}},
+             {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 8, "lora_rank": 0, "best": {"config": slow}}]
+    profile_decode.save_tuning(path, sweep, 128, {"gpu": "NVIDIA H200", "date": "today", "command": "sweep"})
+    compensated = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 16, "best": {"config": slow}}]
+    profile_decode.save_tuning(path, compensated, 128, {"gpu": "NVIDIA H200", "date": "later", "command": "again"})
+    saved = json.loads(path.read_text())
+    assert saved["configs"] == {tuning_key(17920, 1536, 128, False): fast, tuning_key(17920, 1536, 128, True): slow}
+    assert saved["date"] == "later"
+    monkeypatch.setenv("LOWVRAM_GEMV_TUNING", str(path))
+    assert tuned_configs("NVIDIA H200") == saved["configs"]
