@@ -251,13 +251,31 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 SWEEP_COLD_BYTES = 256 * 2**20
 
 
+def compensation_factors(num_inputs: int, parts: tuple[int, ...], rank: int,
+                         device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """A [R, K] and Bt [R, N] of a rank-`rank` compensation on each of a fused layer's `parts`
+    (their output sizes, in order), as lowvram.fusion joins them: R = rank * len(parts), B
+    block diagonal, Bt a contiguous [R, N] as the layer passes it."""
+    total = rank * len(parts)
+    lora_a = torch.randn(total, num_inputs, dtype=torch.float16, device=device) * 0.01
+    lora_bt = torch.zeros(total, sum(parts), dtype=torch.float16, device=device)
+    start = 0
+    for index, size in enumerate(parts):
+        lora_bt[index * rank:(index + 1) * rank, start:start + size] = torch.randn(rank, size, device=device) * 0.01
+        start += size
+    return lora_a, lora_bt
+
+
 def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 0,
-               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "") -> list[dict]:
+               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "",
+               parts: dict[str, tuple[int, ...]] | None = None) -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
     lowvram.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
     of the weights (SWEEP_COLD_BYTES): from memory, not from L2. `forms` (comma-separated
-    "unpack" values: interleave, lanes, rows) limits the candidates besides the default."""
+    "unpack" values: interleave, lanes, rows) limits the candidates besides the default.
+    `parts` gives a fused layer's output sizes (q, k, v; gate, up): its compensation then has
+    the model's rank, one block of `rank` per part (compensation_factors)."""
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16 import InputNorm
@@ -272,8 +290,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
         nbytes = k * n // 2 + k // group_size * n // 2 + k // group_size * n * 2
         num_copies = max(1, min(64, SWEEP_COLD_BYTES // nbytes))
         copies = [random_awq_tensors(k, n, group_size, device="cuda") for _ in range(num_copies)]
-        lora = ((torch.randn(rank, k, dtype=torch.float16, device="cuda") * 0.01,
-                 torch.randn(rank, n, dtype=torch.float16, device="cuda") * 0.01) if rank else (None, None))
+        lora = compensation_factors(k, (parts or {}).get(name, (n,)), rank) if rank else (None, None)
         for rows in row_counts:
             # The one-row decode path's prologues, as the model runs them (awq_linear): RMSNorm
             # and the residual sum before q/k/v and gate/up, silu(gate) * up before down.
@@ -366,14 +383,18 @@ def sweep_shape_only(args) -> int:
     """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes ("head": the
     vocabulary projection, as an INT4 lm_head runs it)."""
     shapes = projection_shapes(args.shape)
+    config = shape_config(args.shape)
     if "head" in args.sweep_shapes.split(","):
-        config = shape_config(args.shape)
         shapes["head"] = (config["hidden_size"], config["vocab_size"])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    parts = {"qkv": (q_size, kv_size, kv_size), "gate_up": (config["intermediate_size"],) * 2}
     metadata = run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]]))
     record = {**metadata, "shape": args.shape, "group_size": args.group_size, "lora_rank": args.rank, "gemv_sweep": []}
     for name, shape in shapes.items():  # written after each shape: a run stopped by its time limit keeps those done
         row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
-        results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms)
+        results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms,
+                             parts)
         record["gemv_sweep"] += results
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
@@ -487,7 +508,9 @@ def main() -> int:
     if args.sweep_gemv and engine.config.quantization is not None:
         c = engine.config
         shapes = layer_projection_shapes(c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
-        record["gemv_sweep"] = sweep_gemv(shapes, c.quantization.group_size, args.rank)
+        record["gemv_sweep"] = sweep_gemv(shapes, c.quantization.group_size, args.rank,
+                                          parts={"qkv": (c.q_size, c.kv_size, c.kv_size),
+                                                 "gate_up": (c.intermediate_size,) * 2})
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0

@@ -282,3 +282,17 @@ def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
     assert saved["date"] == "later"
     monkeypatch.setenv("LOWVRAM_GEMV_TUNING", str(path))
     assert tuned_configs("NVIDIA H200") == saved["configs"]
+
+
+def test_the_sweep_gives_fused_layers_the_models_compensation_rank():
+    # q/k/v of the 1.5B shape: three blocks of rank 16, each on its own outputs, as
+    # lowvram.fusion joins them; the sweep timed rank 16 on gate/up before, half the model's.
+    profile_decode = load_script("profile_decode")
+    lora_a, lora_bt = profile_decode.compensation_factors(1536, (1536, 256, 256), 16, device="cpu")
+    assert lora_a.shape == (48, 1536) and lora_bt.shape == (48, 2048) and lora_bt.is_contiguous()
+    blocks = [(slice(0, 16), slice(0, 1536)), (slice(16, 32), slice(1536, 1792)), (slice(32, 48), slice(1792, 2048))]
+    mask = torch.zeros_like(lora_bt, dtype=torch.bool)
+    for rows, cols in blocks:
+        mask[rows, cols] = True
+        assert lora_bt[rows, cols].abs().sum() > 0
+    assert not lora_bt[~mask].any()
