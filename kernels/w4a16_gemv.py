@@ -538,6 +538,13 @@ def nibble_times_power(packed, J: tl.constexpr):
 
 
 @triton.jit
+def nibble_sums(TILE_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Eight float32 zero sums [TILE_ROWS, BLOCK_C], one per nibble position of the words."""
+    zero = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    return zero, zero, zero, zero, zero, zero, zero, zero
+
+
+@triton.jit
 def rows_group_term(acc, partial, x_sum, zeros_word, scales_ptr, mask, J: tl.constexpr, COLUMN: tl.constexpr):
     """acc + s * (partial - x_sum * z) for nibble J of a group: partial [R, C] are the row
     slots' sums of x * q * 16**p, x_sum [R, 1] the slots' sums of x, zeros_word [1, C] the
@@ -588,24 +595,10 @@ def _awq_gemv_rows_kernel(
     if PROLOGUE == 1:
         inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
                               HAS_RESIDUAL, ROW_BLOCK)
-    a0 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a1 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a2 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a3 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a4 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a5 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a6 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-    a7 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = nibble_sums(TILE_ROWS, BLOCK_C)  # the program's, per nibble
     t_tile = tl.zeros((TILE_ROWS, BLOCK_R), tl.float32)  # x A^T's products (compensation)
     for g in range(g_start, g_end):
-        p0 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p1 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p2 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p3 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p4 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p5 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p6 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
-        p7 = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+        p0, p1, p2, p3, p4, p5, p6, p7 = nibble_sums(TILE_ROWS, BLOCK_C)  # the group's
         x_sum = tl.zeros((TILE_ROWS, 1), tl.float32)
         for step in range(0, GROUP_SIZE, TILE_ROWS * UNROLL):
             for u in tl.static_range(UNROLL):
