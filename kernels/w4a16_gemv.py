@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowvram.errors import ConfigError
 from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels.rms_norm import normalize_and_scale, rms_inverse
@@ -750,7 +751,7 @@ ROWS_FORM_MIN_OUTPUTS = 4096
 def one_row_form() -> str:
     form = os.environ.get("LOWVRAM_GEMV_FORM", "rows")
     if form not in ONE_ROW_FORMS:
-        raise ValueError(f"LOWVRAM_GEMV_FORM={form!r}: choose one of {', '.join(ONE_ROW_FORMS)}")
+        raise ConfigError(f"LOWVRAM_GEMV_FORM={form!r}: choose one of {', '.join(ONE_ROW_FORMS)}, or unset it")
     return form
 
 
@@ -783,8 +784,8 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
     path = Path(named) if named else tuning_file(device_name)
     if not path.is_file():
         if named:
-            raise ValueError(f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
-                             f"profile_decode.py --sweep-gemv-only --save-tuning writes")
+            raise ConfigError(f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
+                              f"profile_decode.py --sweep-gemv-only --save-tuning writes")
         return {}
     try:
         configs = json.loads(path.read_text())["configs"]
@@ -797,8 +798,9 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
                     for name in ("block_n", "block_k", "split_k", "num_warps")):
                 raise ValueError(f"entry {key!r} is not a one-row configuration: {config}")
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
-                         f"profile_decode.py --sweep-gemv-only --save-tuning writes it") from exc
+        raise ConfigError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
+                          f"profile_decode.py --sweep-gemv-only --save-tuning writes it (or unset {TUNING_ENV})"
+                          ) from exc
     return configs
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from script_modules import load_script
 
+from lowvram.errors import ConfigError
 from lowvram.kernels import w4a16, w4a16_gemv
 from lowvram.kernels.w4a16 import awq_linear_ref
 from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_lora, \
@@ -254,15 +255,15 @@ def test_a_gpus_measured_configuration_is_used_for_its_layer(tuning, monkeypatch
 
 def test_a_bad_tuning_file_is_named_in_the_error(tuning, monkeypatch):
     monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(tuning / "missing.json"))
-    with pytest.raises(ValueError, match="missing.json: no such file"):
+    with pytest.raises(ConfigError, match="missing.json: no such file"):
         w4a16_gemv.tuned_configs("NVIDIA H200")
     bad = tuning / "bad.json"
     bad.write_text(json.dumps({"configs": {"1536x17920/g128/plain": {"block_n": 128, "unpack": "sideways"}}}))
     monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(bad))
-    with pytest.raises(ValueError, match=r"bad.json: entry '1536x17920/g128/plain' is not a one-row configuration"):
+    with pytest.raises(ConfigError, match=r"bad.json: entry '1536x17920/g128/plain' is not a one-row configuration"):
         w4a16_gemv.tuned_configs("NVIDIA H200")
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="bad.json"):
+    with pytest.raises(ConfigError, match="bad.json"):
         w4a16_gemv.tuned_configs("other")
 
 
