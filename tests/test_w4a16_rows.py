@@ -297,3 +297,9 @@ def test_the_sweep_gives_fused_layers_the_models_compensation_rank():
         mask[rows, cols] = True
         assert lora_bt[rows, cols].abs().sum() > 0
     assert not lora_bt[~mask].any()
+
+
+def test_an_unknown_gemv_form_is_named_in_the_error(monkeypatch):
+    monkeypatch.setenv("LOWVRAM_GEMV_FORM", "half2")
+    with pytest.raises(ConfigError, match="LOWVRAM_GEMV_FORM='half2': choose one of rows, lanes"):
+        w4a16_gemv.decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200")
