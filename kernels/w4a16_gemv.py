@@ -515,16 +515,14 @@ def _awq_gemv_row_kernel(
 # The K-in-thread form ("unpack": "rows") turns nibbles into floats through inline PTX on
 # the GPU (one lop3 each); the interpreter, which runs no PTX, computes the same bits in Triton.
 _PTX_NIBBLES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-# Nibble j of an AWQ word, masked in place (j < 5) or after a 20-bit shift (j >= 5), is
-# q * 16**NIBBLE_POWER[j]: below 2**23, so OR-ed into the mantissa of 2**23 it reads exactly.
-NIBBLE_POWER = (0, 1, 2, 3, 4, 0, 1, 2)
 
 
 @triton.jit
 def nibble_times_power(packed, J: tl.constexpr):
     """Float32 q_j * 16**p of every AWQ word in `packed` (any shape) for nibble J, in one logic
-    op and one add (two more for J >= 5, shared by the three nibbles that shift): the integer
-    masked into the mantissa of 2**23 (FLOAT32_MAGIC) reads as 2**23 + q * 16**p."""
+    op and one add (two more for J >= 5, shared by the three nibbles that shift): nibble J,
+    masked in place (J < 5, p = J) or after a 20-bit shift (J >= 5, p = J - 5), is below 2**23,
+    so OR-ed into the mantissa of 2**23 (FLOAT32_MAGIC) it reads as 2**23 + q * 16**p."""
     if J >= 5:
         packed = packed >> 20
     MASK: tl.constexpr = 0xF << (4 * (J % 5))
