@@ -808,14 +808,13 @@ def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     (tuned_configs) when it has one for this layer; else the K-in-thread form for a wide layer
     without compensation where its whole-group steps fit the group size; else
     choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's choice for every row."""
-    form = one_row_form()
-    if num_rows == 1 and device_name and form == "rows":
-        tuned = tuned_configs(device_name).get(tuning_key(num_outputs, num_inputs, group_size, has_lora))
+    if num_rows == 1 and one_row_form() == "rows":
+        key = tuning_key(num_outputs, num_inputs, group_size, has_lora)
+        tuned = tuned_configs(device_name).get(key) if device_name else None
         if tuned is not None and group_size % tuned["block_k"] == 0:
             return dict(tuned)
-    if (num_rows == 1 and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0
-            and form == "rows"):
-        return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
+        if not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0:
+            return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
     return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 
 
