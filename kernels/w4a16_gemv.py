@@ -427,6 +427,21 @@ def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, 
 
 
 @triton.jit
+def row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS, PROLOGUE: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    """What a one-row program needs before its K loop: its split's K blocks [start, end) and,
+    with the RMSNorm prologue, 1 / rms of the whole row (every program needs it; it is K * 2
+    bytes, read from L2; the first program also stores x + residual), else 1."""
+    start = tl.program_id(1) * K_BLOCKS_PER_SPLIT
+    end = tl.minimum(start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
+    inv_rms = 1.0
+    if PROLOGUE == 1:
+        is_writer = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL, ROW_BLOCK)
+    return start, end, inv_rms
+
+
+@triton.jit
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
@@ -443,13 +458,8 @@ def _awq_gemv_row_kernel(
     pid_k = tl.program_id(1)
     offs_c, cols = awq_lane_columns(pid_n, BLOCK_N)  # packed columns [C], output columns [C, 8]
     mask_c = offs_c < num_packed_cols
-    kb_start = pid_k * K_BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
-    inv_rms = 1.0
-    if PROLOGUE == 1:
-        # every program needs the whole row's norm; it is K * 2 bytes, read from L2
-        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
-                              HAS_RESIDUAL, ROW_BLOCK)
+    kb_start, kb_end, inv_rms = row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+                                          PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
     if REDUCE_AT_END:
         acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
     else:
@@ -584,16 +594,11 @@ def _awq_gemv_rows_kernel(
     # row slot, one sum at the end), and its term t Bt for the program's columns joins the
     # partial: the split-K sum makes the whole (x A^T) Bt, as in the lane kernel.
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_packed_cols
     offs_r = tl.arange(0, TILE_ROWS)
-    g_start = pid_k * K_BLOCKS_PER_SPLIT
-    g_end = tl.minimum(g_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
-    inv_rms = 1.0
-    if PROLOGUE == 1:
-        inv_rms = row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0),
-                              HAS_RESIDUAL, ROW_BLOCK)
+    g_start, g_end, inv_rms = row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
+                                        PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
     a0, a1, a2, a3, a4, a5, a6, a7 = nibble_sums(TILE_ROWS, BLOCK_C)  # the program's, per nibble
     t_tile = tl.zeros((TILE_ROWS, BLOCK_R), tl.float32)  # x A^T's products (compensation)
     for g in range(g_start, g_end):
