@@ -110,11 +110,11 @@ FIELD_DOCS: dict[str, str] = {
     "enable_prefill_graphs": "With enable_cuda_graphs, also replay the prefill of short prompts (one sequence, up "
                              "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
                              "graphs keep a 512-token step's activations allocated.",
-    "pipelined_decode": "On CUDA, sample on the device and queue each decode step before the host has read the "
-                        "previous step's tokens (its inputs are those tokens on the device), so the host's work "
-                        "between steps (detokenizing, scheduling, outputs) overlaps the GPU's instead of leaving "
-                        "it idle. Requests with penalties sample on the host; their steps, prefills and steps "
-                        "that admit a request run alone. Seeded sampling then draws from a generator on the GPU.",
+    "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous step's tokens "
+                        "(its inputs are those tokens, sampled on the device), so the host's work between steps "
+                        "(detokenizing, scheduling, outputs) overlaps the GPU's instead of leaving it idle. "
+                        "Requests with penalties sample on the host; their steps, prefills and steps that admit "
+                        "a request run alone. On CUDA the others sample on the device with this off too.",
     "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): it is "
                           "pinned and the GPU reads each step's rows from it over the bus. Frees vocab x hidden x 2 bytes "
                           "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
