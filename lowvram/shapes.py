@@ -59,12 +59,21 @@ def layer_projection_shapes(hidden: int, intermediate: int, q_size: int, kv_size
     return dict(zip(PROJECTIONS, shapes))
 
 
+def fused_projection_parts(intermediate: int, q_size: int, kv_size: int) -> dict[str, tuple[int, ...]]:
+    """The output sizes of the parts lowvram.fusion joins into each fused projection, in order."""
+    return {"qkv": (q_size, kv_size, kv_size), "gate_up": (intermediate, intermediate)}
+
+
+def attention_sizes(c: dict) -> tuple[int, int]:
+    """(q_size, kv_size) of a shape's config (shape_config)."""
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+
+
 def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
     """layer_projection_shapes of a named shape."""
     c = shape_config(name)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return layer_projection_shapes(c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * head_dim,
-                                   c["num_key_value_heads"] * head_dim)
+    return layer_projection_shapes(c["hidden_size"], c["intermediate_size"], *attention_sizes(c))
 
 
 def random_awq_tensors(num_inputs: int, num_outputs: int, group_size: int, *, device: str | torch.device = "cpu",

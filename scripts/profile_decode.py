@@ -29,7 +29,8 @@ from lowvram.bench_record import run_metadata
 from lowvram.config import load_profile
 from lowvram.engine import LLMEngine
 from lowvram.sampling import SamplingParams
-from lowvram.shapes import PROJECTIONS, layer_projection_shapes, projection_shapes, random_awq_tensors, shape_config
+from lowvram.shapes import (PROJECTIONS, attention_sizes, fused_projection_parts, layer_projection_shapes,
+                            projection_shapes, random_awq_tensors, shape_config)
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -386,13 +387,11 @@ def sweep_shape_only(args) -> int:
     config = shape_config(args.shape)
     if "head" in args.sweep_shapes.split(","):
         shapes["head"] = (config["hidden_size"], config["vocab_size"])
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    parts = {"qkv": (q_size, kv_size, kv_size), "gate_up": (config["intermediate_size"],) * 2}
+    parts = fused_projection_parts(config["intermediate_size"], *attention_sizes(config))
+    row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
     metadata = run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]]))
     record = {**metadata, "shape": args.shape, "group_size": args.group_size, "lora_rank": args.rank, "gemv_sweep": []}
     for name, shape in shapes.items():  # written after each shape: a run stopped by its time limit keeps those done
-        row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
         results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms,
                              parts)
         record["gemv_sweep"] += results
@@ -509,8 +508,7 @@ def main() -> int:
         c = engine.config
         shapes = layer_projection_shapes(c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
         record["gemv_sweep"] = sweep_gemv(shapes, c.quantization.group_size, args.rank,
-                                          parts={"qkv": (c.q_size, c.kv_size, c.kv_size),
-                                                 "gate_up": (c.intermediate_size,) * 2})
+                                          parts=fused_projection_parts(c.intermediate_size, c.q_size, c.kv_size))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
