@@ -26,6 +26,7 @@ import torch
 
 from lowvram.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.errors import ConfigError, KernelError
+from lowvram.kv_quant import KVPages
 
 logger = logging.getLogger("lowvram.kernels")
 
@@ -151,6 +152,21 @@ class InputNorm:
     sum_out: torch.Tensor | None = None
 
 
+@dataclass
+class RopeKVWrite:
+    """What the one-row fused q/k/v projection needs to finish as rotary_write_kv does: the
+    query heads' count, the token's position [1] and the float32 cos/sin tables [P, D/2]
+    (attention.Rope), its slot [1] and the layer's KV pages. y then holds q and k rotated,
+    and k and v are in the pages."""
+
+    num_heads: int
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    pages: KVPages
+
+
 def can_fuse_one_row(x: torch.Tensor) -> bool:
     """Whether awq_linear_one_row serves x: one float16 row on a device with the Triton kernels."""
     return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float16 and x.is_contiguous()
@@ -158,12 +174,14 @@ def can_fuse_one_row(x: torch.Tensor) -> bool:
 
 
 def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
-                       norm=None, is_gated: bool = False):
+                       norm=None, is_gated: bool = False, rope_kv: RopeKVWrite | None = None):
     """awq_linear of one row with the input's last step fused into the decode kernel:
     norm (InputNorm) multiplies W by weight * normalise(x + residual) and stores the
     sum to norm.sum_out; is_gated takes x [1, 2K] (gate then up) and multiplies by
     silu(gate) * up. x: [1, K] (or [1, 2K]) contiguous, float16 (float32 too under the
-    interpreter); can_fuse_one_row says when this runs. Returns y [1, N].
+    interpreter); can_fuse_one_row says when this runs. Returns y [1, N]. `rope_kv` (with
+    the norm, on a fused q/k/v layer) also rotates q and k in y and stores k and v in its
+    pages, in the lane kernel with one column block per head.
     """
     if (norm is None) == (not is_gated):
         raise KernelError("awq_linear_one_row fuses one prologue: give norm or is_gated, not both or neither")
@@ -190,11 +208,22 @@ def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lor
                                   f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}")
         if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
             raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")
-    config = w4a16_gemv.decode_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
-                                           lora_a is not None, device_name(x.device))
+    if rope_kv is not None:
+        pages = rope_kv.pages
+        expected = (rope_kv.num_heads + 2 * pages.num_kv_heads) * pages.head_dim
+        if norm is None or num_outputs != expected or pages.head_dim % 16:
+            raise KernelError(f"awq_linear_one_row: RoPE and the KV store need the norm prologue and a fused q/k/v "
+                              f"layer of {rope_kv.num_heads} + 2 x {pages.num_kv_heads} heads of {pages.head_dim} "
+                              f"({expected} outputs); got {num_outputs} outputs")
+        # one column block per head, in the lane kernel
+        config = w4a16_gemv.choose_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
+                                               block_n=pages.head_dim)
+    else:
+        config = w4a16_gemv.decode_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
+                                               lora_a is not None, device_name(x.device))
     y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
     return w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
-                                      norm=norm, is_gated=is_gated)
+                                      norm=norm, is_gated=is_gated, rope_kv=rope_kv)
 
 
 def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None,

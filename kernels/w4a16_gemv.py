@@ -53,7 +53,10 @@ import triton.language as tl
 from lowvram.errors import ConfigError
 from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
+from lowvram.kernels import kv_write
+from lowvram.kernels.kv_write import _store_row, _window_slot
 from lowvram.kernels.rms_norm import normalize_and_scale, rms_inverse
+from lowvram.kernels.rotary import _rotate_half
 
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
 # Rows per launch in the batch-invariant form: bounds the float32 split-K partials
@@ -442,16 +445,95 @@ def row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BL
 
 
 @triton.jit
+def lane_halves(tile, HEAD_DIM: tl.constexpr):
+    """A head's [HEAD_DIM / 8, 8] lane tile (column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j] at [c, j])
+    as its two halves [HEAD_DIM / 16, 8] each: element [c, j] of the second is column 64 (half
+    the head) past element [c, j] of the first, the pair rotate-half RoPE mixes."""
+    C: tl.constexpr = HEAD_DIM // 8
+    return tl.split(tl.permute(tl.reshape(tile, (2, C // 2, 8)), (1, 2, 0)))
+
+
+@triton.jit
+def rope_kv_store(
+    total, cols, y_ptr, head, cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr,
+    window_row_ptr, num_q_heads, num_kv_heads, code_dim,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """The fused q/k/v projection's output for one head (total [HEAD_DIM / 8, 8] float32, bias
+    added, at columns cols) stored as rotary_write_kv would leave it: rounded to y's dtype,
+    q and k heads rotated by the token's position (rotary.py's _rotate_half: the same bits),
+    and k and v heads also stored into the KV pages at the token's slot (kv_write's
+    _store_row, which reads the row back from y after a barrier: quantize-on-store for INT8
+    and INT4 pages, the FP16 copy for window pages)."""
+    C: tl.constexpr = HEAD_DIM // 8
+    y = total.to(y_ptr.dtype.element_ty)
+    if head < num_q_heads + num_kv_heads:
+        first, second = lane_halves(y, HEAD_DIM)
+        first_cols, _ = lane_halves(cols - head * HEAD_DIM, HEAD_DIM)  # 0..HEAD_DIM/2 - 1
+        position = tl.load(positions_ptr).to(tl.int64)
+        cos = tl.load(cos_ptr + position * stride_cos + first_cols)
+        sin = tl.load(sin_ptr + position * stride_cos + first_cols)
+        first, second = _rotate_half(first, second, cos, sin)
+        y = tl.reshape(tl.permute(tl.join(first, second), (2, 0, 1)), (C, 8))
+    tl.store(y_ptr + cols, y)
+    if head >= num_q_heads:
+        tl.debug_barrier()  # _store_row reads the row in its own layout: other threads stored it
+        row_ptr = y_ptr + head * HEAD_DIM
+        kv_head = (head - num_q_heads) % num_kv_heads
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if head < num_q_heads + num_kv_heads:
+            _store_row(row_ptr, 0, k_cache_ptr + kv_head * code_dim, k_scale_ptr + kv_head, k_zero_ptr + kv_head,
+                       slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
+            if HAS_WINDOW:
+                _store_row(row_ptr, 0, window_k_ptr + kv_head * HEAD_DIM, window_k_ptr, window_k_ptr,
+                           _window_slot(window_row_ptr, slot, PAGE_SIZE), num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM)
+        else:
+            _store_row(row_ptr, 0, v_cache_ptr + kv_head * code_dim, v_scale_ptr + kv_head, v_zero_ptr + kv_head,
+                       slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
+            if HAS_WINDOW:
+                _store_row(row_ptr, 0, window_v_ptr + kv_head * HEAD_DIM, window_v_ptr, window_v_ptr,
+                           _window_slot(window_row_ptr, slot, PAGE_SIZE), num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM)
+
+
+@triton.jit
+def row_finish(
+    total, cols, mask, y_ptr, bias_ptr, N,
+    cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr,
+    v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
+    HAS_BIAS: tl.constexpr, ROPE_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """The one-row kernel's last step for its column block: y = total + bias, or with ROPE_KV
+    (one head per column block) rope_kv_store's rotation and KV store as well."""
+    if ROPE_KV:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + cols).to(tl.float32)
+        rope_kv_store(total, cols, y_ptr, tl.program_id(0), cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
+                      k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr,
+                      window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim, HEAD_DIM, BITS, QMAX,
+                      BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
+    else:
+        awq_store_output(total, 0, cols, mask, y_ptr, 0, bias_ptr, N, HAS_BIAS)
+
+
+@triton.jit
 def _awq_gemv_row_kernel(
     x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
     lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
     residual_ptr, norm_weight_ptr, sum_ptr, eps, lora_t_ptr,
+    cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr,
+    window_row_ptr, num_q_heads, num_kv_heads, code_dim,
     N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
-    LORA_AT_END: tl.constexpr,
+    LORA_AT_END: tl.constexpr, ROPE_KV: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
+    BLOCK_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
@@ -512,14 +594,25 @@ def _awq_gemv_row_kernel(
             term = lora_once_term(flat_cols, lora_t_ptr, ready_ptr, ready_ptr + 1, lora_bt_ptr, lora_rank, N,
                                   stride_br, stride_bn, num_splits, tl.num_programs(0), BLOCK_R)
             total += tl.reshape(term, (BLOCK_C, 8))
-            awq_store_output(total, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, N, HAS_BIAS)
+            row_finish(total, cols, mask_c[:, None], y_ptr, bias_ptr, N, cos_ptr, sin_ptr, stride_cos,
+                       positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
+                       v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
+                       HAS_BIAS, ROPE_KV, BLOCK_N, BITS, QMAX, BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
             tl.store(counter_ptr + pid_n, 0)
     else:
         if HAS_LORA:
             term = lora_row_up(t, lora_bt_ptr, flat_cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
             acc += tl.reshape(term, (BLOCK_C, 8))
-        awq_gemv_store(acc, 0, cols, mask_c[:, None], y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N,
-                       HAS_BIAS, IS_PARTIAL)
+        is_last = True
+        if IS_PARTIAL:
+            is_last, acc = split_arrive(acc, 0, cols, mask_c[:, None], partial_ptr, counter_ptr, 1, N)
+        if is_last:
+            row_finish(acc, cols, mask_c[:, None], y_ptr, bias_ptr, N, cos_ptr, sin_ptr, stride_cos,
+                       positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
+                       v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
+                       HAS_BIAS, ROPE_KV, BLOCK_N, BITS, QMAX, BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
+            if IS_PARTIAL:
+                tl.store(counter_ptr + pid_n, 0)
 
 
 # The K-in-thread form ("unpack": "rows") turns nibbles into floats through inline PTX on
@@ -697,7 +790,7 @@ def _awq_gemv_lanes_dot_kernel(
 
 
 def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
-                       num_sms: int) -> dict:
+                       num_sms: int, block_n: int = 64) -> dict:
     """Block sizes and split-K for the decode kernel.
 
     Aims for about two programs per SM: the small projections (N = 256 or 1536) have too few
@@ -709,11 +802,11 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
     sum its products once after the K loop ("lora_reduce": "end", 0.5 us less each). All of
     this is the best of a sweep on an H200 with the weights read from memory, for every
     projection of the 1.5B shape (profile_decode.py --sweep-gemv-only; docs/performance.md).
+    `block_n` changes one row's column blocks (RoPE and the KV store take one head per block).
     """
     block_k = min(group_size, 128)
     num_k_blocks = num_inputs // block_k
     if num_rows == 1:
-        block_n = 64
         num_n_blocks = triton.cdiv(num_outputs, block_n)
         is_long = num_k_blocks >= 32
         programs_per_sm = 4 if is_long else 2
@@ -842,7 +935,7 @@ def lora_block_r(rank: int) -> int:
 
 
 def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None,
-                    norm=None, is_gated: bool = False):
+                    norm=None, is_gated: bool = False, rope_kv=None):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
     x: [M, K] (M <= 16, or any M with invariant_gemv_config; any strides); qweight/qzeros/scales
@@ -852,11 +945,18 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     neither, add (x A^T) Bt in the same launch. With one row and the lane form, `norm` fuses an
     RMSNorm before the matmul (w4a16.InputNorm), and `is_gated` reads x as a fused gate/up output
     [1, 2K] and multiplies W by silu(gate) * up: one launch instead of two, whose gap inside a
-    CUDA graph costs more than the norm or activation itself.
+    CUDA graph costs more than the norm or activation itself. `rope_kv` (w4a16.RopeKVWrite), for
+    a fused q/k/v projection of one token in the lane form, finishes each head as
+    rotary_write_kv would: q and k rotated in y, k and v stored into the KV pages (one column
+    block per head, so block_n becomes the head size).
     """
     num_rows = x.shape[0]
     num_inputs = qweight.shape[0]
     num_outputs = y.shape[1]
+    if rope_kv is not None:
+        if config.get("unpack") != "lanes" or num_rows != 1:
+            raise ValueError("RoPE and the KV store run in the one-row lane kernel only")
+        config = {**config, "block_n": rope_kv.pages.head_dim}
     block_n, block_k = config["block_n"], config["block_k"]
     if group_size % block_k != 0 or block_n % 8 != 0:
         raise ValueError(f"block_k {block_k} must divide group size {group_size} and block_n "
@@ -920,16 +1020,26 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     elif is_lanes and num_rows == 1:
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
+        if rope_kv is not None:
+            pages = rope_kv.pages
+            rope = (rope_kv.cos, rope_kv.sin, rope_kv.cos.stride(0), rope_kv.positions, rope_kv.slot_mapping,
+                    *kv_write._cache_pointers(pages), rope_kv.num_heads, pages.num_kv_heads, pages.k.shape[3])
+            stores = kv_write._store_constants(pages)
+            store_flags = {"BITS": stores["BITS"], "QMAX": stores["QMAX"], "BLOCK_CODE": stores["BLOCK_C"],
+                           "HAS_WINDOW": stores["HAS_WINDOW"], "PAGE_SIZE": stores["PAGE_SIZE"]}
+        else:
+            rope = (scales, scales, 0, scales, scales, *(scales,) * 9, 0, 0, 0)  # not read
+            store_flags = {"BITS": 16, "QMAX": 0, "BLOCK_CODE": 16, "HAS_WINDOW": False, "PAGE_SIZE": 16}
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t,
+            x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t, *rope,
             num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
             GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
             HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
             MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
             HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block,
             LORA_ONCE=is_lora_once,
-            LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
-            **lora_flags, **launch_options,
+            LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end", ROPE_KV=rope_kv is not None,
+            **store_flags, **lora_flags, **launch_options,
         )
     elif is_lanes:
         _awq_gemv_lanes_dot_kernel[grid](

@@ -55,18 +55,20 @@ def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KVPages, meta: AttentionMetadata,
-                    scale: float, rope: Rope | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
+                    scale: float, rope: Rope | None = None, *, batch_invariant: bool = False,
+                    is_stored: bool = False) -> torch.Tensor:
     """Store this step's k, v (quantizing for INT8/INT4 pages) then attend.
 
     q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. With `rope`, q and k are first rotated in
     place, in the kernel that stores k and v (one launch, not two). `batch_invariant` gives
     each row the same bits whatever else the step holds and whichever kind of step computes
-    it (lowvram.batch_invariance).
+    it (lowvram.batch_invariance). `is_stored`: q and k are rotated and k, v stored already (the
+    fused q/k/v projection's kernel did it; model.Attention.fused_rope_kv).
     """
     use_reference = not _is_kernel_path(q, q.shape[-1])
-    if rope is None:
+    if rope is None and not is_stored:
         write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
-    else:
+    elif not is_stored:
         rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
                         use_reference=use_reference)
     if batch_invariant and use_reference:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lowvram.awq_format import PACK_FACTOR
-from lowvram.kernels.w4a16 import InputNorm, awq_linear, awq_linear_one_row, can_fuse_one_row
+from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, can_fuse_one_row
 
 LORA_A = "lowvram_lora_a"
 LORA_B = "lowvram_lora_b"
@@ -125,12 +125,13 @@ class AwqLinear(nn.Module):
         return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
 
     def forward_normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(RMSNorm(h + residual)), h + residual) in one kernel: RMSNorm.add_and_norm and
-        this layer fused; with no residual (the first layer) the sum is h itself."""
+        this layer fused; with no residual (the first layer) the sum is h itself. `rope_kv`: a
+        fused q/k/v layer's output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
         total = None if residual is None else torch.empty_like(h)
         y = awq_linear_one_row(h, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                               **self._lora(), norm=InputNorm(norm_weight, eps, residual, total))
+                               **self._lora(), norm=InputNorm(norm_weight, eps, residual, total), rope_kv=rope_kv)
         return y, (h if total is None else total)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from lowvram.awq_linear import AwqLinear
 from lowvram.kernels.activation import silu_and_mul
 from lowvram.kernels.rms_norm import rms_norm
 from lowvram.kernels.rotary import apply_rotary_ref
+from lowvram.kernels.w4a16 import RopeKVWrite
 from lowvram.kv_quant import KVPages
 from lowvram.model_config import ModelConfig
 
@@ -51,12 +52,14 @@ class RMSNorm(nn.Module):
         out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
         return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)
 
-    def add_norm_project(self, proj: nn.Module, x: torch.Tensor,
-                         residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_project(self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                         rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual): add_and_norm, then proj; one kernel when proj
-        can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU)."""
+        can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU).
+        `rope_kv` (Attention.fused_rope_kv, which gives one only where this fuses) finishes a
+        q/k/v projection with RoPE and the KV store in the same kernel."""
         if fuses_input(proj, x, self):
-            return proj.forward_normed(x, residual, self.weight, self.eps)
+            return proj.forward_normed(x, residual, self.weight, self.eps, rope_kv=rope_kv)
         normed, residual = self.add_and_norm(x, residual)
         return proj(normed), residual
 
@@ -125,19 +128,33 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         return self._attend_heads(q, k, v, num_tokens, positions, meta, kv_pages)
 
-    def attend(self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
-        """The layer after the fused q/k/v projection: qkv [T, q_size + 2 * kv_size] -> [T, hidden]."""
+    def fused_rope_kv(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_pages: KVPages) -> RopeKVWrite | None:
+        """RoPE and the KV store for the fused q/k/v projection's own kernel to run, where it can:
+        a decode step of one token whose projection takes the norm (fuses_input), outside the
+        batch-invariant mode, with heads of a power-of-two size from 16 up. None otherwise."""
+        if (meta.is_prefill or self.is_batch_invariant or x.shape[0] != 1 or not fuses_input(self.qkv_proj, x, norm)
+                or self.head_dim < 16 or self.head_dim & (self.head_dim - 1)):
+            return None
+        rope = self.rotary.rope(positions, meta.max_context_len)
+        return RopeKVWrite(self.num_heads, rope.positions, rope.cos, rope.sin, meta.slot_mapping, kv_pages)
+
+    def attend(self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages, *,
+               is_stored: bool = False) -> torch.Tensor:
+        """The layer after the fused q/k/v projection: qkv [T, q_size + 2 * kv_size] -> [T, hidden].
+        `is_stored`: the projection already rotated q and k and stored k and v (fused_rope_kv)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        return self._attend_heads(q, k, v, qkv.shape[0], positions, meta, kv_pages)
+        return self._attend_heads(q, k, v, qkv.shape[0], positions, meta, kv_pages, is_stored)
 
-    def _attend_heads(self, q, k, v, num_tokens, positions, meta, kv_pages) -> torch.Tensor:
+    def _attend_heads(self, q, k, v, num_tokens, positions, meta, kv_pages, is_stored=False) -> torch.Tensor:
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv when fused
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope = self.rotary.rope(positions, meta.max_context_len)
-        # rotates q and k in place first
-        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope, batch_invariant=self.is_batch_invariant)
+        rope = None if is_stored else self.rotary.rope(positions, meta.max_context_len)
+        # rotates q and k in place first, unless the projection did
+        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope, batch_invariant=self.is_batch_invariant,
+                              is_stored=is_stored)
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 
@@ -187,8 +204,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp  # either may be a stand-in (layer_streaming.HostComputed)
         qkv_proj, gate_up_proj = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
         if qkv_proj is not None:
-            qkv, residual = self.input_layernorm.add_norm_project(qkv_proj, h, residual)
-            h = attn.attend(qkv, positions, meta, kv_pages)
+            rope_kv = attn.fused_rope_kv(h, self.input_layernorm, positions, meta, kv_pages)
+            qkv, residual = self.input_layernorm.add_norm_project(qkv_proj, h, residual, rope_kv)
+            h = attn.attend(qkv, positions, meta, kv_pages, is_stored=rope_kv is not None)
         else:
             x, residual = self.input_layernorm.add_and_norm(h, residual)
             h = attn(x, positions, meta, kv_pages)

@@ -374,6 +374,38 @@ def test_bias_correction_is_added_into_the_bias():
 
 
 @pytest.mark.gpu
+def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_separate_kernel(awq_qwen2_dir,
+                                                                                              monkeypatch):
+    """One sequence decoding on the GPU rotates q and k and stores k and v inside the fused
+    q/k/v projection's kernel (Attention.fused_rope_kv); its logits equal, within the GEMV's
+    own rounding (its column blocks and K splits change), those of rotary_write_kv after it."""
+    import lowvram.model
+
+    taken = []
+    fused_rope_kv = lowvram.model.Attention.fused_rope_kv
+
+    def counting(self, *args):
+        rope_kv = fused_rope_kv(self, *args)
+        taken.append(rope_kv is not None)
+        return rope_kv
+
+    monkeypatch.setattr(lowvram.model.Attention, "fused_rope_kv", counting)
+    for use_graphs in (False, True):
+        profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
+        fused = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:1], 6)
+        assert any(taken) and not all(taken), "decode steps fuse, prefills do not"
+        with monkeypatch.context() as patch:
+            patch.setattr(lowvram.model.Attention, "fused_rope_kv", lambda *args: None)
+            separate = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:1], 6)
+        worst = ((fused - separate).abs().max() / separate.abs().max()).item()
+        print(f"graphs={use_graphs}: RoPE and KV store in the q/k/v kernel vs separate, largest relative "
+              f"difference of the logits {worst:.2e}")
+        assert worst <= 1e-3
+        assert torch.equal(fused.argmax(-1), separate.argmax(-1))
+        taken.clear()
+
+
+@pytest.mark.gpu
 def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_separate_kernels(
         awq_qwen2_dir, tmp_path, monkeypatch):
     """One sequence decoding on the GPU runs both norms and the activation inside the INT4
