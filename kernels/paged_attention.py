@@ -71,6 +71,8 @@ try:
     import triton
     import triton.language as tl
 
+    from lowvram.kernels.pdl import await_inputs, dependent_launch
+
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
@@ -471,13 +473,13 @@ def paged_decode_attention(
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
         BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_CHUNK=_merge_chunk(1, block_d),
-            num_warps=4,
+            num_warps=4, **dependent_launch(q.device),
         )
     return out
 
@@ -809,7 +811,9 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_inputs(PDL)  # q and this token's K/V come from the kernel before (kernels/pdl.py)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -938,8 +942,9 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_partitions_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, context_lens_ptr, partition_tokens, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_inputs(PDL)
         # One program per (sequence, head).
         seq = tl.program_id(0)
         rows = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1) + tl.arange(0, 1)

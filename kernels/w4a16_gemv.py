@@ -42,6 +42,7 @@ included: its R is the sum of its parts' ranks.
 
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -55,6 +56,7 @@ from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels import kv_write
 from lowvram.kernels.kv_write import _store_row, _window_slot
+from lowvram.kernels.pdl import await_inputs, launch_prefetch, prefetch_l2
 from lowvram.kernels.rms_norm import normalize_and_scale, rms_inverse
 from lowvram.kernels.rotary import _rotate_half
 
@@ -175,6 +177,18 @@ def awq_gemv_store(
 
 
 @triton.jit
+def prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE: tl.constexpr,
+                     PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr):
+    """This program's share of the layer's packed weights, scales and zeros asked of L2
+    (pdl.prefetch_l2; PREFETCH_* lines each from pdl.launch_prefetch, 0 for none)."""
+    num_groups = K // GROUP_SIZE
+    prefetch_l2(qweight_ptr, K.to(tl.int64) * (N // 2), PREFETCH_0)
+    prefetch_l2(scales_ptr, num_groups.to(tl.int64) * N * (scales_ptr.dtype.element_ty.primitive_bitwidth // 8),
+                PREFETCH_1)
+    prefetch_l2(qzeros_ptr, num_groups.to(tl.int64) * (N // 2), PREFETCH_2)
+
+
+@triton.jit
 def lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr):
     """A[:, offs_k]^T as [BLOCK_K, BLOCK_R]; ranks past `rank` read as zero."""
     offs_r = tl.arange(0, BLOCK_R)
@@ -265,7 +279,11 @@ def _awq_gemv_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     IS_PARTIAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
+    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
+                     PREFETCH_2)
+    await_inputs(PDL)  # activations are read, and anything written, only past here
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # row tiles: more than one only in the batch-invariant form
@@ -534,7 +552,11 @@ def _awq_gemv_row_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
     LORA_AT_END: tl.constexpr, ROPE_KV: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
     BLOCK_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
+    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
+                     PREFETCH_2)
+    await_inputs(PDL)  # activations are read, and anything written, only past here
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -676,7 +698,11 @@ def _awq_gemv_rows_kernel(
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
+    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
+                     PREFETCH_2)
+    await_inputs(PDL)  # activations are read, and anything written, only past here
     # One row, K summed inside each thread ("unpack": "rows"). A program owns BLOCK_C packed
     # columns (8 * BLOCK_C outputs) and whole groups of K. Each step loads UNROLL tiles of
     # TILE_ROWS rows x BLOCK_C words (each thread a few whole words of one row, 16-byte loads)
@@ -757,7 +783,11 @@ def _awq_gemv_lanes_dot_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
+    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, NUM_K_BLOCKS * BLOCK_K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
+                     PREFETCH_2)
+    await_inputs(PDL)  # activations are read, and anything written, only past here
     # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
     # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
     pid_n = tl.program_id(0)
@@ -994,6 +1024,8 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     launch_options = {"num_warps": config["num_warps"]}
     if "num_stages" in config:
         launch_options["num_stages"] = config["num_stages"]
+    # on sm_90+: start while the kernel before runs, the weights on their way into L2 (kernels/pdl.py)
+    launch_options.update(launch_prefetch(x.device, (qweight, scales, qzeros), math.prod(grid)))
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
     is_rows = config.get("unpack") == "rows" and num_rows == 1 and not is_row_tiled
     if is_rows and block_k != group_size:

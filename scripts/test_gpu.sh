@@ -7,12 +7,12 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_tuned speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_tuned speed_plain_nopdl speed_plain_head_nopdl speed_plain_head speed_prefill_graphs speed_invariant speed_head
 # (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
 # requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
 # published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_lanes: the same with the
 # one-row lane GEMV instead of the K-in-thread form (LOWVRAM_GEMV_FORM=lanes); speed_plain_head: the same with an INT4 lm_head;
-# speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16; *_tuned: with the one-row
+# *_nopdl: with LOWVRAM_PDL=0; speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16; *_tuned: with the one-row
 # configurations gemv_tune measured, at batch 1 and 8; GPU_TEST_FILES: run the GPU tests of these files only)
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
@@ -98,6 +98,9 @@ if [ "$what" != tests ]; then
     run_bench speed_plain_head_tuned 150 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head_tuned.md"
     run_bench speed_plain_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_tuned.md"
     run_bench speed_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_tuned.md"
+    # The same two without programmatic dependent launch (kernels/pdl.py), for a side-by-side on one host.
+    run_bench speed_plain_nopdl 150 env LOWVRAM_PDL=0 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_nopdl.md"
+    run_bench speed_plain_head_nopdl 150 env LOWVRAM_PDL=0 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head_nopdl.md"
     run_bench speed_plain_head 240 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head.md"
     # Prefill graphs (off by default until this shows them faster) and an INT4 lm_head.
     run_bench speed_prefill_graphs 120 lowvram bench speed --cuda-graphs --prefill-graphs --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_prefill_graphs.md"

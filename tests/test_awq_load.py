@@ -406,6 +406,24 @@ def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_sep
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_decode_with_dependent_launch_gives_the_logits_of_plain_launches(awq_qwen2_dir, num_prompts, monkeypatch):
+    """Decode kernels that start while the one before runs (kernels/pdl.py) change no bit of
+    any step's logits, one sequence or three, eagerly and replayed from CUDA graphs."""
+    from lowvram.kernels.pdl import PDL_ENV
+
+    for use_graphs in (False, True):
+        profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
+        logits = {}
+        for setting in ("1", "0"):
+            monkeypatch.setenv(PDL_ENV, setting)
+            logits[setting] = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:num_prompts], 6)
+        assert torch.equal(logits["1"], logits["0"]), f"graphs={use_graphs}: PDL changed the logits"
+
+
+@pytest.mark.gpu
 def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_separate_kernels(
         awq_qwen2_dir, tmp_path, monkeypatch):
     """One sequence decoding on the GPU runs both norms and the activation inside the INT4
