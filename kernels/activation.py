@@ -11,6 +11,7 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
+from lowvram.kernels.pdl import await_inputs, dependent_launch
 
 
 @triton.jit
@@ -23,7 +24,8 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -48,6 +50,6 @@ def silu_and_mul(x: torch.Tensor, *, use_reference: bool = False) -> torch.Tenso
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(num_cols))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-        x, out, num_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        x, out, num_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **dependent_launch(x.device),
     )
     return out

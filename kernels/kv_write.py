@@ -20,6 +20,8 @@ try:
     import triton
     import triton.language as tl
 
+    from lowvram.kernels.pdl import await_inputs, dependent_launch
+
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
@@ -66,7 +68,7 @@ def write_kv(
         k, v, slot_mapping, *_cache_pointers(pages),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_kv_heads, pages.k.shape[3], head_dim, **_store_constants(pages),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **dependent_launch(k.device),
     )
 
 
@@ -235,8 +237,9 @@ if HAS_TRITON:
         stride_kt, stride_kh, stride_vt, stride_vh,
         num_kv_heads, code_dim, head_dim,
         BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_inputs(PDL)  # k and v come from the kernel before (kernels/pdl.py)
         # One program per token, all KV heads: the row min/max is a reduction over head_dim.
         _write_token(
             tl.program_id(0), k_ptr, v_ptr, slot_ptr,

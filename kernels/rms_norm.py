@@ -18,6 +18,7 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
+from lowvram.kernels.pdl import await_inputs, dependent_launch
 
 
 @triton.jit
@@ -37,7 +38,8 @@ def normalize_and_scale(x, inv_rms, weight):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols, stride_x, stride_r, stride_o,
-                     stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -104,5 +106,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         num_cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         total.stride(0) if total is not None else 0, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        **dependent_launch(x.device),
     )
     return out, total

@@ -22,6 +22,7 @@ import triton.language as tl
 from lowvram.errors import KernelError
 from lowvram.kernels import kv_write
 from lowvram.kernels.dispatch import use_triton
+from lowvram.kernels.pdl import await_inputs, dependent_launch
 from lowvram.kernels.kv_write import _cache_pointers, _check_write_args, _store_constants, _write_token, write_kv_ref
 from lowvram.kernels.rotary import _check_rotary_args, _rotate_half, apply_rotary_ref
 from lowvram.kv_quant import KVPages
@@ -65,7 +66,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         num_heads, num_kv_heads, pages.k.shape[3], head_dim,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_QH=triton.next_power_of_2(num_heads),
         **_store_constants(pages),
-        num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 1024 else 1,
+        num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 1024 else 1, **dependent_launch(q.device),
     )
 
 
@@ -93,8 +94,9 @@ def _rotary_write_kv_kernel(
     num_heads, num_kv_heads, code_dim, head_dim,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
     BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    await_inputs(PDL)  # q, k and v come from the kernel before (kernels/pdl.py)
     # One program per token: all its q and k heads, then its k and v rows.
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token).to(tl.int64)
