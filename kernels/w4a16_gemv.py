@@ -881,7 +881,8 @@ def one_row_form() -> str:
     return form
 
 
-# One-row configurations measured on a GPU (profile_decode.py --sweep-gemv-only --save-tuning):
+# Decode configurations measured on a GPU (profile_decode.py --sweep-gemv-only --save-tuning),
+# for one row and for 2-16 rows (one 16-row tile: the same kernel work for any count in it):
 # the file LOWVRAM_GEMV_TUNING names, else the one shipped for the GPU's name in kernels/tuned/.
 TUNING_ENV = "LOWVRAM_GEMV_TUNING"
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
@@ -889,10 +890,16 @@ TUNABLE_KEYS = {"block_n", "block_k", "split_k", "num_warps", "unpack", "reduce"
                 "tile_rows", "unroll", "dequant", "num_stages"}
 
 
-def tuning_key(num_outputs: int, num_inputs: int, group_size: int, has_lora: bool) -> str:
-    """A one-row layer's key in a tuning file: K x N, the group size, and whether it carries a
-    compensation ("compensated") or not ("plain")."""
-    return f"{num_inputs}x{num_outputs}/g{group_size}/{'compensated' if has_lora else 'plain'}"
+# The forms a tuned entry may name: one row's, and several rows' (the interleaving kernel, no
+# "unpack", or the lane unpacking feeding tl.dot).
+TUNED_FORMS = {"one_row": ONE_ROW_FORMS, "rows2-16": (None, "lanes")}
+
+
+def tuning_key(num_outputs: int, num_inputs: int, group_size: int, has_lora: bool, num_rows: int = 1) -> str:
+    """A layer's key in a tuning file: K x N, the group size, whether it carries a compensation
+    ("compensated") or not ("plain"), and for 2-16 rows a "/rows2-16" suffix."""
+    key = f"{num_inputs}x{num_outputs}/g{group_size}/{'compensated' if has_lora else 'plain'}"
+    return key if num_rows == 1 else key + "/rows2-16"
 
 
 def tuning_file(device_name: str) -> Path:
@@ -919,10 +926,12 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
             raise TypeError("'configs' is not an object")
         for key, config in configs.items():
             unknown = set(config) - TUNABLE_KEYS
-            if unknown or config.get("unpack") not in ONE_ROW_FORMS or not all(
+            rows = "rows2-16" if key.endswith("/rows2-16") else "one_row"
+            if unknown or config.get("unpack") not in TUNED_FORMS[rows] or not all(
                     isinstance(config.get(name), int) and config[name] > 0
                     for name in ("block_n", "block_k", "split_k", "num_warps")):
-                raise ValueError(f"entry {key!r} is not a one-row configuration: {config}")
+                kind = "a one-row" if rows == "one_row" else "a 2-16-row"
+                raise ValueError(f"entry {key!r} is not {kind} configuration: {config}")
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
                           f"profile_decode.py --sweep-gemv-only --save-tuning writes it (or unset {TUNING_ENV})"
@@ -932,16 +941,18 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
 
 def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
                        has_lora: bool, device_name: str = "") -> dict:
-    """The decode kernel's configuration for a layer: for one row, the GPU's measured one
-    (tuned_configs) when it has one for this layer; else the K-in-thread form for a wide layer
-    without compensation where its whole-group steps fit the group size; else
-    choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's choice for every row."""
-    if num_rows == 1 and one_row_form() == "rows":
-        key = tuning_key(num_outputs, num_inputs, group_size, has_lora)
+    """The decode kernel's configuration for a layer: the GPU's measured one (tuned_configs)
+    when it has one for this layer and row count (one row, or 2-16); else for one row the
+    K-in-thread form for a wide layer without compensation where its whole-group steps fit the
+    group size; else choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's
+    choice for one row."""
+    is_one_row = num_rows == 1
+    if num_rows <= DOT_MIN_M and (not is_one_row or one_row_form() == "rows"):
+        key = tuning_key(num_outputs, num_inputs, group_size, has_lora, num_rows)
         tuned = tuned_configs(device_name).get(key) if device_name else None
         if tuned is not None and group_size % tuned["block_k"] == 0:
             return dict(tuned)
-        if not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0:
+        if is_one_row and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0:
             return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
     return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 

@@ -367,14 +367,19 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
 
 
 def save_tuning(path: Path, sweep: list[dict], group_size: int, metadata: dict) -> None:
-    """Write each one-row shape's fastest configuration to the tuning file `path` (w4a16_gemv's
-    tuned_configs reads it), keeping the entries of earlier sweeps for other layers."""
-    from lowvram.kernels.w4a16_gemv import tuning_key
+    """Write each shape's fastest configuration, for one row and for 2-16 rows (a sweep at 2-16
+    rows speaks for all of them: one 16-row tile), to the tuning file `path` (w4a16_gemv's
+    tuned_configs reads it), keeping the entries of earlier sweeps for other layers and rows. A
+    new file starts from the entries shipped for this GPU, which it replaces once named by
+    LOWVRAM_GEMV_TUNING."""
+    from lowvram.kernels.w4a16_gemv import DOT_MIN_M, tuning_file, tuning_key
 
-    tuning = json.loads(path.read_text()) if path.is_file() else {"configs": {}}
+    shipped = tuning_file(metadata.get("gpu") or "")
+    start = path if path.is_file() else shipped if metadata.get("gpu") and shipped.is_file() else None
+    tuning = json.loads(start.read_text()) if start else {"configs": {}}
     for result in sweep:
-        if result["rows"] == 1:
-            key = tuning_key(result["n"], result["k"], group_size, bool(result["lora_rank"]))
+        if result["rows"] <= DOT_MIN_M:
+            key = tuning_key(result["n"], result["k"], group_size, bool(result["lora_rank"]), result["rows"])
             tuning["configs"][key] = result["best"]["config"]
     tuning.update(gpu=metadata.get("gpu"), date=metadata.get("date"), command=metadata.get("command"))
     path.write_text(json.dumps(tuning, indent=2) + "\n")
@@ -391,9 +396,11 @@ def sweep_shape_only(args) -> int:
     row_counts = tuple(int(r) for r in args.sweep_rows.split(","))
     metadata = run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]]))
     record = {**metadata, "shape": args.shape, "group_size": args.group_size, "lora_rank": args.rank, "gemv_sweep": []}
-    for name, shape in shapes.items():  # written after each shape: a run stopped by its time limit keeps those done
-        results = sweep_gemv({name: shape}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms,
-                             parts)
+    # in --sweep-shapes' order, and written after each shape: a run stopped by its time limit keeps those done
+    names = [name for name in args.sweep_shapes.split(",") if name in shapes] if args.sweep_shapes else list(shapes)
+    for name in names:
+        results = sweep_gemv({name: shapes[name]}, args.group_size, args.rank, row_counts, args.sweep_shapes,
+                             args.sweep_forms, parts)
         record["gemv_sweep"] += results
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

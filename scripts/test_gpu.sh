@@ -7,12 +7,12 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_profile speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_tuned speed_plain_nopdl speed_plain_head_nopdl speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_sweep kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_tune_multi gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_profile speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_plain_head_multi speed_plain_multi speed_tuned speed_plain_nopdl speed_plain_head_nopdl speed_plain_head speed_prefill_graphs speed_invariant speed_head
 # (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
 # requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
 # published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_lanes: the same with the
 # one-row lane GEMV instead of the K-in-thread form (LOWVRAM_GEMV_FORM=lanes); speed_plain_head: the same with an INT4 lm_head;
-# *_nopdl: with LOWVRAM_PDL=0; speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16; *_tuned: with the one-row
+# *_multi: with the 2-16-row configurations gemv_tune_multi measured; *_nopdl: with LOWVRAM_PDL=0; speed_rank8: the profile's FP16 layers with rank-8 compensation instead of 16; *_tuned: with the one-row
 # configurations gemv_tune measured, at batch 1 and 8; GPU_TEST_FILES: run the GPU tests of these files only)
 # (default: the first six, in that order). Exit status: non-zero if a GPU test failed.
 # One call may run 10 minutes, so the newer benchmarks are asked for by name, e.g.
@@ -79,6 +79,10 @@ if [ "$what" != tests ]; then
     # compensation, written to the tuning file the *_tuned speed runs read (LOWVRAM_GEMV_TUNING).
     run_bench gemv_tune 150 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 0 --sweep-shapes gate_up,head --sweep-forms rows --save-tuning "$results/gemv_tuning.json"
     run_bench gemv_tune_compensated 80 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 1 --rank 16 --sweep-shapes gate_up --sweep-forms rows --save-tuning "$results/gemv_tuning.json"
+    # The GPU's own 2-16-row configurations of the interleaving kernel (batch 2-16 decode), the
+    # head first, written to a tuning file that starts from the shipped one-row entries.
+    [[ " $benches " == *" gemv_tune_multi "* ]] && rm -f "$results/gemv_tuning_multi.json"
+    run_bench gemv_tune_multi 200 python3 scripts/profile_decode.py --sweep-gemv-only --sweep-rows 8 --rank 0 --sweep-shapes head,gate_up,down,qkv,o --sweep-forms interleave --save-tuning "$results/gemv_tuning_multi.json"
     run_bench gemv_floor 120 python3 scripts/probe_gemv_floor.py
     run_bench profile_decode 240 python3 scripts/profile_decode.py --quantize --emulate-vram-gib 4 --context 512 --batch-sizes 1,8 ${PROFILE_DECODE_ARGS:---sweep-gemv --host-profile}
     # Kernel timeline of a graph-replayed batch-1 step on the plain AutoAWQ-style checkpoint (no compensation).
@@ -99,6 +103,8 @@ if [ "$what" != tests ]; then
     run_bench speed_plain_lanes 240 env LOWVRAM_GEMV_FORM=lanes lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_lanes.md"
     run_bench speed_plain_head_tuned 150 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head_tuned.md"
     run_bench speed_plain_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_tuned.md"
+    run_bench speed_plain_head_multi 120 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning_multi.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --quantize-head --calib-samples 2 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_head_multi.md"
+    run_bench speed_plain_multi 80 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning_multi.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_multi.md"
     run_bench speed_tuned 90 env LOWVRAM_GEMV_TUNING="$results/gemv_tuning.json" lowvram bench speed --cuda-graphs --batch-sizes 1,8 --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_tuned.md"
     # The same two without programmatic dependent launch (kernels/pdl.py), for a side-by-side on one host.
     run_bench speed_plain_nopdl 150 env LOWVRAM_PDL=0 lowvram bench speed --cuda-graphs --shape r1-distill-qwen-1.5b --quantize --fp16-budget-mib 0 --rank 0 --profile 4gb --emulate-vram-gib 4 --output "$results/bench_speed_plain_nopdl.md"
