@@ -42,7 +42,7 @@ status=0
 if [ "$what" != benches ]; then
     # Only modules that hold GPU tests: the others may need packages the GPU image lacks.
     gpu_files=${GPU_TEST_FILES:-$(grep -l -E "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests/test_*.py)}
-    LOWVRAM_TEST_EMULATE_GIB=4 timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
+    LOWVRAM_TEST_EMULATE_GIB=4 LOWVRAM_TEST_PRINT_FAILURES=1 timeout "${TESTS_TIMEOUT_S:-240}" python3 -m pytest -m gpu -q -rs -s -p no:cacheprovider \
         $gpu_files 2>&1 | tee "$results/gpu_tests.log" | grep -v -E "^(PASSED|\.)" | tail -60
     status=${PIPESTATUS[0]}
     echo "GPU tests exit status: $status"

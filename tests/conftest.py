@@ -58,6 +58,15 @@ def tiny_model_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
+def pytest_runtest_logreport(report):
+    """With LOWVRAM_TEST_PRINT_FAILURES=1 (scripts/test_gpu.sh sets it), a failing test's
+    traceback is printed as soon as it fails, not in the summary at the end: a GPU run that
+    aborts later (a CUDA error tearing the process down) still leaves in its log why each
+    earlier test failed."""
+    if report.failed and os.environ.get("LOWVRAM_TEST_PRINT_FAILURES") == "1":
+        print(f"\n=== {report.nodeid} failed ({report.when}):\n{report.longreprtext}\n", flush=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _emulated_card():
     """With LOWVRAM_TEST_EMULATE_GIB set (scripts/test_gpu.sh sets 4), every GPU test runs
