@@ -59,13 +59,14 @@ def pdl_setting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _device_has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
+    # ROCm builds report the gfx version as the capability (MI300: 9.4); HIP has no such launch
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
 
 
 def uses_pdl(device: torch.device) -> bool:
-    """Whether decode kernels on `device` launch with programmatic dependent launch: a CUDA
-    device of compute capability 9.0 or later, compiled (not interpreted) Triton with the
-    grid-dependency instructions, and LOWVRAM_PDL not 0."""
+    """Whether decode kernels on `device` launch with programmatic dependent launch: an NVIDIA
+    GPU of compute capability 9.0 or later (not a ROCm device), compiled (not interpreted)
+    Triton with the grid-dependency instructions, and LOWVRAM_PDL not 0."""
     if device.type != "cuda" or not HAS_GDC or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return pdl_setting() and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())

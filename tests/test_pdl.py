@@ -39,6 +39,21 @@ def test_the_setting_is_on_unless_turned_off_and_a_bad_value_says_what_to_use(mo
         pdl.pdl_setting()
 
 
+def test_only_nvidia_gpus_from_compute_capability_9_use_it(monkeypatch):
+    pdl._device_has_pdl.cache_clear()
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 6))  # RTX 30xx
+    assert not pdl._device_has_pdl(0)
+    pdl._device_has_pdl.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))  # H100, H200
+    assert pdl._device_has_pdl(0)
+    pdl._device_has_pdl.cache_clear()
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # MI300 reports gfx942 as (9, 4)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 4))
+    assert not pdl._device_has_pdl(0)
+    pdl._device_has_pdl.cache_clear()
+
+
 def test_the_cpu_and_the_interpreter_launch_plainly():
     weights = (torch.zeros(64, 8, dtype=torch.int32), torch.zeros(1, 64, dtype=torch.float16))
     assert not pdl.uses_pdl(torch.device("cpu"))
