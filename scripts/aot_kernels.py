@@ -110,7 +110,8 @@ def attention(args) -> None:
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, "PLANE_DIM": plane_dim, "NUM_PLANES": num_planes,
                       "BLOCK_C": max(16, plane_dim), "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n,
                       "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False, "BLOCK_D": args.head_dim,
-                      "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, args.head_dim), "WIDE_OFFSETS": args.wide}
+                      "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, args.head_dim), "WIDE_OFFSETS": args.wide,
+                      "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
                                 frozenset({"stride_qs", "stride_qh"}))
@@ -130,7 +131,9 @@ def gemv(args) -> None:
                      "lora_t_ptr": "*fp32", "eps": "fp32"}
     common = {"GROUP_SIZE": args.group_size, "HAS_BIAS": False, "HAS_LORA": bool(args.rank),
               "BLOCK_R": g.lora_block_r(args.rank) if args.rank else 16, "PROLOGUE": g.PROLOGUE_NONE,
-              "HAS_RESIDUAL": False, "ROW_BLOCK": 16}
+              "HAS_RESIDUAL": False, "ROW_BLOCK": 16, "ROPE_KV": False, "BITS": 16, "QMAX": 0, "BLOCK_CODE": 16,
+              "HAS_WINDOW": False, "PAGE_SIZE": 16, "PDL": args.pdl, "PREFETCH_0": 4 * args.pdl,
+              "PREFETCH_1": args.pdl, "PREFETCH_2": args.pdl}
     for name, (k, n) in projection_shapes(args.shape).items():
         config = g.choose_gemv_config(1, n, k, args.group_size, 132)
         constexprs = {**common, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"],
@@ -158,6 +161,7 @@ def main() -> int:
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")
     parser.add_argument("--rank", type=int, default=16, help="gemv: compensation rank (0: none)")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--pdl", action="store_true", help="compile for programmatic dependent launch (sm_90+)")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     attention(args) if args.kernel == "attention" else gemv(args)
