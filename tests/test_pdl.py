@@ -61,6 +61,25 @@ def test_the_cpu_and_the_interpreter_launch_plainly():
     assert pdl.dependent_launch(torch.device("cpu")) == {"PDL": False}
 
 
+def test_a_layer_asks_l2_for_its_weights_only_while_they_fit_its_share(monkeypatch):
+    # As on an H200 (50 MiB of L2): gate/up's 14 MB are shared out over the programs; an INT4
+    # head's 117 MB would evict what the kernel before reads, so it launches early with none.
+    monkeypatch.setattr(pdl, "uses_pdl", lambda device: True)
+    monkeypatch.setattr(pdl, "_l2_bytes", lambda index: L2_BYTES)
+    device = torch.device("cuda", 0)
+    gate_up = (torch.empty(1536, 17920 // 8, dtype=torch.int32), torch.empty(12, 17920, dtype=torch.float16),
+               torch.empty(12, 17920 // 8, dtype=torch.int32))
+    options = pdl.launch_prefetch(device, gate_up, 140)
+    assert options["PDL"] and options["launch_pdl"]
+    assert [options[f"PREFETCH_{i}"] for i in range(3)] == [
+        pdl.prefetch_lines(t.numel() * t.element_size(), 140, L2_BYTES) for t in gate_up]
+    assert options["PREFETCH_0"] * 140 * pdl.LINE_BYTES >= 1536 * 17920 // 2
+    head = (torch.empty(1536, 151936 // 8, dtype=torch.int32), torch.empty(12, 151936, dtype=torch.float16),
+            torch.empty(12, 151936 // 8, dtype=torch.int32))
+    options = pdl.launch_prefetch(device, head, 1187)
+    assert options["PDL"] and [options[f"PREFETCH_{i}"] for i in range(3)] == [0, 0, 0]
+
+
 needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < pdl.MIN_CAPABILITY,
                                 reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+")
 
