@@ -1,9 +1,9 @@
 """Programmatic dependent launch for the decode kernels (sm_90 and later).
 
-A batch-1 decode step is a chain of about 150 small kernels, each reading the one before it's
-output. Launched plainly, each waits for the previous one to finish before its first program
-starts, and its first weight loads then wait on DRAM: in a CUDA-graph step on an H200 the
-launch gaps alone came to 97 us of 1.51 ms, and the one-row GEMVs reached a quarter of the
+A batch-1 decode step is a chain of about 150 small kernels, each reading the output of the
+one before it. Launched plainly, each waits for the previous one to finish before its first
+program starts, and its first weight loads then wait on DRAM: in a CUDA-graph step on an H200 the
+launch gaps alone came to 97 µs of 1.51 ms, and the one-row GEMVs reached a quarter of the
 copy bandwidth, most of the rest being memory latency at the start of each kernel.
 
 With programmatic dependent launch (CUDA 12.3+, compute capability 9.0+), a kernel launched
@@ -17,9 +17,8 @@ visible. Only then do they read activations or write anything.
 That order is what keeps it exact: before the wait a kernel issues L2 prefetches and nothing
 else (a prefetch is a hint; it changes no value, even of memory written meanwhile), and the
 signal comes after the wait, so at most two kernels overlap and everything before the
-previous one has finished. Kernels launched without the attribute (torch's, the norm before
-the head) order as before. LOWVRAM_PDL=0 turns it off; GPUs before sm_90 and the interpreter
-never use it.
+previous one has finished. Kernels launched without the attribute (torch's, cuBLAS's) order
+as before. LOWVRAM_PDL=0 turns it off; GPUs before sm_90 and the interpreter never use it.
 """
 
 from __future__ import annotations
