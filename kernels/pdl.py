@@ -62,13 +62,17 @@ def _device_has_pdl(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def uses_pdl(device: torch.device) -> bool:
     """Whether decode kernels on `device` launch with programmatic dependent launch: an NVIDIA
     GPU of compute capability 9.0 or later (not a ROCm device), compiled (not interpreted)
     Triton with the grid-dependency instructions, and LOWVRAM_PDL not 0."""
     if device.type != "cuda" or not HAS_GDC or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return pdl_setting() and _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return pdl_setting() and _device_has_pdl(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +102,7 @@ def launch_prefetch(device: torch.device, tensors: tuple[torch.Tensor, ...], num
     names = [f"PREFETCH_{i}" for i in range(len(tensors))]
     if not options["PDL"]:
         return {**options, **dict.fromkeys(names, 0)}
-    l2_bytes = _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    l2_bytes = _l2_bytes(_index(device))
     sizes = [t.numel() * t.element_size() for t in tensors]
     fits = sum(sizes) <= MAX_L2_SHARE * l2_bytes
     return {**options, **{name: prefetch_lines(size, num_programs, l2_bytes) if fits else 0
@@ -122,7 +126,7 @@ def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
 def await_inputs(PDL: tl.constexpr):
     """Under PDL: block until the kernel before has finished (its writes visible), then let the
     next kernel start. Every program calls it before its first read of an activation or write
-    of anything; only prefetch_l2 may come before."""
+    of anything; only prefetch_l2 may come before (w4a16_gemv.await_inputs_prefetching)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -177,15 +177,17 @@ def awq_gemv_store(
 
 
 @triton.jit
-def prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE: tl.constexpr,
-                     PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr):
-    """This program's share of the layer's packed weights, scales and zeros asked of L2
-    (pdl.prefetch_l2; PREFETCH_* lines each from pdl.launch_prefetch, 0 for none)."""
+def await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE: tl.constexpr, PDL: tl.constexpr,
+                             PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr):
+    """How every decode GEMV program starts: its share of the layer's packed weights, scales
+    and zeros asked of L2 (pdl.prefetch_l2; PREFETCH_* lines each from pdl.launch_prefetch, 0
+    for none), then pdl.await_inputs. Activations are read, and anything written, only after."""
     num_groups = K // GROUP_SIZE
     prefetch_l2(qweight_ptr, K.to(tl.int64) * (N // 2), PREFETCH_0)
     prefetch_l2(scales_ptr, num_groups.to(tl.int64) * N * (scales_ptr.dtype.element_ty.primitive_bitwidth // 8),
                 PREFETCH_1)
     prefetch_l2(qzeros_ptr, num_groups.to(tl.int64) * (N // 2), PREFETCH_2)
+    await_inputs(PDL)
 
 
 @triton.jit
@@ -281,9 +283,8 @@ def _awq_gemv_kernel(
     IS_PARTIAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
-    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
-                     PREFETCH_2)
-    await_inputs(PDL)  # activations are read, and anything written, only past here
+    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
+                             PREFETCH_1, PREFETCH_2)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # row tiles: more than one only in the batch-invariant form
@@ -554,9 +555,8 @@ def _awq_gemv_row_kernel(
     BLOCK_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
-    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
-                     PREFETCH_2)
-    await_inputs(PDL)  # activations are read, and anything written, only past here
+    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
+                             PREFETCH_1, PREFETCH_2)
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -700,9 +700,8 @@ def _awq_gemv_rows_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
-    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
-                     PREFETCH_2)
-    await_inputs(PDL)  # activations are read, and anything written, only past here
+    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
+                             PREFETCH_1, PREFETCH_2)
     # One row, K summed inside each thread ("unpack": "rows"). A program owns BLOCK_C packed
     # columns (8 * BLOCK_C outputs) and whole groups of K. Each step loads UNROLL tiles of
     # TILE_ROWS rows x BLOCK_C words (each thread a few whole words of one row, 16-byte loads)
@@ -785,9 +784,8 @@ def _awq_gemv_lanes_dot_kernel(
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
 ):
-    prefetch_weights(qweight_ptr, scales_ptr, qzeros_ptr, NUM_K_BLOCKS * BLOCK_K, N, GROUP_SIZE, PREFETCH_0, PREFETCH_1,
-                     PREFETCH_2)
-    await_inputs(PDL)  # activations are read, and anything written, only past here
+    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, NUM_K_BLOCKS * BLOCK_K, N, GROUP_SIZE, PDL,
+                             PREFETCH_0, PREFETCH_1, PREFETCH_2)
     # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
     # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
     pid_n = tl.program_id(0)

@@ -66,11 +66,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KV
     fused q/k/v projection's kernel did it; model.Attention.fused_rope_kv).
     """
     use_reference = not _is_kernel_path(q, q.shape[-1])
-    if rope is None and not is_stored:
-        write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
-    elif not is_stored:
-        rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
-                        use_reference=use_reference)
+    if not is_stored:
+        if rope is None:
+            write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
+        else:
+            rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
+                            use_reference=use_reference)
     if batch_invariant and use_reference:
         return _rows_ref(q, pages, meta, scale)
     if meta.is_prefill or batch_invariant:
