@@ -71,7 +71,7 @@ try:
     import triton
     import triton.language as tl
 
-    from lowvram.kernels.pdl import await_inputs, dependent_launch
+    from lowvram.kernels.pdl import await_inputs, dependent_launch, prefetch_l2_lines
 
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
@@ -664,6 +664,18 @@ if HAS_TRITON:
         return k_scale, k_zero, v_scale, v_zero
 
     @triton.jit
+    def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
+                       BITS: tl.constexpr):
+        # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
+        # FP16 and INT8 rows of HEAD_DIM elements, INT4 rows of PLANE_DIM bytes), each line of
+        # them. Tokens of pages kept in FP16 are not asked for: their window rows are few.
+        ROW_BYTES: tl.constexpr = HEAD_DIM * 2 if BITS == 16 else HEAD_DIM if BITS == 8 else PLANE_DIM
+        LINES: tl.constexpr = (ROW_BYTES + 127) // 128
+        starts = rows.to(tl.int64)[:, None] * ROW_BYTES + (tl.arange(0, LINES) * 128)[None, :]  # [BLOCK_N, LINES]
+        prefetch_l2_lines(k_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
+        prefetch_l2_lines(v_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
+
+    @triton.jit
     def _token_rows(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr,
                     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
         # Where the tokens at `positions` (those below `end`) live: (mask, rows, window_page,
@@ -813,10 +825,12 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        await_inputs(PDL)  # q and this token's K/V come from the kernel before (kernels/pdl.py)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        # The context length and block table are written before a step's first kernel, so
+        # under PDL they are read while the kernel before (the q/k/v projection) still runs;
+        # q, the scales and this token's K/V only after await_inputs (kernels/pdl.py).
         context_len = tl.load(context_lens_ptr + seq)
         # Partitions past this sequence's context (the batch's longest sets num_splits) do
         # nothing: the merge reads only the sequence's own. An empty context still has one.
@@ -825,9 +839,15 @@ if HAS_TRITON:
             return
         start = split * partition_tokens
         end = tl.minimum(start + partition_tokens, context_len)
+        offs_n = tl.arange(0, BLOCK_N)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
+                                                             window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
+            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, PLANE_DIM, BITS)
+        await_inputs(PDL)
 
         offs_g = tl.arange(0, BLOCK_G)
-        offs_n = tl.arange(0, BLOCK_N)
         mask_g = offs_g < group_size
         heads = kv_head * group_size + offs_g
         # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
@@ -838,13 +858,10 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
         acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
         # A tile's rows and scales are loaded during the tile before it: at two bytes per token
         # the scales are too narrow for the compiler to pipeline, and waiting for them in
         # every tile left the quantized pages' programs idle.
-        mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
-                                                             window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
         k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
                                                         window_page, mask_n, BITS, HAS_WINDOW)
         for tile_start in range(start, end, BLOCK_N):

@@ -14,11 +14,13 @@ ask L2 to fetch their share of the layer's weights, which no kernel of the step 
 block in `griddepcontrol.wait` until the previous kernel has finished and its writes are
 visible. Only then do they read activations or write anything.
 
-That order is what keeps it exact: before the wait a kernel issues L2 prefetches and nothing
-else (a prefetch is a hint; it changes no value, even of memory written meanwhile), and the
-signal comes after the wait, so at most two kernels overlap and everything before the
-previous one has finished. Kernels launched without the attribute (torch's, cuBLAS's) order
-as before. LOWVRAM_PDL=0 turns it off; GPUs before sm_90 and the interpreter never use it.
+That order is what keeps it exact: the signal comes after the wait, so at most two kernels
+overlap and everything before the previous one has finished when a kernel starts. Before its
+wait a kernel issues L2 prefetches (a hint: it changes no value, even of memory written
+meanwhile) and reads only what was written before the previous kernel ran: decode attention
+reads its sequence's context length and block table there, to prefetch its first K/V tile.
+Kernels launched without the attribute (torch's, cuBLAS's) order as before. LOWVRAM_PDL=0
+turns it off; GPUs before sm_90 and the interpreter never use it.
 """
 
 from __future__ import annotations
@@ -116,17 +118,24 @@ def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
     if LINES > 0:
         program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
         offsets = (program.to(tl.int64) * LINES + tl.arange(0, LINES)) * 128
-        addresses = base_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(offsets, num_bytes - 1)
-        # is_pure=False: its result is unused, and a pure op would be dropped
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [addresses],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2_lines(base_ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(offsets, num_bytes - 1))
+
+
+@triton.jit
+def prefetch_l2_lines(addresses):
+    """Ask L2 for the line holding each of `addresses` (a tensor of pointers, any shape)."""
+    # is_pure=False: its result is unused, and a pure op would be dropped
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [addresses],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def await_inputs(PDL: tl.constexpr):
     """Under PDL: block until the kernel before has finished (its writes visible), then let the
-    next kernel start. Every program calls it before its first read of an activation or write
-    of anything; only prefetch_l2 may come before (w4a16_gemv.await_inputs_prefetching)."""
+    next kernel start. Every program calls it before it writes anything and before it reads
+    anything the kernel before may write; only L2 prefetches (w4a16_gemv.await_inputs_prefetching),
+    and reads of what was written before that kernel ran (a step's block tables and context
+    lengths), come before it."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
