@@ -665,13 +665,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
-                       BITS: tl.constexpr):
+                       BLOCK_C: tl.constexpr, BITS: tl.constexpr):
         # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
         # FP16 and INT8 rows of HEAD_DIM elements, INT4 rows of PLANE_DIM bytes), each line of
         # them. Tokens of pages kept in FP16 are not asked for: their window rows are few.
+        # LINES spans the padded row (BLOCK_C is a power of two, as arange needs); lines past
+        # the row (MLA's 576-wide heads) ask for its last line again.
         ROW_BYTES: tl.constexpr = HEAD_DIM * 2 if BITS == 16 else HEAD_DIM if BITS == 8 else PLANE_DIM
-        LINES: tl.constexpr = (ROW_BYTES + 127) // 128
-        starts = rows.to(tl.int64)[:, None] * ROW_BYTES + (tl.arange(0, LINES) * 128)[None, :]  # [BLOCK_N, LINES]
+        SPAN: tl.constexpr = BLOCK_C * 2 if BITS == 16 else BLOCK_C
+        LINES: tl.constexpr = SPAN // 128 if SPAN > 128 else 1
+        line_starts = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
+        starts = rows.to(tl.int64)[:, None] * ROW_BYTES + line_starts[None, :]  # [BLOCK_N, LINES]
         prefetch_l2_lines(k_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
         prefetch_l2_lines(v_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
 
@@ -844,7 +848,7 @@ if HAS_TRITON:
         mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
                                                              window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
         if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
-            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, PLANE_DIM, BITS)
+            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, PLANE_DIM, BLOCK_C, BITS)
         await_inputs(PDL)
 
         offs_g = tl.arange(0, BLOCK_G)

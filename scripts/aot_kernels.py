@@ -107,11 +107,13 @@ def attention(args) -> None:
                          "counter_ptr": "*i32", "window_row_ptr": "*i32", "scale_log2": "fp32"}
         num_planes = 2 if bits == 4 else 1
         plane_dim = args.head_dim // num_planes
+        # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
+        block_d = pa._block_d(args.head_dim)
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, "PLANE_DIM": plane_dim, "NUM_PLANES": num_planes,
-                      "BLOCK_C": max(16, plane_dim), "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n,
-                      "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False, "BLOCK_D": args.head_dim,
-                      "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, args.head_dim), "WIDE_OFFSETS": args.wide,
-                      "PDL": args.pdl}
+                      "BLOCK_C": max(16, pa._block_d(plane_dim)), "BITS": bits, "BLOCK_G": 16,
+                      "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False,
+                      "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
+                      "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
                                 frozenset({"stride_qs", "stride_qh"}))

@@ -44,7 +44,7 @@ def test_longest_loop_is_the_longest_backward_branch(aot):
                                                                                              "BRA 0x60"]
 
 
-def test_decode_attention_compiles_for_sm90_without_a_gpu():
+def run_script(*args: str) -> subprocess.CompletedProcess:
     """The script itself, in a process of its own: the interpreter these tests run under
     would hand Triton interpreted functions, which do not compile."""
     import triton
@@ -53,12 +53,25 @@ def test_decode_attention_compiles_for_sm90_without_a_gpu():
     if not (tools / "cuobjdump").exists() or not any(tools.glob("ptxas*")):
         pytest.skip("this Triton build has no bundled ptxas/cuobjdump")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "attention", "--bits", "8", "--arch", "90"], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def test_decode_attention_compiles_for_sm90_without_a_gpu():
+    result = run_script("attention", "--bits", "8", "--arch", "90")
     found = re.search(r"8-bit pages.*: (\d+) registers, (\d+) bytes spilled, loop (\d+) instructions.*'HMMA': (\d+)",
                       result.stdout)
     assert found, result.stdout
     registers, spilled, loop, hmma = map(int, found.groups())
     assert 0 < registers <= 255 and spilled == 0
     assert loop > 100 and hmma > 0  # a main loop whose dots run on tensor cores
+
+
+def test_decode_attention_under_pdl_compiles_for_wide_heads():
+    """The PDL variant (which the interpreter never runs) at MLA's 576-wide heads, whose rows
+    span a number of cache lines that is not a power of two, at every page precision."""
+    result = run_script("attention", "--bits", "16,8,4", "--head-dim", "576", "--block-n", "16", "--warps", "8",
+                        "--arch", "90", "--pdl")
+    assert result.stdout.count("bytes spilled") == 3, result.stdout
