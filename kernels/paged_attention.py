@@ -41,10 +41,12 @@ every element first made the quantized pages slower to read than FP16 ones of
 twice their size. A code becomes a float without an integer-to-float conversion
 instruction (those run at a quarter of the float rate or less): OR-ed into the
 mantissa of 1024.0 it reads as 1024 + code, and one float16 add removes the 1024.
-The codes are read a byte at a time, INT4's as two half-width planes of low
-nibbles (elements 2i) and high nibbles (2i + 1). The conversions, and a form that
-unpacked int32 words two codes at a time, measured no faster than bytes on an
-H200 (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
+Quantized heads are split into two half-width planes, elements 2i and 2i + 1, so
+that no code moves between columns: INT4's low and high nibbles, and INT8's low
+and high bytes of 16-bit pairs. INT8 tiles read as 16-bit pairs move through
+shared memory into the dots' operand layouts a pair at a time; read as bytes, the
+compiled loop gathered each operand a byte at a time and ran 35% more
+instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0.
 
@@ -278,13 +280,18 @@ def _block_d(head_dim: int) -> int:
     return 1 << max(0, head_dim - 1).bit_length()
 
 
+def plane_layout(bits: int, head_dim: int) -> dict:
+    """How the kernels split a head's columns: INT4 into its low and high nibbles and INT8 into
+    the low and high bytes of its 16-bit pairs (elements 2i and 2i + 1, each plane half the
+    head), FP16 into one plane."""
+    num_planes = 1 if bits == 16 else 2
+    plane_dim = head_dim // num_planes
+    # tl.dot needs at least 16 columns: head sizes 16 to 31 pad the half-head planes.
+    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, _block_d(plane_dim))}
+
+
 def _plane_layout(pages: KVPages) -> dict:
-    """How the kernels split a head's columns: INT4 into its low and high nibbles (elements
-    2i and 2i + 1, each plane half the head), the others into one plane."""
-    num_planes = 2 if pages.bits == 4 else 1
-    plane_dim = pages.head_dim // num_planes
-    # tl.dot needs at least 16 columns: head sizes 16 to 31 pad INT4's half-head planes.
-    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, triton.next_power_of_2(plane_dim))}
+    return plane_layout(pages.bits, pages.head_dim)
 
 
 def _tile_rows(block_d: int, rows: int) -> int:
@@ -547,7 +554,7 @@ def paged_prefill_attention(
 # ---------------------------------------------------------------- Triton kernels
 
 if HAS_TRITON:
-    # Codes become float16 through inline PTX (_byte_halves, _nibble_halves) on the GPU; the
+    # Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
     # interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
     _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
@@ -596,19 +603,20 @@ if HAS_TRITON:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _byte_halves(codes):
-        # uint8 codes as float16 values four at a time: PRMT puts bytes 0-1 and 2-3 under
-        # 0x64, the high byte of 1024.0, and one float16-pair subtraction per pair removes 1024.
+    def _pair_halves(pairs):
+        # uint16 pairs of uint8 codes as two float16 planes, the low bytes and the high ones,
+        # two pairs at a time: PRMT puts bytes 0 and 2 (1 and 3) under 0x64, the high byte of
+        # 1024.0, and one float16-pair subtraction per plane removes 1024.
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 lo, hi, k;
             mov.b32 k, 0x64006400;
-            prmt.b32 lo, $2, k, 0x7170;
-            prmt.b32 hi, $2, k, 0x7372;
+            prmt.b32 lo, $2, k, 0x7250;
+            prmt.b32 hi, $2, k, 0x7351;
             sub.f16x2 $0, lo, k;
             sub.f16x2 $1, hi, k;
             }""",
-            constraints="=r,=r,r", args=[codes], dtype=tl.float16, is_pure=True, pack=4)
+            constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _nibble_halves(packed):
@@ -672,7 +680,7 @@ if HAS_TRITON:
         # LINES spans the padded row (BLOCK_C is a power of two, as arange needs); lines past
         # the row (MLA's 576-wide heads) ask for its last line again.
         ROW_BYTES: tl.constexpr = HEAD_DIM * 2 if BITS == 16 else HEAD_DIM if BITS == 8 else PLANE_DIM
-        SPAN: tl.constexpr = BLOCK_C * 2 if BITS == 16 else BLOCK_C
+        SPAN: tl.constexpr = BLOCK_C if BITS == 4 else BLOCK_C * 2
         LINES: tl.constexpr = SPAN // 128 if SPAN > 128 else 1
         line_starts = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
         starts = rows.to(tl.int64)[:, None] * ROW_BYTES + line_starts[None, :]  # [BLOCK_N, LINES]
@@ -702,9 +710,9 @@ if HAS_TRITON:
         # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] (the tile's
         # as _tile_scales loads them, window tokens set to 1 and 0) such that a value is
         # (plane - zero) * scale. rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
-        # FP16 pages: one plane of values (scale and zero are not used). INT8: one plane of
-        # codes 0..255, exact in float16. INT4: two planes, the low nibbles (elements 2i) and the
-        # high ones (2i + 1), so no nibble moves between columns. Tokens of pages kept in FP16
+        # FP16 pages: one plane of values (scale and zero are not used). INT8 and INT4: two
+        # planes of codes (exact in float16), elements 2i and 2i + 1: the low and high bytes of
+        # 16-bit pairs, or the low and high nibbles of bytes, so no code moves between columns. Tokens of pages kept in FP16
         # come from the window with scale 1 and zero 0. Masked rows come back as 0.
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
@@ -715,12 +723,15 @@ if HAS_TRITON:
             plane1 = plane0
         else:
             if BITS == 8:
-                codes = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C)
+                # 16-bit pairs of codes: tiles of 16-bit elements move through shared memory
+                # and into the dots' operand layouts a pair at a time, not a byte at a time.
+                pairs = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
+                                   PLANE_DIM, BLOCK_C)
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0 = _byte_halves(codes)
+                    plane0, plane1 = _pair_halves(pairs)
                 else:
-                    plane0 = _code_values(codes, DOT_DTYPE)
-                plane1 = plane0
+                    plane0 = _code_values(pairs & 255, DOT_DTYPE)
+                    plane1 = _code_values(pairs >> 8, DOT_DTYPE)
             else:
                 packed = _load_rows(cache_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C)
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
@@ -861,7 +872,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
+        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # the second plane (elements 2i + 1); unused for FP16
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
         # A tile's rows and scales are loaded during the tile before it: at two bytes per token
         # the scales are too narrow for the compiler to pipeline, and waiting for them in
@@ -1011,7 +1022,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # INT4's high nibbles; unused otherwise
+        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # the second plane (elements 2i + 1); unused for FP16
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):

@@ -105,13 +105,10 @@ def attention(args) -> None:
         pointer_types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
                          "context_lens_ptr": "*i32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
                          "counter_ptr": "*i32", "window_row_ptr": "*i32", "scale_log2": "fp32"}
-        num_planes = 2 if bits == 4 else 1
-        plane_dim = args.head_dim // num_planes
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
         block_d = pa._block_d(args.head_dim)
-        constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, "PLANE_DIM": plane_dim, "NUM_PLANES": num_planes,
-                      "BLOCK_C": max(16, pa._block_d(plane_dim)), "BITS": bits, "BLOCK_G": 16,
-                      "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False,
+        constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
+                      "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": False,
                       "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
