@@ -265,11 +265,17 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
             raise KernelError(f"{name}: {tensor_name} is on {tensor.device} but the pages are on {pages.device}")
 
 
-def _check_kernel_head_dim(name: str, head_dim: int) -> None:
+def _check_kernel_head_dim(name: str, head_dim: int, bits: int) -> None:
     if head_dim < 16:
         raise KernelError(
             f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
             "pass use_reference=True to use the plain-torch path"
+        )
+    num_planes = plane_layout(bits, head_dim)["NUM_PLANES"]
+    if head_dim % num_planes:
+        raise KernelError(
+            f"{name}: the Triton kernel reads INT{bits} heads in {num_planes} planes, so head_dim must be a "
+            f"multiple of {num_planes}, got {head_dim}; pass use_reference=True to use the plain-torch path"
         )
 
 
@@ -281,12 +287,12 @@ def _block_d(head_dim: int) -> int:
 
 
 def plane_layout(bits: int, head_dim: int) -> dict:
-    """How the kernels split a head's columns: INT4 into its low and high nibbles and INT8 into
-    the low and high bytes of its 16-bit pairs (elements 2i and 2i + 1, each plane half the
-    head), FP16 into one plane."""
-    num_planes = 1 if bits == 16 else 2
+    """How the kernels split a head's columns: quantized heads are read as 16-bit words, INT8's
+    split into two planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into
+    four (their nibbles: elements 4i to 4i + 3); FP16 heads are one plane."""
+    num_planes = {16: 1, 8: 2, 4: 4}[bits]
     plane_dim = head_dim // num_planes
-    # tl.dot needs at least 16 columns: head sizes 16 to 31 pad the half-head planes.
+    # tl.dot needs at least 16 columns: small heads pad their planes.
     return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, _block_d(plane_dim))}
 
 
@@ -450,7 +456,7 @@ def paged_decode_attention(
         return torch.empty_like(q)
     if not _use_triton(name, q.device, use_reference):
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
-    _check_kernel_head_dim(name, head_dim)
+    _check_kernel_head_dim(name, head_dim, pages.bits)
     group_size = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
     # Fixed partitions always go through the merge, even as one split, so that a sequence takes
@@ -525,7 +531,7 @@ def paged_prefill_attention(
         return torch.zeros_like(q)
     if not _use_triton(name, q.device, use_reference):
         return paged_prefill_attention_ref(q, pages, block_tables, cu_seqlens_q, context_lens, scale)
-    _check_kernel_head_dim(name, q.shape[2])
+    _check_kernel_head_dim(name, q.shape[2], pages.bits)
 
     num_tokens, num_heads, head_dim = q.shape
     if max_q_len is None:
@@ -619,29 +625,31 @@ if HAS_TRITON:
             constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
-    def _nibble_halves(packed):
-        # uint8 bytes of two INT4 codes as two float16 planes, low nibbles and high, four bytes
-        # at a time: PRMT spreads bytes 0-1 (2-3) over two halves, a mask keeps a nibble under
-        # 0x64 (the high byte of 1024.0), a shift and a logic op bring the high nibble down
-        # under it, and float16-pair subtractions remove the 1024s.
+    def _nibble_halves(words):
+        # uint16 words of four INT4 codes as four float16 planes, nibble p of each word in plane
+        # p, two words at a time: PRMT spreads the words' low bytes (then high bytes) over two
+        # halves, a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a
+        # logic op bring the high nibble down under it, and float16-pair subtractions remove
+        # the 1024s.
         return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 a, b, k;
             mov.b32 k, 0x64006400;
-            prmt.b32 a, $4, k, 0x7170;
-            prmt.b32 b, $4, k, 0x7372;
+            prmt.b32 a, $4, k, 0x7250;
+            prmt.b32 b, $4, k, 0x7351;
             and.b32 $0, a, 0xFF0FFF0F;
-            and.b32 $1, b, 0xFF0FFF0F;
+            and.b32 $2, b, 0xFF0FFF0F;
             shr.b32 a, a, 4;
             shr.b32 b, b, 4;
-            lop3.b32 $2, a, 0x000F000F, k, 0xEA;
+            lop3.b32 $1, a, 0x000F000F, k, 0xEA;
             lop3.b32 $3, b, 0x000F000F, k, 0xEA;
             sub.f16x2 $0, $0, k;
             sub.f16x2 $1, $1, k;
             sub.f16x2 $2, $2, k;
             sub.f16x2 $3, $3, k;
             }""",
-            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
@@ -675,12 +683,12 @@ if HAS_TRITON:
     def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
                        BLOCK_C: tl.constexpr, BITS: tl.constexpr):
         # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
-        # FP16 and INT8 rows of HEAD_DIM elements, INT4 rows of PLANE_DIM bytes), each line of
-        # them. Tokens of pages kept in FP16 are not asked for: their window rows are few.
-        # LINES spans the padded row (BLOCK_C is a power of two, as arange needs); lines past
+        # rows of HEAD_DIM * BITS / 8 bytes), each line of them. Tokens of pages kept in FP16 are
+        # not asked for: their window rows are few. LINES spans the padded row (a plane's
+        # BLOCK_C columns are a power of two of 16-bit elements, as arange needs); lines past
         # the row (MLA's 576-wide heads) ask for its last line again.
-        ROW_BYTES: tl.constexpr = HEAD_DIM * 2 if BITS == 16 else HEAD_DIM if BITS == 8 else PLANE_DIM
-        SPAN: tl.constexpr = BLOCK_C if BITS == 4 else BLOCK_C * 2
+        ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
+        SPAN: tl.constexpr = BLOCK_C * 2
         LINES: tl.constexpr = SPAN // 128 if SPAN > 128 else 1
         line_starts = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
         starts = rows.to(tl.int64)[:, None] * ROW_BYTES + line_starts[None, :]  # [BLOCK_N, LINES]
@@ -701,103 +709,140 @@ if HAS_TRITON:
         return mask_n, rows, window_page, window_rows
 
     @triton.jit
+    def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
+                      NUM_PLANES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+        # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
+        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
+        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
+        return tl.where(is_window[:, None], kept.to(plane.dtype), plane)
+
+    @triton.jit
     def _load_operands(
         cache_ptr, scale, zero, window_ptr, rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
         BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ):
-        # One K or V tile as the dots take it: (plane0, plane1, scale, zero), the planes
-        # [BLOCK_N, BLOCK_C] in DOT_DTYPE and the float32 scale and zero [BLOCK_N] (the tile's
-        # as _tile_scales loads them, window tokens set to 1 and 0) such that a value is
-        # (plane - zero) * scale. rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
-        # FP16 pages: one plane of values (scale and zero are not used). INT8 and INT4: two
-        # planes of codes (exact in float16), elements 2i and 2i + 1: the low and high bytes of
-        # 16-bit pairs, or the low and high nibbles of bytes, so no code moves between columns. Tokens of pages kept in FP16
-        # come from the window with scale 1 and zero 0. Masked rows come back as 0.
+        # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
+        # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
+        # the first ones) and the float32 scale and zero [BLOCK_N] (the tile's as _tile_scales
+        # loads them, window tokens set to 1 and 0) such that a value is (plane - zero) * scale.
+        # rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
+        # FP16 pages: one plane of values (scale and zero are not used). INT8 and INT4: codes
+        # (exact in float16) read as 16-bit words, a plane per byte or nibble of the word, so no
+        # code moves between columns and the tiles move through shared memory into the dots'
+        # operand layouts a word at a time (read as bytes, they were gathered a byte at a time).
+        # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0. Masked rows
+        # come back as 0.
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
-        if HAS_WINDOW:
-            is_window = mask_n & (window_page >= 0)
         if BITS == 16:
             plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
             plane1 = plane0
+            plane2 = plane0
+            plane3 = plane0
         else:
+            words = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
+                               PLANE_DIM, BLOCK_C)
             if BITS == 8:
-                # 16-bit pairs of codes: tiles of 16-bit elements move through shared memory
-                # and into the dots' operand layouts a pair at a time, not a byte at a time.
-                pairs = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
-                                   PLANE_DIM, BLOCK_C)
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1 = _pair_halves(pairs)
+                    plane0, plane1 = _pair_halves(words)
                 else:
-                    plane0 = _code_values(pairs & 255, DOT_DTYPE)
-                    plane1 = _code_values(pairs >> 8, DOT_DTYPE)
+                    plane0 = _code_values(words & 255, DOT_DTYPE)
+                    plane1 = _code_values(words >> 8, DOT_DTYPE)
             else:
-                packed = _load_rows(cache_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C)
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1 = _nibble_halves(packed)
+                    plane0, plane1, plane2, plane3 = _nibble_halves(words)
                 else:
-                    plane0 = _code_values(packed & 15, DOT_DTYPE)
-                    plane1 = _code_values(packed >> 4, DOT_DTYPE)
+                    plane0 = _code_values(words & 15, DOT_DTYPE)
+                    plane1 = _code_values((words >> 4) & 15, DOT_DTYPE)
+                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE)
+                    plane3 = _code_values(words >> 12, DOT_DTYPE)
             if HAS_WINDOW:
-                cols = _plane_channels(offs_c, 0, NUM_PLANES)
-                kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
-                plane0 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane0)
-                if NUM_PLANES == 2:
-                    cols = _plane_channels(offs_c, 1, 2)
-                    kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
-                    plane1 = tl.where(is_window[:, None], kept.to(DOT_DTYPE), plane1)
+                is_window = mask_n & (window_page >= 0)
+                plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM,
+                                       PLANE_DIM, BLOCK_C)
+                plane1 = _window_plane(plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM,
+                                       PLANE_DIM, BLOCK_C)
+                if NUM_PLANES == 4:
+                    plane2 = _window_plane(plane2, window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES,
+                                           HEAD_DIM, PLANE_DIM, BLOCK_C)
+                    plane3 = _window_plane(plane3, window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES,
+                                           HEAD_DIM, PLANE_DIM, BLOCK_C)
                 scale = tl.where(is_window, 1.0, scale)
                 zero = tl.where(is_window, 0.0, zero)
-        return plane0, plane1, scale, zero
+            if BITS == 8:
+                plane2 = plane0
+                plane3 = plane1
+        return plane0, plane1, plane2, plane3, scale, zero
 
     @triton.jit
     def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
                            NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
-        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes, and
-        # their float32 sums over all columns [R].
+        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes (q0 to
+        # q3; those past NUM_PLANES repeat q0), and their float32 sums over all columns [R].
         offs_c = tl.arange(0, BLOCK_C)
         mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
         q0 = tl.load(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :], mask=mask, other=0.0)
         q_sum = tl.sum(q0.to(tl.float32), axis=1)
         q1 = q0
-        if NUM_PLANES == 2:
-            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, 2)[None, :], mask=mask, other=0.0)
+        q2 = q0
+        q3 = q0
+        if NUM_PLANES >= 2:
+            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, NUM_PLANES)[None, :], mask=mask, other=0.0)
             q_sum += tl.sum(q1.to(tl.float32), axis=1)
-        return q0, q1, q_sum
+        if NUM_PLANES == 4:
+            q2 = tl.load(row_ptrs + _plane_channels(offs_c, 2, NUM_PLANES)[None, :], mask=mask, other=0.0)
+            q3 = tl.load(row_ptrs + _plane_channels(offs_c, 3, NUM_PLANES)[None, :], mask=mask, other=0.0)
+            q_sum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
+        return q0, q1, q2, q3, q_sum
 
     @triton.jit
-    def _store_planes(row_ptrs, result0, result1, mask_rows, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+    def _store_plane(row_ptrs, result, mask, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
+        tl.store(row_ptrs + _plane_channels(offs_c, PLANE, NUM_PLANES)[None, :],
+                 result.to(row_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _store_planes(row_ptrs, result0, result1, result2, result3, mask_rows, PLANE_DIM: tl.constexpr,
+                      NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
         # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
         offs_c = tl.arange(0, BLOCK_C)
         mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        tl.store(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :],
-                 result0.to(row_ptrs.dtype.element_ty), mask=mask)
-        if NUM_PLANES == 2:
-            tl.store(row_ptrs + _plane_channels(offs_c, 1, 2)[None, :],
-                     result1.to(row_ptrs.dtype.element_ty), mask=mask)
+        _store_plane(row_ptrs, result0, mask, offs_c, 0, NUM_PLANES)
+        if NUM_PLANES >= 2:
+            _store_plane(row_ptrs, result1, mask, offs_c, 1, NUM_PLANES)
+        if NUM_PLANES == 4:
+            _store_plane(row_ptrs, result2, mask, offs_c, 2, NUM_PLANES)
+            _store_plane(row_ptrs, result3, mask, offs_c, 3, NUM_PLANES)
+
+    @triton.jit
+    def _accumulate(acc, alpha, w, v, zero_term, v_max):
+        # acc rescaled for a new row maximum, plus w . (codes - zero) * v_max (see _attend_tile).
+        return acc * alpha[:, None] + (tl.dot(w, v, input_precision="ieee") - zero_term) * v_max
 
     @triton.jit
     def _attend_tile(
-        q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
+        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
         k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
         k_scale, k_zero, v_scale, v_zero,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
         BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     ):
-        # One K/V tile of the online softmax of query rows q0/q1 (planes [R, BLOCK_C], q_sum [R]
-        # their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0, acc1).
+        # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
+        # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
         # V's loads are issued before the QK dot so that both tiles are in flight together.
-        k0, k1, k_scale, k_zero = _load_operands(
+        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
             k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
             HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
-        v0, v1, v_scale, v_zero = _load_operands(
+        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
             v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
             HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
         qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
-        if NUM_PLANES == 2:
+        if NUM_PLANES >= 2:
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
+        if NUM_PLANES == 4:
+            qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+            qk = tl.dot(q3, tl.trans(k3), qk, input_precision="ieee")
         if BITS == 16:
             scores = qk * scale_log2
         else:
@@ -820,10 +865,12 @@ if HAS_TRITON:
             v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
             w = (p * v_scale[None, :] / v_max).to(q0.dtype)
             zero_term = tl.sum(w.to(tl.float32) * v_zero[None, :], axis=1)[:, None]
-            acc0 = acc0 * alpha[:, None] + (tl.dot(w, v0, input_precision="ieee") - zero_term) * v_max
-            if NUM_PLANES == 2:
-                acc1 = acc1 * alpha[:, None] + (tl.dot(w, v1, input_precision="ieee") - zero_term) * v_max
-        return m_new, l_i, acc0, acc1
+            acc0 = _accumulate(acc0, alpha, w, v0, zero_term, v_max)
+            acc1 = _accumulate(acc1, alpha, w, v1, zero_term, v_max)
+            if NUM_PLANES == 4:
+                acc2 = _accumulate(acc2, alpha, w, v2, zero_term, v_max)
+                acc3 = _accumulate(acc3, alpha, w, v3, zero_term, v_max)
+        return m_new, l_i, acc0, acc1, acc2, acc3
 
     # Neither the table's width nor the batch's partition count picks a compiled variant.
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -867,12 +914,14 @@ if HAS_TRITON:
         heads = kv_head * group_size + offs_g
         # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
-        q0, q1, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
+        q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # the second plane (elements 2i + 1); unused for FP16
+        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
+        acc2 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+        acc3 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
         # A tile's rows and scales are loaded during the tile before it: at two bytes per token
         # the scales are too narrow for the compiler to pipeline, and waiting for them in
@@ -886,8 +935,8 @@ if HAS_TRITON:
             next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
                 k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_window_page, next_mask,
                 BITS, HAS_WINDOW)
-            m_i, l_i, acc0, acc1 = _attend_tile(
-                q0, q1, q_sum, m_i, l_i, acc0, acc1, mask_n[None, :], scale_log2,
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, mask_n[None, :], scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
                 k_scale, k_zero, v_scale, v_zero,
                 HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
@@ -898,14 +947,16 @@ if HAS_TRITON:
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
         result0 = acc0 / denominator
         result1 = acc1 / denominator
+        result2 = acc2 / denominator
+        result3 = acc3 / denominator
         head_rows = seq.to(tl.int64) * num_kv_heads * group_size + heads  # [BLOCK_G]
         if IS_SPLIT:
             # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
             lse_offs = head_rows * num_splits + split
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
-            _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, mask_g,
-                          PLANE_DIM, NUM_PLANES, BLOCK_C)
+            _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, result2, result3,
+                          mask_g, PLANE_DIM, NUM_PLANES, BLOCK_C)
             if IS_FUSED:
                 # The last of the sequence's partitions of this KV head to finish merges them.
                 # The CTA barrier puts every thread's partial stores before the count, whose
@@ -923,7 +974,7 @@ if HAS_TRITON:
                                       num_splits, num_parts, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
                     tl.store(counter, 0)
         else:
-            _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, mask_g,
+            _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, result2, result3, mask_g,
                           PLANE_DIM, NUM_PLANES, BLOCK_C)
 
     @triton.jit
@@ -1012,8 +1063,8 @@ if HAS_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = (q_positions >= num_cached) & (q_positions < context_len)
         token_rows = (q_start + q_positions - num_cached).to(tl.int64)
-        q0, q1, q_sum = _load_query_planes(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m,
-                                           HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
+        q0, q1, q2, q3, q_sum = _load_query_planes(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh,
+                                                   mask_m, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
 
         # K/V up to the last query of this tile (causal); none when the tile has no new token.
         end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -1022,7 +1073,9 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # the second plane (elements 2i + 1); unused for FP16
+        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
+        acc2 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
@@ -1032,12 +1085,13 @@ if HAS_TRITON:
             k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
                                                             window_page, mask_n, BITS, HAS_WINDOW)
             is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
-            m_i, l_i, acc0, acc1 = _attend_tile(
-                q0, q1, q_sum, m_i, l_i, acc0, acc1, is_visible, scale_log2,
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
                 k_scale, k_zero, v_scale, v_zero,
                 HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
 
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, acc0 / denominator,
-                      acc1 / denominator, mask_m, PLANE_DIM, NUM_PLANES, BLOCK_C)
+                      acc1 / denominator, acc2 / denominator, acc3 / denominator, mask_m, PLANE_DIM, NUM_PLANES,
+                      BLOCK_C)

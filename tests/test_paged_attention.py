@@ -263,6 +263,18 @@ def test_attention_rejects_bad_inputs():
         paged_prefill_attention(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 1.0)
 
 
+def test_int4_heads_not_a_multiple_of_four_go_to_the_reference():
+    """The kernels read INT4 heads as 16-bit words of four codes: a head of 18 elements is
+    refused with the way out named, and the reference path reads it."""
+    case = PagedCase("int4", torch.float32, 8, 2, 18, [5, 9], seed=14)
+    q = torch.randn(2, TINY_HEADS, 18, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    args = (q, case.pages, case.block_tables, case.context_lens_t, 18**-0.5)
+    with pytest.raises(KernelError, match="multiple of 4.*use_reference=True"):
+        paged_decode_attention(*args)
+    out = paged_decode_attention(*args, use_reference=True)
+    assert _report("decode int4 head 18, reference", out, paged_decode_attention_ref(*args)) == 0.0
+
+
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_pages_kept_in_fp16_are_read_unquantized(precision):
     # Kernels and references against dense attention over the FP16 values of the kept
