@@ -132,12 +132,14 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
     if _has_async_copies(device):
         # Measured on an H200 at 128K tokens x 8 sequences (scripts/bench_paged_attention.py
-        # --sweep, docs/performance.md): two pipeline stages beat three at every precision,
-        # and INT8 codes, whose byte-wise tiles cost the most instructions per token, are read
-        # fastest in 128-token tiles over 8 warps (a quarter less time than 64 over 4).
-        num_stages = 2
-        if bits == 8:
-            block_n, num_warps = 2 * block_n, 8
+        # --sweep, docs/performance.md): FP16 pages are read fastest in 64-token tiles with two
+        # pipeline stages; INT8 and INT4 codes, read as 16-bit words, in 128-token tiles over
+        # 4 warps with three stages (18% and 13% less time than the tiles they had before:
+        # 128 tokens over 8 warps and 64 over 4, both in two stages).
+        if bits == 16:
+            num_stages = 2
+        else:
+            block_n = 2 * block_n
     # Merging up to 16 partial rows per head in the last program costs less than a second launch.
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
                         max_fused_splits=16)
