@@ -131,15 +131,15 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     block_d = _block_d(head_dim)
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
     if _has_async_copies(device):
-        # Measured on an H200 at 128K tokens x 8 sequences (scripts/bench_paged_attention.py
-        # --sweep, docs/performance.md): FP16 pages are read fastest in 64-token tiles with two
-        # pipeline stages; INT8 and INT4 codes, read as 16-bit words, in 128-token tiles over
-        # 4 warps with three stages (18% and 13% less time than the tiles they had before:
-        # 128 tokens over 8 warps and 64 over 4, both in two stages).
-        if bits == 16:
-            num_stages = 2
-        else:
+        # Measured on an H200 (scripts/bench_paged_attention.py, docs/performance.md): FP16
+        # pages and INT4 codes are read fastest in 64-token tiles with two pipeline stages;
+        # INT8 codes, read as 16-bit pairs, in 128-token tiles over 4 warps with three stages
+        # (faster at every context and batch measured, 18% at 128K tokens x 8). INT4's codes
+        # in those tiles were up to 11% faster in some rows and up to 13% slower in others.
+        if bits == 8:
             block_n = 2 * block_n
+        else:
+            num_stages = 2
     # Merging up to 16 partial rows per head in the last program costs less than a second launch.
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
                         max_fused_splits=16)
