@@ -41,12 +41,13 @@ every element first made the quantized pages slower to read than FP16 ones of
 twice their size. A code becomes a float without an integer-to-float conversion
 instruction (those run at a quarter of the float rate or less): OR-ed into the
 mantissa of 1024.0 it reads as 1024 + code, and one float16 add removes the 1024.
-Quantized heads are split into two half-width planes, elements 2i and 2i + 1, so
-that no code moves between columns: INT4's low and high nibbles, and INT8's low
-and high bytes of 16-bit pairs. INT8 tiles read as 16-bit pairs move through
-shared memory into the dots' operand layouts a pair at a time; read as bytes, the
-compiled loop gathered each operand a byte at a time and ran 35% more
-instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
+Quantized heads are read as 16-bit words and split into planes so that no code
+moves between columns: INT8's low and high bytes (elements 2i and 2i + 1, two
+planes of half the head) and INT4's four nibbles (elements 4i to 4i + 3, four
+planes of a quarter). Tiles of whole 16-bit elements move through shared memory
+into the dots' operand layouts as FP16 tiles do; read as bytes, each operand was
+gathered a byte at a time and the compiled loop ran 35% (INT8) and 26% (INT4)
+more instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0.
 
