@@ -16,10 +16,13 @@ the default partitioning, with 8, 16 and 32 partitions, merged in the decode ker
 `max_fused_splits`) and reports the best; about four minutes on an H200, most of it
 compiling.
 
---precisions, --contexts and --batches (comma-separated) pick the rows.
+--precisions, --contexts and --batches (comma-separated) pick the rows. --window-tokens N
+keeps each sequence's pages holding its last N tokens in FP16 beside INT8/INT4 codes, as the
+KV pool does when the controller compresses (the profiles' kv_recent_fp16_tokens, 64): the
+kernels then read those pages' FP16 copies instead of their codes.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--json results.json]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from lowvram.kernels.paged_attention import (
     paged_decode_attention,
     plan_decode_partitions,
 )
+from lowvram.kv_pool import recent_window_blocks
 from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
@@ -135,16 +139,19 @@ class Setup:
     q: torch.Tensor
 
     @classmethod
-    def make(cls, precision: str, context_len: int, batch_size: int) -> Setup:
+    def make(cls, precision: str, context_len: int, batch_size: int, window_tokens: int = 0) -> Setup:
         generator = torch.Generator(device="cuda").manual_seed(0)
         blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
-        bytes_read = batch_size * context_len * _bytes_per_token(precision)
+        bytes_read = kv_bytes_read(precision, context_len, batch_size, window_tokens)
         copies = _copies(bytes_read)
         num_blocks = copies * batch_size * blocks_per_seq
         pages = random_pages(precision, num_blocks, generator)
         # Scattered blocks, as a long-running pool hands them out.
         order = torch.randperm(num_blocks, device="cuda", generator=generator).to(torch.int32)
-        tables = [t.contiguous() for t in order.view(copies, batch_size, blocks_per_seq)]  # [S, max_blocks] each
+        by_sequence = order.view(copies, batch_size, blocks_per_seq)
+        tables = [t.contiguous() for t in by_sequence]  # [S, max_blocks] each
+        if pages.is_quantized and (window_blocks := window_pages(context_len, window_tokens)):
+            keep_in_fp16(pages, by_sequence[..., blocks_per_seq - window_blocks:].flatten(), generator)
         context_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device="cuda")
         q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
         return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
@@ -169,6 +176,35 @@ def _bytes_per_token(precision: str) -> int:
     return 2 * NUM_KV_HEADS * per_head
 
 
+def keep_in_fp16(pages, blocks: torch.Tensor, generator: torch.Generator) -> None:
+    """Give quantized `pages` FP16 copies of `blocks` (random values), as the KV pool's window
+    holds them: the kernels read those copies instead of the blocks' codes."""
+    device = pages.k.device
+    shape = (len(blocks), *pages.k.shape[1:3], pages.head_dim)
+    pages.window_k = torch.randn(shape, device=device, dtype=torch.float16, generator=generator)
+    pages.window_v = torch.randn(shape, device=device, dtype=torch.float16, generator=generator)
+    pages.window_row = torch.full((pages.k.shape[0],), -1, dtype=torch.int32, device=device)
+    pages.window_row[blocks.long()] = torch.arange(len(blocks), dtype=torch.int32, device=device)
+
+
+def window_pages(context_len: int, window_tokens: int) -> int:
+    """Pages of a sequence that the KV pool keeps in FP16 for its last `window_tokens` tokens
+    (whole pages: the last ones of its block table)."""
+    blocks = range(math.ceil(context_len / BLOCK_SIZE))
+    return len(recent_window_blocks([(blocks, context_len)], window_tokens, BLOCK_SIZE))
+
+
+def kv_bytes_read(precision: str, context_len: int, batch_size: int, window_tokens: int = 0) -> int:
+    """Bytes one decode-attention call reads for its K/V: codes, scales and zeros of the tokens
+    outside the FP16 window, FP16 values of those inside it (INT8/INT4 pages only)."""
+    kept = 0
+    if precision != "fp16":  # the tokens on the window's pages: from its first page to the end
+        first_kept_page = math.ceil(context_len / BLOCK_SIZE) - window_pages(context_len, window_tokens)
+        kept = context_len - first_kept_page * BLOCK_SIZE
+    per_sequence = (context_len - kept) * _bytes_per_token(precision) + kept * _bytes_per_token("fp16")
+    return batch_size * per_sequence
+
+
 def _l2_bytes() -> int:
     return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 << 20
 
@@ -177,9 +213,11 @@ def _copies(bytes_per_call: int) -> int:
     return min(MAX_COPIES, max(1, math.ceil(4 * _l2_bytes() / bytes_per_call)))
 
 
-def fits_in_memory(precision: str, context_len: int, batch_size: int) -> bool:
+def fits_in_memory(precision: str, context_len: int, batch_size: int, window_tokens: int = 0) -> bool:
     free_bytes, _ = torch.cuda.mem_get_info()
     per_call = batch_size * context_len * _bytes_per_token(precision)
+    if precision != "fp16":  # the FP16 copies of the window's pages, beside their codes
+        per_call += batch_size * window_pages(context_len, window_tokens) * BLOCK_SIZE * _bytes_per_token("fp16")
     return _copies(per_call) * per_call * 2 < free_bytes * 0.5
 
 
@@ -286,7 +324,11 @@ def main() -> int:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated page precisions")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXT_LENS)), help="comma-separated context lengths")
     parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)), help="comma-separated batch sizes")
+    parser.add_argument("--window-tokens", type=int, default=0,
+                        help="keep each sequence's last N tokens' pages in FP16 beside INT8/INT4 codes (default 0)")
     args = parser.parse_args()
+    if args.window_tokens < 0:
+        parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
     precisions = args.precisions.split(",")
     if unknown := set(precisions) - set(PRECISIONS):
         parser.error(f"--precisions: {', '.join(sorted(unknown))} not among {', '.join(PRECISIONS)}")
@@ -313,12 +355,12 @@ def main() -> int:
     print(header)
     rows = []
     for precision, context_len, batch_size in itertools.product(precisions, context_lens, batch_sizes):
-        if not fits_in_memory(precision, context_len, batch_size):
+        if not fits_in_memory(precision, context_len, batch_size, args.window_tokens):
             print(f"{precision:>9} {context_len:>7} {batch_size:>5}  skipped: not enough free memory")
             continue
-        bytes_read = batch_size * context_len * _bytes_per_token(precision)
+        bytes_read = kv_bytes_read(precision, context_len, batch_size, args.window_tokens)
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
-        setup = Setup.make(precision, context_len, batch_size)
+        setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
             row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep)
             rows.append(row)
@@ -327,21 +369,23 @@ def main() -> int:
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
         if args.json:
             # After every setup, so a run stopped by a time limit keeps what it measured.
-            write_json(args.json, metadata, rows, copy_gbs, args.sweep, is_complete=False)
+            write_json(args.json, metadata, rows, copy_gbs, args.sweep, args.window_tokens, is_complete=False)
     print(f"{time.perf_counter() - started_s:.0f} s")
     if args.json:
-        write_json(args.json, metadata, rows, copy_gbs, args.sweep, is_complete=True)
+        write_json(args.json, metadata, rows, copy_gbs, args.sweep, args.window_tokens, is_complete=True)
         print(f"wrote {args.json}")
     return 0
 
 
-def write_json(path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, is_complete: bool) -> None:
+def write_json(path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, window_tokens: int,
+               is_complete: bool) -> None:
     """The record: `metadata` (lowvram.bench_record.run_metadata, taken once per run), then the rows."""
     result = {
         **metadata,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
         "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,
+        "window_tokens": window_tokens,
         "sweep_configs": [dataclasses.asdict(config) for config in sweep_configs()] if sweep else None,
         "is_complete": is_complete,
         "rows": rows,
