@@ -299,10 +299,6 @@ def plane_layout(bits: int, head_dim: int) -> dict:
     return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, _block_d(plane_dim))}
 
 
-def _plane_layout(pages: KVPages) -> dict:
-    return plane_layout(pages.bits, pages.head_dim)
-
-
 def _tile_rows(block_d: int, rows: int) -> int:
     # Wide rows shrink the tiles so q, K and V tiles fit shared memory and the
     # float32 accumulator fits registers.
@@ -484,7 +480,7 @@ def paged_decode_attention(
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
         BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
@@ -553,7 +549,7 @@ def paged_prefill_attention(
         scale * _LOG2_E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         pages.num_kv_heads, num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **_plane_layout(pages), BITS=pages.bits,
+        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window, WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
@@ -683,8 +679,8 @@ if HAS_TRITON:
         return k_scale, k_zero, v_scale, v_zero
 
     @triton.jit
-    def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BITS: tl.constexpr):
+    def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BITS: tl.constexpr):
         # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
         # rows of HEAD_DIM * BITS / 8 bytes), each line of them. Tokens of pages kept in FP16 are
         # not asked for: their window rows are few. LINES spans the padded row (a plane's
@@ -909,7 +905,7 @@ if HAS_TRITON:
         mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
                                                              window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
         if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
-            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, PLANE_DIM, BLOCK_C, BITS)
+            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, BLOCK_C, BITS)
         await_inputs(PDL)
 
         offs_g = tl.arange(0, BLOCK_G)
