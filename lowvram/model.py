@@ -56,9 +56,9 @@ class RMSNorm(nn.Module):
                          rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual): add_and_norm, then proj; one kernel when proj
         can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU).
-        `rope_kv` (Attention.fused_rope_kv, which gives one only where this fuses) finishes a
-        q/k/v projection with RoPE and the KV store in the same kernel."""
-        if fuses_input(proj, x, self):
+        `rope_kv` (Attention.fused_rope_kv, which gives one only where this fuses, having asked
+        fuses_input already) finishes a q/k/v projection with RoPE and the KV store in the same kernel."""
+        if rope_kv is not None or fuses_input(proj, x, self):
             return proj.forward_normed(x, residual, self.weight, self.eps, rope_kv=rope_kv)
         normed, residual = self.add_and_norm(x, residual)
         return proj(normed), residual
