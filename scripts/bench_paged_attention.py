@@ -56,10 +56,11 @@ PARTITIONINGS = ("auto", "invariant")  # plan_decode_partitions' default, or INV
 TARGET_FRACTION = 0.60
 MAX_COPIES = 16  # calls per timed graph
 REPLAYS = 20
-# --sweep: 12 tile configurations per row with the merge kernel, then the best of them with the
+# --sweep: 18 tile configurations per row with the merge kernel, then the best of them with the
 # merge in the decode kernel; each is compiled once per precision, which is most of the time.
+# Two warps split a tile's tokens in two, so its row reductions cross one warp boundary, not three.
 SWEEP_BLOCK_N = (32, 64, 128)
-SWEEP_NUM_WARPS = (4, 8)
+SWEEP_NUM_WARPS = (2, 4, 8)
 SWEEP_NUM_STAGES = (2, 3)
 ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
 SWEEP_NUM_SPLITS = (8, 16, 32)  # forced partition counts for the default partitioning
