@@ -757,8 +757,10 @@ if HAS_TRITON:
                     plane1 = _code_values((words >> 4) & 15, DOT_DTYPE)
                     plane2 = _code_values((words >> 8) & 15, DOT_DTYPE)
                     plane3 = _code_values(words >> 12, DOT_DTYPE)
-            if HAS_WINDOW:
-                is_window = mask_n & (window_page >= 0)
+            # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
+            # read the window; the others skip its loads.
+            is_window = mask_n & (window_page >= 0) if HAS_WINDOW else mask_n & False
+            if HAS_WINDOW and tl.max(is_window.to(tl.int32), axis=0) > 0:
                 plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM,
                                        PLANE_DIM, BLOCK_C)
                 plane1 = _window_plane(plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM,
