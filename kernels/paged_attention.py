@@ -663,19 +663,19 @@ if HAS_TRITON:
         return mask_n
 
     @triton.jit
-    def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, window_page, mask_n,
-                     BITS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-        # The float32 scales and zeros of a tile's tokens [BLOCK_N] each: (k_scale, k_zero,
-        # v_scale, v_zero), 0 for masked tokens and those of pages kept in FP16 (which
-        # _load_operands then reads with scale 1); unused zeros for FP16 pages.
+    def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS: tl.constexpr):
+        # The scales and zeros of a tile's tokens [BLOCK_N] each, as stored: (k_scale, k_zero,
+        # v_scale, v_zero), 0 for masked tokens; unused float32 zeros for FP16 pages. Tokens of
+        # pages kept in FP16 get their codes' scales, which _load_operands replaces. _attend_tile
+        # takes them to float32, so that the loads have a tile's time to arrive.
         if BITS == 16:
             k_scale = tl.zeros(mask_n.shape, tl.float32)
-            return k_scale, k_scale, k_scale, k_scale
-        mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
-        k_scale = tl.load(k_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
-        k_zero = tl.load(k_zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
-        v_scale = tl.load(v_scale_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
-        v_zero = tl.load(v_zero_ptr + rows, mask=mask_codes, other=0.0).to(tl.float32)
+            k_zero, v_scale, v_zero = k_scale, k_scale, k_scale
+        else:
+            k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0)
+            k_zero = tl.load(k_zero_ptr + rows, mask=mask_n, other=0.0)
+            v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+            v_zero = tl.load(v_zero_ptr + rows, mask=mask_n, other=0.0)
         return k_scale, k_zero, v_scale, v_zero
 
     @triton.jit
@@ -695,17 +695,29 @@ if HAS_TRITON:
         prefetch_l2_lines(v_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
 
     @triton.jit
-    def _token_rows(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr,
+    def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
+        # The pages of the tokens at `positions` (0 past `end`), as the block table holds them.
+        return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
+
+    @triton.jit
+    def _block_rows(blocks, positions, end, kv_head, num_kv_heads, window_row_ptr,
                     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
-        # Where the tokens at `positions` (those below `end`) live: (mask, rows, window_page,
-        # window_rows), rows = slot * num_kv_heads + kv_head in the page arrays (see _window_rows
-        # for the FP16 window).
+        # Where the tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks)
+        # live: (mask, rows, window_page, window_rows), rows = slot * num_kv_heads + kv_head in
+        # the page arrays (see _window_rows for the FP16 window).
         mask_n = positions < end
-        block = _wide(tl.load(table_row + positions // PAGE_SIZE, mask=mask_n, other=0), WIDE_OFFSETS)
+        block = _wide(blocks, WIDE_OFFSETS)
         rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
         window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
                                                 PAGE_SIZE, HAS_WINDOW)
         return mask_n, rows, window_page, window_rows
+
+    @triton.jit
+    def _token_rows(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr,
+                    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+        # _block_rows of the tokens at `positions`, their pages read from the table now.
+        return _block_rows(_table_blocks(table_row, positions, end, PAGE_SIZE), positions, end, kv_head,
+                           num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
     @triton.jit
     def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
@@ -832,6 +844,8 @@ if HAS_TRITON:
         # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
         # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
         # V's loads are issued before the QK dot so that both tiles are in flight together.
+        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
+        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
         k0, k1, k2, k3, k_scale, k_zero = _load_operands(
             k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
             HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
@@ -924,18 +938,21 @@ if HAS_TRITON:
         acc2 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
         acc3 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
         # Each tile starts below `end`, so every row sees a finite score in the first tile.
-        # A tile's rows and scales are loaded during the tile before it: at two bytes per token
-        # the scales are too narrow for the compiler to pipeline, and waiting for them in
-        # every tile left the quantized pages' programs idle.
+        # The loads that address a tile run ahead of it, each a tile before the loads that
+        # need it: its page numbers two tiles ahead, its scales and the window's tags one tile
+        # ahead (at two bytes per token the scales are too narrow for the compiler to
+        # pipeline). Used in the tile that loaded them, they left the programs waiting on
+        # memory every tile.
         k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
-                                                        window_page, mask_n, BITS, HAS_WINDOW)
+                                                        mask_n, BITS)
+        next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
         for tile_start in range(start, end, BLOCK_N):
-            next_mask, next_rows, next_window_page, next_window_rows = _token_rows(
-                table_row, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
+            next_mask, next_rows, next_window_page, next_window_rows = _block_rows(
+                next_blocks, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
                 PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
             next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_window_page, next_mask,
-                BITS, HAS_WINDOW)
+                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS)
+            next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                 q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, mask_n[None, :], scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
@@ -1084,7 +1101,7 @@ if HAS_TRITON:
             mask_n, rows, window_page, window_rows = _token_rows(table_row, positions, end, kv_head, num_kv_heads,
                                                                  window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
             k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
-                                                            window_page, mask_n, BITS, HAS_WINDOW)
+                                                            mask_n, BITS)
             is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                 q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
