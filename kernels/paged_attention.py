@@ -132,15 +132,17 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     block_d = _block_d(head_dim)
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
     if _has_async_copies(device):
-        # Measured on an H200 (scripts/bench_paged_attention.py, docs/performance.md): FP16
-        # pages and INT4 codes are read fastest in 64-token tiles with two pipeline stages;
-        # INT8 codes, read as 16-bit pairs, in 128-token tiles over 4 warps with three stages
-        # (faster at every context and batch measured, 18% at 128K tokens x 8). INT4's codes
-        # in those tiles were up to 11% faster in some rows and up to 13% slower in others.
-        if bits == 8:
-            block_n = 2 * block_n
-        else:
+        # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md):
+        # FP16 pages are read fastest in 64-token tiles over 4 warps with two pipeline stages;
+        # INT8 and INT4 codes in 64-token tiles over 2 warps with three stages, whose row
+        # reductions cross one warp boundary rather than three: less time than the 4-warp
+        # tiles before them in every row swept with 8 sequences or 32K+ tokens (INT8 at 128K x
+        # 8: 156.4 µs against 183.8), 0.7-2.5 µs more for one sequence at 8K, where a launch
+        # is latency.
+        if bits == 16:
             num_stages = 2
+        elif block_d <= 128:
+            num_warps = 2
     # Merging up to 16 partial rows per head in the last program costs less than a second launch.
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
                         max_fused_splits=16)
