@@ -564,6 +564,12 @@ if HAS_TRITON:
     # Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
     # interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
     _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+    # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
+    # its codes or its window row (prefill), only those from codes (the decode kernel's main
+    # loop), or only those from the window (its pass over the window's tiles).
+    _MIXED = tl.constexpr(0)
+    _CODES_ONLY = tl.constexpr(1)
+    _KEPT_ONLY = tl.constexpr(2)
 
     @triton.jit
     def _wide(index, WIDE_OFFSETS: tl.constexpr):
@@ -734,7 +740,7 @@ if HAS_TRITON:
     def _load_operands(
         cache_ptr, scale, zero, window_ptr, rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, WINDOW: tl.constexpr,
     ):
         # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
         # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
@@ -745,8 +751,10 @@ if HAS_TRITON:
         # (exact in float16) read as 16-bit words, a plane per byte or nibble of the word, so no
         # code moves between columns and the tiles move through shared memory into the dots'
         # operand layouts a word at a time (read as bytes, they were gathered a byte at a time).
-        # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0. Masked rows
-        # come back as 0.
+        # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0 (WINDOW:
+        # _MIXED), or only the others from their codes (_CODES_ONLY: the window's come back as
+        # 0), or only the window's (_KEPT_ONLY: the others come back as 0). Masked rows come
+        # back as 0.
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         if BITS == 16:
@@ -754,6 +762,21 @@ if HAS_TRITON:
             plane1 = plane0
             plane2 = plane0
             plane3 = plane0
+        elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
+            is_window = mask_n & (window_page >= 0)
+            plane0 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 0, NUM_PLANES), HEAD_DIM,
+                                PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            plane1 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 1, NUM_PLANES), HEAD_DIM,
+                                PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            plane2 = plane0
+            plane3 = plane1
+            if NUM_PLANES == 4:
+                plane2 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 2, NUM_PLANES),
+                                    HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+                plane3 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 3, NUM_PLANES),
+                                    HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            scale = tl.full(mask_n.shape, 1.0, tl.float32)
+            zero = tl.zeros(mask_n.shape, tl.float32)
         else:
             words = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
                                PLANE_DIM, BLOCK_C)
@@ -774,7 +797,7 @@ if HAS_TRITON:
             # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
             # read the window; the others skip its loads.
             is_window = mask_n & (window_page >= 0) if HAS_WINDOW else mask_n & False
-            if HAS_WINDOW and tl.max(is_window.to(tl.int32), axis=0) > 0:
+            if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
                 plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM,
                                        PLANE_DIM, BLOCK_C)
                 plane1 = _window_plane(plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM,
@@ -841,7 +864,7 @@ if HAS_TRITON:
         k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
         k_scale, k_zero, v_scale, v_zero,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,
     ):
         # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
         # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
@@ -850,10 +873,10 @@ if HAS_TRITON:
         v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
         k0, k1, k2, k3, k_scale, k_zero = _load_operands(
             k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW)
         v0, v1, v2, v3, v_scale, v_zero = _load_operands(
             v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype)
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW)
         qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
         if NUM_PLANES >= 2:
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
@@ -867,8 +890,11 @@ if HAS_TRITON:
             scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
         scores = tl.where(is_visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # A row that has seen no token yet (a tile of only window tokens in the codes' pass, or
+        # the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
+        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_seen)
+        p = tl.exp2(scores - m_seen[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if BITS == 16:
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q0.dtype), v0, input_precision="ieee")
@@ -939,29 +965,52 @@ if HAS_TRITON:
         acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
         acc2 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
         acc3 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        # Each tile starts below `end`, so every row sees a finite score in the first tile.
         # The loads that address a tile run ahead of it, each a tile before the loads that
         # need it: its page numbers two tiles ahead, its scales and the window's tags one tile
         # ahead (at two bytes per token the scales are too narrow for the compiler to
         # pipeline). Used in the tile that loaded them, they left the programs waiting on
         # memory every tile.
+        # With an FP16 window, this loop reads every token's codes but the window's, and notes
+        # the first and last tile holding window tokens (per lane, reduced once after it); a
+        # second pass reads the window's tokens of those tiles (as a rule a sequence's last
+        # one or two). Keeping the window's loads out of the main loop keeps its registers
+        # and instructions those of pages without a window.
         k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
                                                         mask_n, BITS)
         next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
+        first_kept = tl.full([BLOCK_N], 2147483647, tl.int32)
+        last_kept = tl.full([BLOCK_N], -1, tl.int32)
         for tile_start in range(start, end, BLOCK_N):
-            next_mask, next_rows, next_window_page, next_window_rows = _block_rows(
+            next_mask, next_rows, next_window_page, _ = _block_rows(
                 next_blocks, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
                 PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
             next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
                 k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS)
             next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
+            is_visible = mask_n
+            if HAS_WINDOW:
+                is_kept = mask_n & (window_page >= 0)
+                is_visible = mask_n & (window_page < 0)
+                first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, 2147483647))
+                last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, -1))
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, mask_n[None, :], scale_log2,
-                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible[None, :], scale_log2,
+                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, rows, mask_n,
                 k_scale, k_zero, v_scale, v_zero,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
-            mask_n, rows, window_page, window_rows = next_mask, next_rows, next_window_page, next_window_rows
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY)
+            mask_n, rows, window_page = next_mask, next_rows, next_window_page
             k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
+        if HAS_WINDOW:
+            for tile_start in range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + 1, BLOCK_N):
+                mask_n, rows, window_page, window_rows = _token_rows(
+                    table_row, tile_start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
+                    HAS_WINDOW, WIDE_OFFSETS)
+                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                    q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
+                    (mask_n & (window_page >= 0))[None, :], scale_log2,
+                    k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                    k_scale, k_zero, v_scale, v_zero,
+                    HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY)
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -1109,7 +1158,7 @@ if HAS_TRITON:
                 q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
                 k_scale, k_zero, v_scale, v_zero,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW)
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _MIXED)
 
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, acc0 / denominator,
