@@ -978,8 +978,10 @@ if HAS_TRITON:
         k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
                                                         mask_n, BITS)
         next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
-        first_kept = tl.full([BLOCK_N], 2147483647, tl.int32)
-        last_kept = tl.full([BLOCK_N], -1, tl.int32)
+        # Bounds that leave the window's pass empty and cannot overflow in the compiler's
+        # pipelined loop (it steps past them): `end` and the tile before `start`.
+        first_kept = tl.zeros([BLOCK_N], tl.int32) + end
+        last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):
             next_mask, next_rows, next_window_page, _ = _block_rows(
                 next_blocks, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
@@ -991,8 +993,8 @@ if HAS_TRITON:
             if HAS_WINDOW:
                 is_kept = mask_n & (window_page >= 0)
                 is_visible = mask_n & (window_page < 0)
-                first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, 2147483647))
-                last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, -1))
+                first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
+                last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                 q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible[None, :], scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, rows, mask_n,
@@ -1001,7 +1003,10 @@ if HAS_TRITON:
             mask_n, rows, window_page = next_mask, next_rows, next_window_page
             k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
         if HAS_WINDOW:
-            for tile_start in range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + 1, BLOCK_N):
+            # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
+            # ahead for tiles past the last.
+            for tile_start in tl.range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + 1, BLOCK_N,
+                                       num_stages=1):
                 mask_n, rows, window_page, window_rows = _token_rows(
                     table_row, tile_start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
                     HAS_WINDOW, WIDE_OFFSETS)
