@@ -49,7 +49,9 @@ into the dots' operand layouts as FP16 tiles do; read as bytes, each operand was
 gathered a byte at a time and the compiled loop ran 35% (INT8) and 26% (INT4)
 more instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
 (`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
-instead of their codes, with scale 1 and zero 0.
+instead of their codes, with scale 1 and zero 0: by the decode kernel in a pass
+of its own over the tiles that hold them, after its main loop over the codes,
+so that the main loop keeps the registers of pages without a window.
 
 The public wrappers check shapes, dtypes and strides, then run the Triton
 kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
