@@ -31,11 +31,12 @@ class PagedCase:
     Unwritten page slots and unused table entries hold NaN / -1, so a kernel that
     reads past a context shows up as NaN or a crash. With `num_window_blocks`, that many
     pages (every third in table order) are also kept in FP16 (`KVPages.window_row`),
-    and their tokens are expected unquantized.
+    and their tokens are expected unquantized; `window_pages_at` names them instead, as
+    (sequence, page of the sequence) pairs.
     """
 
     def __init__(self, precision, dtype, block_size, num_kv_heads, head_dim, context_lens, seed, device=DEVICE,
-                 num_window_blocks=0):
+                 num_window_blocks=0, window_pages_at=()):
         generator = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         self.context_lens = context_lens
@@ -50,6 +51,9 @@ class PagedCase:
                 getattr(self.pages, name).fill_(float("nan"))
         order = torch.randperm(num_blocks, generator=generator)
         window = order[: 3 * num_window_blocks : 3].tolist()
+        if window_pages_at:
+            first_block = [sum(math.ceil(n / block_size) for n in context_lens[:seq]) for seq in range(len(context_lens))]
+            window = [int(order[first_block[seq] + page]) for seq, page in window_pages_at]
         if window:
             shape = (len(window), block_size, num_kv_heads, head_dim)
             self.pages.window_k = torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -304,6 +308,26 @@ def test_pages_kept_in_fp16_are_read_unquantized(precision):
     # The same pages read without the window: only the codes, far from the FP16 values.
     case.pages.window_row.fill_(-1)
     assert _relative_error(paged_decode_attention(*decode_args, num_splits=2), dense) > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_decode_reads_kept_pages_wherever_they_sit(precision):
+    # The decode kernel reads codes in its main loop and the pages kept in FP16 in a pass of
+    # their own over the tiles that hold them: a sequence whose pages are all kept (its main
+    # loop sees no token), one with a kept page mid-context, one with none, in partitions
+    # with and without kept pages (100 tokens in 3 splits: the kept page sits in the first).
+    context_lens = [12, 100, 64]
+    case = PagedCase(precision, torch.float32, 8, 2, TINY_DIM, context_lens, seed=80,
+                     window_pages_at=[(0, 0), (0, 1), (1, 5)])
+    scale = TINY_DIM**-0.5
+    q = torch.randn(3, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(81)).to(DEVICE) * 4.0
+    args = (q, case.pages, case.block_tables, case.context_lens_t, scale)
+    dense = torch.cat([_dense_attention(q[seq : seq + 1], case.k_dense[seq], case.v_dense[seq], scale,
+                                        torch.tensor([n - 1], device=DEVICE))
+                       for seq, n in enumerate(context_lens)])
+    for partitioning in ({"num_splits": 1}, {"num_splits": 3}, {"partition_tokens": 32}):
+        out = paged_decode_attention(*args, **partitioning)
+        assert _report(f"decode {precision} kept pages {partitioning}", out, dense) <= 1e-5
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
