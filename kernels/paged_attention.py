@@ -39,8 +39,10 @@ element: `q . k_j = s_j (q . c_j) - s_j z_j sum(q)` for K and
 `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V. Dequantizing
 every element first made the quantized pages slower to read than FP16 ones of
 twice their size. A code becomes a float without an integer-to-float conversion
-instruction (those run at a quarter of the float rate or less): OR-ed into the
-mantissa of 1024.0 it reads as 1024 + code, and one float16 add removes the 1024.
+instruction (those run at a quarter of the float rate or less): its bits, alone
+in a float16, are the subnormal code * 2**-24, exact, and the tensor cores'
+float32 products and sums of them are exact to float32 rounding; the token's
+scale carries the 2**24 back.
 Quantized heads are read as 16-bit words and split into planes so that no code
 moves between columns: INT8's low and high bytes (elements 2i and 2i + 1, two
 planes of half the head) and INT4's four nibbles (elements 4i to 4i + 3, four
@@ -569,6 +571,8 @@ if HAS_TRITON:
     # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
     # its codes or its window row (prefill), only those from codes (the decode kernel's main
     # loop), or only those from the window (its pass over the window's tiles).
+    # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
+    CODE_UNIT = tl.constexpr(2.0**-24)
     _MIXED = tl.constexpr(0)
     _CODES_ONLY = tl.constexpr(1)
     _KEPT_ONLY = tl.constexpr(2)
@@ -608,54 +612,45 @@ if HAS_TRITON:
     @triton.jit
     def _code_values(codes, DOT_DTYPE: tl.constexpr):
         # Codes 0..255 (any integer type) as exact DOT_DTYPE values without I2F instructions (a
-        # quarter of the float rate or less on NVIDIA GPUs): a code OR-ed into the low mantissa
-        # bits of 1024 (float16, ten mantissa bits) or of 2**23 (float32) makes that power of two
-        # plus the code, exactly: a logic op and a float subtraction, which the float16 pipes run
-        # two at a time.
+        # quarter of the float rate or less on NVIDIA GPUs). In float16 a code's bits are the
+        # subnormal code * 2**-24 (CODE_UNIT), exact, with no instruction at all; the dots'
+        # float32 results come back to codes through the scales (see _load_operands). In
+        # float32 a code OR-ed into the low mantissa bits of 2**23 makes 2**23 + code, exactly,
+        # and a subtraction removes 2**23 (float32 subnormals would vanish in the products).
         if DOT_DTYPE == tl.float16:
-            return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+            return codes.to(tl.int16).to(tl.float16, bitcast=True)
         else:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
     def _pair_halves(pairs):
-        # uint16 pairs of uint8 codes as two float16 planes, the low bytes and the high ones,
-        # two pairs at a time: PRMT puts bytes 0 and 2 (1 and 3) under 0x64, the high byte of
-        # 1024.0, and one float16-pair subtraction per plane removes 1024.
+        # uint16 pairs of uint8 codes as two float16 planes of subnormals (see _code_values),
+        # the low bytes and the high ones, two pairs at a time: one PRMT per plane puts bytes 0
+        # and 2 (1 and 3) over zero bytes.
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 lo, hi, k;
-            mov.b32 k, 0x64006400;
-            prmt.b32 lo, $2, k, 0x7250;
-            prmt.b32 hi, $2, k, 0x7351;
-            sub.f16x2 $0, lo, k;
-            sub.f16x2 $1, hi, k;
+            .reg .b32 z;
+            mov.b32 z, 0;
+            prmt.b32 $0, $2, z, 0x4240;
+            prmt.b32 $1, $2, z, 0x4341;
             }""",
             constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _nibble_halves(words):
-        # uint16 words of four INT4 codes as four float16 planes, nibble p of each word in plane
-        # p, two words at a time: PRMT spreads the words' low bytes (then high bytes) over two
-        # halves, a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a
-        # logic op bring the high nibble down under it, and float16-pair subtractions remove
-        # the 1024s.
+        # uint16 words of four INT4 codes as four float16 planes of subnormals (see
+        # _code_values), nibble p of each word in plane p, two words at a time: a shift and a
+        # mask per plane.
         return tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 a, b, k;
-            mov.b32 k, 0x64006400;
-            prmt.b32 a, $4, k, 0x7250;
-            prmt.b32 b, $4, k, 0x7351;
-            and.b32 $0, a, 0xFF0FFF0F;
-            and.b32 $2, b, 0xFF0FFF0F;
-            shr.b32 a, a, 4;
-            shr.b32 b, b, 4;
-            lop3.b32 $1, a, 0x000F000F, k, 0xEA;
-            lop3.b32 $3, b, 0x000F000F, k, 0xEA;
-            sub.f16x2 $0, $0, k;
-            sub.f16x2 $1, $1, k;
-            sub.f16x2 $2, $2, k;
-            sub.f16x2 $3, $3, k;
+            .reg .b32 t;
+            and.b32 $0, $4, 0x000F000F;
+            shr.b32 t, $4, 4;
+            and.b32 $1, t, 0x000F000F;
+            shr.b32 t, $4, 8;
+            and.b32 $2, t, 0x000F000F;
+            shr.b32 t, $4, 12;
+            and.b32 $3, t, 0x000F000F;
             }""",
             constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
             is_pure=True, pack=2)
@@ -796,6 +791,10 @@ if HAS_TRITON:
                     plane1 = _code_values((words >> 4) & 15, DOT_DTYPE)
                     plane2 = _code_values((words >> 8) & 15, DOT_DTYPE)
                     plane3 = _code_values(words >> 12, DOT_DTYPE)
+            if DOT_DTYPE == tl.float16:
+                # The planes hold code * CODE_UNIT: (plane - zero * CODE_UNIT) * scale / CODE_UNIT.
+                scale = scale * (1.0 / CODE_UNIT)
+                zero = zero * CODE_UNIT
             # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
             # read the window; the others skip its loads.
             is_window = mask_n & (window_page >= 0) if HAS_WINDOW else mask_n & False
