@@ -610,50 +610,91 @@ if HAS_TRITON:
         return tl.load(ptr + rows[:, None] * ROW_LEN + cols[None, :], mask=mask, other=0)
 
     @triton.jit
-    def _code_values(codes, DOT_DTYPE: tl.constexpr):
+    def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
         # Codes 0..255 (any integer type) as exact DOT_DTYPE values without I2F instructions (a
-        # quarter of the float rate or less on NVIDIA GPUs). In float16 a code's bits are the
-        # subnormal code * 2**-24 (CODE_UNIT), exact, with no instruction at all; the dots'
-        # float32 results come back to codes through the scales (see _load_operands). In
-        # float32 a code OR-ed into the low mantissa bits of 2**23 makes 2**23 + code, exactly,
-        # and a subtraction removes 2**23 (float32 subnormals would vanish in the products).
-        if DOT_DTYPE == tl.float16:
+        # quarter of the float rate or less on NVIDIA GPUs). With SUBNORMAL (float16 only) a
+        # code's bits alone are the subnormal code * 2**-24 (CODE_UNIT), exact, with no
+        # instruction at all; the dots' float32 results come back to codes through the
+        # scales (see _load_operands). Otherwise a code OR-ed into the low mantissa bits of
+        # 1024 (float16, ten mantissa bits) or of 2**23 (float32) makes that power of two plus
+        # the code, exactly, and a subtraction removes the power of two.
+        if SUBNORMAL:
             return codes.to(tl.int16).to(tl.float16, bitcast=True)
+        elif DOT_DTYPE == tl.float16:
+            return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
         else:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _pair_halves(pairs):
-        # uint16 pairs of uint8 codes as two float16 planes of subnormals (see _code_values),
-        # the low bytes and the high ones, two pairs at a time: one PRMT per plane puts bytes 0
-        # and 2 (1 and 3) over zero bytes.
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 z;
-            mov.b32 z, 0;
-            prmt.b32 $0, $2, z, 0x4240;
-            prmt.b32 $1, $2, z, 0x4341;
-            }""",
-            constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
+        # uint16 pairs of uint8 codes as two float16 planes (see _code_values), the low bytes
+        # and the high ones, two pairs at a time: one PRMT per plane puts bytes 0 and 2 (1 and
+        # 3) over zero bytes (SUBNORMAL) or under 0x64, the high byte of 1024.0, which one
+        # float16-pair subtraction per plane then removes.
+        if SUBNORMAL:
+            planes = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 z;
+                mov.b32 z, 0;
+                prmt.b32 $0, $2, z, 0x4240;
+                prmt.b32 $1, $2, z, 0x4341;
+                }""",
+                constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        else:
+            planes = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi, k;
+                mov.b32 k, 0x64006400;
+                prmt.b32 lo, $2, k, 0x7250;
+                prmt.b32 hi, $2, k, 0x7351;
+                sub.f16x2 $0, lo, k;
+                sub.f16x2 $1, hi, k;
+                }""",
+                constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+        return planes
 
     @triton.jit
-    def _nibble_halves(words):
-        # uint16 words of four INT4 codes as four float16 planes of subnormals (see
-        # _code_values), nibble p of each word in plane p, two words at a time: a shift and a
-        # mask per plane.
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t;
-            and.b32 $0, $4, 0x000F000F;
-            shr.b32 t, $4, 4;
-            and.b32 $1, t, 0x000F000F;
-            shr.b32 t, $4, 8;
-            and.b32 $2, t, 0x000F000F;
-            shr.b32 t, $4, 12;
-            and.b32 $3, t, 0x000F000F;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+    def _nibble_halves(words, SUBNORMAL: tl.constexpr):
+        # uint16 words of four INT4 codes as four float16 planes (see _code_values), nibble p
+        # of each word in plane p, two words at a time: with SUBNORMAL a shift and a mask per
+        # plane; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
+        # a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a logic op
+        # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
+        if SUBNORMAL:
+            planes = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t;
+                and.b32 $0, $4, 0x000F000F;
+                shr.b32 t, $4, 4;
+                and.b32 $1, t, 0x000F000F;
+                shr.b32 t, $4, 8;
+                and.b32 $2, t, 0x000F000F;
+                shr.b32 t, $4, 12;
+                and.b32 $3, t, 0x000F000F;
+                }""",
+                constraints="=r,=r,=r,=r,r", args=[words],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+        else:
+            planes = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 a, b, k;
+                mov.b32 k, 0x64006400;
+                prmt.b32 a, $4, k, 0x7250;
+                prmt.b32 b, $4, k, 0x7351;
+                and.b32 $0, a, 0xFF0FFF0F;
+                and.b32 $2, b, 0xFF0FFF0F;
+                shr.b32 a, a, 4;
+                shr.b32 b, b, 4;
+                lop3.b32 $1, a, 0x000F000F, k, 0xEA;
+                lop3.b32 $3, b, 0x000F000F, k, 0xEA;
+                sub.f16x2 $0, $0, k;
+                sub.f16x2 $1, $1, k;
+                sub.f16x2 $2, $2, k;
+                sub.f16x2 $3, $3, k;
+                }""",
+                constraints="=r,=r,=r,=r,r", args=[words],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+        return planes
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
@@ -775,23 +816,27 @@ if HAS_TRITON:
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
             zero = tl.zeros(mask_n.shape, tl.float32)
         else:
+            # Float16 codes as subnormals (_code_values) unless window tokens share the tile's
+            # dots (_MIXED): their scale 1 beside the codes' 2**24 would take the row's V scale
+            # and leave the window's weights below float16's range.
+            SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
             words = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
                                PLANE_DIM, BLOCK_C)
             if BITS == 8:
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1 = _pair_halves(words)
+                    plane0, plane1 = _pair_halves(words, SUBNORMAL)
                 else:
-                    plane0 = _code_values(words & 255, DOT_DTYPE)
-                    plane1 = _code_values(words >> 8, DOT_DTYPE)
+                    plane0 = _code_values(words & 255, DOT_DTYPE, SUBNORMAL)
+                    plane1 = _code_values(words >> 8, DOT_DTYPE, SUBNORMAL)
             else:
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1, plane2, plane3 = _nibble_halves(words)
+                    plane0, plane1, plane2, plane3 = _nibble_halves(words, SUBNORMAL)
                 else:
-                    plane0 = _code_values(words & 15, DOT_DTYPE)
-                    plane1 = _code_values((words >> 4) & 15, DOT_DTYPE)
-                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE)
-                    plane3 = _code_values(words >> 12, DOT_DTYPE)
-            if DOT_DTYPE == tl.float16:
+                    plane0 = _code_values(words & 15, DOT_DTYPE, SUBNORMAL)
+                    plane1 = _code_values((words >> 4) & 15, DOT_DTYPE, SUBNORMAL)
+                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE, SUBNORMAL)
+                    plane3 = _code_values(words >> 12, DOT_DTYPE, SUBNORMAL)
+            if SUBNORMAL:
                 # The planes hold code * CODE_UNIT: (plane - zero * CODE_UNIT) * scale / CODE_UNIT.
                 scale = scale * (1.0 / CODE_UNIT)
                 zero = zero * CODE_UNIT

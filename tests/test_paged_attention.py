@@ -311,6 +311,26 @@ def test_pages_kept_in_fp16_are_read_unquantized(precision):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_float16_queries_over_codes_and_kept_pages(precision):
+    # Float16 queries: the decode kernel's codes enter its dots as subnormals with their
+    # scales times 2**24; the tiles where prefill mixes kept pages (scale 1) with codes must
+    # not, or a row's V scale would push the kept tokens' weights below float16's range.
+    case = PagedCase(precision, torch.float16, 8, 2, TINY_DIM, [40, 64], seed=82,
+                     window_pages_at=[(0, 2), (1, 0), (1, 7)])
+    scale = TINY_DIM**-0.5
+    q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(83)).to(DEVICE, torch.float16)
+    decode_args = (q, case.pages, case.block_tables, case.context_lens_t, scale)
+    out = paged_decode_attention(*decode_args, num_splits=2)
+    expected = paged_decode_attention_ref(q.float(), *decode_args[1:])
+    assert _report(f"decode {precision} fp16 q, kept pages", out, expected) <= 2e-3
+    q_new, cu_seqlens = _prefill_batch(case, [17, 30], TINY_HEADS, seed=84)
+    q_new = q_new.to(torch.float16)
+    prefill_args = (q_new, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, scale)
+    expected = paged_prefill_attention_ref(q_new.float(), *prefill_args[1:])
+    assert _report(f"prefill {precision} fp16 q, kept pages", paged_prefill_attention(*prefill_args), expected) <= 2e-3
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_decode_reads_kept_pages_wherever_they_sit(precision):
     # The decode kernel reads codes in its main loop and the pages kept in FP16 in a pass of
     # their own over the tiles that hold them: a sequence whose pages are all kept (its main
