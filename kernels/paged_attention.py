@@ -625,33 +625,59 @@ if HAS_TRITON:
         else:
             return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
+    # The conversions' PTX, two 16-bit words a register: INT8 pairs and INT4 nibbles as float16
+    # subnormals (over zero bytes; a shift and a mask per nibble) or as 1024 + code (under 0x64,
+    # the high byte of 1024.0, less 1024 in float16 pairs).
+    _PAIRS_SUBNORMAL = tl.constexpr("""{
+        .reg .b32 z;
+        mov.b32 z, 0;
+        prmt.b32 $0, $2, z, 0x4240;
+        prmt.b32 $1, $2, z, 0x4341;
+        }""")
+    _PAIRS_OFFSET = tl.constexpr("""{
+        .reg .b32 lo, hi, k;
+        mov.b32 k, 0x64006400;
+        prmt.b32 lo, $2, k, 0x7250;
+        prmt.b32 hi, $2, k, 0x7351;
+        sub.f16x2 $0, lo, k;
+        sub.f16x2 $1, hi, k;
+        }""")
+    _NIBBLES_SUBNORMAL = tl.constexpr("""{
+        .reg .b32 t;
+        and.b32 $0, $4, 0x000F000F;
+        shr.b32 t, $4, 4;
+        and.b32 $1, t, 0x000F000F;
+        shr.b32 t, $4, 8;
+        and.b32 $2, t, 0x000F000F;
+        shr.b32 t, $4, 12;
+        and.b32 $3, t, 0x000F000F;
+        }""")
+    _NIBBLES_OFFSET = tl.constexpr("""{
+        .reg .b32 a, b, k;
+        mov.b32 k, 0x64006400;
+        prmt.b32 a, $4, k, 0x7250;
+        prmt.b32 b, $4, k, 0x7351;
+        and.b32 $0, a, 0xFF0FFF0F;
+        and.b32 $2, b, 0xFF0FFF0F;
+        shr.b32 a, a, 4;
+        shr.b32 b, b, 4;
+        lop3.b32 $1, a, 0x000F000F, k, 0xEA;
+        lop3.b32 $3, b, 0x000F000F, k, 0xEA;
+        sub.f16x2 $0, $0, k;
+        sub.f16x2 $1, $1, k;
+        sub.f16x2 $2, $2, k;
+        sub.f16x2 $3, $3, k;
+        }""")
+
     @triton.jit
     def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
         # uint16 pairs of uint8 codes as two float16 planes (see _code_values), the low bytes
         # and the high ones, two pairs at a time: one PRMT per plane puts bytes 0 and 2 (1 and
         # 3) over zero bytes (SUBNORMAL) or under 0x64, the high byte of 1024.0, which one
         # float16-pair subtraction per plane then removes.
-        if SUBNORMAL:
-            planes = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 z;
-                mov.b32 z, 0;
-                prmt.b32 $0, $2, z, 0x4240;
-                prmt.b32 $1, $2, z, 0x4341;
-                }""",
-                constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        else:
-            planes = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi, k;
-                mov.b32 k, 0x64006400;
-                prmt.b32 lo, $2, k, 0x7250;
-                prmt.b32 hi, $2, k, 0x7351;
-                sub.f16x2 $0, lo, k;
-                sub.f16x2 $1, hi, k;
-                }""",
-                constraints="=r,=r,r", args=[pairs], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-        return planes
+        return tl.inline_asm_elementwise(
+            asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET, constraints="=r,=r,r", args=[pairs],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _nibble_halves(words, SUBNORMAL: tl.constexpr):
@@ -660,41 +686,9 @@ if HAS_TRITON:
         # plane; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
         # a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a logic op
         # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
-        if SUBNORMAL:
-            planes = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t;
-                and.b32 $0, $4, 0x000F000F;
-                shr.b32 t, $4, 4;
-                and.b32 $1, t, 0x000F000F;
-                shr.b32 t, $4, 8;
-                and.b32 $2, t, 0x000F000F;
-                shr.b32 t, $4, 12;
-                and.b32 $3, t, 0x000F000F;
-                }""",
-                constraints="=r,=r,=r,=r,r", args=[words],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-        else:
-            planes = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 a, b, k;
-                mov.b32 k, 0x64006400;
-                prmt.b32 a, $4, k, 0x7250;
-                prmt.b32 b, $4, k, 0x7351;
-                and.b32 $0, a, 0xFF0FFF0F;
-                and.b32 $2, b, 0xFF0FFF0F;
-                shr.b32 a, a, 4;
-                shr.b32 b, b, 4;
-                lop3.b32 $1, a, 0x000F000F, k, 0xEA;
-                lop3.b32 $3, b, 0x000F000F, k, 0xEA;
-                sub.f16x2 $0, $0, k;
-                sub.f16x2 $1, $1, k;
-                sub.f16x2 $2, $2, k;
-                sub.f16x2 $3, $3, k;
-                }""",
-                constraints="=r,=r,=r,=r,r", args=[words],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
-        return planes
+        return tl.inline_asm_elementwise(
+            asm=_NIBBLES_SUBNORMAL if SUBNORMAL else _NIBBLES_OFFSET, constraints="=r,=r,=r,=r,r", args=[words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
