@@ -568,11 +568,11 @@ if HAS_TRITON:
     # Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
     # interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
     _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+    # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
+    CODE_UNIT = tl.constexpr(2.0**-24)
     # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
     # its codes or its window row (prefill), only those from codes (the decode kernel's main
     # loop), or only those from the window (its pass over the window's tiles).
-    # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
-    CODE_UNIT = tl.constexpr(2.0**-24)
     _MIXED = tl.constexpr(0)
     _CODES_ONLY = tl.constexpr(1)
     _KEPT_ONLY = tl.constexpr(2)
@@ -703,6 +703,13 @@ if HAS_TRITON:
         return mask_n
 
     @triton.jit
+    def _kept_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
+        # The tokens read from the window: unmasked ones of pages kept in FP16 (none without one).
+        if HAS_WINDOW:
+            return mask_n & (window_page >= 0)
+        return mask_n & False
+
+    @triton.jit
     def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS: tl.constexpr):
         # The scales and zeros of a tile's tokens [BLOCK_N] each, as stored: (k_scale, k_zero,
         # v_scale, v_zero), 0 for masked tokens; unused float32 zeros for FP16 pages. Tokens of
@@ -760,13 +767,20 @@ if HAS_TRITON:
                            num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
     @triton.jit
+    def _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        # Plane PLANE of the window's FP16 rows of the tokens `is_window` (0 for the others).
+        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
+        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+
+    @triton.jit
     def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
                       NUM_PLANES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
                       BLOCK_C: tl.constexpr):
         # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
-        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
-        return tl.where(is_window[:, None], kept.to(plane.dtype), plane)
+        kept = _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE, NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                           BLOCK_C, plane.dtype)
+        return tl.where(is_window[:, None], kept, plane)
 
     @triton.jit
     def _load_operands(
@@ -795,18 +809,18 @@ if HAS_TRITON:
             plane2 = plane0
             plane3 = plane0
         elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
-            is_window = mask_n & (window_page >= 0)
-            plane0 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 0, NUM_PLANES), HEAD_DIM,
-                                PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
-            plane1 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 1, NUM_PLANES), HEAD_DIM,
-                                PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
+            plane0 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                                 BLOCK_C, DOT_DTYPE)
+            plane1 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                                 BLOCK_C, DOT_DTYPE)
             plane2 = plane0
             plane3 = plane1
             if NUM_PLANES == 4:
-                plane2 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 2, NUM_PLANES),
-                                    HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
-                plane3 = _load_rows(window_ptr, window_rows, is_window, _plane_channels(offs_c, 3, NUM_PLANES),
-                                    HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+                plane2 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                                     BLOCK_C, DOT_DTYPE)
+                plane3 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM,
+                                     BLOCK_C, DOT_DTYPE)
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
             zero = tl.zeros(mask_n.shape, tl.float32)
         else:
@@ -836,7 +850,7 @@ if HAS_TRITON:
                 zero = zero * CODE_UNIT
             # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
             # read the window; the others skip its loads.
-            is_window = mask_n & (window_page >= 0) if HAS_WINDOW else mask_n & False
+            is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
                 plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM,
                                        PLANE_DIM, BLOCK_C)
@@ -1029,10 +1043,9 @@ if HAS_TRITON:
             next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
                 k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS)
             next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
-            is_visible = mask_n
+            is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW:
-                is_kept = mask_n & (window_page >= 0)
-                is_visible = mask_n & (window_page < 0)
+                is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
                 first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
                 last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
@@ -1052,7 +1065,7 @@ if HAS_TRITON:
                     HAS_WINDOW, WIDE_OFFSETS)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                     q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                    (mask_n & (window_page >= 0))[None, :], scale_log2,
+                    _kept_mask(mask_n, window_page, HAS_WINDOW)[None, :], scale_log2,
                     k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
                     k_scale, k_zero, v_scale, v_zero,
                     HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY)
