@@ -19,10 +19,12 @@ compiling.
 --precisions, --contexts and --batches (comma-separated) pick the rows. --window-tokens N
 keeps each sequence's pages holding its last N tokens in FP16 beside INT8/INT4 codes, as the
 KV pool does when the controller compresses (the profiles' kv_recent_fp16_tokens, 64): the
-kernels then read those pages' FP16 copies instead of their codes.
+kernels then read those pages' FP16 copies instead of their codes. --splits N,M also times each
+row's default configuration with the default partitioning forced to N, M, ... partitions
+(those a sequence can use: at most one per 64-token tile), recorded as the row's `by_splits`.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--window-tokens 64] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--splits 41,66] [--json results.json]
 """
 
 from __future__ import annotations
@@ -241,8 +243,10 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
             "fraction_of_copy": round(achieved_gbs / copy_gbs, 3)}
 
 
-def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool) -> dict:
-    """One row: the default configuration, and with `sweep` every configuration of the grid."""
+def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
+              forced_splits: tuple[int, ...] = ()) -> dict:
+    """One row: the default configuration, with `sweep` every configuration of the grid, and
+    with `forced_splits` the default configuration at each of those partition counts."""
     config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, partition_tokens = plan_decode_partitions(
@@ -265,6 +269,10 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
+    if partitioning == "auto" and forced_splits:
+        useful = math.ceil(setup.context_len / config.block_n)
+        row["by_splits"] = [_sweep_result(setup, partitioning, config, copy_gbs, n)
+                            for n in forced_splits if n != num_splits and n <= useful]
     if sweep:
         candidates = sweep_configs()
         results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
@@ -327,6 +335,8 @@ def main() -> int:
     parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)), help="comma-separated batch sizes")
     parser.add_argument("--window-tokens", type=int, default=0,
                         help="keep each sequence's last N tokens' pages in FP16 beside INT8/INT4 codes (default 0)")
+    parser.add_argument("--splits", default="",
+                        help="comma-separated partition counts to also time each row's default configuration at")
     args = parser.parse_args()
     if args.window_tokens < 0:
         parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
@@ -336,8 +346,11 @@ def main() -> int:
     try:
         context_lens = [int(n) for n in args.contexts.split(",")]
         batch_sizes = [int(n) for n in args.batches.split(",")]
+        forced_splits = tuple(int(n) for n in args.splits.split(",") if n)
     except ValueError as exc:
-        parser.error(f"--contexts and --batches take comma-separated integers: {exc}")
+        parser.error(f"--contexts, --batches and --splits take comma-separated integers: {exc}")
+    if any(n < 1 for n in forced_splits):
+        parser.error(f"--splits takes partition counts of 1 or more, got {args.splits}")
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -363,9 +376,13 @@ def main() -> int:
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep)
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits)
             rows.append(row)
             print_row(row)
+            for forced in row.get("by_splits", []):
+                print(f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
+                      f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
+                      f"{forced.get('fraction_of_copy', float('nan')):>7.1%}  {forced.get('error', '')}")
         del setup
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
         if args.json:
