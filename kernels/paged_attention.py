@@ -98,6 +98,8 @@ TARGET_WAVES = 4
 # and merged (a float32 row per query head: 3 KB for 6 heads of 128) stay small beside the K/V
 # bytes a partition reads (128 KB at FP16, 35 KB at INT4).
 INVARIANT_PARTITION_TOKENS = 256
+# The decode kernel's query rows per program at the least: one 8-wide tensor-core tile.
+DECODE_MIN_GROUP = 8
 # 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
 MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
@@ -487,7 +489,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), block_tables.stride(0),
         num_kv_heads, group_size, partition_tokens, num_splits,
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
+        BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
         BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
@@ -600,14 +602,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_rows(ptr, rows, mask_rows, cols, ROW_LEN: tl.constexpr, NUM_COLS: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-        # [len(rows), BLOCK_C]: elements `cols` of rows `rows`. Masked rows read nothing (unwritten
-        # slots may hold NaN) and, like columns past NUM_COLS, come back as 0.
-        if BLOCK_C == NUM_COLS:
-            mask = mask_rows[:, None]
+                   BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+        # [len(rows), BLOCK_C]: elements `cols` of rows `rows` ([BLOCK_C, len(rows)] with
+        # TRANSPOSED). Masked rows read nothing (unwritten slots may hold NaN) and, like columns
+        # past NUM_COLS, come back as 0.
+        if TRANSPOSED:
+            if BLOCK_C == NUM_COLS:
+                mask = mask_rows[None, :]
+            else:
+                mask = mask_rows[None, :] & (tl.arange(0, BLOCK_C) < NUM_COLS)[:, None]
+            ptrs = ptr + rows[None, :] * ROW_LEN + cols[:, None]
         else:
-            mask = mask_rows[:, None] & (tl.arange(0, BLOCK_C) < NUM_COLS)[None, :]
-        return tl.load(ptr + rows[:, None] * ROW_LEN + cols[None, :], mask=mask, other=0)
+            if BLOCK_C == NUM_COLS:
+                mask = mask_rows[:, None]
+            else:
+                mask = mask_rows[:, None] & (tl.arange(0, BLOCK_C) < NUM_COLS)[None, :]
+            ptrs = ptr + rows[:, None] * ROW_LEN + cols[None, :]
+        return tl.load(ptrs, mask=mask, other=0)
 
     @triton.jit
     def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
@@ -652,6 +663,15 @@ if HAS_TRITON:
         shr.b32 t, $4, 12;
         and.b32 $3, t, 0x000F000F;
         }""")
+    # Nibbles 1 and 3 left in place: subnormals of 16 * code, a shift and two masks per pair.
+    _NIBBLES_SUBNORMAL_ODD_X16 = tl.constexpr("""{
+        .reg .b32 t;
+        and.b32 $0, $4, 0x000F000F;
+        and.b32 $1, $4, 0x00F000F0;
+        shr.b32 t, $4, 8;
+        and.b32 $2, t, 0x000F000F;
+        and.b32 $3, t, 0x00F000F0;
+        }""")
     _NIBBLES_OFFSET = tl.constexpr("""{
         .reg .b32 a, b, k;
         mov.b32 k, 0x64006400;
@@ -680,15 +700,16 @@ if HAS_TRITON:
             dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
-    def _nibble_halves(words, SUBNORMAL: tl.constexpr):
+    def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False):
         # uint16 words of four INT4 codes as four float16 planes (see _code_values), nibble p
         # of each word in plane p, two words at a time: with SUBNORMAL a shift and a mask per
-        # plane; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
+        # plane, or with ODD_X16 nibbles 1 and 3 left in place (16 * code) and one shift for
+        # two planes; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
         # a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a logic op
         # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
         return tl.inline_asm_elementwise(
-            asm=_NIBBLES_SUBNORMAL if SUBNORMAL else _NIBBLES_OFFSET, constraints="=r,=r,=r,=r,r", args=[words],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+            asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
@@ -768,10 +789,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    TRANSPOSED: tl.constexpr = False):
         # Plane PLANE of the window's FP16 rows of the tokens `is_window` (0 for the others).
         cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C,
+                          TRANSPOSED).to(DOT_DTYPE)
 
     @triton.jit
     def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
@@ -787,6 +810,7 @@ if HAS_TRITON:
         cache_ptr, scale, zero, window_ptr, rows, window_page, window_rows, mask_n,
         HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
         BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, WINDOW: tl.constexpr,
+        TRANSPOSED: tl.constexpr = False, ODD_X16: tl.constexpr = False,
     ):
         # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
         # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
@@ -800,27 +824,30 @@ if HAS_TRITON:
         # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0 (WINDOW:
         # _MIXED), or only the others from their codes (_CODES_ONLY: the window's come back as
         # 0), or only the window's (_KEPT_ONLY: the others come back as 0). Masked rows come
-        # back as 0.
+        # back as 0. With TRANSPOSED the planes are [BLOCK_C, BLOCK_N], loaded so (not _MIXED).
+        # With ODD_X16 (INT4 codes as subnormals only) planes 1 and 3 hold 16 * code * CODE_UNIT.
+        tl.static_assert(not TRANSPOSED or WINDOW != _MIXED)
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         if BITS == 16:
-            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
+            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C,
+                                TRANSPOSED).to(DOT_DTYPE)
             plane1 = plane0
             plane2 = plane0
             plane3 = plane0
         elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
             is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
             plane0 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                 BLOCK_C, DOT_DTYPE)
+                                 BLOCK_C, DOT_DTYPE, TRANSPOSED)
             plane1 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                 BLOCK_C, DOT_DTYPE)
+                                 BLOCK_C, DOT_DTYPE, TRANSPOSED)
             plane2 = plane0
             plane3 = plane1
             if NUM_PLANES == 4:
                 plane2 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                     BLOCK_C, DOT_DTYPE)
+                                     BLOCK_C, DOT_DTYPE, TRANSPOSED)
                 plane3 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                     BLOCK_C, DOT_DTYPE)
+                                     BLOCK_C, DOT_DTYPE, TRANSPOSED)
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
             zero = tl.zeros(mask_n.shape, tl.float32)
         else:
@@ -829,7 +856,7 @@ if HAS_TRITON:
             # and leave the window's weights below float16's range.
             SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
             words = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
-                               PLANE_DIM, BLOCK_C)
+                               PLANE_DIM, BLOCK_C, TRANSPOSED)
             if BITS == 8:
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
                     plane0, plane1 = _pair_halves(words, SUBNORMAL)
@@ -838,7 +865,13 @@ if HAS_TRITON:
                     plane1 = _code_values(words >> 8, DOT_DTYPE, SUBNORMAL)
             else:
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1, plane2, plane3 = _nibble_halves(words, SUBNORMAL)
+                    plane0, plane1, plane2, plane3 = _nibble_halves(words, SUBNORMAL, ODD_X16)
+                elif ODD_X16:
+                    tl.static_assert(SUBNORMAL)
+                    plane0 = _code_values(words & 15, DOT_DTYPE, SUBNORMAL)
+                    plane1 = _code_values(words & 0xF0, DOT_DTYPE, SUBNORMAL)
+                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE, SUBNORMAL)
+                    plane3 = _code_values((words >> 8) & 0xF0, DOT_DTYPE, SUBNORMAL)
                 else:
                     plane0 = _code_values(words & 15, DOT_DTYPE, SUBNORMAL)
                     plane1 = _code_values((words >> 4) & 15, DOT_DTYPE, SUBNORMAL)
@@ -969,6 +1002,90 @@ if HAS_TRITON:
                 acc3 = _accumulate(acc3, alpha, w, v3, zero_term, v_max)
         return m_new, l_i, acc0, acc1, acc2, acc3
 
+    @triton.jit
+    def _attend_tile_by_token(
+        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
+        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+        k_scale, k_zero, v_scale, v_zero,
+        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, ODD_X16: tl.constexpr,
+    ):
+        # _attend_tile for the decode kernel, whose query rows all see the same tokens
+        # (is_visible [BLOCK_N]), turned over: q0 to q3 are planes [BLOCK_C, R] and acc0 to acc3
+        # [BLOCK_C, R], the scores [BLOCK_N, R]. A token tile is the dots' first operand, so a
+        # group of up to 8 query rows is one 8-wide tensor-core tile rather than 6 rows of 16,
+        # and the softmax's per-score arithmetic covers half the elements. With ODD_X16 the INT4
+        # planes 1 and 3 hold 16 * code (_nibble_halves): q1 and q3 come divided by 16, and V's
+        # planes 1 and 3 take the 16 back in their zero term and v_max.
+        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
+        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
+        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
+            k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW, False, ODD_X16)
+        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
+            v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
+            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW, True, ODD_X16)
+        qk = tl.dot(k0, q0, input_precision="ieee")  # [BLOCK_N, R]
+        if NUM_PLANES >= 2:
+            qk = tl.dot(k1, q1, qk, input_precision="ieee")
+        if NUM_PLANES == 4:
+            qk = tl.dot(k2, q2, qk, input_precision="ieee")
+            qk = tl.dot(k3, q3, qk, input_precision="ieee")
+        if BITS == 16:
+            scores = qk * scale_log2
+        else:
+            scores = (qk - k_zero[:, None] * q_sum[None, :]) * (k_scale * scale_log2)[:, None]
+        scores = tl.where(is_visible[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_seen)
+        p = tl.exp2(scores - m_seen[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if BITS == 16:
+            acc0 = acc0 * alpha[None, :] + tl.dot(v0, p.to(q0.dtype), input_precision="ieee")
+        else:
+            # As in _attend_tile, with v_max the largest scale among the tile's visible tokens
+            # (every row sees the same ones).
+            v_max = tl.max(tl.where(is_visible, v_scale, 0.0), axis=0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q0.dtype)
+            zero_term = tl.sum(w.to(tl.float32) * v_zero[:, None], axis=0)[None, :]
+            if ODD_X16:
+                odd_zero_term, odd_v_max = zero_term * 16.0, v_max * (1.0 / 16.0)
+            else:
+                odd_zero_term, odd_v_max = zero_term, v_max
+            acc0 = acc0 * alpha[None, :] + (tl.dot(v0, w, input_precision="ieee") - zero_term) * v_max
+            acc1 = acc1 * alpha[None, :] + (tl.dot(v1, w, input_precision="ieee") - odd_zero_term) * odd_v_max
+            if NUM_PLANES == 4:
+                acc2 = acc2 * alpha[None, :] + (tl.dot(v2, w, input_precision="ieee") - zero_term) * v_max
+                acc3 = acc3 * alpha[None, :] + (tl.dot(v3, w, input_precision="ieee") - odd_zero_term) * odd_v_max
+        return m_new, l_i, acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _decode_tile(
+        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
+        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+        k_scale, k_zero, v_scale, v_zero,
+        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, BY_TOKEN: tl.constexpr,
+        ODD_X16: tl.constexpr,
+    ):
+        # One tile of the decode kernel's online softmax, the tokens is_visible [BLOCK_N] seen by
+        # every query row: by token (q and accumulators turned over) or by query row.
+        if BY_TOKEN:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
+                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_scale, k_zero, v_scale, v_zero, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, WINDOW,
+                ODD_X16)
+        else:
+            tl.static_assert(not ODD_X16)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible[None, :], scale_log2,
+                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
+                k_scale, k_zero, v_scale, v_zero, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, WINDOW)
+        return m_i, l_i, acc0, acc1, acc2, acc3
+
     # Neither the table's width nor the batch's partition count picks a compiled variant.
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def _decode_kernel(
@@ -1012,13 +1129,27 @@ if HAS_TRITON:
         # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
         q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
+        # Groups of up to 8 query heads attend token by token (_attend_tile_by_token): q and
+        # the accumulators turned over, [BLOCK_C, BLOCK_G].
+        BY_TOKEN: tl.constexpr = BLOCK_G <= 8
+        # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
+        # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
+        # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
+        # values and q as it is.
+        ODD_X16: tl.constexpr = BY_TOKEN and BITS == 4 and q_ptr.dtype.element_ty == tl.float16
+        if ODD_X16:
+            q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
+        if BY_TOKEN:
+            q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+            acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
+        else:
+            acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
-        acc2 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        acc3 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+        acc1 = acc0  # planes past NUM_PLANES are unused
+        acc2 = acc0
+        acc3 = acc0
         # The loads that address a tile run ahead of it, each a tile before the loads that
         # need it: its page numbers two tiles ahead, its scales and the window's tags one tile
         # ahead (at two bytes per token the scales are too narrow for the compiler to
@@ -1048,14 +1179,16 @@ if HAS_TRITON:
                 is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
                 first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
                 last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible[None, :], scale_log2,
+            m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
+                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
                 k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, rows, mask_n,
                 k_scale, k_zero, v_scale, v_zero,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY)
+                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY, BY_TOKEN, ODD_X16)
             mask_n, rows, window_page = next_mask, next_rows, next_window_page
             k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
         if HAS_WINDOW:
+            if ODD_X16:
+                q1, q3 = q1 * 16.0, q3 * 16.0
             # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
             # ahead for tiles past the last.
             for tile_start in tl.range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + 1, BLOCK_N,
@@ -1063,15 +1196,17 @@ if HAS_TRITON:
                 mask_n, rows, window_page, window_rows = _token_rows(
                     table_row, tile_start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
                     HAS_WINDOW, WIDE_OFFSETS)
-                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
                     q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                    _kept_mask(mask_n, window_page, HAS_WINDOW)[None, :], scale_log2,
+                    _kept_mask(mask_n, window_page, HAS_WINDOW), scale_log2,
                     k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
                     k_scale, k_zero, v_scale, v_zero,
-                    HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY)
+                    HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY, BY_TOKEN, False)
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
+        if BY_TOKEN:
+            acc0, acc1, acc2, acc3 = tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3)
         result0 = acc0 / denominator
         result1 = acc1 / denominator
         result2 = acc2 / denominator

@@ -108,7 +108,7 @@ def attention(args) -> None:
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
         block_d = pa._block_d(args.head_dim)
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
-                      "BITS": bits, "BLOCK_G": 16, "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": args.window,
+                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": args.window,
                       "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
@@ -157,6 +157,8 @@ def main() -> int:
     parser.add_argument("--warps", type=int, default=4, help="attention: warps per program")
     parser.add_argument("--stages", type=int, default=2, help="attention: pipeline stages")
     parser.add_argument("--wide", action="store_true", help="attention: int64 page offsets")
+    parser.add_argument("--group-width", type=int, default=8,
+                        help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)")
     parser.add_argument("--window", action="store_true",
                         help="attention: the variant that reads pages kept in FP16 beside the codes")
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")
