@@ -381,12 +381,13 @@ def test_quantized_pages_keep_float16_queries_accurate(precision):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 24), (4, 4, 40), (4, 1, 20)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 24), (4, 4, 40), (4, 1, 20), (12, 1, 24)])
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_codes_become_floats_exactly(precision, num_heads, num_kv_heads, head_dim, dtype):
-    # Codes OR-ed into a float's mantissa are exact, so decode stays within float32 rounding of
-    # the reference. Groups of 3, 4 and 1 query heads, contexts that end inside a page, and an
-    # INT4 head of 20 whose half-head planes are padded.
+    # Codes made floats without rounding (subnormals, or OR-ed into a float's mantissa) keep
+    # decode within float32 rounding of the reference. Groups of 3, 4 and 1 query heads (the
+    # decode kernel's token-by-token tiles) and of 12 (its 16-row tiles), contexts that end
+    # inside a page, and an INT4 head of 20 whose half-head planes are padded.
     case = PagedCase(precision, dtype, 8, num_kv_heads, head_dim, [1, 13, 40, 29], seed=70, num_window_blocks=2)
     q = torch.randn(4, num_heads, head_dim, generator=torch.Generator().manual_seed(71)).to(DEVICE, dtype)
     args = (q, case.pages, case.block_tables, case.context_lens_t, head_dim**-0.5)
