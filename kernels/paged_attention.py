@@ -100,6 +100,9 @@ TARGET_WAVES = 4
 INVARIANT_PARTITION_TOKENS = 256
 # The decode kernel's query rows per program at the least: one 8-wide tensor-core tile.
 DECODE_MIN_GROUP = 8
+# Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async (see
+# default_decode_config); INVARIANT_PARTITION_TOKENS is a multiple of each.
+ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
 # 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
 MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
@@ -137,18 +140,16 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     passes another."""
     block_d = _block_d(head_dim)
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
-    if _has_async_copies(device):
-        # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md):
-        # FP16 pages are read fastest in 64-token tiles over 4 warps with two pipeline stages;
-        # INT8 and INT4 codes in 64-token tiles over 2 warps with three stages, whose row
-        # reductions cross one warp boundary rather than three: less time than the 4-warp
-        # tiles before them in every row swept with 8 sequences or 32K+ tokens (INT8 at 128K x
-        # 8: 156.4 µs against 183.8), 0.7-2.5 µs more for one sequence at 8K, where a launch
-        # is latency.
-        if bits == 16:
-            num_stages = 2
-        elif block_d <= 128:
-            num_warps = 2
+    if _has_async_copies(device) and block_d <= 128:
+        # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md),
+        # the token-by-token tiles of groups up to 8 query heads: 2 warps, whose reductions over
+        # a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages in
+        # 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20% slower
+        # at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
+        block_n = ASYNC_DECODE_TILE_TOKENS[bits]
+        num_warps = 2
+    elif _has_async_copies(device) and bits == 16:
+        num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
     # Merging up to 16 partial rows per head in the last program costs less than a second launch.
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
                         max_fused_splits=16)
@@ -369,7 +370,7 @@ def plan_decode_partitions(
     block_n: int | None = None,
 ) -> tuple[int, int]:
     """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole
-    tiles of `block_n` tokens (by default the default configuration's for head sizes up to 256).
+    tiles of `block_n` tokens (by default 64).
 
     With `partition_tokens` every partition has that many tokens (a positive multiple of the
     kernel's token tile, else KernelError) and num_splits covers `max_context_len`.
@@ -572,6 +573,8 @@ if HAS_TRITON:
     _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
     # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
     CODE_UNIT = tl.constexpr(2.0**-24)
+    # The most tokens a tile of the decode kernel's pass over the FP16 window holds.
+    WINDOW_TILE_TOKENS = tl.constexpr(32)
     # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
     # its codes or its window row (prefill), only those from codes (the decode kernel's main
     # loop), or only those from the window (its pass over the window's tiles).
@@ -789,12 +792,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                    TRANSPOSED: tl.constexpr = False):
+                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
         # Plane PLANE of the window's FP16 rows of the tokens `is_window` (0 for the others).
         cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C,
-                          TRANSPOSED).to(DOT_DTYPE)
+        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
 
     @triton.jit
     def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
@@ -836,18 +837,23 @@ if HAS_TRITON:
             plane2 = plane0
             plane3 = plane0
         elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
+            # Whole FP16 rows in one load, split into the planes in registers: element
+            # c * NUM_PLANES + p is plane p's column c, and the row's elements past HEAD_DIM
+            # (padded planes) are exactly those columns past PLANE_DIM.
             is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
-            plane0 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                 BLOCK_C, DOT_DTYPE, TRANSPOSED)
-            plane1 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                 BLOCK_C, DOT_DTYPE, TRANSPOSED)
-            plane2 = plane0
-            plane3 = plane1
-            if NUM_PLANES == 4:
-                plane2 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                     BLOCK_C, DOT_DTYPE, TRANSPOSED)
-                plane3 = _kept_plane(window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                                     BLOCK_C, DOT_DTYPE, TRANSPOSED)
+            cols = tl.arange(0, NUM_PLANES * BLOCK_C)
+            row = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, HEAD_DIM, NUM_PLANES * BLOCK_C)
+            row = row.to(DOT_DTYPE)
+            if NUM_PLANES == 2:
+                plane0, plane1 = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2]))
+                plane2 = plane0
+                plane3 = plane1
+            else:
+                even, odd = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2, 2]))
+                plane0, plane2 = tl.split(even)
+                plane1, plane3 = tl.split(odd)
+            if TRANSPOSED:
+                plane0, plane1, plane2, plane3 = tl.trans(plane0), tl.trans(plane1), tl.trans(plane2), tl.trans(plane3)
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
             zero = tl.zeros(mask_n.shape, tl.float32)
         else:
@@ -1190,17 +1196,21 @@ if HAS_TRITON:
             if ODD_X16:
                 q1, q3 = q1 * 16.0, q3 * 16.0
             # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
-            # ahead for tiles past the last.
-            for tile_start in tl.range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + 1, BLOCK_N,
+            # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
+            # rows of the main loop's 128-token tiles would take every register.
+            WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
+            offs_w = tl.arange(0, WINDOW_N)
+            unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
+            for tile_start in tl.range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N,
                                        num_stages=1):
-                mask_n, rows, window_page, window_rows = _token_rows(
-                    table_row, tile_start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
+                mask_w, rows_w, window_page_w, window_rows_w = _token_rows(
+                    table_row, tile_start + offs_w, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
                     HAS_WINDOW, WIDE_OFFSETS)
                 m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
                     q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                    _kept_mask(mask_n, window_page, HAS_WINDOW), scale_log2,
-                    k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-                    k_scale, k_zero, v_scale, v_zero,
+                    _kept_mask(mask_w, window_page_w, HAS_WINDOW), scale_log2,
+                    k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows_w, window_page_w, window_rows_w,
+                    mask_w, unused_scale, unused_scale, unused_scale, unused_scale,
                     HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY, BY_TOKEN, False)
 
         has_tokens = l_i > 0.0

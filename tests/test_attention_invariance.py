@@ -124,6 +124,7 @@ def test_decode_partitions_are_fixed_by_partition_tokens():
     assert plan_decode_partitions(1, 2, 256, device, partition_tokens=256) == (1, 256)
     assert INVARIANT_PARTITION_TOKENS % paged_attention._decode_block_n(torch.device("cuda")) == 0
     assert INVARIANT_PARTITION_TOKENS % paged_attention._decode_block_n(device) == 0
+    assert all(INVARIANT_PARTITION_TOKENS % tile == 0 for tile in paged_attention.ASYNC_DECODE_TILE_TOKENS.values())
 
 
 @pytest.mark.parametrize("partition_tokens", [0, -16, 24, 16.0])
