@@ -21,10 +21,12 @@ keeps each sequence's pages holding its last N tokens in FP16 beside INT8/INT4 c
 KV pool does when the controller compresses (the profiles' kv_recent_fp16_tokens, 64): the
 kernels then read those pages' FP16 copies instead of their codes. --splits N,M also times each
 row's default configuration with the default partitioning forced to N, M, ... partitions
-(those a sequence can use: at most one per 64-token tile), recorded as the row's `by_splits`.
+(those a sequence can use: at most one per tile), recorded as the row's `by_splits`.
+--config TOKENS/WARPS/STAGES (e.g. 64/2/3) times every row with that tile in place of the
+default configuration.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--window-tokens 64] [--splits 41,66] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--json results.json]
 """
 
 from __future__ import annotations
@@ -244,10 +246,11 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 
 
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
-              forced_splits: tuple[int, ...] = ()) -> dict:
-    """One row: the default configuration, with `sweep` every configuration of the grid, and
-    with `forced_splits` the default configuration at each of those partition counts."""
-    config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
+              forced_splits: tuple[int, ...] = (), config: DecodeConfig | None = None) -> dict:
+    """One row: `config` (by default the default configuration), with `sweep` every
+    configuration of the grid, and with `forced_splits` `config` at each of those partition
+    counts."""
+    config = config or default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, partition_tokens = plan_decode_partitions(
         setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, partition_tokens=partition_tokens,
@@ -335,6 +338,8 @@ def main() -> int:
     parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)), help="comma-separated batch sizes")
     parser.add_argument("--window-tokens", type=int, default=0,
                         help="keep each sequence's last N tokens' pages in FP16 beside INT8/INT4 codes (default 0)")
+    parser.add_argument("--config", default="", metavar="TOKENS/WARPS/STAGES",
+                        help="time every row with this tile instead of the default configuration")
     parser.add_argument("--splits", default="",
                         help="comma-separated partition counts to also time each row's default configuration at")
     args = parser.parse_args()
@@ -351,6 +356,13 @@ def main() -> int:
         parser.error(f"--contexts, --batches and --splits take comma-separated integers: {exc}")
     if any(n < 1 for n in forced_splits):
         parser.error(f"--splits takes partition counts of 1 or more, got {args.splits}")
+    config = None
+    if args.config:
+        try:
+            block_n, num_warps, num_stages = (int(n) for n in args.config.split("/"))
+        except ValueError:
+            parser.error(f"--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got {args.config!r}")
+        config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=16)
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -376,7 +388,7 @@ def main() -> int:
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits)
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, config)
             rows.append(row)
             print_row(row)
             for forced in row.get("by_splits", []):
