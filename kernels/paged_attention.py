@@ -574,7 +574,7 @@ if HAS_TRITON:
     # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
     CODE_UNIT = tl.constexpr(2.0**-24)
     # The most tokens a tile of the decode kernel's pass over the FP16 window holds.
-    WINDOW_TILE_TOKENS = tl.constexpr(32)
+    WINDOW_TILE_TOKENS = tl.constexpr(64)
     # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
     # its codes or its window row (prefill), only those from codes (the decode kernel's main
     # loop), or only those from the window (its pass over the window's tiles).
@@ -1197,7 +1197,7 @@ if HAS_TRITON:
                 q1, q3 = q1 * 16.0, q3 * 16.0
             # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
             # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
-            # rows of the main loop's 128-token tiles would take every register.
+            # rows of the main loop's 128-token INT4 tiles would take every register.
             WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
             offs_w = tl.arange(0, WINDOW_N)
             unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
