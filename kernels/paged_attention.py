@@ -3,16 +3,18 @@
 Decode (one new token per sequence) is memory bound: each program owns one
 sequence, one KV head and one partition of the context, and processes all the
 query heads of that KV head's group together (GQA), so every K/V byte is read
-once. Long contexts are split into partitions that run in parallel
-(flash-decoding) and the partial results are merged through their log-sum-exp.
-By default the number of partitions is chosen so that the grid fills the GPU,
-bounded by a minimum partition length. With few partitions the decode kernel
-merges them itself: each partition program counts itself in on an int32 counter
-of its (sequence, KV head), and the last to arrive adds up all of them (the
-pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
-layer; with many, a second kernel merges them with one program per head, as
-the last arrival alone would take too long. `DecodeConfig.max_fused_splits`
-draws the line.
+once. A group of up to 8 heads is one 8-wide tensor-core tile with the token
+tile first (scores as K q^T, [tokens, 8]), rather than 8 or fewer rows padded to
+the 16 a first operand needs; wider groups (MLA's 16) take the rows. Long
+contexts are split into partitions that run in parallel (flash-decoding) and the
+partial results are merged through their log-sum-exp. By default the number of
+partitions is chosen so that the grid fills the GPU, bounded by a minimum
+partition length. With few partitions the decode kernel merges them itself: each
+partition program counts itself in on an int32 counter of its (sequence, KV
+head), and the last to arrive adds up all of them (the pattern of
+`lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per layer; with
+many, a second kernel merges them with one program per head, as the last arrival
+alone would take too long. `DecodeConfig.max_fused_splits` draws the line.
 
 Batch invariance. The default partitioning depends on the batch (its size and its
 longest context), so a sequence's sum can be cut differently when other sequences
@@ -712,7 +714,8 @@ if HAS_TRITON:
         # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
         return tl.inline_asm_elementwise(
             asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
-            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
@@ -1009,6 +1012,11 @@ if HAS_TRITON:
         return m_new, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
+    def _accumulate_by_token(acc, alpha, w, v, zero_term, v_max):
+        # _accumulate turned over: acc [BLOCK_C, R], v [BLOCK_C, BLOCK_N], w [BLOCK_N, R].
+        return acc * alpha[None, :] + (tl.dot(v, w, input_precision="ieee") - zero_term) * v_max
+
+    @triton.jit
     def _attend_tile_by_token(
         q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
         k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
@@ -1060,11 +1068,11 @@ if HAS_TRITON:
                 odd_zero_term, odd_v_max = zero_term * 16.0, v_max * (1.0 / 16.0)
             else:
                 odd_zero_term, odd_v_max = zero_term, v_max
-            acc0 = acc0 * alpha[None, :] + (tl.dot(v0, w, input_precision="ieee") - zero_term) * v_max
-            acc1 = acc1 * alpha[None, :] + (tl.dot(v1, w, input_precision="ieee") - odd_zero_term) * odd_v_max
+            acc0 = _accumulate_by_token(acc0, alpha, w, v0, zero_term, v_max)
+            acc1 = _accumulate_by_token(acc1, alpha, w, v1, odd_zero_term, odd_v_max)
             if NUM_PLANES == 4:
-                acc2 = acc2 * alpha[None, :] + (tl.dot(v2, w, input_precision="ieee") - zero_term) * v_max
-                acc3 = acc3 * alpha[None, :] + (tl.dot(v3, w, input_precision="ieee") - odd_zero_term) * odd_v_max
+                acc2 = _accumulate_by_token(acc2, alpha, w, v2, zero_term, v_max)
+                acc3 = _accumulate_by_token(acc3, alpha, w, v3, odd_zero_term, odd_v_max)
         return m_new, l_i, acc0, acc1, acc2, acc3
 
     @triton.jit
@@ -1132,7 +1140,7 @@ if HAS_TRITON:
         offs_g = tl.arange(0, BLOCK_G)
         mask_g = offs_g < group_size
         heads = kv_head * group_size + offs_g
-        # q rows of this KV head's group, padded to BLOCK_G (>= 16 for tl.dot): [BLOCK_G, BLOCK_C] per plane
+        # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
         q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
         # Groups of up to 8 query heads attend token by token (_attend_tile_by_token): q and

@@ -108,7 +108,8 @@ def attention(args) -> None:
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
         block_d = pa._block_d(args.head_dim)
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
-                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": args.block_n, "IS_SPLIT": True, "IS_FUSED": True, "HAS_WINDOW": args.window,
+                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": args.block_n, "IS_SPLIT": True,
+                      "IS_FUSED": True, "HAS_WINDOW": args.window,
                       "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
