@@ -7,7 +7,7 @@ how many programs an SM holds (65,536 per SM); the main loop's length, over the 
 rows one pass covers, is what a memory-bound kernel must issue per byte. Both show a
 change's cost before any GPU run; they are a guide, not a timing.
 
-    python scripts/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 4] [--stages 2]
+    python scripts/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 2] [--stages 3]
     python scripts/aot_kernels.py gemv [--arch 90] [--shape r1-distill-qwen-1.5b] [--rank 16]
 """
 
@@ -101,6 +101,7 @@ def attention(args) -> None:
     from lowvram.kernels import paged_attention as pa
 
     for bits in (int(b) for b in args.bits.split(",")):
+        block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
         cache = "*fp16" if bits == 16 else "*u8"
         pointer_types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
                          "context_lens_ptr": "*i32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
@@ -108,7 +109,7 @@ def attention(args) -> None:
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
         block_d = pa._block_d(args.head_dim)
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
-                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": args.block_n, "IS_SPLIT": True,
+                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": block_n, "IS_SPLIT": True,
                       "IS_FUSED": True, "HAS_WINDOW": args.window,
                       "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
@@ -116,8 +117,8 @@ def attention(args) -> None:
         kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
                                 frozenset({"stride_qs", "stride_qh"}))
         found = usage(kernel)
-        per_token = found["loop_instructions"] * args.warps / args.block_n
-        print(f"decode attention, {bits}-bit pages, {args.block_n} tokens x {args.warps} warps, "
+        per_token = found["loop_instructions"] * args.warps / block_n
+        print(f"decode attention, {bits}-bit pages, {block_n} tokens x {args.warps} warps, "
               f"{args.stages} stages: {found['registers']} registers, {found['spill_bytes']} bytes spilled, "
               f"loop {found['loop_instructions']} instructions per warp ({per_token:.1f} per token); "
               f"{found['loop_opcodes']}")
@@ -154,9 +155,11 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90, 86, 75)")
     parser.add_argument("--bits", default="16,8,4", help="attention: page precisions")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-n", type=int, default=64, help="attention: tokens per tile")
-    parser.add_argument("--warps", type=int, default=4, help="attention: warps per program")
-    parser.add_argument("--stages", type=int, default=2, help="attention: pipeline stages")
+    parser.add_argument("--block-n", type=int, default=0,
+                        help="attention: tokens per tile (default: the kernel's default for the page bits, "
+                             "heads up to 128 on GPUs with cp.async)")
+    parser.add_argument("--warps", type=int, default=2, help="attention: warps per program")
+    parser.add_argument("--stages", type=int, default=3, help="attention: pipeline stages")
     parser.add_argument("--wide", action="store_true", help="attention: int64 page offsets")
     parser.add_argument("--group-width", type=int, default=8,
                         help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)")
