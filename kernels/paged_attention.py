@@ -145,19 +145,20 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     # Merging up to 16 partial rows per head in the last program costs less than a second
     # launch, with 4 or 8 warps to do it.
     max_fused_splits = 16
-    if _has_async_copies(device) and block_d <= 128:
-        # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md),
-        # the token-by-token tiles of groups up to 8 query heads: 2 warps, whose reductions over
-        # a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages in
-        # 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20% slower
-        # at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
-        block_n = ASYNC_DECODE_TILE_TOKENS[bits]
-        num_warps = 2
-        # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took 7.6
-        # µs merged in the decode kernel against 5.9, at 2K x 8 15.3 against 9.4.
-        max_fused_splits = 0
-    elif _has_async_copies(device) and bits == 16:
-        num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
+    if _has_async_copies(device):
+        if block_d <= 128:
+            # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md),
+            # the token-by-token tiles of groups up to 8 query heads: 2 warps, whose reductions
+            # over a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages
+            # in 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20%
+            # slower at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
+            block_n = ASYNC_DECODE_TILE_TOKENS[bits]
+            num_warps = 2
+            # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took
+            # 7.6 µs merged in the decode kernel against 5.9, at 2K x 8 15.3 against 9.4.
+            max_fused_splits = 0
+        elif bits == 16:
+            num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
                         max_fused_splits=max_fused_splits)
 
@@ -799,20 +800,13 @@ if HAS_TRITON:
                            num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
     @triton.jit
-    def _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, DOT_DTYPE: tl.constexpr):
-        # Plane PLANE of the window's FP16 rows of the tokens `is_window` (0 for the others).
-        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        return _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C).to(DOT_DTYPE)
-
-    @triton.jit
     def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
                       NUM_PLANES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
                       BLOCK_C: tl.constexpr):
         # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
-        kept = _kept_plane(window_ptr, window_rows, is_window, offs_c, PLANE, NUM_PLANES, HEAD_DIM, PLANE_DIM,
-                           BLOCK_C, plane.dtype)
-        return tl.where(is_window[:, None], kept, plane)
+        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
+        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
+        return tl.where(is_window[:, None], kept.to(plane.dtype), plane)
 
     @triton.jit
     def _load_operands(
