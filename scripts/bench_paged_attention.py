@@ -23,7 +23,7 @@ kernels then read those pages' FP16 copies instead of their codes. --splits N,M 
 row's default configuration with the default partitioning forced to N, M, ... partitions
 (those a sequence can use: at most one per tile), recorded as the row's `by_splits`.
 --config TOKENS/WARPS/STAGES (e.g. 64/2/3) times every row with that tile in place of the
-default configuration.
+default configuration's (its merge setting kept).
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
         [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--json results.json]
@@ -246,11 +246,14 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 
 
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
-              forced_splits: tuple[int, ...] = (), config: DecodeConfig | None = None) -> dict:
-    """One row: `config` (by default the default configuration), with `sweep` every
-    configuration of the grid, and with `forced_splits` `config` at each of those partition
-    counts."""
-    config = config or default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
+              forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None) -> dict:
+    """One row: the default configuration, or with `tile` (tokens, warps, stages) the default
+    with that tile; with `sweep` every configuration of the grid, and with `forced_splits` the
+    row's configuration at each of those partition counts."""
+    config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
+    if tile is not None:
+        block_n, num_warps, num_stages = tile
+        config = dataclasses.replace(config, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, partition_tokens = plan_decode_partitions(
         setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, partition_tokens=partition_tokens,
@@ -356,13 +359,13 @@ def main() -> int:
         parser.error(f"--contexts, --batches and --splits take comma-separated integers: {exc}")
     if any(n < 1 for n in forced_splits):
         parser.error(f"--splits takes partition counts of 1 or more, got {args.splits}")
-    config = None
+    tile = None
     if args.config:
         try:
             block_n, num_warps, num_stages = (int(n) for n in args.config.split("/"))
         except ValueError:
             parser.error(f"--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got {args.config!r}")
-        config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=16)
+        tile = (block_n, num_warps, num_stages)
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -388,7 +391,7 @@ def main() -> int:
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, config)
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, tile)
             rows.append(row)
             print_row(row)
             for forced in row.get("by_splits", []):
