@@ -949,6 +949,18 @@ if HAS_TRITON:
             _store_plane(row_ptrs, result3, mask, offs_c, 3, NUM_PLANES)
 
     @triton.jit
+    def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
+        # The online softmax over one tile of base-2 `scores`, tokens along TOKEN_AXIS: the rows'
+        # new maxima, the factor that rescales what they summed before, the tile's weights p and
+        # the new sums. A row that has seen no token yet (a tile of only window tokens in the
+        # codes' pass, or the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
+        m_new = tl.maximum(m_i, tl.max(scores, axis=TOKEN_AXIS))
+        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_seen)
+        p = tl.exp2(scores - tl.expand_dims(m_seen, TOKEN_AXIS))
+        return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=TOKEN_AXIS)
+
+    @triton.jit
     def _accumulate(acc, alpha, w, v, zero_term, v_max):
         # acc rescaled for a new row maximum, plus w . (codes - zero) * v_max (see _attend_tile).
         return acc * alpha[:, None] + (tl.dot(w, v, input_precision="ieee") - zero_term) * v_max
@@ -984,13 +996,7 @@ if HAS_TRITON:
             # q . (codes - zero) * scale = (q . codes - zero * sum(q)) * scale
             scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
         scores = tl.where(is_visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A row that has seen no token yet (a tile of only window tokens in the codes' pass, or
-        # the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
-        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_seen)
-        p = tl.exp2(scores - m_seen[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 1)
         if BITS == 16:
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q0.dtype), v0, input_precision="ieee")
         else:
@@ -1049,11 +1055,7 @@ if HAS_TRITON:
         else:
             scores = (qk - k_zero[:, None] * q_sum[None, :]) * (k_scale * scale_log2)[:, None]
         scores = tl.where(is_visible[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_seen)
-        p = tl.exp2(scores - m_seen[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 0)
         if BITS == 16:
             acc0 = acc0 * alpha[None, :] + tl.dot(v0, p.to(q0.dtype), input_precision="ieee")
         else:
