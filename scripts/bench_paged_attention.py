@@ -23,7 +23,9 @@ kernels then read those pages' FP16 copies instead of their codes. --splits N,M 
 row's default configuration with the default partitioning forced to N, M, ... partitions
 (those a sequence can use: at most one per tile), recorded as the row's `by_splits`.
 --config TOKENS/WARPS/STAGES (e.g. 64/2/3) times every row with that tile in place of the
-default configuration's (its merge setting kept).
+default configuration's (its merge setting kept). --kernel-times also records each row's
+kernels' device times (the profiler over eager calls), to tell the decode kernel from the merge
+and from the gaps between launches.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
         [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--json results.json]
@@ -36,6 +38,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import sys
 import time
 
@@ -49,6 +52,7 @@ from lowvram.kernels.paged_attention import (
     paged_decode_attention,
     plan_decode_partitions,
 )
+from lowvram.kernels.pdl import PDL_ENV
 from lowvram.kv_pool import recent_window_blocks
 from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
 
@@ -60,6 +64,7 @@ PARTITIONINGS = ("auto", "invariant")  # plan_decode_partitions' default, or INV
 TARGET_FRACTION = 0.60
 MAX_COPIES = 16  # calls per timed graph
 REPLAYS = 20
+PROFILED_ROUNDS = 5  # --kernel-times: eager rounds of `copies` calls under the profiler
 # --sweep: 18 tile configurations per row with the merge kernel, then the best of them with the
 # merge in the decode kernel; each is compiled once per precision, which is most of the time.
 # Two warps split a tile's tokens in two, so its row reductions cross one warp boundary, not three.
@@ -161,9 +166,9 @@ class Setup:
         q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
         return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
 
-    def time_us(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None) -> float:
-        """Median time of one decode-attention call (kernel, and merge kernel when there is one);
-        `num_splits` forces the partition count of the default partitioning."""
+    def calls(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None):
+        """A function making one decode-attention call over each set of pages; `num_splits`
+        forces the partition count of the default partitioning."""
         partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
 
         def run_all():
@@ -172,7 +177,34 @@ class Setup:
                                        max_context_len=self.context_len, partition_tokens=partition_tokens,
                                        num_splits=num_splits, _config=config)
 
-        return replay_time_ms(run_all, self.copies) * 1e3
+        return run_all
+
+    def time_us(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None) -> float:
+        """Median time of one decode-attention call (kernel, and merge kernel when there is one)."""
+        return replay_time_ms(self.calls(partitioning, config, num_splits), self.copies) * 1e3
+
+    def kernel_times_us(self, partitioning: str, config: DecodeConfig) -> dict[str, float]:
+        """Mean device time of each kernel of a call, by kernel name, from the profiler over eager
+        calls: what the graph's figure holds besides the gaps between kernels. Launched without
+        programmatic dependent launch, which would count a kernel's wait for the one before it
+        (the merge's for the decode kernel) as its own time."""
+        run_all = self.calls(partitioning, config)
+        previous = os.environ.get(PDL_ENV)
+        os.environ[PDL_ENV] = "0"
+        try:
+            run_all()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                for _ in range(PROFILED_ROUNDS):
+                    run_all()
+                torch.cuda.synchronize()
+        finally:
+            if previous is None:
+                del os.environ[PDL_ENV]
+            else:
+                os.environ[PDL_ENV] = previous
+        return {event.key: round(event.self_device_time_total / event.count, 2)
+                for event in profile.key_averages() if event.self_device_time_total > 0}
 
 
 def _bytes_per_token(precision: str) -> int:
@@ -246,10 +278,12 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 
 
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
-              forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None) -> dict:
+              forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None,
+              kernel_times: bool = False) -> dict:
     """One row: the default configuration, or with `tile` (tokens, warps, stages) the default
-    with that tile; with `sweep` every configuration of the grid, and with `forced_splits` the
-    row's configuration at each of those partition counts."""
+    with that tile; with `sweep` every configuration of the grid, with `forced_splits` the
+    row's configuration at each of those partition counts, and with `kernel_times` each of its
+    kernels' device time."""
     config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
     if tile is not None:
         block_n, num_warps, num_stages = tile
@@ -275,6 +309,8 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
+    if kernel_times:
+        row["kernel_times_us"] = setup.kernel_times_us(partitioning, config)
     if partitioning == "auto" and forced_splits:
         useful = math.ceil(setup.context_len / config.block_n)
         row["by_splits"] = [_sweep_result(setup, partitioning, config, copy_gbs, n)
@@ -345,6 +381,8 @@ def main() -> int:
                         help="time every row with this tile instead of the default configuration")
     parser.add_argument("--splits", default="",
                         help="comma-separated partition counts to also time each row's default configuration at")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also record each kernel's device time per call (profiler, eager calls)")
     args = parser.parse_args()
     if args.window_tokens < 0:
         parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
@@ -391,9 +429,13 @@ def main() -> int:
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, tile)
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, tile,
+                            args.kernel_times)
             rows.append(row)
             print_row(row)
+            if "kernel_times_us" in row:
+                print(f"{'':>9} kernels: " + ", ".join(f"{name} {us:.1f} us"
+                                                       for name, us in row["kernel_times_us"].items()))
             for forced in row.get("by_splits", []):
                 print(f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
                       f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
