@@ -20,9 +20,10 @@ Batch invariance. The default partitioning depends on the batch (its size and it
 longest context), so a sequence's sum can be cut differently when other sequences
 join it. With `partition_tokens=` (`INVARIANT_PARTITION_TOKENS`, say)
 partitions start at fixed absolute positions, a sequence always goes through the
-merge, and the merge adds exactly the sequence's own partitions, one at a time in
-split order (in either merge, so both give the same bits); partitions past a
-sequence's context are neither computed nor read.
+merge, and the merge adds exactly the sequence's own partitions in an order fixed by
+their number alone (partition s into lane s % `merge_lanes`, then the lanes pairwise; the
+same in either merge, so both give the same bits); partitions past a sequence's context
+are neither computed nor read.
 Nothing a sequence's result is made of then depends on its neighbours, the block
 table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
 option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
@@ -105,6 +106,11 @@ DECODE_MIN_GROUP = 8
 # Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async (see
 # default_decode_config); INVARIANT_PARTITION_TOKENS is a multiple of each.
 ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
+# The merge adds partial results in lanes (merge_lanes, _merge_row): one load brings a lane's
+# worth of partitions, MERGE_FLOATS floats or MAX_MERGE_LANES partitions at most, so a merge of
+# 256 partitions (one sequence at 128K) waits on memory 8 times, not once per partition or two.
+MERGE_FLOATS = 4096
+MAX_MERGE_LANES = 32
 # 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
 MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
@@ -413,10 +419,10 @@ def _check_config(name: str, config: DecodeConfig) -> None:
                           "expected num_warps a power of two up to 16 and num_stages >= 1")
 
 
-def _merge_chunk(block_h: int, block_d: int) -> int:
-    """Partial results the merge loads before it adds them (in split order: the order, not this
-    count, decides the result), so their loads overlap: about 4K floats in flight."""
-    return max(1, min(8, 4096 // (block_h * block_d)))
+def merge_lanes(block_d: int) -> int:
+    """The merge's lanes for heads of `block_d` columns (both merges take the same, so they give
+    the same bits): partials one load brings in, about MERGE_FLOATS floats."""
+    return max(2, min(MAX_MERGE_LANES, MERGE_FLOATS // block_d))
 
 
 def paged_decode_attention(
@@ -490,7 +496,6 @@ def paged_decode_attention(
         partial_out, partial_lse = out, out  # unused without splitting
     counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
-    block_h = triton.next_power_of_2(group_size)  # the heads the fused merge adds up together
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
         block_tables, context_lens, out, partial_out, partial_lse, counters,
@@ -500,14 +505,14 @@ def paged_decode_attention(
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
-        BLOCK_D=block_d, BLOCK_H=block_h, MERGE_CHUNK=_merge_chunk(block_h, block_d),
+        BLOCK_D=block_d, MERGE_LANES=merge_lanes(block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_CHUNK=_merge_chunk(1, block_d),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, LANES=merge_lanes(block_d),
             num_warps=4, **dependent_launch(q.device),
         )
     return out
@@ -1113,7 +1118,7 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
         IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_CHUNK: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+        BLOCK_D: tl.constexpr, MERGE_LANES: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -1245,14 +1250,14 @@ if HAS_TRITON:
                 # makes every partition's partials visible to the last program, which reads
                 # them from L2 (".cg": L1 is not coherent across SMs). The last program resets
                 # the counter for the next launch or replay. The merge is the merge kernel's,
-                # for the group's heads at once.
+                # for the group's heads one after another.
                 tl.debug_barrier()
                 counter = counter_ptr + seq * num_kv_heads + kv_head
                 if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
-                    offs_h = tl.arange(0, BLOCK_H)
-                    merge_rows = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size + offs_h
-                    _merge_partitions(partial_out_ptr, partial_lse_ptr, out_ptr, merge_rows, offs_h < group_size,
-                                      num_splits, num_parts, HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+                    first_row = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size
+                    for head in range(group_size):
+                        _merge_row(partial_out_ptr, partial_lse_ptr, out_ptr, first_row + head, num_splits,
+                                   num_parts, HEAD_DIM, BLOCK_D, MERGE_LANES)
                     tl.store(counter, 0)
         else:
             _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, result2, result3, mask_g,
@@ -1265,56 +1270,66 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
 
     @triton.jit
-    def _merge_partitions(
-        partial_out_ptr, partial_lse_ptr, out_ptr, rows, mask_h, num_splits, num_parts,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    def _merge_row(
+        partial_out_ptr, partial_lse_ptr, out_ptr, row, num_splits, num_parts,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
     ):
-        # Output rows `rows` [BLOCK_H] (sequence * num_heads + head) from their first num_parts
-        # partials, each weighted by exp2(lse - max lse). Every output element is a sum in split
-        # order 0, 1, ..., num_parts - 1, whatever num_splits, the tile shapes or the number of
-        # warps, so a sequence's result does not depend on the batch around it; splits past
-        # num_parts are never read. The max is exact in any order. MERGE_CHUNK partials are
-        # loaded before they are added, so their loads overlap.
+        # Output row `row` (sequence * num_heads + head) from its first num_parts partials, each
+        # weighted by exp2(lse - max lse). Partition s goes into lane s % LANES, in split order;
+        # then the lanes are added pairwise, (0 + 1) + (2 + 3) and so on up a tree (_sum_lanes).
+        # So every output element is one sum fixed by num_parts and LANES, whatever num_splits,
+        # the number of warps or which merge runs it, and a sequence's result does not depend on
+        # the batch around it; splits past num_parts are never read. The max is exact in any
+        # order. One load brings a partial for every lane: LANES loads in flight, not one.
         offs_d = tl.arange(0, BLOCK_D)
-        offs_c = tl.arange(0, 64)
-        mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-        max_lse = tl.full(rows.shape, float("-inf"), tl.float32)
-        for chunk_start in range(0, num_parts, 64):
-            splits = chunk_start + offs_c
-            lse = tl.load(partial_lse_ptr + rows[:, None] * num_splits + splits[None, :],
-                          mask=mask_h[:, None] & (splits < num_parts)[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-            max_lse = tl.maximum(max_lse, tl.max(lse, axis=1))
+        offs_l = tl.arange(0, LANES)
+        mask_d = offs_d < HEAD_DIM
+        lse_row = partial_lse_ptr + row * num_splits
+        part_row = partial_out_ptr + row * num_splits * HEAD_DIM
+        max_lse = tl.full([LANES], float("-inf"), tl.float32)
+        for chunk_start in range(0, num_parts, LANES):
+            splits = chunk_start + offs_l
+            lse = tl.load(lse_row + splits, mask=splits < num_parts, other=float("-inf"), cache_modifier=".cg")
+            max_lse = tl.maximum(max_lse, lse)
+        max_lse = tl.max(max_lse, axis=0)
         max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # empty context: all weights 0
-        total = tl.zeros(rows.shape, tl.float32)
-        acc = tl.zeros([rows.shape[0], BLOCK_D], tl.float32)
-        for chunk_start in range(0, num_parts, MERGE_CHUNK):
-            for i in tl.static_range(MERGE_CHUNK):
-                split = chunk_start + i
-                is_part = split + tl.zeros_like(rows) < num_parts  # [BLOCK_H]: the interpreter masks with vectors
-                lse = tl.load(partial_lse_ptr + rows * num_splits + split, mask=mask_h & is_part,
-                              other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(partial_out_ptr + (rows * num_splits + split)[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=mask_hd & is_part[:, None], other=0.0, cache_modifier=".cg")
-                weight = tl.exp2(lse - max_lse)  # 0 past num_parts: adds exact zeros
-                total += weight
-                acc += part * weight[:, None]
-        result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], result.to(out_ptr.dtype.element_ty),
-                 mask=mask_hd)
+        total = tl.zeros([1, LANES], tl.float32)
+        acc = tl.zeros([BLOCK_D, LANES], tl.float32)
+        for chunk_start in range(0, num_parts, LANES):
+            splits = chunk_start + offs_l
+            is_part = splits < num_parts
+            lse = tl.load(lse_row + splits, mask=is_part, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
+                           mask=mask_d[:, None] & is_part[None, :], other=0.0, cache_modifier=".cg")
+            weight = tl.exp2(lse - max_lse)[None, :]  # 0 past num_parts: adds exact zeros
+            total += weight
+            acc += part * weight
+        total = _sum_lanes(total, 1, LANES)
+        result = _sum_lanes(acc, BLOCK_D, LANES) / tl.where(total > 0.0, total, 1.0)
+        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+    @triton.jit
+    def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
+        # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
+        # Moving values between threads, never adding them in the layout's order, so the sum
+        # is the same for any layout.
+        for level in tl.static_range(1, LANES.bit_length()):
+            x = tl.reshape(x, [ROWS, LANES >> level, 2])
+            even, odd = tl.split(x)
+            x = even + odd
+        return tl.reshape(x, [ROWS])
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_partitions_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, context_lens_ptr, partition_tokens, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
     ):
         await_inputs(PDL)
         # One program per (sequence, head).
         seq = tl.program_id(0)
-        rows = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1) + tl.arange(0, 1)
+        row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
-        _merge_partitions(partial_out_ptr, partial_lse_ptr, out_ptr, rows, rows >= 0, num_splits, num_parts,
-                          HEAD_DIM, BLOCK_D, MERGE_CHUNK)
+        _merge_row(partial_out_ptr, partial_lse_ptr, out_ptr, row, num_splits, num_parts, HEAD_DIM, BLOCK_D, LANES)
 
     @triton.jit
     def _prefill_kernel(

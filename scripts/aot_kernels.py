@@ -111,7 +111,7 @@ def attention(args) -> None:
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
                       "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": block_n, "IS_SPLIT": True,
                       "IS_FUSED": True, "HAS_WINDOW": args.window,
-                      "BLOCK_D": block_d, "BLOCK_H": 8, "MERGE_CHUNK": pa._merge_chunk(8, block_d),
+                      "BLOCK_D": block_d, "MERGE_LANES": pa.merge_lanes(block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
