@@ -9,7 +9,7 @@ the 16 a first operand needs; wider groups (MLA's 16) take the rows. Long
 contexts are split into partitions that run in parallel (flash-decoding) and the
 partial results are merged through their log-sum-exp. By default the number of
 partitions is chosen so that the grid fills the GPU, bounded by a minimum
-partition length. With few partitions the decode kernel merges them itself: each
+partition length. With few partitions (and the default partitioning) the decode kernel merges them itself: each
 partition program counts itself in on an int32 counter of its (sequence, KV
 head), and the last to arrive adds up all of them (the pattern of
 `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per layer; with
@@ -20,10 +20,10 @@ Batch invariance. The default partitioning depends on the batch (its size and it
 longest context), so a sequence's sum can be cut differently when other sequences
 join it. With `partition_tokens=` (`INVARIANT_PARTITION_TOKENS`, say)
 partitions start at fixed absolute positions, a sequence always goes through the
-merge, and the merge adds exactly the sequence's own partitions in an order fixed by
-their number alone (partition s into lane s % `merge_lanes`, then the lanes pairwise; the
-same in either merge, so both give the same bits); partitions past a sequence's context
-are neither computed nor read.
+merge kernel (never the decode kernel's own merge), which adds exactly the sequence's own
+partitions in an order fixed by their number alone (partition s into lane s %
+MERGE_KERNEL_LANES, then the lanes pairwise); partitions past a sequence's context are
+neither computed nor read.
 Nothing a sequence's result is made of then depends on its neighbours, the block
 table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
 option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
@@ -106,11 +106,14 @@ DECODE_MIN_GROUP = 8
 # Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async (see
 # default_decode_config); INVARIANT_PARTITION_TOKENS is a multiple of each.
 ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
-# The merge adds partial results in lanes (merge_lanes, _merge_row): one load brings a lane's
-# worth of partitions, MERGE_FLOATS floats or MAX_MERGE_LANES partitions at most, so a merge of
-# 256 partitions (one sequence at 128K) waits on memory 8 times, not once per partition or two.
-MERGE_FLOATS = 4096
-MAX_MERGE_LANES = 32
+# The merges add partial results in lanes (_merge_slice): one load brings a partial for each
+# lane. The merge kernel runs a program per MERGE_SLICE_D columns of a head with
+# MERGE_KERNEL_LANES lanes, so a merge of 256 partitions (one sequence at 32K-128K) waits on
+# memory twice, where one partition at a time waited once for each one or two. The decode
+# kernel's own merge (at most max_fused_splits partitions) takes whole heads, in fewer lanes.
+MERGE_SLICE_D = 32
+MERGE_KERNEL_LANES = 128
+FUSED_MERGE_FLOATS = 4096
 # 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
 MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
@@ -126,10 +129,10 @@ class DecodeConfig:
 
     block_n: tokens per K/V tile, a power of two >= 16 (partitions are whole tiles).
     num_warps, num_stages: Triton's launch options (stages of the tile loads' pipeline).
-    max_fused_splits: with at most this many partitions, the decode kernel merges them itself
-    (the last partition of a sequence's KV head to finish adds them up), saving the merge
-    kernel's launch but leaving the merge to one program per KV head; with more, the merge
-    kernel runs one program per head. Both merges give the same bits.
+    max_fused_splits: with at most this many partitions of the default partitioning, the
+    decode kernel merges them itself (the last partition of a sequence's KV head to finish
+    adds them up), saving the merge kernel's launch but leaving the merge to one program per
+    KV head; with more, or with fixed partitions, the merge kernel runs programs per head.
 
     The default (`default_decode_config`) depends on the device and head size only, never on
     the batch: a tile size that followed the batch would change how a sequence's tokens are
@@ -419,10 +422,10 @@ def _check_config(name: str, config: DecodeConfig) -> None:
                           "expected num_warps a power of two up to 16 and num_stages >= 1")
 
 
-def merge_lanes(block_d: int) -> int:
-    """The merge's lanes for heads of `block_d` columns (both merges take the same, so they give
-    the same bits): partials one load brings in, about MERGE_FLOATS floats."""
-    return max(2, min(MAX_MERGE_LANES, MERGE_FLOATS // block_d))
+def fused_merge_lanes(block_d: int) -> int:
+    """Lanes of the decode kernel's own merge for heads of `block_d` columns: partials one load
+    brings in, about FUSED_MERGE_FLOATS floats."""
+    return max(2, min(32, FUSED_MERGE_FLOATS // block_d))
 
 
 def paged_decode_attention(
@@ -481,10 +484,10 @@ def paged_decode_attention(
     _check_kernel_head_dim(name, head_dim, pages.bits)
     group_size = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
-    # Fixed partitions always go through the merge, even as one split, so that a sequence takes
-    # the same path whether or not a longer one shares its batch.
+    # Fixed partitions always go through the merge kernel, even as one split, so that a sequence
+    # takes the same path whether or not a longer one shares its batch.
     is_split = num_splits > 1 or is_invariant
-    is_fused = is_split and num_splits <= config.max_fused_splits
+    is_fused = is_split and not is_invariant and num_splits <= config.max_fused_splits
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
         # From the graph's pool under CUDA-graph capture, like every per-step buffer.
@@ -505,14 +508,14 @@ def paged_decode_attention(
         PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
         IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
-        BLOCK_D=block_d, MERGE_LANES=merge_lanes(block_d),
+        BLOCK_D=block_d, MERGE_LANES=fused_merge_lanes(block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
-        _merge_partitions_kernel[(num_seqs, num_heads)](
+        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, MERGE_SLICE_D))](
             partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, LANES=merge_lanes(block_d),
+            HEAD_DIM=head_dim, SLICE_D=MERGE_SLICE_D, LANES=MERGE_KERNEL_LANES,
             num_warps=4, **dependent_launch(q.device),
         )
     return out
@@ -1256,8 +1259,8 @@ if HAS_TRITON:
                 if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
                     first_row = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size
                     for head in range(group_size):
-                        _merge_row(partial_out_ptr, partial_lse_ptr, out_ptr, first_row + head, num_splits,
-                                   num_parts, HEAD_DIM, BLOCK_D, MERGE_LANES)
+                        _merge_slice(partial_out_ptr, partial_lse_ptr, out_ptr, first_row + head, 0, num_splits,
+                                     num_parts, HEAD_DIM, BLOCK_D, MERGE_LANES)
                     tl.store(counter, 0)
         else:
             _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, result2, result3, mask_g,
@@ -1270,42 +1273,43 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
 
     @triton.jit
-    def _merge_row(
-        partial_out_ptr, partial_lse_ptr, out_ptr, row, num_splits, num_parts,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
+    def _merge_slice(
+        partial_out_ptr, partial_lse_ptr, out_ptr, row, first_column, num_splits, num_parts,
+        HEAD_DIM: tl.constexpr, SLICE_D: tl.constexpr, LANES: tl.constexpr,
     ):
-        # Output row `row` (sequence * num_heads + head) from its first num_parts partials, each
-        # weighted by exp2(lse - max lse). Partition s goes into lane s % LANES, in split order;
-        # then the lanes are added pairwise, (0 + 1) + (2 + 3) and so on up a tree (_sum_lanes).
-        # So every output element is one sum fixed by num_parts and LANES, whatever num_splits,
-        # the number of warps or which merge runs it, and a sequence's result does not depend on
-        # the batch around it; splits past num_parts are never read. The max is exact in any
-        # order. One load brings a partial for every lane: LANES loads in flight, not one.
-        offs_d = tl.arange(0, BLOCK_D)
+        # Columns first_column ... + SLICE_D of output row `row` (sequence * num_heads + head)
+        # from the row's first num_parts partials, each weighted by exp2(lse - max lse), in one
+        # pass: a chunk of LANES partitions at a time, the sums so far rescaled when a chunk
+        # raises the maximum (online softmax, as over a tile's tokens). Partition s goes into
+        # lane s % LANES, in split order; then the lanes are added pairwise, (0 + 1) + (2 + 3)
+        # and so on up a tree (_sum_lanes). Every output element is so one computation fixed by
+        # num_parts and LANES, whatever num_splits, the slice or the number of warps, and splits
+        # past num_parts are never read. The log-sum-exps and partials of a chunk load
+        # together, LANES of each in flight: up to LANES partitions wait on memory once.
+        offs_d = first_column + tl.arange(0, SLICE_D)
         offs_l = tl.arange(0, LANES)
         mask_d = offs_d < HEAD_DIM
         lse_row = partial_lse_ptr + row * num_splits
         part_row = partial_out_ptr + row * num_splits * HEAD_DIM
-        max_lse = tl.full([LANES], float("-inf"), tl.float32)
-        for chunk_start in range(0, num_parts, LANES):
-            splits = chunk_start + offs_l
-            lse = tl.load(lse_row + splits, mask=splits < num_parts, other=float("-inf"), cache_modifier=".cg")
-            max_lse = tl.maximum(max_lse, lse)
-        max_lse = tl.max(max_lse, axis=0)
-        max_lse = tl.where(max_lse == float("-inf"), 0.0, max_lse)  # empty context: all weights 0
+        max_lse = float("-inf")
         total = tl.zeros([1, LANES], tl.float32)
-        acc = tl.zeros([BLOCK_D, LANES], tl.float32)
+        acc = tl.zeros([SLICE_D, LANES], tl.float32)
         for chunk_start in range(0, num_parts, LANES):
             splits = chunk_start + offs_l
             is_part = splits < num_parts
             lse = tl.load(lse_row + splits, mask=is_part, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
                            mask=mask_d[:, None] & is_part[None, :], other=0.0, cache_modifier=".cg")
-            weight = tl.exp2(lse - max_lse)[None, :]  # 0 past num_parts: adds exact zeros
-            total += weight
-            acc += part * weight
+            new_max = tl.maximum(max_lse, tl.max(lse, axis=0))
+            # -inf until a partition has tokens (an empty context has none): weights 0 then.
+            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(max_lse - reference)  # 0 on the first chunk, 1 while the max holds
+            weight = tl.exp2(lse - reference)[None, :]  # 0 past num_parts: adds exact zeros
+            total = total * rescale + weight
+            acc = acc * rescale + part * weight
+            max_lse = new_max
         total = _sum_lanes(total, 1, LANES)
-        result = _sum_lanes(acc, BLOCK_D, LANES) / tl.where(total > 0.0, total, 1.0)
+        result = _sum_lanes(acc, SLICE_D, LANES) / tl.where(total > 0.0, total, 1.0)
         tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
 
     @triton.jit
@@ -1322,14 +1326,16 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_partitions_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, context_lens_ptr, partition_tokens, num_splits,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, SLICE_D: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
     ):
-        await_inputs(PDL)
-        # One program per (sequence, head).
+        # One program per (sequence, head, SLICE_D columns). The context lengths are written
+        # before a step's first kernel, so under PDL they load while the decode kernel runs.
         seq = tl.program_id(0)
         row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
-        _merge_row(partial_out_ptr, partial_lse_ptr, out_ptr, row, num_splits, num_parts, HEAD_DIM, BLOCK_D, LANES)
+        await_inputs(PDL)
+        _merge_slice(partial_out_ptr, partial_lse_ptr, out_ptr, row, tl.program_id(2) * SLICE_D, num_splits,
+                     num_parts, HEAD_DIM, SLICE_D, LANES)
 
     @triton.jit
     def _prefill_kernel(

@@ -110,8 +110,8 @@ def attention(args) -> None:
         block_d = pa._block_d(args.head_dim)
         constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
                       "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": block_n, "IS_SPLIT": True,
-                      "IS_FUSED": True, "HAS_WINDOW": args.window,
-                      "BLOCK_D": block_d, "MERGE_LANES": pa.merge_lanes(block_d),
+                      "IS_FUSED": args.fused, "HAS_WINDOW": args.window,
+                      "BLOCK_D": block_d, "MERGE_LANES": pa.fused_merge_lanes(block_d),
                       "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
@@ -163,6 +163,8 @@ def main() -> int:
     parser.add_argument("--wide", action="store_true", help="attention: int64 page offsets")
     parser.add_argument("--group-width", type=int, default=8,
                         help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)")
+    parser.add_argument("--fused", action="store_true",
+                        help="attention: with the decode kernel's own merge (the 4- and 8-warp defaults')")
     parser.add_argument("--window", action="store_true",
                         help="attention: the variant that reads pages kept in FP16 beside the codes")
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")

@@ -264,8 +264,9 @@ def sweep_configs() -> list[DecodeConfig]:
             for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)]
 
 
-def _config_label(config: DecodeConfig, num_splits: int) -> str:
-    merge = "fused" if num_splits <= config.max_fused_splits else "kernel"
+def _config_label(config: DecodeConfig, num_splits: int, partitioning: str) -> str:
+    # Fixed partitions always take the merge kernel.
+    merge = "fused" if partitioning == "auto" and num_splits <= config.max_fused_splits else "kernel"
     return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
 
 
@@ -305,7 +306,7 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         "achieved_gbs": timed["achieved_gbs"],
         "fraction_of_copy": timed["fraction_of_copy"],
         "calls_per_graph": setup.copies,
-        "config": _config_label(config, num_splits),
+        "config": _config_label(config, num_splits, partitioning),
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
@@ -346,7 +347,7 @@ def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gb
         result = _timed(setup, partitioning, config, copy_gbs, forced_splits)
     except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
         result = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"}
-    label = _config_label(config, num_splits)
+    label = _config_label(config, num_splits, partitioning)
     if forced_splits is not None:
         label += f"/{num_splits}splits"
     return {"config": label, **dataclasses.asdict(config), "num_splits": num_splits, **result}

@@ -214,11 +214,13 @@ def test_decode_kernel_fp16():
         assert _report(f"decode fp16 splits={num_splits}", out, paged_decode_attention_ref(*args)) <= 2e-3
 
 
-@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize("num_splits", [2, 8, 144])
 def test_decode_long_contexts(num_splits):
     # 2 splits: several tiles per partition, so the online softmax rescales across tiles.
-    # 8 splits: more partitions than the merge kernel sums at once.
-    case = PagedCase("int8", torch.float32, 16, 2, TINY_DIM, [150, 97], seed=7)
+    # 8 splits: partitions in several lanes of the merge. 144 (one 16-token tile each): more
+    # partitions than the merge kernel's lanes, so a lane adds two.
+    context_lens = [2300, 97] if num_splits > paged_attention.MERGE_KERNEL_LANES else [150, 97]
+    case = PagedCase("int8", torch.float32, 16, 2, TINY_DIM, context_lens, seed=7)
     q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     args = (q, case.pages, case.block_tables, case.context_lens_t, 0.25)
     out = paged_decode_attention(*args, num_splits=num_splits)
