@@ -48,6 +48,7 @@ from lowvram.bench_record import measure_copy_bandwidth_gbps, run_metadata
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
+    decode_config,
     default_decode_config,
     paged_decode_attention,
     plan_decode_partitions,
@@ -281,11 +282,16 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
               forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None,
               kernel_times: bool = False) -> dict:
-    """One row: the default configuration, or with `tile` (tokens, warps, stages) the default
-    with that tile; with `sweep` every configuration of the grid, with `forced_splits` the
-    row's configuration at each of those partition counts, and with `kernel_times` each of its
-    kernels' device time."""
-    config = default_decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision])
+    """One row: the configuration paged_decode_attention takes (decode_config's with the
+    default partitioning, default_decode_config's with fixed partitions), or with `tile`
+    (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
+    grid, with `forced_splits` the row's configuration at each of those partition counts, and
+    with `kernel_times` each of its kernels' device time."""
+    bits = BITS_BY_PRECISION[setup.precision]
+    if partitioning == "auto":  # the configuration paged_decode_attention takes for the call
+        config = decode_config(setup.q.device, HEAD_DIM, bits, setup.batch_size, NUM_KV_HEADS, setup.context_len)
+    else:
+        config = default_decode_config(setup.q.device, HEAD_DIM, bits)
     if tile is not None:
         block_n, num_warps, num_stages = tile
         config = dataclasses.replace(config, block_n=block_n, num_warps=num_warps, num_stages=num_stages)

@@ -406,6 +406,26 @@ def test_choose_num_splits_fills_the_gpu():
     assert paged_attention.choose_num_splits(256, 2, 32768, 132) <= 2
 
 
+def test_decode_tiles_fit_the_grid():
+    # The 2-warp defaults of a 132-SM GPU (H200) against the 1.5B shape's grids.
+    fit = paged_attention.fit_decode_config
+    defaults = {bits: paged_attention.DecodeConfig(block_n=tokens, num_warps=2, num_stages=3, max_fused_splits=0)
+                for bits, tokens in paged_attention.ASYNC_DECODE_TILE_TOKENS.items()}
+    latency = paged_attention.LATENCY_DECODE_CONFIG
+    # No more programs than SMs: one sequence to 8K (64 partitions of 2 KV heads), eight to 512.
+    for bits in (16, 8, 4):
+        assert fit(defaults[bits], 1, 2, 8192, 132) == latency
+        assert fit(defaults[bits], 8, 2, 512, 132) == latency
+        assert fit(defaults[bits], 8, 2, 131072, 132) == defaults[bits]
+    # Partitions shorter than two tiles: INT4's 128-token tiles halve (to 64 at the least).
+    assert fit(defaults[4], 8, 2, 8192, 132).block_n == 64  # 33 partitions of 249 tokens
+    assert fit(defaults[4], 1, 2, 32768, 132).block_n == 64  # 264 of 125
+    assert fit(defaults[4], 4, 2, 32768, 132).block_n == 128  # 66 of 497
+    assert fit(defaults[4], 8, 2, 32768, 132).block_n == 128
+    assert fit(defaults[8], 8, 2, 4096, 132) == defaults[8]
+    assert fit(defaults[16], 8, 2, 4096, 132) == defaults[16]
+
+
 @pytest.mark.parametrize("head_dim", [24, 72])
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 def test_kernels_take_head_dims_that_are_not_powers_of_two(precision, head_dim):
@@ -538,6 +558,24 @@ def test_pages_past_int32_offsets_gpu(exact_fp32_matmul):
             torch.cuda.set_per_process_memory_fraction(float(previous_cap) * 2**30 / total)
     assert decode <= _gpu_tolerance("int8")
     assert prefill <= _gpu_tolerance("int8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("context_lens", [[8192], [4096] * 8, [2048, 300, 4097, 1]])
+def test_decode_fitted_tiles_gpu(precision, context_lens, exact_fp32_matmul):
+    # The default partitioning's configurations as decode_config fits them: 128-token tiles
+    # over 4 warps for one sequence at 8K, INT4's 64-token tiles for eight at 4K.
+    case = PagedCase(precision, torch.float16, 16, 2, 128, context_lens, seed=28)
+    q = torch.randn(len(context_lens), 12, 128, generator=torch.Generator().manual_seed(29))
+    q = q.to(DEVICE, torch.float16)
+    args = (case.pages, case.block_tables, case.context_lens_t, 128**-0.5)
+    max_context_len = case.block_tables.shape[1] * 16
+    config = paged_attention.decode_config(DEVICE, 128, case.pages.bits, len(context_lens), 2, max_context_len)
+    out = paged_decode_attention(q, *args)
+    label = f"decode gpu {precision} {len(context_lens)} x {max(context_lens)} {config}"
+    assert _report(label, out, paged_decode_attention_ref(q.float(), *args)) <= _gpu_tolerance(precision)
+    assert torch.equal(out, paged_decode_attention(q, *args, _config=config))
 
 
 @pytest.mark.gpu
