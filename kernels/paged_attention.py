@@ -109,10 +109,13 @@ ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
 # The merges add partial results in lanes (_merge_slice): one load brings a partial for each
 # lane. The merge kernel runs a program per MERGE_SLICE_D columns of a head with
 # MERGE_KERNEL_LANES lanes, so a merge of 256 partitions (one sequence at 32K-128K) waits on
-# memory twice, where one partition at a time waited once for each one or two. The decode
-# kernel's own merge (at most max_fused_splits partitions) takes whole heads, in fewer lanes.
+# memory twice, where one partition at a time waited once for each one or two; with the default
+# partitioning, up to WHOLE_HEAD_MERGE_SPLITS partitions take a program per whole head
+# (_merge_kernel_shape). The decode kernel's own merge (at most max_fused_splits partitions)
+# takes whole heads, in fewer lanes.
 MERGE_SLICE_D = 32
 MERGE_KERNEL_LANES = 128
+WHOLE_HEAD_MERGE_SPLITS = 64
 FUSED_MERGE_FLOATS = 4096
 # 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
 MIN_MERGE_COUNTERS = 8192
@@ -462,6 +465,17 @@ def _check_config(name: str, config: DecodeConfig) -> None:
                           "expected num_warps a power of two up to 16 and num_stages >= 1")
 
 
+def _merge_kernel_shape(block_d: int, num_splits: int, is_invariant: bool) -> tuple[int, int]:
+    """(columns per program, lanes) of the merge kernel. Fixed partitions always take
+    MERGE_SLICE_D columns in MERGE_KERNEL_LANES lanes, which fixes the order their partials are
+    added in. The default partitioning, which follows the batch anyway, merges up to
+    WHOLE_HEAD_MERGE_SPLITS partitions a whole head per program in one chunk of lanes: a
+    quarter of the programs, and a shorter tree of lanes."""
+    if is_invariant or num_splits > WHOLE_HEAD_MERGE_SPLITS or block_d > 128:
+        return MERGE_SLICE_D, MERGE_KERNEL_LANES
+    return block_d, max(2, triton.next_power_of_2(num_splits))
+
+
 def fused_merge_lanes(block_d: int) -> int:
     """Lanes of the decode kernel's own merge for heads of `block_d` columns: partials one load
     brings in, about FUSED_MERGE_FLOATS floats."""
@@ -556,9 +570,10 @@ def paged_decode_attention(
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
-        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, MERGE_SLICE_D))](
+        slice_d, lanes = _merge_kernel_shape(block_d, num_splits, is_invariant)
+        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
             partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-            HEAD_DIM=head_dim, SLICE_D=MERGE_SLICE_D, LANES=MERGE_KERNEL_LANES,
+            HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes,
             num_warps=4, **dependent_launch(q.device),
         )
     return out
