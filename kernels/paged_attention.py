@@ -9,12 +9,14 @@ the 16 a first operand needs; wider groups (MLA's 16) take the rows. Long
 contexts are split into partitions that run in parallel (flash-decoding) and the
 partial results are merged through their log-sum-exp. By default the number of
 partitions is chosen so that the grid fills the GPU, bounded by a minimum
-partition length. With few partitions (and the default partitioning) the decode kernel merges them itself: each
-partition program counts itself in on an int32 counter of its (sequence, KV
-head), and the last to arrive adds up all of them (the pattern of
-`lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per layer; with
-many, a second kernel merges them with one program per head, as the last arrival
-alone would take too long. `DecodeConfig.max_fused_splits` draws the line.
+partition length. With few partitions of the default partitioning the decode
+kernel can merge them itself: each partition program counts itself in on an int32
+counter of its (sequence, KV head), and the last to arrive adds up all of them
+(the pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
+layer; otherwise a second kernel merges them with a program per head, or per 32
+columns of one for long merges, as the last arrival alone would take too long.
+`DecodeConfig.max_fused_splits` draws the line (0 for the 2-warp defaults, whose
+programs merge slower than the merge kernel).
 
 Batch invariance. The default partitioning depends on the batch (its size and its
 longest context), so a sequence's sum can be cut differently when other sequences
@@ -189,7 +191,7 @@ def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int,
 
     - A grid of no more programs than SMs (one sequence to 8K, eight to 1K) is a matter of
       latency: LATENCY_DECODE_CONFIG's 128-token tiles over 4 warps issue a partition's loads
-      at once. H200: INT8 at 8K x 1 8.4 µs against 9.5, FP16 at 2K x 1 5.7 against 6.5.
+      at once. H200 sweeps: INT8 at 8K x 1 7.5 µs against 9.0, FP16 at 512 x 1 4.9 against 5.9.
     - Otherwise a partition shorter than MIN_TILES_PER_PARTITION of the default's tiles takes
       tiles half as long, down to MIN_FITTED_TILE_TOKENS: INT4's 128-token tiles become 64
       for partitions under 256 tokens. INT4 at 4K x 8: 11.9 µs against 15.6; at 8K x 4, 11.1
