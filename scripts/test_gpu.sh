@@ -65,7 +65,7 @@ if [ "$what" != tests ]; then
     run_bench quantize 150 python3 scripts/bench_quantize.py --num-samples 32
     run_bench doctor_accuracy 150 python3 scripts/bench_doctor_accuracy.py --contexts 1024,4096,8192 --batches 1,4 --max-seconds 100
     run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
-    run_bench paged_attention 150 python3 scripts/bench_paged_attention.py
+    run_bench paged_attention 150 python3 scripts/bench_paged_attention.py --kernel-times
     # Compressed pages with the FP16 window the controller keeps (kv_recent_fp16_tokens: 64).
     run_bench paged_attention_window 150 python3 scripts/bench_paged_attention.py --precisions int8,int4 --window-tokens 64
     run_bench paged_attention_sweep 300 python3 scripts/bench_paged_attention.py --sweep
