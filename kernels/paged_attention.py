@@ -185,9 +185,11 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
 
 
 def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int, num_kv_heads: int,
-                  max_context_len: int) -> DecodeConfig:
-    """The configuration of a call with the default partitioning: `default_decode_config`
-    fitted to the call's grid where that was measured (GPUs with cp.async, heads up to 128).
+                  max_context_len: int, *, is_partitioning_fixed: bool = False) -> DecodeConfig:
+    """The configuration `paged_decode_attention` takes for a call: with fixed partitions or a
+    forced partition count (`is_partitioning_fixed`) `default_decode_config`'s; with the default
+    partitioning that one fitted to the call's grid where that was measured (GPUs with cp.async,
+    heads up to 128).
 
     - A grid of no more programs than SMs (one sequence to 8K, eight to 1K) is a matter of
       latency: LATENCY_DECODE_CONFIG's 128-token tiles over 4 warps issue a partition's loads
@@ -198,7 +200,7 @@ def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int,
       against 12.7; at 32K x 4 (partitions of 497 tokens) 128 tokens stay faster.
     """
     config = default_decode_config(device, head_dim, bits)
-    if not _has_async_copies(device) or _block_d(head_dim) > 128:
+    if is_partitioning_fixed or not _has_async_copies(device) or _block_d(head_dim) > 128:
         return config
     return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, _num_sms(device))
 
@@ -467,6 +469,13 @@ def _check_config(name: str, config: DecodeConfig) -> None:
                           "expected num_warps a power of two up to 16 and num_stages >= 1")
 
 
+def merges_in_decode_kernel(config: DecodeConfig, num_splits: int, is_invariant: bool) -> bool:
+    """Whether a call split into `num_splits` partitions merges them in the decode kernel rather
+    than the merge kernel: at most `config.max_fused_splits` of the default partitioning; fixed
+    partitions (`is_invariant`) never."""
+    return not is_invariant and num_splits <= config.max_fused_splits
+
+
 def _merge_kernel_shape(block_d: int, num_splits: int, is_invariant: bool) -> tuple[int, int]:
     """(columns per program, lanes) of the merge kernel. Fixed partitions always take
     MERGE_SLICE_D columns in MERGE_KERNEL_LANES lanes, which fixes the order their partials are
@@ -527,10 +536,8 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
     is_invariant = partition_tokens is not None
-    config = _config
-    if config is None:
-        config = (default_decode_config(q.device, head_dim, pages.bits) if is_invariant or num_splits is not None
-                  else decode_config(q.device, head_dim, pages.bits, num_seqs, num_kv_heads, max_context_len))
+    config = _config or decode_config(q.device, head_dim, pages.bits, num_seqs, num_kv_heads, max_context_len,
+                                      is_partitioning_fixed=is_invariant or num_splits is not None)
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
         num_seqs, num_kv_heads, max_context_len, q.device, num_splits, partition_tokens=partition_tokens,
@@ -546,7 +553,7 @@ def paged_decode_attention(
     # Fixed partitions always go through the merge kernel, even as one split, so that a sequence
     # takes the same path whether or not a longer one shares its batch.
     is_split = num_splits > 1 or is_invariant
-    is_fused = is_split and not is_invariant and num_splits <= config.max_fused_splits
+    is_fused = is_split and merges_in_decode_kernel(config, num_splits, is_invariant)
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
         # From the graph's pool under CUDA-graph capture, like every per-step buffer.

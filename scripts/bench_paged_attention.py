@@ -41,6 +41,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -49,7 +50,7 @@ from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
     decode_config,
-    default_decode_config,
+    merges_in_decode_kernel,
     paged_decode_attention,
     plan_decode_partitions,
 )
@@ -190,20 +191,13 @@ class Setup:
         programmatic dependent launch, which would count a kernel's wait for the one before it
         (the merge's for the decode kernel) as its own time."""
         run_all = self.calls(partitioning, config)
-        previous = os.environ.get(PDL_ENV)
-        os.environ[PDL_ENV] = "0"
-        try:
+        with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
             run_all()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                 for _ in range(PROFILED_ROUNDS):
                     run_all()
                 torch.cuda.synchronize()
-        finally:
-            if previous is None:
-                del os.environ[PDL_ENV]
-            else:
-                os.environ[PDL_ENV] = previous
         return {event.key: round(event.self_device_time_total / event.count, 2)
                 for event in profile.key_averages() if event.self_device_time_total > 0}
 
@@ -266,8 +260,7 @@ def sweep_configs() -> list[DecodeConfig]:
 
 
 def _config_label(config: DecodeConfig, num_splits: int, partitioning: str) -> str:
-    # Fixed partitions always take the merge kernel.
-    merge = "fused" if partitioning == "auto" and num_splits <= config.max_fused_splits else "kernel"
+    merge = "fused" if merges_in_decode_kernel(config, num_splits, partitioning == "invariant") else "kernel"
     return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
 
 
@@ -282,16 +275,12 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
               forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None,
               kernel_times: bool = False) -> dict:
-    """One row: the configuration paged_decode_attention takes (decode_config's with the
-    default partitioning, default_decode_config's with fixed partitions), or with `tile`
-    (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
+    """One row: the configuration paged_decode_attention takes for it (decode_config), or with
+    `tile` (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
     grid, with `forced_splits` the row's configuration at each of those partition counts, and
     with `kernel_times` each of its kernels' device time."""
-    bits = BITS_BY_PRECISION[setup.precision]
-    if partitioning == "auto":  # the configuration paged_decode_attention takes for the call
-        config = decode_config(setup.q.device, HEAD_DIM, bits, setup.batch_size, NUM_KV_HEADS, setup.context_len)
-    else:
-        config = default_decode_config(setup.q.device, HEAD_DIM, bits)
+    config = decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision], setup.batch_size,
+                           NUM_KV_HEADS, setup.context_len, is_partitioning_fixed=partitioning == "invariant")
     if tile is not None:
         block_n, num_warps, num_stages = tile
         config = dataclasses.replace(config, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
