@@ -122,6 +122,48 @@ def test_spilled_managed_pages_are_prefetched_to_host_and_leave_the_device():
     assert torch.equal(pool.pages[3].v[5], torch.full_like(pool.pages[3].v[5], 2.0))  # still readable in place
 
 
+def _gather_us(tensors: list[torch.Tensor], rows: torch.Tensor) -> float:
+    """Device time, µs, of the GPU gathering `rows` of each tensor (its SMs read the bytes)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for tensor in tensors:
+        tensor.index_select(0, rows)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000
+
+
+def test_spilled_managed_pages_are_read_from_the_host():
+    # Where free device memory cannot be observed (above), where a page lives can: the GPU
+    # reads a page in device memory at HBM speed and a page on the host over the bus. The
+    # same pages, read before the spill and after it, must come at least 4x slower after.
+    pool = _managed_pool(num_blocks=1024, max_device_blocks=1024)
+    for pages in pool.pages:
+        pages.k.fill_(1.0)
+        pages.v.fill_(2.0)
+    tensors = [t for pages in pool.pages for t in (pages.k, pages.v)]
+    rows = torch.arange(1024, device="cuda")
+    _gather_us(tensors, rows)  # kernels loaded, pages on the GPU
+    before_us = sorted(_gather_us(tensors, rows) for _ in range(3))[1]
+    pool.set_max_device_blocks(128)
+    pool.synchronize()
+    torch.cuda.synchronize()
+    spilled = [block for block in range(1024) if not pool.is_resident(block)]
+    assert len(spilled) == 1024 - 128
+    rows = torch.tensor(spilled, device="cuda")
+    before_spilled_us = before_us * len(spilled) / 1024
+    after_us = _gather_us(tensors, rows)
+    again_us = _gather_us(tensors, rows)
+    num_bytes = sum(t[0].numel() * t.element_size() for t in tensors) * len(spilled)
+    print(f"\n{num_bytes / 2**20:.0f} MiB of spilled pages read by the GPU: {before_spilled_us:.0f} µs on the device "
+          f"before the spill, {after_us:.0f} µs after it ({num_bytes / after_us / 1e3:.1f} GB/s), "
+          f"{again_us:.0f} µs read again")
+    assert after_us >= 4 * before_spilled_us, (
+        f"spilled pages read in {after_us:.0f} µs against {before_spilled_us:.0f} µs on the device: "
+        "they did not leave device memory")
+    assert torch.equal(pool.pages[3].v[spilled[5]], torch.full_like(pool.pages[3].v[0], 2.0))
+
+
 @pytest.mark.parametrize("backend", ["um", "pinned"])
 def test_precision_change_frees_bytes_and_keeps_pages_close(backend):
     pool = _written_pool(backend)
