@@ -384,6 +384,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     room = args.slow_every - args.slow_every // 2
     if args.slow_steps is not None and not 0 < args.slow_steps <= room:
         parser.error(f"--slow-steps = {args.slow_steps} must be between 1 and half of --slow-every ({room})")
+    if args.plot:  # before the runs, not after them
+        from lowvram.bench_speed import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except LowvramError as exc:
+            parser.error(f"--plot: {exc}")
     return args
 
 

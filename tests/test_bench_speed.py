@@ -75,7 +75,10 @@ def test_bytes_per_step_are_weights_without_the_embedding_plus_the_kv_read(cli_r
         mean_context = row["context_tokens"] + MAX_TOKENS / 2
         kv = row["batch_size"] * mean_context * record["kv_bytes_per_token"]
         assert row["bytes_per_step"] == int(record["model"]["weight_bytes_read_per_step"] + kv)
-        assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02)
+        # Both figures are rounded to hundredths: on a slow CPU the rate is a few tenths of a GB/s,
+        # where the rounding alone is a 2% difference.
+        assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02,
+                                                     abs=0.01)
 
 
 def test_transformers_generate_runs_on_the_same_shape(cli_run):

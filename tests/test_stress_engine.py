@@ -8,6 +8,7 @@ full-length sequences of the 8 that may run together.
 """
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -95,3 +96,11 @@ def test_a_run_of_slow_decode_steps_longer_than_the_patience_shrinks_the_batch(s
         assert latency["num_preemptions"] > 0
     else:  # two slow tokens in a row are under the patience of three
         assert events == []
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_runs(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit) as exc:
+        stress_engine.parse_args(["--plot", "out.png"])
+    assert exc.value.code == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
