@@ -13,6 +13,31 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Triton's launch options: keywords a launch may pass besides the kernel's own arguments.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl",
+                            "launch_cooperative_grid", "enable_fp_fusion"})
+
+
+def _strict_interpreted_launches() -> None:
+    """The interpreter drops launch keywords that the kernel does not take, where a compiled
+    launch raises KeyError on them: a keyword left behind by a change to a kernel's arguments
+    passes every CPU test and fails every GPU one. Make the interpreter raise as well."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def checked_run(self, *args, grid, warmup, **kwargs):
+        unknown = sorted(set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS)
+        if unknown:
+            raise TypeError(f"{self.fn.__name__} was launched with keywords it does not take: {', '.join(unknown)}")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = checked_run
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _strict_interpreted_launches()
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
