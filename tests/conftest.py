@@ -13,21 +13,22 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Triton's launch options: keywords a launch may pass besides the kernel's own arguments.
-LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl",
-                            "launch_cooperative_grid", "enable_fp_fusion"})
-
-
 def _strict_interpreted_launches() -> None:
     """The interpreter drops launch keywords that the kernel does not take, where a compiled
     launch raises KeyError on them: a keyword left behind by a change to a kernel's arguments
-    passes every CPU test and fails every GPU one. Make the interpreter raise as well."""
+    passes every CPU test and fails every GPU one. Make the interpreter raise as well. Besides
+    the kernel's arguments, a CUDA launch takes the CUDA backend's options (num_warps,
+    launch_pdl, ...)."""
+    import dataclasses
+
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.runtime.interpreter import InterpretedFunction
 
+    launch_options = frozenset(field.name for field in dataclasses.fields(CUDAOptions))
     run = InterpretedFunction.run
 
     def checked_run(self, *args, grid, warmup, **kwargs):
-        unknown = sorted(set(kwargs) - set(self.arg_names) - LAUNCH_OPTIONS)
+        unknown = sorted(set(kwargs) - set(self.arg_names) - launch_options)
         if unknown:
             raise TypeError(f"{self.fn.__name__} was launched with keywords it does not take: {', '.join(unknown)}")
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
