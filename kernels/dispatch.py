@@ -18,6 +18,24 @@ except ImportError:  # Windows and macOS wheels of torch ship without Triton
 
 logger = logging.getLogger("lowvram.kernels")
 _logged_paths: set[str] = set()
+# SMs the kernels size their grids for, by CUDA device index, where work runs on a slice of
+# the GPU's SMs (lowvram.sm_slice); a device not here sizes them for all of its own.
+_sm_limits: dict[int, int] = {}
+
+
+def set_sm_limit(device_index: int, num_sms: int | None) -> None:
+    """Size the kernels' grids on CUDA device `device_index` for `num_sms` SMs (None: the GPU's own count)."""
+    if num_sms is None:
+        _sm_limits.pop(device_index, None)
+    else:
+        _sm_limits[device_index] = num_sms
+
+
+def sm_limit(device: torch.device) -> int | None:
+    """The SM count set by `set_sm_limit` for `device`, None where there is none."""
+    if device.type != "cuda" or not _sm_limits:
+        return None
+    return _sm_limits.get(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:

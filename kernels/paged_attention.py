@@ -76,7 +76,7 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels.arrival_counters import ArrivalCounters
-from lowvram.kernels.dispatch import use_triton
+from lowvram.kernels.dispatch import sm_limit, use_triton
 from lowvram.kv_quant import KVPages, gather_kv
 
 try:
@@ -405,8 +405,12 @@ def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.
     return pages.k, pages.v, pages.k
 
 
-@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
+    return sm_limit(device) or _device_sms(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

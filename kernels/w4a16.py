@@ -26,6 +26,7 @@ import torch
 
 from lowvram.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.errors import ConfigError, KernelError
+from lowvram.kernels.dispatch import sm_limit
 from lowvram.kv_quant import KVPages
 
 logger = logging.getLogger("lowvram.kernels")
@@ -335,7 +336,7 @@ def _num_sms_for(device_type: str, device_index) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    return _num_sms_for(device.type, device.index)
+    return sm_limit(device) or _num_sms_for(device.type, device.index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,15 +25,19 @@ row's default configuration with the default partitioning forced to N, M, ... pa
 --config TOKENS/WARPS/STAGES (e.g. 64/2/3) times every row with that tile in place of the
 default configuration's (its merge setting kept). --kernel-times also records each row's
 kernels' device times (the profiler over eager calls), to tell the decode kernel from the merge
-and from the gaps between launches.
+and from the gaps between launches. --sms N runs everything, the copies it is compared with
+included, on a slice of N of the GPU's SMs (lowvram.sm_slice: a card of 16 SMs, say, as an RTX
+3050 laptop GPU has), with the kernels sizing their grids for N SMs; the record notes how many
+distinct SMs a probe kernel reached there.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--sms 16] [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -46,6 +50,7 @@ from unittest import mock
 import torch
 
 from lowvram.bench_record import measure_copy_bandwidth_gbps, run_metadata
+from lowvram.errors import ConfigError
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
@@ -57,6 +62,7 @@ from lowvram.kernels.paged_attention import (
 from lowvram.kernels.pdl import PDL_ENV
 from lowvram.kv_pool import recent_window_blocks
 from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
+from lowvram.sm_slice import sm_ids, sm_slice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
 CONTEXT_LENS = (8192, 32768, 131072)
@@ -67,11 +73,12 @@ TARGET_FRACTION = 0.60
 MAX_COPIES = 16  # calls per timed graph
 REPLAYS = 20
 PROFILED_ROUNDS = 5  # --kernel-times: eager rounds of `copies` calls under the profiler
-# --sweep: 18 tile configurations per row with the merge kernel, then the best of them with the
+# --sweep: 24 tile configurations per row with the merge kernel, then the best of them with the
 # merge in the decode kernel; each is compiled once per precision, which is most of the time.
-# Two warps split a tile's tokens in two, so its row reductions cross one warp boundary, not three.
+# Two warps split a tile's tokens in two, so its row reductions cross one warp boundary, not three;
+# one warp holds the whole tile and needs no barrier for them.
 SWEEP_BLOCK_N = (32, 64, 128)
-SWEEP_NUM_WARPS = (2, 4, 8)
+SWEEP_NUM_WARPS = (1, 2, 4, 8)
 SWEEP_NUM_STAGES = (2, 3)
 ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
 SWEEP_NUM_SPLITS = (8, 16, 32)  # forced partition counts for the default partitioning
@@ -96,16 +103,31 @@ def random_pages(precision: str, num_blocks: int, generator: torch.Generator):
     return pages
 
 
+def synchronize() -> None:
+    """Wait for the current stream, which runs all of the bench's work: under --sms a green
+    context's stream, which the device-wide synchronize does not wait for."""
+    torch.cuda.current_stream().synchronize()
+
+
+def capture_graph(run_all) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of what `run_all` launches, captured on the current stream under --sms so that
+    its kernels replay on the slice's SMs (torch's own capture stream is the whole GPU's), else on
+    torch's (the default stream cannot be captured)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.current_stream()
+    with torch.cuda.graph(graph, stream=None if stream == torch.cuda.default_stream() else stream):
+        run_all()
+    return graph
+
+
 def replay_time_ms(run_all, calls_per_graph: int) -> float:
     """Median time of one of the `calls_per_graph` calls `run_all` makes, replayed from a CUDA
     graph so Python's launch cost is not counted."""
     run_all()  # compiles the kernels (and makes any lasting buffer) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
+    synchronize()
+    graph = capture_graph(run_all)
     graph.replay()
-    torch.cuda.synchronize()
+    synchronize()
     times_ms = []
     for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -193,11 +215,11 @@ class Setup:
         run_all = self.calls(partitioning, config)
         with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
             run_all()
-            torch.cuda.synchronize()
+            synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
                 for _ in range(PROFILED_ROUNDS):
                     run_all()
-                torch.cuda.synchronize()
+                synchronize()
         return {event.key: round(event.self_device_time_total / event.count, 2)
                 for event in profile.key_averages() if event.self_device_time_total > 0}
 
@@ -379,6 +401,8 @@ def main() -> int:
                         help="comma-separated partition counts to also time each row's default configuration at")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also record each kernel's device time per call (profiler, eager calls)")
+    parser.add_argument("--sms", type=int, default=None,
+                        help="run on a slice of this many of the GPU's SMs (a green context; needs cuda-bindings)")
     args = parser.parse_args()
     if args.window_tokens < 0:
         parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
@@ -400,13 +424,41 @@ def main() -> int:
         except ValueError:
             parser.error(f"--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got {args.config!r}")
         tile = (block_n, num_warps, num_stages)
+    if args.sms is not None and args.sms < 1:
+        parser.error(f"--sms takes a number of SMs of 1 or more, got {args.sms}")
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
+    try:
+        with sm_slice(args.sms) if args.sms else contextlib.nullcontext() as piece:
+            return run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece)
+    except ConfigError as exc:
+        print(f"bench_paged_attention: {exc}", file=sys.stderr)
+        return 2
 
+
+def sms_reached(num_programs: int) -> int:
+    """Distinct SMs that `num_programs` programs of a probe kernel replayed from a CUDA graph on
+    the current stream ran on (the graph as the timed calls are)."""
+    ids = sm_ids(num_programs)  # compiled outside the capture
+    synchronize()
+    graph = capture_graph(lambda: ids.copy_(sm_ids(num_programs)))
+    graph.replay()
+    synchronize()
+    return int(torch.unique(ids).numel())
+
+
+def run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece) -> int:
     started_s = time.perf_counter()
     metadata = run_metadata(" ".join([sys.executable, *sys.argv]))
     gpu_name = metadata["gpu"]
+    if piece is not None:
+        full_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        reached = sms_reached(4 * full_sms)
+        metadata["sm_slice"] = {"num_sms": piece.num_sms, "asked": args.sms, "gpu_sms": full_sms,
+                                "sms_reached_by_probe": reached}
+        print(f"on a slice of {piece.num_sms} of the GPU's {full_sms} SMs (asked {args.sms}); a probe kernel's "
+              f"{4 * full_sms} programs ran on {reached} distinct SMs")
     copy_gbs = copy_bandwidth_gbs()
     print(f"{gpu_name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
