@@ -15,7 +15,7 @@ counter of its (sequence, KV head), and the last to arrive adds up all of them
 (the pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
 layer; otherwise a second kernel merges them with a program per head, or per 32
 columns of one for long merges, as the last arrival alone would take too long.
-`DecodeConfig.max_fused_splits` draws the line (0 for the 2-warp defaults, whose
+`DecodeConfig.max_fused_splits` draws the line (0 for the 1- and 2-warp defaults, whose
 programs merge slower than the merge kernel).
 
 Batch invariance. The default partitioning depends on the batch (its size and its
@@ -173,8 +173,12 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
             # over a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages
             # in 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20%
             # slower at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
+            # FP16 tiles over one warp: no barrier for the reductions and 15.7 instructions a
+            # token against 27.8 over two; the best tile in 6 of 9 rows of the H200's table (by
+            # 1-2%), and 30-50% faster than two warps on a 16-SM slice, where the SMs' issue
+            # rate, not memory, bounds the kernel. INT8 and INT4 over one warp were slower.
             block_n = ASYNC_DECODE_TILE_TOKENS[bits]
-            num_warps = 2
+            num_warps = 1 if bits == 16 else 2
             # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took
             # 7.6 µs merged in the decode kernel against 5.9, at 2K x 8 15.3 against 9.4.
             max_fused_splits = 0
