@@ -174,9 +174,9 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
             # in 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20%
             # slower at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
             # FP16 tiles over one warp: no barrier for the reductions and 15.7 instructions a
-            # token against 27.8 over two; the best tile in 6 of 9 rows of the H200's table (by
-            # 1-2%), and 30-50% faster than two warps on a 16-SM slice, where the SMs' issue
-            # rate, not memory, bounds the kernel. INT8 and INT4 over one warp were slower.
+            # token against 27.8 over two; in the best configuration of 7 of the 9 rows of an
+            # H200 sweep (by up to 2%), and 19-25% faster than two warps on a 16-SM slice, where
+            # the SMs' issue rate, not memory, bounded them. INT8 and INT4 over one warp were slower.
             block_n = ASYNC_DECODE_TILE_TOKENS[bits]
             num_warps = 1 if bits == 16 else 2
             # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took
