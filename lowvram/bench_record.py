@@ -22,6 +22,8 @@ import torch
 DEFAULT_COPY_BYTES = 2 * 2**30
 NUM_COPY_WARMUPS = 2
 NUM_COPY_REPEATS = 10
+# GPU clock cycles (25-100 µs) a stream is kept busy before a timed launch (hold_stream).
+HOLD_CYCLES = 100_000
 
 
 def git_commit(short: bool = False) -> str:
@@ -66,6 +68,14 @@ def versions() -> dict[str, str | None]:
     }
 
 
+def hold_stream() -> None:
+    """Keep the current CUDA stream busy for HOLD_CYCLES, so that a start event recorded after it
+    is reached only once the host has submitted the work that follows: the time between the
+    events is then the GPU's alone, without the host's submission of a kernel or a CUDA graph
+    (several microseconds, which a graph of one call would count in full)."""
+    torch.cuda._sleep(HOLD_CYCLES)
+
+
 def measure_copy_bandwidth_gbps(num_bytes: int = DEFAULT_COPY_BYTES, device: torch.device | str | None = None,
                                 num_repeats: int = NUM_COPY_REPEATS) -> float:
     """Bytes read plus bytes written per second (in GB/s, 1e9) by one copy of `num_bytes`.
@@ -84,6 +94,7 @@ def measure_copy_bandwidth_gbps(num_bytes: int = DEFAULT_COPY_BYTES, device: tor
         torch.cuda.synchronize(device)
         for _ in range(num_repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            hold_stream()
             start.record()
             dst.copy_(src)
             end.record()
