@@ -4,6 +4,7 @@ Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (how CI
 checks the kernels). The choice is logged once per kernel and path.
 """
 
+import functools
 import logging
 import os
 
@@ -31,11 +32,30 @@ def set_sm_limit(device_index: int, num_sms: int | None) -> None:
         _sm_limits[device_index] = num_sms
 
 
+# Under the interpreter there are no SMs; a small count still makes the decode kernels split
+# their work (K in the W4A16 GEMV, the context in decode attention), so CPU tests cover the
+# reductions that follow.
+INTERPRETER_NUM_SMS = 4
+
+
 def sm_limit(device: torch.device) -> int | None:
     """The SM count set by `set_sm_limit` for `device`, None where there is none."""
     if device.type != "cuda" or not _sm_limits:
         return None
     return _sm_limits.get(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def num_sms(device: torch.device) -> int:
+    """The SMs the kernels size their grids for on `device`: `set_sm_limit`'s count where there is
+    one, else the GPU's own (INTERPRETER_NUM_SMS off CUDA)."""
+    return sm_limit(device) or _device_sms(device.type, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device_type: str, device_index) -> int:
+    if device_type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:

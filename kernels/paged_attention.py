@@ -76,7 +76,7 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels.arrival_counters import ArrivalCounters
-from lowvram.kernels.dispatch import sm_limit, use_triton
+from lowvram.kernels.dispatch import num_sms, use_triton
 from lowvram.kv_quant import KVPages, gather_kv
 
 try:
@@ -206,7 +206,7 @@ def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int,
     config = default_decode_config(device, head_dim, bits)
     if is_partitioning_fixed or not _has_async_copies(device) or _block_d(head_dim) > 128:
         return config
-    return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, _num_sms(device))
+    return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, num_sms(device))
 
 
 def fit_decode_config(config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int,
@@ -409,17 +409,6 @@ def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.
     return pages.k, pages.v, pages.k
 
 
-def _num_sms(device: torch.device) -> int:
-    return sm_limit(device) or _device_sms(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Partitions per sequence: about TARGET_WAVES programs per SM, none shorter than MIN_PARTITION_TOKENS.
 
@@ -459,7 +448,7 @@ def plan_decode_partitions(
                               f"kernel's {block_n}-token tile")
         return math.ceil(max_context_len / partition_tokens), partition_tokens
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(device))
     partition_tokens = math.ceil(math.ceil(max_context_len / max(1, num_splits)) / block_n) * block_n
     return math.ceil(max_context_len / partition_tokens), partition_tokens
 

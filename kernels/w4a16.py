@@ -26,7 +26,7 @@ import torch
 
 from lowvram.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.errors import ConfigError, KernelError
-from lowvram.kernels.dispatch import sm_limit
+from lowvram.kernels.dispatch import num_sms
 from lowvram.kv_quant import KVPages
 
 logger = logging.getLogger("lowvram.kernels")
@@ -36,10 +36,6 @@ MAX_DECODE_M = 16
 # tl.dot GEMM on 4 of the 5 real shapes (e.g. 1536x8960: 350 vs 148 TFLOP/s).
 DEQUANT_MATMUL_MIN_M = 512
 MIN_COMPUTE_CAPABILITY = (7, 5)
-# Under the interpreter there are no SMs; a small count still makes the decode kernel split K,
-# so CPU tests cover the split-K reduction.
-INTERPRETER_NUM_SMS = 4
-
 IS_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
@@ -326,17 +322,6 @@ def _backend_for(device_type: str, device_index) -> tuple[bool, str]:
     if capability < MIN_COMPUTE_CAPABILITY:
         return False, f"compute capability {capability[0]}.{capability[1]} is below 7.5"
     return True, f"compute capability {capability[0]}.{capability[1]}"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms_for(device_type: str, device_index) -> int:
-    if device_type != "cuda":
-        return INTERPRETER_NUM_SMS
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    return sm_limit(device) or _num_sms_for(device.type, device.index)
 
 
 @functools.lru_cache(maxsize=None)

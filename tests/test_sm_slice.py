@@ -7,7 +7,7 @@ import torch
 
 from lowvram.errors import ConfigError
 from lowvram.kernels import paged_attention, w4a16
-from lowvram.kernels.dispatch import set_sm_limit
+from lowvram.kernels.dispatch import num_sms, set_sm_limit, sm_limit
 from lowvram.kv_quant import allocate_pages
 
 SLICE_SMS = 16  # an RTX 3050 laptop GPU's count, and a whole number of Hopper's groups of 8
@@ -22,22 +22,22 @@ def sm_limit_cleared():
 def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
     """With 16 SMs set for device 0, decode attention splits a 32K sequence for 16 SMs (four
     programs an SM over 2 KV heads: 32 partitions, not the 264 of 132 SMs) and the W4A16
-    kernels see 16; other devices and the CPU keep their own counts. No GPU is touched."""
+    kernels, which take the same count, see 16; other devices and the CPU keep their own counts. No GPU is touched."""
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     set_sm_limit(0, SLICE_SMS)
-    assert paged_attention._num_sms(cuda0) == SLICE_SMS and w4a16.num_sms(cuda0) == SLICE_SMS
+    assert num_sms(cuda0) == SLICE_SMS and w4a16.num_sms(cuda0) == SLICE_SMS
     num_splits, partition_tokens = paged_attention.plan_decode_partitions(1, 2, 32768, cuda0, block_n=64)
     assert (num_splits, partition_tokens) == (32, 1024)
     # One sequence of 8K tokens fills 128 programs: a latency-bound grid on 132 SMs, not on 16.
     config = paged_attention.DecodeConfig(block_n=64, num_warps=2, num_stages=3, max_fused_splits=0)
     assert paged_attention.fit_decode_config(config, 1, 2, 8192, 132) == paged_attention.LATENCY_DECODE_CONFIG
-    assert paged_attention.fit_decode_config(config, 1, 2, 8192, paged_attention._num_sms(cuda0)) == config
-    assert paged_attention._num_sms(torch.device("cpu")) == 4
+    assert paged_attention.fit_decode_config(config, 1, 2, 8192, num_sms(cuda0)) == config
+    assert num_sms(torch.device("cpu")) == 4
     set_sm_limit(1, 8)
-    assert paged_attention._num_sms(cuda1) == 8
+    assert num_sms(cuda1) == 8
     set_sm_limit(1, None)
     set_sm_limit(0, None)
-    assert paged_attention.sm_limit(cuda0) is None
+    assert sm_limit(cuda0) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
@@ -81,7 +81,7 @@ def test_a_slice_reaches_only_its_sms():
     assert torch.unique(sm_ids(num_programs)).numel() > SLICE_SMS
     with _open(SLICE_SMS) as piece:
         assert SLICE_SMS <= piece.num_sms < full_sms
-        assert paged_attention._num_sms(torch.device("cuda")) == piece.num_sms
+        assert num_sms(torch.device("cuda")) == piece.num_sms
         eager = sm_ids(num_programs)
         stream = torch.cuda.current_stream()
         graph = torch.cuda.CUDAGraph()
@@ -93,7 +93,7 @@ def test_a_slice_reaches_only_its_sms():
               f"graph replay on {torch.unique(replayed).numel()}")
         assert 0 < torch.unique(eager).numel() <= piece.num_sms
         assert 0 < torch.unique(replayed).numel() <= piece.num_sms
-    assert paged_attention._num_sms(torch.device("cuda")) == full_sms
+    assert num_sms(torch.device("cuda")) == full_sms
 
 
 @pytest.mark.gpu
