@@ -52,13 +52,16 @@ def _driver():
     return driver
 
 
-def _checked(driver, what: str, result):
-    """`result` of a cuda-bindings call (error code first) without the code, or ConfigError."""
+GREEN_CONTEXT_HINT = "a slice of the GPU's SMs needs a CUDA 12.4+ driver that supports green contexts"
+
+
+def _checked(driver, what: str, result, hint: str = GREEN_CONTEXT_HINT):
+    """`result` of a cuda-bindings call (error code first) without the code, or ConfigError
+    naming the call, the error and `hint`."""
     error, *values = result
     if error != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(error)
-        raise ConfigError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}; a slice of the "
-                          "GPU's SMs needs a CUDA 12.4+ driver that supports green contexts")
+        raise ConfigError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}; {hint}")
     return values[0] if len(values) == 1 else tuple(values)
 
 
@@ -73,10 +76,15 @@ class SmSlice:
     _raw_stream: object
 
     def close(self) -> None:
+        """Destroy the stream and the green context, both even if the first fails. The driver
+        made them, so a failure here is not a missing feature: the error names what failed."""
         driver = _driver()
         self.stream.synchronize()
-        _checked(driver, "cuStreamDestroy", driver.cuStreamDestroy(self._raw_stream))
-        _checked(driver, "cuGreenCtxDestroy", driver.cuGreenCtxDestroy(self._green_ctx))
+        hint = "the slice's work finished; the driver may hold its resources until the process exits"
+        try:
+            _checked(driver, "closing the slice: cuStreamDestroy", driver.cuStreamDestroy(self._raw_stream), hint)
+        finally:
+            _checked(driver, "closing the slice: cuGreenCtxDestroy", driver.cuGreenCtxDestroy(self._green_ctx), hint)
 
 
 def open_sm_slice(num_sms: int, device_index: int = 0) -> SmSlice:

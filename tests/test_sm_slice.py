@@ -50,6 +50,47 @@ def test_a_slice_without_a_gpu_says_so():
         sm_ids(4)
 
 
+class _DriverFailingStreamDestroy:
+    """cuda-bindings' driver as SmSlice.close uses it, its cuStreamDestroy failing."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self):
+        self.destroyed = []
+
+    def cuGetErrorName(self, error):
+        return 0, b"CUDA_ERROR_INVALID_HANDLE"
+
+    def cuStreamDestroy(self, stream):
+        return (400,)
+
+    def cuGreenCtxDestroy(self, green_ctx):
+        self.destroyed.append(green_ctx)
+        return (0,)
+
+
+class _IdleStream:
+    def synchronize(self):
+        pass
+
+
+def test_a_slice_that_fails_to_close_names_the_call_and_still_frees_its_context(monkeypatch):
+    """A failure while closing names the call and the error, not a driver without green
+    contexts (the slice was made, so the driver has them), and the context is destroyed anyway."""
+    from lowvram import sm_slice
+
+    driver = _DriverFailingStreamDestroy()
+    monkeypatch.setattr(sm_slice, "_driver", lambda: driver)
+    piece = sm_slice.SmSlice(0, SLICE_SMS, _IdleStream(), _green_ctx="green", _raw_stream="stream")
+    with pytest.raises(ConfigError) as caught:
+        piece.close()
+    message = str(caught.value)
+    assert "closing the slice: cuStreamDestroy failed: CUDA_ERROR_INVALID_HANDLE" in message
+    assert "12.4" not in message
+    assert driver.destroyed == ["green"]
+
+
 def test_the_bench_refuses_a_slice_of_no_sms(capsys, monkeypatch):
     from script_modules import load_script
 
