@@ -210,11 +210,11 @@ def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int,
 
 
 def fit_decode_config(config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int,
-                      num_sms: int) -> DecodeConfig:
-    """`config` fitted to the grid of the default partitioning on a GPU of `num_sms` SMs (see
+                      sm_count: int) -> DecodeConfig:
+    """`config` fitted to the grid of the default partitioning on a GPU of `sm_count` SMs (see
     decode_config)."""
-    num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms)
-    if num_seqs * num_kv_heads * num_splits <= num_sms:
+    num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count)
+    if num_seqs * num_kv_heads * num_splits <= sm_count:
         return LATENCY_DECODE_CONFIG
     partition_tokens = math.ceil(max(1, max_context_len) / num_splits)
     block_n = config.block_n
@@ -409,14 +409,14 @@ def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.
     return pages.k, pages.v, pages.k
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
     """Partitions per sequence: about TARGET_WAVES programs per SM, none shorter than MIN_PARTITION_TOKENS.
 
     Several resident programs per SM keep enough loads in flight to saturate
     memory bandwidth; batch 1 with 2 KV heads has only 2 programs without splitting.
     """
     max_useful = max(1, math.ceil(max_context_len / MIN_PARTITION_TOKENS))
-    wanted = math.ceil(TARGET_WAVES * num_sms / max(1, num_seqs * num_kv_heads))
+    wanted = math.ceil(TARGET_WAVES * sm_count / max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, max_useful))
 
 
