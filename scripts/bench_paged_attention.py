@@ -386,7 +386,9 @@ def print_row(row: dict) -> None:
     print(line, flush=True)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked, with its lists parsed: precisions, contexts, batches and
+    splits as lists of values, config as (tokens, warps, stages) or None."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--sweep", action="store_true",
@@ -404,35 +406,42 @@ def main() -> int:
                         help="also record each kernel's device time per call (profiler, eager calls)")
     parser.add_argument("--sms", type=int, default=None,
                         help="run on a slice of this many of the GPU's SMs (a green context; needs cuda-bindings)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.window_tokens < 0:
         parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
-    precisions = args.precisions.split(",")
-    if unknown := set(precisions) - set(PRECISIONS):
+    args.precisions = args.precisions.split(",")
+    if unknown := set(args.precisions) - set(PRECISIONS):
         parser.error(f"--precisions: {', '.join(sorted(unknown))} not among {', '.join(PRECISIONS)}")
     try:
-        context_lens = [int(n) for n in args.contexts.split(",")]
-        batch_sizes = [int(n) for n in args.batches.split(",")]
-        forced_splits = tuple(int(n) for n in args.splits.split(",") if n)
+        args.contexts = [int(n) for n in args.contexts.split(",")]
+        args.batches = [int(n) for n in args.batches.split(",")]
+        splits = tuple(int(n) for n in args.splits.split(",") if n)
     except ValueError as exc:
         parser.error(f"--contexts, --batches and --splits take comma-separated integers: {exc}")
-    if any(n < 1 for n in forced_splits):
+    if any(n < 1 for n in splits):
         parser.error(f"--splits takes partition counts of 1 or more, got {args.splits}")
-    tile = None
+    args.splits = splits
     if args.config:
         try:
             block_n, num_warps, num_stages = (int(n) for n in args.config.split("/"))
         except ValueError:
             parser.error(f"--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got {args.config!r}")
-        tile = (block_n, num_warps, num_stages)
+        args.config = (block_n, num_warps, num_stages)
+    else:
+        args.config = None
     if args.sms is not None and args.sms < 1:
         parser.error(f"--sms takes a number of SMs of 1 or more, got {args.sms}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if not torch.cuda.is_available():
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
         with sm_slice(args.sms) if args.sms else contextlib.nullcontext() as piece:
-            return run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece)
+            return run(args, piece)
     except ConfigError as exc:
         print(f"bench_paged_attention: {exc}", file=sys.stderr)
         return 2
@@ -449,7 +458,8 @@ def sms_reached(num_programs: int) -> int:
     return int(torch.unique(ids).numel())
 
 
-def run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece) -> int:
+def run(args: argparse.Namespace, piece) -> int:
+    """Every row of the plan in `args` (parse_args), on `piece` of the GPU or the whole of it (None)."""
     started_s = time.perf_counter()
     metadata = run_metadata(" ".join([sys.executable, *sys.argv]))
     gpu_name = metadata["gpu"]
@@ -470,7 +480,7 @@ def run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece)
         header += f"  {'best config':<32} {'time_us':>8} {'of copy':>7}"
     print(header)
     rows = []
-    for precision, context_len, batch_size in itertools.product(precisions, context_lens, batch_sizes):
+    for precision, context_len, batch_size in itertools.product(args.precisions, args.contexts, args.batches):
         if not fits_in_memory(precision, context_len, batch_size, args.window_tokens):
             print(f"{precision:>9} {context_len:>7} {batch_size:>5}  skipped: not enough free memory")
             continue
@@ -478,7 +488,7 @@ def run(args, precisions, context_lens, batch_sizes, forced_splits, tile, piece)
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, forced_splits, tile,
+            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, args.splits, args.config,
                             args.kernel_times)
             rows.append(row)
             print_row(row)
