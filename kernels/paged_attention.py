@@ -576,13 +576,24 @@ def paged_decode_attention(
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
-        slice_d, lanes = _merge_kernel_shape(block_d, num_splits, is_invariant)
-        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-            partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-            HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes,
-            num_warps=4, **dependent_launch(q.device),
-        )
+        merge_partitions(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant=is_invariant)
     return out
+
+
+def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                     context_lens: torch.Tensor, partition_tokens: int, *, is_invariant: bool = False) -> None:
+    """Launch the merge kernel: `out [num_seqs, num_heads, head_dim]` from each sequence's
+    partial results `partial_out [num_seqs, num_heads, num_splits, head_dim]` (float32) and their
+    base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
+    ceil(context_len / partition_tokens) of them. `is_invariant`: fixed partitions, whose
+    lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape)."""
+    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
+    slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
+    _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
+        partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
+        HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes,
+        num_warps=4, **dependent_launch(out.device),
+    )
 
 
 def paged_prefill_attention(

@@ -28,10 +28,14 @@ kernels' device times (the profiler over eager calls), to tell the decode kernel
 and from the gaps between launches. --sms N runs everything, the copies it is compared with
 included, on a slice of N of the GPU's SMs (lowvram.sm_slice: a card of 16 SMs, say, as an RTX
 3050 laptop GPU has), with the kernels sizing their grids for N SMs; the record notes how many
-distinct SMs a probe kernel reached there.
+distinct SMs a probe kernel reached there. --floor also times, for each split row of the
+default partitioning, a copy of the row's bytes launched as the decode kernel is (programmatic
+dependent launch), alone and followed by the row's merge kernel, timed the same way: what split
+attention would take if its decode kernel read at the speed of a copy, a bound on what the
+split-and-merge design can reach on the GPU.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--sms 16] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--sms 16] [--floor] [--json results.json]
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import time
 from unittest import mock
 
 import torch
+import triton
+import triton.language as tl
 
 from lowvram.bench_record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
 from lowvram.errors import ConfigError
@@ -55,11 +61,12 @@ from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
     decode_config,
+    merge_partitions,
     merges_in_decode_kernel,
     paged_decode_attention,
     plan_decode_partitions,
 )
-from lowvram.kernels.pdl import PDL_ENV
+from lowvram.kernels.pdl import PDL_ENV, await_inputs, dependent_launch
 from lowvram.kv_pool import recent_window_blocks
 from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
 from lowvram.sm_slice import sm_ids, sm_slice
@@ -82,6 +89,7 @@ SWEEP_NUM_WARPS = (1, 2, 4, 8)
 SWEEP_NUM_STAGES = (2, 3)
 ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
 SWEEP_NUM_SPLITS = (8, 16, 32)  # forced partition counts for the default partitioning
+COPY_BLOCK_WORDS = 4096  # --floor's copy: 32-bit words per program
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
@@ -141,21 +149,46 @@ def replay_time_ms(run_all, calls_per_graph: int) -> float:
     return sorted(times_ms)[len(times_ms) // 2]
 
 
-def same_bytes_copy_gbs(num_bytes: int, copies: int) -> float:
+def same_bytes_copy_gbs(num_bytes: int, copies: int, then=None, copy=None) -> float:
     """Read plus written GB/s of device-to-device copies moving `num_bytes` in all (so reading
-    half of it), over `copies` distinct buffers per graph like the attention calls."""
+    half of it), over `copies` distinct buffers per graph like the attention calls; `then`, if
+    given, launches more work after each copy, counted in its time. `copy(source, target)`
+    replaces torch's copy kernel."""
     sources = [torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(copies)]
     targets = [torch.empty_like(source) for source in sources]
 
     def run_all():
         for source, target in zip(sources, targets):
-            target.copy_(source)
+            if copy is None:
+                target.copy_(source)
+            else:
+                copy(source, target)
+            if then is not None:
+                then()
 
     time_ms = replay_time_ms(run_all, copies)
     sources.clear()  # the buffers go; run_all keeps only the empty lists
     targets.clear()
     torch.cuda.empty_cache()
     return 2 * (num_bytes // 2) / (time_ms * 1e-3) / 1e9
+
+
+@triton.jit
+def _dependent_copy_kernel(source_ptr, target_ptr, num_words, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # A copy launched as the decode kernel is: under PDL it lets the merge after it start at
+    # once, and waits for the kernel before it before it reads.
+    await_inputs(PDL)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < num_words
+    tl.store(target_ptr + offsets, tl.load(source_ptr + offsets, mask=mask), mask=mask)
+
+
+def dependent_copy(source: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy `source` to `target` (bytes, a multiple of 4 long) with _dependent_copy_kernel."""
+    num_words = source.numel() // 4
+    _dependent_copy_kernel[(triton.cdiv(num_words, COPY_BLOCK_WORDS),)](
+        source.view(torch.int32), target.view(torch.int32), num_words, BLOCK=COPY_BLOCK_WORDS, num_warps=4,
+        **dependent_launch(source.device))
 
 
 @dataclasses.dataclass
@@ -224,6 +257,24 @@ class Setup:
                 synchronize()
         return {event.key: round(event.self_device_time_total / event.count, 2)
                 for event in profile.key_averages() if event.self_device_time_total > 0}
+
+
+def copy_and_merge_gbs(setup: Setup, num_splits: int, partition_tokens: int) -> tuple[float, float]:
+    """(copy GB/s, copy and merge GB/s) of the row's bytes moved by dependent_copy, a copy
+    launched as the decode kernel is, alone and followed by the row's merge kernel over partial
+    results of its shape (zeros): what attention split into `num_splits` partitions would take
+    if its decode kernel read at the speed of that copy, the merge and the hand-offs between
+    the kernels under programmatic dependent launch included."""
+    partial_out = torch.zeros((setup.batch_size, NUM_HEADS, num_splits, HEAD_DIM), device="cuda")
+    partial_lse = torch.zeros((setup.batch_size, NUM_HEADS, num_splits), device="cuda")
+    out = torch.empty((setup.batch_size, NUM_HEADS, HEAD_DIM), dtype=torch.float16, device="cuda")
+
+    def merge():
+        merge_partitions(partial_out, partial_lse, out, setup.context_lens, partition_tokens)
+
+    num_bytes = setup.bytes_read // 8 * 8  # halves of whole 32-bit words
+    return (same_bytes_copy_gbs(num_bytes, setup.copies, copy=dependent_copy),
+            same_bytes_copy_gbs(num_bytes, setup.copies, then=merge, copy=dependent_copy))
 
 
 def _bytes_per_token(precision: str) -> int:
@@ -298,11 +349,12 @@ def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: floa
 
 def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
               forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None,
-              kernel_times: bool = False) -> dict:
+              kernel_times: bool = False, floor: bool = False) -> dict:
     """One row: the configuration paged_decode_attention takes for it (decode_config), or with
     `tile` (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
-    grid, with `forced_splits` the row's configuration at each of those partition counts, and
-    with `kernel_times` each of its kernels' device time."""
+    grid, with `forced_splits` the row's configuration at each of those partition counts, with
+    `kernel_times` each of its kernels' device time, and with `floor` (default partitioning, split)
+    the time of a copy of its bytes followed by its merge (copy_and_merge_gbs)."""
     config = decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision], setup.batch_size,
                            NUM_KV_HEADS, setup.context_len, is_partitioning_fixed=partitioning == "invariant")
     if tile is not None:
@@ -331,6 +383,11 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
     }
     if kernel_times:
         row["kernel_times_us"] = setup.kernel_times_us(partitioning, config)
+    if floor and partitioning == "auto" and num_splits > 1:
+        dependent_copy_gbs, floor_gbs = copy_and_merge_gbs(setup, num_splits, partition_tokens)
+        row["copy_and_merge"] = {"copy_us": round(setup.bytes_read / dependent_copy_gbs / 1e3, 2),
+                                 "time_us": round(setup.bytes_read / floor_gbs / 1e3, 2),
+                                 "fraction_of_copy": round(floor_gbs / copy_gbs, 3)}
     if partitioning == "auto" and forced_splits:
         useful = math.ceil(setup.context_len / config.block_n)
         row["by_splits"] = [_sweep_result(setup, partitioning, config, copy_gbs, n)
@@ -405,6 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated partition counts to also time each row's default configuration at")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also record each kernel's device time per call (profiler, eager calls)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time a copy of each row's bytes followed by its merge kernel")
     parser.add_argument("--sms", type=int, default=None,
                         help="run on a slice of this many of the GPU's SMs (a green context; needs cuda-bindings)")
     args = parser.parse_args(argv)
@@ -430,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = (block_n, num_warps, num_stages)
     else:
         args.config = None
+    if args.floor and args.window_tokens:
+        parser.error("--floor copies the bytes of pages without a window; it does not take --window-tokens")
     if args.sms is not None and args.sms < 1:
         parser.error(f"--sms takes a number of SMs of 1 or more, got {args.sms}")
     return args
@@ -490,12 +551,16 @@ def run(args: argparse.Namespace, piece) -> int:
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
             row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, args.splits, args.config,
-                            args.kernel_times)
+                            args.kernel_times, args.floor)
             rows.append(row)
             print_row(row)
             if "kernel_times_us" in row:
                 print(f"{'':>9} kernels: " + ", ".join(f"{name} {us:.1f} us"
                                                        for name, us in row["kernel_times_us"].items()))
+            if "copy_and_merge" in row:
+                floor = row["copy_and_merge"]
+                print(f"{'':>9} a dependent copy of its bytes {floor['copy_us']:.1f} us; then its merge: "
+                      f"{floor['time_us']:.1f} us, {floor['fraction_of_copy']:.1%} of copy")
             for forced in row.get("by_splits", []):
                 print(f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
                       f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
