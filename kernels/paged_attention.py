@@ -587,6 +587,7 @@ def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: 
     base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
     ceil(context_len / partition_tokens) of them. `is_invariant`: fixed partitions, whose
     lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape)."""
+    _check_merge_buffers(partial_out, partial_lse, out, context_lens, partition_tokens)
     num_seqs, num_heads, num_splits, head_dim = partial_out.shape
     slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
     _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
@@ -594,6 +595,29 @@ def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: 
         HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes,
         num_warps=4, **dependent_launch(out.device),
     )
+
+
+def _check_merge_buffers(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                         context_lens: torch.Tensor, partition_tokens: int) -> None:
+    name = "merge_partitions"
+    if partial_out.dim() != 4 or partial_out.dtype != torch.float32 or not partial_out.is_contiguous():
+        raise KernelError(f"{name}: partial_out is {tuple(partial_out.shape)} {partial_out.dtype}; expected "
+                          "contiguous float32 [num_seqs, num_heads, num_splits, head_dim]")
+    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
+    if (tuple(partial_lse.shape) != (num_seqs, num_heads, num_splits) or partial_lse.dtype != torch.float32
+            or not partial_lse.is_contiguous()):
+        raise KernelError(f"{name}: partial_lse is {tuple(partial_lse.shape)} {partial_lse.dtype}; expected "
+                          f"contiguous float32 [{num_seqs}, {num_heads}, {num_splits}]")
+    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
+        raise KernelError(f"{name}: out is {tuple(out.shape)}; expected contiguous [{num_seqs}, {num_heads}, {head_dim}]")
+    if tuple(context_lens.shape) != (num_seqs,) or context_lens.dtype != torch.int32:
+        raise KernelError(f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; "
+                          f"expected int32 [{num_seqs}]")
+    if partition_tokens <= 0:
+        raise KernelError(f"{name}: partition_tokens must be positive, got {partition_tokens}")
+    for tensor_name, tensor in (("partial_lse", partial_lse), ("out", out), ("context_lens", context_lens)):
+        if tensor.device != partial_out.device:
+            raise KernelError(f"{name}: {tensor_name} is on {tensor.device} but partial_out is on {partial_out.device}")
 
 
 def paged_prefill_attention(

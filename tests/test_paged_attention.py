@@ -269,6 +269,44 @@ def test_attention_rejects_bad_inputs():
         paged_prefill_attention(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 1.0)
 
 
+def _merge_buffers(num_seqs=2, num_heads=3, num_splits=5, head_dim=TINY_DIM, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    partial_out = torch.randn(num_seqs, num_heads, num_splits, head_dim, generator=generator).to(DEVICE)
+    partial_lse = (4 * torch.randn(num_seqs, num_heads, num_splits, generator=generator)).to(DEVICE)
+    out = torch.empty(num_seqs, num_heads, head_dim, device=DEVICE)
+    return partial_out, partial_lse, out
+
+
+def test_merge_partitions_weighs_each_sequences_own_partials():
+    # Partitions of 16 tokens: the 40-token sequence has 3 of the 5, the 80-token one all 5;
+    # partials past a sequence's context hold NaN and must not be read.
+    partial_out, partial_lse, out = _merge_buffers()
+    context_lens = torch.tensor([40, 80], dtype=torch.int32, device=DEVICE)
+    partial_out[0, :, 3:] = float("nan")
+    partial_lse[0, :, 3:] = float("nan")
+    paged_attention.merge_partitions(partial_out, partial_lse, out, context_lens, 16)
+    for seq, num_parts in enumerate((3, 5)):
+        weights = torch.softmax(partial_lse[seq, :, :num_parts] * math.log(2), dim=-1)  # base-2 lse
+        expected = (weights[..., None] * partial_out[seq, :, :num_parts]).sum(dim=1)
+        assert _report(f"merge of {num_parts} partitions", out[seq], expected) <= 1e-5
+
+
+def test_merge_partitions_rejects_buffers_that_do_not_match():
+    partial_out, partial_lse, out = _merge_buffers()
+    context_lens = torch.tensor([40, 80], dtype=torch.int32, device=DEVICE)
+    merge = paged_attention.merge_partitions
+    with pytest.raises(KernelError, match="partial_out is .* float32"):
+        merge(partial_out.half(), partial_lse, out, context_lens, 16)
+    with pytest.raises(KernelError, match=r"partial_lse is \(2, 3, 4\)"):
+        merge(partial_out, partial_lse[:, :, :4].contiguous(), out, context_lens, 16)
+    with pytest.raises(KernelError, match=r"out is \(2, 2, 16\)"):
+        merge(partial_out, partial_lse, out[:, :2], context_lens, 16)
+    with pytest.raises(KernelError, match="context_lens is .*torch.int64"):
+        merge(partial_out, partial_lse, out, context_lens.long(), 16)
+    with pytest.raises(KernelError, match="partition_tokens must be positive"):
+        merge(partial_out, partial_lse, out, context_lens, 0)
+
+
 def test_int4_heads_not_a_multiple_of_four_go_to_the_reference():
     """The kernels read INT4 heads as 16-bit words of four codes: a head of 18 elements is
     refused with the way out named, and the reference path reads it."""
