@@ -7,7 +7,7 @@
 # runner's output folder, which takes few files) they are packed into $OUT/results.tgz.
 # The whole call ends within DEADLINE_S seconds (default 570): a benchmark that would
 # run past it gets the time left, or is skipped when under 30 s remain. Benchmarks: w4a16 quantize doctor_accuracy prefix_cache
-# paged_attention paged_attention_window paged_attention_floor paged_attention_sweep paged_attention_sms16 kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_tune_multi gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_profile speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_plain_head_multi speed_plain_multi speed_tuned speed_plain_nopdl speed_plain_head_nopdl speed_plain_head speed_prefill_graphs speed_invariant speed_head
+# paged_attention paged_attention_window paged_attention_floor paged_attention_sweep paged_attention_sms16 paged_attention_floor_sms16 kv_pool gemv_sweep gemv_rows_sweep gemv_tune gemv_tune_compensated gemv_tune_multi gemv_floor profile_decode profile_decode_plain stress stress_invariant streaming_7b deepseek_v2 speed speed_profile speed_unpipelined speed_sampled speed_sampled_unpipelined speed_rank8 speed_plain speed_plain_lanes speed_plain_head_tuned speed_plain_tuned speed_plain_head_multi speed_plain_multi speed_tuned speed_plain_nopdl speed_plain_head_nopdl speed_plain_head speed_prefill_graphs speed_invariant speed_head
 # (speed_unpipelined: the speed bench with each decode step run alone; speed_sampled[_unpipelined]: the same with
 # requests sampled at temperature 1.0, as the server's default; speed_plain: the 1.5B shape quantized as a
 # published AutoAWQ checkpoint is, every linear INT4, no compensation; speed_plain_lanes: the same with the
@@ -74,6 +74,8 @@ if [ "$what" != tests ]; then
     run_bench paged_attention_sweep 300 python3 scripts/bench_paged_attention.py --sweep
     # On a slice of 16 SMs (a green context), the SM count of an RTX 3050 laptop GPU.
     run_bench paged_attention_sms16 150 python3 scripts/bench_paged_attention.py --sms 16 --kernel-times
+    # The split design's bound on those 16 SMs.
+    run_bench paged_attention_floor_sms16 150 python3 scripts/bench_paged_attention.py --sms 16 --floor
     run_bench kv_pool 300 python3 scripts/bench_kv_pool.py
     # The um pool to 128K with spill: its chunked prefill reads the spilled context over the bus, ~3-4 minutes.
     run_bench kv_pool_128k 480 python3 scripts/bench_kv_pool.py --runs um,device-int8 --max-prefill-s 330 --transfer-mib 0
