@@ -576,7 +576,7 @@ def paged_decode_attention(
         num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
     )
     if is_split and not is_fused:
-        merge_partitions(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant=is_invariant)
+        _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
     return out
 
 
@@ -586,8 +586,14 @@ def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: 
     partial results `partial_out [num_seqs, num_heads, num_splits, head_dim]` (float32) and their
     base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
     ceil(context_len / partition_tokens) of them. `is_invariant`: fixed partitions, whose
-    lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape)."""
+    lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape). Checks the buffers first;
+    `paged_decode_attention` builds its own and launches through `_launch_merge`."""
     _check_merge_buffers(partial_out, partial_lse, out, context_lens, partition_tokens)
+    _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
+
+
+def _launch_merge(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
+                  context_lens: torch.Tensor, partition_tokens: int, is_invariant: bool) -> None:
     num_seqs, num_heads, num_splits, head_dim = partial_out.shape
     slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
     _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
