@@ -42,10 +42,52 @@ def test_installed_names_import(wheel, tmp_path):
         "assert load_profile('4gb').name == '4gb'\n"
         "from lowvram.loader import resolve_model_path\n"
         f"assert str(resolve_model_path(None)).startswith({str(target)!r})\n"
-        "assert importlib.util.find_spec('kernels') is None and importlib.util.find_spec('tui') is None\n"
+        "assert importlib.util.find_spec('tui') is None\n"
+        "spec = importlib.util.find_spec('kernels')  # Hugging Face's, where transformers brought it\n"
+        f"assert spec is None or not spec.origin.startswith({str(target)!r}), spec.origin\n"
         "print('ok')\n"
     )
     # Run from an empty directory so the source tree is not on sys.path.
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
                             capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+# Run from the checkout's root, as `python -m pytest` and `python -m lowvram` are: the root is
+# then on sys.path, and the repository's kernels/ folder must not stand in for Hugging Face's
+# `kernels` package, which transformers (5.25 on) depends on and imports while loading a model.
+CHECKOUT_ROOT_SCRIPT = """
+import importlib.metadata, importlib.util, os, sys
+root = os.path.realpath(sys.argv[1])
+assert os.path.realpath(sys.path[0] or os.curdir) == root, sys.path[:2]
+try:
+    import kernels
+except ModuleNotFoundError:
+    kernels = None
+if kernels is not None:
+    assert not os.path.realpath(kernels.__file__).startswith(root + os.sep), kernels.__file__
+    importlib.metadata.version("kernels")  # the installed distribution's module, not a folder of ours
+if importlib.util.find_spec("transformers.integrations.hub_kernels") is not None:
+    import transformers.integrations.hub_kernels  # what failed: `from kernels import CUDAProperties`
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[2])
+from lowvram import LLM, SamplingParams
+out = LLM(model=sys.argv[2], profile="cpu").generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+assert len(out[0].outputs[0].token_ids) == 2
+import lowvram.kernels.rms_norm
+print("kernels:", None if kernels is None else kernels.__file__)
+"""
+
+
+def test_the_checkout_root_does_not_shadow_hugging_faces_kernels(tiny_llama_dir):
+    result = subprocess.run([sys.executable, "-c", CHECKOUT_ROOT_SCRIPT, str(ROOT), str(tiny_llama_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("kernels:"), result.stdout
+
+
+def test_python_m_lowvram_runs_from_the_checkout_root():
+    result = subprocess.run([sys.executable, "-m", "lowvram", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: lowvram" in result.stdout
+
