@@ -91,3 +91,26 @@ def test_python_m_lowvram_runs_from_the_checkout_root():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: lowvram" in result.stdout
 
+
+def test_the_oldest_set_pins_every_lower_bound():
+    """.ci/oldest.txt, which `.ci/run --oldest` tests, holds each dependency at the lower bound
+    pyproject.toml gives it: a bound raised or lowered in one place and not the other fails."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lower_bounds = {}
+    for line in requires("lowvram"):
+        requirement = Requirement(line)
+        if requirement.marker is not None and requirement.marker.evaluate({"extra": "um"}) \
+                and not requirement.marker.evaluate({"extra": ""}):
+            continue  # cuda-bindings: only GPU machines install it
+        (bound,) = [spec for spec in requirement.specifier if spec.operator == ">="]
+        lower_bounds[canonicalize_name(requirement.name)] = bound.version
+    pins = {}
+    for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    assert pins == lower_bounds
