@@ -2,7 +2,7 @@
 
 With gate and up computed by one matmul into [T, 2I], the activation is one pass that reads
 both halves and writes [T, I], instead of three kernels (silu, a temporary, multiply).
-The reference is `silu_and_mul_ref`, the plain-torch expression of `lowvram.model.MLP`.
+The reference is `silu_and_mul_ref`, the plain-torch expression of `lowvram.models.dense.MLP`.
 """
 
 import torch

@@ -2,7 +2,7 @@
 
 `write_kv` runs the Triton kernel on CUDA tensors (or on CPU tensors when
 TRITON_INTERPRET=1) and `write_kv_ref` otherwise. Both follow the quantization
-of `lowvram.kv_quant.quantize_kv` step for step: the same float32 operations in
+of `lowvram.kernels.kv_quant.quantize_kv` step for step: the same float32 operations in
 the same order, IEEE division and FP16-rounded scale/zero, so the stored bytes
 are identical.
 """
@@ -14,7 +14,7 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
-from lowvram.kv_quant import MIN_SCALE, KVPages, store_kv
+from lowvram.kernels.kv_quant import MIN_SCALE, KVPages, store_kv
 
 try:
     import triton
@@ -53,7 +53,7 @@ def write_kv(
 
     The slot of position p of a sequence is `block_table[p // B] * B + p % B`.
     For INT8/INT4 pages each (token, head) row is quantized with its own
-    min/max (see `lowvram.kv_quant`); rows in pages kept in FP16 (`pages.window_row`)
+    min/max (see `lowvram.kernels.kv_quant`); rows in pages kept in FP16 (`pages.window_row`)
     are also stored unquantized there. `k` and `v` may be strided views (e.g.
     slices of a fused QKV output) as long as the last dim is contiguous.
     """
@@ -218,7 +218,7 @@ if HAS_TRITON:
             slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
         )
         if HAS_WINDOW:
-            # Pages kept in FP16 (see lowvram.kv_quant) get the row unquantized as well.
+            # Pages kept in FP16 (see lowvram.kernels.kv_quant) get the row unquantized as well.
             window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
             _store_row(
                 k_ptr + token.to(tl.int64) * stride_kt, stride_kh, window_k_ptr, window_k_ptr, window_k_ptr,

@@ -55,7 +55,7 @@ planes of a quarter). Tiles of whole 16-bit elements move through shared memory
 into the dots' operand layouts as FP16 tiles do; read as bytes, each operand was
 gathered a byte at a time and the compiled loop ran 35% (INT8) and 26% (INT4)
 more instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
-(`KVPages.window_row`, see `lowvram.kv_quant`) are read from the FP16 copy
+(`KVPages.window_row`, see `lowvram.kernels.kv_quant`) are read from the FP16 copy
 instead of their codes, with scale 1 and zero 0: by the decode kernel in a pass
 of its own over the tiles that hold them, after its main loop over the codes,
 so that the main loop keeps the registers of pages without a window.
@@ -77,7 +77,7 @@ import torch
 from lowvram.errors import KernelError
 from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels.dispatch import num_sms, use_triton
-from lowvram.kv_quant import KVPages, gather_kv
+from lowvram.kernels.kv_quant import KVPages, gather_kv
 
 try:
     import triton

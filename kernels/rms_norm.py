@@ -9,7 +9,7 @@ layer has both results written over its inputs (as vLLM's fused_add_rms_norm doe
 moving the residual add into the norm keeps no more [T, hidden] tensors alive.
 
 The reference is `rms_norm_ref`: normalise in float32, round to the input dtype, then
-multiply by the weight in that dtype, exactly as `lowvram.model.RMSNorm` does on the CPU.
+multiply by the weight in that dtype, exactly as `lowvram.models.dense.RMSNorm` does on the CPU.
 """
 
 import torch

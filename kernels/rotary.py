@@ -10,7 +10,7 @@ The dense models' attention does not launch this kernel: rotary_kv_write.py rota
 k inside the KV store, with the same rotation helper (`_rotate_half`).
 
 The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
-as `lowvram.model.Rotary` computes it.
+as `lowvram.models.dense.Rotary` computes it.
 """
 
 import torch

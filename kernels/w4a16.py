@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lowvram.awq_format import check_awq_shapes, dequantize_awq
+from lowvram.kernels.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.errors import ConfigError, KernelError
 from lowvram.kernels.dispatch import num_sms
-from lowvram.kv_quant import KVPages
+from lowvram.kernels.kv_quant import KVPages
 
 logger = logging.getLogger("lowvram.kernels")
 

@@ -36,7 +36,7 @@ t_s Bt is (x A^T) B^T, so the split reduction produces the whole term without a 
 Every column block recomputes its t_s: A is small (R * K * 2 bytes) and stays in L2, while a
 separate x A^T kernel would cost a launch per projection, which is what the fusion removes.
 Ranks are padded to BLOCK_R (a power of two, at least 16 for tl.dot) by masking. A fused
-q/k/v or gate/up layer's B is block diagonal (lowvram.fusion) and is read whole, zeros
+q/k/v or gate/up layer's B is block diagonal (lowvram.models.fusion) and is read whole, zeros
 included: its R is the sum of its parts' ranks.
 """
 

@@ -10,33 +10,21 @@ import logging
 import sys
 import time
 
-from lowvram.crash_report import report_cuda_oom
+from lowvram.memory.crash_report import report_cuda_oom
+from lowvram.engine.args import add_engine_args, engine_kwargs
 from lowvram.errors import LowvramError
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help="local model directory or hub id (default: the bundled demo model)")
-    p.add_argument("--profile", default=None, help="built-in profile (2gb, 4gb, 6gb, 8gb, cpu) or a YAML file; default 4gb with CUDA, cpu without")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
-    p.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default=None, help="override the compute dtype")
-    p.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest context in tokens")
-
-
-def _engine_kwargs(args) -> dict:
-    return dict(device=args.device, dtype=args.dtype, emulate_vram_gib=args.emulate_vram_gib, max_model_len=args.max_model_len)
 
 
 @report_cuda_oom
 def cmd_generate(args) -> int:
-    from lowvram.llm import LLM
-    from lowvram.sampling import SamplingParams
+    from lowvram.engine.llm import LLM
+    from lowvram.core.sampling_params import SamplingParams
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.model is None:
         print("lowvram: using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
               "not a real DeepSeek model); pass --model for a real one", file=sys.stderr)
-    llm = LLM(args.model, args.profile, **_engine_kwargs(args))
+    llm = LLM(args.model, args.profile, **engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, stop=args.stop,
                             seed=args.seed)
@@ -93,7 +81,7 @@ def cmd_profiles(args) -> int:
 
 
 def cmd_bench_quality(args) -> int:
-    from lowvram.quality import run_quality_bench, to_markdown
+    from lowvram.bench.quality import run_quality_bench, to_markdown
 
     command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
     report = run_quality_bench(
@@ -135,7 +123,7 @@ def _int_list(text: str) -> list[int]:
 
 @report_cuda_oom
 def cmd_bench_speed(args) -> int:
-    from lowvram.bench_speed import plot, require_matplotlib, run_speed_bench, write_markdown
+    from lowvram.bench.speed import plot, require_matplotlib, run_speed_bench, write_markdown
 
     if args.plot:
         require_matplotlib()
@@ -162,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
     gen.add_argument("--system", default=None, help="system prompt (chat models)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -240,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")
     prof.set_defaults(func=cmd_profiles)
 
-    from lowvram.doctor import add_doctor_parser
-    from lowvram.quantize import add_quantize_parser
+    from lowvram.memory.doctor import add_doctor_parser
+    from lowvram.quant.quantize import add_quantize_parser
     from lowvram.server.cli import add_serve_parser
     from lowvram.tui.cli import add_chat_parser
 

@@ -126,7 +126,7 @@ def attention(args) -> None:
 
 def gemv(args) -> None:
     from lowvram.kernels import w4a16_gemv as g
-    from lowvram.shapes import projection_shapes
+    from lowvram.models.shapes import projection_shapes
 
     pointer_types = {"qweight_ptr": "*i32", "qzeros_ptr": "*i32", "partial_ptr": "*fp32", "counter_ptr": "*i32",
                      "lora_t_ptr": "*fp32", "eps": "fp32"}

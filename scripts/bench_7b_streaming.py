@@ -35,18 +35,18 @@ from pathlib import Path
 
 import torch
 
-from lowvram.bench_record import run_metadata
+from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
-from lowvram.engine import EngineStats, LLMEngine
-from lowvram.layer_streaming import HostComputed
-from lowvram.memory_plan import (
+from lowvram.engine.engine import EngineStats, LLMEngine
+from lowvram.models.layer_streaming import HostComputed
+from lowvram.memory.plan import (
     DEFAULT_OFFLOAD_STRATEGY,
     OFFLOAD_STRATEGIES,
     decoder_linears,
 )
-from lowvram.model_config import model_config_from_dict
-from lowvram.sampling import SamplingParams
-from lowvram.shapes import SHAPES, shape_config
+from lowvram.models.config import model_config_from_dict
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.models.shapes import SHAPES, shape_config
 
 GIB = 2**30
 MIB = 2**20

@@ -3,7 +3,7 @@
 Builds a DeepSeek-R1-Distill-Qwen-1.5B-shaped checkpoint (hidden 1536, 28 layers,
 GQA 12/2, vocab 151936, untied head) with random BF16 weights written straight to
 safetensors, then for every context x batch x KV precision runs the real engine
-(`lowvram.engine.LLMEngine`, FP16 on the GPU, a profile sized for that context and
+(`lowvram.engine.engine.LLMEngine`, FP16 on the GPU, a profile sized for that context and
 batch, KV pages in ordinary device memory, the controller off) over prompts of that
 length plus a few decode steps. It compares
 `torch.cuda.max_memory_allocated()` since before the engine was built, plus the
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from lowvram.bench_record import git_commit
+from lowvram.bench.record import git_commit
 
 GIB = 2**30
 MIB = 2**20
@@ -107,7 +107,7 @@ def write_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> Path:
 
 def measure_context_bytes() -> tuple[int, str]:
     """The CUDA context of this process: NVML before/after init, else free memory after init."""
-    from lowvram.environment import measure_cuda_context_bytes
+    from lowvram.memory.environment import measure_cuda_context_bytes
 
     measured = measure_cuda_context_bytes()
     if measured is not None:
@@ -119,10 +119,10 @@ def measure_context_bytes() -> tuple[int, str]:
 
 def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: str, decode_steps: int,
             context_bytes: int) -> dict:
-    from lowvram.doctor import plan_memory
-    from lowvram.engine import LLMEngine
-    from lowvram.model_config import load_model_config
-    from lowvram.sampling import SamplingParams
+    from lowvram.memory.doctor import plan_memory
+    from lowvram.engine.engine import LLMEngine
+    from lowvram.models.config import load_model_config
+    from lowvram.core.sampling_params import SamplingParams
 
     # KV pages in torch's allocator (kv_backend device): unified-memory pages are invisible to
     # max_memory_allocated. The controller stays off so the planned precision and batch hold.
@@ -202,7 +202,7 @@ def main() -> int:
 
     from lowvram.config import load_profile
     from lowvram.errors import LowvramError
-    from lowvram.memory_plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
+    from lowvram.memory.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
 
     started = time.perf_counter()
     context_bytes, context_source = measure_context_bytes()

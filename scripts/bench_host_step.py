@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from lowvram.bench_record import run_metadata
-from lowvram.block_manager import BlockManager
+from lowvram.bench.record import run_metadata
+from lowvram.core.block_manager import BlockManager
 from lowvram.config import load_profile
-from lowvram.engine import LLMEngine
-from lowvram.kv_pool import KVShape
-from lowvram.model_runner import ModelRunner
-from lowvram.sampling import SamplingParams
-from lowvram.scheduler import Scheduler
+from lowvram.engine.engine import LLMEngine
+from lowvram.kv.pool import KVShape
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.core.scheduler import Scheduler
 from lowvram.testing import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,7 +84,7 @@ def build_engine(model_dir: Path, kv_backend: str, max_model_len: int) -> LLMEng
         enable_prefix_caching=gb4.enable_prefix_caching, controller=gb4.controller)
     engine = LLMEngine(str(model_dir), profile)
     if kv_backend == "um":
-        from lowvram.kv_tiers import ManagedKVPool
+        from lowvram.kv.tiers import ManagedKVPool
 
         # Sized as the 4gb profile plans it for the 1.5B shape: every sequence at full length,
         # of which the device share (about 69K tokens) is resident; the rest waits on the host.

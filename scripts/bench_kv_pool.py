@@ -6,7 +6,7 @@ against the host link.
 
 The whole model runs through the engine (`LLMEngine`: profile 4gb, emulate_vram_gib 4, one
 sequence, controller off so nothing changes the KV precision): R1-Distill-Qwen-1.5B's shape
-with random weights (`lowvram.shapes.write_random_checkpoint`), quantized to AWQ INT4 with
+with random weights (`lowvram.models.shapes.write_random_checkpoint`), quantized to AWQ INT4 with
 a few calibration samples (`--fp16-weights` skips that; FP16 weights leave room for about
 4K tokens of KV on the card). One prompt stream is fed at each context in turn; each longer
 prompt continues the shorter one, so the prefix cache holds the earlier pages and the
@@ -52,11 +52,12 @@ from pathlib import Path
 
 import torch
 
-from lowvram.bench_record import run_metadata
+from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
-from lowvram.kv_pool import KVShape, ManagedKVPool, PinnedKVPool
-from lowvram.sampling import SamplingParams
+from lowvram.kv.pool import KVShape
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
+from lowvram.core.sampling_params import SamplingParams
 
 GIB = 2**30
 MIB = 2**20
@@ -100,7 +101,7 @@ def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
     """The checkpoint to run and a line saying what it is."""
     if args.model:
         return args.model, f"checkpoint {args.model}"
-    from lowvram.shapes import cached_checkpoint, random_awq_checkpoint, write_random_checkpoint
+    from lowvram.models.shapes import cached_checkpoint, random_awq_checkpoint, write_random_checkpoint
 
     start = time.perf_counter()
     if args.fp16_weights:
@@ -116,7 +117,7 @@ def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
 
 
 def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precision: str, max_model_len: int):
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.engine import LLMEngine
 
     profile = load_profile(args.profile)
     controller = dataclasses.replace(profile.controller, is_enabled=False)
@@ -355,7 +356,7 @@ def _move(pool, operation: str, block_ids: range) -> float:
 
 def transfer_rows(shape: KVShape, num_bytes: int) -> list[dict]:
     """The pools' own spill, prefetch and ensure_resident of every page, against the link."""
-    from lowvram.managed_memory import ManagedMemory
+    from lowvram.kv.managed_memory import ManagedMemory
 
     num_blocks = max(2, num_bytes // shape.block_bytes("fp16"))
     link = link_mb_per_s(num_blocks * shape.block_bytes("fp16"))
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_note}; profile {args.profile}"
               + (f", emulated {args.card_gib} GiB card" if card_bytes else ""))
         results = [run(name, model_dir, args, contexts, card_bytes) for name in runs]
-        from lowvram.model_config import load_model_config
+        from lowvram.models.config import load_model_config
 
         config, _ = load_model_config(Path(model_dir))
     for result in results:

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowvram.bench_record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
+from lowvram.bench.record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
 from lowvram.errors import ConfigError
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
@@ -67,8 +67,8 @@ from lowvram.kernels.paged_attention import (
     plan_decode_partitions,
 )
 from lowvram.kernels.pdl import PDL_ENV, await_inputs, dependent_launch
-from lowvram.kv_pool import recent_window_blocks
-from lowvram.kv_quant import BITS_BY_PRECISION, allocate_pages
+from lowvram.kv.pool import recent_window_blocks
+from lowvram.kernels.kv_quant import BITS_BY_PRECISION, allocate_pages
 from lowvram.sm_slice import sm_ids, sm_slice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
@@ -579,7 +579,7 @@ def run(args: argparse.Namespace, piece) -> int:
 
 def write_json(path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, window_tokens: int,
                is_complete: bool) -> None:
-    """The record: `metadata` (lowvram.bench_record.run_metadata, taken once per run), then the rows."""
+    """The record: `metadata` (lowvram.bench.record.run_metadata, taken once per run), then the rows."""
     result = {
         **metadata,
         "copy_bandwidth_gbs": round(copy_gbs, 1),

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lowvram import LLM, SamplingParams
-from lowvram.bench_record import git_commit
+from lowvram.bench.record import git_commit
 from lowvram.config import load_profile
 
 QUESTIONS = [
@@ -72,7 +72,7 @@ def main() -> int:
     model = args.model
     tmp = tempfile.TemporaryDirectory()
     if args.shape:
-        from lowvram.shapes import write_random_checkpoint
+        from lowvram.models.shapes import write_random_checkpoint
 
         model = str(write_random_checkpoint(Path(tmp.name) / "model", args.shape))
     base = load_profile("cpu" if args.device == "cpu" else "8gb")
@@ -104,7 +104,7 @@ def main() -> int:
         if args.device == "cuda":
             torch.cuda.synchronize()
         recompute_s = time.perf_counter() - start
-        from lowvram.conversation_store import restore_conversation, save_conversation
+        from lowvram.kv.conversation_store import restore_conversation, save_conversation
 
         path = save_conversation(llm.engine, ids, Path(tmp.name) / "conv.kv")
         fresh = LLM(model, profile, device=args.device)

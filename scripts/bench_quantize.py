@@ -31,8 +31,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 from safetensors.torch import save_file
 
-from lowvram.bench_record import git_commit
-from lowvram.quantize import quantize_model
+from lowvram.bench.record import git_commit
+from lowvram.quant.quantize import quantize_model
 from lowvram.testing import train_tiny_tokenizer
 
 GIB = 2**30

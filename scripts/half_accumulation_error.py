@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from lowvram.awq_format import dequantize_awq
-from lowvram.bench_record import run_metadata
-from lowvram.shapes import projection_shapes, random_awq_tensors
+from lowvram.kernels.awq_format import dequantize_awq
+from lowvram.bench.record import run_metadata
+from lowvram.models.shapes import projection_shapes, random_awq_tensors
 
 GROUP_SIZE = 128
 SPANS = (4, 8, 16, 32)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowvram.bench_record import run_metadata
+from lowvram.bench.record import run_metadata
 
 COLD_BYTES = 256 * 2**20
 
@@ -115,7 +115,7 @@ def main() -> int:
                         help="what the probe does with the words: read (the floor), f32, half2 (see MODES)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from lowvram.shapes import projection_shapes
+    from lowvram.models.shapes import projection_shapes
 
     shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from lowvram.bench_record import run_metadata
+from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
-from lowvram.engine import LLMEngine
-from lowvram.sampling import SamplingParams
-from lowvram.shapes import (PROJECTIONS, attention_sizes, fused_projection_parts, layer_projection_shapes,
+from lowvram.engine.engine import LLMEngine
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.models.shapes import (PROJECTIONS, attention_sizes, fused_projection_parts, layer_projection_shapes,
                             projection_shapes, random_awq_tensors, shape_config)
 
 
@@ -255,7 +255,7 @@ SWEEP_COLD_BYTES = 256 * 2**20
 def compensation_factors(num_inputs: int, parts: tuple[int, ...], rank: int,
                          device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """A [R, K] and Bt [R, N] of a rank-`rank` compensation on each of a fused layer's `parts`
-    (their output sizes, in order), as lowvram.fusion joins them: R = rank * len(parts), B
+    (their output sizes, in order), as lowvram.models.fusion joins them: R = rank * len(parts), B
     block diagonal, Bt a contiguous [R, N] as the layer passes it."""
     total = rank * len(parts)
     lora_a = torch.randn(total, num_inputs, dtype=torch.float16, device=device) * 0.01
@@ -271,7 +271,7 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
                row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "",
                parts: dict[str, tuple[int, ...]] | None = None) -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
-    lowvram.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
+    lowvram.models.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
     of the weights (SWEEP_COLD_BYTES): from memory, not from L2. `forms` (comma-separated
     "unpack" values: interleave, lanes, rows) limits the candidates besides the default.
@@ -453,16 +453,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lowvram-profile-"))
     model = args.model
     if model is None and args.quantize:
-        from lowvram.shapes import random_awq_checkpoint
+        from lowvram.models.shapes import random_awq_checkpoint
 
         model = str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
                                           fp16_budget_mib=args.fp16_budget_mib)[1])
     elif model is None:
-        from lowvram.shapes import cached_checkpoint, write_random_checkpoint
+        from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
 
         model = str(cached_checkpoint(f"{args.shape}-bf16", lambda d: write_random_checkpoint(d, args.shape), work))
     elif args.quantize:
-        from lowvram.quantize import quantize_model
+        from lowvram.quant.quantize import quantize_model
 
         quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
                        fp16_budget_mib=args.fp16_budget_mib)

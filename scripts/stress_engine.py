@@ -51,11 +51,11 @@ from pathlib import Path
 import torch
 
 from lowvram.config import Profile, load_profile
-from lowvram.engine import LLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
-from lowvram.loader import resolve_model_path
-from lowvram.sampling import SamplingParams
-from lowvram.tokenizer import Tokenizer
+from lowvram.models.loader import resolve_model_path
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.tokenizer import Tokenizer
 
 WORDS = "the engine keeps every request and spills pages when memory runs short while tokens stream".split()
 MIN_PROMPT_TOKENS = 16
@@ -344,7 +344,7 @@ def summary_markdown(results: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--shape", default=None, help="random weights of a named shape (lowvram.shapes)")
+    parser.add_argument("--shape", default=None, help="random weights of a named shape (lowvram.models.shapes)")
     parser.add_argument("--quantize", action="store_true", help="quantize the model to AWQ INT4 first")
     parser.add_argument("--profile", default="4gb", help="built-in profile name or YAML path")
     parser.add_argument("--emulate-vram-gib", type=float, default=None)
@@ -385,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.slow_steps is not None and not 0 < args.slow_steps <= room:
         parser.error(f"--slow-steps = {args.slow_steps} must be between 1 and half of --slow-every ({room})")
     if args.plot:  # before the runs, not after them
-        from lowvram.bench_speed import require_matplotlib
+        from lowvram.bench.speed import require_matplotlib
 
         try:
             require_matplotlib()
@@ -397,15 +397,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prepare_model(args, work: Path) -> str:
     model = args.model
     if args.shape and args.quantize:
-        from lowvram.shapes import random_awq_checkpoint
+        from lowvram.models.shapes import random_awq_checkpoint
 
         return str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib)[1])
     if args.shape:
-        from lowvram.shapes import cached_checkpoint, write_random_checkpoint
+        from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
 
         model = str(cached_checkpoint(f"{args.shape}-bf16", lambda d: write_random_checkpoint(d, args.shape), work))
     if args.quantize:
-        from lowvram.quantize import quantize_model
+        from lowvram.quant.quantize import quantize_model
 
         quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib)
         model = str(work / "awq")

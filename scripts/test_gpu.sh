@@ -33,7 +33,7 @@ pack() {
 }
 trap pack EXIT
 export PYTHONUNBUFFERED=1
-# Benchmarks write and quantize each random shape once per call and share it (lowvram.shapes).
+# Benchmarks write and quantize each random shape once per call and share it (lowvram.models.shapes).
 export LOWVRAM_BENCH_CACHE=${LOWVRAM_BENCH_CACHE:-/tmp/lowvram-bench-cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$results/install.log" 2>&1 || cat "$results/install.log"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee "$results/gpu.txt"

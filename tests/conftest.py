@@ -107,7 +107,7 @@ def _emulated_card():
 @pytest.fixture(scope="module")
 def async_engine(engine):
     """The test module's `engine` fixture behind one AsyncLLMEngine loop, stopped after the module."""
-    from lowvram.async_engine import AsyncLLMEngine
+    from lowvram.engine.async_engine import AsyncLLMEngine
 
     running = AsyncLLMEngine(engine).start()
     yield running

@@ -2,8 +2,8 @@
 
 import torch
 
-from lowvram.attention import AttentionMetadata
-from lowvram.model_deepseek_v2 import allocate_latent_pages
+from lowvram.kv.attention import AttentionMetadata
+from lowvram.models.deepseek_v2 import allocate_latent_pages
 
 BLOCK_SIZE = 4
 NUM_DECODE_STEPS = 16

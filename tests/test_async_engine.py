@@ -3,7 +3,7 @@ import asyncio
 import pytest
 
 from lowvram import LLM, SamplingParams
-from lowvram.async_engine import AsyncLLMEngine
+from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.errors import RequestError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowvram.awq_format import (
+from lowvram.kernels.awq_format import (
     AwqTensors,
     dequantize_awq,
     pack_awq,

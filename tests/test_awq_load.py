@@ -13,14 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram.awq_format import dequantize_awq, quantize_rtn
-from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
+from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
+from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
 from lowvram.config import load_profile
-from lowvram.engine import LLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.errors import ModelLoadError, UnsupportedModelError
-from lowvram.loader import COMPENSATION_FILE, QUANTIZABLE_LINEARS, load_model
-from lowvram.model_config import load_model_config
-from lowvram.sampling import SamplingParams
+from lowvram.models.checkpoint import COMPENSATION_FILE
+from lowvram.models.loader import QUANTIZABLE_LINEARS, load_model
+from lowvram.models.config import load_model_config
+from lowvram.core.sampling_params import SamplingParams
 
 GROUP_SIZE = 32
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
@@ -313,11 +314,11 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
     # 3 prompts: prefill through the GEMM path plus one addmm, decode at 3 rows; 1 prompt: the row kernel
     cases = [(PROMPTS, 3), (PROMPTS[:1], 3)]
 
-    import lowvram.awq_linear
-    import lowvram.engine
+    import lowvram.quant.awq_linear
+    import lowvram.engine.engine
     with monkeypatch.context() as patch:
         kernels_only = lambda *args, **kwargs: w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
-        patch.setattr(lowvram.awq_linear, "awq_linear", kernels_only)
+        patch.setattr(lowvram.quant.awq_linear, "awq_linear", kernels_only)
         launch, rows_with_lora = w4a16.w4a16_gemv.launch_awq_gemv, set()
 
         def counting_launch(x, *args, **kwargs):
@@ -332,7 +333,7 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
         fused = [generated_logits(engine, prompts, max_tokens) for prompts, max_tokens in cases]
         assert {1, 3} <= rows_with_lora, rows_with_lora
 
-    monkeypatch.setattr(lowvram.engine, "fuse_projections", lambda model: 0)
+    monkeypatch.setattr(lowvram.engine.engine, "fuse_projections", lambda model: 0)
     engine = LLMEngine(str(awq_qwen2_dir), "cpu")
 
     def unfused(layer: AwqLinear, lora_a, lora_b, correction):
@@ -379,23 +380,23 @@ def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_sep
     """One sequence decoding on the GPU rotates q and k and stores k and v inside the fused
     q/k/v projection's kernel (Attention.fused_rope_kv); its logits equal, within the GEMV's
     own rounding (its column blocks and K splits change), those of rotary_write_kv after it."""
-    import lowvram.model
+    import lowvram.models.dense
 
     taken = []
-    fused_rope_kv = lowvram.model.Attention.fused_rope_kv
+    fused_rope_kv = lowvram.models.dense.Attention.fused_rope_kv
 
     def counting(self, *args):
         rope_kv = fused_rope_kv(self, *args)
         taken.append(rope_kv is not None)
         return rope_kv
 
-    monkeypatch.setattr(lowvram.model.Attention, "fused_rope_kv", counting)
+    monkeypatch.setattr(lowvram.models.dense.Attention, "fused_rope_kv", counting)
     for use_graphs in (False, True):
         profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
         fused = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:1], 6)
         assert any(taken) and not all(taken), "decode steps fuse, prefills do not"
         with monkeypatch.context() as patch:
-            patch.setattr(lowvram.model.Attention, "fused_rope_kv", lambda *args: None)
+            patch.setattr(lowvram.models.dense.Attention, "fused_rope_kv", lambda *args: None)
             separate = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:1], 6)
         worst = ((fused - separate).abs().max() / separate.abs().max()).item()
         print(f"graphs={use_graphs}: RoPE and KV store in the q/k/v kernel vs separate, largest relative "
@@ -428,7 +429,7 @@ def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_se
         awq_qwen2_dir, tmp_path, monkeypatch):
     """One sequence decoding on the GPU runs both norms and the activation inside the INT4
     kernels (model.fuses_input); every step's logits equal those of the separate kernels."""
-    import lowvram.model
+    import lowvram.models.dense
 
     checkpoint = tmp_path / "compensated"
     shutil.copytree(awq_qwen2_dir, checkpoint)
@@ -446,7 +447,7 @@ def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_se
         fused = generated_logits(LLMEngine(str(checkpoint), profile), PROMPTS[:1], 6)
         assert fused_calls, "no layer took the fused path"
         with monkeypatch.context() as patch:
-            patch.setattr(lowvram.model, "fuses_input", lambda *args: False)
+            patch.setattr(lowvram.models.dense, "fuses_input", lambda *args: False)
             separate = generated_logits(LLMEngine(str(checkpoint), profile), PROMPTS[:1], 6)
         worst = ((fused - separate).abs().max() / separate.abs().max()).item()
         print(f"graphs={use_graphs}: fused vs separate decode logits, largest relative difference {worst:.2e}, "

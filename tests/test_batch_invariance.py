@@ -152,7 +152,7 @@ def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
     """Generate greedily. With `preempt_at_step`, at the first step from that one on where two
     requests are decoding, the batch limit drops to one (the newer one is preempted, to be
     recomputed) and rises again four steps later."""
-    from lowvram.sampling import SamplingParams
+    from lowvram.core.sampling_params import SamplingParams
 
     for request_id, prompt in zip(ids, prompts):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -180,7 +180,7 @@ def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max
     with `preempt_at_step` requests preempted and recomputed) against one request at a time
     on a fresh engine: the same tokens and the same logits, bit for bit. `is_pipelined`
     turns pipelined decode on or off in both engines (None: as on their device)."""
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.engine import LLMEngine
 
     batched = LLMEngine(str(model_dir), profile)
     if is_pipelined is not None:
@@ -219,7 +219,7 @@ def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch
 
 def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(tiny_qwen2_dir, monkeypatch):
     from lowvram.config import ControllerConfig, load_profile
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.engine import LLMEngine
 
     controller = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=1e5,
                                   latency_low_ms=5e4, patience_tokens=2, cooldown_steps=3)
@@ -234,7 +234,7 @@ def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(ti
 
 def test_batch_invariance_refuses_deepseek_v2(tmp_path):
     from lowvram.config import load_profile
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.engine import LLMEngine
     from lowvram.errors import ConfigError
     from lowvram.testing import make_tiny_deepseek_v2
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowvram import bench_record
-from lowvram.bench_record import git_commit, measure_copy_bandwidth_gbps, run_metadata, utc_now, versions
+from lowvram.bench import record as bench_record
+from lowvram.bench.record import git_commit, measure_copy_bandwidth_gbps, run_metadata, utc_now, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 

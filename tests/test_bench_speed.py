@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lowvram.bench_speed import run_speed_bench, write_markdown
+from lowvram.bench.speed import run_speed_bench, write_markdown
 from lowvram.cli import main
 from lowvram.errors import ConfigError, ModelLoadError
 
@@ -182,7 +182,7 @@ def test_on_cuda_the_record_has_peak_device_memory_and_the_copy_bandwidth():
 
 
 def test_the_transformers_comparison_refuses_an_awq_model_before_measuring(tiny_qwen2_dir, tmp_path):
-    from lowvram.quantize import quantize_model
+    from lowvram.quant.quantize import quantize_model
 
     quantize_model(tiny_qwen2_dir, tmp_path / "awq", group_size=32, num_samples=2, seq_len=32)
     with pytest.raises(ConfigError, match="FP16/BF16 checkpoint"):
@@ -190,7 +190,7 @@ def test_the_transformers_comparison_refuses_an_awq_model_before_measuring(tiny_
 
 
 def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeypatch):
-    from lowvram import shapes
+    from lowvram.models import shapes
 
     # A small shape under a real shape's rules (Qwen2 layout, vocabulary the tokenizer covers).
     monkeypatch.setitem(shapes.SHAPES, "small-qwen2", dict(

@@ -1,6 +1,6 @@
 import pytest
 
-from lowvram.block_manager import BlockManager
+from lowvram.core.block_manager import BlockManager
 
 
 def test_allocation_order_growth_and_free():
@@ -119,7 +119,7 @@ def test_a_partly_filled_last_page_is_copied_on_write():
 
 
 def test_hash_collisions_never_reuse_wrong_pages(monkeypatch):
-    import lowvram.block_manager as bm_module
+    import lowvram.core.block_manager as bm_module
 
     monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: 42)  # every page collides
     bm = BlockManager(num_blocks=4, block_size=2)

@@ -1,7 +1,7 @@
 """The controller on synthetic observation traces."""
 
 from lowvram.config import ControllerConfig
-from lowvram.controller import ControllerState, Observation, decide, latency_stats
+from lowvram.core.controller import ControllerState, Observation, decide, latency_stats
 
 CFG = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=100, latency_low_ms=50,
                        patience_tokens=3, cooldown_steps=5)

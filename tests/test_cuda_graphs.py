@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lowvram.config import load_profile
-from lowvram.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, table_buckets, token_buckets
-from lowvram.engine import LLMEngine
-from lowvram.sampling import SamplingParams
+from lowvram.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, table_buckets, token_buckets
+from lowvram.engine.engine import LLMEngine
+from lowvram.core.sampling_params import SamplingParams
 
 
 EAGER = load_profile("4gb").replace(enable_cuda_graphs=False)
@@ -160,7 +160,7 @@ def test_graph_logits_match_eager_logits(tiny_llama_dir):
 def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny_qwen2_dir):
     """Staged inputs go over in asynchronous copies from one pinned buffer: with the GPU held
     back, the host must not overwrite a step's inputs before their copy has read them."""
-    from lowvram.attention import AttentionMetadata
+    from lowvram.kv.attention import AttentionMetadata
 
     engine = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(kv_backend="device"), max_model_len=2048,
                        emulate_vram_gib=4.0)
@@ -264,7 +264,7 @@ def test_seeded_sampling_on_the_gpu_is_the_same_alone_and_batched(tiny_qwen2_dir
 
 @pytest.mark.gpu
 def test_pinned_rows_are_read_by_the_gpu_inside_a_graph():
-    from lowvram.layer_streaming import HostEmbedding
+    from lowvram.models.layer_streaming import HostEmbedding
 
     table = torch.randn(1000, 64, dtype=torch.float16)
     embed = HostEmbedding(table, torch.device("cuda"))

@@ -8,7 +8,7 @@ exercised; logits must match transformers within 1e-4 relative.
 import pytest
 import torch
 
-from lowvram.model_deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
+from lowvram.models.deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
 
 from deepseek_v2_paging import (
     MAX_REL_DIFF,

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from lowvram.awq_format import dequantize_awq, quantize_rtn
-from lowvram.awq_linear import AwqLinear
-from lowvram.model_deepseek_v2 import load_deepseek_v2
+from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
+from lowvram.quant.awq_linear import AwqLinear
+from lowvram.models.deepseek_v2 import load_deepseek_v2
 
 from deepseek_v2_paging import (
     MAX_REL_DIFF,

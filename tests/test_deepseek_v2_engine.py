@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lowvram import LLM, SamplingParams
-from lowvram import memory_plan as mp
+from lowvram.memory import plan as mp
 from lowvram.config import load_profile
 from lowvram.errors import OutOfMemoryError
-from lowvram.model_deepseek_v2 import (
+from lowvram.models.deepseek_v2 import (
     DEEPSEEK_V2_LITE_CONFIG,
     DeepseekV2Config,
     layer_kv_pages,
@@ -114,7 +114,7 @@ def test_weight_bytes_count_only_the_cached_experts_on_the_device():
 
 
 def test_loaded_weight_bytes_equal_the_plan(checkpoint):
-    from lowvram.model_deepseek_v2 import load_deepseek_v2
+    from lowvram.models.deepseek_v2 import load_deepseek_v2
 
     raw = json.loads((checkpoint / "config.json").read_text())
     for max_cached_experts in (None, 2):

@@ -1,4 +1,4 @@
-"""Routed experts offloaded to host memory with a small device cache (lowvram.expert_offload).
+"""Routed experts offloaded to host memory with a small device cache (lowvram.models.expert_offload).
 
 On the CPU "offloaded" means the cache holds fewer experts than the layer has, so
 every fetch, eviction and wave of the cache really runs; the model must still give
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lowvram.errors import ConfigError
-from lowvram.expert_offload import ExpertCache, ExpertCacheStats
-from lowvram.model_deepseek_v2 import load_deepseek_v2
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats
+from lowvram.models.deepseek_v2 import load_deepseek_v2
 
 from deepseek_v2_paging import (
     MAX_REL_DIFF,

@@ -8,12 +8,12 @@ import weakref
 import pytest
 import torch
 
-from lowvram import memory_plan as mp
+from lowvram.memory import plan as mp
 from lowvram.config import load_profile
-from lowvram.doctor import plan_memory
-from lowvram.environment import Environment, GpuInfo, find_problems
+from lowvram.memory.doctor import plan_memory
+from lowvram.memory.environment import Environment, GpuInfo, find_problems
 from lowvram.errors import OutOfMemoryError
-from lowvram.model_config import load_model_config, model_config_from_dict
+from lowvram.models.config import load_model_config, model_config_from_dict
 
 GIB = 2**30
 
@@ -78,8 +78,8 @@ def _write_compensation(model_dir, layers):
     """A compensation side file as `lowvram quantize` writes it: {layer: (rank, K, N, has_bias_correction)}."""
     from safetensors.torch import save_file
 
-    from lowvram.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
-    from lowvram.loader import COMPENSATION_FILE
+    from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
+    from lowvram.models.checkpoint import COMPENSATION_FILE
 
     tensors = {}
     for name, (rank, k, n, has_correction) in layers.items():
@@ -118,7 +118,7 @@ def _write_awq_copy(src, dst, keep_fp16=()):
 
     from safetensors.torch import load_file, save_file
 
-    from lowvram.awq_format import quantize_rtn
+    from lowvram.kernels.awq_format import quantize_rtn
 
     shutil.copytree(src, dst)
     tensors = {}
@@ -141,7 +141,7 @@ def _write_awq_copy(src, dst, keep_fp16=()):
 
 def test_from_config_weights_equal_what_the_loader_loads(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir,
                                                          tmp_path):
-    from lowvram.loader import load_model
+    from lowvram.models.loader import load_model
     from lowvram.testing import make_tiny_model
 
     tied_dir = make_tiny_model(tmp_path / "tied", "qwen2", tie_word_embeddings=True)
@@ -255,8 +255,8 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
     """Every tensor a CPU run allocates is tracked; the predicted workspace must match
     the peak within 10% (it counts what the code allocates, not a rule of thumb)."""
-    from lowvram.engine import LLMEngine
-    from lowvram.sampling import SamplingParams
+    from lowvram.engine.engine import LLMEngine
+    from lowvram.core.sampling_params import SamplingParams
     from lowvram.testing import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", "qwen2", hidden_size=128, intermediate_size=352,
@@ -415,7 +415,7 @@ def test_recommendations_are_ranked_and_their_verdicts_hold():
 
 
 def test_plan_kv_and_the_doctor_agree_with_the_engine(tiny_qwen2_dir):
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.engine import LLMEngine
 
     engine = LLMEngine(str(tiny_qwen2_dir), "cpu")
     config, raw = load_model_config(tiny_qwen2_dir)
@@ -428,7 +428,7 @@ def test_plan_kv_and_the_doctor_agree_with_the_engine(tiny_qwen2_dir):
 
 
 def test_plan_kv_error_names_the_numbers_and_the_doctor():
-    from lowvram.oom import parse_oom_message
+    from lowvram.memory.oom import parse_oom_message
 
     config = _config(R1_DISTILL_QWEN_1_5B)
     with pytest.raises(OutOfMemoryError) as info:
@@ -533,7 +533,8 @@ def test_problems_come_with_concrete_fixes():
 
 def _run(argv):
     """`lowvram doctor ...` through the real CLI once it has the subcommand, else the doctor's own entry point."""
-    from lowvram import cli, doctor
+    from lowvram import cli
+    from lowvram.memory import doctor
 
     subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     if "doctor" in subcommands.choices:

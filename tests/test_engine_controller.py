@@ -94,7 +94,7 @@ def test_slow_tokens_shrink_the_batch(tiny_qwen2_dir):
 def test_steps_that_capture_decode_graphs_do_not_count_as_slow_tokens(tiny_qwen2_dir, monkeypatch):
     import time
 
-    from lowvram.model_runner import ModelRunner
+    from lowvram.engine.model_runner import ModelRunner
 
     llm = LLM(str(tiny_qwen2_dir), _profile(latency_high_ms=20, latency_low_ms=5))
     captures = {"n": 0}
@@ -178,7 +178,7 @@ def test_device_memory_growth_reaches_the_controller_though_decode_steps_read_th
     """A reading of the allocator's counters costs a noticeable share of a graph-replayed
     decode step, so decode steps read them every ALLOCATOR_READ_EVERY_STEPS steps; memory
     that grows meanwhile still reaches the controller within that many steps."""
-    from lowvram.engine import ALLOCATOR_READ_EVERY_STEPS
+    from lowvram.engine.engine import ALLOCATOR_READ_EVERY_STEPS
 
     llm = LLM(str(tiny_qwen2_dir), _profile())
     engine = llm.engine

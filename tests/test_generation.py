@@ -105,7 +105,7 @@ def test_bad_sampling_values_are_rejected_by_name(bad):
 
 
 def test_filters_keep_the_right_tokens():
-    from lowvram.sampling import filter_logits
+    from lowvram.engine.sampler import filter_logits
 
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
     keep = lambda p: (filter_logits(logits.clone(), p) > float("-inf")).tolist()  # noqa: E731
@@ -118,7 +118,7 @@ def test_filters_keep_the_right_tokens():
 def test_a_batch_samples_the_tokens_each_row_would_alone():
     from types import SimpleNamespace
 
-    from lowvram.sampling import sample_token, sample_tokens
+    from lowvram.engine.sampler import sample_token, sample_tokens
 
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
     logits[4, 7] = logits[4, 9] = logits[4].max() + 1  # a tie: the lower id wins in both paths
@@ -144,7 +144,7 @@ def test_tokenizer_follows_tokenizer_json_exactly():
 
     from lowvram.demo import demo_model_path
     from lowvram.demo.corpus import heldout_text
-    from lowvram.tokenizer import Tokenizer
+    from lowvram.engine.tokenizer import Tokenizer
 
     model_dir = demo_model_path()
     text = heldout_text(4000)
@@ -157,7 +157,7 @@ def test_fast_decode_gives_the_text_of_transformers_decode(tiny_qwen2_dir):
     any ids, special ones and partial multi-byte characters included, decode as transformers does."""
     import random
 
-    from lowvram.tokenizer import Tokenizer
+    from lowvram.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_qwen2_dir)
     assert tokenizer._backend is not None  # the test tokenizer has clean_up_tokenization_spaces False

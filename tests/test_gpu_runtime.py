@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lowvram import LLM, SamplingParams
-from lowvram.engine import LLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu

@@ -3,13 +3,14 @@ spill through a small device share, or change precision while requests run."""
 
 import pytest
 
-from lowvram.block_manager import BlockManager
+from lowvram.core.block_manager import BlockManager
 from lowvram.config import load_profile
-from lowvram.engine import LLMEngine
-from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool, recent_window_blocks
-from lowvram.model_runner import ModelRunner
-from lowvram.sampling import SamplingParams
-from lowvram.scheduler import Scheduler
+from lowvram.engine.engine import LLMEngine
+from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.core.scheduler import Scheduler
 from lowvram.testing import finished_token_ids
 from test_kv_pool import FakeManagedMemory
 

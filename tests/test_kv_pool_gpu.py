@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from lowvram.config import load_profile
-from lowvram.engine import LLMEngine
-from lowvram.kv_pool import KVShape, ManagedKVPool, PinnedKVPool, create_kv_pool
-from lowvram.kv_quant import gather_kv, store_kv
-from lowvram.sampling import SamplingParams
+from lowvram.engine.engine import LLMEngine
+from lowvram.kv.pool import KVShape
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool, create_kv_pool
+from lowvram.kernels.kv_quant import gather_kv, store_kv
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def _memory():
     pytest.importorskip("cuda.bindings")
-    from lowvram.managed_memory import ManagedMemory
+    from lowvram.kv.managed_memory import ManagedMemory
 
     return ManagedMemory(torch.device("cuda"))
 

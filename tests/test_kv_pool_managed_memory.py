@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lowvram import managed_memory
+from lowvram.kv import managed_memory
 from lowvram.errors import ConfigError, KernelError
 
 

@@ -12,8 +12,9 @@ import torch
 
 from lowvram.kernels.kv_write import write_kv
 from lowvram.kernels.paged_attention import paged_decode_attention
-from lowvram.kv_pool import DeviceKVPool, KVShape, ManagedKVPool, PinnedKVPool, recent_window_blocks
-from lowvram.kv_quant import gather_kv, store_kv
+from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
+from lowvram.kernels.kv_quant import gather_kv, store_kv
 from test_kv_pool import FakeManagedMemory
 
 # 1 layer, pages of 4 tokens, 2 KV heads of 16; fp16 pages hold float32 on the CPU.

@@ -1,4 +1,4 @@
-"""KV quantization (lowvram.kv_quant) and the write_kv kernel against its reference.
+"""KV quantization (lowvram.kernels.kv_quant) and the write_kv kernel against its reference.
 
 On a machine without CUDA the kernel runs in the Triton interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1); with CUDA it runs on the GPU.
@@ -10,7 +10,7 @@ import torch
 from lowvram.errors import KernelError
 from lowvram.kernels import kv_write
 from lowvram.kernels.kv_write import write_kv, write_kv_ref
-from lowvram.kv_quant import MIN_SCALE, allocate_pages, dequantize_kv, quantize_kv
+from lowvram.kernels.kv_quant import MIN_SCALE, allocate_pages, dequantize_kv, quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON_CODE = 0xAB

@@ -9,17 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram import memory_plan as mp
-from lowvram.awq_format import quantize_rtn
+from lowvram.memory import plan as mp
+from lowvram.kernels.awq_format import quantize_rtn
 from lowvram.config import load_profile, profile_from_dict
-from lowvram.doctor import plan_memory
-from lowvram.engine import LLMEngine
+from lowvram.memory.doctor import plan_memory
+from lowvram.engine.engine import LLMEngine
 from lowvram.errors import ConfigError, OutOfMemoryError
-from lowvram.layer_streaming import HostComputed, HostEmbedding
-from lowvram.loader import QUANTIZABLE_LINEARS
-from lowvram.model_config import model_config_from_dict
-from lowvram.sampling import SamplingParams
-from lowvram.shapes import shape_config
+from lowvram.models.layer_streaming import HostComputed, HostEmbedding
+from lowvram.models.loader import QUANTIZABLE_LINEARS
+from lowvram.models.config import model_config_from_dict
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.models.shapes import shape_config
 from lowvram.testing import finished_token_ids
 
 NUM_LAYERS = 4
@@ -240,9 +240,9 @@ def test_streamed_layers_match_resident_ones_on_cuda(checkpoints, kind, num_resi
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2-awq"])
 def test_place_on_device_moves_every_tensor_once_and_keeps_ties(checkpoints, kind):
-    from lowvram.fusion import fuse_projections
-    from lowvram.layer_streaming import place_on_device
-    from lowvram.loader import load_model
+    from lowvram.models.fusion import fuse_projections
+    from lowvram.models.layer_streaming import place_on_device
+    from lowvram.models.loader import load_model
 
     model, _ = load_model(checkpoints[kind], torch.device("cpu"), torch.float32)
     assert fuse_projections(model) > 0

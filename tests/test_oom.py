@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowvram.crash_report import (EXIT_OUT_OF_MEMORY, default_crash_report_dir, format_doctor_hint, is_cuda_oom,
+from lowvram.memory.crash_report import (EXIT_OUT_OF_MEMORY, default_crash_report_dir, format_doctor_hint, is_cuda_oom,
                                   read_crash_report, report_cuda_oom, write_crash_report)
 from lowvram.errors import ConfigError
-from lowvram.oom import explain_oom, parse_oom_message, read_oom_input
+from lowvram.memory.oom import explain_oom, parse_oom_message, read_oom_input
 
 CORPUS = Path(__file__).parent / "data" / "oom"
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -218,7 +218,7 @@ def test_snapshot_summary_names_what_held_the_memory(with_history):
     assert top.where == "kv_quant.py:170 in allocate_pages" and top.num_blocks == 40
     # torch's own frames are skipped: the site is the lowvram function that asked
     assert summary.sites[1].where == "paged_attention.py:90 in _attend"
-    from lowvram.oom import explain_snapshot
+    from lowvram.memory.oom import explain_snapshot
 
     changes = " ".join(f.change for f in explain_snapshot(summary))
     assert "kv_precision: int8" in changes and "expandable_segments" in changes
@@ -239,7 +239,8 @@ def test_a_hostile_pickle_is_refused():
 def _run_doctor(argv):
     import argparse
 
-    from lowvram import cli, doctor
+    from lowvram import cli
+    from lowvram.memory import doctor
 
     subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     if "doctor" in subcommands.choices:

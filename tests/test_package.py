@@ -40,7 +40,7 @@ def test_installed_names_import(wheel, tmp_path):
         f"assert lowvram.__file__.startswith({str(target)!r}), lowvram.__file__\n"
         f"assert lowvram.kernels.__file__.startswith({str(target)!r})\n"
         "assert load_profile('4gb').name == '4gb'\n"
-        "from lowvram.loader import resolve_model_path\n"
+        "from lowvram.models.loader import resolve_model_path\n"
         f"assert str(resolve_model_path(None)).startswith({str(target)!r})\n"
         "assert importlib.util.find_spec('tui') is None\n"
         "spec = importlib.util.find_spec('kernels')  # Hugging Face's, where transformers brought it\n"

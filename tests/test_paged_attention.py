@@ -19,7 +19,7 @@ from lowvram.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from lowvram.kv_quant import allocate_pages, dequantize_kv, quantize_kv
+from lowvram.kernels.kv_quant import allocate_pages, dequantize_kv, quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TINY_DIM, TINY_HEADS = 16, 4

@@ -7,7 +7,7 @@ without it; tests/test_cuda_graphs.py checks it on a GPU with graphs."""
 import pytest
 
 from lowvram import SamplingParams
-from lowvram.engine import PENDING_TOKEN, LLMEngine
+from lowvram.engine.engine import PENDING_TOKEN, LLMEngine
 
 
 @pytest.fixture(scope="module")

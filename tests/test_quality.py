@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from lowvram.quality import run_quality_bench, to_markdown
+from lowvram.bench.quality import run_quality_bench, to_markdown
 
 
 def test_fp16_numbers_reproduce_on_a_slice():

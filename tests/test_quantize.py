@@ -11,14 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram.awq import clip_weight, fake_quantize, fold_scales, layer_scale_groups, search_clip, search_scales
-from lowvram.awq_format import dequantize_awq, quantize_rtn
-from lowvram.awq_linear import AwqLinear
-from lowvram.calibration import CALIBRATION_PATH, calibration_blocks, load_calibration_records
-from lowvram.compensation import InputStats, fit_compensation
+from lowvram.quant.awq import clip_weight, fake_quantize, fold_scales, layer_scale_groups, search_clip, search_scales
+from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
+from lowvram.quant.awq_linear import AwqLinear
+from lowvram.quant.calibration import CALIBRATION_PATH, calibration_blocks, load_calibration_records
+from lowvram.quant.compensation import InputStats, fit_compensation
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from lowvram.loader import COMPENSATION_FILE, load_model
-from lowvram.quantize import add_quantize_parser, quantize_model
+from lowvram.models.checkpoint import COMPENSATION_FILE
+from lowvram.models.loader import load_model
+from lowvram.quant.quantize import add_quantize_parser, quantize_model
 
 from awq_layout import check_awq_checkpoint, reference_dequantize
 from test_awq_load import PROMPTS, prefill_logits
@@ -152,7 +153,7 @@ def test_cli_parser_runs_the_quantizer(tiny_llama_dir, tmp_path, capsys):
 
 def test_a_head_too_large_for_the_device_is_quantized_on_the_cpu(tiny_llama_dir, tmp_path, monkeypatch):
     """On a CUDA run, a device OOM in the head's scale search retries the head in host memory."""
-    from lowvram.quantize import Quantizer
+    from lowvram.quant.quantize import Quantizer
 
     quantize_model(tiny_llama_dir, tmp_path / "plain", quantize_head=True, **FAST)
     original = Quantizer._quantize_head
@@ -222,13 +223,13 @@ def test_already_quantized_input_is_refused(quantized, tmp_path):
 
 
 def test_disk_full_leaves_no_output(tiny_qwen2_dir, tmp_path, monkeypatch):
-    import lowvram.quantize
+    import lowvram.quant.quantize
 
     def full_disk(tensors, path):
         Path(path).write_bytes(b"\0" * 1024)  # a partial file, as a real failed write leaves
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lowvram.quantize, "write_tensors", full_disk)
+    monkeypatch.setattr(lowvram.quant.quantize, "write_tensors", full_disk)
     with pytest.raises(ConfigError, match="no space left on the disk.*Nothing was written"):
         quantize_model(tiny_qwen2_dir, tmp_path / "out", **FAST)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -378,7 +379,7 @@ def test_sensitivity_picks_the_layer_made_sensitive(tiny_llama_dir, tmp_path):
 # -- calibration ----------------------------------------------------------------------------------
 
 def test_shipped_corpus_and_user_files(tiny_qwen2_dir, tmp_path):
-    from lowvram.tokenizer import Tokenizer
+    from lowvram.engine.tokenizer import Tokenizer
 
     assert CALIBRATION_PATH.stat().st_size <= 300_000
     records = load_calibration_records()

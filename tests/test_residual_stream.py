@@ -8,8 +8,8 @@ arithmetic), so nothing may differ, in float32 or bfloat16 on the CPU or float16
 import pytest
 import torch
 
-from lowvram.model import CausalLM
-from lowvram.model_deepseek_v2 import DeepseekV2ForCausalLM, MoE, layer_kv_pages
+from lowvram.models.dense import CausalLM
+from lowvram.models.deepseek_v2 import DeepseekV2ForCausalLM, MoE, layer_kv_pages
 
 from deepseek_v2_paging import greedy_through_pages
 from dense_paging import hidden_states_through_pages
@@ -37,7 +37,7 @@ def _deepseek_v2_forward_with_adds_in_the_layers(self, input_ids, positions, met
 
 
 def _check_dense_model(model_dir, device, dtype, monkeypatch):
-    from lowvram.loader import load_model
+    from lowvram.models.loader import load_model
 
     model, _ = load_model(model_dir, torch.device(device), dtype)
     prompt, decoded = [1, 17, 5, 33, 2, 9, 60, 4, 12], [7, 3, 21, 8, 40]
@@ -63,7 +63,7 @@ def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_nex
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deepseek_v2_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm(tmp_path, dtype, monkeypatch):
-    from lowvram.model_deepseek_v2 import load_deepseek_v2
+    from lowvram.models.deepseek_v2 import load_deepseek_v2
     from lowvram.testing import make_tiny_deepseek_v2
 
     model, _ = load_deepseek_v2(make_tiny_deepseek_v2(tmp_path, seed=0), "cpu", dtype)
@@ -78,8 +78,8 @@ def test_deepseek_v2_output_is_unchanged_by_the_residual_add_moving_into_the_nex
 
 def test_add_and_norm_writes_over_its_inputs():
     # The caller still holds both inputs while a layer runs: new tensors here would keep two
-    # more [T, hidden] alive in every phase than lowvram.memory_plan counts.
-    from lowvram.model import RMSNorm
+    # more [T, hidden] alive in every phase than lowvram.memory.plan counts.
+    from lowvram.models.dense import RMSNorm
 
     norm = RMSNorm(8, 1e-6)
     x, residual = torch.randn(3, 8), torch.randn(3, 8)

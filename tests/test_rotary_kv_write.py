@@ -11,14 +11,14 @@ rounding; against apply_rotary then write_kv nothing may differ on either.
 import pytest
 import torch
 
-from lowvram import attention
+from lowvram.kv import attention
 from lowvram.errors import KernelError
 from lowvram.kernels import dispatch
 from lowvram.kernels.kv_write import write_kv, write_kv_ref
 from lowvram.kernels.rotary import apply_rotary
 from lowvram.kernels.rotary_kv_write import rotary_write_kv, rotary_write_kv_ref
-from lowvram.kv_quant import allocate_pages
-from lowvram.model import Attention
+from lowvram.kernels.kv_quant import allocate_pages
+from lowvram.models.dense import Attention
 
 from dense_paging import hidden_states_through_pages
 
@@ -177,8 +177,8 @@ def _attention_forward_rotating_first(self, h, positions, meta, kv_pages):
 
 @pytest.mark.parametrize("precision", ["fp16", "int4"])
 def test_dense_model_through_the_kernels_is_unchanged_by_the_fusion(tiny_qwen2_dir, precision, monkeypatch):
-    from lowvram.fusion import fuse_projections
-    from lowvram.loader import load_model
+    from lowvram.models.fusion import fuse_projections
+    from lowvram.models.loader import load_model
 
     model, _ = load_model(tiny_qwen2_dir, DEVICE, torch.float16)
     fuse_projections(model)  # q, k and v become strided views of one output, as in the engine

@@ -1,7 +1,7 @@
-from lowvram.block_manager import BlockManager
-from lowvram.sampling import SamplingParams
-from lowvram.scheduler import Scheduler
-from lowvram.sequence import Sequence, SequenceStatus
+from lowvram.core.block_manager import BlockManager
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.core.scheduler import Scheduler
+from lowvram.core.sequence import Sequence, SequenceStatus
 
 
 def _seq(seq_id: int, num_prompt: int) -> Sequence:

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from lowvram.engine import LLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
 

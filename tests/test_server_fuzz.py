@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lowvram.async_engine import AsyncLLMEngine
-from lowvram.engine import LLMEngine
+from lowvram.engine.async_engine import AsyncLLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
 

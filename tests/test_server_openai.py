@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from lowvram.async_engine import AsyncLLMEngine
-from lowvram.engine import LLMEngine
+from lowvram.engine.async_engine import AsyncLLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
 

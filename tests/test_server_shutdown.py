@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from lowvram.async_engine import AsyncLLMEngine
-from lowvram.engine import LLMEngine
+from lowvram.engine.async_engine import AsyncLLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
 

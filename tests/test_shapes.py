@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from lowvram.errors import ConfigError
-from lowvram.model_config import load_model_config
-from lowvram.shapes import SHAPES, shape_config, write_random_checkpoint
+from lowvram.models.config import load_model_config
+from lowvram.models.shapes import SHAPES, shape_config, write_random_checkpoint
 
 
 def test_random_checkpoint_of_a_real_shape_loads_and_generates(tmp_path):
@@ -28,7 +28,7 @@ def test_the_published_dimensions():
 
 
 def test_cached_checkpoints_are_made_once_per_key(tmp_path, monkeypatch):
-    from lowvram.shapes import BENCH_CACHE_ENV, cached_checkpoint
+    from lowvram.models.shapes import BENCH_CACHE_ENV, cached_checkpoint
 
     calls = []
 
@@ -62,8 +62,8 @@ def test_cached_checkpoints_are_made_once_per_key(tmp_path, monkeypatch):
 
 
 def test_random_awq_tensors_have_the_layout_the_kernels_take():
-    from lowvram.awq_format import dequantize_awq
-    from lowvram.shapes import random_awq_tensors
+    from lowvram.kernels.awq_format import dequantize_awq
+    from lowvram.models.shapes import random_awq_tensors
 
     generator = torch.Generator().manual_seed(0)
     qweight, qzeros, scales = random_awq_tensors(256, 64, 128, generator=generator)

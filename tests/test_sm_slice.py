@@ -8,7 +8,7 @@ import torch
 from lowvram.errors import ConfigError
 from lowvram.kernels import paged_attention, w4a16
 from lowvram.kernels.dispatch import num_sms, set_sm_limit, sm_limit
-from lowvram.kv_quant import allocate_pages
+from lowvram.kernels.kv_quant import allocate_pages
 
 SLICE_SMS = 16  # an RTX 3050 laptop GPU's count, and a whole number of Hopper's groups of 8
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowvram.spill_policy import SpillPolicy
+from lowvram.core.spill_policy import SpillPolicy
 
 
 def test_old_positions_of_a_long_context_spill_first_and_the_hot_window_last():

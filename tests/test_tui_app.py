@@ -24,8 +24,8 @@ from textual import events  # noqa: E402
 
 import lowvram  # noqa: E402
 from lowvram import LLM  # noqa: E402
-from lowvram.engine import EngineSnapshot  # noqa: E402
-from lowvram.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from lowvram.engine.engine import EngineSnapshot  # noqa: E402
+from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from lowvram.tui.app import ChatApp  # noqa: E402
 from lowvram.tui.backend import ChatBackend, EngineSpec, load_backend  # noqa: E402
 from lowvram.tui.conversation import ChatSettings, load_transcript  # noqa: E402

@@ -197,7 +197,7 @@ def test_piped_lines_get_the_models_answers_from_the_binary(model_args):
     """`echo "..." | lowvram chat --plain`: one reply per line on stdout, the same as the library's."""
     questions = ["What is 17 + 25?", "Sort these numbers from smallest to largest: 42, 7, 19, 88, 3"]
     llm = LLM(model_args[1] if model_args else None, profile="cpu")
-    from lowvram.sampling import SamplingParams
+    from lowvram.core.sampling_params import SamplingParams
 
     history, expected = [], []
     for question in questions:

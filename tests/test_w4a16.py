@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from lowvram.awq_format import dequantize_awq
+from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.errors import KernelError
 from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16 import awq_linear, awq_linear_ref

@@ -53,7 +53,7 @@ def test_every_nibble_lands_on_its_column():
     # exactly, so a nibble added to a neighbour's column or at the wrong power of 16 shows.
     num_inputs, num_outputs, group_size = 64, 64, 32
     codes = torch.arange(num_inputs * num_outputs).reshape(num_inputs, num_outputs) % 16
-    from lowvram.awq_format import pack_awq
+    from lowvram.kernels.awq_format import pack_awq
 
     qweight = pack_awq(codes.to(torch.int32)).to(DEVICE)
     qzeros = torch.zeros(num_inputs // group_size, num_outputs // 8, dtype=torch.int32, device=DEVICE)
@@ -312,7 +312,7 @@ def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
 
 def test_the_sweep_gives_fused_layers_the_models_compensation_rank():
     # q/k/v of the 1.5B shape: three blocks of rank 16, each on its own outputs, as
-    # lowvram.fusion joins them; the sweep timed rank 16 on gate/up before, half the model's.
+    # lowvram.models.fusion joins them; the sweep timed rank 16 on gate/up before, half the model's.
     profile_decode = load_script("profile_decode")
     lora_a, lora_bt = profile_decode.compensation_factors(1536, (1536, 256, 256), 16, device="cpu")
     assert lora_a.shape == (48, 1536) and lora_bt.shape == (48, 2048) and lora_bt.is_contiguous()

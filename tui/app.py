@@ -26,7 +26,7 @@ from textual.worker import Worker
 
 from lowvram.config import builtin_profile_names, load_profile
 from lowvram.errors import LowvramError, RequestError
-from lowvram.sampling import SamplingParams
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.tui.backend import ChatBackend, EngineSpec, load_backend
 from lowvram.tui.commands import Command, message_text, parse_command, setting_changes
 from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_transcript, recent_transcripts, \

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from lowvram.async_engine import AsyncLLMEngine
-from lowvram.engine import EngineSnapshot, LLMEngine
-from lowvram.outputs import RequestOutput
+from lowvram.engine.async_engine import AsyncLLMEngine
+from lowvram.engine.engine import EngineSnapshot, LLMEngine
+from lowvram.engine.outputs import RequestOutput
 from lowvram.paths import user_data_dir
-from lowvram.sampling import SamplingParams
+from lowvram.core.sampling_params import SamplingParams
 
 BUNDLED_MODEL_LABEL = "bundled demo model"
 
@@ -82,10 +82,10 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     compensation_rank choose the FP16-kept layers and the residual's rank.
     """
     from lowvram.config import load_profile
-    from lowvram.conversation_store import model_identity
-    from lowvram.loader import resolve_model_path
-    from lowvram.model_config import load_model_config
-    from lowvram.quantize import quantize_model
+    from lowvram.kv.conversation_store import model_identity
+    from lowvram.models.loader import resolve_model_path
+    from lowvram.models.config import load_model_config
+    from lowvram.quant.quantize import quantize_model
 
     model_dir = resolve_model_path(spec.model)
     config, _ = load_model_config(model_dir)
@@ -124,15 +124,15 @@ class ChatBackend:
         return self.async_engine.generate(request_id, plain_prompt(messages), params)
 
     async def save_kv(self, messages: list[dict], path) -> Path:
-        """Save the conversation's KV pages next to its transcript (see lowvram.conversation_store)."""
-        from lowvram.conversation_store import save_conversation
+        """Save the conversation's KV pages next to its transcript (see lowvram.kv.conversation_store)."""
+        from lowvram.kv.conversation_store import save_conversation
 
         return await self.async_engine.call(
             lambda engine: save_conversation(engine, engine.tokenizer.apply_chat_template(messages, False), path))
 
     async def restore_kv(self, path):
         """Load saved KV pages into the prefix cache; a mismatch is reported, not fatal."""
-        from lowvram.conversation_store import restore_conversation
+        from lowvram.kv.conversation_store import restore_conversation
 
         return await self.async_engine.call(lambda engine: restore_conversation(engine, path))
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    from lowvram.cli import _add_engine_args
+    from lowvram.engine.args import add_engine_args
 
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--system", default="", help="system prompt (F2 or /system changes it in the chat)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); F3 or /temp changes it")
     p.add_argument("--max-tokens", "-n", type=int, default=512, help="most tokens per reply (default 512)")
@@ -39,11 +39,11 @@ def add_chat_parser(subparsers) -> None:
 
 
 def cmd_chat(args) -> int:
-    from lowvram.cli import _engine_kwargs
+    from lowvram.engine.args import engine_kwargs
     from lowvram.tui.backend import EngineSpec
     from lowvram.tui.conversation import ChatSettings
 
-    spec = EngineSpec(args.model, args.profile, _engine_kwargs(args), is_quantized_on_load=args.quantize)
+    spec = EngineSpec(args.model, args.profile, engine_kwargs(args), is_quantized_on_load=args.quantize)
     settings = ChatSettings(args.system, args.temperature, args.max_tokens)
     transcript_dir = Path(args.transcripts).expanduser() if args.transcripts else None
     if args.plain or not sys.stdout.isatty() or not sys.stdin.isatty():

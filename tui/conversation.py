@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lowvram.errors import ConfigError
 from lowvram.paths import user_data_dir
-from lowvram.sampling import SamplingParams
+from lowvram.core.sampling_params import SamplingParams
 
 TRANSCRIPT_FORMAT = "lowvram-chat-transcript"
 TRANSCRIPT_VERSION = 1

@@ -13,7 +13,7 @@ from textual.css.query import NoMatches
 from textual.widget import Widget
 from textual.widgets import Static
 
-from lowvram.engine import EngineSnapshot
+from lowvram.engine.engine import EngineSnapshot
 
 BAR_CHARS = " ▁▂▃▄▅▆▇█"
 THRESHOLD_CHAR = "┈"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from lowvram.engine import LLMEngine
+from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
 from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, load_engine, plain_prompt
 from lowvram.tui.commands import help_lines, message_text, parse_command, setting_changes

@@ -34,11 +34,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lowvram.async_engine import AsyncLLMEngine
+from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.errors import LowvramError, RequestError
-from lowvram.outputs import RequestOutput
-from lowvram.sampling import SamplingParams
-from lowvram.server import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS,
+from lowvram.engine.outputs import RequestOutput
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.server.defaults import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS,
                             DEFAULT_SHUTDOWN_GRACE_S)
 from lowvram.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lowvram.server.metrics import ServerMetrics

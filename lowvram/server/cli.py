@@ -138,13 +138,13 @@ class BackgroundServer:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `lowvram` command's subparsers."""
-    from lowvram.cli import _add_engine_args
-    from lowvram import server as defaults
+    from lowvram.engine.args import add_engine_args
+    from lowvram.server import defaults
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
                                           "/v1/chat/completions, /v1/models, /health, /metrics).")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (overrides the profile)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only); others need --api-key")
@@ -173,9 +173,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from lowvram.async_engine import AsyncLLMEngine
-    from lowvram.cli import _engine_kwargs
-    from lowvram.engine import LLMEngine
+    from lowvram.engine.async_engine import AsyncLLMEngine
+    from lowvram.engine.args import engine_kwargs
+    from lowvram.engine.engine import LLMEngine
     from lowvram.server.app import create_app
 
     check_exposure(args.host, args.api_key, args.insecure_no_auth)
@@ -189,7 +189,7 @@ def cmd_serve(args) -> int:
         print("lowvram: serving the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
               "not a real DeepSeek model); pass --model for a real one", file=sys.stderr)
     try:
-        engine = LLMEngine(args.model, args.profile, max_num_seqs=args.max_num_seqs, **_engine_kwargs(args))
+        engine = LLMEngine(args.model, args.profile, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
     except BaseException:
         sock.close()
         raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from lowvram.engine import EngineSnapshot
+from lowvram.engine.engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,0 +1,221 @@
+"""The quality bench: exact-match accuracy on held-out chat tasks and perplexity on
+held-out Python, for every weight and KV format, through the real generation path.
+
+Each format is a `Variant`: a name and a way to build an LLM. Rows are computed in
+one run so they are comparable; FP16 comes first and is the reference the other
+rows' greedy agreement is measured against.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from lowvram.bench.record import git_commit
+from lowvram.engine.llm import LLM
+from lowvram.core.sampling_params import SamplingParams
+
+PPL_WINDOW_TOKENS = 512
+MAX_ANSWER_TOKENS = 32
+
+
+@dataclass
+class Variant:
+    name: str
+    description: str
+    build: Callable[[], LLM]
+
+
+@dataclass
+class QualityRow:
+    variant: str
+    description: str
+    accuracy: float
+    accuracy_by_kind: dict[str, float]
+    perplexity: float
+    num_tasks: int
+    num_ppl_tokens: int
+    agreement_with_fp16: float | None
+    weight_mib: float
+    seconds: float
+    replies: list[str] = field(default_factory=list, repr=False)
+
+
+def task_replies(llm: LLM, tasks) -> list[str]:
+    """Greedy replies through the chat template, batched as the engine likes."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_ANSWER_TOKENS)
+    return [out.outputs[0].text for out in llm.chat([t.messages for t in tasks], params)]
+
+
+def perplexity(llm: LLM, text: str, window: int = PPL_WINDOW_TOKENS) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) over non-overlapping windows of `window` tokens,
+    each scored with BOS as its only context (how the demo model's training measured it)."""
+    hf = llm.engine.tokenizer.hf
+    ids = list(hf.encode(text, add_special_tokens=False))
+    window = min(window, llm.engine.max_model_len - 1)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - window + 1, window):
+        logprobs = llm.engine.score([hf.bos_token_id] + ids[start : start + window])
+        total -= sum(logprobs)
+        count += len(logprobs)
+    if not count:
+        raise ValueError(f"the text has fewer than {window} tokens; nothing to score")
+    return math.exp(total / count), count
+
+
+def evaluate(variant: Variant, tasks, text: str, reference: list[str] | None) -> QualityRow:
+    from lowvram.demo.tasks import is_correct
+
+    start = time.perf_counter()
+    llm = variant.build()
+    replies = task_replies(llm, tasks)
+    correct_by_kind: dict[str, list[bool]] = {}
+    for task, reply in zip(tasks, replies):
+        correct_by_kind.setdefault(task.kind, []).append(is_correct(task, reply))
+    ppl, num_tokens = perplexity(llm, text)
+    all_correct = [c for cs in correct_by_kind.values() for c in cs]
+    agreement = None if reference is None else sum(a == b for a, b in zip(replies, reference)) / len(replies)
+    return QualityRow(
+        variant=variant.name,
+        description=variant.description,
+        accuracy=sum(all_correct) / len(all_correct),
+        accuracy_by_kind={k: sum(v) / len(v) for k, v in correct_by_kind.items()},
+        perplexity=ppl,
+        num_tasks=len(tasks),
+        num_ppl_tokens=num_tokens,
+        agreement_with_fp16=agreement,
+        weight_mib=llm.engine.model.weight_bytes / 2**20,
+        seconds=time.perf_counter() - start,
+        replies=replies,
+    )
+
+
+def builtin_variants(model: str | None, device: str, calib_samples: int = 32) -> list[Variant]:
+    """Every weight and KV format the project has, FP16 first."""
+    from lowvram.config import load_profile
+
+    profile = load_profile("cpu" if device == "cpu" else "4gb")
+
+    def with_kv(precision: str) -> Callable[[], LLM]:
+        return lambda: LLM(model, profile.replace(kv_precision=precision), device=device)
+
+    def quantized(name: str, **options) -> Callable[[], LLM]:
+        def build() -> LLM:
+            from lowvram.models.loader import resolve_model_path
+            from lowvram.quant.quantize import quantize_model
+
+            out = Path(tempfile.mkdtemp(prefix=f"lowvram-quality-{name}-"))
+            quantize_model(resolve_model_path(model), out / "model", device=device, num_samples=calib_samples,
+                           **options)
+            return LLM(str(out / "model"), profile.replace(kv_precision="fp16"), device=device)
+
+        return build
+
+    fp16_mib = 1.0  # the demo model's layers are small; about 10% of its INT4 weight bytes
+    return [
+        Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", with_kv("fp16")),
+        Variant("rtn-int4", "round-to-nearest INT4, group 128 (AutoAWQ layout)", quantized("rtn", method="rtn")),
+        Variant("awq-int4", "AWQ INT4, group 128 (scale and clipping search)", quantized("awq", method="awq")),
+        Variant("awq-fp16", f"AWQ INT4 with the most sensitive layers kept in FP16 ({fp16_mib:g} MiB budget)",
+                quantized("awq-fp16", method="awq", fp16_budget_mib=fp16_mib)),
+        Variant("awq-fp16-comp", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
+                "(rank 16 low-rank term + bias correction)",
+                quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True)),
+        # The two corrections apart, and half the rank: what each buys against what it costs in
+        # decode speed (every compensated INT4 matmul does the rank's products too).
+        Variant("awq-comp", "AWQ INT4 and residual compensation (rank 16 + bias correction), no FP16-kept layers",
+                quantized("awq-comp", method="awq", rank=16, bias_correction=True)),
+        Variant("awq-fp16-comp-r8", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation of "
+                "rank 8 (+ bias correction)",
+                quantized("awq-fp16-comp-r8", method="awq", fp16_budget_mib=fp16_mib, rank=8, bias_correction=True)),
+        Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
+        Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
+    ]
+
+
+@dataclass
+class QualityReport:
+    model: str
+    device: str
+    command: str
+    date: str
+    git_commit: str
+    machine: str
+    num_per_kind: int | None
+    max_chars: int | None
+    rows: list[QualityRow]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        for row in data["rows"]:
+            row.pop("replies")
+        return data
+
+
+def run_quality_bench(model: str | None = None, *, variant_names: list[str] | None = None, device: str = "cpu",
+                      num_per_kind: int | None = None, max_chars: int | None = None, command: str = "",
+                      calib_samples: int = 32,
+                      variants: list[Variant] | None = None, progress: Callable[[str], None] | None = None) -> QualityReport:
+    from lowvram.demo.corpus import heldout_text
+    from lowvram.demo.tasks import heldout_tasks
+
+    tasks = heldout_tasks(num_per_kind)
+    text = heldout_text(max_chars)
+    available = variants if variants is not None else builtin_variants(model, device, calib_samples)
+    if variant_names:
+        known = {v.name: v for v in available}
+        unknown = [n for n in variant_names if n not in known]
+        if unknown:
+            from lowvram.errors import ConfigError
+
+            raise ConfigError(f"unknown quality variant {unknown[0]!r}; available: {', '.join(known)}")
+        available = [known[n] for n in variant_names]
+    rows: list[QualityRow] = []
+    for variant in available:
+        if progress:
+            progress(f"evaluating {variant.name} ...")
+        reference = rows[0].replies if rows and rows[0].variant == "fp16" else None
+        rows.append(evaluate(variant, tasks, text, reference))
+    return QualityReport(
+        model=str(model or "bundled demo model"), device=device, command=command,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), git_commit=git_commit(short=True),
+        machine=f"{platform.machine()} {platform.processor() or ''} {platform.system()}, Python {platform.python_version()}".strip(),
+        num_per_kind=num_per_kind, max_chars=max_chars, rows=rows,
+    )
+
+
+def to_markdown(report: QualityReport) -> str:
+    kinds = list(report.rows[0].accuracy_by_kind) if report.rows else []
+    head = "| format | accuracy | perplexity | agreement with fp16 | weights MiB | " + " | ".join(kinds) + " |"
+    lines = [head, "|" + "---|" * (5 + len(kinds))]
+    for r in report.rows:
+        agree = "-" if r.agreement_with_fp16 is None else f"{100 * r.agreement_with_fp16:.1f}%"
+        per_kind = " | ".join(f"{100 * r.accuracy_by_kind[k]:.0f}%" for k in kinds)
+        lines.append(f"| {r.variant} | {100 * r.accuracy:.1f}% | {r.perplexity:.3f} | {agree} | {r.weight_mib:.1f} | {per_kind} |")
+    rows = report.rows
+    by_name = {r.variant: r for r in rows}
+    gaps = []
+    if {"fp16", "rtn-int4"} <= by_name.keys():
+        base, rtn = by_name["fp16"].perplexity, by_name["rtn-int4"].perplexity
+        for name in ("awq-int4", "awq-fp16", "awq-fp16-comp", "awq-comp", "awq-fp16-comp-r8"):
+            if name in by_name and rtn > base:
+                closed = (rtn - by_name[name].perplexity) / (rtn - base)
+                gaps.append(f"- {name} closes {100 * closed:.0f}% of RTN's perplexity gap to FP16 "
+                            f"({by_name[name].perplexity:.3f} vs RTN {rtn:.3f}, FP16 {base:.3f}); accuracy "
+                            f"{100 * (by_name[name].accuracy - by_name['fp16'].accuracy):+.1f} points vs FP16")
+    gap_text = ("Quantization, against FP16:\n\n" + "\n".join(gaps) + "\n\n") if gaps else ""
+    detail = "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
+    return (
+        "# Quality of lowvram's weight and KV formats\n\n"
+        f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
+        f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
+        f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows, each scored from BOS.\n\n"
+        + "\n".join(lines) + "\n\n" + gap_text + detail + "\n\n"
+        f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
+    )

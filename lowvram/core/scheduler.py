@@ -1,0 +1,175 @@
+"""Which sequences run in the next step, and with how many tokens.
+
+Plain Python over Sequence objects and the BlockManager: no torch.
+
+A step is either a prefill step (sequences whose KV lags behind their tokens,
+chunked so that a long prompt is processed in pieces under the token budget) or a
+decode step (one new token for every running sequence). When a decode step cannot
+get a page for every sequence, the newest sequences are preempted: their pages are
+freed and they go back to the front of the queue, to be recomputed when pages are
+free again (recompute is cheap next to the page traffic of swapping at these sizes).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lowvram.core.block_manager import BlockManager
+from lowvram.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The interface between scheduler and model runner."""
+
+    is_prefill: bool
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy before the step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        # Set by the feedback controller: a lower batch limit than max_num_seqs, and a
+        # pause on admitting new requests (both only delay work; nothing is dropped).
+        self.batch_limit = max_num_seqs
+        self.is_throttled = False
+
+    def set_batch_limit(self, limit: int) -> list[Sequence]:
+        """Lower or raise the number of running sequences; returns those preempted to fit."""
+        self.batch_limit = max(1, min(limit, self.max_num_seqs))
+        preempted = []
+        while len(self.running) > self.batch_limit:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self._schedule_prefill()
+        if batch.is_empty:
+            batch = self._schedule_decode()
+        if batch.is_empty and len(self.running) > 1:
+            # Every running sequence is stuck mid-prefill waiting for pages: give the
+            # newest one's pages to the others. The engine admits no request that
+            # could not fit alone, so this always ends.
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch = self.schedule()
+            batch.preempted.insert(0, victim)
+        return batch
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=True)
+        budget = self.max_num_batched_tokens
+        # Sequences already running but not fully computed (chunked prefill) go first.
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                budget -= self._try_add(batch, seq, budget)
+        while budget > 0 and self.may_admit():
+            seq = self.waiting[0]
+            took = self._try_add(batch, seq, budget)
+            if not took:
+                break
+            budget -= took
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return batch
+
+    def may_admit(self) -> bool:
+        """Whether the next waiting sequence may join the running ones now (pages permitting):
+        there is one, the batch is below its limit, and admission is not throttled (when it
+        is, only sequences that were admitted once, preempted since, come back)."""
+        return bool(self.waiting and len(self.running) < self.batch_limit
+                    and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0))
+
+    def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        if seq.num_computed_tokens == 0 and not self.block_manager.block_table(seq.seq_id):
+            return self._try_add_with_prefix(batch, seq, budget)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if not self.block_manager.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+            return 0
+        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        return num_new
+
+    def _try_add_with_prefix(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Admit a fresh (or recomputing) sequence, starting from any cached prefix."""
+        match = self.block_manager.match_prefix(seq.all_token_ids)
+        num_new = min(seq.num_tokens - match.num_tokens, budget)
+        if not self.block_manager.can_acquire(match, match.num_tokens + num_new):
+            return 0
+        copy = self.block_manager.acquire(seq.seq_id, match)
+        if copy is not None:
+            batch.copies.append(copy)
+        seq.num_computed_tokens = match.num_tokens
+        seq.num_cached_tokens = match.num_tokens
+        self.block_manager.allocate(seq.seq_id, match.num_tokens + num_new)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        return num_new
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        batch = ScheduledBatch(is_prefill=False)
+        block_manager = self.block_manager
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncomputed_tokens != 1:  # preempted below to make room for an older one
+                continue
+            num_tokens = seq.num_tokens
+            if block_manager.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
+                while not block_manager.can_allocate(seq.seq_id, num_tokens):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    batch.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+                block_manager.allocate(seq.seq_id, num_tokens)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(1)
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages and queue it first for recomputation."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the pages, keeping what was computed cached for later requests."""
+        if seq.num_computed_tokens:
+            self.block_manager.commit_partial(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        self.block_manager.free(seq.seq_id)

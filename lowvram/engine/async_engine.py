@@ -1,0 +1,217 @@
+"""One engine loop in a background thread, per-request async token streams.
+
+The server and the chat UI talk to this. The loop thread owns the LLMEngine:
+adds and aborts are queued to it and applied between steps, so the engine itself
+never sees two threads. Outputs go back to each request's asyncio queue through
+the event loop's thread-safe call. Cancelling a stream (client disconnect, Ctrl-C
+in the UI) aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from lowvram.engine.engine import EngineSnapshot, LLMEngine
+from lowvram.errors import LowvramError
+from lowvram.engine.outputs import RequestOutput
+from lowvram.core.sampling_params import SamplingParams
+
+log = logging.getLogger("lowvram")
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    prompt_token_ids: list[int] | None
+    messages: list[dict] | None
+    stream: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    """Run a function on the engine in the loop thread, between steps."""
+
+    fn: object
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Failure:
+    """Delivered to a stream instead of an output when its request could not run."""
+
+    error: BaseException
+
+
+@dataclass
+class AsyncLLMEngine:
+    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it.
+
+    While started, the loop thread is the engine's only driver: do not call the
+    wrapped engine (or an LLM over it) from other threads.
+    """
+
+    engine: LLMEngine
+    _commands: queue.Queue = field(default_factory=queue.Queue)
+    _streams: dict = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+    _is_stopping: bool = False
+    _ids: itertools.count = field(default_factory=itertools.count)
+    _snapshot: EngineSnapshot | None = None
+
+    def start(self) -> "AsyncLLMEngine":
+        if self._thread is None:
+            self._snapshot = self.engine.snapshot()
+            self._thread = threading.Thread(target=self._loop, name="lowvram-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is still running and end the loop thread."""
+        self._is_stopping = True
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive (health checks use this)."""
+        return self._thread is not None and self._thread.is_alive() and not self._is_stopping
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as of the last step (taken in the loop thread)."""
+        return self._snapshot or self.engine.snapshot()
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None, *,
+                       prompt_token_ids: list[int] | None = None,
+                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per new token; the last one has `finished` set.
+
+        Bad input raises the engine's error (RequestError) at the first iteration.
+        """
+        if self._thread is None:
+            raise LowvramError("the engine loop is not running; call start() first")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt, params or SamplingParams(), prompt_token_ids, messages, stream,
+                                asyncio.get_running_loop()))
+        is_finished = False
+        try:
+            while not is_finished:
+                item = await stream.get()
+                if isinstance(item, _Failure):
+                    is_finished = True
+                    raise item.error
+                is_finished = item.finished
+                yield item
+        finally:
+            if not is_finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn):
+        """`fn(engine)` run in the loop thread between steps (the engine has one driver);
+        returns its result or raises its exception."""
+        if self._thread is None:
+            raise LowvramError("the engine loop is not running; call start() first")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
+
+    # -- the loop thread ------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        stream, loop = entry
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.engine.abort_request(request_id)
+            self._streams.pop(request_id, None)
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            self._streams[command.request_id] = (command.stream, command.loop)
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        prompt_token_ids=command.prompt_token_ids, messages=command.messages)
+            except Exception as exc:  # a bad request fails alone; the loop keeps serving
+                if not isinstance(exc, LowvramError):
+                    log.exception("request %s could not be added", command.request_id)
+                self.engine.abort_request(command.request_id)
+                self._deliver(command.request_id, _Failure(exc))
+                self._streams.pop(command.request_id, None)
+        elif isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            self._streams.pop(command.request_id, None)
+        elif isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as exc:  # handed to the caller, the loop keeps serving
+                result, error = None, exc
+            settle = command.future.set_exception if error is not None else command.future.set_result
+            try:
+                command.loop.call_soon_threadsafe(
+                    lambda: command.future.done() or settle(error if error is not None else result))
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+        self._snapshot = self.engine.snapshot()
+
+    def _loop(self) -> None:
+        while not self._is_stopping:
+            try:
+                # Block only when idle; while requests run, drain commands without waiting.
+                command = self._commands.get(timeout=0.1) if not self.engine.has_unfinished_requests() else \
+                    self._commands.get_nowait()
+            except queue.Empty:
+                command = False
+            if command is None:
+                break
+            if command is not False:
+                self._apply(command)
+                continue
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: fail the running requests, not the process
+                log.exception("engine step failed")
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self._deliver(request_id, _Failure(exc))
+                    self._streams.pop(request_id, None)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            self._snapshot = self.engine.snapshot()
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, _Failure(LowvramError("the engine is shutting down")))
+        self._streams.clear()

@@ -1,0 +1,121 @@
+"""The offline Python API, shaped like vLLM's so code moves between them.
+
+    from lowvram import LLM, SamplingParams
+    llm = LLM(model="path/to/DeepSeek-R1-Distill-Qwen-1.5B", profile="4gb")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from lowvram.config import Profile
+from lowvram.engine.engine import LLMEngine
+from lowvram.errors import RequestError
+from lowvram.engine.outputs import RequestOutput
+from lowvram.core.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """A model loaded for generation. Arguments as LLMEngine's."""
+
+    def __init__(self, model: str | None = None, profile: str | Profile | None = None, **engine_args):
+        self.engine = LLMEngine(model, profile, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer.hf
+
+    def _add(self, params: SamplingParams, prompt: PromptType | None = None, messages: list[dict] | None = None) -> str:
+        request_id = f"offline-{next(self._ids)}"
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                self.engine.add_request(request_id, None, params, prompt_token_ids=list(prompt["prompt_token_ids"]))
+            elif "prompt" in prompt:
+                self.engine.add_request(request_id, prompt["prompt"], params)
+            else:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            self.engine.add_request(request_id, prompt, params, messages=messages)
+        return request_id
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:  # an interrupt must not leave requests holding pages
+            for request_id in request_ids:
+                if request_id not in final:
+                    self.engine.abort_request(request_id)
+        return [final[r] for r in request_ids]
+
+    @staticmethod
+    def _params_list(params, num: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * num
+        if isinstance(params, SamplingParams):
+            return [params] * num
+        if len(params) != num:
+            raise RequestError(f"got {len(params)} sampling params for {num} prompts")
+        return list(params)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for one or many prompts (batched together); outputs in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        ids = [self._add(p, prompt) for prompt, p in zip(prompts, params)]
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate replies for one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = self._params_list(sampling_params, len(conversations))
+        ids = [self._add(p, messages=conv) for conv, p in zip(conversations, params)]
+        return self._run(ids)
+
+    def save_conversation(self, messages: list[dict], path=None):
+        """Save the KV pages of a conversation (rendered with the chat template) to a file.
+
+        Returns the path; by default a new file under ~/.local/share/lowvram/conversations.
+        """
+        from lowvram.kv.conversation_store import save_conversation
+
+        return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
+
+    def restore_conversation(self, path):
+        """Load a saved conversation's pages so its next turn starts without recomputing.
+
+        A file from another model, weight format or KV precision, or a damaged one, is
+        reported in the result's message and ignored: the next turn recomputes.
+        """
+        from lowvram.kv.conversation_store import restore_conversation
+
+        return restore_conversation(self.engine, path)
+
+    def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
+               messages: list[dict] | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput per new token (its `text_delta` is the new text); the last one is finished.
+
+        Closing the iterator early aborts the request and frees its pages.
+        """
+        request_id = self._add(sampling_params or SamplingParams(), prompt, messages)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort_request(request_id)

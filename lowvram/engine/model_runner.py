@@ -1,0 +1,256 @@
+"""Turns a ScheduledBatch into tensors, runs the model, returns last-token logits.
+
+Before the forward pass the pages the batch reads are made resident in the KV pool
+(`KVPool.ensure_resident`), and the pool's spill policy learns from the batch which
+pages were read. While a step computes, the pages the next one will likely read
+come back on the pool's side stream (double buffering): the pages of sequences that
+hold pages but are not in this step, or, when one batch reads more pages than the
+device share (`max_blocks_per_step`, the pinned backend) and runs in parts, the
+next part's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from lowvram.kv.attention import AttentionMetadata
+from lowvram.core.block_manager import BlockManager
+from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
+from lowvram.errors import KernelError
+from lowvram.kv.pool import KVPool
+from lowvram.kernels.kv_quant import KVPages
+from lowvram.models.dense import CausalLM
+from lowvram.core.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    """Runs scheduled batches through the model over the KV pool.
+
+    Args:
+        max_num_seqs, max_model_len: the largest decode batch and context; with
+            `use_cuda_graphs` they size the decode graphs (`lowvram.engine.cuda_graphs`).
+        use_cuda_graphs: replay decode steps from CUDA graphs (CUDA devices, models that
+            allow it); prefill steps and anything a graph cannot hold run eagerly.
+        max_prefill_graph_tokens: with use_cuda_graphs, also replay the prefill of one
+            sequence's new tokens, up to this many (0 = off; at most MAX_PREFILL_GRAPH_TOKENS),
+            from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
+    """
+
+    def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool, *, max_num_seqs: int = 1,
+                 max_model_len: int = 0, use_cuda_graphs: bool = False, max_prefill_graph_tokens: int = 0):
+        if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
+            raise KernelError(
+                f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
+                f"manager's {block_manager.num_blocks} pages of {block_manager.block_size} tokens"
+            )
+        self.model = model
+        self.block_manager = block_manager
+        self.kv_pool = kv_pool
+        self.device = kv_pool.device
+        self.block_size = block_manager.block_size
+        self.graphs = None
+        self.prefill_graphs = None
+        if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
+            max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
+            # The rotary tables must not be replaced after a graph captured them.
+            model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
+            # An embedding table in host memory that the GPU cannot read directly has each
+            # replay's rows staged on the host (HostEmbedding.stage).
+            embed = model.model.embed_tokens
+            stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
+            prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
+            capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device,
+                                       stage_embeddings=stage, stage_capacity=capacity)
+            if prefill_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(self._last_logits, prefill_tokens, max_blocks_per_seq,
+                                                    self.device, stage_embeddings=stage, stage_capacity=capacity)
+
+    @property
+    def num_graph_captures(self) -> int:
+        """Decode and prefill graphs captured so far (0 without graphs)."""
+        return sum(g.num_captures for g in (self.graphs, self.prefill_graphs) if g is not None)
+
+    @property
+    def kv_pages(self) -> list[KVPages]:
+        """Each layer's pages, indexed by block id, for direct page copies. Empty when the
+        pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""
+        return [] if self.kv_pool.is_translated else self.kv_pool.pages
+
+    def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
+        """The step's inputs as host lists: token ids, positions and KV slots per new token,
+        context length and (device) block table per sequence."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            table = self.kv_pool.device_table(self.block_manager.block_table(seq.seq_id))
+            input_ids.extend(seq.token_ids_between(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            context_lens.append(end)
+            tables.append(table)
+        return input_ids, positions, slots, context_lens, tables
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
+        cu_seqlens = [0]
+        for num_new in batch.num_new_tokens:
+            cu_seqlens.append(cu_seqlens[-1] + num_new)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            max_context_len=max(context_lens),
+            context_lens_cpu=context_lens,
+            query_lens_cpu=list(batch.num_new_tokens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        last_rows = [end - 1 for end in cu_seqlens[1:]]
+        return ids, pos, meta, last_rows
+
+    @property
+    def accepts_device_input_ids(self) -> bool:
+        """Whether `run` can take a decode step's input ids on the device without reading them
+        on the host: not where graphs stage host-memory embedding rows before each replay."""
+        return self.graphs is None or self.graphs.stage_embeddings is None
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False,
+            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """FP32 logits [S, vocab] at the last new token of each scheduled sequence
+        (or [T, vocab] at every new token with is_all_rows, for scoring text).
+
+        input_ids: a decode step's input token per sequence [S] int64 on the device (the
+        previous step's argmax, not yet read by the host), used in place of the ids in the
+        sequences, whose last entries are then placeholders.
+
+        A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
+        not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
+        self.copy_pages(batch.copies)
+        pool = self.kv_pool
+        if not pool.can_spill:
+            return self._forward(batch, is_all_rows, input_ids)
+        tables = {seq.seq_id: self.block_manager.block_table(seq.seq_id) for seq in batch.seqs}
+        pool.record_step(tables, live_seq_ids=self.block_manager.tables.keys())
+        parts = self._split(batch, tables)
+        free = self.block_manager.free_blocks
+        logits = []
+        first_row = 0
+        for i, (part, blocks) in enumerate(parts):
+            pool.ensure_resident(blocks, free_block_ids=free)
+            # Issued before this part's kernels are queued, so the copies overlap them.
+            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(tables)
+            if upcoming:
+                pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
+            part_ids = None if input_ids is None else input_ids[first_row : first_row + len(part.seqs)]
+            first_row += len(part.seqs)
+            part_logits = self._forward(part, is_all_rows, part_ids)
+            # The next part's replay would overwrite a graph's logits before the cat reads them.
+            logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _pages_of_others(self, tables: dict[int, list[int]]) -> list[int]:
+        """Pages of sequences that hold pages but are not in this step (the decoding ones
+        during a prefill step, say): the likeliest readers of the next step."""
+        live = self.block_manager.tables
+        if len(live) <= len(tables):
+            return []
+        return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
+
+    def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.graphs is not None and not batch.is_prefill and not is_all_rows:
+            logits = self._replay(batch, input_ids)
+            if logits is not None:
+                return logits
+        if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
+            logits = self._replay_prefill(batch)
+            if logits is not None:
+                return logits
+        ids, pos, meta, last_rows = self.prepare(batch)
+        if input_ids is not None:  # one new token per sequence: the rows line up
+            ids = input_ids
+        hidden = self.model(ids, pos, meta, self.kv_pool.pages)
+        return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
+
+    def _replay(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        # The bucket first, from the block manager's tables: a batch no graph holds is gathered once, eagerly.
+        widest = max(len(self.block_manager.block_table(seq.seq_id)) for seq in batch.seqs)
+        key = self.graphs.bucket(len(batch.seqs), widest)
+        if key is None:
+            return None
+        host_ids, positions, slots, context_lens, tables = self.gather(batch)
+        return self.graphs.run(key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
+                               getattr(self.kv_pool, "pages_version", None), device_input_ids=input_ids)
+
+    def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        table = self.block_manager.block_table(batch.seqs[0].seq_id)
+        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(table))
+        if key is None:
+            return None
+        input_ids, positions, slots, context_lens, tables = self.gather(batch)
+        return self.prefill_graphs.run(key, input_ids, positions, slots, tables[0], context_lens[0],
+                                       self.kv_pool.pages, getattr(self.kv_pool, "pages_version", None))
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_pages: list[KVPages]) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
+
+    def _last_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_pages: list[KVPages], last_row: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
+        return self.model.compute_logits(hidden.index_select(0, last_row))  # [1, vocab]
+
+    def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
+        """The batch in parts whose pages fit the device share, in order. When one part is
+        not enough, parts are kept to half the share so the next one can come in meanwhile."""
+        limit = self.kv_pool.max_blocks_per_step
+        if limit is None:  # one part; the pool takes each page once however often it is listed
+            return [(batch, list(itertools.chain.from_iterable(tables.values())))]
+        if len(tables) == 1:  # one table holds no page twice: nothing to merge (every batch-1 step)
+            every = list(next(iter(tables.values())))
+        else:
+            every = list(dict.fromkeys(itertools.chain.from_iterable(tables.values())))
+        if len(every) <= limit:
+            return [(batch, every)]
+        budget = max(1, limit // 2)
+        parts: list[tuple[ScheduledBatch, list[int]]] = []
+        seqs, counts, blocks = [], [], {}
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            table = tables[seq.seq_id]
+            if seqs and len(blocks.keys() | set(table)) > budget:
+                parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
+                seqs, counts, blocks = [], [], {}
+            seqs.append(seq)
+            counts.append(num_new)
+            blocks.update(dict.fromkeys(table))
+        parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
+        return parts
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared pages: (src, dst) block ids, before the step reads dst."""
+        for src, dst in copies:
+            self.kv_pool.copy_block(src, dst)
+
+    def set_kv_precision(self, precision: str) -> int:
+        """Re-quantize every page that holds data; returns the device bytes freed."""
+        free = set(self.block_manager.free_blocks)
+        used = [b for b in range(self.block_manager.num_blocks) if b not in free]
+        return self.kv_pool.set_precision(precision, used)
+
+    def num_kv_blocks_on_host(self) -> int:
+        """Pages in use whose data lives on the host."""
+        if not self.kv_pool.can_spill:
+            return 0
+        return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())

@@ -1,0 +1,124 @@
+"""The sampler: greedy, temperature, top-k, top-p, min-p and penalties, on the host or the device."""
+
+from __future__ import annotations
+
+import torch
+
+from lowvram.core.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """logits [V] (FP32). Repetition penalty as in CTRL/HF; presence/frequency as in OpenAI."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on one row of logits [V]."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # drop a token when the ones before it already reach top_p
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 prompt_ids: list[int], output_ids: list[int]) -> int:
+    """Pick the next token from one row of FP32 logits [V]."""
+    # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
+    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.is_greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    if generator is not None and probs.device != generator.device:
+        # A seeded request draws from its own host generator wherever the logits are: the
+        # same seed gives the same text on any device and batch (a CUDA multinomial would
+        # not take a host generator at all).
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token (a 0-d int64 tensor on logits' device) drawn from one row of FP32 logits [V]
+    by the Gumbel-max trick: the argmax of the filtered logits plus Gumbel noise is a draw
+    from their softmax, found without the host. `generator` (on logits' device, or None for
+    the default one) makes a seeded request's draws its own, whatever else is batched."""
+    filtered = filter_logits(logits, params)
+    uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+    return torch.argmax(filtered + gumbel)
+
+
+def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
+    """Next token of each sequence, as sample_tokens picks them but left on logits' device:
+    [len(rows)] int64, with no wait for the GPU. Greedy rows take one argmax together;
+    sampled ones a Gumbel-max draw each from the sequence's device generator
+    (`device_generator`, made from its seed on first use). No row may have penalties."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
+    if greedy:
+        picked_rows = [rows[i] for i in greedy]
+        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
+        if len(greedy) == len(rows):
+            return torch.argmax(picked, dim=-1)
+        tokens[greedy] = torch.argmax(picked, dim=-1)
+    for i, seq in enumerate(seqs):
+        if not seq.params.is_greedy:
+            tokens[i] = gumbel_sample(logits[rows[i]], seq.params, device_generator(seq, logits.device))
+    return tokens
+
+
+def device_generator(seq, device: torch.device) -> torch.Generator | None:
+    """The sequence's generator on `device` for sample_tokens_on_device: seeded from its
+    params' seed when it has one (None, the device's default generator, when not)."""
+    if seq.params.seed is None:
+        return None
+    if seq.device_generator is None:
+        seq.device_generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    return seq.device_generator
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list) -> list[int]:
+    """Next token of each sequence (`params`, `generator`, `prompt_token_ids`,
+    `output_token_ids`) from its row of FP32 logits [S, V].
+
+    Plain greedy rows (no penalties) take one argmax together and one copy to the host:
+    each `int()` of a row waits for the GPU, which at batch 8 cost more than the decode
+    step's own host work. Ties go to the lowest token id either way, so the tokens are
+    the ones `sample_token` picks row by row.
+    """
+    plain = [i for i, seq in enumerate(seqs) if seq.params.is_greedy and not has_penalties(seq.params)]
+    tokens = [0] * len(seqs)
+    if plain:
+        picked_rows = [rows[i] for i in plain]
+        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
+        for i, token in zip(plain, torch.argmax(picked, dim=-1).tolist()):
+            tokens[i] = token
+    plain_set = set(plain)
+    for i, seq in enumerate(seqs):
+        if i not in plain_set:
+            tokens[i] = sample_token(logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids,
+                                     seq.output_token_ids)
+    return tokens
+

@@ -1,0 +1,731 @@
+"""The tiered KV pools: pages that live on the device or in host memory and move between them.
+
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory (cuda-bindings). A page
+  is spilled by advising its range to the host and migrating it there, which frees
+  its device memory; it is brought back by advising the GPU and prefetching it. The
+  GPU keeps a mapping to every page, so a page left on the host is still read
+  correctly (over the bus): a context longer than the device share keeps its
+  oldest pages there. Scales and zeros of INT8/INT4 pages (about 3% of the bytes)
+  and the FP16 window stay in ordinary device memory. Migration works on OS pages,
+  so pages move in units of as many KV pages as fill whole OS pages (one unit = one
+  KV page for the 1.5B shape in FP16 and INT8).
+- `pinned` (`PinnedKVPool`): a fixed set of device slots plus a pinned-host tier;
+  pages move with explicit asynchronous copies on a side stream, and block ids are
+  translated to device slots (`device_table`). For platforms where managed memory
+  cannot oversubscribe (`cudaDevAttrConcurrentManagedAccess` = 0: Windows, WSL2).
+  The FP16 window stays on the device; its tags follow the pages from slot to slot.
+
+Residency: at most `max_device_blocks` pages are resident. Before a step the runner
+calls `ensure_resident` with the step's pages: missing pages come back on the side
+stream and the compute stream waits for them on the GPU, not on the CPU. When there
+is no room, victims are chosen by `SpillPolicy` (cold and LRU first, the hot window
+near each decode position last, never the step's own pages). `prefetch` does the
+same without the wait, so copies overlap the compute already queued (the runner uses
+it for the next part of a batch that does not fit at once).
+
+`create_kv_pool` builds the backend the profile and `plan_pool` choose. The interface, the
+`device` backend and the FP16 window are described in `lowvram.kv.pool`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+import torch
+
+from lowvram.config import Profile
+from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
+from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
+from lowvram.kv.pool import (GIB, DeviceKVPool, KVPool, KVPoolStats, KVShape, _check_precision, _convert_pages,
+                             _log_once, _pages_like, _release_cached, _tensors, log, plan_pool)
+from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.core.spill_policy import SpillPolicy
+
+HOT_WINDOW_BLOCKS = 2
+
+
+def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted ids merged into [start, end) runs."""
+    runs: list[tuple[int, int]] = []
+    for u in sorted(units):
+        if runs and runs[-1][1] == u:
+            runs[-1] = (runs[-1][0], u + 1)
+        else:
+            runs.append((u, u + 1))
+    return runs
+
+
+# ---------------------------------------------------------------- residency shared by um and pinned
+
+
+class _TieredKVPool(KVPool):
+    """Residency bookkeeping for pools whose pages live on the device or the host.
+
+    Pages move in units of `unit_size` consecutive pages; a unit is resident or not.
+    Subclasses move data in `_swap` and size the host side in `_host_room`.
+    """
+
+    can_spill = True
+
+    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
+                 max_device_blocks: int, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
+        super().__init__(shape, num_blocks, precision, device)
+        if max_device_blocks < 1:
+            raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
+        self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
+        self.max_device_blocks_budget = self.max_device_blocks
+        self.policy = SpillPolicy(num_hot_blocks)
+        self.num_page_hits = 0
+        self.num_page_misses = 0
+        self.spilled_bytes = 0
+        self.fetched_bytes = 0
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._has_transfers = False
+        self._set_units(1)
+
+    def _set_units(self, unit_size: int) -> None:
+        self.unit_size = unit_size
+        self.num_units = -(-self.num_blocks // unit_size)
+        self.max_device_units = max(1, self.max_device_blocks // unit_size)
+        self._is_resident = bytearray(self.num_units)
+        self._num_resident = 0
+        # The same flags as a set of the units on the host, for the per-step questions about
+        # a step's or the live pages, which set operations answer in C loops.
+        self._host_units = set(range(self.num_units))
+
+    # -- hooks -------------------------------------------------------------------
+    def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
+        """Move `victims` units to the host and `incoming` units to the device (in that
+        order, on the side stream); `dataless` victims need no copy."""
+        raise NotImplementedError
+
+    def _host_room(self, incoming: list[int]) -> int:
+        """How many more units may move to the host if `incoming` come back."""
+        return self.num_units
+
+    def _unit_bytes(self) -> int:
+        """Bytes one unit moves between device and host."""
+        raise NotImplementedError
+
+    def _reclaim_host(self, dataless: set[int]) -> None:
+        """Forget host copies of units that no longer hold data (pinned frees their host slots)."""
+
+    # -- sizes -------------------------------------------------------------------
+    @property
+    def max_blocks_per_step(self) -> int | None:
+        return None if self.can_read_host else self.max_device_units * self.unit_size
+
+    def num_blocks_on_host(self, block_ids: Iterable[int] | None = None) -> int:
+        g = self.unit_size
+        if block_ids is None:
+            return sum(min(g, self.num_blocks - u * g) for u in range(self.num_units) if not self._is_resident[u])
+        if g == 1 and isinstance(block_ids, (set, frozenset)):  # the live pages, every step
+            return len(self._host_units.intersection(block_ids))
+        return sum(1 for b in block_ids if not self._is_resident[b // g])
+
+    def is_resident(self, block_id: int) -> bool:
+        return bool(self._is_resident[block_id // self.unit_size])
+
+    def stats(self) -> KVPoolStats:
+        return KVPoolStats(self.backend, self.precision, self.num_blocks, self.max_device_units * self.unit_size,
+                           self.num_blocks_on_host(), self.device_bytes, self.host_bytes, self.num_page_hits,
+                           self.num_page_misses, self.spilled_bytes, self.fetched_bytes, len(self.window_block_ids))
+
+    # -- residency ---------------------------------------------------------------
+    def _units_of(self, block_ids: Iterable[int]) -> list[int]:
+        g = self.unit_size
+        return list(dict.fromkeys(block_ids if g == 1 else (b // g for b in block_ids)))
+
+    def record_step(self, tables: Mapping[int, Sequence[int]], live_seq_ids: Collection[int] | None = None) -> None:
+        if self.unit_size > 1:
+            tables = {seq_id: self._units_of(table) for seq_id, table in tables.items()}
+        self.policy.record_step(tables, live_seq_ids)
+
+    def ensure_resident(self, block_ids: Iterable[int], free_block_ids: Collection[int] = ()) -> None:
+        self._make_resident(block_ids, (), free_block_ids, is_required=True)
+        self._wait_for_transfers()
+
+    def prefetch(self, block_ids: Iterable[int], protected: Iterable[int] = (),
+                 free_block_ids: Collection[int] = ()) -> None:
+        self._make_resident(block_ids, protected, free_block_ids, is_required=False)
+
+    def _make_resident(self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *,
+                       is_required: bool) -> None:
+        if self.unit_size == 1:
+            block_ids = block_ids if isinstance(block_ids, (list, tuple, set, frozenset)) else list(block_ids)
+            if self._host_units.isdisjoint(block_ids):  # every page resident: the usual step
+                if is_required:
+                    self.num_page_hits += len(set(block_ids))
+                return
+        units = self._units_of(block_ids)
+        missing = [u for u in units if not self._is_resident[u]]
+        if is_required:
+            self.num_page_hits += len(units) - len(missing)
+            self.num_page_misses += len(missing)
+        if not missing:
+            return
+        room = self.max_device_units - self._num_resident
+        victims: list[int] = []
+        dataless: set[int] = set()
+        if len(missing) > room:
+            keep = set(units).union(self._units_of(protected))
+            dataless = self._dataless_units(free_block_ids)
+            self._reclaim_host(dataless)
+            victims = self._choose_victims(len(missing) - room, keep, dataless, missing)
+            short = len(missing) - room - len(victims)
+            if short > 0 and is_required and self.can_read_host:
+                missing, victims = self._fit_step(units, missing, victims, room)
+            elif short > 0 and is_required:
+                raise OutOfMemoryError(
+                    f"a step reads {len(units) * self.unit_size} KV pages but at most "
+                    f"{self.max_device_units * self.unit_size} fit on the device and only {room + len(victims)} "
+                    f"could be freed; lower max_model_len or max_num_seqs, or raise the device budget"
+                )
+            elif short > 0:
+                missing = self.policy.admission_order(missing)[: room + len(victims)]
+        if victims or missing:
+            self._swap(victims, missing, dataless)
+
+    def _fit_step(self, units: list[int], missing: list[int], victims: list[int],
+                  room: int) -> tuple[list[int], list[int]]:
+        """The step reads more units than fit: keep the most valuable ones on the device
+        and let the kernels read the rest where they are (um only)."""
+        ranked = self.policy.admission_order(units)
+        keep = set(ranked[: self.max_device_units])
+        wanted = [u for u in missing if u in keep]
+        chosen = set(victims)
+        demote = [u for u in reversed(ranked) if u not in keep and self._is_resident[u] and u not in chosen]
+        need = max(0, len(wanted) - room - len(victims))
+        victims = victims + demote[:need]
+        return wanted[: room + len(victims)], victims
+
+    def _dataless_units(self, free_block_ids: Collection[int]) -> set[int]:
+        if not free_block_ids:
+            return set()
+        free = set(free_block_ids)
+        g = self.unit_size
+        if g == 1:
+            return free
+        units = {b // g for b in free}
+        return {u for u in units if all(b in free for b in range(u * g, min((u + 1) * g, self.num_blocks)))}
+
+    def _choose_victims(self, count: int, keep: set[int], dataless: set[int], incoming: list[int]) -> list[int]:
+        """Up to `count` resident units outside `keep`: pages without data first, then in policy order."""
+        resident = [u for u in range(self.num_units) if self._is_resident[u] and u not in keep]
+        order = self.policy.eviction_order(resident)
+        if dataless:
+            order = [u for u in order if u in dataless] + [u for u in order if u not in dataless]
+        host_room = self._host_room(incoming)
+        victims = []
+        for u in order:
+            if len(victims) == count:
+                break
+            if u not in dataless:
+                if host_room == 0:
+                    continue
+                host_room -= 1
+            victims.append(u)
+        return victims
+
+    def _mark(self, units: Iterable[int], is_resident: bool) -> None:
+        for u in units:
+            if self._is_resident[u] != is_resident:
+                self._is_resident[u] = is_resident
+                self._num_resident += 1 if is_resident else -1
+                if is_resident:
+                    self._host_units.discard(u)
+                else:
+                    self._host_units.add(u)
+
+    def _wait_for_transfers(self) -> None:
+        """Make the compute stream wait (on the GPU) for every transfer enqueued so far."""
+        if self._side is not None and self._has_transfers:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._has_transfers = False
+
+    def _start_transfers(self) -> None:
+        """Order the side stream after everything the compute stream has enqueued: the
+        pages about to move may still be written or read by earlier steps."""
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            self._has_transfers = True
+
+    def spill(self, block_ids: Iterable[int]) -> int:
+        units = [u for u in self._units_of(block_ids) if self._is_resident[u]]
+        units = units[: self._host_room([])]
+        before = self.device_bytes
+        if units:
+            self._swap(units, [], set())
+        return before - self.device_bytes
+
+    def set_max_device_blocks(self, num_blocks: int) -> int:
+        limit = max(self.unit_size, min(num_blocks, self.max_device_blocks_budget))
+        new_units = max(1, limit // self.unit_size)
+        before = self.device_bytes
+        excess = self._num_resident - new_units
+        if excess > 0:
+            victims = self._choose_victims(excess, set(), set(), [])
+            if len(victims) < excess:
+                raise OutOfMemoryError(
+                    f"cannot keep only {new_units * self.unit_size} KV pages on the device: the host tier has room "
+                    f"for {len(victims) * self.unit_size} more; raise host_spill_gib"
+                )
+            self._swap(victims, [], set())
+        self.max_device_units = new_units
+        self.max_device_blocks = new_units * self.unit_size
+        self._resize_device()
+        return before - self.device_bytes
+
+    def _resize_device(self) -> None:
+        """Match device storage to `max_device_units` (pinned); managed memory needs nothing."""
+
+    def synchronize(self) -> None:
+        if self._side is not None:
+            self._side.synchronize()
+        self._wait_for_transfers()
+
+
+# ---------------------------------------------------------------- um: CUDA Unified Memory
+
+
+class ManagedKVPool(_TieredKVPool):
+    """K/V codes in managed memory, one allocation per layer ([2, pages, B, Hkv, Dc]: K then V)."""
+
+    backend = "um"
+    can_read_host = True
+
+    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
+                 max_device_blocks: int, memory: ManagedMemory, budget_bytes: int,
+                 allow_oversubscription: bool = False, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks,
+                         num_hot_blocks=num_hot_blocks)
+        self.memory = memory
+        self.budget_bytes = budget_bytes
+        self.allow_oversubscription = allow_oversubscription
+        self._set_units(self._unit_size_for(precision))
+        check_managed_size(self._managed_bytes(precision), memory.free_bytes(), budget_bytes,
+                           allow_oversubscription=allow_oversubscription)
+        resident = [u < self.max_device_units for u in range(self.num_units)]
+        self.pages, self._flats = [], []
+        for _ in range(shape.num_layers):
+            pages, flat = self._allocate(precision, resident)
+            self.pages.append(pages)
+            self._flats.append(flat)
+        self._mark([u for u in range(self.num_units) if resident[u]], True)
+        self.max_device_bytes = self.device_bytes
+
+    def _unit_size_for(self, precision: str) -> int:
+        code_bytes = self.shape.code_block_bytes(precision)
+        page = self.memory.page_bytes
+        return page // math.gcd(page, code_bytes)
+
+    def _num_alloc_blocks(self, precision: str) -> int:
+        g = self._unit_size_for(precision)
+        return -(-self.num_blocks // g) * g  # padding pages are never handed out nor touched
+
+    def _managed_bytes(self, precision: str) -> int:
+        return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
+
+    def _allocate(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
+        """One layer's pages: codes in a new managed allocation advised per unit, scales on the device."""
+        num_alloc = self._num_alloc_blocks(precision)
+        template = self.shape.template(precision, num_alloc)
+        half_bytes = num_alloc * self.shape.code_block_bytes(precision)
+        flat = self.memory.allocate(2 * half_bytes)
+        codes = flat.view(template.k.dtype).view(2, *template.k.shape)  # [2, pages, B, Hkv, Dc]: K, V
+        unit_bytes = self._unit_size_for(precision) * self.shape.code_block_bytes(precision)
+        for is_on_host in (False, True):
+            for start, end in _runs(u for u, r in enumerate(resident) if r != is_on_host):
+                for base in (0, half_bytes):
+                    self.memory.advise_preferred(flat, base + start * unit_bytes, (end - start) * unit_bytes,
+                                                 on_host=is_on_host)
+
+        def make(name: str, like: torch.Tensor) -> torch.Tensor:
+            if name in ("k", "v"):
+                return codes[0 if name == "k" else 1]
+            return torch.zeros(like.shape, dtype=like.dtype, device=self.device)
+
+        return _pages_like(template, make), flat
+
+    def _unit_bytes(self) -> int:
+        return self.shape.num_layers * 2 * self.unit_size * self.shape.code_block_bytes(self.precision)
+
+    def _scale_bytes(self, precision: str) -> int:
+        per_block = self.shape.layer_block_bytes(precision) - 2 * self.shape.code_block_bytes(precision)
+        return self.shape.num_layers * self._num_alloc_blocks(precision) * per_block
+
+    @property
+    def device_bytes(self) -> int:
+        """Scales and zeros and the FP16 window (always on the device) plus every resident unit's
+        codes, whether or not a kernel has touched them yet: an upper bound on what the pool holds."""
+        return self._scale_bytes(self.precision) + self._num_resident * self._unit_bytes() + self.window_bytes()
+
+    @property
+    def host_bytes(self) -> int:
+        return (self.num_units - self._num_resident) * self._unit_bytes()
+
+    def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
+        # Managed pages carry their data wherever they are, so a page without data still
+        # moves: that is what releases its device memory.
+        self._start_transfers()
+        unit_bytes = self.unit_size * self.shape.code_block_bytes(self.precision)
+        half_bytes = self._num_alloc_blocks(self.precision) * self.shape.code_block_bytes(self.precision)
+        for on_host, units in ((True, victims), (False, incoming)):
+            for start, end in _runs(units):
+                for flat in self._flats:
+                    for base in (0, half_bytes):
+                        self.memory.place(flat, base + start * unit_bytes, (end - start) * unit_bytes,
+                                          on_host=on_host, stream=self._side)
+        self._mark(victims, False)
+        self._mark(incoming, True)
+        self.spilled_bytes += len(victims) * self._unit_bytes()
+        self.fetched_bytes += len(incoming) * self._unit_bytes()
+
+    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
+                      fp16_block_ids: Sequence[int] = ()) -> int:
+        _check_precision(precision)
+        if precision == self.precision:
+            return 0
+        old_unit = self.unit_size
+        new_unit = self._unit_size_for(precision)
+        new_num_units = -(-self.num_blocks // new_unit)
+        new_max_units = max(1, self.max_device_blocks // new_unit)
+        new_device_bytes = (self._scale_bytes(precision) + new_max_units * self.shape.num_layers * 2 * new_unit
+                            * self.shape.code_block_bytes(precision))
+        window = self._choose_window(precision, fp16_block_ids, new_device_bytes)
+        self._check_device_budget(precision, new_device_bytes + self.window_bytes(len(window)))
+        # The old allocation is freed layer by layer as the new one grows, so it counts as free.
+        free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
+        check_managed_size(self._managed_bytes(precision), free_bytes, self.budget_bytes,
+                           allow_oversubscription=self.allow_oversubscription)
+        # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
+        resident = [any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit,
+                                                                                          self.num_blocks)))
+                    for u in range(new_num_units)]
+        kept = 0
+        for u, is_resident in enumerate(resident):
+            kept += is_resident
+            resident[u] = is_resident and kept <= new_max_units
+        self.synchronize()
+        before = self.device_bytes
+        rows = sorted(set(range(self.num_blocks) if block_ids is None else block_ids))
+        window_row = self._window_rows(window, lambda b: b, self._num_alloc_blocks(precision))
+        for layer in range(len(self.pages)):
+            pages, flat = self._allocate(precision, resident)
+            pages = self._with_window(pages, window_row, len(window))
+            _convert_pages(self.pages[layer], pages, rows, rows)
+            # Dropping the last views frees the old allocation (cudaFree synchronizes first).
+            self.pages[layer], self._flats[layer] = pages, flat
+        self.precision = precision
+        self.window_block_ids = window
+        self.pages_version += 1
+        self._set_units(new_unit)
+        self.max_device_units = new_max_units
+        self._mark([u for u in range(new_num_units) if resident[u]], True)
+        self.policy.clear()  # unit ids changed meaning
+        _release_cached(self.device)
+        return before - self.device_bytes
+
+
+# ---------------------------------------------------------------- pinned: device slots + pinned host tier
+
+
+class PinnedKVPool(_TieredKVPool):
+    """A fixed number of device slots and a host tier of pinned pages; blocks map to slots."""
+
+    backend = "pinned"
+    is_translated = True
+
+    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
+                 max_device_blocks: int, num_host_blocks: int, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks,
+                         num_hot_blocks=num_hot_blocks)
+        self.num_slots = self.max_device_blocks
+        self.num_host_slots = num_host_blocks
+        self.pages = [self._allocate_device(precision, self.num_slots) for _ in range(shape.num_layers)]
+        self.host_pages = [self._allocate_host(precision) for _ in range(shape.num_layers)]
+        self._slot_of = list(range(self.num_slots)) + [-1] * (num_blocks - self.num_slots)
+        self._block_in_slot = list(range(self.num_slots))
+        self._free_slots: list[int] = []
+        self._host_slot_of = [-1] * num_blocks
+        self._free_host_slots = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out the lowest
+        self._pending: list[tuple[object, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._window_index: dict[int, int] = {}  # block id -> its row in the FP16 window
+        self._mark(range(self.num_slots), True)
+        self.max_device_bytes = self.device_bytes
+
+    def _allocate_device(self, precision: str, num_slots: int) -> KVPages:
+        s = self.shape
+        return allocate_pages(num_slots, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device)
+
+    def _allocate_host(self, precision: str) -> KVPages:
+        template = self.shape.template(precision, max(1, self.num_host_slots))
+        is_pinned = self.device.type == "cuda"
+        try:
+            return _pages_like(template, lambda _, t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=is_pinned))
+        except RuntimeError as exc:
+            need = self.num_host_slots * self.shape.block_bytes(precision)
+            raise OutOfMemoryError(
+                f"could not pin {need / GIB:.2f} GiB of host memory for spilled KV pages ({exc}); lower host_spill_gib"
+            ) from None
+
+    # -- sizes -------------------------------------------------------------------
+    def _unit_bytes(self) -> int:
+        return self.shape.block_bytes(self.precision)
+
+    @property
+    def device_bytes(self) -> int:
+        """The device slots, used or not (they are allocated up front), and the FP16 window."""
+        return self.num_slots * self.shape.block_bytes(self.precision) + self.window_bytes()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.num_host_slots * self.shape.block_bytes(self.precision)
+
+    def num_blocks_on_host(self, block_ids: Iterable[int] | None = None) -> int:
+        ids = range(self.num_blocks) if block_ids is None else block_ids
+        return sum(1 for b in ids if self._host_slot_of[b] >= 0)
+
+    def _host_room(self, incoming: list[int]) -> int:
+        return len(self._free_host_slots) + sum(1 for b in incoming if self._host_slot_of[b] >= 0)
+
+    def _reclaim_host(self, dataless: set[int]) -> None:
+        stale = [b for b in dataless if self._host_slot_of[b] >= 0]
+        if not stale:
+            return
+        self._complete_spills()  # a pending copy must not land in a slot handed to another page
+        for b in stale:
+            self._free_host_slots.append(self._host_slot_of[b])
+            self._host_slot_of[b] = -1
+
+    def device_table(self, table: list[int]) -> list[int]:
+        slots = [self._slot_of[b] for b in table]
+        if -1 in slots:
+            raise KernelError("a KV page is read while it is not on the device; call ensure_resident first")
+        return slots
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.ensure_resident([src, dst])
+        super().copy_block(src, dst)
+
+    # -- movement ----------------------------------------------------------------
+    def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
+        fetch = [b for b in incoming if self._host_slot_of[b] >= 0]
+        if fetch and self._pending:
+            self._complete_spills()
+        # Read the incoming pages out of the host tier first: that frees their host
+        # slots for the victims even when the tier is full.
+        staged = self._read_host([self._host_slot_of[b] for b in fetch]) if fetch else []
+        for b in fetch:
+            self._free_host_slots.append(self._host_slot_of[b])
+            self._host_slot_of[b] = -1
+        out = [b for b in victims if b not in dataless]
+        host_slots = [self._free_host_slots.pop() for _ in out]
+        if out:
+            self._write_host([self._slot_of[b] for b in out], host_slots)
+        for b, h in zip(out, host_slots):
+            self._host_slot_of[b] = h
+        for b in victims:
+            slot = self._slot_of[b]
+            self._slot_of[b] = -1
+            self._block_in_slot[slot] = -1
+            self._free_slots.append(slot)
+        for b in incoming:
+            slot = self._free_slots.pop()
+            self._slot_of[b] = slot
+            self._block_in_slot[slot] = b
+        if fetch:
+            self._load_slots([self._slot_of[b] for b in fetch], staged)
+        if any(b in self._window_index for b in victims + incoming):
+            self._tag_window()
+        self._mark(victims, False)
+        self._mark(incoming, True)
+        self.spilled_bytes += len(out) * self._unit_bytes()
+        self.fetched_bytes += len(fetch) * self._unit_bytes()
+
+    def _device_index(self, values: list[int]) -> torch.Tensor:
+        # From pinned memory the copy is asynchronous; from pageable memory torch would
+        # block the CPU until the side stream (and so all queued compute) had finished.
+        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
+    def _read_host(self, host_slots: list[int]) -> list[torch.Tensor]:
+        """Host rows of every layer and tensor, gathered into (pinned) staging on the CPU."""
+        index = torch.tensor(host_slots, dtype=torch.long)
+        is_pinned = self.device.type == "cuda"
+        staged = []
+        for pages in self.host_pages:
+            for _, tensor in _tensors(pages):
+                rows = torch.empty((len(host_slots), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=is_pinned)
+                torch.index_select(tensor, 0, index, out=rows)
+                staged.append(rows)
+        return staged
+
+    def _load_slots(self, slots: list[int], staged: list[torch.Tensor]) -> None:
+        """Staged host rows -> device slots, on the side stream."""
+        device_tensors = [t for pages in self.pages for _, t in _tensors(pages)]
+        if self._side is None:
+            index = torch.tensor(slots, dtype=torch.long)
+            for tensor, rows in zip(device_tensors, staged):
+                tensor.index_copy_(0, index, rows)
+            return
+        self._start_transfers()
+        with torch.cuda.stream(self._side):
+            index = self._device_index(slots)
+            for tensor, rows in zip(device_tensors, staged):
+                # The pinned source stays reserved by torch's host allocator until this copy ran.
+                tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
+
+    def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
+        """Device slots -> host slots: gathered and copied on the side stream now, scattered
+        into the host tier once the copy finished (`_complete_spills`)."""
+        host_index = torch.tensor(host_slots, dtype=torch.long)
+        pairs = [(host_t, dev_t) for host_pages, pages in zip(self.host_pages, self.pages)
+                 for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages))]
+        if self._side is None:
+            index = torch.tensor(slots, dtype=torch.long)
+            for host_t, dev_t in pairs:
+                host_t.index_copy_(0, host_index, dev_t.index_select(0, index))
+            return
+        self._start_transfers()
+        entries = []
+        with torch.cuda.stream(self._side):
+            index = self._device_index(slots)
+            for host_t, dev_t in pairs:
+                rows = dev_t.index_select(0, index)
+                staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                staged.copy_(rows, non_blocking=True)
+                entries.append((host_t, staged))
+            event = torch.cuda.Event()
+            event.record(self._side)
+        self._pending.append((event, host_index, entries))
+
+    def _tag_window(self) -> None:
+        """Point every slot's window tag at its page's FP16 row: tags are indexed by slot, and
+        the window stays on the device while its pages move. Written on the compute stream,
+        so steps already queued read the tags they were queued with."""
+        window_row = self.pages[0].window_row
+        tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
+        if self.device.type == "cuda":
+            window_row.copy_(tags.pin_memory(), non_blocking=True)
+        else:
+            window_row.copy_(tags)
+
+    def _complete_spills(self) -> None:
+        for event, host_index, entries in self._pending:
+            event.synchronize()
+            for host_t, staged in entries:
+                host_t.index_copy_(0, host_index, staged)
+        self._pending.clear()
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self._complete_spills()
+
+    def _resize_device(self) -> None:
+        """Reallocate the device slots to `max_device_units`, packing the resident pages
+        into the first slots: fewer slots is what really returns device memory."""
+        if self.max_device_units == self.num_slots:
+            return
+        self.synchronize()
+        resident = [b for b in self._block_in_slot if b >= 0]
+        old_slots = torch.tensor([self._slot_of[b] for b in resident], dtype=torch.long, device=self.device)
+        window_row = None
+        if self.window_block_ids:  # tags are indexed by slot: a new size needs new tags
+            window_row = torch.full((self.max_device_units,), -1, dtype=torch.int32, device=self.device)
+        for layer in range(len(self.pages)):
+            old = self.pages[layer]
+            new = self._allocate_device(self.precision, self.max_device_units)
+            for (_, new_t), (_, old_t) in zip(_tensors(new), _tensors(old)):
+                new_t[: len(resident)] = old_t.index_select(0, old_slots)
+            if window_row is not None:
+                new.window_k, new.window_v, new.window_row = old.window_k, old.window_v, window_row
+            self.pages[layer] = new
+        self.num_slots = self.max_device_units
+        for slot, b in enumerate(resident):
+            self._slot_of[b] = slot
+        self._block_in_slot = resident + [-1] * (self.num_slots - len(resident))
+        self._free_slots = list(range(self.num_slots - 1, len(resident) - 1, -1))
+        if window_row is not None:
+            self._tag_window()
+        self.pages_version += 1
+        _release_cached(self.device)
+
+    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
+                      fp16_block_ids: Sequence[int] = ()) -> int:
+        _check_precision(precision)
+        if precision == self.precision:
+            return 0
+        slots_bytes = self.num_slots * self.shape.block_bytes(precision)
+        # The window lives on the device: only pages in a device slot now can join it.
+        window = self._choose_window(precision, [b for b in fp16_block_ids if self._slot_of[b] >= 0], slots_bytes)
+        self._check_device_budget(precision, slots_bytes + self.window_bytes(len(window)))
+        self.synchronize()
+        before = self.device_bytes
+        ids = range(self.num_blocks) if block_ids is None else sorted(set(block_ids))
+        slot_rows = [self._slot_of[b] for b in ids if self._slot_of[b] >= 0]
+        host_rows = [self._host_slot_of[b] for b in ids if self._host_slot_of[b] >= 0]
+        window_row = self._window_rows(window, lambda b: self._slot_of[b], self.num_slots)
+        for layer in range(len(self.pages)):
+            new = self._with_window(self._allocate_device(precision, self.num_slots), window_row, len(window))
+            _convert_pages(self.pages[layer], new, slot_rows, slot_rows)
+            self.pages[layer] = new
+            host = self._allocate_host(precision)
+            _convert_pages(self.host_pages[layer], host, host_rows, host_rows)
+            self.host_pages[layer] = host
+        self.precision = precision
+        self.window_block_ids = window
+        self._window_index = {b: i for i, b in enumerate(window)}
+        self.pages_version += 1
+        _release_cached(self.device)
+        return before - self.device_bytes
+
+
+def create_kv_pool(config, profile: Profile, num_device_blocks: int, device: torch.device, dtype: torch.dtype,
+                   precision: str, *, max_model_len: int, memory: ManagedMemory | None = None) -> KVPool:
+    """The pool the profile asks for, sized from the memory plan's device share.
+
+    config: the model's ModelConfig (layers, KV heads, head size) or DeepseekV2Config.
+    num_device_blocks: pages the memory plan fits on the device (`KVPlan.num_blocks`).
+    dtype: element type of fp16 pages (the compute dtype).
+    memory: managed-memory access for the `um` backend (default: cuda-bindings on `device`).
+    """
+    # MLA (DeepSeek-V2) keeps one latent row per token and layer, so two layers share a pool
+    # layer's K and V (model_deepseek_v2.layer_kv_pages); dense models have no num_kv_layers.
+    num_kv_layers = getattr(config, "num_kv_layers", config.num_layers)
+    shape = KVShape(num_kv_layers, profile.kv_block_size, config.num_kv_heads, config.head_dim, dtype)
+    blocks_per_seq = -(-max_model_len // profile.kv_block_size)
+    is_concurrent, free_bytes = None, None
+    if device.type == "cuda" and profile.kv_backend != "device":
+        try:
+            memory = memory or ManagedMemory(device)
+            is_concurrent = memory.is_concurrent()
+            free_bytes = memory.free_bytes()
+        except (ConfigError, KernelError) as exc:  # not installed, or built for another driver
+            if profile.kv_backend == "um":
+                raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
+            _log_once(f"cuda-bindings is not usable ({exc}); KV pages cannot use unified memory")
+            memory = None
+            free_bytes = torch.cuda.mem_get_info(device)[0]
+    plan = plan_pool(
+        backend=profile.kv_backend, device_type=device.type, num_device_blocks=num_device_blocks,
+        max_num_blocks=max(num_device_blocks, profile.max_num_seqs * blocks_per_seq),
+        block_bytes=shape.block_bytes(precision), host_spill_bytes=int(profile.host_spill_gib * GIB),
+        allow_oversubscription=profile.allow_oversubscription, has_runtime=memory is not None,
+        is_concurrent=is_concurrent, free_bytes=free_bytes,
+    )
+    _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
+    if plan.backend == "um":
+        budget = plan.num_device_blocks * plan.block_bytes + int(profile.host_spill_gib * GIB)
+        pool: KVPool = ManagedKVPool(shape, plan.num_blocks, precision, device,
+                                     max_device_blocks=plan.num_device_blocks, memory=memory, budget_bytes=budget,
+                                     allow_oversubscription=profile.allow_oversubscription)
+    elif plan.backend == "pinned":
+        pool = PinnedKVPool(shape, plan.num_blocks, precision, device, max_device_blocks=plan.num_device_blocks,
+                            num_host_blocks=plan.num_host_blocks)
+    else:
+        pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
+    log.info("KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
+             pool.backend, pool.num_blocks, shape.block_size, plan.num_device_blocks, pool.device_bytes / 2**20,
+             pool.host_bytes / 2**20)
+    return pool

@@ -1,0 +1,327 @@
+"""Crash reports: what a run knew about memory when it failed, as one JSON file
+that `lowvram doctor --oom FILE` explains.
+
+Format (version 1), every key present:
+
+    {
+      "format": "lowvram-crash-report", "version": 1,
+      "created_utc": "2025-01-31T12:00:00Z",
+      "lowvram_version": "0.1.0", "torch_version": "2.11.0",
+      "command": "lowvram generate ..." | null,
+      "profile": {Profile fields} | {},          # as dataclasses.asdict(Profile)
+      "model": {"path": str | null, "config": {config.json} | null},
+      "memory": {"<name>_bytes": int, ...},      # see collect_cuda_memory, engine_memory
+      "controller_events": [{...}, ...],          # newest last, free-form dicts
+      "exception_text": "torch.OutOfMemoryError: CUDA out of memory. ..."
+    }
+
+Reports go to `$XDG_DATA_HOME/lowvram/crash-reports` (default
+`~/.local/share/lowvram/crash-reports`) unless a path is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shlex
+import sys
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from lowvram.errors import ConfigError
+from lowvram.paths import user_data_dir
+
+CRASH_REPORT_FORMAT = "lowvram-crash-report"
+CRASH_REPORT_VERSION = 1
+# Exit status of a command that stopped on a CUDA out-of-memory error.
+EXIT_OUT_OF_MEMORY = 3
+MAX_LARGEST_BLOCKS = 16
+
+
+@dataclass
+class CrashReport:
+    exception_text: str
+    profile: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    controller_events: list[dict] = field(default_factory=list)
+    command: str | None = None
+    created_utc: str = ""
+    lowvram_version: str = ""
+    torch_version: str | None = None
+    path: Path | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "format": CRASH_REPORT_FORMAT,
+            "version": CRASH_REPORT_VERSION,
+            "created_utc": self.created_utc,
+            "lowvram_version": self.lowvram_version,
+            "torch_version": self.torch_version,
+            "command": self.command,
+            "profile": self.profile,
+            "model": self.model,
+            "memory": self.memory,
+            "controller_events": self.controller_events,
+            "exception_text": self.exception_text,
+        }
+
+
+def default_crash_report_dir() -> Path:
+    return user_data_dir("crash-reports")
+
+
+def _profile_dict(profile: Any) -> dict:
+    if profile is None:
+        return {}
+    if dataclasses.is_dataclass(profile):
+        return dataclasses.asdict(profile)
+    if isinstance(profile, dict):
+        return dict(profile)
+    from lowvram.config import load_profile
+    from lowvram.errors import LowvramError
+
+    try:
+        return dataclasses.asdict(load_profile(str(profile)))
+    except LowvramError:
+        return {"name": str(profile)}
+
+
+def _model_dict(model: Any) -> dict:
+    if model is None:
+        from lowvram.demo import DEMO_MODEL_DIR
+
+        model = DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").is_file() else None
+    if model is None or isinstance(model, dict):
+        return dict(model or {"path": None, "config": None})
+    from lowvram.models.checkpoint import read_raw_config
+
+    path = Path(str(model)).expanduser()
+    return {"path": str(model), "config": read_raw_config(path) if path.is_dir() else None}
+
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def write_crash_report(path: str | os.PathLike | None, *, profile: Any, model: Any, memory: dict,
+                       controller_events: list[dict] | tuple = (), exception_text: str,
+                       command: str | None = None) -> Path:
+    """Write a crash report and return its path.
+
+    path: a file, a directory to create the file in, or None for
+    `default_crash_report_dir()`. profile: a Profile, its dict, or a profile name.
+    model: a model directory (its config.json is copied in), a dict
+    {"path", "config"}, or None for the bundled demo model. memory: numbers in
+    bytes (keys ending in `_bytes`) and short facts (device name, KV precision).
+    """
+    import lowvram
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = None
+    now = datetime.now(timezone.utc)
+    report = CrashReport(
+        exception_text=str(exception_text),
+        profile=_json_safe(_profile_dict(profile)),
+        model=_json_safe(_model_dict(model)),
+        memory=_json_safe(dict(memory)),
+        controller_events=_json_safe(list(controller_events)),
+        command=command,
+        created_utc=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        lowvram_version=lowvram.__version__,
+        torch_version=torch_version,
+    )
+    target = Path(path).expanduser() if path is not None else default_crash_report_dir()
+    if path is None or target.is_dir():
+        target = target / f"crash-{now.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return target
+
+
+def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashReport:
+    """Validate a parsed crash report; ConfigError names what is wrong."""
+    if not isinstance(data, dict) or data.get("format") != CRASH_REPORT_FORMAT:
+        raise ConfigError(f"{source} is not a lowvram crash report (no \"format\": \"{CRASH_REPORT_FORMAT}\")")
+    version = data.get("version")
+    if not isinstance(version, int) or version > CRASH_REPORT_VERSION:
+        raise ConfigError(f"{source} has crash-report version {version!r}; this lowvram reads up to "
+                          f"{CRASH_REPORT_VERSION}: update lowvram")
+    kinds = {"profile": dict, "model": dict, "memory": dict, "controller_events": list, "exception_text": str}
+    for key, kind in kinds.items():
+        if not isinstance(data.get(key), kind):
+            raise ConfigError(f"{source}: field {key!r} must be a JSON {kind.__name__}, got {type(data.get(key)).__name__}")
+    return CrashReport(
+        exception_text=data["exception_text"], profile=data["profile"], model=data["model"], memory=data["memory"],
+        controller_events=data["controller_events"], command=data.get("command"),
+        created_utc=str(data.get("created_utc", "")), lowvram_version=str(data.get("lowvram_version", "")),
+        torch_version=data.get("torch_version"),
+    )
+
+
+def read_crash_report(path: str | os.PathLike) -> CrashReport:
+    """Read a crash report written by `write_crash_report`."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"crash report {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"crash report {str(path)!r} is not readable JSON ({exc})") from None
+    report = crash_report_from_dict(data, f"crash report {str(path)!r}")
+    report.path = path
+    return report
+
+
+# ---------------------------------------------------------------- what a run knew
+
+
+def collect_cuda_memory(device: int | None = None) -> dict:
+    """torch's view of device memory now: totals, peaks and the largest live blocks."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return {}
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    device = torch.cuda.current_device() if device is None else device
+    memory: dict[str, Any] = {"device_name": torch.cuda.get_device_name(device)}
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        memory.update(device_free_bytes=int(free), device_total_bytes=int(total))
+    except Exception:
+        pass
+    stats = torch.cuda.memory_stats(device)
+    for key, name in (("allocated_bytes.all.current", "allocated_bytes"), ("allocated_bytes.all.peak", "peak_allocated_bytes"),
+                      ("reserved_bytes.all.current", "reserved_bytes"), ("reserved_bytes.all.peak", "peak_reserved_bytes"),
+                      ("num_ooms", "num_ooms"), ("num_alloc_retries", "num_alloc_retries")):
+        if key in stats:
+            memory[name] = int(stats[key])
+    try:
+        blocks = [block["size"] for segment in torch.cuda.memory_snapshot() for block in segment.get("blocks", [])
+                  if block.get("state") == "active_allocated"]
+        memory["largest_live_blocks_bytes"] = sorted(blocks, reverse=True)[:MAX_LARGEST_BLOCKS]
+    except Exception:
+        pass
+    return memory
+
+
+def engine_memory(engine: Any) -> dict:
+    """What an LLMEngine planned: weights, KV pool, workspace reserve, budget."""
+    memory: dict[str, Any] = {}
+    plan = getattr(engine, "kv_plan", None)
+    model = getattr(engine, "model", None)
+    if model is not None and hasattr(model, "weight_bytes"):
+        memory["weight_bytes"] = int(model.weight_bytes)
+    if plan is not None:
+        memory.update(kv_pool_bytes=int(plan.kv_bytes), kv_num_blocks=int(plan.num_blocks),
+                      kv_block_size=int(plan.block_size), kv_bytes_per_token=int(plan.bytes_per_token),
+                      workspace_reserve_bytes=int(plan.activation_bytes), budget_bytes=int(plan.budget_bytes),
+                      kv_precision=getattr(plan, "kv_precision", None))
+    for name in ("max_model_len", "kv_precision"):
+        if hasattr(engine, name):
+            memory[name] = getattr(engine, name)
+    bm = getattr(engine, "block_manager", None)
+    if bm is not None and hasattr(engine, "kv_bytes_in_use"):
+        # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
+        memory.update(kv_bytes_in_use=int(engine.kv_bytes_in_use()),
+                      kv_blocks_in_use=int(bm.num_used_blocks),
+                      kv_blocks_cached_reclaimable=int(bm.num_cached_blocks))
+    device = getattr(engine, "device", None)
+    if device is not None:
+        memory["device_type"] = str(getattr(device, "type", device))
+    return memory
+
+
+def is_cuda_oom(exc: BaseException) -> bool:
+    """A device out-of-memory from torch, the CUDA runtime or cuBLAS."""
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation"))
+
+
+def write_oom_crash_report(exc: BaseException, *, profile: Any = None, model: Any = None, engine: Any = None,
+                           controller_events: list[dict] | tuple = (), command: str | None = None,
+                           path: str | os.PathLike | None = None) -> Path:
+    """Write a crash report for an out-of-memory exception that was just caught."""
+    memory = collect_cuda_memory()
+    if engine is not None:
+        memory.update(engine_memory(engine))
+        profile = getattr(engine, "profile", profile)
+        model = getattr(engine, "model_dir", model)
+        if not controller_events:
+            controller_events = list(getattr(getattr(engine, "controller", None), "events", None) or [])
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    if command is None and sys.argv:
+        command = "lowvram " + shlex.join(sys.argv[1:])
+    return write_crash_report(path, profile=profile, model=model, memory=memory,
+                              controller_events=controller_events, exception_text=text, command=command)
+
+
+def format_doctor_hint(path: str | os.PathLike) -> str:
+    """The lines a run prints after writing a crash report."""
+    return (f"lowvram: out of device memory; crash report written to {path}\n"
+            f"lowvram: to see what held the memory and what to change, run:\n"
+            f"    lowvram doctor --oom {shlex.quote(str(path))}")
+
+
+def engine_in_traceback(exc: BaseException) -> Any:
+    """The LLMEngine the failing call ran in, found among the traceback's locals
+    (an engine, or an object holding one as `.engine`); None if there is none."""
+    tb = exc.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            for candidate in (value, getattr(value, "engine", None)):
+                if hasattr(candidate, "kv_plan") and hasattr(candidate, "model_dir"):
+                    return candidate
+        tb = tb.tb_next
+    return None
+
+
+def _profile_from_args(args: Any) -> Any:
+    from lowvram.config import load_profile
+    from lowvram.errors import LowvramError
+
+    overrides = {name: getattr(args, name, None) for name in ("device", "dtype", "emulate_vram_gib", "max_model_len")}
+    try:
+        return load_profile(getattr(args, "profile", None)).replace(**overrides)
+    except LowvramError:
+        return getattr(args, "profile", None)
+
+
+def report_cuda_oom(command: Callable[[Any], int]) -> Callable[[Any], int]:
+    """Decorate a CLI command: a CUDA out-of-memory error becomes a crash report,
+    the doctor command on stderr, and exit status 3 instead of a traceback.
+    The engine is found in the traceback; the command's argparse namespace
+    supplies `profile` and `model` when the engine was not built yet."""
+
+    @functools.wraps(command)
+    def run(args) -> int:
+        try:
+            return command(args)
+        except Exception as exc:
+            if not is_cuda_oom(exc):
+                raise
+            engine = engine_in_traceback(exc)
+            path = write_oom_crash_report(exc, profile=_profile_from_args(args), model=getattr(args, "model", None),
+                                          engine=engine)
+            print(format_doctor_hint(path), file=sys.stderr)
+            return EXIT_OUT_OF_MEMORY
+
+    return run

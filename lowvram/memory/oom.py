@@ -1,0 +1,507 @@
+"""Reading out-of-memory evidence and saying in plain words what held the memory.
+
+Three kinds of input:
+
+- a PyTorch out-of-memory message, in any torch version's wording:
+  torch 1.x "Tried to allocate X (GPU 0; Y total capacity; Z already allocated;
+  W free; [A allowed;] V reserved in total by PyTorch)" (older: "V cached"),
+  torch 2.1+ "Tried to allocate X. GPU 0 has a total capacity of Y of which Z is
+  free. [Including non-PyTorch memory, this process has P memory in use. |
+  Process N has P memory in use.] Of the allocated memory A is allocated by
+  PyTorch, [with Q allocated in private pools (e.g., CUDA Graphs),] and B is
+  reserved by PyTorch but unallocated." (2.1 spelled it "capacty"), the same
+  for HIP and XPU, the MPS wording, driver-level "CUDA error: out of memory",
+  and lowvram's own "context does not fit" planning error; lines may be wrapped
+  and prefixed by a traceback or the exception type;
+- a lowvram crash report (JSON, see lowvram.memory.crash_report);
+- a torch memory snapshot (`torch.cuda.memory._snapshot()` pickled by
+  `torch.cuda.memory._dump_snapshot`): segments with blocks, their sizes,
+  states and the Python frames that allocated them.
+
+Sizes are parsed as torch prints them: "bytes", "KiB", "MiB", "GiB" (binary);
+"KB"/"MB"/"GB" (MPS) are read as binary units too.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+from dataclasses import dataclass, field
+
+from lowvram.errors import ConfigError
+
+GIB = 2**30
+MIB = 2**20
+
+_UNITS = {"b": 1, "byte": 1, "bytes": 1, "kib": 2**10, "kb": 2**10, "mib": 2**20, "mb": 2**20,
+          "gib": 2**30, "gb": 2**30, "tib": 2**40, "tb": 2**40}
+SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
+_SIZE_RE = re.compile(SIZE, re.IGNORECASE)
+
+# Unallocated-but-reserved memory counts as fragmentation past this share of reserved memory.
+FRAGMENTATION_SHARE = 0.10
+# Other processes matter past this share of the card.
+OTHER_PROCESS_SHARE = 0.05
+# A CUDA context plus cuBLAS rarely exceeds this; more outside torch means something else.
+TYPICAL_NON_TORCH_BYTES = 1 * GIB
+
+
+def parse_size(number: str, unit: str) -> int:
+    return int(round(float(number) * _UNITS[unit.lower()]))
+
+
+def _size_after(pattern: str, text: str) -> int | None:
+    match = re.search(pattern + r"\s*" + SIZE, text, re.IGNORECASE)
+    return parse_size(match.group(match.lastindex - 1), match.group(match.lastindex)) if match else None
+
+
+def _size_before(pattern: str, text: str) -> int | None:
+    match = re.search(SIZE + r"\s*" + pattern, text, re.IGNORECASE)
+    return parse_size(match.group(1), match.group(2)) if match else None
+
+
+@dataclass
+class OomFacts:
+    """Numbers from one out-of-memory message; None where the message has none."""
+
+    source: str  # "torch<2.1", "torch>=2.1", "mps", "driver" or "lowvram-plan"
+    backend: str = "CUDA"  # CUDA, HIP, XPU, MPS
+    exception_type: str | None = None
+    requested_bytes: int | None = None
+    device_index: int | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    allowed_bytes: int | None = None
+    process_bytes: int | None = None  # this process, PyTorch and not
+    allocated_bytes: int | None = None
+    private_pool_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    other_processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, bytes)
+    plan: dict[str, float] = field(default_factory=dict)  # lowvram-plan numbers in bytes, and context_len
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        if self.allocated_bytes is None or self.reserved_unallocated_bytes is None:
+            return None
+        return self.allocated_bytes + self.reserved_unallocated_bytes
+
+    @property
+    def non_torch_bytes(self) -> int | None:
+        """This process's device memory outside PyTorch's allocator (context, cuBLAS, managed pages)."""
+        if self.process_bytes is None or self.reserved_bytes is None:
+            return None
+        return max(0, self.process_bytes - self.reserved_bytes)
+
+    @property
+    def other_process_bytes(self) -> int | None:
+        if self.other_processes:
+            return sum(size for _, size in self.other_processes)
+        if None not in (self.total_bytes, self.free_bytes, self.process_bytes):
+            return max(0, self.total_bytes - self.free_bytes - self.process_bytes)
+        return None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("\r", " ")).strip()
+
+
+def _exception_type(text: str) -> str | None:
+    match = re.search(r"((?:torch\.(?:cuda\.)?)?OutOfMemoryError|RuntimeError|lowvram: error)\s*:", text)
+    return match.group(1) if match else None
+
+
+def parse_oom_message(text: str) -> OomFacts | None:
+    """Facts from an out-of-memory message (any torch version, or lowvram's plan
+    error); None if the text holds none."""
+    flat = _normalise(text)
+    exc_type = _exception_type(flat)
+
+    plan = re.search(r"an? (\d+)-token context does not fit: weights " + SIZE + r" \+ workspace " + SIZE
+                     + r" \+ KV " + SIZE + r" = " + SIZE + r" > budget " + SIZE, flat)
+    if plan:
+        g = plan.groups()
+        numbers = {"context_len": int(g[0])}
+        for i, name in enumerate(("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")):
+            numbers[name] = parse_size(g[1 + 2 * i], g[2 + 2 * i])
+        return OomFacts("lowvram-plan", exception_type=exc_type, plan=numbers,
+                        requested_bytes=numbers["need_bytes"], total_bytes=numbers["budget_bytes"])
+
+    mps = re.search(r"MPS backend out of memory \(MPS allocated: " + SIZE + r", other allocations: " + SIZE
+                    + r", max allowed: " + SIZE + r"\)\. Tried to allocate " + SIZE, flat, re.IGNORECASE)
+    if mps:
+        g = mps.groups()
+        allocated, other, allowed, requested = (parse_size(g[i], g[i + 1]) for i in (0, 2, 4, 6))
+        return OomFacts("mps", "MPS", exc_type, requested_bytes=requested, allowed_bytes=allowed,
+                        total_bytes=allowed, allocated_bytes=allocated, process_bytes=allocated + other,
+                        reserved_unallocated_bytes=0)
+
+    head = re.search(r"\b(CUDA|HIP|XPU)\b out of memory\. Tried to allocate " + SIZE, flat, re.IGNORECASE)
+    if head:
+        facts = OomFacts("torch>=2.1", head.group(1).upper(), exc_type,
+                         requested_bytes=parse_size(head.group(2), head.group(3)))
+        rest = flat[head.end():]
+        old = re.match(r"\s*\(GPU (\d+); ([^)]*)\)", rest)
+        if old:
+            _parse_v1(facts, int(old.group(1)), old.group(2))
+        else:
+            _parse_v2(facts, rest)
+        return facts
+
+    driver = re.search(r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
+                       r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|"
+                       r"CUDA out of memory)", flat, re.IGNORECASE)
+    if driver:
+        return OomFacts("driver", "HIP" if "hip" in driver.group(1).lower() else "CUDA", exc_type)
+    return None
+
+
+def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
+    """torch 1.x: '3.82 GiB total capacity; 2.71 GiB already allocated; 13.31 MiB free;
+    [2.00 GiB allowed;] 2.84 GiB reserved in total by PyTorch' (or '... cached')."""
+    facts.source = "torch<2.1"
+    facts.device_index = device
+    reserved = None
+    for piece in inside.split(";"):
+        size = _SIZE_RE.search(piece)
+        if not size:
+            continue
+        value = parse_size(size.group(1), size.group(2))
+        label = piece[size.end():].strip().lower()
+        if label.startswith("total capacity"):
+            facts.total_bytes = value
+        elif label.startswith("already allocated"):
+            facts.allocated_bytes = value
+        elif label.startswith("free"):
+            facts.free_bytes = value
+        elif label.startswith("allowed"):
+            facts.allowed_bytes = value
+        elif label.startswith("reserved") or label.startswith("cached"):
+            reserved = value
+    if reserved is not None and facts.allocated_bytes is not None:
+        facts.reserved_unallocated_bytes = max(0, reserved - facts.allocated_bytes)
+
+
+def _parse_v2(facts: OomFacts, rest: str) -> None:
+    capacity = re.search(r"GPU (\d+) has a total capac\w* of " + SIZE + r" of which " + SIZE + r" is free", rest,
+                         re.IGNORECASE)
+    if capacity:
+        facts.device_index = int(capacity.group(1))
+        facts.total_bytes = parse_size(capacity.group(2), capacity.group(3))
+        facts.free_bytes = parse_size(capacity.group(4), capacity.group(5))
+    facts.process_bytes = _size_after(r"this process has", rest)
+    facts.allowed_bytes = _size_before(r"allowed;", rest)
+    facts.allocated_bytes = _size_after(r"Of the allocated memory", rest)
+    pools = re.search(r"with " + SIZE + r" allocated in private pools", rest, re.IGNORECASE)
+    facts.private_pool_bytes = parse_size(pools.group(1), pools.group(2)) if pools else None
+    facts.reserved_unallocated_bytes = _size_before(r"is reserved by PyTorch but unallocated", rest)
+    for pid, number, unit in re.findall(r"Process (\d+) has " + SIZE + r" memory in use", rest, re.IGNORECASE):
+        facts.other_processes.append((int(pid), parse_size(number, unit)))
+    if facts.process_bytes is None and len(facts.other_processes) == 1 and facts.reserved_bytes is not None:
+        # In a container NVML reports host PIDs, so torch cannot tell its own process
+        # apart and prints "Process N"; one process holding at least what torch
+        # reserved is this one.
+        pid, size = facts.other_processes[0]
+        if size >= facts.reserved_bytes:
+            facts.process_bytes = size
+            facts.other_processes = []
+
+
+# ---------------------------------------------------------------- explanation
+
+
+@dataclass
+class Finding:
+    """One plain-words statement: what happened, and what to change (may be empty)."""
+
+    what: str
+    change: str = ""
+
+
+def gib(num_bytes: float | None) -> str:
+    if num_bytes is None:
+        return "?"
+    if abs(num_bytes) < GIB:
+        return f"{num_bytes / MIB:.0f} MiB"
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def explain_oom(facts: OomFacts) -> list[Finding]:
+    """What held the memory and what to change, from a message's numbers alone.
+
+    A crash report or a plan adds concrete profile values on top (lowvram.memory.doctor).
+    """
+    if facts.source == "lowvram-plan":
+        p = facts.plan
+        return [
+            Finding(f"lowvram refused to start: a {int(p['context_len'])}-token context needs {gib(p['need_bytes'])} "
+                    f"(weights {gib(p['weight_bytes'])}, workspace {gib(p['workspace_bytes'])}, KV "
+                    f"{gib(p['kv_bytes'])}) but the profile's budget is {gib(p['budget_bytes'])}."),
+            Finding("Nothing ran out of memory on the device: the plan was checked before loading anything.",
+                    "run `lowvram doctor --model M --profile P --context N` for the largest context that fits and "
+                    "ranked changes (kv_precision: int8, a smaller max_model_len or max_num_batched_tokens)"),
+        ]
+    if facts.source == "driver":
+        return [Finding(
+            f"The {facts.backend} driver or a library (cuBLAS) could not allocate memory outside PyTorch's "
+            "allocator; the message carries no numbers. This happens when the CUDA context or cuBLAS "
+            "workspace is created on a card that is already full, or when unified-memory pages oversubscribe "
+            "a card that cannot page.",
+            "free device memory before the run (other processes: nvidia-smi), lower max_num_batched_tokens, "
+            "or set kv_backend: pinned")]
+
+    findings: list[Finding] = []
+    requested, total = facts.requested_bytes, facts.total_bytes
+    limit = facts.allowed_bytes or total
+    where = f"GPU {facts.device_index}" if facts.device_index is not None else "the device"
+    free = f"; only {gib(facts.free_bytes)} was free of {gib(total)}" if facts.free_bytes is not None else ""
+    cap = f" (this process was capped at {gib(facts.allowed_bytes)})" if facts.allowed_bytes else ""
+    findings.append(Finding(f"PyTorch asked for {gib(requested)} more on {where}{free}{cap}."))
+
+    held = []
+    if facts.allocated_bytes is not None:
+        held.append(f"live PyTorch tensors {gib(facts.allocated_bytes)}")
+    if facts.private_pool_bytes:
+        held.append(f"of which CUDA-graph pools {gib(facts.private_pool_bytes)}")
+    if facts.reserved_unallocated_bytes is not None:
+        held.append(f"cached by PyTorch but unused {gib(facts.reserved_unallocated_bytes)}")
+    if facts.non_torch_bytes is not None:
+        held.append(f"outside PyTorch in this process {gib(facts.non_torch_bytes)} (CUDA context, cuBLAS, "
+                    "unified-memory pages)")
+    others = facts.other_process_bytes
+    if others is not None:
+        held.append(f"other processes {gib(others)}")
+    if held:
+        findings.append(Finding("Memory was held by: " + "; ".join(held) + "."))
+
+    alloc_conf = "PYTORCH_HIP_ALLOC_CONF" if facts.backend == "HIP" else "PYTORCH_CUDA_ALLOC_CONF"
+    cause_found = False
+    if requested is not None and limit is not None and requested > limit:
+        findings.append(Finding(
+            f"This single allocation ({gib(requested)}) is larger than everything the process may use "
+            f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink.",
+            "lower max_num_batched_tokens (prefill chunk) and max_model_len; with the plain-torch attention path "
+            "a prefill chunk allocates float32 scores of heads x chunk x context"))
+        cause_found = True
+    is_capped = (facts.allowed_bytes is not None and facts.free_bytes is not None and requested is not None
+                 and facts.source != "mps" and facts.free_bytes > requested)
+    if is_capped and not cause_found:
+        findings.append(Finding(
+            f"The card still had {gib(facts.free_bytes)} free: the process's own cap of {gib(facts.allowed_bytes)} "
+            "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it.",
+            f"plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
+            f"above {facts.allowed_bytes / GIB:.1f}"))
+        cause_found = True
+    unallocated = facts.reserved_unallocated_bytes
+    reserved = facts.reserved_bytes
+    if (unallocated is not None and reserved and requested is not None
+            and unallocated >= requested and unallocated >= FRAGMENTATION_SHARE * reserved):
+        findings.append(Finding(
+            f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
+            "into pieces too small for it.",
+            f"export {alloc_conf}=expandable_segments:True"))
+        cause_found = True
+    if others is not None and total and others >= OTHER_PROCESS_SHARE * total:
+        findings.append(Finding(
+            f"Other processes held {gib(others)} of the card.",
+            f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: "
+            f"{max(0.25, (total - others) / GIB * 0.95):.1f}"))
+        cause_found = True
+    if facts.non_torch_bytes is not None and facts.non_torch_bytes > TYPICAL_NON_TORCH_BYTES:
+        findings.append(Finding(
+            f"This process held {gib(facts.non_torch_bytes)} outside PyTorch's allocator, more than a CUDA "
+            "context needs: unified-memory KV pages or another library's buffers.",
+            "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself"))
+        cause_found = True
+    if not cause_found:
+        findings.append(Finding(
+            "Live tensors filled the card: the run needs more memory than the card has.",
+            "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
+            "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values"))
+    return findings
+
+
+# ---------------------------------------------------------------- memory snapshots
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Snapshots are plain dicts and lists: refuse every class, so a hostile
+    pickle cannot run code."""
+
+    def find_class(self, module, name):
+        if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a memory snapshot")
+
+
+def load_snapshot_bytes(data: bytes) -> dict:
+    try:
+        snapshot = _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise ConfigError(f"the memory snapshot could not be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+        raise ConfigError("the pickle is not a torch memory snapshot (no 'segments' list); write one with "
+                          "torch.cuda.memory._dump_snapshot(PATH)")
+    return snapshot
+
+
+# (what the frame's function or file tells, category); snapshots from before lowvram's files
+# moved into packages name kv_pool.py, sampling.py and model.py
+_CATEGORIES = (
+    ("load_weights", "weights"), ("loader.py", "weights"),
+    ("allocate_pages", "KV pages"), ("pool.py", "KV pages"), ("tiers.py", "KV pages"), ("kv_pool.py", "KV pages"),
+    ("managed_memory.py", "KV pages"),
+    ("compute_logits", "logits and sampling"), ("sampler.py", "logits and sampling"),
+    ("sampling.py", "logits and sampling"),
+    ("paged_attention", "attention workspace"), ("attention.py", "attention workspace"),
+    ("_attend", "attention workspace"), ("dense.py", "layer activations"), ("model.py", "layer activations"),
+)
+CATEGORY_ADVICE = {
+    "weights": "weight_format: awq (INT4 weights take about a quarter of FP16)",
+    "KV pages": "kv_precision: int8 (half the KV bytes) or a smaller max_model_len / max_num_seqs",
+    "attention workspace": "a smaller max_num_batched_tokens (the prefill chunk) or max_model_len",
+    "layer activations": "a smaller max_num_batched_tokens",
+    "logits and sampling": "a smaller max_num_seqs",
+}
+
+
+@dataclass
+class SnapshotSite:
+    where: str  # "file.py:123 in function"
+    category: str
+    num_bytes: int
+    num_blocks: int
+
+
+@dataclass
+class SnapshotSummary:
+    num_segments: int
+    reserved_bytes: int
+    allocated_bytes: int
+    largest_free_bytes: int
+    largest_blocks: list[tuple[int, str]]  # (bytes, where), biggest first
+    sites: list[SnapshotSite]
+    categories: dict[str, int]
+
+    @property
+    def unallocated_bytes(self) -> int:
+        return self.reserved_bytes - self.allocated_bytes
+
+
+def _block_frames(block: dict) -> list[dict]:
+    frames = block.get("frames")
+    if frames:
+        return frames
+    history = block.get("history") or []  # torch 2.0 kept frames per allocation event
+    return (history[-1].get("frames") or []) if history else []
+
+
+def _user_frame(frames: list[dict]) -> dict | None:
+    """The innermost Python frame outside torch itself (frames run innermost first)."""
+    python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    for frame in python:
+        filename = str(frame.get("filename", "")).replace("\\", "/")
+        if "/torch/" not in filename and "/site-packages/triton/" not in filename:
+            return frame
+    return python[0] if python else None
+
+
+def _category(frames: list[dict]) -> str:
+    tokens = set()
+    for frame in frames:
+        filename = str(frame.get("filename", "")).replace("\\", "/").rsplit("/", 1)[-1]
+        name = str(frame.get("name", ""))
+        tokens.update((name, filename, f"{filename}:{name}"))
+    for marker, category in _CATEGORIES:
+        if marker in tokens:
+            return category
+    return "other"
+
+
+def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummary:
+    """Where the memory in a torch memory snapshot went, largest first."""
+    reserved = allocated = largest_free = 0
+    blocks: list[tuple[int, str]] = []
+    sites: dict[str, SnapshotSite] = {}
+    categories: dict[str, int] = {}
+    for segment in snapshot.get("segments", []):
+        reserved += int(segment.get("total_size", 0))
+        allocated += int(segment.get("allocated_size", 0))
+        for block in segment.get("blocks", []):
+            size = int(block.get("size", 0))
+            if block.get("state") != "active_allocated":
+                if block.get("state") == "inactive":
+                    largest_free = max(largest_free, size)
+                continue
+            frames = _block_frames(block)
+            frame = _user_frame(frames)
+            where = (f"{str(frame.get('filename', '?')).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.get('line', '?')}"
+                     f" in {frame.get('name', '?')}") if frame else "(no stack recorded)"
+            category = _category(frames)
+            blocks.append((size, where))
+            site = sites.setdefault(where, SnapshotSite(where, category, 0, 0))
+            site.num_bytes += size
+            site.num_blocks += 1
+            categories[category] = categories.get(category, 0) + size
+    blocks.sort(key=lambda item: -item[0])
+    ranked_sites = sorted(sites.values(), key=lambda s: -s.num_bytes)[:max_sites]
+    return SnapshotSummary(len(snapshot.get("segments", [])), reserved, allocated, largest_free, blocks[:10],
+                           ranked_sites, dict(sorted(categories.items(), key=lambda kv: -kv[1])))
+
+
+def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
+    findings = [Finding(
+        f"PyTorch had reserved {gib(summary.reserved_bytes)} in {summary.num_segments} segments; live tensors "
+        f"used {gib(summary.allocated_bytes)}, and {gib(summary.unallocated_bytes)} sat cached but unused "
+        f"(largest free piece {gib(summary.largest_free_bytes)}).")]
+    if summary.categories:
+        parts = [f"{name} {gib(size)}" for name, size in summary.categories.items()]
+        findings.append(Finding("Live memory by kind: " + "; ".join(parts) + "."))
+        top, top_bytes = next(iter(summary.categories.items()))
+        if top in CATEGORY_ADVICE and summary.allocated_bytes:
+            findings.append(Finding(f"{top.capitalize()} held the most ({top_bytes / summary.allocated_bytes:.0%} "
+                                    "of live memory).", CATEGORY_ADVICE[top]))
+    if summary.reserved_bytes and summary.unallocated_bytes >= FRAGMENTATION_SHARE * summary.reserved_bytes:
+        findings.append(Finding("A large share of the reserved memory was cached but unused: fragmentation.",
+                                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+    return findings
+
+
+# ---------------------------------------------------------------- input sniffing
+
+
+@dataclass
+class OomInput:
+    kind: str  # "message", "crash_report" or "snapshot"
+    facts: OomFacts | None = None
+    report: object | None = None  # lowvram.memory.crash_report.CrashReport
+    snapshot: SnapshotSummary | None = None
+
+
+def read_oom_input(data: bytes, source: str) -> OomInput:
+    """Recognise what `data` holds; ConfigError (naming `source`) when it is none of
+    an out-of-memory message, a crash report or a memory snapshot."""
+    from lowvram.memory.crash_report import CRASH_REPORT_FORMAT, crash_report_from_dict
+
+    if data[:1] == b"\x80":  # pickle protocol 2+
+        return OomInput("snapshot", snapshot=summarize_snapshot(load_snapshot_bytes(data)))
+    text = data.decode("utf-8", errors="replace")
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        try:
+            parsed = json.loads(stripped)
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and parsed.get("format") == CRASH_REPORT_FORMAT:
+            report = crash_report_from_dict(parsed, source)
+            return OomInput("crash_report", facts=parse_oom_message(report.exception_text), report=report)
+        if isinstance(parsed, dict) and isinstance(parsed.get("segments"), list):
+            return OomInput("snapshot", snapshot=summarize_snapshot(parsed))
+    facts = parse_oom_message(text)
+    if facts is None:
+        raise ConfigError(
+            f"{source} holds no out-of-memory message, lowvram crash report or torch memory snapshot that lowvram "
+            "recognises; pass the full error text (e.g. the line with 'CUDA out of memory. Tried to allocate'), "
+            "a crash-*.json report, or a snapshot from torch.cuda.memory._dump_snapshot")
+    return OomInput("message", facts=facts)

@@ -1,0 +1,668 @@
+"""DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) as a plain nn.Module over paged KV.
+
+Multi-head latent attention keeps per token and layer only the normalized KV latent
+(`kv_lora_rank`) and the one RoPE key shared by all heads (`qk_rope_head_dim`), as a
+single "KV head" of `kv_lora_rank + qk_rope_head_dim` values (576 for V2-Lite). The
+up-projection `kv_b_proj` is never applied to the cache; it is absorbed instead:
+
+    score_h = q_nope_h . (W_uk_h c) + q_pe_h . k_pe = [W_uk_h^T q_nope_h | q_pe_h] . [c | k_pe]
+    out_h   = sum_t p_t W_uv_h c_t = W_uv_h (sum_t p_t c_t)
+
+so attention is ordinary multi-query attention with one KV head of the latent size,
+where values are the first `kv_lora_rank` entries of the keys. The paged attention
+runs it unchanged when the V pages are the K pages themselves (same tensor): a
+layer's cache costs one row per token, not two.
+
+KV pool layout: the pool gives every pool layer a K and a V tensor of one KV head
+each, so two model layers share one pool layer (`num_kv_layers` = ceil(layers / 2)):
+layer 2j keeps its latent rows in pool layer j's K pages, layer 2j+1 in its V pages,
+and `layer_kv_pages` hands each layer a view whose K and V are that one tensor. The
+pool's spill, copy-on-write and precision changes work on it unchanged; an odd layer
+count leaves one half of the last pool layer unused.
+
+AWQ INT4 checkpoints (AutoAWQ GEMM names): every Linear of the decoder layers is INT4
+unless `modules_to_not_convert` names it, as AutoAWQ's DeepSeek-V2 recipe quantizes
+them (scale groups: input_layernorm -> q_proj (or q_a_proj) and kv_a_proj_with_mqa;
+q_a_layernorm -> q_b_proj; kv_a_layernorm -> kv_b_proj; post_attention_layernorm ->
+every expert's and the shared experts' gate_proj and up_proj; each up_proj -> its
+down_proj). The router (`mlp.gate`) is never quantized and is kept in float32.
+`kv_b_proj` is dequantized once at load, since absorption needs its weight as a matrix.
+
+Routed experts may live in host memory with a device cache per layer
+(`lowvram.models.expert_offload`); see `DeepseekV2ForCausalLM.offload_experts`.
+
+Parameter names equal the checkpoint names (routed experts one Linear each, as
+published), so a checkpoint loads by name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lowvram.kv.attention import AttentionMetadata, paged_attention
+from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear
+from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
+from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.models.dense import MLP, CausalLM, RMSNorm
+from lowvram.models.config import AwqConfig, awq_config_from_dict
+
+ARCHITECTURE = "DeepseekV2ForCausalLM"
+MODEL_TYPE = "deepseek_v2"
+
+# The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
+# 2.4B active per token), for benchmarks and plans at the real size.
+DEEPSEEK_V2_LITE_CONFIG = {
+    "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "q_lora_rank": None,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+}
+
+
+def is_deepseek_v2(raw: dict) -> bool:
+    """Whether a config.json dict describes a DeepSeek-V2 model."""
+    return ARCHITECTURE in (raw.get("architectures") or []) or raw.get("model_type") == MODEL_TYPE
+
+
+@dataclass
+class DeepseekV2Config:
+    """The config.json fields the model reads, with DeepSeek-V2's meanings.
+
+    It also answers what the engine, the KV pool and the memory plan ask a dense
+    model's ModelConfig (`num_kv_heads`, `head_dim`, `q_size`, ...), in terms of
+    what the pages hold: one KV head of `kv_head_dim` values per token and layer.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_routed_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    topk_method: str
+    num_groups: int | None
+    topk_group: int | None
+    routed_scaling_factor: float
+    is_topk_normalized: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope: dict
+    is_tied_head: bool
+    max_position_embeddings: int = 163840
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    checkpoint_dtype: str = "bfloat16"
+    quantization: AwqConfig | None = None
+    architecture: str = ARCHITECTURE
+    has_qkv_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Values per token and layer in the KV pages (one KV head)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    # -- as the KV pool and memory plan read a ModelConfig -------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def head_dim(self) -> int:
+        """Width of a KV page row and of the absorbed query: `kv_head_dim`."""
+        return self.kv_head_dim
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.kv_head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_head_dim
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Pool layers: two model layers share one (see the module docstring)."""
+        return -(-self.num_layers // 2)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.num_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def num_params(self) -> int:
+        """Parameter count, every routed expert included."""
+        h, heads = self.hidden_size, self.num_heads
+        if self.q_lora_rank is None:
+            q = h * heads * self.qk_head_dim
+        else:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+        attn = (q + h * self.kv_head_dim + self.kv_lora_rank
+                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h)
+        expert = 3 * h * self.moe_intermediate_size
+        moe = (self.num_routed_experts + self.num_shared_experts) * expert + self.num_routed_experts * h
+        dense = 3 * h * self.intermediate_size
+        layers = sum(attn + 2 * h + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
+        head = 0 if self.is_tied_head else self.vocab_size * h
+        return self.vocab_size * h + layers + h + head
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> DeepseekV2Config:
+        try:
+            # transformers 5 writes rope_parameters; published checkpoints carry rope_theta/rope_scaling.
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            rope["rope_type"] = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+            rope.pop("type", None)
+            eos = raw.get("eos_token_id")
+            quant = raw.get("quantization_config")
+            config = cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=int(raw["num_attention_heads"]),
+                q_lora_rank=raw.get("q_lora_rank"),
+                kv_lora_rank=int(raw["kv_lora_rank"]),
+                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                v_head_dim=int(raw["v_head_dim"]),
+                num_routed_experts=int(raw.get("n_routed_experts") or 0),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+                num_shared_experts=int(raw.get("n_shared_experts") or 0),
+                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+                first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+                topk_method=raw.get("topk_method") or "greedy",
+                num_groups=raw.get("n_group"),
+                topk_group=raw.get("topk_group"),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+                is_topk_normalized=bool(raw.get("norm_topk_prob")),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope=rope,
+                is_tied_head=bool(raw.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 163840)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+                checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+                quantization=None if quant is None else awq_config_from_dict(quant, f"{source} quantization_config"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{source} of a {ARCHITECTURE} is missing or has a bad field ({exc!r})") from None
+        if config.rope["rope_type"] not in ("default", "yarn"):
+            raise UnsupportedModelError(
+                f"rope type {config.rope['rope_type']!r} is not supported for {ARCHITECTURE}; supported: default, yarn")
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(
+                f"topk_method {config.topk_method!r} is not supported; supported: greedy, group_limited_greedy")
+        if raw.get("scoring_func", "softmax") != "softmax":
+            raise UnsupportedModelError(f"scoring_func {raw['scoring_func']!r} is not supported; supported: softmax")
+        if config.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={config.qk_rope_head_dim} must be even")
+        return config
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class InterleavedRotary(nn.Module):
+    """RoPE over adjacent pairs (x[2i], x[2i+1]), as DeepSeek-V2 was trained, with yarn scaling.
+
+    Yarn interpolates low frequencies by `factor`, keeps high ones, ramps between, and
+    multiplies cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+    """
+
+    def __init__(self, config: DeepseekV2Config):
+        super().__init__()
+        self.config = config
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def _inv_freq(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        dim, base, rope = self.config.qk_rope_head_dim, self.config.rope_theta, self.config.rope
+        pos_freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        if rope["rope_type"] == "default":
+            return 1.0 / pos_freqs, 1.0
+        factor = float(rope["factor"])
+        original_max_positions = int(rope["original_max_position_embeddings"])
+        beta_fast, beta_slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+        def correction_dim(num_rotations: float) -> float:
+            return dim * math.log(original_max_positions / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(factor)
+        return inv_freq, float(attention_factor)
+
+    def _build(self, max_pos: int, device: torch.device) -> None:
+        inv_freq, attention_factor = self._inv_freq(device)
+        freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)  # [P, R/2]
+        self.cos, self.sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Make the tables cover `num_positions` (they double when they grow)."""
+        if self.cos is None or self.cos.shape[0] < num_positions or self.cos.device != device:
+            self._build(max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024)), device)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None) -> list[torch.Tensor]:
+        """Rotate each x [T, heads, R] by its token's position. `num_positions` bounds the
+        positions (the step's longest context), sparing a device-to-host read per layer."""
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 1
+        self.reserve(num_positions, positions.device)
+        cos = self.cos[positions][:, None, :]  # [T, 1, R/2]
+        sin = self.sin[positions][:, None, :]
+        out = []
+        for x in xs:  # x: [T, heads, R]
+            pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, R/2, 2]
+            even, odd = pairs[..., 0], pairs[..., 1]
+            rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+            out.append(rotated.flatten(-2).to(x.dtype))
+        return out
+
+
+def softmax_scale(config: DeepseekV2Config) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under yarn.
+
+    Yarn's attention factor is folded into cos/sin, which scales q_pe.k_pe but not
+    q_nope.k_nope; DeepSeek-V2 corrects the whole score with the squared mscale here.
+    """
+    scale = config.qk_head_dim**-0.5
+    rope = config.rope
+    if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+        scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    return scale
+
+
+def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
+    """Layer `layer_idx`'s cache in the pool layout: its half of pool layer `layer_idx // 2`
+    (K for even layers, V for odd), viewed as both K and V."""
+    pages = kv_pages[layer_idx // 2]
+    if layer_idx % 2 == 0:
+        rows, scale, zero, window = pages.k, pages.k_scale, pages.k_zero, pages.window_k
+    else:
+        rows, scale, zero, window = pages.v, pages.v_scale, pages.v_zero, pages.window_v
+    return KVPages(k=rows, v=rows, precision=pages.precision, k_scale=scale, k_zero=zero, v_scale=scale, v_zero=zero,
+                   window_k=window, window_v=window, window_row=pages.window_row)
+
+
+def allocate_latent_pages(config: DeepseekV2Config, num_blocks: int, block_size: int, precision: str,
+                          dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu") -> list[KVPages]:
+    """Every layer's cache in the pool layout: `num_kv_layers` KVPages of one `kv_head_dim` head."""
+    return [allocate_pages(num_blocks, block_size, 1, config.kv_head_dim, precision, dtype, device)
+            for _ in range(config.num_kv_layers)]
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, config: DeepseekV2Config, rotary: InterleavedRotary):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_heads
+        hidden, heads = config.hidden_size, config.num_heads
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * config.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
+        self.rotary = rotary
+        self.scale = softmax_scale(config)
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk [H, nope, rank] and W_uv [H, v, rank], views of kv_b_proj's weight."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
+        c = self.config
+        num_tokens = h.shape[0]
+        q = self.q_proj(h) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
+        q = q.view(num_tokens, self.num_heads, c.qk_head_dim)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(h).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_pe = k_pe.view(num_tokens, 1, c.qk_rope_head_dim)  # [T, 1, rope]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe, num_positions=meta.max_context_len)
+
+        w_uk, w_uv = self._up_projections()
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
+        q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
+        kv = torch.cat((latent.view(num_tokens, 1, c.kv_lora_rank), k_pe), dim=-1)  # [T, 1, rank + rope]
+        out = paged_attention(q_full, kv, kv, kv_pages, meta, self.scale)  # [T, H, rank + rope]
+        out = torch.einsum("thr,hvr->thv", out[..., : c.kv_lora_rank], w_uv)  # [T, H, v]
+        return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*v] -> [T, hidden]
+
+
+class Router(nn.Module):
+    """Softmax over routed experts, then top-k (greedy, or within the best groups)."""
+
+    def __init__(self, config: DeepseekV2Config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_routed_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        c = self.config
+        scores = nn.functional.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [T, E]
+        if c.topk_method == "group_limited_greedy":
+            grouped = scores.view(x.shape[0], c.num_groups, -1)  # [T, G, E/G]
+            best_groups = grouped.max(dim=-1).values.topk(c.topk_group, dim=-1).indices  # [T, topk_group]
+            is_kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            scores = grouped.masked_fill(~is_kept[..., None], 0.0).view(x.shape[0], -1)
+        weights, ids = scores.topk(c.num_experts_per_tok, dim=-1)
+        # As DeepSeek-V2's own code: normalized weights are not scaled, unnormalized ones are.
+        if c.num_experts_per_tok > 1 and c.is_topk_normalized:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * c.routed_scaling_factor
+        return weights, ids
+
+
+class MoE(nn.Module):
+    """Shared experts plus the top-k routed experts, resident (`experts`) or cached (`cache`).
+
+    With a cache, `next_layer` is (the next layer's post_attention_layernorm, its MoE)
+    when the next layer is an MoE layer too; see `forward` for what it is used for.
+    """
+
+    def __init__(self, config: DeepseekV2Config):
+        super().__init__()
+        self.num_experts = config.num_routed_experts
+        self.gate = Router(config)
+        self.experts = nn.ModuleList(
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts))
+        if config.num_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+        self.cache: ExpertCache | None = None
+        self.next_layer: tuple[RMSNorm, MoE] | None = None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden], the normed input; `residual` the hidden state before the norm.
+
+        Prefetch design (offloaded experts): routing needs the post-attention hidden state,
+        so a layer's experts are known only after its attention. Guessing them from the
+        previous token's routing would move little: those experts were just used and are
+        mostly still cached. Instead the next layer's router is applied now, to this
+        layer's post-attention state under the next layer's norm (the residual stream
+        changes little from one layer to the next; "speculative expert loading", as in
+        Eliseev and Mazur's Mixtral offloading), in the same host sync as this layer's
+        routing. The guessed experts are copied on the side stream after this layer's
+        own misses, so the copies overlap this layer's experts and the next layer's
+        attention; wrong guesses cost only bandwidth, and misses are fetched on demand
+        (`ExpertCache.run`). The first MoE layer gets no guess.
+        """
+        weights, ids = self.gate(x)  # [T, k]
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)  # [E]
+        next_layer = self.next_layer if self.cache is not None and residual is not None else None
+        if next_layer is not None:
+            norm, next_moe = next_layer
+            _, guessed_ids = next_moe.gate(norm(residual))
+            counts = torch.cat((counts, torch.bincount(guessed_ids.flatten(), minlength=self.num_experts)))
+        # The layer's one host sync: which experts run (and move) depends on it.
+        counts = counts.tolist()
+        if self.cache is not None:
+            out = self.cache.run(x, weights, ids, counts[: self.num_experts])
+            if next_layer is not None:
+                next_layer[1].cache.prefetch(counts[self.num_experts :])
+        else:
+            out = torch.zeros_like(x)
+            token_rows, sorted_weights, starts = group_by_expert(ids, weights, counts)
+            for expert_id, count in enumerate(counts):
+                if count:
+                    rows = token_rows[starts[expert_id] : starts[expert_id] + count]
+                    y = self.experts[expert_id](x.index_select(0, rows))
+                    out.index_add_(0, rows, y * sorted_weights[starts[expert_id] : starts[expert_id] + count, None]
+                                   .to(x.dtype))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV2Config, layer_idx: int, rotary: InterleavedRotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LatentAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, residual, positions, meta, kv_pages):
+        """(h, residual) -> (this layer's MLP output, the residual stream before it), as the
+        dense model's layer (lowvram.models.dense.DecoderLayer): the next norm adds the two."""
+        x, residual = self.input_layernorm.add_and_norm(h, residual)
+        # The attention output is not kept past the add: the MLP runs without it.
+        x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
+        return (self.mlp(x, residual) if isinstance(self.mlp, MoE) else self.mlp(x)), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: DeepseekV2Config):
+        super().__init__()
+        self.rotary = InterleavedRotary(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """`model.*` and `lm_head` as in the checkpoint; the interface of CausalLM.
+
+    kv_pages: the KV pool's pages, `config.num_kv_layers` KVPages of one KV head of
+    `config.kv_head_dim` values (see `layer_kv_pages`, `allocate_latent_pages`).
+    `expert_stats` counts expert-cache hits and bytes moved (all zero while every
+    expert is resident).
+    """
+
+    # Routing decides on the host which experts run (and move): one sync per MoE layer.
+    supports_cuda_graphs = False
+
+    def __init__(self, config: DeepseekV2Config):
+        super().__init__(config, DeepseekV2Model(config))
+        self.expert_stats = ExpertCacheStats()
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        h, residual = self.model.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(h, residual, positions, meta, layer_kv_pages(kv_pages, i))
+        self.expert_stats.num_tokens += input_ids.shape[0]
+        return self.model.norm.add_and_norm(h, residual)[0]
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    @property
+    def num_cached_experts(self) -> int | None:
+        """Routed experts each MoE layer keeps on the device; None when all are resident."""
+        caches = [moe.cache for moe in self.moe_layers if moe.cache is not None]
+        return caches[0].num_slots if caches else None
+
+    def offload_experts(self, max_cached_experts: int) -> None:
+        """Move the routed experts to host memory, keeping `max_cached_experts` per layer
+        on the device (or change that number when they are already offloaded)."""
+        device = self.model.embed_tokens.weight.device
+        moes = self.moe_layers
+        for moe in moes:
+            if moe.cache is None:
+                moe.cache = ExpertCache(list(moe.experts), max_cached_experts, device, self.expert_stats)
+                moe.experts = None
+            else:
+                moe.cache.resize(max_cached_experts)
+        for layer, following in itertools.pairwise(self.model.layers):
+            if isinstance(layer.mlp, MoE) and isinstance(following.mlp, MoE):
+                layer.mlp.next_layer = (following.post_attention_layernorm, following.mlp)
+        if hasattr(self, "weight_report"):
+            self.count_weights()
+
+    def count_weights(self) -> None:
+        """Set `weight_report` (checkpoint.WeightReport) and `weight_bytes`: device bytes of the
+        weights, cached experts included, host-held experts not."""
+        from lowvram.models.checkpoint import weight_report
+
+        report = weight_report(self)
+        cache_bytes = sum(moe.cache.device_bytes for moe in self.moe_layers if moe.cache is not None)
+        if self.config.quantization is not None:
+            report.int4_layer_bytes += cache_bytes
+        else:
+            report.fp16_layer_bytes += cache_bytes
+        self.weight_report = report
+        self.weight_bytes = report.total_bytes
+
+
+def _swap_awq_linears(model: DeepseekV2ForCausalLM, quant: AwqConfig, is_head_quantized: bool) -> None:
+    """Replace the Linears an AWQ checkpoint quantizes by AwqLinear (model on the meta device)."""
+    names = [name for name, module in model.model.layers.named_modules(prefix="model.layers")
+             if isinstance(module, nn.Linear) and not quant.is_skipped(name)]
+    if is_head_quantized:
+        names.append("lm_head")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        try:
+            with torch.device("meta"):
+                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
+        except ValueError as exc:
+            raise ModelLoadError(f"{name} cannot be AWQ INT4 with group_size {quant.group_size}: {exc}; list it in "
+                                 "quantization_config.modules_to_not_convert if the checkpoint keeps it in FP16") from None
+        setattr(parent, child, awq)
+
+
+def _dequantize_up_projections(model: DeepseekV2ForCausalLM, dtype: torch.dtype) -> None:
+    """Absorption multiplies by kv_b_proj's weight as a matrix: dequantize INT4 ones once."""
+    from lowvram.kernels.awq_format import dequantize_awq
+
+    for layer in model.model.layers:
+        linear = layer.self_attn.kv_b_proj
+        if not isinstance(linear, AwqLinear):
+            continue
+        if linear.has_compensation:
+            raise UnsupportedModelError("residual compensation on kv_b_proj is not supported for DeepSeek-V2")
+        weight = dequantize_awq(linear.qweight, linear.qzeros, linear.scales, linear.group_size, dtype)  # [K, N]
+        dense = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+        dense.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [N, K]
+        layer.self_attn.kv_b_proj = dense
+
+
+def load_deepseek_v2(model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None, *,
+                     max_cached_experts: int | None = None) -> tuple[DeepseekV2ForCausalLM, dict]:
+    """Build on the meta device from config.json and assign the safetensors tensors by name.
+
+    FP16/BF16/FP32 and AWQ INT4 (AutoAWQ GEMM) checkpoints. `max_cached_experts`: routed
+    experts per MoE layer kept on the device, the rest in host memory (None, or at least
+    the number of experts: all on the device); offloaded experts are read straight into
+    host memory, so the device never holds them all. Returns the model (with `.dtype`,
+    `.weight_report` and `.weight_bytes` set) and the raw config.json dict. The router
+    weights (`mlp.gate.weight`) are kept in float32 as DeepSeek keeps them: routing on
+    rounded scores flips expert choices between near-tied experts.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from lowvram.models.checkpoint import tensor_names, weight_files
+
+    model_dir, device = Path(model_dir), torch.device(device)
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'} ({exc})") from None
+    config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
+    if dtype is None:
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = DeepseekV2ForCausalLM(config)
+    if config.quantization is not None:
+        _swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
+    is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
+    expert_device = torch.device("cpu") if is_offloaded else device
+    expected = dict(model.named_parameters()) | dict(model.named_buffers())
+    loaded: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(expected[name].shape):
+                        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
+                                             f"{tuple(expected[name].shape)}")
+                    module_name, _, attr = name.rpartition(".")
+                    module = model.get_submodule(module_name)
+                    target = expert_device if ".mlp.experts." in name else device
+                    if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
+                        tensor = tensor.to(target)  # packed words and float16 scales stay as stored
+                    else:
+                        tensor = tensor.to(target, torch.float32 if name.endswith("mlp.gate.weight") else dtype)
+                    if attr in module._buffers:
+                        module._buffers[attr] = tensor
+                    else:
+                        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+                    loaded.add(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
+    if config.is_tied_head and "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is "
+                             "incomplete or does not match config.json")
+    _dequantize_up_projections(model, dtype)
+    if is_offloaded:
+        model.offload_experts(max_cached_experts)
+    model.dtype = dtype
+    model.count_weights()
+    model.eval()
+    return model, raw

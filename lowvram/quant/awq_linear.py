@@ -1,0 +1,153 @@
+"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors.
+
+The buffers carry the checkpoint's names and are the tensors read from disk, unchanged:
+`qweight` int32 [K, N/8], `qzeros` int32 [K/G, N/8], `scales` float16 [K/G, N], plus `bias`
+[N] when the layer has one. The forward pass is `lowvram.kernels.w4a16.awq_linear` (Triton on
+CUDA, plain torch elsewhere; it logs which once).
+
+Residual compensation (written by `lowvram quantize`) corrects the INT4 error with two
+optional extras, stored beside the AWQ tensors under names no other loader knows:
+- `lowvram_lora_a` [r, K] and `lowvram_lora_b` [N, r]: a rank-r term, y += (x A^T) B^T;
+- `lowvram_bias_correction` [N]: y += c, the INT4 error's mean effect on the output.
+
+Both run inside the INT4 kernel's one launch. The correction is folded into the bias when it
+is attached (bias := bias + c, or c when the layer has none), so it costs nothing at all. B is
+kept transposed: `lowvram_lora_b` is a [N, r] view of a contiguous [r, N] tensor, `lora_bt`,
+which the decode kernel reads a column block at a time. The files keep the names and layouts
+`lowvram quantize` wrote; only the modules hold them this way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowvram.kernels.awq_format import PACK_FACTOR
+from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, can_fuse_one_row
+
+LORA_A = "lowvram_lora_a"
+LORA_B = "lowvram_lora_b"
+BIAS_CORRECTION = "lowvram_bias_correction"
+COMPENSATION_NAMES = (LORA_A, LORA_B, BIAS_CORRECTION)  # names in the checkpoint
+LORA_NAMES = (LORA_A, LORA_B)  # the ones a module keeps as buffers
+AWQ_NAMES = ("qweight", "qzeros", "scales")
+
+
+class AwqLinear(nn.Module):
+    """y = x W^T + bias with W = (q - z) * s held as packed INT4.
+
+    Args:
+        in_features: K; must be a multiple of group_size.
+        out_features: N; must be a multiple of 8 (eight 4-bit columns per int32).
+        group_size: inputs sharing one scale and zero point (32, 64 or 128).
+        has_bias: whether the checkpoint's layer has a bias (Qwen2's q/k/v do); a bias
+            correction gives a layer without one a bias made of the correction.
+    The buffers start empty; the loader assigns the checkpoint's tensors.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool = False):
+        super().__init__()
+        if out_features % PACK_FACTOR or in_features % group_size:
+            raise ValueError(
+                f"AWQ needs out_features % 8 == 0 and in_features % group_size == 0, got "
+                f"[{out_features}, {in_features}] with group_size {group_size}"
+            )
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        num_groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(in_features, out_features // PACK_FACTOR, dtype=torch.int32))
+        self.register_buffer("qzeros", torch.empty(num_groups, out_features // PACK_FACTOR, dtype=torch.int32))
+        self.register_buffer("scales", torch.empty(num_groups, out_features, dtype=torch.float16))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if has_bias else None
+        for name in LORA_NAMES:
+            self.register_buffer(name, None)
+        self.has_own_bias = has_bias
+        self.is_bias_corrected = False  # the bias already holds lowvram_bias_correction
+        self.is_batch_invariant = False  # set by lowvram.models.batch_invariance
+
+    @property
+    def has_compensation(self) -> bool:
+        return self.is_bias_corrected or any(getattr(self, name) is not None for name in LORA_NAMES)
+
+    @property
+    def lora_rank(self) -> int:
+        lora_a = getattr(self, LORA_A)
+        return 0 if lora_a is None else lora_a.shape[0]
+
+    @property
+    def lora_bt(self) -> torch.Tensor | None:
+        """B^T [r, N], contiguous as set_compensation stores it."""
+        lora_b = getattr(self, LORA_B)
+        return None if lora_b is None else lora_b.t()
+
+    def set_compensation(self, name: str, tensor: torch.Tensor) -> None:
+        """Attach one compensation tensor, checking its shape against the layer.
+
+        A bias correction is added to the bias here, so the bias must already hold its
+        checkpoint value (the loader attaches compensation after every other tensor).
+        """
+        expected = {
+            LORA_A: (None, self.in_features),
+            LORA_B: (self.out_features, None),
+            BIAS_CORRECTION: (self.out_features,),
+        }[name]
+        shape = tuple(tensor.shape)
+        if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+            readable = ["r" if e is None else e for e in expected]
+            raise ValueError(f"{name} has shape {list(shape)}, expected {readable}")
+        if name == BIAS_CORRECTION:
+            self._fold_bias_correction(tensor)
+        elif name == LORA_B:
+            self.register_buffer(name, tensor.t().contiguous().t())  # [N, r] over a contiguous [r, N]
+        else:
+            self.register_buffer(name, tensor.contiguous())
+
+    def _fold_bias_correction(self, correction: torch.Tensor) -> None:
+        if self.bias is None:
+            folded = correction.clone()
+        elif self.bias.is_meta:
+            raise ValueError(f"{BIAS_CORRECTION} was attached before the bias was loaded; attach it after")
+        else:
+            # one rounding to the bias dtype instead of one per add in the forward pass
+            folded = (self.bias.float() + correction.to(self.bias.device).float()).to(self.bias.dtype)
+        self.bias = nn.Parameter(folded, requires_grad=False)
+        self.is_bias_corrected = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # On the CPU the model always takes the plain-torch path: Triton there is only the
+        # interpreter, which tests use to check the kernels themselves.
+        # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
+        return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                          **self._lora(), use_reference=not x.is_cuda, batch_invariant=self.is_batch_invariant)
+
+    def can_fuse_input(self, x: torch.Tensor) -> bool:
+        """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside
+        the batch-invariant mode (which keeps one kernel form for every row count)."""
+        return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
+
+    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(RMSNorm(h + residual)), h + residual) in one kernel: RMSNorm.add_and_norm and
+        this layer fused; with no residual (the first layer) the sum is h itself. `rope_kv`: a
+        fused q/k/v layer's output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
+        total = None if residual is None else torch.empty_like(h)
+        y = awq_linear_one_row(h, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                               **self._lora(), norm=InputNorm(norm_weight, eps, residual, total), rope_kv=rope_kv)
+        return y, (h if total is None else total)
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of a fused gate/up output [1, 2K], in one kernel."""
+        return awq_linear_one_row(gate_up, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
+                                  **self._lora(), is_gated=True)
+
+    def _lora(self) -> dict:
+        lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
+        if lora_a is None or lora_bt is None:
+            return {}
+        return {"lora_a": lora_a, "lora_bt": lora_bt}
+
+    def extra_repr(self) -> str:
+        extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
+        if self.is_bias_corrected:
+            extras += ", bias_correction=True"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}{extras}")
