@@ -51,7 +51,7 @@ def num_sms(device: torch.device) -> int:
     return sm_limit(device) or _device_sms(device.type, device.index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_sms(device_type: str, device_index) -> int:
     if device_type != "cuda":
         return INTERPRETER_NUM_SMS

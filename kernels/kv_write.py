@@ -9,7 +9,6 @@ are identical.
 
 from __future__ import annotations
 
-
 import torch
 
 from lowvram.errors import KernelError

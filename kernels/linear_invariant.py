@@ -23,6 +23,7 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
+
 # The W4A16 path's SM count, so both kinds of layer split alike (a small count under the
 # interpreter, so CPU tests cover the split reduction).
 from lowvram.kernels.w4a16 import num_sms

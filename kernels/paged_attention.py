@@ -157,7 +157,7 @@ MIN_TILES_PER_PARTITION = 2
 MIN_FITTED_TILE_TOKENS = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -> DecodeConfig:
     """The decode kernel's configuration for pages of `bits` (16, 8 or 4) unless a benchmark
     passes another."""

@@ -58,7 +58,7 @@ def pdl_setting() -> bool:
     return value == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_has_pdl(device_index: int) -> bool:
     # ROCm builds report the gfx version as the capability (MI300: 9.4); HIP has no such launch
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= MIN_CAPABILITY
@@ -77,7 +77,7 @@ def uses_pdl(device: torch.device) -> bool:
     return pdl_setting() and _device_has_pdl(_index(device))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _l2_bytes(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).L2_cache_size
 

@@ -22,10 +22,10 @@ import triton.language as tl
 from lowvram.errors import KernelError
 from lowvram.kernels import kv_write
 from lowvram.kernels.dispatch import use_triton
-from lowvram.kernels.pdl import await_inputs, dependent_launch
-from lowvram.kernels.kv_write import _cache_pointers, _check_write_args, _store_constants, _write_token, write_kv_ref
-from lowvram.kernels.rotary import _check_rotary_args, _rotate_half, apply_rotary_ref
 from lowvram.kernels.kv_quant import KVPages
+from lowvram.kernels.kv_write import _cache_pointers, _check_write_args, _store_constants, _write_token, write_kv_ref
+from lowvram.kernels.pdl import await_inputs, dependent_launch
+from lowvram.kernels.rotary import _check_rotary_args, _rotate_half, apply_rotary_ref
 
 
 def rotary_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowvram.kernels.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.errors import ConfigError, KernelError
+from lowvram.kernels.awq_format import check_awq_shapes, dequantize_awq
 from lowvram.kernels.dispatch import num_sms
 from lowvram.kernels.kv_quant import KVPages
 
@@ -306,7 +306,7 @@ def _select_backend(device: torch.device) -> bool:
     return use_triton
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backend_for(device_type: str, device_index) -> tuple[bool, str]:
     if _TRITON_IMPORT_ERROR is not None:
         return False, f"triton is unavailable: {_TRITON_IMPORT_ERROR}"
@@ -324,7 +324,7 @@ def _backend_for(device_type: str, device_index) -> tuple[bool, str]:
     return True, f"compute capability {capability[0]}.{capability[1]}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_name_for(device_type: str, device_index) -> str:
     return torch.cuda.get_device_name(device_index) if device_type == "cuda" else ""
 

@@ -52,9 +52,9 @@ import triton
 import triton.language as tl
 
 from lowvram.errors import ConfigError
+from lowvram.kernels import kv_write
 from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
-from lowvram.kernels import kv_write
 from lowvram.kernels.kv_write import _store_row, _window_slot
 from lowvram.kernels.pdl import await_inputs, launch_prefetch, prefetch_l2
 from lowvram.kernels.rms_norm import normalize_and_scale, rms_inverse
@@ -906,7 +906,7 @@ def tuning_file(device_name: str) -> Path:
     return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tuned_configs(device_name: str) -> dict[str, dict]:
     """Tuning key -> configuration for `device_name`, from $LOWVRAM_GEMV_TUNING or the shipped
     file ({} when there is none). A named file that is missing or malformed is an error that

@@ -10,15 +10,15 @@ import logging
 import sys
 import time
 
-from lowvram.memory.crash_report import report_cuda_oom
 from lowvram.engine.args import add_engine_args, engine_kwargs
 from lowvram.errors import LowvramError
+from lowvram.memory.crash_report import report_cuda_oom
 
 
 @report_cuda_oom
 def cmd_generate(args) -> int:
-    from lowvram.engine.llm import LLM
     from lowvram.core.sampling_params import SamplingParams
+    from lowvram.engine.llm import LLM
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.model is None:

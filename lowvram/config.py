@@ -78,7 +78,7 @@ class Profile:
     def memory_budget_bytes(self) -> int:
         return int(self.memory_budget_gib * self.memory_utilization * 2**30)
 
-    def replace(self, **changes: Any) -> "Profile":
+    def replace(self, **changes: Any) -> Profile:
         """A validated copy with some fields changed (e.g. from CLI flags)."""
         data = dataclasses.asdict(self)
         for key, value in changes.items():

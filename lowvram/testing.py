@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from lowvram.errors import ConfigError
-
 # DeepSeek-R1's special-token spellings, one copy for the demo model and the fixtures.
 from lowvram.demo.tokenizer import ASSISTANT as ASSISTANT_TOKEN  # noqa: F401  (public name)
 from lowvram.demo.tokenizer import BOS as BOS_TOKEN
 from lowvram.demo.tokenizer import EOS as EOS_TOKEN
 from lowvram.demo.tokenizer import SPECIAL_TOKENS
 from lowvram.demo.tokenizer import USER as USER_TOKEN  # noqa: F401  (public name)
+from lowvram.errors import ConfigError
 
 MAX_POSITION_EMBEDDINGS = 2048
 

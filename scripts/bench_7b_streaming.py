@@ -37,15 +37,15 @@ import torch
 
 from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import EngineStats, LLMEngine
-from lowvram.models.layer_streaming import HostComputed
 from lowvram.memory.plan import (
     DEFAULT_OFFLOAD_STRATEGY,
     OFFLOAD_STRATEGIES,
     decoder_linears,
 )
 from lowvram.models.config import model_config_from_dict
-from lowvram.core.sampling_params import SamplingParams
+from lowvram.models.layer_streaming import HostComputed
 from lowvram.models.shapes import SHAPES, shape_config
 
 GIB = 2**30

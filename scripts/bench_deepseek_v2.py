@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from lowvram.kernels.awq_format import pack_awq
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError, OutOfMemoryError
+from lowvram.kernels.awq_format import pack_awq
 from lowvram.memory.plan import deepseek_v2_linears
 from lowvram.models.deepseek_v2 import DEEPSEEK_V2_LITE_CONFIG, DeepseekV2Config
-from lowvram.core.sampling_params import SamplingParams
 
 # The weight spread of N(0, 0.02): codes minus zero points have a std of about 4.6.
 SCALE = 0.02 / 4.6

@@ -119,10 +119,10 @@ def measure_context_bytes() -> tuple[int, str]:
 
 def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: str, decode_steps: int,
             context_bytes: int) -> dict:
-    from lowvram.memory.doctor import plan_memory
-    from lowvram.engine.engine import LLMEngine
-    from lowvram.models.config import load_model_config
     from lowvram.core.sampling_params import SamplingParams
+    from lowvram.engine.engine import LLMEngine
+    from lowvram.memory.doctor import plan_memory
+    from lowvram.models.config import load_model_config
 
     # KV pages in torch's allocator (kv_backend device): unified-memory pages are invisible to
     # max_memory_allocated. The controller stays off so the planned precision and batch hold.

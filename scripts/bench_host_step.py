@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 from lowvram.bench.record import run_metadata
-from lowvram.core.block_manager import BlockManager
 from lowvram.config import load_profile
-from lowvram.engine.engine import LLMEngine
-from lowvram.kv.pool import KVShape
-from lowvram.engine.model_runner import ModelRunner
+from lowvram.core.block_manager import BlockManager
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import Scheduler
+from lowvram.engine.engine import LLMEngine
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.kv.pool import KVShape
 from lowvram.testing import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

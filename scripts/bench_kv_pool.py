@@ -54,10 +54,10 @@ import torch
 
 from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kv.pool import KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.core.sampling_params import SamplingParams
 
 GIB = 2**30
 MIB = 2**20

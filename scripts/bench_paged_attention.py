@@ -57,6 +57,7 @@ import triton.language as tl
 
 from lowvram.bench.record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
 from lowvram.errors import ConfigError
+from lowvram.kernels.kv_quant import BITS_BY_PRECISION, allocate_pages
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
     DecodeConfig,
@@ -68,7 +69,6 @@ from lowvram.kernels.paged_attention import (
 )
 from lowvram.kernels.pdl import PDL_ENV, await_inputs, dependent_launch
 from lowvram.kv.pool import recent_window_blocks
-from lowvram.kernels.kv_quant import BITS_BY_PRECISION, allocate_pages
 from lowvram.sm_slice import sm_ids, sm_slice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.bench.record import run_metadata
+from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.models.shapes import projection_shapes, random_awq_tensors
 
 GROUP_SIZE = 128

@@ -27,10 +27,17 @@ import torch
 
 from lowvram.bench.record import run_metadata
 from lowvram.config import load_profile
-from lowvram.engine.engine import LLMEngine
 from lowvram.core.sampling_params import SamplingParams
-from lowvram.models.shapes import (PROJECTIONS, attention_sizes, fused_projection_parts, layer_projection_shapes,
-                            projection_shapes, random_awq_tensors, shape_config)
+from lowvram.engine.engine import LLMEngine
+from lowvram.models.shapes import (
+    PROJECTIONS,
+    attention_sizes,
+    fused_projection_parts,
+    layer_projection_shapes,
+    projection_shapes,
+    random_awq_tensors,
+    shape_config,
+)
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -280,8 +287,12 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
     from triton.testing import do_bench_cudagraph
 
     from lowvram.kernels.w4a16 import InputNorm
-    from lowvram.kernels.w4a16_gemv import (choose_gemv_config, decode_gemv_config, invariant_gemv_config,
-                                            launch_awq_gemv)
+    from lowvram.kernels.w4a16_gemv import (
+        choose_gemv_config,
+        decode_gemv_config,
+        invariant_gemv_config,
+        launch_awq_gemv,
+    )
 
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []

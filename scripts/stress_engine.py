@@ -51,11 +51,11 @@ from pathlib import Path
 import torch
 
 from lowvram.config import Profile, load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
+from lowvram.engine.tokenizer import Tokenizer
 from lowvram.errors import LowvramError
 from lowvram.models.loader import resolve_model_path
-from lowvram.core.sampling_params import SamplingParams
-from lowvram.engine.tokenizer import Tokenizer
 
 WORDS = "the engine keeps every request and spills pages when memory runs short while tokens stream".split()
 MIN_PROMPT_TOKENS = 16

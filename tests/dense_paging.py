@@ -2,8 +2,8 @@
 
 import torch
 
-from lowvram.kv.attention import AttentionMetadata
 from lowvram.kernels.kv_quant import allocate_pages
+from lowvram.kv.attention import AttentionMetadata
 
 BLOCK_SIZE = 4
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_paged_attention import DEVICE, TINY_DIM, TINY_HEADS, PagedCase, _report
 
 from lowvram.errors import KernelError
 from lowvram.kernels import paged_attention
@@ -23,7 +24,6 @@ from lowvram.kernels.paged_attention import (
     paged_prefill_attention_ref,
     plan_decode_partitions,
 )
-from test_paged_attention import DEVICE, TINY_DIM, TINY_HEADS, PagedCase, _report
 
 # (page precision, q dtype, pages kept in FP16): q is float16 only over float16 pages on the CPU
 # (float16 pages need a float16 q), float32 otherwise, as in test_paged_attention.

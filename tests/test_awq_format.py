@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from awq_layout import reference_dequantize, reference_unpack
 
+from lowvram.errors import ConfigError, KernelError
 from lowvram.kernels.awq_format import (
     AwqTensors,
     dequantize_awq,
@@ -10,9 +12,6 @@ from lowvram.kernels.awq_format import (
     quantize_rtn,
     unpack_awq,
 )
-from lowvram.errors import ConfigError, KernelError
-
-from awq_layout import reference_dequantize, reference_unpack
 
 
 def random_awq(num_inputs, num_outputs, group_size, seed=0):

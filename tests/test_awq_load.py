@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
-from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
 from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import ModelLoadError, UnsupportedModelError
+from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
 from lowvram.models.checkpoint import COMPENSATION_FILE
-from lowvram.models.loader import QUANTIZABLE_LINEARS, load_model
 from lowvram.models.config import load_model_config
-from lowvram.core.sampling_params import SamplingParams
+from lowvram.models.loader import QUANTIZABLE_LINEARS, load_model
+from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
 
 GROUP_SIZE = 32
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
@@ -314,10 +314,11 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
     # 3 prompts: prefill through the GEMM path plus one addmm, decode at 3 rows; 1 prompt: the row kernel
     cases = [(PROMPTS, 3), (PROMPTS[:1], 3)]
 
-    import lowvram.quant.awq_linear
     import lowvram.engine.engine
+    import lowvram.quant.awq_linear
     with monkeypatch.context() as patch:
-        kernels_only = lambda *args, **kwargs: w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
+        def kernels_only(*args, **kwargs):
+            return w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
         patch.setattr(lowvram.quant.awq_linear, "awq_linear", kernels_only)
         launch, rows_with_lora = w4a16.w4a16_gemv.launch_awq_gemv, set()
 

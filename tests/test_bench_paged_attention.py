@@ -4,8 +4,8 @@ import pytest
 import torch
 from script_modules import load_script
 
-from lowvram.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from lowvram.kernels.kv_quant import allocate_pages
+from lowvram.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
 DEVICE = "cpu"
 

@@ -8,14 +8,14 @@ outgrow the card. These tests run that pool on the CPU (managed memory faked).
 
 from test_kv_pool import FakeManagedMemory
 
-from lowvram.core.block_manager import BlockManager
 from lowvram.config import ControllerConfig, load_profile
-from lowvram.engine.engine import LLMEngine
-from lowvram.kv.pool import KVShape
-from lowvram.kv.tiers import ManagedKVPool
-from lowvram.engine.model_runner import ModelRunner
+from lowvram.core.block_manager import BlockManager
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import Scheduler
+from lowvram.engine.engine import LLMEngine
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.kv.pool import KVShape
+from lowvram.kv.tiers import ManagedKVPool
 from lowvram.testing import finished_token_ids
 
 NUM_DEVICE_PAGES = 4

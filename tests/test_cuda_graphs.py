@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, batch_buckets, table_buckets, token_buckets
 from lowvram.engine.engine import LLMEngine
-from lowvram.core.sampling_params import SamplingParams
-
 
 EAGER = load_profile("4gb").replace(enable_cuda_graphs=False)
 GRAPHED = load_profile("4gb").replace(enable_cuda_graphs=True)

@@ -7,9 +7,6 @@ exercised; logits must match transformers within 1e-4 relative.
 
 import pytest
 import torch
-
-from lowvram.models.deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
-
 from deepseek_v2_paging import (
     MAX_REL_DIFF,
     NUM_DECODE_STEPS,
@@ -18,6 +15,7 @@ from deepseek_v2_paging import (
     transformers_reference,
 )
 
+from lowvram.models.deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
 
 
 @pytest.fixture(scope="module")

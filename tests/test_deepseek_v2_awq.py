@@ -9,11 +9,6 @@ import shutil
 
 import pytest
 import torch
-
-from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
-from lowvram.quant.awq_linear import AwqLinear
-from lowvram.models.deepseek_v2 import load_deepseek_v2
-
 from deepseek_v2_paging import (
     MAX_REL_DIFF,
     NUM_DECODE_STEPS,
@@ -21,6 +16,10 @@ from deepseek_v2_paging import (
     rel_diff,
     transformers_reference,
 )
+
+from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
+from lowvram.models.deepseek_v2 import load_deepseek_v2
+from lowvram.quant.awq_linear import AwqLinear
 
 GROUP_SIZE = 32
 # kept in FP16, as a checkpoint's modules_to_not_convert can say

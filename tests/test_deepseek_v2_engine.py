@@ -10,18 +10,17 @@ import json
 
 import pytest
 import torch
+from deepseek_v2_paging import transformers_reference
 
 from lowvram import LLM, SamplingParams
-from lowvram.memory import plan as mp
 from lowvram.config import load_profile
 from lowvram.errors import OutOfMemoryError
+from lowvram.memory import plan as mp
 from lowvram.models.deepseek_v2 import (
     DEEPSEEK_V2_LITE_CONFIG,
     DeepseekV2Config,
     layer_kv_pages,
 )
-
-from deepseek_v2_paging import transformers_reference
 
 NUM_TOKENS = 12
 PROMPTS = ["The scheduler reads the next token", "def add(a, b):"]

@@ -7,12 +7,6 @@ transformers' logits and greedy tokens.
 
 import pytest
 import torch
-from torch import nn
-
-from lowvram.errors import ConfigError
-from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats
-from lowvram.models.deepseek_v2 import load_deepseek_v2
-
 from deepseek_v2_paging import (
     MAX_REL_DIFF,
     NUM_DECODE_STEPS,
@@ -20,6 +14,11 @@ from deepseek_v2_paging import (
     rel_diff,
     transformers_reference,
 )
+from torch import nn
+
+from lowvram.errors import ConfigError
+from lowvram.models.deepseek_v2 import load_deepseek_v2
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats
 
 
 @pytest.fixture(scope="module")

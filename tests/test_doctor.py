@@ -8,11 +8,11 @@ import weakref
 import pytest
 import torch
 
-from lowvram.memory import plan as mp
 from lowvram.config import load_profile
+from lowvram.errors import OutOfMemoryError
+from lowvram.memory import plan as mp
 from lowvram.memory.doctor import plan_memory
 from lowvram.memory.environment import Environment, GpuInfo, find_problems
-from lowvram.errors import OutOfMemoryError
 from lowvram.models.config import load_model_config, model_config_from_dict
 
 GIB = 2**30
@@ -78,8 +78,8 @@ def _write_compensation(model_dir, layers):
     """A compensation side file as `lowvram quantize` writes it: {layer: (rank, K, N, has_bias_correction)}."""
     from safetensors.torch import save_file
 
-    from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
     from lowvram.models.checkpoint import COMPENSATION_FILE
+    from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
 
     tensors = {}
     for name, (rank, k, n, has_correction) in layers.items():
@@ -255,8 +255,8 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
     """Every tensor a CPU run allocates is tracked; the predicted workspace must match
     the peak within 10% (it counts what the code allocates, not a rule of thumb)."""
-    from lowvram.engine.engine import LLMEngine
     from lowvram.core.sampling_params import SamplingParams
+    from lowvram.engine.engine import LLMEngine
     from lowvram.testing import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "m", "qwen2", hidden_size=128, intermediate_size=352,

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import lowvram.engine.engine
-from lowvram.quant.awq_linear import AwqLinear
 from lowvram.engine.engine import LLMEngine
 from lowvram.models.fusion import fuse_projections
 from lowvram.models.loader import load_model
+from lowvram.quant.awq_linear import AwqLinear
 from lowvram.quant.quantize import quantize_model
 
 FAST = dict(group_size=32, num_samples=4, seq_len=32)

@@ -3,7 +3,6 @@ product and partial sum is exact in float16 it must reproduce the float64 refere
 where they are not its error must be the float16 rounding it claims to model."""
 
 import torch
-
 from script_modules import load_script
 
 study = load_script("half_accumulation_error")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
+from lowvram.kernels.kv_quant import gather_kv, store_kv
 from lowvram.kv.pool import DeviceKVPool, KVShape, plan_pool
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.kernels.kv_quant import gather_kv, store_kv
 
 GIB = 2**30
 # 2 layers, pages of 4 tokens, 2 KV heads of 8; fp16 pages hold float32 on the CPU.

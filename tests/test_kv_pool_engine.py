@@ -2,17 +2,17 @@
 spill through a small device share, or change precision while requests run."""
 
 import pytest
+from test_kv_pool import FakeManagedMemory
 
-from lowvram.core.block_manager import BlockManager
 from lowvram.config import load_profile
-from lowvram.engine.engine import LLMEngine
-from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
-from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.engine.model_runner import ModelRunner
+from lowvram.core.block_manager import BlockManager
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import Scheduler
+from lowvram.engine.engine import LLMEngine
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
 from lowvram.testing import finished_token_ids
-from test_kv_pool import FakeManagedMemory
 
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

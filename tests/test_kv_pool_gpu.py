@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
+from lowvram.kernels.kv_quant import gather_kv, store_kv
 from lowvram.kv.pool import KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool, create_kv_pool
-from lowvram.kernels.kv_quant import gather_kv, store_kv
-from lowvram.core.sampling_params import SamplingParams
 from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu

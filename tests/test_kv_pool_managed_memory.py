@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from lowvram.kv import managed_memory
 from lowvram.errors import ConfigError, KernelError
+from lowvram.kv import managed_memory
 
 
 def test_missing_cuda_bindings_says_how_to_install(monkeypatch):

@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+from test_kv_pool import FakeManagedMemory
 
+from lowvram.kernels.kv_quant import gather_kv, store_kv
 from lowvram.kernels.kv_write import write_kv
 from lowvram.kernels.paged_attention import paged_decode_attention
 from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.kernels.kv_quant import gather_kv, store_kv
-from test_kv_pool import FakeManagedMemory
 
 # 1 layer, pages of 4 tokens, 2 KV heads of 16; fp16 pages hold float32 on the CPU.
 SHAPE = KVShape(num_layers=1, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)

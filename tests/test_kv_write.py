@@ -9,8 +9,8 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels import kv_write
-from lowvram.kernels.kv_write import write_kv, write_kv_ref
 from lowvram.kernels.kv_quant import MIN_SCALE, allocate_pages, dequantize_kv, quantize_kv
+from lowvram.kernels.kv_write import write_kv, write_kv_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 POISON_CODE = 0xAB

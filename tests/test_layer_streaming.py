@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lowvram.memory import plan as mp
-from lowvram.kernels.awq_format import quantize_rtn
 from lowvram.config import load_profile, profile_from_dict
-from lowvram.memory.doctor import plan_memory
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import ConfigError, OutOfMemoryError
+from lowvram.kernels.awq_format import quantize_rtn
+from lowvram.memory import plan as mp
+from lowvram.memory.doctor import plan_memory
+from lowvram.models.config import model_config_from_dict
 from lowvram.models.layer_streaming import HostComputed, HostEmbedding
 from lowvram.models.loader import QUANTIZABLE_LINEARS
-from lowvram.models.config import model_config_from_dict
-from lowvram.core.sampling_params import SamplingParams
 from lowvram.models.shapes import shape_config
 from lowvram.testing import finished_token_ids
 

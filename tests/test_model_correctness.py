@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowvram.engine.engine import LLMEngine
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.engine import LLMEngine
 from lowvram.testing import finished_token_ids
 
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox", "x"]

@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowvram.memory.crash_report import (EXIT_OUT_OF_MEMORY, default_crash_report_dir, format_doctor_hint, is_cuda_oom,
-                                  read_crash_report, report_cuda_oom, write_crash_report)
 from lowvram.errors import ConfigError
+from lowvram.memory.crash_report import (
+    EXIT_OUT_OF_MEMORY,
+    default_crash_report_dir,
+    format_doctor_hint,
+    is_cuda_oom,
+    read_crash_report,
+    report_cuda_oom,
+    write_crash_report,
+)
 from lowvram.memory.oom import explain_oom, parse_oom_message, read_oom_input
 
 CORPUS = Path(__file__).parent / "data" / "oom"

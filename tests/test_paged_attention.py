@@ -12,6 +12,7 @@ import torch
 
 from lowvram.errors import KernelError
 from lowvram.kernels import paged_attention
+from lowvram.kernels.kv_quant import allocate_pages, dequantize_kv, quantize_kv
 from lowvram.kernels.kv_write import write_kv_ref
 from lowvram.kernels.paged_attention import (
     paged_decode_attention,
@@ -19,7 +20,6 @@ from lowvram.kernels.paged_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from lowvram.kernels.kv_quant import allocate_pages, dequantize_kv, quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TINY_DIM, TINY_HEADS = 16, 4

@@ -9,20 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from awq_layout import check_awq_checkpoint, reference_dequantize
 from safetensors.torch import load_file, save_file
+from test_awq_load import PROMPTS, prefill_logits
 
-from lowvram.quant.awq import clip_weight, fake_quantize, fold_scales, layer_scale_groups, search_clip, search_scales
+from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
+from lowvram.models.checkpoint import COMPENSATION_FILE
+from lowvram.models.loader import load_model
+from lowvram.quant.awq import clip_weight, fake_quantize, fold_scales, layer_scale_groups, search_clip, search_scales
 from lowvram.quant.awq_linear import AwqLinear
 from lowvram.quant.calibration import CALIBRATION_PATH, calibration_blocks, load_calibration_records
 from lowvram.quant.compensation import InputStats, fit_compensation
-from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from lowvram.models.checkpoint import COMPENSATION_FILE
-from lowvram.models.loader import load_model
 from lowvram.quant.quantize import add_quantize_parser, quantize_model
-
-from awq_layout import check_awq_checkpoint, reference_dequantize
-from test_awq_load import PROMPTS, prefill_logits
 
 GROUP_SIZE = 32
 FAST = dict(group_size=GROUP_SIZE, num_samples=8, seq_len=64)

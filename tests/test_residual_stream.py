@@ -7,12 +7,11 @@ arithmetic), so nothing may differ, in float32 or bfloat16 on the CPU or float16
 
 import pytest
 import torch
-
-from lowvram.models.dense import CausalLM
-from lowvram.models.deepseek_v2 import DeepseekV2ForCausalLM, MoE, layer_kv_pages
-
 from deepseek_v2_paging import greedy_through_pages
 from dense_paging import hidden_states_through_pages
+
+from lowvram.models.deepseek_v2 import DeepseekV2ForCausalLM, MoE, layer_kv_pages
+from lowvram.models.dense import CausalLM
 
 
 def _dense_forward_with_adds_in_the_layers(self, input_ids, positions, meta, kv_pages):

@@ -10,17 +10,16 @@ rounding; against apply_rotary then write_kv nothing may differ on either.
 
 import pytest
 import torch
+from dense_paging import hidden_states_through_pages
 
-from lowvram.kv import attention
 from lowvram.errors import KernelError
 from lowvram.kernels import dispatch
+from lowvram.kernels.kv_quant import allocate_pages
 from lowvram.kernels.kv_write import write_kv, write_kv_ref
 from lowvram.kernels.rotary import apply_rotary
 from lowvram.kernels.rotary_kv_write import rotary_write_kv, rotary_write_kv_ref
-from lowvram.kernels.kv_quant import allocate_pages
+from lowvram.kv import attention
 from lowvram.models.dense import Attention
-
-from dense_paging import hidden_states_through_pages
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IS_EXACT_VS_REFERENCE = DEVICE.type == "cpu"

@@ -7,10 +7,10 @@ backend, so its replies and gauges are the same on every machine.
 """
 
 import asyncio
+import html
 import json
 import math
 import os
-import html
 import re
 import threading
 import time

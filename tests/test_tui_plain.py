@@ -22,7 +22,13 @@ from lowvram.errors import ConfigError, RequestError  # noqa: E402
 from lowvram.tui.backend import EngineSpec  # noqa: E402
 from lowvram.tui.commands import parse_command  # noqa: E402
 from lowvram.tui.conversation import (  # noqa: E402
-    ChatSettings, Conversation, Turn, default_transcript_dir, load_transcript, save_transcript)
+    ChatSettings,
+    Conversation,
+    Turn,
+    default_transcript_dir,
+    load_transcript,
+    save_transcript,
+)
 from lowvram.tui.panel import THRESHOLD_CHAR, gauge_cells, sparkline_cells  # noqa: E402
 from lowvram.tui.plain import run_plain  # noqa: E402
 

@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.errors import KernelError
 from lowvram.kernels import w4a16
+from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.kernels.w4a16 import awq_linear, awq_linear_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,8 +14,16 @@ from script_modules import load_script
 from lowvram.errors import ConfigError
 from lowvram.kernels import w4a16, w4a16_gemv
 from lowvram.kernels.w4a16 import awq_linear_ref
-from tests.test_w4a16 import DEVICE, GPU_TOLERANCE, SMALL_TOLERANCE, needs_triton, random_awq, random_lora, \
-    random_x, relative_error
+from tests.test_w4a16 import (
+    DEVICE,
+    GPU_TOLERANCE,
+    SMALL_TOLERANCE,
+    needs_triton,
+    random_awq,
+    random_lora,
+    random_x,
+    relative_error,
+)
 
 
 def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):

@@ -25,12 +25,18 @@ from textual.widgets import Footer, Header, Input, Static
 from textual.worker import Worker
 
 from lowvram.config import builtin_profile_names, load_profile
-from lowvram.errors import LowvramError, RequestError
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.errors import LowvramError, RequestError
 from lowvram.tui.backend import ChatBackend, EngineSpec, load_backend
 from lowvram.tui.commands import Command, message_text, parse_command, setting_changes
-from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_transcript, recent_transcripts, \
-    save_transcript
+from lowvram.tui.conversation import (
+    ChatSettings,
+    Conversation,
+    Turn,
+    load_transcript,
+    recent_transcripts,
+    save_transcript,
+)
 from lowvram.tui.panel import EnginePanel
 from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt
 from lowvram.tui.widgets import AssistantMessage, ChatInput, UserMessage
@@ -84,7 +90,7 @@ class ActiveReply:
 class _WarningForwarder(logging.Handler):
     """Engine warnings become notifications: a line on stderr would tear the screen."""
 
-    def __init__(self, app: "ChatApp"):
+    def __init__(self, app: ChatApp):
         super().__init__(logging.WARNING)
         self.app = app
 

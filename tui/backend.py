@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
 from lowvram.engine.outputs import RequestOutput
 from lowvram.paths import user_data_dir
-from lowvram.core.sampling_params import SamplingParams
 
 BUNDLED_MODEL_LABEL = "bundled demo model"
 
@@ -36,7 +36,7 @@ class EngineSpec:
             return BUNDLED_MODEL_LABEL
         return Path(self.model).name or self.model
 
-    def with_profile(self, profile: str) -> "EngineSpec":
+    def with_profile(self, profile: str) -> EngineSpec:
         return replace(self, profile=profile)
 
 
@@ -83,8 +83,8 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     """
     from lowvram.config import load_profile
     from lowvram.kv.conversation_store import model_identity
-    from lowvram.models.loader import resolve_model_path
     from lowvram.models.config import load_model_config
+    from lowvram.models.loader import resolve_model_path
     from lowvram.quant.quantize import quantize_model
 
     model_dir = resolve_model_path(spec.model)

@@ -13,9 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import ConfigError
 from lowvram.paths import user_data_dir
-from lowvram.core.sampling_params import SamplingParams
 
 TRANSCRIPT_FORMAT = "lowvram-chat-transcript"
 TRANSCRIPT_VERSION = 1
@@ -45,7 +45,7 @@ class ChatSettings:
         system = "set" if self.system_prompt else "none"
         return f"temperature {self.temperature:g} · max {self.max_tokens} tokens · system prompt {system}"
 
-    def with_changes(self, **changes) -> "ChatSettings":
+    def with_changes(self, **changes) -> ChatSettings:
         return replace(self, **changes)
 
 
@@ -71,7 +71,7 @@ class Conversation:
         system = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
         return system + [{"role": t.role, "content": t.content} for t in self.turns]
 
-    def cleared(self) -> "Conversation":
+    def cleared(self) -> Conversation:
         """A new chat with the same settings."""
         return Conversation(self.settings, model=self.model, profile=self.profile)
 
@@ -87,7 +87,7 @@ class Conversation:
         }
 
     @classmethod
-    def from_json(cls, data: dict, source: str = "transcript") -> "Conversation":
+    def from_json(cls, data: dict, source: str = "transcript") -> Conversation:
         if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
             raise ConfigError(f"{source} is not a lowvram chat transcript (no \"format\": \"{TRANSCRIPT_FORMAT}\"); "
                               "load a .json file written by the chat's save")

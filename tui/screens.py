@@ -11,8 +11,14 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, OptionList, Static
 from textual.widgets.option_list import Option
 
-from lowvram.errors import ConfigError, LowvramError, ModelLoadError, OutOfMemoryError, RequestError, \
-    UnsupportedModelError
+from lowvram.errors import (
+    ConfigError,
+    LowvramError,
+    ModelLoadError,
+    OutOfMemoryError,
+    RequestError,
+    UnsupportedModelError,
+)
 from lowvram.tui.commands import help_lines
 from lowvram.tui.conversation import ChatSettings
 

@@ -12,14 +12,14 @@ import math
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from lowvram.bench.record import git_commit
-from lowvram.engine.llm import LLM
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.llm import LLM
 
 PPL_WINDOW_TOKENS = 512
 MAX_ANSWER_TOKENS = 32

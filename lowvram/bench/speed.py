@@ -419,8 +419,8 @@ def run_speed_bench(model: str | None = None, *, shape: str | None = None, num_l
     Raises ConfigError for an unknown shape or bad sizes, ModelLoadError for a missing model.
     """
     from lowvram.config import load_profile
-    from lowvram.memory.device import pick_device
     from lowvram.engine.engine import LLMEngine
+    from lowvram.memory.device import pick_device
     from lowvram.models.config import load_model_config
 
     say = progress or (lambda message: None)

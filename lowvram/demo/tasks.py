@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterator
 
 HELDOUT_SEED = 20250101
 HELDOUT_PER_KIND = 100

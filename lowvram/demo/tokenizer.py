@@ -9,8 +9,8 @@ chat_template.jinja) so `transformers.AutoTokenizer.from_pretrained` loads it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 

@@ -17,10 +17,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from lowvram.engine.engine import EngineSnapshot, LLMEngine
-from lowvram.errors import LowvramError
-from lowvram.engine.outputs import RequestOutput
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.engine import EngineSnapshot, LLMEngine
+from lowvram.engine.outputs import RequestOutput
+from lowvram.errors import LowvramError
 
 log = logging.getLogger("lowvram")
 
@@ -73,7 +73,7 @@ class AsyncLLMEngine:
     _ids: itertools.count = field(default_factory=itertools.count)
     _snapshot: EngineSnapshot | None = None
 
-    def start(self) -> "AsyncLLMEngine":
+    def start(self) -> AsyncLLMEngine:
         if self._thread is None:
             self._snapshot = self.engine.snapshot()
             self._thread = threading.Thread(target=self._loop, name="lowvram-engine", daemon=True)

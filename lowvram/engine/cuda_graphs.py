@@ -43,8 +43,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lowvram.kv.attention import AttentionMetadata
 from lowvram.kernels.kv_quant import KVPages
+from lowvram.kv.attention import AttentionMetadata
 
 log = logging.getLogger("lowvram.engine.cuda_graphs")
 

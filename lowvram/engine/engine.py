@@ -4,31 +4,31 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import deque
 import logging
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from lowvram.models.batch_invariance import make_batch_invariant
-from lowvram.core.block_manager import BlockManager
 from lowvram.config import Profile, load_profile
-from lowvram.memory.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
+from lowvram.core.block_manager import BlockManager
 from lowvram.core.controller import KV_LADDER, ControllerState, Event, Observation, decide, escalate_after_oom
-from lowvram.errors import ConfigError, OutOfMemoryError, RequestError
-from lowvram.kv.tiers import create_kv_pool
-from lowvram.models.layer_streaming import load_model_for_profile
-from lowvram.models.loader import is_deepseek_v2_checkpoint, load_model, resolve_model_path
-from lowvram.memory.plan import host_kv_blocks, plan_kv
-from lowvram.models.fusion import fuse_projections
-from lowvram.engine.model_runner import ModelRunner
-from lowvram.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lowvram.core.sampling_params import SamplingParams
-from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
 from lowvram.core.scheduler import ScheduledBatch, Scheduler
 from lowvram.core.sequence import Sequence, SequenceStatus
+from lowvram.engine.model_runner import ModelRunner
+from lowvram.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
 from lowvram.engine.tokenizer import Detokenizer, Tokenizer
+from lowvram.errors import ConfigError, OutOfMemoryError, RequestError
+from lowvram.kv.tiers import create_kv_pool
+from lowvram.memory.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
+from lowvram.memory.plan import host_kv_blocks, plan_kv
+from lowvram.models.batch_invariance import make_batch_invariant
+from lowvram.models.fusion import fuse_projections
+from lowvram.models.layer_streaming import load_model_for_profile
+from lowvram.models.loader import is_deepseek_v2_checkpoint, load_model, resolve_model_path
 
 log = logging.getLogger("lowvram")
 

@@ -12,10 +12,10 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from lowvram.config import Profile
-from lowvram.engine.engine import LLMEngine
-from lowvram.errors import RequestError
-from lowvram.engine.outputs import RequestOutput
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.engine import LLMEngine
+from lowvram.engine.outputs import RequestOutput
+from lowvram.errors import RequestError
 
 PromptType = str | dict
 

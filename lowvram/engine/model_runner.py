@@ -15,14 +15,14 @@ import itertools
 
 import torch
 
-from lowvram.kv.attention import AttentionMetadata
 from lowvram.core.block_manager import BlockManager
+from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
 from lowvram.errors import KernelError
-from lowvram.kv.pool import KVPool
 from lowvram.kernels.kv_quant import KVPages
+from lowvram.kv.attention import AttentionMetadata
+from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
-from lowvram.core.scheduler import ScheduledBatch
 
 
 class ModelRunner:

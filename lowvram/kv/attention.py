@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lowvram.kernels.kv_quant import KVPages
 from lowvram.kernels.kv_write import write_kv
 from lowvram.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from lowvram.kernels.rotary_kv_write import rotary_write_kv
-from lowvram.kernels.kv_quant import KVPages
 
 
 @dataclass

@@ -59,7 +59,7 @@ def has_runtime() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def uses_mem_location(function) -> bool:
     """True when `function` (cudaMemAdvise / cudaMemPrefetchAsync) takes a cudaMemLocation
     (cuda-bindings 13), False when it takes an int device (12.x)."""

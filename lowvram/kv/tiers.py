@@ -35,12 +35,25 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 import torch
 
 from lowvram.config import Profile
-from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
-from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
-from lowvram.kv.pool import (GIB, DeviceKVPool, KVPool, KVPoolStats, KVShape, _check_precision, _convert_pages,
-                             _log_once, _pages_like, _release_cached, _tensors, log, plan_pool)
-from lowvram.kernels.kv_quant import KVPages, allocate_pages
 from lowvram.core.spill_policy import SpillPolicy
+from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
+from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
+from lowvram.kv.pool import (
+    GIB,
+    DeviceKVPool,
+    KVPool,
+    KVPoolStats,
+    KVShape,
+    _check_precision,
+    _convert_pages,
+    _log_once,
+    _pages_like,
+    _release_cached,
+    _tensors,
+    log,
+    plan_pool,
+)
 
 HOT_WINDOW_BLOCKS = 2
 

@@ -28,10 +28,11 @@ import os
 import shlex
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lowvram.errors import ConfigError
 from lowvram.paths import user_data_dir

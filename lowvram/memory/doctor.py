@@ -25,9 +25,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowvram.memory import plan as mp
 from lowvram.config import Profile, load_profile, profile_from_dict
 from lowvram.errors import ConfigError, LowvramError, ModelLoadError
+from lowvram.memory import plan as mp
 from lowvram.memory.plan import GIB, MIB, WeightBytes, Workspace
 from lowvram.models.config import ModelConfig, model_config_from_dict
 
@@ -172,8 +172,8 @@ def load_plan_inputs(model: str | None) -> tuple[ModelConfig, dict, str, Path | 
     """(config, raw config.json, label, model directory or None) for a model directory,
     a config.json file, a hub id (only its config.json is fetched) or None (the bundled
     demo model)."""
-    from lowvram.models.loader import resolve_model_path
     from lowvram.models.config import load_model_config
+    from lowvram.models.loader import resolve_model_path
 
     if model is not None:
         path = Path(model).expanduser()

@@ -169,8 +169,8 @@ def _probe_triton(env: Environment) -> None:
     try:
         import torch
 
-        from lowvram.kernels.paged_attention import paged_decode_attention
         from lowvram.kernels.kv_quant import allocate_pages
+        from lowvram.kernels.paged_attention import paged_decode_attention
 
         # One sequence of 16 tokens, one KV head: compiles and runs the decode kernel.
         pages = allocate_pages(1, 16, 1, 16, "fp16", torch.float16, "cuda")

@@ -29,8 +29,8 @@ from pathlib import Path
 from lowvram.config import Profile
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
 from lowvram.errors import OutOfMemoryError
-from lowvram.models.checkpoint import read_raw_config
 from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
+from lowvram.models.checkpoint import read_raw_config
 from lowvram.models.config import ModelConfig
 
 GIB = 2**30
@@ -244,8 +244,8 @@ def compensation_settings(model_dir: str | Path | None) -> Compensation:
     A config.json alone (a plan without the directory) has none."""
     if model_dir is None:
         return Compensation()
-    from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A
     from lowvram.models.checkpoint import COMPENSATION_FILE
+    from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A
 
     path = Path(model_dir) / COMPENSATION_FILE
     if not path.is_file():
@@ -538,7 +538,7 @@ def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, conte
     - logits: float32 logits of every sequence plus one sampling row.
     """
     e = element_bytes
-    t, s, l = num_tokens, min(num_seqs, num_tokens), context_len
+    t, s, ctx = num_tokens, min(num_seqs, num_tokens), context_len
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv, heads, d = config.q_size, config.kv_size, config.num_heads, config.head_dim
     residual = 2 * t * hidden * e  # layer input and running sum
@@ -553,21 +553,21 @@ def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, conte
     phases["rotary"] = residual + qkv + cos_sin + max(rotary_q, rotary_k)
 
     if uses_kernels:
-        num_partitions = max(1, math.ceil(l / MIN_DECODE_PARTITION_TOKENS))
+        num_partitions = max(1, math.ceil(ctx / MIN_DECODE_PARTITION_TOKENS))
         decode_partials = s * heads * num_partitions * (d + 1) * 4
         phases["attention"] = residual + qkv + max(t * q * e + t * hidden * e, decode_partials)
     else:
-        q_len = min(t, l)
-        gathered = 2 * l * kv * 4 + 2 * l * q * 4  # float32 K, V and their copies per query head
-        scores = 2 * heads * q_len * l * 4 + q_len * l  # two float32 [H, Q, L] plus the causal mask
+        q_len = min(t, ctx)
+        gathered = 2 * ctx * kv * 4 + 2 * ctx * q * 4  # float32 K, V and their copies per query head
+        scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # two float32 [H, Q, L] plus the causal mask
         phases["attention"] = residual + qkv + t * q * 4 + q_len * q * 4 + gathered + scores
 
     phases["logits"] = residual + s * hidden * e + s * config.vocab_size * (e + 4) + \
         SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size
 
     # input ids, positions and slots (int64 [T]) and the int32 block table [S, blocks]
-    metadata = 3 * t * 8 + s * -(-l // block_size) * 4
-    return Workspace(phases, rope_table_bytes(config, l), metadata, t, num_seqs, l, uses_kernels)
+    metadata = 3 * t * 8 + s * -(-ctx // block_size) * 4
+    return Workspace(phases, rope_table_bytes(config, ctx), metadata, t, num_seqs, ctx, uses_kernels)
 
 
 def step_tokens(profile: Profile, max_model_len: int) -> int:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from lowvram.quant.awq_linear import AwqLinear
 from lowvram.errors import ConfigError
 from lowvram.kernels.linear_invariant import invariant_linear
 from lowvram.models.dense import Attention
+from lowvram.quant.awq_linear import AwqLinear
 
 
 class InvariantLinear(nn.Linear):

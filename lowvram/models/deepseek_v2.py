@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowvram.kv.attention import AttentionMetadata, paged_attention
-from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
 from lowvram.kernels.kv_quant import KVPages, allocate_pages
-from lowvram.models.dense import MLP, CausalLM, RMSNorm
+from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.config import AwqConfig, awq_config_from_dict
+from lowvram.models.dense import MLP, CausalLM, RMSNorm
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
+from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"

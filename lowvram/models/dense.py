@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowvram.kv.attention import AttentionMetadata, Rope, paged_attention
-from lowvram.quant.awq_linear import AwqLinear
 from lowvram.kernels.activation import silu_and_mul
+from lowvram.kernels.kv_quant import KVPages
 from lowvram.kernels.rms_norm import rms_norm
 from lowvram.kernels.rotary import apply_rotary_ref
 from lowvram.kernels.w4a16 import RopeKVWrite
-from lowvram.kernels.kv_quant import KVPages
+from lowvram.kv.attention import AttentionMetadata, Rope, paged_attention
 from lowvram.models.config import ModelConfig
+from lowvram.quant.awq_linear import AwqLinear
 
 
-def fuses_input(proj: nn.Module | None, x: torch.Tensor, norm: "RMSNorm | None" = None) -> bool:
+def fuses_input(proj: nn.Module | None, x: torch.Tensor, norm: RMSNorm | None = None) -> bool:
     """Whether `proj` can take the norm (or the gate's activation) before it into its own kernel:
     one float16 row into an INT4 projection on the GPU, outside the batch-invariant mode."""
     return (isinstance(proj, AwqLinear) and proj.can_fuse_input(x)

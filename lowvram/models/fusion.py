@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 from lowvram.models.dense import MLP, Attention, DecoderLayer
+from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 
 
 def _cat_linear(parts: list[nn.Linear]) -> nn.Linear:

@@ -49,10 +49,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowvram.kernels.awq_format import dequantize_awq
-from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 from lowvram.config import Profile
-from lowvram.models.loader import load_model
+from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.memory.plan import (
     NUM_STAGING_BUFFERS,
     OffloadPlan,
@@ -61,8 +59,10 @@ from lowvram.memory.plan import (
     plan_weight_offload,
     weight_bytes_by_kind,
 )
-from lowvram.models.dense import CausalLM
 from lowvram.models.config import ModelConfig, load_model_config
+from lowvram.models.dense import CausalLM
+from lowvram.models.loader import load_model
+from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 
 log = logging.getLogger("lowvram")
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
 from lowvram.config import Profile
 from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
 from lowvram.memory.plan import plan_expert_cache
 from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files, weight_report
-from lowvram.models.dense import CausalLM
 from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
 from lowvram.models.deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
+from lowvram.models.dense import CausalLM
+from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
 
 log = logging.getLogger("lowvram")
 

@@ -27,8 +27,8 @@ error measured during the search is the error of the checkpoint that is written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

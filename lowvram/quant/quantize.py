@@ -30,8 +30,6 @@ OUT.partial-XXXX and renamed into place at the end; on any error that directory 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import argparse
 import errno
 import json
@@ -42,12 +40,19 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
+from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
+from lowvram.models.checkpoint import COMPENSATION_FILE, weight_files
+from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
+from lowvram.models.dense import Rotary
+from lowvram.models.loader import QUANTIZABLE_LINEARS
 from lowvram.quant.awq import (
     MAX_CLIP_TOKENS,
     NO_CLIP_LINEARS,
@@ -60,15 +65,9 @@ from lowvram.quant.awq import (
     search_clip,
     search_scales,
 )
-from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
 from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
 from lowvram.quant.calibration import calibration_blocks, load_calibration_records
 from lowvram.quant.compensation import Compensation, InputStats, fit_compensation
-from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
-from lowvram.models.checkpoint import COMPENSATION_FILE, weight_files
-from lowvram.models.loader import QUANTIZABLE_LINEARS
-from lowvram.models.dense import Rotary
-from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
 
 log = logging.getLogger("lowvram")
 

@@ -34,16 +34,30 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from lowvram.engine.async_engine import AsyncLLMEngine
-from lowvram.errors import LowvramError, RequestError
-from lowvram.engine.outputs import RequestOutput
 from lowvram.core.sampling_params import SamplingParams
-from lowvram.server.defaults import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS,
-                            DEFAULT_SHUTDOWN_GRACE_S)
+from lowvram.engine.async_engine import AsyncLLMEngine
+from lowvram.engine.outputs import RequestOutput
+from lowvram.errors import LowvramError, RequestError
+from lowvram.server.defaults import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_GRACE_S,
+)
 from lowvram.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lowvram.server.metrics import ServerMetrics
-from lowvram.server.schemas import (ChatCompletionRequest, ChatShape, CompletionRequest, CompletionShape, ErrorInfo,
-                                    ErrorResponse, ModelCard, ModelList, Usage, describe_validation_error)
+from lowvram.server.schemas import (
+    ChatCompletionRequest,
+    ChatShape,
+    CompletionRequest,
+    CompletionShape,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    describe_validation_error,
+)
 
 log = logging.getLogger("lowvram")
 
@@ -106,7 +120,7 @@ class _Generation:
     `close()` must run once the handler is done; it gives the queue slot back.
     """
 
-    def __init__(self, state: "ServerState", request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.state = state
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -106,7 +106,7 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="lowvram-server",
                                         daemon=True)
 
-    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         self._thread.start()
         for _ in range(int(timeout_s / 0.02)):
             if self.server.started or not self._thread.is_alive():
@@ -129,7 +129,7 @@ class BackgroundServer:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -173,8 +173,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from lowvram.engine.async_engine import AsyncLLMEngine
     from lowvram.engine.args import engine_kwargs
+    from lowvram.engine.async_engine import AsyncLLMEngine
     from lowvram.engine.engine import LLMEngine
     from lowvram.server.app import create_app
 

@@ -228,7 +228,7 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     first = next((e for e in errors if e["type"] == "value_error"), errors[0])
     loc = list(first["loc"])
     path, cut_at_union = "", None
-    for i, item in enumerate(loc):
+    for item in loc:
         if isinstance(item, int):
             path += f"[{item}]"
         else:
@@ -257,7 +257,7 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> "Usage":
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                    total_tokens=num_prompt_tokens + num_completion_tokens)
 
