@@ -42,14 +42,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor, *, use_reference: bool = False) -> torch.Tensor:
     """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
-        raise KernelError(f"silu_and_mul: x is {tuple(x.shape)} with strides {x.stride()}; expected [T, 2I], "
-                          f"contiguous in its last dim")
+        raise KernelError(
+            f"silu_and_mul: x is {tuple(x.shape)} with strides {x.stride()}; expected [T, 2I], "
+            f"contiguous in its last dim"
+        )
     if x.dtype == torch.bfloat16 or not use_triton("silu_and_mul", x.device, use_reference) or x.shape[0] == 0:
         return silu_and_mul_ref(x)
     num_rows, num_cols = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(num_cols))
     _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-        x, out, num_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **dependent_launch(x.device),
+        x,
+        out,
+        num_cols,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
+        **dependent_launch(x.device),
     )
     return out

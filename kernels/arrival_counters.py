@@ -44,7 +44,8 @@ class ArrivalCounters:
             raise KernelError(
                 f"{self.user} needs {num_counters} arrival counters on {device} but has "
                 f"{0 if counters is None else counters.numel()}, and they cannot be made during CUDA-graph "
-                f"capture; run the step once eagerly before capturing it")
+                f"capture; run the step once eagerly before capturing it"
+            )
         if counters is not None:
             self.replaced.append(counters)
         size = max(self.min_size, 1 << max(0, num_counters - 1).bit_length())

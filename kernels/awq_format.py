@@ -45,9 +45,7 @@ class AwqTensors:
 def check_group_size(group_size: int, num_inputs: int) -> None:
     """Raise ConfigError unless group_size is supported and divides the K inputs."""
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ConfigError(
-            f"AWQ group_size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}"
-        )
+        raise ConfigError(f"AWQ group_size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}")
     if num_inputs % group_size != 0:
         raise ConfigError(
             f"AWQ group_size {group_size} does not divide the layer's {num_inputs} inputs (K); "
@@ -55,17 +53,16 @@ def check_group_size(group_size: int, num_inputs: int) -> None:
         )
 
 
-def check_awq_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                     group_size: int) -> tuple[int, int]:
+def check_awq_shapes(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[int, int]:
     """Check dtypes and shapes of one packed Linear and return (K, N).
 
     Raises KernelError naming the tensor, its shape and what was expected, and ConfigError
     for an unsupported group size.
     """
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
-        raise KernelError(
-            f"qweight must be a 2-D int32 tensor [K, N/8], got {qweight.dtype} {list(qweight.shape)}"
-        )
+        raise KernelError(f"qweight must be a 2-D int32 tensor [K, N/8], got {qweight.dtype} {list(qweight.shape)}")
     num_inputs, num_packed_cols = qweight.shape
     num_outputs = num_packed_cols * PACK_FACTOR
     check_group_size(group_size, num_inputs)
@@ -105,21 +102,23 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """Unpack AWQ int32 [K, N/8] into uint8 [K, N] with values 0..15."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise KernelError(
-            f"packed must be a 2-D int32 tensor [K, N/8], got {packed.dtype} {list(packed.shape)}"
-        )
+        raise KernelError(f"packed must be a 2-D int32 tensor [K, N/8], got {packed.dtype} {list(packed.shape)}")
     num_rows, num_packed_cols = packed.shape
     # widening to int64 and masking makes the shift logical, so negative int32 words unpack right
     words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.tensor([NUM_BITS * n for n in AWQ_REVERSE_ORDER], dtype=torch.int64,
-                          device=packed.device)
+    shifts = torch.tensor([NUM_BITS * n for n in AWQ_REVERSE_ORDER], dtype=torch.int64, device=packed.device)
     # nibbles: [K, N/8, 8], last dim = column within the packed int32
     nibbles = (words.unsqueeze(-1) >> shifts) & MAX_QUANT_VALUE
     return nibbles.reshape(num_rows, num_packed_cols * PACK_FACTOR).to(torch.uint8)
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def dequantize_awq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
     """Return W [K, N] (input-major) = (q - z) * s, computed in float32 and cast to dtype."""
     check_awq_shapes(qweight, qzeros, scales, group_size)
     q = unpack_awq(qweight).to(torch.float32)
@@ -143,14 +142,12 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, zero_point: bool =
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise KernelError(
-            f"weight must be a 2-D float tensor [N, K] (nn.Linear layout), got "
-            f"{weight.dtype} {list(weight.shape)}"
+            f"weight must be a 2-D float tensor [N, K] (nn.Linear layout), got {weight.dtype} {list(weight.shape)}"
         )
     num_outputs, num_inputs = weight.shape
     if num_outputs % PACK_FACTOR != 0:
         raise KernelError(
-            f"weight has {num_outputs} outputs (shape [N, K] = {list(weight.shape)}); "
-            f"N must be divisible by 8"
+            f"weight has {num_outputs} outputs (shape [N, K] = {list(weight.shape)}); N must be divisible by 8"
         )
     check_group_size(group_size, num_inputs)
     num_groups = num_inputs // group_size

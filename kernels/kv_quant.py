@@ -127,7 +127,9 @@ class KVPages:
             if self.has_window or self.window_k is not None:
                 raise KernelError("fp16 KVPages cannot keep an FP16 window: every page already is FP16")
             if self.k.dtype not in (torch.float16, torch.float32, torch.bfloat16):
-                raise KernelError(f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)")
+                raise KernelError(
+                    f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)"
+                )
             return
         if self.k.dtype != torch.uint8:
             raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")
@@ -152,17 +154,28 @@ class KVPages:
         for name in ("window_k", "window_v"):
             tensor = getattr(self, name)
             if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected or tensor.shape != self.window_k.shape:
-                raise KernelError(f"KVPages.{name} has shape {tuple(tensor.shape)}; "
-                                  f"expected [num_window_pages, {', '.join(map(str, expected))}]")
-            if tensor.dtype not in (torch.float16, torch.float32, torch.bfloat16) or not tensor.is_contiguous() \
-                    or tensor.dtype != self.window_k.dtype:
-                raise KernelError(f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), "
-                                  f"like window_k; got {tensor.dtype}")
+                raise KernelError(
+                    f"KVPages.{name} has shape {tuple(tensor.shape)}; "
+                    f"expected [num_window_pages, {', '.join(map(str, expected))}]"
+                )
+            if (
+                tensor.dtype not in (torch.float16, torch.float32, torch.bfloat16)
+                or not tensor.is_contiguous()
+                or tensor.dtype != self.window_k.dtype
+            ):
+                raise KernelError(
+                    f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), "
+                    f"like window_k; got {tensor.dtype}"
+                )
             if tensor.device != self.k.device:
                 raise KernelError(f"KVPages.{name} is on {tensor.device}; expected {self.k.device}")
         row = self.window_row
-        if row.shape != (self.num_blocks,) or row.dtype != torch.int32 or not row.is_contiguous() \
-                or row.device != self.k.device:
+        if (
+            row.shape != (self.num_blocks,)
+            or row.dtype != torch.int32
+            or not row.is_contiguous()
+            or row.device != self.k.device
+        ):
             raise KernelError(
                 f"KVPages.window_row is {tuple(row.shape)} {row.dtype} on {row.device}; "
                 f"expected contiguous int32 [{self.num_blocks}] on {self.k.device}"
@@ -243,9 +256,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)  # [..., D // 2, 2] -> [..., D]
 
 
-def dequantize_kv(
-    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int
-) -> torch.Tensor:
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     """Inverse of `quantize_kv`: float32 `[..., head_dim]`."""
     if bits == 4:
         q = unpack_int4(q)

@@ -64,10 +64,20 @@ def write_kv(
         return
     num_tokens, num_kv_heads, head_dim = k.shape
     _write_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, *_cache_pointers(pages),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        num_kv_heads, pages.k.shape[3], head_dim, **_store_constants(pages),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **dependent_launch(k.device),
+        k,
+        v,
+        slot_mapping,
+        *_cache_pointers(pages),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        num_kv_heads,
+        pages.k.shape[3],
+        head_dim,
+        **_store_constants(pages),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **dependent_launch(k.device),
     )
 
 
@@ -86,15 +96,19 @@ def _cache_pointers(pages: KVPages) -> tuple[torch.Tensor, ...]:
 def _store_constants(pages: KVPages) -> dict[str, int | bool]:
     """The constexpr arguments of `_write_token` for these pages."""
     return {
-        "BITS": pages.bits, "QMAX": (1 << pages.bits) - 1 if pages.is_quantized else 0,
-        "BLOCK_H": triton.next_power_of_2(pages.num_kv_heads), "BLOCK_C": triton.next_power_of_2(pages.k.shape[3]),
-        "HAS_WINDOW": pages.has_window, "PAGE_SIZE": pages.block_size,
+        "BITS": pages.bits,
+        "QMAX": (1 << pages.bits) - 1 if pages.is_quantized else 0,
+        "BLOCK_H": triton.next_power_of_2(pages.num_kv_heads),
+        "BLOCK_C": triton.next_power_of_2(pages.k.shape[3]),
+        "HAS_WINDOW": pages.has_window,
+        "PAGE_SIZE": pages.block_size,
         "BLOCK_D": triton.next_power_of_2(pages.head_dim),
     }
 
 
-def _check_write_args(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages,
-                      name: str = "write_kv") -> None:
+def _check_write_args(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages, name: str = "write_kv"
+) -> None:
     pages.validate()
     if k.dim() != 3:
         raise KernelError(f"{name}: k has shape {tuple(k.shape)}; expected [num_tokens, num_kv_heads, head_dim]")
@@ -136,9 +150,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_row(
-        x_ptr, stride_xh, cache_ptr, scale_ptr, zero_ptr, slot,
-        num_kv_heads, code_dim,
-        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+        x_ptr,
+        stride_xh,
+        cache_ptr,
+        scale_ptr,
+        zero_ptr,
+        slot,
+        num_kv_heads,
+        code_dim,
+        BITS: tl.constexpr,
+        QMAX: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         heads = tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_C)
@@ -197,54 +220,155 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_token(
-        token, k_ptr, v_ptr, slot_ptr,
-        k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-        window_k_ptr, window_v_ptr, window_row_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        num_kv_heads, code_dim, head_dim,
-        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+        token,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        k_zero_ptr,
+        v_scale_ptr,
+        v_zero_ptr,
+        window_k_ptr,
+        window_v_ptr,
+        window_row_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        num_kv_heads,
+        code_dim,
+        head_dim,
+        BITS: tl.constexpr,
+        QMAX: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         # Store one token's k and v rows (every KV head) at its slot; also the body of the
         # fused RoPE + KV-write kernel (rotary_kv_write.py).
         slot = tl.load(slot_ptr + token).to(tl.int64)
         _store_row(
-            k_ptr + token.to(tl.int64) * stride_kt, stride_kh, k_cache_ptr, k_scale_ptr, k_zero_ptr,
-            slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
+            k_ptr + token.to(tl.int64) * stride_kt,
+            stride_kh,
+            k_cache_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            slot,
+            num_kv_heads,
+            code_dim,
+            BITS,
+            QMAX,
+            BLOCK_H,
+            BLOCK_C,
         )
         _store_row(
-            v_ptr + token.to(tl.int64) * stride_vt, stride_vh, v_cache_ptr, v_scale_ptr, v_zero_ptr,
-            slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C,
+            v_ptr + token.to(tl.int64) * stride_vt,
+            stride_vh,
+            v_cache_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
+            slot,
+            num_kv_heads,
+            code_dim,
+            BITS,
+            QMAX,
+            BLOCK_H,
+            BLOCK_C,
         )
         if HAS_WINDOW:
             # Pages kept in FP16 (see lowvram.kernels.kv_quant) get the row unquantized as well.
             window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
             _store_row(
-                k_ptr + token.to(tl.int64) * stride_kt, stride_kh, window_k_ptr, window_k_ptr, window_k_ptr,
-                window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D,
+                k_ptr + token.to(tl.int64) * stride_kt,
+                stride_kh,
+                window_k_ptr,
+                window_k_ptr,
+                window_k_ptr,
+                window_slot,
+                num_kv_heads,
+                head_dim,
+                16,
+                0,
+                BLOCK_H,
+                BLOCK_D,
             )
             _store_row(
-                v_ptr + token.to(tl.int64) * stride_vt, stride_vh, window_v_ptr, window_v_ptr, window_v_ptr,
-                window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D,
+                v_ptr + token.to(tl.int64) * stride_vt,
+                stride_vh,
+                window_v_ptr,
+                window_v_ptr,
+                window_v_ptr,
+                window_slot,
+                num_kv_heads,
+                head_dim,
+                16,
+                0,
+                BLOCK_H,
+                BLOCK_D,
             )
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, slot_ptr,
-        k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-        window_k_ptr, window_v_ptr, window_row_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        num_kv_heads, code_dim, head_dim,
-        BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        k_zero_ptr,
+        v_scale_ptr,
+        v_zero_ptr,
+        window_k_ptr,
+        window_v_ptr,
+        window_row_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        num_kv_heads,
+        code_dim,
+        head_dim,
+        BITS: tl.constexpr,
+        QMAX: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         await_inputs(PDL)  # k and v come from the kernel before (kernels/pdl.py)
         # One program per token, all KV heads: the row min/max is a reduction over head_dim.
         _write_token(
-            tl.program_id(0), k_ptr, v_ptr, slot_ptr,
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-            window_k_ptr, window_v_ptr, window_row_ptr,
-            stride_kt, stride_kh, stride_vt, stride_vh,
-            num_kv_heads, code_dim, head_dim,
-            BITS, QMAX, BLOCK_H, BLOCK_C, HAS_WINDOW, PAGE_SIZE, BLOCK_D,
+            tl.program_id(0),
+            k_ptr,
+            v_ptr,
+            slot_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
+            window_k_ptr,
+            window_v_ptr,
+            window_row_ptr,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            num_kv_heads,
+            code_dim,
+            head_dim,
+            BITS,
+            QMAX,
+            BLOCK_H,
+            BLOCK_C,
+            HAS_WINDOW,
+            PAGE_SIZE,
+            BLOCK_D,
         )

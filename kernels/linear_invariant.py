@@ -57,8 +57,9 @@ def invariant_split_k(num_outputs: int, num_inputs: int, num_sms: int) -> int:
     return max(1, min(num_k_blocks, -(-2 * num_sms // num_column_blocks)))
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     use_reference: bool = False) -> torch.Tensor:
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, use_reference: bool = False
+) -> torch.Tensor:
     """y [..., N] = x [..., K] @ weight [N, K]^T + bias [N], in x's dtype; each row of y has the
     same bits however many rows x has.
 
@@ -67,11 +68,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     name = "invariant_linear"
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise KernelError(f"{name}: x {list(x.shape)} and weight {list(weight.shape)} do not multiply "
-                          f"(x [..., K], weight [N, K])")
+        raise KernelError(
+            f"{name}: x {list(x.shape)} and weight {list(weight.shape)} do not multiply (x [..., K], weight [N, K])"
+        )
     if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise KernelError(f"{name}: x is on {x.device} but the weight or bias is not; move the layer and its input "
-                          f"to one device")
+        raise KernelError(
+            f"{name}: x is on {x.device} but the weight or bias is not; move the layer and its input to one device"
+        )
     if bias is not None and list(bias.shape) != [weight.shape[0]]:
         raise KernelError(f"{name}: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
     num_outputs, num_inputs = weight.shape
@@ -80,7 +83,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x2d.shape[0] == 0:
         return x.new_empty(out_shape)
     if not HAS_TRITON or not use_triton(name, x.device, use_reference):
-        rows = [torch.nn.functional.linear(x2d[i:i + 1], weight, bias) for i in range(x2d.shape[0])]
+        rows = [torch.nn.functional.linear(x2d[i : i + 1], weight, bias) for i in range(x2d.shape[0])]
         return torch.cat(rows).reshape(out_shape)
     if x.dtype != weight.dtype:
         raise KernelError(f"{name}: x is {x.dtype} but the weight is {weight.dtype}; the kernel takes one dtype")
@@ -108,10 +111,27 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     else:
         partials = counters = y  # not read
     _linear_rows_kernel[(num_column_blocks, split_k, num_row_tiles)](
-        x, weight, bias if bias is not None else weight, y, partials, counters,
-        num_rows, num_outputs, num_inputs, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
-        k_blocks_per_split, num_k_blocks,
-        BLOCK_M=DOT_MIN_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None, IS_PARTIAL=is_partial,
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        partials,
+        counters,
+        num_rows,
+        num_outputs,
+        num_inputs,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        k_blocks_per_split,
+        num_k_blocks,
+        BLOCK_M=DOT_MIN_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        HAS_BIAS=bias is not None,
+        IS_PARTIAL=is_partial,
         num_warps=4,
     )
 
@@ -120,10 +140,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _linear_rows_kernel(
-        x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-        M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        bias_ptr,
+        y_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        stride_ym,
+        K_BLOCKS_PER_SPLIT,
+        NUM_K_BLOCKS,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        IS_PARTIAL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -140,10 +177,29 @@ if HAS_TRITON:
             offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             # x: [BLOCK_M, BLOCK_K]; w^T: [BLOCK_K, BLOCK_N]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-                        mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                mask=mask_n[None, :] & mask_k[:, None],
+                other=0.0,
+            )
             acc += tl.dot(x, w)
-        awq_gemv_store(acc, offs_m[:, None], offs_n[None, :], mask_m[:, None] & mask_n[None, :], y_ptr, stride_ym,
-                       bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
+        awq_gemv_store(
+            acc,
+            offs_m[:, None],
+            offs_n[None, :],
+            mask_m[:, None] & mask_n[None, :],
+            y_ptr,
+            stride_ym,
+            bias_ptr,
+            partial_ptr,
+            counter_ptr,
+            M,
+            N,
+            HAS_BIAS,
+            IS_PARTIAL,
+        )

@@ -184,12 +184,24 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
             max_fused_splits = 0
         elif bits == 16:
             num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
-    return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages,
-                        max_fused_splits=max_fused_splits)
+    return DecodeConfig(
+        block_n=_tile_rows(block_d, block_n),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        max_fused_splits=max_fused_splits,
+    )
 
 
-def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int, num_kv_heads: int,
-                  max_context_len: int, *, is_partitioning_fixed: bool = False) -> DecodeConfig:
+def decode_config(
+    device: torch.device,
+    head_dim: int,
+    bits: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    *,
+    is_partitioning_fixed: bool = False,
+) -> DecodeConfig:
     """The configuration `paged_decode_attention` takes for a call: with fixed partitions or a
     forced partition count (`is_partitioning_fixed`) `default_decode_config`'s; with the default
     partitioning that one fitted to the call's grid where that was measured (GPUs with cp.async,
@@ -209,8 +221,9 @@ def decode_config(device: torch.device, head_dim: int, bits: int, num_seqs: int,
     return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, num_sms(device))
 
 
-def fit_decode_config(config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int,
-                      sm_count: int) -> DecodeConfig:
+def fit_decode_config(
+    config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int
+) -> DecodeConfig:
     """`config` fitted to the grid of the default partitioning on a GPU of `sm_count` SMs (see
     decode_config)."""
     num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count)
@@ -441,11 +454,15 @@ def plan_decode_partitions(
     max_context_len = max(1, max_context_len)
     if partition_tokens is not None:
         if num_splits is not None:
-            raise KernelError(f"plan_decode_partitions: pass num_splits ({num_splits}) or partition_tokens "
-                              f"({partition_tokens}), not both")
+            raise KernelError(
+                f"plan_decode_partitions: pass num_splits ({num_splits}) or partition_tokens "
+                f"({partition_tokens}), not both"
+            )
         if not isinstance(partition_tokens, int) or partition_tokens <= 0 or partition_tokens % block_n:
-            raise KernelError(f"partition_tokens={partition_tokens!r} must be a positive multiple of the decode "
-                              f"kernel's {block_n}-token tile")
+            raise KernelError(
+                f"partition_tokens={partition_tokens!r} must be a positive multiple of the decode "
+                f"kernel's {block_n}-token tile"
+            )
         return math.ceil(max_context_len / partition_tokens), partition_tokens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(device))
@@ -462,8 +479,10 @@ def _check_config(name: str, config: DecodeConfig) -> None:
     if config.block_n < 16 or config.block_n & (config.block_n - 1):
         raise KernelError(f"{name}: DecodeConfig.block_n is {config.block_n}; expected a power of two >= 16")
     if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
-        raise KernelError(f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
-                          "expected num_warps a power of two up to 16 and num_stages >= 1")
+        raise KernelError(
+            f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
+            "expected num_warps a power of two up to 16 and num_stages >= 1"
+        )
 
 
 def merges_in_decode_kernel(config: DecodeConfig, num_splits: int, is_invariant: bool) -> bool:
@@ -533,11 +552,23 @@ def paged_decode_attention(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
     is_invariant = partition_tokens is not None
-    config = _config or decode_config(q.device, head_dim, pages.bits, num_seqs, num_kv_heads, max_context_len,
-                                      is_partitioning_fixed=is_invariant or num_splits is not None)
+    config = _config or decode_config(
+        q.device,
+        head_dim,
+        pages.bits,
+        num_seqs,
+        num_kv_heads,
+        max_context_len,
+        is_partitioning_fixed=is_invariant or num_splits is not None,
+    )
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
-        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, partition_tokens=partition_tokens,
+        num_seqs,
+        num_kv_heads,
+        max_context_len,
+        q.device,
+        num_splits,
+        partition_tokens=partition_tokens,
         block_n=config.block_n,
     )
     if num_seqs == 0:
@@ -554,34 +585,65 @@ def paged_decode_attention(
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
         # From the graph's pool under CUDA-graph capture, like every per-step buffer.
-        partial_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
+        partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
     counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
     k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
-        block_tables, context_lens, out, partial_out, partial_lse, counters,
+        q,
+        pages.k,
+        pages.v,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        *_window_pointers(pages),
+        block_tables,
+        context_lens,
+        out,
+        partial_out,
+        partial_lse,
+        counters,
         scale * _LOG2_E,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
-        BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)), BLOCK_N=config.block_n,
-        IS_SPLIT=is_split, IS_FUSED=is_fused, HAS_WINDOW=pages.has_window,
-        BLOCK_D=block_d, MERGE_LANES=fused_merge_lanes(block_d),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        num_kv_heads,
+        group_size,
+        partition_tokens,
+        num_splits,
+        PAGE_SIZE=pages.block_size,
+        HEAD_DIM=head_dim,
+        **plane_layout(pages.bits, head_dim),
+        BITS=pages.bits,
+        BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
+        BLOCK_N=config.block_n,
+        IS_SPLIT=is_split,
+        IS_FUSED=is_fused,
+        HAS_WINDOW=pages.has_window,
+        BLOCK_D=block_d,
+        MERGE_LANES=fused_merge_lanes(block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
-        num_warps=config.num_warps, num_stages=config.num_stages, **dependent_launch(q.device),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **dependent_launch(q.device),
     )
     if is_split and not is_fused:
         _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
     return out
 
 
-def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                     context_lens: torch.Tensor, partition_tokens: int, *, is_invariant: bool = False) -> None:
+def merge_partitions(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    context_lens: torch.Tensor,
+    partition_tokens: int,
+    *,
+    is_invariant: bool = False,
+) -> None:
     """Launch the merge kernel: `out [num_seqs, num_heads, head_dim]` from each sequence's
     partial results `partial_out [num_seqs, num_heads, num_splits, head_dim]` (float32) and their
     base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
@@ -592,33 +654,62 @@ def merge_partitions(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: 
     _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
 
 
-def _launch_merge(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                  context_lens: torch.Tensor, partition_tokens: int, is_invariant: bool) -> None:
+def _launch_merge(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    context_lens: torch.Tensor,
+    partition_tokens: int,
+    is_invariant: bool,
+) -> None:
     num_seqs, num_heads, num_splits, head_dim = partial_out.shape
     slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
     _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-        partial_out, partial_lse, out, context_lens, partition_tokens, num_splits,
-        HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes,
-        num_warps=4, **dependent_launch(out.device),
+        partial_out,
+        partial_lse,
+        out,
+        context_lens,
+        partition_tokens,
+        num_splits,
+        HEAD_DIM=head_dim,
+        SLICE_D=slice_d,
+        LANES=lanes,
+        num_warps=4,
+        **dependent_launch(out.device),
     )
 
 
-def _check_merge_buffers(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor,
-                         context_lens: torch.Tensor, partition_tokens: int) -> None:
+def _check_merge_buffers(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    context_lens: torch.Tensor,
+    partition_tokens: int,
+) -> None:
     name = "merge_partitions"
     if partial_out.dim() != 4 or partial_out.dtype != torch.float32 or not partial_out.is_contiguous():
-        raise KernelError(f"{name}: partial_out is {tuple(partial_out.shape)} {partial_out.dtype}; expected "
-                          "contiguous float32 [num_seqs, num_heads, num_splits, head_dim]")
+        raise KernelError(
+            f"{name}: partial_out is {tuple(partial_out.shape)} {partial_out.dtype}; expected "
+            "contiguous float32 [num_seqs, num_heads, num_splits, head_dim]"
+        )
     num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    if (tuple(partial_lse.shape) != (num_seqs, num_heads, num_splits) or partial_lse.dtype != torch.float32
-            or not partial_lse.is_contiguous()):
-        raise KernelError(f"{name}: partial_lse is {tuple(partial_lse.shape)} {partial_lse.dtype}; expected "
-                          f"contiguous float32 [{num_seqs}, {num_heads}, {num_splits}]")
+    if (
+        tuple(partial_lse.shape) != (num_seqs, num_heads, num_splits)
+        or partial_lse.dtype != torch.float32
+        or not partial_lse.is_contiguous()
+    ):
+        raise KernelError(
+            f"{name}: partial_lse is {tuple(partial_lse.shape)} {partial_lse.dtype}; expected "
+            f"contiguous float32 [{num_seqs}, {num_heads}, {num_splits}]"
+        )
     if tuple(out.shape) != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
-        raise KernelError(f"{name}: out is {tuple(out.shape)}; expected contiguous [{num_seqs}, {num_heads}, {head_dim}]")
+        raise KernelError(
+            f"{name}: out is {tuple(out.shape)}; expected contiguous [{num_seqs}, {num_heads}, {head_dim}]"
+        )
     if tuple(context_lens.shape) != (num_seqs,) or context_lens.dtype != torch.int32:
-        raise KernelError(f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; "
-                          f"expected int32 [{num_seqs}]")
+        raise KernelError(
+            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected int32 [{num_seqs}]"
+        )
     if partition_tokens <= 0:
         raise KernelError(f"{name}: partition_tokens must be positive, got {partition_tokens}")
     for tensor_name, tensor in (("partial_lse", partial_lse), ("out", out), ("context_lens", context_lens)):
@@ -674,13 +765,34 @@ def paged_prefill_attention(
     # inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *_window_pointers(pages),
-        block_tables, cu_seqlens_q, context_lens, out,
+        q,
+        pages.k,
+        pages.v,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        *_window_pointers(pages),
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
         scale * _LOG2_E,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        pages.num_kv_heads, num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size, HEAD_DIM=head_dim, **plane_layout(pages.bits, head_dim), BITS=pages.bits,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=pages.has_window, WIDE_OFFSETS=_needs_wide_offsets(pages),
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        pages.num_kv_heads,
+        num_heads // pages.num_kv_heads,
+        PAGE_SIZE=pages.block_size,
+        HEAD_DIM=head_dim,
+        **plane_layout(pages.bits, head_dim),
+        BITS=pages.bits,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=pages.has_window,
+        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out
@@ -713,8 +825,16 @@ if HAS_TRITON:
         return index
 
     @triton.jit
-    def _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
-                     PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    def _window_rows(
+        window_row_ptr,
+        block,
+        positions,
+        kv_head,
+        num_kv_heads,
+        mask_n,
+        PAGE_SIZE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+    ):
         # Each token's page row in the FP16 window arrays (-1: the page is not kept in FP16),
         # and the token's row there: [BLOCK_N] each.
         if HAS_WINDOW:
@@ -725,8 +845,16 @@ if HAS_TRITON:
         return window_page, rows
 
     @triton.jit
-    def _load_rows(ptr, rows, mask_rows, cols, ROW_LEN: tl.constexpr, NUM_COLS: tl.constexpr,
-                   BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    def _load_rows(
+        ptr,
+        rows,
+        mask_rows,
+        cols,
+        ROW_LEN: tl.constexpr,
+        NUM_COLS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        TRANSPOSED: tl.constexpr = False,
+    ):
         # [len(rows), BLOCK_C]: elements `cols` of rows `rows` ([BLOCK_C, len(rows)] with
         # TRANSPOSED). Masked rows read nothing (unwritten slots may hold NaN) and, like columns
         # past NUM_COLS, come back as 0.
@@ -820,8 +948,13 @@ if HAS_TRITON:
         # 3) over zero bytes (SUBNORMAL) or under 0x64, the high byte of 1024.0, which one
         # float16-pair subtraction per plane then removes.
         return tl.inline_asm_elementwise(
-            asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET, constraints="=r,=r,r", args=[pairs],
-            dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET,
+            constraints="=r,=r,r",
+            args=[pairs],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
 
     @triton.jit
     def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False):
@@ -833,8 +966,12 @@ if HAS_TRITON:
         # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
         return tl.inline_asm_elementwise(
             asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
-            constraints="=r,=r,=r,=r,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+            constraints="=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
 
     @triton.jit
     def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
@@ -872,8 +1009,9 @@ if HAS_TRITON:
         return k_scale, k_zero, v_scale, v_zero
 
     @triton.jit
-    def _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BITS: tl.constexpr):
+    def _prefetch_rows(
+        k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr
+    ):
         # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
         # rows of HEAD_DIM * BITS / 8 bytes), each line of them. Tokens of pages kept in FP16 are
         # not asked for: their window rows are few. LINES spans the padded row (a plane's
@@ -893,29 +1031,66 @@ if HAS_TRITON:
         return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
 
     @triton.jit
-    def _block_rows(blocks, positions, end, kv_head, num_kv_heads, window_row_ptr,
-                    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    def _block_rows(
+        blocks,
+        positions,
+        end,
+        kv_head,
+        num_kv_heads,
+        window_row_ptr,
+        PAGE_SIZE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WIDE_OFFSETS: tl.constexpr,
+    ):
         # Where the tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks)
         # live: (mask, rows, window_page, window_rows), rows = slot * num_kv_heads + kv_head in
         # the page arrays (see _window_rows for the FP16 window).
         mask_n = positions < end
         block = _wide(blocks, WIDE_OFFSETS)
         rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-        window_page, window_rows = _window_rows(window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n,
-                                                PAGE_SIZE, HAS_WINDOW)
+        window_page, window_rows = _window_rows(
+            window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n, PAGE_SIZE, HAS_WINDOW
+        )
         return mask_n, rows, window_page, window_rows
 
     @triton.jit
-    def _token_rows(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr,
-                    PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr):
+    def _token_rows(
+        table_row,
+        positions,
+        end,
+        kv_head,
+        num_kv_heads,
+        window_row_ptr,
+        PAGE_SIZE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WIDE_OFFSETS: tl.constexpr,
+    ):
         # _block_rows of the tokens at `positions`, their pages read from the table now.
-        return _block_rows(_table_blocks(table_row, positions, end, PAGE_SIZE), positions, end, kv_head,
-                           num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        return _block_rows(
+            _table_blocks(table_row, positions, end, PAGE_SIZE),
+            positions,
+            end,
+            kv_head,
+            num_kv_heads,
+            window_row_ptr,
+            PAGE_SIZE,
+            HAS_WINDOW,
+            WIDE_OFFSETS,
+        )
 
     @triton.jit
-    def _window_plane(plane, window_ptr, window_rows, is_window, offs_c, PLANE: tl.constexpr,
-                      NUM_PLANES: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+    def _window_plane(
+        plane,
+        window_ptr,
+        window_rows,
+        is_window,
+        offs_c,
+        PLANE: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
         cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
         kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
@@ -923,10 +1098,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_operands(
-        cache_ptr, scale, zero, window_ptr, rows, window_page, window_rows, mask_n,
-        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, WINDOW: tl.constexpr,
-        TRANSPOSED: tl.constexpr = False, ODD_X16: tl.constexpr = False,
+        cache_ptr,
+        scale,
+        zero,
+        window_ptr,
+        rows,
+        window_page,
+        window_rows,
+        mask_n,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        WINDOW: tl.constexpr,
+        TRANSPOSED: tl.constexpr = False,
+        ODD_X16: tl.constexpr = False,
     ):
         # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
         # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
@@ -946,8 +1135,9 @@ if HAS_TRITON:
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         if BITS == 16:
-            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C,
-                                TRANSPOSED).to(DOT_DTYPE)
+            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED).to(
+                DOT_DTYPE
+            )
             plane1 = plane0
             plane2 = plane0
             plane3 = plane0
@@ -976,8 +1166,16 @@ if HAS_TRITON:
             # dots (_MIXED): their scale 1 beside the codes' 2**24 would take the row's V scale
             # and leave the window's weights below float16's range.
             SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
-            words = _load_rows(cache_ptr.to(tl.pointer_type(tl.uint16)), rows, mask_codes, offs_c, PLANE_DIM,
-                               PLANE_DIM, BLOCK_C, TRANSPOSED)
+            words = _load_rows(
+                cache_ptr.to(tl.pointer_type(tl.uint16)),
+                rows,
+                mask_codes,
+                offs_c,
+                PLANE_DIM,
+                PLANE_DIM,
+                BLOCK_C,
+                TRANSPOSED,
+            )
             if BITS == 8:
                 if _PTX_CODES and DOT_DTYPE == tl.float16:
                     plane0, plane1 = _pair_halves(words, SUBNORMAL)
@@ -1006,15 +1204,19 @@ if HAS_TRITON:
             # read the window; the others skip its loads.
             is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
-                plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM,
-                                       PLANE_DIM, BLOCK_C)
-                plane1 = _window_plane(plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM,
-                                       PLANE_DIM, BLOCK_C)
+                plane0 = _window_plane(
+                    plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
+                )
+                plane1 = _window_plane(
+                    plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
+                )
                 if NUM_PLANES == 4:
-                    plane2 = _window_plane(plane2, window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES,
-                                           HEAD_DIM, PLANE_DIM, BLOCK_C)
-                    plane3 = _window_plane(plane3, window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES,
-                                           HEAD_DIM, PLANE_DIM, BLOCK_C)
+                    plane2 = _window_plane(
+                        plane2, window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
+                    )
+                    plane3 = _window_plane(
+                        plane3, window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
+                    )
                 scale = tl.where(is_window, 1.0, scale)
                 zero = tl.where(is_window, 0.0, zero)
             if BITS == 8:
@@ -1023,8 +1225,14 @@ if HAS_TRITON:
         return plane0, plane1, plane2, plane3, scale, zero
 
     @triton.jit
-    def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr,
-                           NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _load_query_planes(
+        row_ptrs,
+        mask_rows,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         # Query rows (row_ptrs [R, 1] to their first element) split like the K planes (q0 to
         # q3; those past NUM_PLANES repeat q0), and their float32 sums over all columns [R].
         offs_c = tl.arange(0, BLOCK_C)
@@ -1045,12 +1253,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_plane(row_ptrs, result, mask, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
-        tl.store(row_ptrs + _plane_channels(offs_c, PLANE, NUM_PLANES)[None, :],
-                 result.to(row_ptrs.dtype.element_ty), mask=mask)
+        tl.store(
+            row_ptrs + _plane_channels(offs_c, PLANE, NUM_PLANES)[None, :],
+            result.to(row_ptrs.dtype.element_ty),
+            mask=mask,
+        )
 
     @triton.jit
-    def _store_planes(row_ptrs, result0, result1, result2, result3, mask_rows, PLANE_DIM: tl.constexpr,
-                      NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _store_planes(
+        row_ptrs,
+        result0,
+        result1,
+        result2,
+        result3,
+        mask_rows,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
         offs_c = tl.arange(0, BLOCK_C)
         mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
@@ -1080,11 +1300,38 @@ if HAS_TRITON:
 
     @triton.jit
     def _attend_tile(
-        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-        k_scale, k_zero, v_scale, v_zero,
-        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,
+        q0,
+        q1,
+        q2,
+        q3,
+        q_sum,
+        m_i,
+        l_i,
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        is_visible,
+        scale_log2,
+        k_cache_ptr,
+        window_k_ptr,
+        v_cache_ptr,
+        window_v_ptr,
+        rows,
+        window_page,
+        window_rows,
+        mask_n,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WINDOW: tl.constexpr,
     ):
         # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
         # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
@@ -1092,11 +1339,41 @@ if HAS_TRITON:
         k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
         v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
         k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW)
+            k_cache_ptr,
+            k_scale,
+            k_zero,
+            window_k_ptr,
+            rows,
+            window_page,
+            window_rows,
+            mask_n,
+            HEAD_DIM,
+            PLANE_DIM,
+            NUM_PLANES,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            q0.dtype,
+            WINDOW,
+        )
         v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW)
+            v_cache_ptr,
+            v_scale,
+            v_zero,
+            window_v_ptr,
+            rows,
+            window_page,
+            window_rows,
+            mask_n,
+            HEAD_DIM,
+            PLANE_DIM,
+            NUM_PLANES,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            q0.dtype,
+            WINDOW,
+        )
         qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
         if NUM_PLANES >= 2:
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
@@ -1136,11 +1413,39 @@ if HAS_TRITON:
 
     @triton.jit
     def _attend_tile_by_token(
-        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-        k_scale, k_zero, v_scale, v_zero,
-        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, ODD_X16: tl.constexpr,
+        q0,
+        q1,
+        q2,
+        q3,
+        q_sum,
+        m_i,
+        l_i,
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        is_visible,
+        scale_log2,
+        k_cache_ptr,
+        window_k_ptr,
+        v_cache_ptr,
+        window_v_ptr,
+        rows,
+        window_page,
+        window_rows,
+        mask_n,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WINDOW: tl.constexpr,
+        ODD_X16: tl.constexpr,
     ):
         # _attend_tile for the decode kernel, whose query rows all see the same tokens
         # (is_visible [BLOCK_N]), turned over: q0 to q3 are planes [BLOCK_C, R] and acc0 to acc3
@@ -1152,11 +1457,45 @@ if HAS_TRITON:
         k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
         v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
         k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr, k_scale, k_zero, window_k_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW, False, ODD_X16)
+            k_cache_ptr,
+            k_scale,
+            k_zero,
+            window_k_ptr,
+            rows,
+            window_page,
+            window_rows,
+            mask_n,
+            HEAD_DIM,
+            PLANE_DIM,
+            NUM_PLANES,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            q0.dtype,
+            WINDOW,
+            False,
+            ODD_X16,
+        )
         v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr, v_scale, v_zero, window_v_ptr, rows, window_page, window_rows, mask_n,
-            HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, q0.dtype, WINDOW, True, ODD_X16)
+            v_cache_ptr,
+            v_scale,
+            v_zero,
+            window_v_ptr,
+            rows,
+            window_page,
+            window_rows,
+            mask_n,
+            HEAD_DIM,
+            PLANE_DIM,
+            NUM_PLANES,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            q0.dtype,
+            WINDOW,
+            True,
+            ODD_X16,
+        )
         qk = tl.dot(k0, q0, input_precision="ieee")  # [BLOCK_N, R]
         if NUM_PLANES >= 2:
             qk = tl.dot(k1, q1, qk, input_precision="ieee")
@@ -1191,42 +1530,158 @@ if HAS_TRITON:
 
     @triton.jit
     def _decode_tile(
-        q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-        k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-        k_scale, k_zero, v_scale, v_zero,
-        HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr, BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, BY_TOKEN: tl.constexpr,
+        q0,
+        q1,
+        q2,
+        q3,
+        q_sum,
+        m_i,
+        l_i,
+        acc0,
+        acc1,
+        acc2,
+        acc3,
+        is_visible,
+        scale_log2,
+        k_cache_ptr,
+        window_k_ptr,
+        v_cache_ptr,
+        window_v_ptr,
+        rows,
+        window_page,
+        window_rows,
+        mask_n,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WINDOW: tl.constexpr,
+        BY_TOKEN: tl.constexpr,
         ODD_X16: tl.constexpr,
     ):
         # One tile of the decode kernel's online softmax, the tokens is_visible [BLOCK_N] seen by
         # every query row: by token (q and accumulators turned over) or by query row.
         if BY_TOKEN:
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-                k_scale, k_zero, v_scale, v_zero, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, WINDOW,
-                ODD_X16)
+                q0,
+                q1,
+                q2,
+                q3,
+                q_sum,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                is_visible,
+                scale_log2,
+                k_cache_ptr,
+                window_k_ptr,
+                v_cache_ptr,
+                window_v_ptr,
+                rows,
+                window_page,
+                window_rows,
+                mask_n,
+                k_scale,
+                k_zero,
+                v_scale,
+                v_zero,
+                HEAD_DIM,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+                BITS,
+                HAS_WINDOW,
+                WINDOW,
+                ODD_X16,
+            )
         else:
             tl.static_assert(not ODD_X16)
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible[None, :], scale_log2,
-                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-                k_scale, k_zero, v_scale, v_zero, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, WINDOW)
+                q0,
+                q1,
+                q2,
+                q3,
+                q_sum,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                is_visible[None, :],
+                scale_log2,
+                k_cache_ptr,
+                window_k_ptr,
+                v_cache_ptr,
+                window_v_ptr,
+                rows,
+                window_page,
+                window_rows,
+                mask_n,
+                k_scale,
+                k_zero,
+                v_scale,
+                v_zero,
+                HEAD_DIM,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+                BITS,
+                HAS_WINDOW,
+                WINDOW,
+            )
         return m_i, l_i, acc0, acc1, acc2, acc3
 
     # Neither the table's width nor the batch's partition count picks a compiled variant.
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def _decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-        window_k_ptr, window_v_ptr, window_row_ptr,
-        block_tables_ptr, context_lens_ptr, out_ptr, partial_out_ptr, partial_lse_ptr, counter_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        k_zero_ptr,
+        v_scale_ptr,
+        v_zero_ptr,
+        window_k_ptr,
+        window_v_ptr,
+        window_row_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        out_ptr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        counter_ptr,
         scale_log2,
-        stride_qs, stride_qh, stride_bt,
-        num_kv_heads, group_size, partition_tokens, num_splits,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        IS_SPLIT: tl.constexpr, IS_FUSED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr, MERGE_LANES: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+        stride_qs,
+        stride_qh,
+        stride_bt,
+        num_kv_heads,
+        group_size,
+        partition_tokens,
+        num_splits,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IS_SPLIT: tl.constexpr,
+        IS_FUSED: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        MERGE_LANES: tl.constexpr,
+        WIDE_OFFSETS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -1245,8 +1700,9 @@ if HAS_TRITON:
         end = tl.minimum(start + partition_tokens, context_len)
         offs_n = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        mask_n, rows, window_page, window_rows = _token_rows(table_row, start + offs_n, end, kv_head, num_kv_heads,
-                                                             window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        mask_n, rows, window_page, window_rows = _token_rows(
+            table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
+        )
         if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
             _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, BLOCK_C, BITS)
         await_inputs(PDL)
@@ -1288,8 +1744,9 @@ if HAS_TRITON:
         # second pass reads the window's tokens of those tiles (as a rule a sequence's last
         # one or two). Keeping the window's loads out of the main loop keeps its registers
         # and instructions those of pages without a window.
-        k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
-                                                        mask_n, BITS)
+        k_scale, k_zero, v_scale, v_zero = _tile_scales(
+            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
+        )
         next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
         # Bounds that leave the window's pass empty and cannot overflow in the compiler's
         # pipelined loop (it steps past them): `end` and the tile before `start`.
@@ -1297,10 +1754,19 @@ if HAS_TRITON:
         last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):
             next_mask, next_rows, next_window_page, _ = _block_rows(
-                next_blocks, tile_start + BLOCK_N + offs_n, end, kv_head, num_kv_heads, window_row_ptr,
-                PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+                next_blocks,
+                tile_start + BLOCK_N + offs_n,
+                end,
+                kv_head,
+                num_kv_heads,
+                window_row_ptr,
+                PAGE_SIZE,
+                HAS_WINDOW,
+                WIDE_OFFSETS,
+            )
             next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS)
+                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS
+            )
             next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
             is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW:
@@ -1308,10 +1774,41 @@ if HAS_TRITON:
                 first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
                 last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
             m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, rows, mask_n,
-                k_scale, k_zero, v_scale, v_zero,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY, BY_TOKEN, ODD_X16)
+                q0,
+                q1,
+                q2,
+                q3,
+                q_sum,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                is_visible,
+                scale_log2,
+                k_cache_ptr,
+                window_k_ptr,
+                v_cache_ptr,
+                window_v_ptr,
+                rows,
+                window_page,
+                rows,
+                mask_n,
+                k_scale,
+                k_zero,
+                v_scale,
+                v_zero,
+                HEAD_DIM,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+                BITS,
+                HAS_WINDOW,
+                _CODES_ONLY,
+                BY_TOKEN,
+                ODD_X16,
+            )
             mask_n, rows, window_page = next_mask, next_rows, next_window_page
             k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
         if HAS_WINDOW:
@@ -1323,17 +1820,56 @@ if HAS_TRITON:
             WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
             offs_w = tl.arange(0, WINDOW_N)
             unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
-            for tile_start in tl.range(tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N,
-                                       num_stages=1):
+            for tile_start in tl.range(
+                tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
+            ):
                 mask_w, rows_w, window_page_w, window_rows_w = _token_rows(
-                    table_row, tile_start + offs_w, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE,
-                    HAS_WINDOW, WIDE_OFFSETS)
+                    table_row,
+                    tile_start + offs_w,
+                    end,
+                    kv_head,
+                    num_kv_heads,
+                    window_row_ptr,
+                    PAGE_SIZE,
+                    HAS_WINDOW,
+                    WIDE_OFFSETS,
+                )
                 m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
-                    q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3,
-                    _kept_mask(mask_w, window_page_w, HAS_WINDOW), scale_log2,
-                    k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows_w, window_page_w, window_rows_w,
-                    mask_w, unused_scale, unused_scale, unused_scale, unused_scale,
-                    HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY, BY_TOKEN, False)
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    q_sum,
+                    m_i,
+                    l_i,
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    _kept_mask(mask_w, window_page_w, HAS_WINDOW),
+                    scale_log2,
+                    k_cache_ptr,
+                    window_k_ptr,
+                    v_cache_ptr,
+                    window_v_ptr,
+                    rows_w,
+                    window_page_w,
+                    window_rows_w,
+                    mask_w,
+                    unused_scale,
+                    unused_scale,
+                    unused_scale,
+                    unused_scale,
+                    HEAD_DIM,
+                    PLANE_DIM,
+                    NUM_PLANES,
+                    BLOCK_C,
+                    BITS,
+                    HAS_WINDOW,
+                    _KEPT_ONLY,
+                    BY_TOKEN,
+                    False,
+                )
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -1349,8 +1885,17 @@ if HAS_TRITON:
             lse_offs = head_rows * num_splits + split
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
-            _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result0, result1, result2, result3,
-                          mask_g, PLANE_DIM, NUM_PLANES, BLOCK_C)
+            _store_planes(
+                partial_out_ptr + lse_offs[:, None] * HEAD_DIM,
+                result0,
+                result1,
+                result2,
+                result3,
+                mask_g,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+            )
             if IS_FUSED:
                 # The last of the sequence's partitions of this KV head to finish merges them.
                 # The CTA barrier puts every thread's partial stores before the count, whose
@@ -1364,12 +1909,31 @@ if HAS_TRITON:
                 if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
                     first_row = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size
                     for head in range(group_size):
-                        _merge_slice(partial_out_ptr, partial_lse_ptr, out_ptr, first_row + head, 0, num_splits,
-                                     num_parts, HEAD_DIM, BLOCK_D, MERGE_LANES)
+                        _merge_slice(
+                            partial_out_ptr,
+                            partial_lse_ptr,
+                            out_ptr,
+                            first_row + head,
+                            0,
+                            num_splits,
+                            num_parts,
+                            HEAD_DIM,
+                            BLOCK_D,
+                            MERGE_LANES,
+                        )
                     tl.store(counter, 0)
         else:
-            _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result0, result1, result2, result3, mask_g,
-                          PLANE_DIM, NUM_PLANES, BLOCK_C)
+            _store_planes(
+                out_ptr + head_rows[:, None] * HEAD_DIM,
+                result0,
+                result1,
+                result2,
+                result3,
+                mask_g,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+            )
 
     @triton.jit
     def _num_partitions(context_len, partition_tokens, num_splits):
@@ -1379,8 +1943,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_slice(
-        partial_out_ptr, partial_lse_ptr, out_ptr, row, first_column, num_splits, num_parts,
-        HEAD_DIM: tl.constexpr, SLICE_D: tl.constexpr, LANES: tl.constexpr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        out_ptr,
+        row,
+        first_column,
+        num_splits,
+        num_parts,
+        HEAD_DIM: tl.constexpr,
+        SLICE_D: tl.constexpr,
+        LANES: tl.constexpr,
     ):
         # Columns first_column ... + SLICE_D of output row `row` (sequence * num_heads + head)
         # from the row's first num_parts partials, each weighted by exp2(lse - max lse), in one
@@ -1403,8 +1975,12 @@ if HAS_TRITON:
             splits = chunk_start + offs_l
             is_part = splits < num_parts
             lse = tl.load(lse_row + splits, mask=is_part, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
-                           mask=mask_d[:, None] & is_part[None, :], other=0.0, cache_modifier=".cg")
+            part = tl.load(
+                part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
+                mask=mask_d[:, None] & is_part[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             new_max = tl.maximum(max_lse, tl.max(lse, axis=0))
             # -inf until a partition has tokens (an empty context has none): weights 0 then.
             reference = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -1430,8 +2006,16 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _merge_partitions_kernel(
-        partial_out_ptr, partial_lse_ptr, out_ptr, context_lens_ptr, partition_tokens, num_splits,
-        HEAD_DIM: tl.constexpr, SLICE_D: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr,
+        partial_out_ptr,
+        partial_lse_ptr,
+        out_ptr,
+        context_lens_ptr,
+        partition_tokens,
+        num_splits,
+        HEAD_DIM: tl.constexpr,
+        SLICE_D: tl.constexpr,
+        LANES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program per (sequence, head, SLICE_D columns). The context lengths are written
         # before a step's first kernel, so under PDL they load while the decode kernel runs.
@@ -1439,20 +2023,53 @@ if HAS_TRITON:
         row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
         await_inputs(PDL)
-        _merge_slice(partial_out_ptr, partial_lse_ptr, out_ptr, row, tl.program_id(2) * SLICE_D, num_splits,
-                     num_parts, HEAD_DIM, SLICE_D, LANES)
+        _merge_slice(
+            partial_out_ptr,
+            partial_lse_ptr,
+            out_ptr,
+            row,
+            tl.program_id(2) * SLICE_D,
+            num_splits,
+            num_parts,
+            HEAD_DIM,
+            SLICE_D,
+            LANES,
+        )
 
     @triton.jit
     def _prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-        window_k_ptr, window_v_ptr, window_row_ptr,
-        block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        k_zero_ptr,
+        v_scale_ptr,
+        v_zero_ptr,
+        window_k_ptr,
+        window_v_ptr,
+        window_row_ptr,
+        block_tables_ptr,
+        cu_seqlens_q_ptr,
+        context_lens_ptr,
+        out_ptr,
         scale_log2,
-        stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
-        num_kv_heads, group_size,
-        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PLANE_DIM: tl.constexpr, NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
+        stride_qt,
+        stride_qh,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        num_kv_heads,
+        group_size,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PLANE_DIM: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BITS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        WIDE_OFFSETS: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -1470,8 +2087,9 @@ if HAS_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = (q_positions >= num_cached) & (q_positions < context_len)
         token_rows = (q_start + q_positions - num_cached).to(tl.int64)
-        q0, q1, q2, q3, q_sum = _load_query_planes(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh,
-                                                   mask_m, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
+        q0, q1, q2, q3, q_sum = _load_query_planes(
+            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C
+        )
 
         # K/V up to the last query of this tile (causal); none when the tile has no new token.
         end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -1487,18 +2105,57 @@ if HAS_TRITON:
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
             positions = tile_start + offs_n
-            mask_n, rows, window_page, window_rows = _token_rows(table_row, positions, end, kv_head, num_kv_heads,
-                                                                 window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
-            k_scale, k_zero, v_scale, v_zero = _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows,
-                                                            mask_n, BITS)
+            mask_n, rows, window_page, window_rows = _token_rows(
+                table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
+            )
+            k_scale, k_zero, v_scale, v_zero = _tile_scales(
+                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
+            )
             is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0, q1, q2, q3, q_sum, m_i, l_i, acc0, acc1, acc2, acc3, is_visible, scale_log2,
-                k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr, rows, window_page, window_rows, mask_n,
-                k_scale, k_zero, v_scale, v_zero,
-                HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C, BITS, HAS_WINDOW, _MIXED)
+                q0,
+                q1,
+                q2,
+                q3,
+                q_sum,
+                m_i,
+                l_i,
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                is_visible,
+                scale_log2,
+                k_cache_ptr,
+                window_k_ptr,
+                v_cache_ptr,
+                window_v_ptr,
+                rows,
+                window_page,
+                window_rows,
+                mask_n,
+                k_scale,
+                k_zero,
+                v_scale,
+                v_zero,
+                HEAD_DIM,
+                PLANE_DIM,
+                NUM_PLANES,
+                BLOCK_C,
+                BITS,
+                HAS_WINDOW,
+                _MIXED,
+            )
 
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, acc0 / denominator,
-                      acc1 / denominator, acc2 / denominator, acc3 / denominator, mask_m, PLANE_DIM, NUM_PLANES,
-                      BLOCK_C)
+        _store_planes(
+            out_ptr + token_rows[:, None] * stride_ot + head * stride_oh,
+            acc0 / denominator,
+            acc1 / denominator,
+            acc2 / denominator,
+            acc3 / denominator,
+            mask_m,
+            PLANE_DIM,
+            NUM_PLANES,
+            BLOCK_C,
+        )

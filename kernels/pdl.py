@@ -107,8 +107,10 @@ def launch_prefetch(device: torch.device, tensors: tuple[torch.Tensor, ...], num
     l2_bytes = _l2_bytes(_index(device))
     sizes = [t.numel() * t.element_size() for t in tensors]
     fits = sum(sizes) <= MAX_L2_SHARE * l2_bytes
-    return {**options, **{name: prefetch_lines(size, num_programs, l2_bytes) if fits else 0
-                          for name, size in zip(names, sizes)}}
+    return {
+        **options,
+        **{name: prefetch_lines(size, num_programs, l2_bytes) if fits else 0 for name, size in zip(names, sizes)},
+    }
 
 
 @triton.jit
@@ -125,8 +127,9 @@ def prefetch_l2(base_ptr, num_bytes, LINES: tl.constexpr):
 def prefetch_l2_lines(addresses):
     """Ask L2 for the line holding each of `addresses` (a tensor of pointers, any shape)."""
     # is_pure=False: its result is unused, and a pure op would be dropped
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [addresses],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [addresses], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit

@@ -37,8 +37,22 @@ def normalize_and_scale(x, inv_rms, weight):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols, stride_x, stride_r, stride_o,
-                     stride_s, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    num_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -56,8 +70,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, num_cols
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight * normalise(x + residual), x + residual or None)."""
     total = x if residual is None else x + residual
     xf = total.float()
@@ -65,9 +80,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * normed, None if residual is None else total
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
-             use_reference: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
+    use_reference: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Normalise each row of x [T, C] (after adding residual [T, C] when given).
 
     Returns (normed [T, C] in weight's dtype promotion with x, the sum x + residual or None),
@@ -78,14 +100,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise KernelError(f"rms_norm: x is {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [T, C] and [C]")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise KernelError(f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
-                          f"{tuple(x.shape)} {x.dtype}; they must match")
+        raise KernelError(
+            f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
+            f"{tuple(x.shape)} {x.dtype}; they must match"
+        )
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out is not None and (out.shape != x.shape or out.dtype != out_dtype):
         raise KernelError(f"rms_norm: out is {tuple(out.shape)} {out.dtype}; expected {tuple(x.shape)} {out_dtype}")
     if sum_out is not None and (residual is None or sum_out.shape != x.shape or sum_out.dtype != x.dtype):
-        raise KernelError(f"rms_norm: sum_out is {tuple(sum_out.shape)} {sum_out.dtype}; expected "
-                          f"{tuple(x.shape)} {x.dtype}, and a residual to add")
+        raise KernelError(
+            f"rms_norm: sum_out is {tuple(sum_out.shape)} {sum_out.dtype}; expected "
+            f"{tuple(x.shape)} {x.dtype}, and a residual to add"
+        )
     tensors = [t for t in (x, weight, residual, out, sum_out) if t is not None]
     if any(t.stride(-1) != 1 for t in tensors):
         raise KernelError("rms_norm: x, weight, residual and the outputs must be contiguous in their last dim")
@@ -102,10 +128,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     total = None if residual is None else sum_out if sum_out is not None else torch.empty_like(x)
     block = triton.next_power_of_2(num_cols)
     _rms_norm_kernel[(num_rows,)](
-        x, residual if residual is not None else x, weight, out, total if total is not None else out,
-        num_cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        total.stride(0) if total is not None else 0, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        total if total is not None else out,
+        num_cols,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        total.stride(0) if total is not None else 0,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
         **dependent_launch(x.device),
     )
     return out, total

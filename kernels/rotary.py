@@ -30,8 +30,21 @@ def _rotate_half(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, num_q_heads, stride_qt, stride_qh,
-                   stride_kt, stride_kh, stride_cos, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -58,8 +71,15 @@ def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                 use_reference: bool = False) -> None:
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    use_reference: bool = False,
+) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place; cos, sin: float32 [P, D/2] with P > every position."""
     _check_rotary_args(q, k, positions, cos, sin, "apply_rotary")
     head_dim = q.shape[2]
@@ -71,20 +91,35 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos:
         return
     half = head_dim // 2
     _rotary_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
-        q, k, positions, cos, sin, q.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+        num_warps=1,
     )
 
 
-def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       name: str) -> None:
+def _check_rotary_args(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str
+) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise KernelError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one T and D")
     head_dim = q.shape[2]
     if head_dim % 2 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
         raise KernelError(f"{name}: cos/sin are {tuple(cos.shape)}; expected [positions, {head_dim // 2}]")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise KernelError(f"{name}: cos/sin are {cos.dtype}/{sin.dtype}; expected float32 (the rotation is done in float32)")
+        raise KernelError(
+            f"{name}: cos/sin are {cos.dtype}/{sin.dtype}; expected float32 (the rotation is done in float32)"
+        )
     if q.stride(2) != 1 or k.stride(2) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
         raise KernelError(f"{name}: q and k must be contiguous in their last dim, cos and sin contiguous")
     if any(t.device != q.device for t in (k, positions, cos, sin)):

@@ -40,6 +40,7 @@ IS_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     from lowvram.kernels import w4a16_gemm, w4a16_gemv
+
     _TRITON_IMPORT_ERROR = None
 except Exception as exc:  # no triton, or a triton that cannot initialise on this machine
     w4a16_gemm = w4a16_gemv = None
@@ -64,8 +65,19 @@ def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=
     return y.to(torch.float32)
 
 
-def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
-               use_reference: bool = False, batch_invariant: bool = False):
+def awq_linear(
+    x,
+    qweight,
+    qzeros,
+    scales,
+    group_size,
+    bias=None,
+    *,
+    lora_a=None,
+    lora_bt=None,
+    use_reference: bool = False,
+    batch_invariant: bool = False,
+):
     """y [..., N] = x [..., K] @ W [K, N] + bias + (x A^T) Bt, W given as AutoAWQ GEMM tensors.
 
     x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
@@ -97,8 +109,9 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
     if num_rows == 0:
         return x.new_empty(out_shape)
     if not use_triton:
-        return _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt,
-                                 batch_invariant).reshape(out_shape)
+        return _awq_linear_torch(
+            x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt, batch_invariant
+        ).reshape(out_shape)
 
     has_lora = lora_a is not None
     if batch_invariant:
@@ -106,8 +119,9 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
         config = w4a16_gemv.invariant_gemv_config(num_outputs, num_inputs, group_size, num_sms(x.device))
         for start in range(0, num_rows, w4a16_gemv.INVARIANT_MAX_ROWS):
             stop = min(start + w4a16_gemv.INVARIANT_MAX_ROWS, num_rows)
-            w4a16_gemv.launch_awq_gemv(x2d[start:stop], qweight, qzeros, scales, group_size, bias, y[start:stop],
-                                       config, lora_a, lora_bt)
+            w4a16_gemv.launch_awq_gemv(
+                x2d[start:stop], qweight, qzeros, scales, group_size, bias, y[start:stop], config, lora_a, lora_bt
+            )
         return y.reshape(out_shape)
     if num_rows >= DEQUANT_MATMUL_MIN_M:
         weight = w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, group_size, x.dtype)  # [K, N], ours
@@ -122,8 +136,9 @@ def awq_linear(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None
 
     y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     if num_rows <= MAX_DECODE_M:
-        config = w4a16_gemv.decode_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms(x.device),
-                                               has_lora, device_name(x.device))
+        config = w4a16_gemv.decode_gemv_config(
+            num_rows, num_outputs, num_inputs, group_size, num_sms(x.device), has_lora, device_name(x.device)
+        )
         w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     else:
         config = w4a16_gemm.choose_gemm_config(num_rows, group_size)
@@ -166,12 +181,29 @@ class RopeKVWrite:
 
 def can_fuse_one_row(x: torch.Tensor) -> bool:
     """Whether awq_linear_one_row serves x: one float16 row on a device with the Triton kernels."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float16 and x.is_contiguous()
-            and _select_backend(x.device))
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype == torch.float16
+        and x.is_contiguous()
+        and _select_backend(x.device)
+    )
 
 
-def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None,
-                       norm=None, is_gated: bool = False, rope_kv: RopeKVWrite | None = None):
+def awq_linear_one_row(
+    x,
+    qweight,
+    qzeros,
+    scales,
+    group_size,
+    bias=None,
+    *,
+    lora_a=None,
+    lora_bt=None,
+    norm=None,
+    is_gated: bool = False,
+    rope_kv: RopeKVWrite | None = None,
+):
     """awq_linear of one row with the input's last step fused into the decode kernel:
     norm (InputNorm) multiplies W by weight * normalise(x + residual) and stores the
     sum to norm.sum_out; is_gated takes x [1, 2K] (gate then up) and multiplies by
@@ -184,47 +216,73 @@ def awq_linear_one_row(x, qweight, qzeros, scales, group_size, bias=None, *, lor
         raise KernelError("awq_linear_one_row fuses one prologue: give norm or is_gated, not both or neither")
     width = qweight.shape[0] * (2 if is_gated else 1)
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != width or not x.is_contiguous():
-        raise KernelError(f"awq_linear_one_row: x is {list(x.shape)} with strides {x.stride()}; expected one "
-                          f"contiguous row of {width} ({'gate then up, ' if is_gated else ''}K = {qweight.shape[0]})")
-    num_inputs, num_outputs = _check_inputs(x[:, :qweight.shape[0]], qweight, qzeros, scales, group_size, bias)
+        raise KernelError(
+            f"awq_linear_one_row: x is {list(x.shape)} with strides {x.stride()}; expected one "
+            f"contiguous row of {width} ({'gate then up, ' if is_gated else ''}K = {qweight.shape[0]})"
+        )
+    num_inputs, num_outputs = _check_inputs(x[:, : qweight.shape[0]], qweight, qzeros, scales, group_size, bias)
     _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs)
     if not _select_backend(x.device):
         raise KernelError(f"awq_linear_one_row needs the Triton kernels, which {x.device} does not have")
     if norm is not None:
         expected = (num_inputs,)
         if norm.weight.shape != expected or norm.weight.dtype != x.dtype or not norm.weight.is_contiguous():
-            raise KernelError(f"the norm weight is {norm.weight.dtype} {list(norm.weight.shape)}; expected a "
-                              f"contiguous {x.dtype} [{num_inputs}]")
+            raise KernelError(
+                f"the norm weight is {norm.weight.dtype} {list(norm.weight.shape)}; expected a "
+                f"contiguous {x.dtype} [{num_inputs}]"
+            )
         if (norm.residual is None) != (norm.sum_out is None):
             raise KernelError("the norm's residual and sum_out come together: pass both or neither")
         for name in ("residual", "sum_out"):
             tensor = getattr(norm, name)
-            if tensor is not None and (tensor.shape != x.shape or tensor.dtype != x.dtype
-                                       or not tensor.is_contiguous() or tensor.device != x.device):
-                raise KernelError(f"the norm's {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
-                                  f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}")
+            if tensor is not None and (
+                tensor.shape != x.shape
+                or tensor.dtype != x.dtype
+                or not tensor.is_contiguous()
+                or tensor.device != x.device
+            ):
+                raise KernelError(
+                    f"the norm's {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
+                    f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}"
+                )
         if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
             raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")
     if rope_kv is not None:
         pages = rope_kv.pages
         expected = (rope_kv.num_heads + 2 * pages.num_kv_heads) * pages.head_dim
         if norm is None or num_outputs != expected or pages.head_dim % 16:
-            raise KernelError(f"awq_linear_one_row: RoPE and the KV store need the norm prologue and a fused q/k/v "
-                              f"layer of {rope_kv.num_heads} + 2 x {pages.num_kv_heads} heads of {pages.head_dim} "
-                              f"({expected} outputs); got {num_outputs} outputs")
+            raise KernelError(
+                f"awq_linear_one_row: RoPE and the KV store need the norm prologue and a fused q/k/v "
+                f"layer of {rope_kv.num_heads} + 2 x {pages.num_kv_heads} heads of {pages.head_dim} "
+                f"({expected} outputs); got {num_outputs} outputs"
+            )
         # one column block per head, in the lane kernel
-        config = w4a16_gemv.choose_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
-                                               block_n=pages.head_dim)
+        config = w4a16_gemv.choose_gemv_config(
+            1, num_outputs, num_inputs, group_size, num_sms(x.device), block_n=pages.head_dim
+        )
     else:
-        config = w4a16_gemv.decode_gemv_config(1, num_outputs, num_inputs, group_size, num_sms(x.device),
-                                               lora_a is not None, device_name(x.device))
+        config = w4a16_gemv.decode_gemv_config(
+            1, num_outputs, num_inputs, group_size, num_sms(x.device), lora_a is not None, device_name(x.device)
+        )
     y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
-    return w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
-                                      norm=norm, is_gated=is_gated, rope_kv=rope_kv)
+    return w4a16_gemv.launch_awq_gemv(
+        x,
+        qweight,
+        qzeros,
+        scales,
+        group_size,
+        bias,
+        y,
+        config,
+        lora_a,
+        lora_bt,
+        norm=norm,
+        is_gated=is_gated,
+        rope_kv=rope_kv,
+    )
 
 
-def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None,
-                      batch_invariant=False):
+def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=None, lora_bt=None, batch_invariant=False):
     # CPU matmuls are fastest and most accurate in float32; GPUs keep the activation dtype.
     compute_dtype = x2d.dtype if x2d.is_cuda else torch.float32
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=compute_dtype)
@@ -240,7 +298,7 @@ def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=Non
 
     if batch_invariant:
         # BLAS picks its blocking (and so a row's summation order) from the row count
-        y = torch.cat([rows_times_weight(x[i:i + 1]) for i in range(x.shape[0])])
+        y = torch.cat([rows_times_weight(x[i : i + 1]) for i in range(x.shape[0])])
     else:
         y = rows_times_weight(x)
     return y.to(x2d.dtype)
@@ -248,8 +306,10 @@ def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a=Non
 
 def _check_inputs(x, qweight, qzeros, scales, group_size, bias):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
-        raise KernelError(f"x must be a floating-point tensor [..., K], got "
-                          f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        raise KernelError(
+            f"x must be a floating-point tensor [..., K], got "
+            f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
+        )
     try:
         num_inputs, num_outputs = check_awq_shapes(qweight, qzeros, scales, group_size)
     except ConfigError as exc:
@@ -261,18 +321,21 @@ def _check_inputs(x, qweight, qzeros, scales, group_size, bias):
         )
     for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
         if not tensor.is_contiguous():
-            raise KernelError(f"{name} {list(tensor.shape)} must be contiguous, got strides "
-                              f"{tensor.stride()}; call .contiguous() when loading")
+            raise KernelError(
+                f"{name} {list(tensor.shape)} must be contiguous, got strides "
+                f"{tensor.stride()}; call .contiguous() when loading"
+            )
         if tensor.device != x.device:
-            raise KernelError(f"{name} is on {tensor.device} but x is on {x.device}; "
-                              f"move the layer and its input to one device")
+            raise KernelError(
+                f"{name} is on {tensor.device} but x is on {x.device}; move the layer and its input to one device"
+            )
     if bias is not None:
         if not bias.is_floating_point() or list(bias.shape) != [num_outputs]:
-            raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got "
-                              f"{bias.dtype} {list(bias.shape)}")
+            raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got {bias.dtype} {list(bias.shape)}")
         if not bias.is_contiguous() or bias.device != x.device:
-            raise KernelError(f"bias must be contiguous and on {x.device}, got strides "
-                              f"{bias.stride()} on {bias.device}")
+            raise KernelError(
+                f"bias must be contiguous and on {x.device}, got strides {bias.stride()} on {bias.device}"
+            )
     return num_inputs, num_outputs
 
 
@@ -284,16 +347,20 @@ def _check_lora(x, lora_a, lora_bt, num_inputs, num_outputs):
     for name, tensor, width in (("lora_a", lora_a, num_inputs), ("lora_bt", lora_bt, num_outputs)):
         if not tensor.is_floating_point() or tensor.dim() != 2 or tensor.shape[1] != width:
             readable = "[R, K] = [R, %d]" if name == "lora_a" else "[R, N] = [R, %d]"
-            raise KernelError(f"{name} must be a float tensor {readable % width}, got "
-                              f"{tensor.dtype} {list(tensor.shape)}")
+            raise KernelError(
+                f"{name} must be a float tensor {readable % width}, got {tensor.dtype} {list(tensor.shape)}"
+            )
         if tensor.device != x.device:
-            raise KernelError(f"{name} is on {tensor.device} but x is on {x.device}; "
-                              f"move the layer and its input to one device")
+            raise KernelError(
+                f"{name} is on {tensor.device} but x is on {x.device}; move the layer and its input to one device"
+            )
     if lora_a.shape[0] != lora_bt.shape[0]:
         raise KernelError(f"lora_a has rank {lora_a.shape[0]} but lora_bt has rank {lora_bt.shape[0]}")
     if lora_a.stride(1) != 1:
-        raise KernelError(f"lora_a {list(lora_a.shape)} must have unit stride along K, got strides "
-                          f"{lora_a.stride()}; call .contiguous() when loading")
+        raise KernelError(
+            f"lora_a {list(lora_a.shape)} must have unit stride along K, got strides "
+            f"{lora_a.stride()}; call .contiguous() when loading"
+        )
 
 
 def _select_backend(device: torch.device) -> bool:

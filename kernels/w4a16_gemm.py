@@ -20,10 +20,25 @@ from lowvram.kernels.w4a16_gemv import awq_load_block
 
 @triton.jit
 def _awq_gemm_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr,
-    M, N, K, num_packed_cols, stride_xm, stride_xk, stride_ym,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    num_packed_cols,
+    stride_xm,
+    stride_xk,
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -36,44 +51,61 @@ def _awq_gemm_kernel(
     for kb in range(0, K // BLOCK_K):
         k_start = kb * BLOCK_K
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         # centered: [BLOCK_K, BLOCK_N], integers -15..15
         centered, scales = awq_load_block(
-            qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
-            GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N)
+            qweight_ptr,
+            qzeros_ptr,
+            scales_ptr,
+            k_start,
+            pid_n,
+            N,
+            num_packed_cols,
+            GROUP_SIZE,
+            BLOCK_K,
+            BLOCK_N,
+            EVEN_N,
+        )
         acc += tl.dot(x, centered.to(x.dtype)) * scales[None, :]
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
 def _awq_dequant_kernel(
-    qweight_ptr, qzeros_ptr, scales_ptr, w_ptr, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    w_ptr,
+    N,
+    num_packed_cols,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     k_start = pid_k * BLOCK_K
     centered, scales = awq_load_block(
-        qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
-        GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N)
+        qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols, GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N
+    )
     w = centered.to(tl.float32) * scales[None, :]
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=(offs_n < N)[None, :])
+    tl.store(w_ptr + offs_k[:, None] * N + offs_n[None, :], w.to(w_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
 
 
 def choose_gemm_config(num_rows: int, group_size: int) -> dict:
     """Tile sizes for the prefill GEMM: 64x128 tiles, K blocks inside one group."""
     block_m = 32 if num_rows <= 32 else 64
-    return {"block_m": block_m, "block_n": 128, "block_k": min(group_size, 64),
-            "num_warps": 4, "num_stages": 3}
+    return {"block_m": block_m, "block_n": 128, "block_k": min(group_size, 64), "num_warps": 4, "num_stages": 3}
 
 
 def launch_awq_gemm(x, qweight, qzeros, scales, group_size, bias, y, config):
@@ -86,10 +118,27 @@ def launch_awq_gemm(x, qweight, qzeros, scales, group_size, bias, y, config):
     has_bias = bias is not None
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_outputs, block_n))
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, bias if has_bias else scales, y,
-        num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1),
-        y.stride(0), GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        x,
+        qweight,
+        qzeros,
+        scales,
+        bias if has_bias else scales,
+        y,
+        num_rows,
+        num_outputs,
+        num_inputs,
+        num_outputs // 8,
+        x.stride(0),
+        x.stride(1),
+        y.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_N=num_outputs % block_n == 0,
+        HAS_BIAS=has_bias,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return y
 
@@ -103,8 +152,16 @@ def launch_awq_dequant(qweight, qzeros, scales, group_size, dtype=torch.float16)
     block_n = 128
     grid = (num_inputs // block_k, triton.cdiv(num_outputs, block_n))
     _awq_dequant_kernel[grid](
-        qweight, qzeros, scales, weight, num_outputs, num_outputs // 8,
-        GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=num_outputs % block_n == 0, num_warps=4,
+        qweight,
+        qzeros,
+        scales,
+        weight,
+        num_outputs,
+        num_outputs // 8,
+        GROUP_SIZE=group_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_N=num_outputs % block_n == 0,
+        num_warps=4,
     )
     return weight

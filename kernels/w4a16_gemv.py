@@ -93,8 +93,16 @@ def awq_column_shifts(offs_n):
 
 @triton.jit
 def awq_load_block(
-    qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    k_start,
+    pid_n,
+    N,
+    num_packed_cols,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
     """One K block (inside one group) of column block pid_n: returns (q - z) as int32
@@ -159,8 +167,19 @@ def split_arrive(acc, rows, cols, mask, partial_ptr, counter_ptr, M, N):
 
 @triton.jit
 def awq_gemv_store(
-    acc, rows, cols, mask, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N,
-    HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
+    acc,
+    rows,
+    cols,
+    mask,
+    y_ptr,
+    stride_ym,
+    bias_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
 ):
     """Finish a decode program: acc holds its float32 sums for output rows/cols (which
     broadcast to acc's shape), valid under mask. With one split it writes y. With several it
@@ -177,15 +196,26 @@ def awq_gemv_store(
 
 
 @triton.jit
-def await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr):
+def await_inputs_prefetching(
+    qweight_ptr,
+    scales_ptr,
+    qzeros_ptr,
+    K,
+    N,
+    GROUP_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_0: tl.constexpr,
+    PREFETCH_1: tl.constexpr,
+    PREFETCH_2: tl.constexpr,
+):
     """How every decode GEMV program starts: its share of the layer's packed weights, scales
     and zeros asked of L2 (pdl.prefetch_l2; PREFETCH_* lines each from pdl.launch_prefetch, 0
     for none), then pdl.await_inputs. Activations are read, and anything written, only after."""
     num_groups = K // GROUP_SIZE
     prefetch_l2(qweight_ptr, K.to(tl.int64) * (N // 2), PREFETCH_0)
-    prefetch_l2(scales_ptr, num_groups.to(tl.int64) * N * (scales_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                PREFETCH_1)
+    prefetch_l2(
+        scales_ptr, num_groups.to(tl.int64) * N * (scales_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH_1
+    )
     prefetch_l2(qzeros_ptr, num_groups.to(tl.int64) * (N // 2), PREFETCH_2)
     await_inputs(PDL)
 
@@ -194,8 +224,7 @@ def await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SI
 def lora_a_tile(lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr):
     """A[:, offs_k]^T as [BLOCK_K, BLOCK_R]; ranks past `rank` read as zero."""
     offs_r = tl.arange(0, BLOCK_R)
-    return tl.load(lora_a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None], mask=(offs_r < rank)[None, :],
-                   other=0.0)
+    return tl.load(lora_a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None], mask=(offs_r < rank)[None, :], other=0.0)
 
 
 @triton.jit
@@ -221,8 +250,7 @@ def lora_row_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: tl
 
 
 @triton.jit
-def lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr,
-                        AT_END: tl.constexpr):
+def lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK_R: tl.constexpr, AT_END: tl.constexpr):
     """One K block of x A^T for one row: into t [BLOCK_R] (a sum across threads per block), or
     with AT_END into t_tile [BLOCK_K, BLOCK_R] (products only; the caller sums once)."""
     if AT_END:
@@ -233,8 +261,20 @@ def lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, rank, stride_ar, BLOCK
 
 
 @triton.jit
-def lora_once_term(flat_cols, t_ptr, ready_ptr, done_ptr, lora_bt_ptr, rank, N, stride_br, stride_bn,
-                   num_splits, num_column_blocks, BLOCK_R: tl.constexpr):
+def lora_once_term(
+    flat_cols,
+    t_ptr,
+    ready_ptr,
+    done_ptr,
+    lora_bt_ptr,
+    rank,
+    N,
+    stride_br,
+    stride_bn,
+    num_splits,
+    num_column_blocks,
+    BLOCK_R: tl.constexpr,
+):
     """(x A^T) Bt[:, flat_cols] as float32 [BLOCK_N], in the last program of a column block,
     when the first column block's programs compute x A^T for everyone (LORA_ONCE).
 
@@ -274,17 +314,45 @@ def lora_rows_up(t, lora_bt_ptr, cols, rank, N, stride_br, stride_bn, BLOCK_R: t
 
 @triton.jit
 def _awq_gemv_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    M, N, K, num_packed_cols, stride_xm, stride_xk, stride_ym,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    lora_a_ptr,
+    lora_bt_ptr,
+    lora_rank,
+    stride_ar,
+    stride_br,
+    stride_bn,
+    M,
+    N,
+    K,
+    num_packed_cols,
+    stride_xm,
+    stride_xk,
+    stride_ym,
     K_BLOCKS_PER_SPLIT,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_PARTIAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_0: tl.constexpr,
+    PREFETCH_1: tl.constexpr,
+    PREFETCH_2: tl.constexpr,
 ):
-    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
-                             PREFETCH_1, PREFETCH_2)
+    await_inputs_prefetching(
+        qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0, PREFETCH_1, PREFETCH_2
+    )
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # row tiles: more than one only in the batch-invariant form
@@ -312,8 +380,18 @@ def _awq_gemv_kernel(
         k_start = kb * BLOCK_K
         # centered: [BLOCK_K, BLOCK_N], integers -15..15
         centered, scales = awq_load_block(
-            qweight_ptr, qzeros_ptr, scales_ptr, k_start, pid_n, N, num_packed_cols,
-            GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N)
+            qweight_ptr,
+            qzeros_ptr,
+            scales_ptr,
+            k_start,
+            pid_n,
+            N,
+            num_packed_cols,
+            GROUP_SIZE,
+            BLOCK_K,
+            BLOCK_N,
+            EVEN_N,
+        )
         offs_k = k_start + tl.arange(0, BLOCK_K)
         if BLOCK_M == 1:
             x = tl.load(x_ptr + offs_k * stride_xk).to(tl.float32)
@@ -322,8 +400,9 @@ def _awq_gemv_kernel(
             if HAS_LORA:
                 t = lora_row_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
         else:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=mask_m[:, None], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
+            )
             partial = tl.dot(x, centered.to(x.dtype))
             acc += partial * scales[None, :]
             if HAS_LORA:
@@ -335,11 +414,25 @@ def _awq_gemv_kernel(
         else:
             acc += lora_rows_up(t, lora_bt_ptr, offs_n, lora_rank, N, stride_br, stride_bn, BLOCK_R)
     if BLOCK_M == 1:
-        awq_gemv_store(acc, 0, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr,
-                       M, N, HAS_BIAS, IS_PARTIAL)
+        awq_gemv_store(
+            acc, 0, offs_n, mask_n, y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL
+        )
     else:
-        awq_gemv_store(acc, offs_m[:, None], offs_n[None, :], mask_m[:, None] & mask_n[None, :],
-                       y_ptr, stride_ym, bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
+        awq_gemv_store(
+            acc,
+            offs_m[:, None],
+            offs_n[None, :],
+            mask_m[:, None] & mask_n[None, :],
+            y_ptr,
+            stride_ym,
+            bias_ptr,
+            partial_ptr,
+            counter_ptr,
+            M,
+            N,
+            HAS_BIAS,
+            IS_PARTIAL,
+        )
 
 
 @triton.jit
@@ -353,13 +446,23 @@ def awq_lane_columns(pid_n, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def awq_load_lanes(
-    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    k_start,
+    offs_c,
+    cols,
+    N,
+    num_packed_cols,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
     group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
-    packed, packed_zeros, scales = awq_load_lanes_raw(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols,
-                                                      N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+    packed, packed_zeros, scales = awq_load_lanes_raw(
+        qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
+    )
     return awq_unpack_lanes_int(packed, packed_zeros, scales)
 
 
@@ -378,8 +481,17 @@ FLOAT32_MAGIC = tl.constexpr(0x4B000000)
 
 @triton.jit
 def awq_load_lanes_raw(
-    qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    k_start,
+    offs_c,
+    cols,
+    N,
+    num_packed_cols,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """One K block's tensors as stored: packed codes [BLOCK_K, C], packed zeros [C] and
     scales [C, 8] (see awq_load_lanes)."""
@@ -418,8 +530,7 @@ PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 
 
 @triton.jit
-def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: tl.constexpr,
-                ROW_BLOCK: tl.constexpr):
+def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
     """1 / rms of the whole row x (+ residual), as kernels/rms_norm.py computes it;
     the program with is_writer set also stores the sum x + residual to sum_ptr."""
     offs = tl.arange(0, ROW_BLOCK)
@@ -433,8 +544,17 @@ def row_inv_rms(x_ptr, residual_ptr, sum_ptr, K, eps, is_writer, HAS_RESIDUAL: t
 
 
 @triton.jit
-def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K,
-              PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def row_input(
+    x_ptr,
+    offs_k,
+    stride_xk,
+    residual_ptr,
+    norm_weight_ptr,
+    inv_rms,
+    K,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     """x[offs_k] as float32 after the prologue, through the separate kernels' own arithmetic
     (kernels/rms_norm.py, kernels/activation.py) and rounded where they store, so fusing
     changes no bits of x."""
@@ -449,8 +569,18 @@ def row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, 
 
 
 @triton.jit
-def row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS, PROLOGUE: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
+def row_split(
+    x_ptr,
+    residual_ptr,
+    sum_ptr,
+    K,
+    eps,
+    K_BLOCKS_PER_SPLIT,
+    NUM_K_BLOCKS,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):
     """What a one-row program needs before its K loop: its split's K blocks [start, end) and,
     with the RMSNorm prologue, 1 / rms of the whole row (every program needs it; it is K * 2
     bytes, read from L2; the first program also stores x + residual), else 1."""
@@ -474,11 +604,33 @@ def lane_halves(tile, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def rope_kv_store(
-    total, cols, y_ptr, head, cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr,
-    window_row_ptr, num_q_heads, num_kv_heads, code_dim,
-    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_CODE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    total,
+    cols,
+    y_ptr,
+    head,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    positions_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    window_k_ptr,
+    window_v_ptr,
+    window_row_ptr,
+    num_q_heads,
+    num_kv_heads,
+    code_dim,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     """The fused q/k/v projection's output for one head (total [HEAD_DIM / 8, 8] float32, bias
     added, at columns cols) stored as rotary_write_kv would leave it: rounded to y's dtype,
@@ -503,67 +655,220 @@ def rope_kv_store(
         kv_head = (head - num_q_heads) % num_kv_heads
         slot = tl.load(slot_ptr).to(tl.int64)
         if head < num_q_heads + num_kv_heads:
-            _store_row(row_ptr, 0, k_cache_ptr + kv_head * code_dim, k_scale_ptr + kv_head, k_zero_ptr + kv_head,
-                       slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
+            _store_row(
+                row_ptr,
+                0,
+                k_cache_ptr + kv_head * code_dim,
+                k_scale_ptr + kv_head,
+                k_zero_ptr + kv_head,
+                slot,
+                num_kv_heads,
+                code_dim,
+                BITS,
+                QMAX,
+                1,
+                BLOCK_CODE,
+            )
             if HAS_WINDOW:
-                _store_row(row_ptr, 0, window_k_ptr + kv_head * HEAD_DIM, window_k_ptr, window_k_ptr,
-                           _window_slot(window_row_ptr, slot, PAGE_SIZE), num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM)
+                _store_row(
+                    row_ptr,
+                    0,
+                    window_k_ptr + kv_head * HEAD_DIM,
+                    window_k_ptr,
+                    window_k_ptr,
+                    _window_slot(window_row_ptr, slot, PAGE_SIZE),
+                    num_kv_heads,
+                    HEAD_DIM,
+                    16,
+                    0,
+                    1,
+                    HEAD_DIM,
+                )
         else:
-            _store_row(row_ptr, 0, v_cache_ptr + kv_head * code_dim, v_scale_ptr + kv_head, v_zero_ptr + kv_head,
-                       slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
+            _store_row(
+                row_ptr,
+                0,
+                v_cache_ptr + kv_head * code_dim,
+                v_scale_ptr + kv_head,
+                v_zero_ptr + kv_head,
+                slot,
+                num_kv_heads,
+                code_dim,
+                BITS,
+                QMAX,
+                1,
+                BLOCK_CODE,
+            )
             if HAS_WINDOW:
-                _store_row(row_ptr, 0, window_v_ptr + kv_head * HEAD_DIM, window_v_ptr, window_v_ptr,
-                           _window_slot(window_row_ptr, slot, PAGE_SIZE), num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM)
+                _store_row(
+                    row_ptr,
+                    0,
+                    window_v_ptr + kv_head * HEAD_DIM,
+                    window_v_ptr,
+                    window_v_ptr,
+                    _window_slot(window_row_ptr, slot, PAGE_SIZE),
+                    num_kv_heads,
+                    HEAD_DIM,
+                    16,
+                    0,
+                    1,
+                    HEAD_DIM,
+                )
 
 
 @triton.jit
 def row_finish(
-    total, cols, mask, y_ptr, bias_ptr, N,
-    cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr,
-    v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
-    HAS_BIAS: tl.constexpr, ROPE_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK_CODE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    total,
+    cols,
+    mask,
+    y_ptr,
+    bias_ptr,
+    N,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    positions_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    window_k_ptr,
+    window_v_ptr,
+    window_row_ptr,
+    num_q_heads,
+    num_kv_heads,
+    code_dim,
+    HAS_BIAS: tl.constexpr,
+    ROPE_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     """The one-row kernel's last step for its column block: y = total + bias, or with ROPE_KV
     (one head per column block) rope_kv_store's rotation and KV store as well."""
     if ROPE_KV:
         if HAS_BIAS:
             total += tl.load(bias_ptr + cols).to(tl.float32)
-        rope_kv_store(total, cols, y_ptr, tl.program_id(0), cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
-                      k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr,
-                      window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim, HEAD_DIM, BITS, QMAX,
-                      BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
+        rope_kv_store(
+            total,
+            cols,
+            y_ptr,
+            tl.program_id(0),
+            cos_ptr,
+            sin_ptr,
+            stride_cos,
+            positions_ptr,
+            slot_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            k_zero_ptr,
+            v_scale_ptr,
+            v_zero_ptr,
+            window_k_ptr,
+            window_v_ptr,
+            window_row_ptr,
+            num_q_heads,
+            num_kv_heads,
+            code_dim,
+            HEAD_DIM,
+            BITS,
+            QMAX,
+            BLOCK_CODE,
+            HAS_WINDOW,
+            PAGE_SIZE,
+        )
     else:
         awq_store_output(total, 0, cols, mask, y_ptr, 0, bias_ptr, N, HAS_BIAS)
 
 
 @triton.jit
 def _awq_gemv_row_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    residual_ptr, norm_weight_ptr, sum_ptr, eps, lora_t_ptr,
-    cos_ptr, sin_ptr, stride_cos, positions_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k_ptr, window_v_ptr,
-    window_row_ptr, num_q_heads, num_kv_heads, code_dim,
-    N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr, REDUCE_AT_END: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, MAGIC_DEQUANT: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr, LORA_ONCE: tl.constexpr,
-    LORA_AT_END: tl.constexpr, ROPE_KV: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_CODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    lora_a_ptr,
+    lora_bt_ptr,
+    lora_rank,
+    stride_ar,
+    stride_br,
+    stride_bn,
+    residual_ptr,
+    norm_weight_ptr,
+    sum_ptr,
+    eps,
+    lora_t_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    positions_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    window_k_ptr,
+    window_v_ptr,
+    window_row_ptr,
+    num_q_heads,
+    num_kv_heads,
+    code_dim,
+    N,
+    K,
+    num_packed_cols,
+    stride_xk,
+    K_BLOCKS_PER_SPLIT,
+    NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+    REDUCE_AT_END: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    MAGIC_DEQUANT: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    LORA_ONCE: tl.constexpr,
+    LORA_AT_END: tl.constexpr,
+    ROPE_KV: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_CODE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_0: tl.constexpr,
+    PREFETCH_1: tl.constexpr,
+    PREFETCH_2: tl.constexpr,
 ):
-    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
-                             PREFETCH_1, PREFETCH_2)
+    await_inputs_prefetching(
+        qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0, PREFETCH_1, PREFETCH_2
+    )
     BLOCK_C: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_c, cols = awq_lane_columns(pid_n, BLOCK_N)  # packed columns [C], output columns [C, 8]
     mask_c = offs_c < num_packed_cols
-    kb_start, kb_end, inv_rms = row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-                                          PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
+    kb_start, kb_end, inv_rms = row_split(
+        x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS, PROLOGUE, HAS_RESIDUAL, ROW_BLOCK
+    )
     if REDUCE_AT_END:
         acc3 = tl.zeros((BLOCK_K, BLOCK_C, 8), dtype=tl.float32)
     else:
@@ -577,8 +882,8 @@ def _awq_gemv_row_kernel(
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
         packed, packed_zeros, group_scales = awq_load_lanes_raw(
-            qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K,
-            EVEN_N)
+            qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
+        )
         if MAGIC_DEQUANT:
             centered, scales = awq_unpack_lanes_f32(packed, packed_zeros, group_scales)
         else:
@@ -593,11 +898,13 @@ def _awq_gemv_row_kernel(
         if HAS_LORA:
             if LORA_ONCE:
                 if pid_n == 0:
-                    t, t_tile = lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R,
-                                                    LORA_AT_END)
+                    t, t_tile = lora_row_accumulate(
+                        t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R, LORA_AT_END
+                    )
             else:
-                t, t_tile = lora_row_accumulate(t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R,
-                                                LORA_AT_END)
+                t, t_tile = lora_row_accumulate(
+                    t, t_tile, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R, LORA_AT_END
+                )
     if REDUCE_AT_END:
         acc = tl.sum(acc3, axis=0)
     if LORA_AT_END:
@@ -613,13 +920,54 @@ def _awq_gemv_row_kernel(
             tl.atomic_add(ready_ptr, 1, sem="release")
         is_last, total = split_arrive(acc, 0, cols, mask_c[:, None], partial_ptr, counter_ptr, 1, N)
         if is_last:
-            term = lora_once_term(flat_cols, lora_t_ptr, ready_ptr, ready_ptr + 1, lora_bt_ptr, lora_rank, N,
-                                  stride_br, stride_bn, num_splits, tl.num_programs(0), BLOCK_R)
+            term = lora_once_term(
+                flat_cols,
+                lora_t_ptr,
+                ready_ptr,
+                ready_ptr + 1,
+                lora_bt_ptr,
+                lora_rank,
+                N,
+                stride_br,
+                stride_bn,
+                num_splits,
+                tl.num_programs(0),
+                BLOCK_R,
+            )
             total += tl.reshape(term, (BLOCK_C, 8))
-            row_finish(total, cols, mask_c[:, None], y_ptr, bias_ptr, N, cos_ptr, sin_ptr, stride_cos,
-                       positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
-                       v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
-                       HAS_BIAS, ROPE_KV, BLOCK_N, BITS, QMAX, BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
+            row_finish(
+                total,
+                cols,
+                mask_c[:, None],
+                y_ptr,
+                bias_ptr,
+                N,
+                cos_ptr,
+                sin_ptr,
+                stride_cos,
+                positions_ptr,
+                slot_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                k_scale_ptr,
+                k_zero_ptr,
+                v_scale_ptr,
+                v_zero_ptr,
+                window_k_ptr,
+                window_v_ptr,
+                window_row_ptr,
+                num_q_heads,
+                num_kv_heads,
+                code_dim,
+                HAS_BIAS,
+                ROPE_KV,
+                BLOCK_N,
+                BITS,
+                QMAX,
+                BLOCK_CODE,
+                HAS_WINDOW,
+                PAGE_SIZE,
+            )
             tl.store(counter_ptr + pid_n, 0)
     else:
         if HAS_LORA:
@@ -629,10 +977,39 @@ def _awq_gemv_row_kernel(
         if IS_PARTIAL:
             is_last, acc = split_arrive(acc, 0, cols, mask_c[:, None], partial_ptr, counter_ptr, 1, N)
         if is_last:
-            row_finish(acc, cols, mask_c[:, None], y_ptr, bias_ptr, N, cos_ptr, sin_ptr, stride_cos,
-                       positions_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr,
-                       v_zero_ptr, window_k_ptr, window_v_ptr, window_row_ptr, num_q_heads, num_kv_heads, code_dim,
-                       HAS_BIAS, ROPE_KV, BLOCK_N, BITS, QMAX, BLOCK_CODE, HAS_WINDOW, PAGE_SIZE)
+            row_finish(
+                acc,
+                cols,
+                mask_c[:, None],
+                y_ptr,
+                bias_ptr,
+                N,
+                cos_ptr,
+                sin_ptr,
+                stride_cos,
+                positions_ptr,
+                slot_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                k_scale_ptr,
+                k_zero_ptr,
+                v_scale_ptr,
+                v_zero_ptr,
+                window_k_ptr,
+                window_v_ptr,
+                window_row_ptr,
+                num_q_heads,
+                num_kv_heads,
+                code_dim,
+                HAS_BIAS,
+                ROPE_KV,
+                BLOCK_N,
+                BITS,
+                QMAX,
+                BLOCK_CODE,
+                HAS_WINDOW,
+                PAGE_SIZE,
+            )
             if IS_PARTIAL:
                 tl.store(counter_ptr + pid_n, 0)
 
@@ -654,8 +1031,9 @@ def nibble_times_power(packed, J: tl.constexpr):
     if _PTX_NIBBLES:
         magic = tl.full(packed.shape, FLOAT32_MAGIC, tl.int32)
         # (a & MASK) | magic: the mask stays an immediate, the magic one register for all nibbles
-        bits = tl.inline_asm_elementwise(f"lop3.b32 $0, $1, {MASK}, $2, 0xea;", "=r,r,r", [packed, magic],
-                                         dtype=tl.int32, is_pure=True, pack=1)
+        bits = tl.inline_asm_elementwise(
+            f"lop3.b32 $0, $1, {MASK}, $2, 0xea;", "=r,r,r", [packed, magic], dtype=tl.int32, is_pure=True, pack=1
+        )
     else:
         bits = (packed & MASK) | FLOAT32_MAGIC
     return bits.to(tl.float32, bitcast=True) - 8388608.0
@@ -690,18 +1068,50 @@ def join8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 @triton.jit
 def _awq_gemv_rows_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    residual_ptr, norm_weight_ptr, sum_ptr, eps,
-    N, K, num_packed_cols, stride_xk, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-    GROUP_SIZE: tl.constexpr, BLOCK_C: tl.constexpr, TILE_ROWS: tl.constexpr, UNROLL: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    lora_a_ptr,
+    lora_bt_ptr,
+    lora_rank,
+    stride_ar,
+    stride_br,
+    stride_bn,
+    residual_ptr,
+    norm_weight_ptr,
+    sum_ptr,
+    eps,
+    N,
+    K,
+    num_packed_cols,
+    stride_xk,
+    K_BLOCKS_PER_SPLIT,
+    NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_0: tl.constexpr,
+    PREFETCH_1: tl.constexpr,
+    PREFETCH_2: tl.constexpr,
 ):
-    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0,
-                             PREFETCH_1, PREFETCH_2)
+    await_inputs_prefetching(
+        qweight_ptr, scales_ptr, qzeros_ptr, K, N, GROUP_SIZE, PDL, PREFETCH_0, PREFETCH_1, PREFETCH_2
+    )
     # One row, K summed inside each thread ("unpack": "rows"). A program owns BLOCK_C packed
     # columns (8 * BLOCK_C outputs) and whole groups of K. Each step loads UNROLL tiles of
     # TILE_ROWS rows x BLOCK_C words (each thread a few whole words of one row, 16-byte loads)
@@ -715,8 +1125,9 @@ def _awq_gemv_rows_kernel(
     offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < num_packed_cols
     offs_r = tl.arange(0, TILE_ROWS)
-    g_start, g_end, inv_rms = row_split(x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-                                        PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
+    g_start, g_end, inv_rms = row_split(
+        x_ptr, residual_ptr, sum_ptr, K, eps, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS, PROLOGUE, HAS_RESIDUAL, ROW_BLOCK
+    )
     a0, a1, a2, a3, a4, a5, a6, a7 = nibble_sums(TILE_ROWS, BLOCK_C)  # the program's, per nibble
     t_tile = tl.zeros((TILE_ROWS, BLOCK_R), tl.float32)  # x A^T's products (compensation)
     for g in range(g_start, g_end):
@@ -730,8 +1141,9 @@ def _awq_gemv_rows_kernel(
                     packed = tl.load(weight_ptrs)
                 else:
                     packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
-                x = row_input(x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE,
-                              HAS_RESIDUAL)[:, None]
+                x = row_input(
+                    x_ptr, offs_k, stride_xk, residual_ptr, norm_weight_ptr, inv_rms, K, PROLOGUE, HAS_RESIDUAL
+                )[:, None]
                 x_sum += x
                 if HAS_LORA:
                     t_tile += x * lora_a_tile(lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R).to(tl.float32)
@@ -770,22 +1182,59 @@ def _awq_gemv_rows_kernel(
         y7 += lora_row_up(t, lora_bt_ptr, base + 7, lora_rank, N, stride_br, stride_bn, BLOCK_R)
     acc = join8(y0, y1, y2, y3, y4, y5, y6, y7)
     cols = join8(base, base + 2, base + 4, base + 6, base + 1, base + 3, base + 5, base + 7)
-    awq_gemv_store(acc, 0, cols, cols < N, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N, HAS_BIAS,
-                   IS_PARTIAL)
+    awq_gemv_store(acc, 0, cols, cols < N, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N, HAS_BIAS, IS_PARTIAL)
 
 
 @triton.jit
 def _awq_gemv_lanes_dot_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, y_ptr, partial_ptr, counter_ptr,
-    lora_a_ptr, lora_bt_ptr, lora_rank, stride_ar, stride_br, stride_bn,
-    M, N, num_packed_cols, stride_xm, stride_xk, stride_ym, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr, IS_PARTIAL: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_0: tl.constexpr, PREFETCH_1: tl.constexpr, PREFETCH_2: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    partial_ptr,
+    counter_ptr,
+    lora_a_ptr,
+    lora_bt_ptr,
+    lora_rank,
+    stride_ar,
+    stride_br,
+    stride_bn,
+    M,
+    N,
+    num_packed_cols,
+    stride_xm,
+    stride_xk,
+    stride_ym,
+    K_BLOCKS_PER_SPLIT,
+    NUM_K_BLOCKS,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_0: tl.constexpr,
+    PREFETCH_1: tl.constexpr,
+    PREFETCH_2: tl.constexpr,
 ):
-    await_inputs_prefetching(qweight_ptr, scales_ptr, qzeros_ptr, NUM_K_BLOCKS * BLOCK_K, N, GROUP_SIZE, PDL,
-                             PREFETCH_0, PREFETCH_1, PREFETCH_2)
+    await_inputs_prefetching(
+        qweight_ptr,
+        scales_ptr,
+        qzeros_ptr,
+        NUM_K_BLOCKS * BLOCK_K,
+        N,
+        GROUP_SIZE,
+        PDL,
+        PREFETCH_0,
+        PREFETCH_1,
+        PREFETCH_2,
+    )
     # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
     # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
     pid_n = tl.program_id(0)
@@ -802,23 +1251,37 @@ def _awq_gemv_lanes_dot_kernel(
         t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         k_start = kb * BLOCK_K
-        centered, scales = awq_load_lanes(qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols2, N,
-                                          num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N)
+        centered, scales = awq_load_lanes(
+            qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols2, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
+        )
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         centered = tl.reshape(centered, (BLOCK_K, BLOCK_N))
         acc += tl.dot(x, centered.to(x.dtype)) * tl.reshape(scales, (BLOCK_N,))[None, :]
         if HAS_LORA:
             t = lora_rows_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
     if HAS_LORA:
         acc += lora_rows_up(t, lora_bt_ptr, cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
-    awq_gemv_store(acc, offs_m[:, None], cols[None, :], mask_m[:, None] & mask_cols[None, :], y_ptr, stride_ym,
-                   bias_ptr, partial_ptr, counter_ptr, M, N, HAS_BIAS, IS_PARTIAL)
+    awq_gemv_store(
+        acc,
+        offs_m[:, None],
+        cols[None, :],
+        mask_m[:, None] & mask_cols[None, :],
+        y_ptr,
+        stride_ym,
+        bias_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        HAS_BIAS,
+        IS_PARTIAL,
+    )
 
 
-def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int,
-                       num_sms: int, block_n: int = 64) -> dict:
+def choose_gemv_config(
+    num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int, block_n: int = 64
+) -> dict:
     """Block sizes and split-K for the decode kernel.
 
     Aims for about two programs per SM: the small projections (N = 256 or 1536) have too few
@@ -840,17 +1303,24 @@ def choose_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_s
         programs_per_sm = 4 if is_long else 2
         split_k = max(1, min(num_k_blocks, max(4, triton.cdiv(programs_per_sm * num_sms, num_n_blocks))))
         is_wide = num_outputs > 4096
-        return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4,
-                "unpack": "lanes", "reduce": "block" if is_wide or is_long else "end",
-                **({"lora": "once"} if is_wide or is_long else {"lora": "per_block", "lora_reduce": "end"})}
+        return {
+            "block_n": block_n,
+            "block_k": block_k,
+            "split_k": split_k,
+            "num_warps": 4,
+            "unpack": "lanes",
+            "reduce": "block" if is_wide or is_long else "end",
+            **({"lora": "once"} if is_wide or is_long else {"lora": "per_block", "lora_reduce": "end"}),
+        }
     block_n = 64 if num_outputs <= 2048 else 128
     num_n_blocks = triton.cdiv(num_outputs, block_n)
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, num_n_blocks)))
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
 
 
-def choose_rows_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
-                       programs_per_sm: int = 8) -> dict:
+def choose_rows_config(
+    num_outputs: int, num_inputs: int, group_size: int, num_sms: int, programs_per_sm: int = 8
+) -> dict:
     """The K-in-thread form's configuration for one row: 128-column blocks of 16-row tiles
     loaded two at a time over two warps (each thread four words of a row per load), K split
     into whole groups for about `programs_per_sm` programs per SM. The best of the sweep on
@@ -860,8 +1330,15 @@ def choose_rows_config(num_outputs: int, num_inputs: int, group_size: int, num_s
     num_n_blocks = triton.cdiv(num_outputs, 128)
     split_k = max(1, min(num_groups, triton.cdiv(programs_per_sm * num_sms, num_n_blocks)))
     tile_rows, unroll = (16, 2) if group_size % 32 == 0 else (16, 1)
-    return {"block_n": 128, "block_k": group_size, "split_k": split_k, "num_warps": 2, "unpack": "rows",
-            "tile_rows": tile_rows, "unroll": unroll}
+    return {
+        "block_n": 128,
+        "block_k": group_size,
+        "split_k": split_k,
+        "num_warps": 2,
+        "unpack": "rows",
+        "tile_rows": tile_rows,
+        "unroll": unroll,
+    }
 
 
 # Which one-row form serves wide layers without compensation: "rows" (K summed inside each
@@ -884,8 +1361,20 @@ def one_row_form() -> str:
 # the file LOWVRAM_GEMV_TUNING names, else the one shipped for the GPU's name in kernels/tuned/.
 TUNING_ENV = "LOWVRAM_GEMV_TUNING"
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
-TUNABLE_KEYS = {"block_n", "block_k", "split_k", "num_warps", "unpack", "reduce", "lora", "lora_reduce",
-                "tile_rows", "unroll", "dequant", "num_stages"}
+TUNABLE_KEYS = {
+    "block_n",
+    "block_k",
+    "split_k",
+    "num_warps",
+    "unpack",
+    "reduce",
+    "lora",
+    "lora_reduce",
+    "tile_rows",
+    "unroll",
+    "dequant",
+    "num_stages",
+}
 
 
 # The forms a tuned entry may name: one row's, and several rows' (the interleaving kernel, no
@@ -915,8 +1404,10 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
     path = Path(named) if named else tuning_file(device_name)
     if not path.is_file():
         if named:
-            raise ConfigError(f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
-                              f"profile_decode.py --sweep-gemv-only --save-tuning writes")
+            raise ConfigError(
+                f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
+                f"profile_decode.py --sweep-gemv-only --save-tuning writes"
+            )
         return {}
     try:
         configs = json.loads(path.read_text())["configs"]
@@ -925,20 +1416,33 @@ def tuned_configs(device_name: str) -> dict[str, dict]:
         for key, config in configs.items():
             unknown = set(config) - TUNABLE_KEYS
             rows = "rows2-16" if key.endswith("/rows2-16") else "one_row"
-            if unknown or config.get("unpack") not in TUNED_FORMS[rows] or not all(
+            if (
+                unknown
+                or config.get("unpack") not in TUNED_FORMS[rows]
+                or not all(
                     isinstance(config.get(name), int) and config[name] > 0
-                    for name in ("block_n", "block_k", "split_k", "num_warps")):
+                    for name in ("block_n", "block_k", "split_k", "num_warps")
+                )
+            ):
                 kind = "a one-row" if rows == "one_row" else "a 2-16-row"
                 raise ValueError(f"entry {key!r} is not {kind} configuration: {config}")
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"GEMV tuning file {path}: {exc}; expected {{\"configs\": {{key: configuration}}}} as "
-                          f"profile_decode.py --sweep-gemv-only --save-tuning writes it (or unset {TUNING_ENV})"
-                          ) from exc
+        raise ConfigError(
+            f'GEMV tuning file {path}: {exc}; expected {{"configs": {{key: configuration}}}} as '
+            f"profile_decode.py --sweep-gemv-only --save-tuning writes it (or unset {TUNING_ENV})"
+        ) from exc
     return configs
 
 
-def decode_gemv_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int,
-                       has_lora: bool, device_name: str = "") -> dict:
+def decode_gemv_config(
+    num_rows: int,
+    num_outputs: int,
+    num_inputs: int,
+    group_size: int,
+    num_sms: int,
+    has_lora: bool,
+    device_name: str = "",
+) -> dict:
     """The decode kernel's configuration for a layer: the GPU's measured one (tuned_configs)
     when it has one for this layer and row count (one row, or 2-16); else for one row the
     K-in-thread form for a wide layer without compensation where its whole-group steps fit the
@@ -973,8 +1477,21 @@ def lora_block_r(rank: int) -> int:
     return max(DOT_MIN_M, triton.next_power_of_2(rank))
 
 
-def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None,
-                    norm=None, is_gated: bool = False, rope_kv=None):
+def launch_awq_gemv(
+    x,
+    qweight,
+    qzeros,
+    scales,
+    group_size,
+    bias,
+    y,
+    config,
+    lora_a=None,
+    lora_bt=None,
+    norm=None,
+    is_gated: bool = False,
+    rope_kv=None,
+):
     """Run the decode kernel into y [M, N]; inputs already checked by the caller.
 
     x: [M, K] (M <= 16, or any M with invariant_gemv_config; any strides); qweight/qzeros/scales
@@ -998,8 +1515,9 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
         config = {**config, "block_n": rope_kv.pages.head_dim}
     block_n, block_k = config["block_n"], config["block_k"]
     if group_size % block_k != 0 or block_n % 8 != 0:
-        raise ValueError(f"block_k {block_k} must divide group size {group_size} and block_n "
-                         f"{block_n} must be a multiple of 8")
+        raise ValueError(
+            f"block_k {block_k} must divide group size {group_size} and block_n {block_n} must be a multiple of 8"
+        )
     is_row_tiled = config.get("block_m") == DOT_MIN_M  # invariant_gemv_config: any number of rows
     if num_rows > DOT_MIN_M and not is_row_tiled:
         raise ValueError(f"the decode kernel takes at most {DOT_MIN_M} rows, got {num_rows}")
@@ -1038,7 +1556,7 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
     is_rows = config.get("unpack") == "rows" and num_rows == 1 and not is_row_tiled
     if is_rows and block_k != group_size:
-        raise ValueError("the K-in-thread form (\"unpack\": \"rows\") takes whole groups (block_k = group size)")
+        raise ValueError('the K-in-thread form ("unpack": "rows") takes whole groups (block_k = group size)')
     has_prologue = norm is not None or is_gated
     if has_prologue and not ((is_lanes or is_rows) and num_rows == 1):
         raise ValueError("the norm and gate prologues run in the one-row kernels only")
@@ -1052,52 +1570,143 @@ def launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lor
     row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
     if is_rows:
         _awq_gemv_rows_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora, *fused,
-            num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
-            GROUP_SIZE=group_size, BLOCK_C=block_n // 8, TILE_ROWS=config["tile_rows"], UNROLL=config["unroll"],
-            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial, PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block, **lora_flags, **launch_options,
+            x,
+            qweight,
+            qzeros,
+            scales,
+            *outputs,
+            *lora,
+            *fused,
+            num_outputs,
+            num_inputs,
+            num_outputs // 8,
+            x.stride(1),
+            k_blocks_per_split,
+            num_k_blocks,
+            GROUP_SIZE=group_size,
+            BLOCK_C=block_n // 8,
+            TILE_ROWS=config["tile_rows"],
+            UNROLL=config["unroll"],
+            EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=has_bias,
+            IS_PARTIAL=is_partial,
+            PROLOGUE=prologue,
+            HAS_RESIDUAL=has_residual,
+            ROW_BLOCK=row_block,
+            **lora_flags,
+            **launch_options,
         )
     elif is_lanes and num_rows == 1:
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
         if rope_kv is not None:
             pages = rope_kv.pages
-            rope = (rope_kv.cos, rope_kv.sin, rope_kv.cos.stride(0), rope_kv.positions, rope_kv.slot_mapping,
-                    *kv_write._cache_pointers(pages), rope_kv.num_heads, pages.num_kv_heads, pages.k.shape[3])
+            rope = (
+                rope_kv.cos,
+                rope_kv.sin,
+                rope_kv.cos.stride(0),
+                rope_kv.positions,
+                rope_kv.slot_mapping,
+                *kv_write._cache_pointers(pages),
+                rope_kv.num_heads,
+                pages.num_kv_heads,
+                pages.k.shape[3],
+            )
             stores = kv_write._store_constants(pages)
-            store_flags = {"BITS": stores["BITS"], "QMAX": stores["QMAX"], "BLOCK_CODE": stores["BLOCK_C"],
-                           "HAS_WINDOW": stores["HAS_WINDOW"], "PAGE_SIZE": stores["PAGE_SIZE"]}
+            store_flags = {
+                "BITS": stores["BITS"],
+                "QMAX": stores["QMAX"],
+                "BLOCK_CODE": stores["BLOCK_C"],
+                "HAS_WINDOW": stores["HAS_WINDOW"],
+                "PAGE_SIZE": stores["PAGE_SIZE"],
+            }
         else:
             rope = (scales, scales, 0, scales, scales, *(scales,) * 9, 0, 0, 0)  # not read
             store_flags = {"BITS": 16, "QMAX": 0, "BLOCK_CODE": 16, "HAS_WINDOW": False, "PAGE_SIZE": 16}
         _awq_gemv_row_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora, *fused, lora_t, *rope,
-            num_outputs, num_inputs, num_outputs // 8, x.stride(1), k_blocks_per_split, num_k_blocks,
-            GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=num_outputs % block_n == 0,
-            HAS_BIAS=has_bias, IS_PARTIAL=is_partial, REDUCE_AT_END=config.get("reduce") == "end",
-            MAGIC_DEQUANT=config.get("dequant", "magic") == "magic", PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual, ROW_BLOCK=row_block,
+            x,
+            qweight,
+            qzeros,
+            scales,
+            *outputs,
+            *lora,
+            *fused,
+            lora_t,
+            *rope,
+            num_outputs,
+            num_inputs,
+            num_outputs // 8,
+            x.stride(1),
+            k_blocks_per_split,
+            num_k_blocks,
+            GROUP_SIZE=group_size,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=has_bias,
+            IS_PARTIAL=is_partial,
+            REDUCE_AT_END=config.get("reduce") == "end",
+            MAGIC_DEQUANT=config.get("dequant", "magic") == "magic",
+            PROLOGUE=prologue,
+            HAS_RESIDUAL=has_residual,
+            ROW_BLOCK=row_block,
             LORA_ONCE=is_lora_once,
-            LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end", ROPE_KV=rope_kv is not None,
-            **store_flags, **lora_flags, **launch_options,
+            LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
+            ROPE_KV=rope_kv is not None,
+            **store_flags,
+            **lora_flags,
+            **launch_options,
         )
     elif is_lanes:
         _awq_gemv_lanes_dot_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora,
-            num_rows, num_outputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
-            k_blocks_per_split, num_k_blocks,
-            GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            **lora_flags, **launch_options,
+            x,
+            qweight,
+            qzeros,
+            scales,
+            *outputs,
+            *lora,
+            num_rows,
+            num_outputs,
+            num_outputs // 8,
+            x.stride(0),
+            x.stride(1),
+            y.stride(0),
+            k_blocks_per_split,
+            num_k_blocks,
+            GROUP_SIZE=group_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=has_bias,
+            IS_PARTIAL=is_partial,
+            **lora_flags,
+            **launch_options,
         )
     else:
         _awq_gemv_kernel[grid](
-            x, qweight, qzeros, scales, *outputs, *lora,
-            num_rows, num_outputs, num_inputs, num_outputs // 8, x.stride(0), x.stride(1), y.stride(0),
+            x,
+            qweight,
+            qzeros,
+            scales,
+            *outputs,
+            *lora,
+            num_rows,
+            num_outputs,
+            num_inputs,
+            num_outputs // 8,
+            x.stride(0),
+            x.stride(1),
+            y.stride(0),
             k_blocks_per_split,
-            GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=num_outputs % block_n == 0, HAS_BIAS=has_bias, IS_PARTIAL=is_partial,
-            **lora_flags, **launch_options,
+            GROUP_SIZE=group_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=has_bias,
+            IS_PARTIAL=is_partial,
+            **lora_flags,
+            **launch_options,
         )
     return y

@@ -12,8 +12,11 @@ from lowvram.errors import LowvramError
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LowvramError"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "lowvram.engine.llm", "RequestOutput": "lowvram.engine.outputs",
-         "CompletionOutput": "lowvram.engine.outputs"}
+_LAZY = {
+    "LLM": "lowvram.engine.llm",
+    "RequestOutput": "lowvram.engine.outputs",
+    "CompletionOutput": "lowvram.engine.outputs",
+}
 
 
 def __getattr__(name: str):

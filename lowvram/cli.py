@@ -22,14 +22,26 @@ def cmd_generate(args) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.model is None:
-        print("lowvram: using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
-              "not a real DeepSeek model); pass --model for a real one", file=sys.stderr)
+        print(
+            "lowvram: using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
+            "not a real DeepSeek model); pass --model for a real one",
+            file=sys.stderr,
+        )
     llm = LLM(args.model, args.profile, **engine_kwargs(args))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, stop=args.stop,
-                            seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        seed=args.seed,
+    )
     use_chat = not args.raw and llm.engine.tokenizer.has_chat_template
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": prompt}
+    ]
     start = time.perf_counter()
     last = None
     stream = llm.stream(messages=messages, sampling_params=params) if use_chat else llm.stream(prompt, params)
@@ -41,10 +53,13 @@ def cmd_generate(args) -> int:
     stats = llm.engine.stats
     elapsed = time.perf_counter() - start
     ttft = last.metrics.ttft_s if last and last.metrics else None
-    print(f"lowvram: prefill {stats.num_prefill_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s | "
-          f"decode {stats.num_decode_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s | "
-          f"TTFT {ttft * 1000 if ttft is not None else float('nan'):.0f} ms | total {elapsed:.2f} s | "
-          f"finish: {last.outputs[0].finish_reason if last else '-'}", file=sys.stderr)
+    print(
+        f"lowvram: prefill {stats.num_prefill_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s | "
+        f"decode {stats.num_decode_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s | "
+        f"TTFT {ttft * 1000 if ttft is not None else float('nan'):.0f} ms | total {elapsed:.2f} s | "
+        f"finish: {last.outputs[0].finish_reason if last else '-'}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -71,9 +86,16 @@ def cmd_profiles(args) -> int:
     table = Table("profile", "budget GiB", "max len", "seqs", "batch tokens", "KV", "backend", "weights")
     for name in builtin_profile_names():
         p = load_profile(name)
-        table.add_row(p.name, f"{p.memory_budget_gib:g} x {p.memory_utilization:g}", str(p.max_model_len),
-                      str(p.max_num_seqs), str(p.max_num_batched_tokens), p.kv_precision, p.kv_backend,
-                      p.weight_format)
+        table.add_row(
+            p.name,
+            f"{p.memory_budget_gib:g} x {p.memory_utilization:g}",
+            str(p.max_model_len),
+            str(p.max_num_seqs),
+            str(p.max_num_batched_tokens),
+            p.kv_precision,
+            p.kv_backend,
+            p.weight_format,
+        )
     console.print(table)
     for name in builtin_profile_names():
         console.print(f"[bold]{name}[/bold]: {load_profile(name).description}")
@@ -83,10 +105,17 @@ def cmd_profiles(args) -> int:
 def cmd_bench_quality(args) -> int:
     from lowvram.bench.quality import run_quality_bench, to_markdown
 
-    command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
+    command = (
+        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
+    )
     report = run_quality_bench(
-        args.model, variant_names=args.variants.split(",") if args.variants else None, device=args.device,
-        num_per_kind=args.limit, max_chars=args.max_chars, command=command, calib_samples=args.calib_samples,
+        args.model,
+        variant_names=args.variants.split(",") if args.variants else None,
+        device=args.device,
+        num_per_kind=args.limit,
+        max_chars=args.max_chars,
+        command=command,
+        calib_samples=args.calib_samples,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
@@ -127,15 +156,32 @@ def cmd_bench_speed(args) -> int:
 
     if args.plot:
         require_matplotlib()
-    command = "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
+    command = (
+        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
+    )
     result = run_speed_bench(
-        args.model, shape=args.shape, num_layers=args.num_layers, quantize=args.quantize,
-        quantize_head=args.quantize_head, calib_samples=args.calib_samples, fp16_budget_mib=args.fp16_budget_mib,
-        rank=args.rank, profile=args.profile, device=args.device,
-        emulate_vram_gib=args.emulate_vram_gib, batch_sizes=args.batch_sizes, context_lens=args.context_lens,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, vs_hf=args.vs_hf,
-        cuda_graphs=args.cuda_graphs, prefill_graphs=args.prefill_graphs, batch_invariant=args.batch_invariant,
-        pipelined_decode=args.pipelined_decode, command=command,
+        args.model,
+        shape=args.shape,
+        num_layers=args.num_layers,
+        quantize=args.quantize,
+        quantize_head=args.quantize_head,
+        calib_samples=args.calib_samples,
+        fp16_budget_mib=args.fp16_budget_mib,
+        rank=args.rank,
+        profile=args.profile,
+        device=args.device,
+        emulate_vram_gib=args.emulate_vram_gib,
+        batch_sizes=args.batch_sizes,
+        context_lens=args.context_lens,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        vs_hf=args.vs_hf,
+        cuda_graphs=args.cuda_graphs,
+        prefill_graphs=args.prefill_graphs,
+        batch_invariant=args.batch_invariant,
+        pipelined_decode=args.pipelined_decode,
+        command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
@@ -174,53 +220,103 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     quality.add_argument("--calib-samples", type=int, default=32, help="calibration blocks for the quantized rows")
     quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
-    quality.add_argument("--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)")
+    quality.add_argument(
+        "--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)"
+    )
     quality.set_defaults(func=cmd_bench_quality)
     speed = bench_sub.add_parser(
-        "speed", help="prefill and decode tokens/s, TTFT, achieved GB/s and peak memory through the engine",
+        "speed",
+        help="prefill and decode tokens/s, TTFT, achieved GB/s and peak memory through the engine",
         description="Measure the engine at a named real model shape (random weights) or on a model directory: "
-                    "prefill tokens/s and TTFT per context length, decode tokens/s per batch size and context, "
-                    "achieved GB/s against the measured copy bandwidth, and peak device memory.")
+        "prefill tokens/s and TTFT per context length, decode tokens/s per batch size and context, "
+        "achieved GB/s against the measured copy bandwidth, and peak device memory.",
+    )
     source = speed.add_mutually_exclusive_group()
     source.add_argument("--model", "-m", default=None, help="model directory or hub id")
-    source.add_argument("--shape", default=None,
-                        help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
-                             "r1-distill-qwen-7b, or tiny (a CPU run in seconds)")
+    source.add_argument(
+        "--shape",
+        default=None,
+        help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
+        "r1-distill-qwen-7b, or tiny (a CPU run in seconds)",
+    )
     speed.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random-weight model")
-    speed.add_argument("--quantize", action="store_true",
-                       help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank")
+    speed.add_argument(
+        "--quantize",
+        action="store_true",
+        help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank",
+    )
     speed.add_argument("--calib-samples", type=int, default=8, help="calibration blocks for --quantize (default 8)")
-    speed.add_argument("--quantize-head", action="store_true",
-                       help="with --quantize, make lm_head INT4 too (as `lowvram quantize --quantize-head`: less "
-                            "memory and faster decode; vLLM and transformers cannot load such a checkpoint)")
-    speed.add_argument("--fp16-budget-mib", type=float, default=None,
-                       help="with --quantize, MiB of the most sensitive layers kept FP16 (default: the profile's)")
-    speed.add_argument("--rank", type=int, default=None,
-                       help="with --quantize, the residual compensation's rank (default: the profile's); "
-                            "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is")
-    speed.add_argument("--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without")
+    speed.add_argument(
+        "--quantize-head",
+        action="store_true",
+        help="with --quantize, make lm_head INT4 too (as `lowvram quantize --quantize-head`: less "
+        "memory and faster decode; vLLM and transformers cannot load such a checkpoint)",
+    )
+    speed.add_argument(
+        "--fp16-budget-mib",
+        type=float,
+        default=None,
+        help="with --quantize, MiB of the most sensitive layers kept FP16 (default: the profile's)",
+    )
+    speed.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="with --quantize, the residual compensation's rank (default: the profile's); "
+        "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is",
+    )
+    speed.add_argument(
+        "--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without"
+    )
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
     speed.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
-    speed.add_argument("--context-lens", type=_int_list, default=[512, 4096],
-                       help="prompt lengths in tokens for prefill and decode (default 512,4096)")
+    speed.add_argument(
+        "--context-lens",
+        type=_int_list,
+        default=[512, 4096],
+        help="prompt lengths in tokens for prefill and decode (default 512,4096)",
+    )
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
-    speed.add_argument("--temperature", type=float, default=0.0,
-                       help="decode requests sample at this temperature, each from its own seed (default 0: greedy)")
+    speed.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="decode requests sample at this temperature, each from its own seed (default 0: greedy)",
+    )
     speed.add_argument("--top-p", type=float, default=1.0, help="with --temperature, the requests' top-p (default 1)")
-    speed.add_argument("--vs-hf", action="store_true",
-                       help="also time transformers generate on the same checkpoint (FP16, batch 1)")
-    speed.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                       help="replay decode steps from CUDA graphs (default: as the profile says)")
-    speed.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
-                       help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)")
-    speed.add_argument("--pipelined-decode", action=argparse.BooleanOptionalAction, default=None,
-                       help="queue each greedy decode step before the host reads the last (default: as the profile says)")
-    speed.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                       help="the same results for a request alone or batched (default: as the profile says)")
+    speed.add_argument(
+        "--vs-hf", action="store_true", help="also time transformers generate on the same checkpoint (FP16, batch 1)"
+    )
+    speed.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps from CUDA graphs (default: as the profile says)",
+    )
+    speed.add_argument(
+        "--prefill-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)",
+    )
+    speed.add_argument(
+        "--pipelined-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue each greedy decode step before the host reads the last (default: as the profile says)",
+    )
+    speed.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the same results for a request alone or batched (default: as the profile says)",
+    )
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
-    speed.add_argument("--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)")
+    speed.add_argument(
+        "--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)"
+    )
     speed.set_defaults(func=cmd_bench_speed)
 
     prof = sub.add_parser("profiles", help="list the built-in profiles")

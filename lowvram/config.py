@@ -101,36 +101,36 @@ FIELD_DOCS: dict[str, str] = {
     "kv_block_size": "Tokens per KV page (8, 16, 32 or 64).",
     "kv_precision": "KV page precision: fp16, int8, int4, or auto (start at fp16; the controller compresses under pressure).",
     "kv_recent_fp16_tokens": "Tokens at the end of each running sequence whose KV stays FP16 when the controller "
-                             "compresses to INT8/INT4 (whole pages; 0 = off).",
+    "compresses to INT8/INT4 (whole pages; 0 = off).",
     "kv_backend": "Where KV pages live: um (CUDA unified memory), pinned (device + pinned host tier), device, or auto.",
     "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
     "enable_cuda_graphs": "Replay decode steps from CUDA graphs on CUDA devices (false = eager launches, for debugging).",
     "enable_prefill_graphs": "With enable_cuda_graphs, also replay the prefill of short prompts (one sequence, up "
-                             "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
-                             "graphs keep a 512-token step's activations allocated.",
+    "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
+    "graphs keep a 512-token step's activations allocated.",
     "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous step's tokens "
-                        "(its inputs are those tokens, sampled on the device), so the host's work between steps "
-                        "(detokenizing, scheduling, outputs) overlaps the GPU's instead of leaving it idle. "
-                        "Requests with penalties sample on the host; their steps, prefills and steps that admit "
-                        "a request run alone. On CUDA the others sample on the device with this off too.",
+    "(its inputs are those tokens, sampled on the device), so the host's work between steps "
+    "(detokenizing, scheduling, outputs) overlaps the GPU's instead of leaving it idle. "
+    "Requests with penalties sample on the host; their steps, prefills and steps that admit "
+    "a request run alone. On CUDA the others sample on the device with this off too.",
     "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): it is "
-                          "pinned and the GPU reads each step's rows from it over the bus. Frees vocab x hidden x 2 bytes "
-                          "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
+    "pinned and the GPU reads each step's rows from it over the bus. Frees vocab x hidden x 2 bytes "
+    "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
     "batch_invariant": "Give each request the same logits, to the bit, whether it runs alone or batched with "
-                       "others (greedy output then does not depend on the load): one kernel tiling for every "
-                       "batch size in matmuls and attention, the same kernel for decode and prefill rows. "
-                       "Costs speed, and the KV stays FP16 (the controller spills, batches and throttles "
-                       "instead of compressing).",
+    "others (greedy output then does not depend on the load): one kernel tiling for every "
+    "batch size in matmuls and attention, the same kernel for decode and prefill rows. "
+    "Costs speed, and the KV stays FP16 (the controller spills, batches and throttles "
+    "instead of compressing).",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
     "weight_offload": "Decoder layers in host memory: auto (on CUDA, only when the weights do not fit), off, stream "
-                      "(as many layers as fit beside a full-length context stay, the rest are copied in every step), "
-                      "or cpu (like stream, but those layers' MLPs run on the CPU).",
+    "(as many layers as fit beside a full-length context stay, the rest are copied in every step), "
+    "or cpu (like stream, but those layers' MLPs run on the CPU).",
     "max_resident_layers": "With weight offload: most decoder layers kept on the device (null = as many as fit); "
-                           "fewer leave more room for KV pages and decode slower.",
+    "fewer leave more room for KV pages and decode slower.",
     "controller": "Feedback controller thresholds (see the controller.* fields).",
     "controller.memory_high_water": "Fraction of the budget above which the controller starts relieving memory.",
     "controller.memory_low_water": "Fraction of the budget below which the controller relaxes again.",

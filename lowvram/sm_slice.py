@@ -47,8 +47,10 @@ def _driver():
         try:
             from cuda import cuda as driver
         except ImportError as exc:
-            raise ConfigError("running on a slice of the GPU's SMs needs the cuda-bindings package "
-                              "(pip install cuda-bindings, the version matching your CUDA driver)") from exc
+            raise ConfigError(
+                "running on a slice of the GPU's SMs needs the cuda-bindings package "
+                "(pip install cuda-bindings, the version matching your CUDA driver)"
+            ) from exc
     return driver
 
 
@@ -98,18 +100,28 @@ def open_sm_slice(num_sms: int, device_index: int = 0) -> SmSlice:
     torch.cuda.init()  # the primary context, which the green context shares memory and modules with
     _checked(driver, "cuInit", driver.cuInit(0))
     device = _checked(driver, "cuDeviceGet", driver.cuDeviceGet(device_index))
-    sms = _checked(driver, "cuDeviceGetDevResource",
-                   driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, num_groups, _ = _checked(driver, "cuDevSmResourceSplitByCount",
-                                     driver.cuDevSmResourceSplitByCount(1, sms, 0, num_sms))
+    sms = _checked(
+        driver,
+        "cuDeviceGetDevResource",
+        driver.cuDeviceGetDevResource(device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM),
+    )
+    groups, num_groups, _ = _checked(
+        driver, "cuDevSmResourceSplitByCount", driver.cuDevSmResourceSplitByCount(1, sms, 0, num_sms)
+    )
     if num_groups < 1:
         raise ConfigError(f"the driver cannot make a group of {num_sms} SMs on this GPU ({total} SMs)")
     group = groups[0]
     description = _checked(driver, "cuDevResourceGenerateDesc", driver.cuDevResourceGenerateDesc([group], 1))
-    green_ctx = _checked(driver, "cuGreenCtxCreate", driver.cuGreenCtxCreate(
-        description, device, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-    raw_stream = _checked(driver, "cuGreenCtxStreamCreate", driver.cuGreenCtxStreamCreate(
-        green_ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+    green_ctx = _checked(
+        driver,
+        "cuGreenCtxCreate",
+        driver.cuGreenCtxCreate(description, device, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM),
+    )
+    raw_stream = _checked(
+        driver,
+        "cuGreenCtxStreamCreate",
+        driver.cuGreenCtxStreamCreate(green_ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0),
+    )
     stream = torch.cuda.ExternalStream(int(raw_stream), device=torch.device("cuda", device_index))
     return SmSlice(device_index, int(group.sm.smCount), stream, green_ctx, raw_stream)
 

@@ -87,22 +87,45 @@ _ARCH_CONFIG = {
 _ARCH_SPECIAL_TOKENS = {"llama": (), "qwen2": ("<|endoftext|>",)}
 
 _ENGLISH_SUBJECTS = [
-    "The model", "A small cache", "Every request", "The scheduler", "Our tokenizer",
-    "The old laptop", "A careful engineer", "This page", "The server", "My friend",
+    "The model",
+    "A small cache",
+    "Every request",
+    "The scheduler",
+    "Our tokenizer",
+    "The old laptop",
+    "A careful engineer",
+    "This page",
+    "The server",
+    "My friend",
 ]
 _ENGLISH_VERBS = ["reads", "writes", "keeps", "moves", "checks", "counts", "frees", "sends"]
 _ENGLISH_OBJECTS = [
-    "the next token", "a block of memory", "the whole prompt", "one short answer",
-    "the latest numbers", "a list of names", "the quiet evening", "every open file",
+    "the next token",
+    "a block of memory",
+    "the whole prompt",
+    "one short answer",
+    "the latest numbers",
+    "a list of names",
+    "the quiet evening",
+    "every open file",
 ]
 _ENGLISH_TAILS = [
-    " before lunch.", " quickly.", " and then it rests.", " without any errors.",
-    " in the morning.", "; nobody notices.", " twice a day.", "!",
+    " before lunch.",
+    " quickly.",
+    " and then it rests.",
+    " without any errors.",
+    " in the morning.",
+    "; nobody notices.",
+    " twice a day.",
+    "!",
 ]
 _QUESTIONS = [
-    "What is the capital of France?", "How many legs does a spider have?",
-    "Can you write a function that adds two numbers?", "Why is the sky blue?",
-    "Please explain recursion in one sentence.", "What time is it in Tokyo?",
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Can you write a function that adds two numbers?",
+    "Why is the sky blue?",
+    "Please explain recursion in one sentence.",
+    "What time is it in Tokyo?",
 ]
 _PYTHON_NAMES = ["add", "scale", "merge", "count_tokens", "free_blocks", "load_config"]
 _PYTHON_OPS = ["+", "-", "*", "//", "%", "**"]
@@ -117,17 +140,13 @@ def _training_corpus() -> list[str]:
     for i, question in enumerate(_QUESTIONS):
         lines.append(f"Question {i + 1}: {question} Answer: I think the answer is {i * 7 + 3}.")
     for name, op in zip(_PYTHON_NAMES, _PYTHON_OPS):
-        lines.append(
-            f"def {name}(a, b):\n"
-            f'    """Return a {op} b."""\n'
-            f"    return a {op} b\n"
-        )
+        lines.append(f'def {name}(a, b):\n    """Return a {op} b."""\n    return a {op} b\n')
         lines.append(
             f"for i in range(10):\n"
             f"    total = {name}(total, i)\n"
             f"    if total > 100:\n"
             f"        break\n"
-            f"print(f\"{name}: {{total}}\")\n"
+            f'print(f"{name}: {{total}}")\n'
         )
     lines.append(
         "class BlockManager:\n"
@@ -139,7 +158,9 @@ def _training_corpus() -> list[str]:
         "        self.ref_counts[block_id] += 1\n"
         "        return block_id\n"
     )
-    lines.append("import os\nimport json\nfrom pathlib import Path\n\nconfig = json.loads(Path('config.json').read_text())\n")
+    lines.append(
+        "import os\nimport json\nfrom pathlib import Path\n\nconfig = json.loads(Path('config.json').read_text())\n"
+    )
     lines.append("0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 3.14 1e-6")
     return lines
 
@@ -363,9 +384,16 @@ _DEEPSEEK_V2_CONFIG = {
     "initializer_range": 0.08,
     "tie_word_embeddings": False,
     "attention_bias": False,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                        "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
-                        "mscale": 0.707, "mscale_all_dim": 0.707},
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
 }
 
 
@@ -383,9 +411,13 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int
     out_dir = Path(out_dir)
     train_tiny_tokenizer(out_dir)
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    fields = {**_DEEPSEEK_V2_CONFIG, "num_hidden_layers": num_layers,
-              "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-              "bos_token_id": tokenizer.token_to_id(BOS_TOKEN), "eos_token_id": tokenizer.token_to_id(EOS_TOKEN)}
+    fields = {
+        **_DEEPSEEK_V2_CONFIG,
+        "num_hidden_layers": num_layers,
+        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+        "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
+        "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
+    }
     fields.update(overrides)
     config = DeepseekV2Config(**fields)
     model = _random_model(DeepseekV2ForCausalLM, config, seed)
@@ -406,8 +438,10 @@ def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int
     _save_weights(out_dir, state_dict, sharded=False)
 
     _write_config(out_dir, config)
-    _write_json(out_dir / "generation_config.json", {"bos_token_id": fields["bos_token_id"],
-                                                     "eos_token_id": fields["eos_token_id"]})
+    _write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": fields["bos_token_id"], "eos_token_id": fields["eos_token_id"]},
+    )
     return out_dir
 
 

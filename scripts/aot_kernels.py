@@ -50,8 +50,15 @@ def longest_loop(instructions: list[tuple[int, str]]) -> list[str]:
     return best
 
 
-def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_warps: int, num_stages: int,
-                   divisible: frozenset = frozenset()):
+def compile_kernel(
+    fn,
+    pointer_types: dict,
+    constexprs: dict,
+    arch: int,
+    num_warps: int,
+    num_stages: int,
+    divisible: frozenset = frozenset(),
+):
     """`fn` compiled for sm_`arch`, every pointer 16-byte aligned and every other argument
     a 32-bit integer (floats where `pointer_types` names them "fp32"); the integers named in
     `divisible` are taken as multiples of 16, as Triton specialises them at launch when they
@@ -72,8 +79,9 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, arch: int, num_war
             if param.name in divisible:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
 
 
 def usage(kernel) -> dict:
@@ -85,16 +93,22 @@ def usage(kernel) -> dict:
         f.write(kernel.asm["cubin"])
         path = f.name
     try:
-        resources = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True,
-                                   text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+        resources = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         os.unlink(path)
     found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", resources))
     loop = longest_loop(sass_instructions(sass))
-    return {"registers": int(found.get("REG", 0)), "spill_bytes": int(found.get("LOCAL", 0)),
-            "loop_instructions": len(loop), "loop_opcodes": dict(Counter(map(opcode, loop)).most_common(12))}
+    return {
+        "registers": int(found.get("REG", 0)),
+        "spill_bytes": int(found.get("LOCAL", 0)),
+        "loop_instructions": len(loop),
+        "loop_opcodes": dict(Counter(map(opcode, loop)).most_common(12)),
+    }
 
 
 def attention(args) -> None:
@@ -103,50 +117,112 @@ def attention(args) -> None:
     for bits in (int(b) for b in args.bits.split(",")):
         block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
         cache = "*fp16" if bits == 16 else "*u8"
-        pointer_types = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
-                         "context_lens_ptr": "*i32", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
-                         "counter_ptr": "*i32", "window_row_ptr": "*i32", "scale_log2": "fp32"}
+        pointer_types = {
+            "k_cache_ptr": cache,
+            "v_cache_ptr": cache,
+            "block_tables_ptr": "*i32",
+            "context_lens_ptr": "*i32",
+            "partial_out_ptr": "*fp32",
+            "partial_lse_ptr": "*fp32",
+            "counter_ptr": "*i32",
+            "window_row_ptr": "*i32",
+            "scale_log2": "fp32",
+        }
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
         block_d = pa._block_d(args.head_dim)
-        constexprs = {"PAGE_SIZE": 16, "HEAD_DIM": args.head_dim, **pa.plane_layout(bits, args.head_dim),
-                      "BITS": bits, "BLOCK_G": args.group_width, "BLOCK_N": block_n, "IS_SPLIT": True,
-                      "IS_FUSED": args.fused, "HAS_WINDOW": args.window,
-                      "BLOCK_D": block_d, "MERGE_LANES": pa.fused_merge_lanes(block_d),
-                      "WIDE_OFFSETS": args.wide, "PDL": args.pdl}
+        constexprs = {
+            "PAGE_SIZE": 16,
+            "HEAD_DIM": args.head_dim,
+            **pa.plane_layout(bits, args.head_dim),
+            "BITS": bits,
+            "BLOCK_G": args.group_width,
+            "BLOCK_N": block_n,
+            "IS_SPLIT": True,
+            "IS_FUSED": args.fused,
+            "HAS_WINDOW": args.window,
+            "BLOCK_D": block_d,
+            "MERGE_LANES": pa.fused_merge_lanes(block_d),
+            "WIDE_OFFSETS": args.wide,
+            "PDL": args.pdl,
+        }
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
-        kernel = compile_kernel(pa._decode_kernel, pointer_types, constexprs, args.arch, args.warps, args.stages,
-                                frozenset({"stride_qs", "stride_qh"}))
+        kernel = compile_kernel(
+            pa._decode_kernel,
+            pointer_types,
+            constexprs,
+            args.arch,
+            args.warps,
+            args.stages,
+            frozenset({"stride_qs", "stride_qh"}),
+        )
         found = usage(kernel)
         per_token = found["loop_instructions"] * args.warps / block_n
-        print(f"decode attention, {bits}-bit pages, {block_n} tokens x {args.warps} warps, "
-              f"{args.stages} stages: {found['registers']} registers, {found['spill_bytes']} bytes spilled, "
-              f"loop {found['loop_instructions']} instructions per warp ({per_token:.1f} per token); "
-              f"{found['loop_opcodes']}")
+        print(
+            f"decode attention, {bits}-bit pages, {block_n} tokens x {args.warps} warps, "
+            f"{args.stages} stages: {found['registers']} registers, {found['spill_bytes']} bytes spilled, "
+            f"loop {found['loop_instructions']} instructions per warp ({per_token:.1f} per token); "
+            f"{found['loop_opcodes']}"
+        )
 
 
 def gemv(args) -> None:
     from lowvram.kernels import w4a16_gemv as g
     from lowvram.models.shapes import projection_shapes
 
-    pointer_types = {"qweight_ptr": "*i32", "qzeros_ptr": "*i32", "partial_ptr": "*fp32", "counter_ptr": "*i32",
-                     "lora_t_ptr": "*fp32", "eps": "fp32"}
-    common = {"GROUP_SIZE": args.group_size, "HAS_BIAS": False, "HAS_LORA": bool(args.rank),
-              "BLOCK_R": g.lora_block_r(args.rank) if args.rank else 16, "PROLOGUE": g.PROLOGUE_NONE,
-              "HAS_RESIDUAL": False, "ROW_BLOCK": 16, "ROPE_KV": False, "BITS": 16, "QMAX": 0, "BLOCK_CODE": 16,
-              "HAS_WINDOW": False, "PAGE_SIZE": 16, "PDL": args.pdl, "PREFETCH_0": 4 * args.pdl,
-              "PREFETCH_1": args.pdl, "PREFETCH_2": args.pdl}
+    pointer_types = {
+        "qweight_ptr": "*i32",
+        "qzeros_ptr": "*i32",
+        "partial_ptr": "*fp32",
+        "counter_ptr": "*i32",
+        "lora_t_ptr": "*fp32",
+        "eps": "fp32",
+    }
+    common = {
+        "GROUP_SIZE": args.group_size,
+        "HAS_BIAS": False,
+        "HAS_LORA": bool(args.rank),
+        "BLOCK_R": g.lora_block_r(args.rank) if args.rank else 16,
+        "PROLOGUE": g.PROLOGUE_NONE,
+        "HAS_RESIDUAL": False,
+        "ROW_BLOCK": 16,
+        "ROPE_KV": False,
+        "BITS": 16,
+        "QMAX": 0,
+        "BLOCK_CODE": 16,
+        "HAS_WINDOW": False,
+        "PAGE_SIZE": 16,
+        "PDL": args.pdl,
+        "PREFETCH_0": 4 * args.pdl,
+        "PREFETCH_1": args.pdl,
+        "PREFETCH_2": args.pdl,
+    }
     for name, (k, n) in projection_shapes(args.shape).items():
         config = g.choose_gemv_config(1, n, k, args.group_size, 132)
-        constexprs = {**common, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"],
-                      "EVEN_N": n % config["block_n"] == 0, "IS_PARTIAL": True,
-                      "REDUCE_AT_END": config.get("reduce") == "end", "MAGIC_DEQUANT": True,
-                      "LORA_ONCE": bool(args.rank) and config.get("lora", "once") == "once",
-                      "LORA_AT_END": bool(args.rank) and config.get("lora_reduce") == "end"}
-        kernel = compile_kernel(g._awq_gemv_row_kernel, pointer_types, constexprs, args.arch, config["num_warps"],
-                                config.get("num_stages", 3), frozenset({"N", "K", "num_packed_cols"}))
+        constexprs = {
+            **common,
+            "BLOCK_N": config["block_n"],
+            "BLOCK_K": config["block_k"],
+            "EVEN_N": n % config["block_n"] == 0,
+            "IS_PARTIAL": True,
+            "REDUCE_AT_END": config.get("reduce") == "end",
+            "MAGIC_DEQUANT": True,
+            "LORA_ONCE": bool(args.rank) and config.get("lora", "once") == "once",
+            "LORA_AT_END": bool(args.rank) and config.get("lora_reduce") == "end",
+        }
+        kernel = compile_kernel(
+            g._awq_gemv_row_kernel,
+            pointer_types,
+            constexprs,
+            args.arch,
+            config["num_warps"],
+            config.get("num_stages", 3),
+            frozenset({"N", "K", "num_packed_cols"}),
+        )
         found = usage(kernel)
-        print(f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
-              f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}")
+        print(
+            f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
+            f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}"
+        )
 
 
 def main() -> int:
@@ -155,18 +231,30 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (90, 86, 75)")
     parser.add_argument("--bits", default="16,8,4", help="attention: page precisions")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-n", type=int, default=0,
-                        help="attention: tokens per tile (default: the kernel's default for the page bits, "
-                             "heads up to 128 on GPUs with cp.async)")
+    parser.add_argument(
+        "--block-n",
+        type=int,
+        default=0,
+        help="attention: tokens per tile (default: the kernel's default for the page bits, "
+        "heads up to 128 on GPUs with cp.async)",
+    )
     parser.add_argument("--warps", type=int, default=2, help="attention: warps per program")
     parser.add_argument("--stages", type=int, default=3, help="attention: pipeline stages")
     parser.add_argument("--wide", action="store_true", help="attention: int64 page offsets")
-    parser.add_argument("--group-width", type=int, default=8,
-                        help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)")
-    parser.add_argument("--fused", action="store_true",
-                        help="attention: with the decode kernel's own merge (the 4- and 8-warp defaults')")
-    parser.add_argument("--window", action="store_true",
-                        help="attention: the variant that reads pages kept in FP16 beside the codes")
+    parser.add_argument(
+        "--group-width",
+        type=int,
+        default=8,
+        help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="attention: with the decode kernel's own merge (the 4- and 8-warp defaults')",
+    )
+    parser.add_argument(
+        "--window", action="store_true", help="attention: the variant that reads pages kept in FP16 beside the codes"
+    )
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")
     parser.add_argument("--rank", type=int, default=16, help="gemv: compensation rank (0: none)")
     parser.add_argument("--group-size", type=int, default=128)

@@ -58,10 +58,22 @@ SCALE_RANGE = (0.003, 0.006)
 LINK_BYTES = GIB
 # A small Qwen2 shape for the CPU run: K and N multiples of the group size and of 8.
 TINY_SHAPE = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-    "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, "hidden_act": "silu",
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hidden_act": "silu",
 }
 
 
@@ -88,9 +100,18 @@ def write_random_awq_checkpoint(out_dir: Path, config: dict, *, seed: int = 0, m
     from lowvram.testing import train_tiny_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = dict(config, torch_dtype="float16", quantization_config={
-        "quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm",
-        "modules_to_not_convert": None})
+    config = dict(
+        config,
+        torch_dtype="float16",
+        quantization_config={
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": GROUP_SIZE,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        },
+    )
     train_tiny_tokenizer(out_dir, extra_special_tokens=("<|endoftext|>",) if config["model_type"] == "qwen2" else ())
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
@@ -101,9 +122,11 @@ def write_random_awq_checkpoint(out_dir: Path, config: dict, *, seed: int = 0, m
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.float16).cpu()
 
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden),
-                                        "lm_head.weight": normal(vocab, hidden),
-                                        "model.norm.weight": torch.ones(hidden, dtype=torch.float16)}
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(vocab, hidden),
+        "lm_head.weight": normal(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.float16),
+    }
     for layer in range(config["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{layer}.{norm}.weight"] = torch.ones(hidden, dtype=torch.float16)
@@ -181,14 +204,19 @@ def _finish(engine: LLMEngine) -> None:
 
 
 def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -> dict:
-    profile = load_profile(args.profile).replace(weight_offload=strategy, enable_prefix_caching=False,
-                                                 max_resident_layers=args.max_resident_layers)
+    profile = load_profile(args.profile).replace(
+        weight_offload=strategy, enable_prefix_caching=False, max_resident_layers=args.max_resident_layers
+    )
     is_cuda = torch.cuda.is_available() and profile.device != "cpu"
     if is_cuda:
         torch.cuda.empty_cache()
     start = time.perf_counter()
-    engine = LLMEngine(str(model_dir), profile, emulate_vram_gib=args.emulate_vram_gib if is_cuda else None,
-                       max_model_len=args.max_model_len)
+    engine = LLMEngine(
+        str(model_dir),
+        profile,
+        emulate_vram_gib=args.emulate_vram_gib if is_cuda else None,
+        max_model_len=args.max_model_len,
+    )
     load_s = time.perf_counter() - start
     streamer = getattr(engine.model, "layer_streamer", None)
     if streamer is None:
@@ -198,8 +226,11 @@ def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -
     greedy = {"temperature": 0.0, "ignore_eos": True}
     num_decode_tokens = args.cpu_decode_tokens if strategy == "cpu" else args.decode_tokens
     # Warm-up: compiles the kernels of both the prefill and the decode path.
-    engine.add_request("warmup", prompt_token_ids=_random_prompt(vocab, args.prompt_tokens, 1),
-                       params=SamplingParams(max_tokens=3, **greedy))
+    engine.add_request(
+        "warmup",
+        prompt_token_ids=_random_prompt(vocab, args.prompt_tokens, 1),
+        params=SamplingParams(max_tokens=3, **greedy),
+    )
     _finish(engine)
 
     if is_cuda:
@@ -208,8 +239,11 @@ def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -
     engine.stats = EngineStats()
     timer.seconds = 0.0
     copied_start = streamer.stats.copied_bytes
-    engine.add_request("measured", prompt_token_ids=_random_prompt(vocab, args.prompt_tokens, 2),
-                       params=SamplingParams(max_tokens=1 + num_decode_tokens, **greedy))
+    engine.add_request(
+        "measured",
+        prompt_token_ids=_random_prompt(vocab, args.prompt_tokens, 2),
+        params=SamplingParams(max_tokens=1 + num_decode_tokens, **greedy),
+    )
     engine.step()  # the whole prompt fits one step's token budget
     prefill_host_s = timer.seconds
     copied_prefill = streamer.stats.copied_bytes - copied_start
@@ -220,17 +254,25 @@ def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -
     achieved_gbs = copied_decode / stats.decode_s / 1e9 if stats.decode_s else 0.0
     plan = streamer.plan
     row = {
-        "strategy": strategy, "load_s": round(load_s, 1),
-        "num_layers": plan.num_layers, "num_resident_layers": plan.num_resident_layers,
-        "num_streamed_layers": plan.num_streamed_layers, "is_embedding_on_host": streamer.has_host_embedding,
-        "staging_bytes": plan.staging_bytes, "device_weight_bytes": plan.device_weight_bytes,
-        "kv_pool_tokens": engine.kv_plan.max_tokens, "kv_backend": engine.kv_pool.backend,
-        "max_model_len": engine.max_model_len, "budget_bytes": engine.memory_budget_bytes,
-        "prompt_tokens": stats.num_prefill_tokens, "decode_tokens": stats.num_decode_tokens,
+        "strategy": strategy,
+        "load_s": round(load_s, 1),
+        "num_layers": plan.num_layers,
+        "num_resident_layers": plan.num_resident_layers,
+        "num_streamed_layers": plan.num_streamed_layers,
+        "is_embedding_on_host": streamer.has_host_embedding,
+        "staging_bytes": plan.staging_bytes,
+        "device_weight_bytes": plan.device_weight_bytes,
+        "kv_pool_tokens": engine.kv_plan.max_tokens,
+        "kv_backend": engine.kv_pool.backend,
+        "max_model_len": engine.max_model_len,
+        "budget_bytes": engine.memory_budget_bytes,
+        "prompt_tokens": stats.num_prefill_tokens,
+        "decode_tokens": stats.num_decode_tokens,
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
         "decode_ms_per_token": round(1000 * stats.decode_s / max(1, stats.num_decode_tokens), 2),
-        "h2d_bytes_prefill": copied_prefill, "h2d_bytes_per_decode_token": int(bytes_per_token),
+        "h2d_bytes_prefill": copied_prefill,
+        "h2d_bytes_per_decode_token": int(bytes_per_token),
         "achieved_h2d_gbs": round(achieved_gbs, 2),
         "num_missed_prefetches": streamer.stats.num_missed_prefetches,
     }
@@ -243,9 +285,12 @@ def run_strategy(model_dir: Path, args, strategy: str, link_gbs: float | None) -
         row["cpu_mlp_share_of_prefill"] = round(prefill_host_s / stats.prefill_s, 3)
     if is_cuda:
         managed = engine.kv_pool.device_bytes if engine.kv_pool.backend == "um" else 0
-        row.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                   peak_reserved_bytes=torch.cuda.max_memory_reserved(), managed_kv_device_bytes=managed,
-                   peak_device_gib=round((torch.cuda.max_memory_reserved() + managed) / GIB, 3))
+        row.update(
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+            managed_kv_device_bytes=managed,
+            peak_device_gib=round((torch.cuda.max_memory_reserved() + managed) / GIB, 3),
+        )
     row["limit"] = _limit(row)
     del engine, streamer, timer
     gc.collect()
@@ -259,8 +304,10 @@ def _limit(row: dict) -> str:
     if row.get("cpu_mlp_share_of_decode", 0) > 0.5:
         return f"CPU matmuls of the streamed layers' MLPs ({row['cpu_mlp_share_of_decode']:.0%} of decode time)"
     if row.get("fraction_of_link", 0) > 0.7:
-        return (f"host-to-device bandwidth: {row['h2d_bytes_per_decode_token'] / 2**20:.0f} MiB per token at "
-                f"{row['fraction_of_link']:.0%} of the link")
+        return (
+            f"host-to-device bandwidth: {row['h2d_bytes_per_decode_token'] / 2**20:.0f} MiB per token at "
+            f"{row['fraction_of_link']:.0%} of the link"
+        )
     return "per-layer overhead (launches, host syncs) more than bytes: the copies do not fill the link"
 
 
@@ -298,8 +345,12 @@ def main() -> int:
             config["num_hidden_layers"] = args.num_layers
         start = time.perf_counter()
         num_bytes = write_random_awq_checkpoint(model_dir, config)
-        record["checkpoint"] = {"shape": args.shape, "num_layers": config["num_hidden_layers"], "bytes": num_bytes,
-                                "write_s": round(time.perf_counter() - start, 1)}
+        record["checkpoint"] = {
+            "shape": args.shape,
+            "num_layers": config["num_hidden_layers"],
+            "bytes": num_bytes,
+            "write_s": round(time.perf_counter() - start, 1),
+        }
         print(f"checkpoint: {num_bytes / GIB:.2f} GiB in {record['checkpoint']['write_s']} s", flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -317,8 +368,10 @@ def main() -> int:
         "prefill": max(results, key=lambda r: r["prefill_tokens_per_s"])["strategy"],
         "default": DEFAULT_OFFLOAD_STRATEGY,
     }
-    print(f"faster: decode {record['winner']['decode']}, prefill {record['winner']['prefill']} "
-          f"(weight_offload auto uses {DEFAULT_OFFLOAD_STRATEGY})")
+    print(
+        f"faster: decode {record['winner']['decode']}, prefill {record['winner']['prefill']} "
+        f"(weight_offload auto uses {DEFAULT_OFFLOAD_STRATEGY})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0

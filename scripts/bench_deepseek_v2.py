@@ -45,12 +45,30 @@ from lowvram.models.deepseek_v2 import DEEPSEEK_V2_LITE_CONFIG, DeepseekV2Config
 # The weight spread of N(0, 0.02): codes minus zero points have a std of about 4.6.
 SCALE = 0.02 / 4.6
 TINY_OVERRIDES = {
-    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8, "v_head_dim": 16, "max_position_embeddings": 512,
-    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "max_position_embeddings": 512,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
 }
 
 
@@ -64,8 +82,14 @@ def checkpoint_config(is_tiny: bool, group_size: int) -> dict:
         raw.update(copy.deepcopy(TINY_OVERRIDES))
     config = DeepseekV2Config.from_dict(raw)
     fp16_kept = [linear.name for linear in deepseek_v2_linears(config) if linear.in_features % group_size]
-    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
-                                  "version": "gemm", "modules_to_not_convert": fp16_kept}
+    raw["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": fp16_kept,
+    }
     return raw
 
 
@@ -94,11 +118,14 @@ def _tensor_specs(config: DeepseekV2Config, fp16_kept: set[str]):
 
 
 def _awq_tensors(name: str, k: int, n: int, group_size: int, gen: torch.Generator, device: str) -> dict:
-    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), generator=gen, dtype=torch.int32, device=device)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), generator=gen, dtype=torch.int32, device=device)
     zeros = torch.randint(7, 9, (k // group_size, n), generator=gen, dtype=torch.int32, device=device)
     scales = (torch.rand((k // group_size, n), generator=gen, device=device) + 0.5) * SCALE
-    return {f"{name}.qweight": qweight.cpu(), f"{name}.qzeros": pack_awq(zeros).cpu(),
-            f"{name}.scales": scales.half().cpu()}
+    return {
+        f"{name}.qweight": qweight.cpu(),
+        f"{name}.qzeros": pack_awq(zeros).cpu(),
+        f"{name}.scales": scales.half().cpu(),
+    }
 
 
 def write_checkpoint(out_dir: Path, raw: dict, *, seed: int = 0, max_shard_bytes: int = 2 * 2**30) -> Path:
@@ -168,16 +195,20 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             num_finished += out.finished
-        if decode_experts_before is None and all(engine.requests[i].output_token_ids
-                                                 for i in ids if i in engine.requests):
+        if decode_experts_before is None and all(
+            engine.requests[i].output_token_ids for i in ids if i in engine.requests
+        ):
             decode_experts_before = engine.model.expert_stats.copy()  # every prompt is prefilled
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     after = dataclasses.asdict(engine.stats)
-    delta = {k: after[k] - stats_before[k] for k in ("num_prefill_tokens", "prefill_s", "num_decode_tokens", "decode_s")}
+    delta = {
+        k: after[k] - stats_before[k] for k in ("num_prefill_tokens", "prefill_s", "num_decode_tokens", "decode_s")
+    }
     decode_experts = engine.model.expert_stats.since(decode_experts_before or experts_before)
     return {
-        "num_requests": len(prompts), "num_finished": num_finished,
+        "num_requests": len(prompts),
+        "num_finished": num_finished,
         "prefill_tokens_per_s": delta["num_prefill_tokens"] / delta["prefill_s"] if delta["prefill_s"] else 0.0,
         "decode_tokens_per_s": delta["num_decode_tokens"] / delta["decode_s"] if delta["decode_s"] else 0.0,
         **delta,
@@ -198,15 +229,23 @@ def bench(args) -> dict:
         write_checkpoint(model_dir, checkpoint_config(args.tiny, args.group_size), seed=args.seed)
         print(f"wrote {model_dir} in {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
-    engine = LLMEngine(str(model_dir), args.profile, device=args.device, emulate_vram_gib=args.emulate_vram_gib,
-                       max_model_len=args.max_model_len)
+    engine = LLMEngine(
+        str(model_dir),
+        args.profile,
+        device=args.device,
+        emulate_vram_gib=args.emulate_vram_gib,
+        max_model_len=args.max_model_len,
+    )
     load_s = time.perf_counter() - start
     if args.max_cached_experts is not None:
         engine.model.offload_experts(args.max_cached_experts)
     model, config = engine.model, engine.config
     is_cuda = engine.device.type == "cuda"
-    print(f"loaded in {load_s:.1f} s: {model.weight_report.summary()}; routed experts cached per layer: "
-          f"{model.num_cached_experts or config.num_routed_experts} of {config.num_routed_experts}", flush=True)
+    print(
+        f"loaded in {load_s:.1f} s: {model.weight_report.summary()}; routed experts cached per layer: "
+        f"{model.num_cached_experts or config.num_routed_experts} of {config.num_routed_experts}",
+        flush=True,
+    )
 
     _run(engine, _prompts(1, 16, config.vocab_size, args.seed + 1), 4)  # compiles the kernels
     peak_before_runs = torch.cuda.max_memory_allocated(engine.device) if is_cuda else None
@@ -214,18 +253,23 @@ def bench(args) -> dict:
         torch.cuda.reset_peak_memory_stats(engine.device)
     results = {}
     for batch in args.batch_sizes:
-        results[f"batch_{batch}"] = _run(engine, _prompts(batch, args.prompt_tokens, config.vocab_size,
-                                                          args.seed + batch), args.output_tokens)
+        results[f"batch_{batch}"] = _run(
+            engine, _prompts(batch, args.prompt_tokens, config.vocab_size, args.seed + batch), args.output_tokens
+        )
         r = results[f"batch_{batch}"]
-        print(f"batch {batch}: prefill {r['prefill_tokens_per_s']:.0f} tok/s, decode {r['decode_tokens_per_s']:.1f} "
-              f"tok/s, decode expert hits {r['decode_expert_cache']['hit_rate']:.1%}, "
-              f"{r['decode_expert_cache']['bytes_per_token'] / 2**20:.1f} MiB moved per token", flush=True)
+        print(
+            f"batch {batch}: prefill {r['prefill_tokens_per_s']:.0f} tok/s, decode {r['decode_tokens_per_s']:.1f} "
+            f"tok/s, decode expert hits {r['decode_expert_cache']['hit_rate']:.1%}, "
+            f"{r['decode_expert_cache']['bytes_per_token'] / 2**20:.1f} MiB moved per token",
+            flush=True,
+        )
     cache = next((moe.cache for moe in model.moe_layers if moe.cache is not None), None)
     record = {
         "shape": "tiny" if args.tiny else "deepseek-v2-lite",
         "device": torch.cuda.get_device_name(engine.device) if is_cuda else "cpu",
         "torch": torch.__version__,
-        "profile": engine.profile.name, "emulate_vram_gib": engine.profile.emulate_vram_gib,
+        "profile": engine.profile.name,
+        "emulate_vram_gib": engine.profile.emulate_vram_gib,
         "budget_bytes": engine.memory_budget_bytes,
         "load_s": load_s,
         "num_params": config.num_params(),
@@ -237,18 +281,21 @@ def bench(args) -> dict:
         "kv_row_values": config.kv_head_dim,
         "kv_num_blocks": engine.kv_plan.num_blocks,
         "kv_block_size": engine.kv_plan.block_size,
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
         "prefill_tokens_per_s": results[f"batch_{args.batch_sizes[0]}"]["prefill_tokens_per_s"],
         "decode_tokens_per_s": {str(b): results[f"batch_{b}"]["decode_tokens_per_s"] for b in args.batch_sizes},
-        "decode_expert_hit_rate": {str(b): results[f"batch_{b}"]["decode_expert_cache"]["hit_rate"]
-                                   for b in args.batch_sizes},
-        "decode_bytes_moved_per_token": {str(b): results[f"batch_{b}"]["decode_expert_cache"]["bytes_per_token"]
-                                         for b in args.batch_sizes},
+        "decode_expert_hit_rate": {
+            str(b): results[f"batch_{b}"]["decode_expert_cache"]["hit_rate"] for b in args.batch_sizes
+        },
+        "decode_bytes_moved_per_token": {
+            str(b): results[f"batch_{b}"]["decode_expert_cache"]["bytes_per_token"] for b in args.batch_sizes
+        },
         "peak_device_memory_bytes": torch.cuda.max_memory_allocated(engine.device) if is_cuda else None,
         "peak_device_memory_load_bytes": peak_before_runs,
         "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(engine.device) if is_cuda else None,
-        "is_oom_free": engine.last_crash_report is None and all(
-            r["num_finished"] == r["num_requests"] for r in results.values()),
+        "is_oom_free": engine.last_crash_report is None
+        and all(r["num_finished"] == r["num_requests"] for r in results.values()),
         "runs": results,
     }
     return record

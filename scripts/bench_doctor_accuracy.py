@@ -41,8 +41,12 @@ from lowvram.bench.record import git_commit
 GIB = 2**30
 MIB = 2**20
 SHAPE = {
-    "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12, "num_key_value_heads": 2,
-    "vocab_size": 151936, "max_position_embeddings": 131072,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
 }
 WEIGHT_STD = 0.02
 LAYERS_PER_SHARD = 4
@@ -57,14 +61,22 @@ def _tensor_shapes(num_layers: int) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for layer in range(num_layers):
         p = f"model.layers.{layer}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.q_proj.bias": (q,),
-            f"{p}.self_attn.k_proj.weight": (kv, h), f"{p}.self_attn.k_proj.bias": (kv,),
-            f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.v_proj.bias": (kv,),
-            f"{p}.self_attn.o_proj.weight": (h, q),
-            f"{p}.mlp.gate_proj.weight": (i, h), f"{p}.mlp.up_proj.weight": (i, h), f"{p}.mlp.down_proj.weight": (h, i),
-        })
+        shapes.update(
+            {
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+                f"{p}.self_attn.q_proj.weight": (q, h),
+                f"{p}.self_attn.q_proj.bias": (q,),
+                f"{p}.self_attn.k_proj.weight": (kv, h),
+                f"{p}.self_attn.k_proj.bias": (kv,),
+                f"{p}.self_attn.v_proj.weight": (kv, h),
+                f"{p}.self_attn.v_proj.bias": (kv,),
+                f"{p}.self_attn.o_proj.weight": (h, q),
+                f"{p}.mlp.gate_proj.weight": (i, h),
+                f"{p}.mlp.up_proj.weight": (i, h),
+                f"{p}.mlp.down_proj.weight": (h, i),
+            }
+        )
     return shapes
 
 
@@ -78,9 +90,17 @@ def write_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> Path:
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     special = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **SHAPE, "num_hidden_layers": num_layers,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
-        "torch_dtype": "bfloat16", "bos_token_id": special[BOS_TOKEN], "eos_token_id": special[EOS_TOKEN],
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **SHAPE,
+        "num_hidden_layers": num_layers,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": special[BOS_TOKEN],
+        "eos_token_id": special[EOS_TOKEN],
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator(device="cuda").manual_seed(seed)
@@ -114,11 +134,14 @@ def measure_context_bytes() -> tuple[int, str]:
         return measured, "NVML used memory before and after CUDA init, minus torch's reserved memory"
     torch.empty(1, device="cuda")
     free, total = torch.cuda.mem_get_info()
-    return int(total - free - torch.cuda.memory_reserved()), "torch.cuda.mem_get_info after init (a shared GPU inflates it)"
+    return int(
+        total - free - torch.cuda.memory_reserved()
+    ), "torch.cuda.mem_get_info after init (a shared GPU inflates it)"
 
 
-def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: str, decode_steps: int,
-            context_bytes: int) -> dict:
+def run_row(
+    model_dir: Path, base_profile, context: int, batch: int, precision: str, decode_steps: int, context_bytes: int
+) -> dict:
     from lowvram.core.sampling_params import SamplingParams
     from lowvram.engine.engine import LLMEngine
     from lowvram.memory.doctor import plan_memory
@@ -126,12 +149,18 @@ def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: 
 
     # KV pages in torch's allocator (kv_backend device): unified-memory pages are invisible to
     # max_memory_allocated. The controller stays off so the planned precision and batch hold.
-    profile = base_profile.replace(max_model_len=context, max_num_seqs=batch, kv_precision=precision,
-                                   max_num_batched_tokens=max(base_profile.max_num_batched_tokens, batch),
-                                   kv_backend="device", controller={"is_enabled": False})
+    profile = base_profile.replace(
+        max_model_len=context,
+        max_num_seqs=batch,
+        kv_precision=precision,
+        max_num_batched_tokens=max(base_profile.max_num_batched_tokens, batch),
+        kv_backend="device",
+        controller={"is_enabled": False},
+    )
     config, raw = load_model_config(model_dir)
-    plan = plan_memory(config, raw, profile, context_len=context, num_seqs=batch, device="cuda",
-                       capacity=UNLIMITED_CAPACITY)
+    plan = plan_memory(
+        config, raw, profile, context_len=context, num_seqs=batch, device="cuda", capacity=UNLIMITED_CAPACITY
+    )
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -142,8 +171,9 @@ def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: 
     rng = random.Random(context * 31 + batch)
     prompt_len = context - decode_steps
     for i in range(batch):  # distinct prompts, so no prefix pages are shared
-        engine.add_request(str(i), None, params,
-                           prompt_token_ids=[rng.randrange(10, config.vocab_size) for _ in range(prompt_len)])
+        engine.add_request(
+            str(i), None, params, prompt_token_ids=[rng.randrange(10, config.vocab_size) for _ in range(prompt_len)]
+        )
     while engine.has_unfinished_requests():
         engine.step()
     torch.cuda.synchronize()
@@ -161,18 +191,27 @@ def run_row(model_dir: Path, base_profile, context: int, batch: int, precision: 
     predicted_rest = plan.peak_allocated_bytes - plan.weights.total_bytes
     measured_rest = peak_allocated - weight_bytes
     return {
-        "context": context, "batch": batch, "kv_precision": precision,
-        "predicted_bytes": predicted, "measured_bytes": measured,
+        "context": context,
+        "batch": batch,
+        "kv_precision": precision,
+        "predicted_bytes": predicted,
+        "measured_bytes": measured,
         "error": (predicted - measured) / measured,
-        "predicted_peak_allocated_bytes": plan.peak_allocated_bytes, "measured_peak_allocated_bytes": peak_allocated,
-        "predicted_weight_bytes": plan.weights.total_bytes, "measured_weight_bytes": weight_bytes,
-        "predicted_beyond_weights_bytes": predicted_rest, "measured_beyond_weights_bytes": measured_rest,
+        "predicted_peak_allocated_bytes": plan.peak_allocated_bytes,
+        "measured_peak_allocated_bytes": peak_allocated,
+        "predicted_weight_bytes": plan.weights.total_bytes,
+        "measured_weight_bytes": weight_bytes,
+        "predicted_beyond_weights_bytes": predicted_rest,
+        "measured_beyond_weights_bytes": measured_rest,
         "error_beyond_weights": (predicted_rest - measured_rest) / measured_rest if measured_rest else None,
-        "predicted_kv_bytes": plan.kv_bytes, "predicted_workspace_bytes": plan.workspace.peak_bytes,
+        "predicted_kv_bytes": plan.kv_bytes,
+        "predicted_workspace_bytes": plan.workspace.peak_bytes,
         "workspace_peak_phase": plan.workspace.peak_phase,
-        "peak_reserved_bytes": peak_reserved, "reserved_minus_allocated_bytes": peak_reserved - peak_allocated - before,
+        "peak_reserved_bytes": peak_reserved,
+        "reserved_minus_allocated_bytes": peak_reserved - peak_allocated - before,
         "predicted_fragmentation_bytes": plan.fragmentation_bytes,
-        "prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
         "wall_s": elapsed,
     }
 
@@ -186,12 +225,20 @@ def main() -> int:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--kv-precisions", default="fp16,int8,int4",
-                        help="precisions to run; one the engine rejects is recorded as unsupported")
-    parser.add_argument("--profile", default="8gb",
-                        help="base profile; max_model_len, max_num_seqs, kv_precision are set per row")
-    parser.add_argument("--num-layers", type=int, default=28,
-                        help="decoder layers (28 = the real model; fewer only if the GPU is too small)")
+    parser.add_argument(
+        "--kv-precisions",
+        default="fp16,int8,int4",
+        help="precisions to run; one the engine rejects is recorded as unsupported",
+    )
+    parser.add_argument(
+        "--profile", default="8gb", help="base profile; max_model_len, max_num_seqs, kv_precision are set per row"
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=28,
+        help="decoder layers (28 = the real model; fewer only if the GPU is too small)",
+    )
     parser.add_argument("--decode-steps", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--max-seconds", type=float, default=220.0, help="skip the remaining rows after this long")
@@ -208,8 +255,11 @@ def main() -> int:
     context_bytes, context_source = measure_context_bytes()
     base_profile = load_profile(args.profile)
     gpu = torch.cuda.get_device_name(0)
-    print(f"GPU {gpu}; CUDA context {context_bytes / MIB:.0f} MiB ({context_source}); "
-          f"{args.num_layers} layers; profile {args.profile}", flush=True)
+    print(
+        f"GPU {gpu}; CUDA context {context_bytes / MIB:.0f} MiB ({context_source}); "
+        f"{args.num_layers} layers; profile {args.profile}",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="lowvram-doctor-bench-") as tmp:
         model_dir = write_checkpoint(Path(tmp), args.num_layers)
@@ -222,43 +272,61 @@ def main() -> int:
                         rows.append({**key, "skipped": f"time limit of {args.max_seconds:.0f} s"})
                         continue
                     try:
-                        row = run_row(model_dir, base_profile, context, batch, precision, args.decode_steps,
-                                      context_bytes)
+                        row = run_row(
+                            model_dir, base_profile, context, batch, precision, args.decode_steps, context_bytes
+                        )
                     except LowvramError as exc:
                         rows.append({**key, "skipped": f"{type(exc).__name__}: {exc}"})
                         print(f"{precision} {context} x {batch}: skipped ({exc})", flush=True)
                         continue
                     rows.append(row)
-                    print(f"{precision:>5} {context:>6} x {batch}: predicted {row['predicted_bytes'] / GIB:.3f} GiB, "
-                          f"measured {row['measured_bytes'] / GIB:.3f} GiB ({row['error']:+.1%}); beyond weights "
-                          f"{row['predicted_beyond_weights_bytes'] / MIB:.0f} vs "
-                          f"{row['measured_beyond_weights_bytes'] / MIB:.0f} MiB; "
-                          f"reserved-allocated {row['reserved_minus_allocated_bytes'] / MIB:.0f} MiB; "
-                          f"{row['wall_s']:.1f} s", flush=True)
+                    print(
+                        f"{precision:>5} {context:>6} x {batch}: predicted {row['predicted_bytes'] / GIB:.3f} GiB, "
+                        f"measured {row['measured_bytes'] / GIB:.3f} GiB ({row['error']:+.1%}); beyond weights "
+                        f"{row['predicted_beyond_weights_bytes'] / MIB:.0f} vs "
+                        f"{row['measured_beyond_weights_bytes'] / MIB:.0f} MiB; "
+                        f"reserved-allocated {row['reserved_minus_allocated_bytes'] / MIB:.0f} MiB; "
+                        f"{row['wall_s']:.1f} s",
+                        flush=True,
+                    )
 
     measured_rows = [r for r in rows if "error" in r]
     worst = max((abs(r["error"]) for r in measured_rows), default=math.nan)
     print()
-    print("| KV | context | batch | predicted GiB | measured GiB | error | beyond weights: predicted / measured MiB "
-          "| reserved - allocated MiB |")
+    print(
+        "| KV | context | batch | predicted GiB | measured GiB | error | beyond weights: predicted / measured MiB "
+        "| reserved - allocated MiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['kv_precision']} | {r['context']} | {r['batch']} | skipped: {r['skipped']} | | | | |")
             continue
-        print(f"| {r['kv_precision']} | {r['context']} | {r['batch']} | {r['predicted_bytes'] / GIB:.3f} | "
-              f"{r['measured_bytes'] / GIB:.3f} | {r['error']:+.1%} | {r['predicted_beyond_weights_bytes'] / MIB:.0f} / "
-              f"{r['measured_beyond_weights_bytes'] / MIB:.0f} | {r['reserved_minus_allocated_bytes'] / MIB:.0f} |")
+        print(
+            f"| {r['kv_precision']} | {r['context']} | {r['batch']} | {r['predicted_bytes'] / GIB:.3f} | "
+            f"{r['measured_bytes'] / GIB:.3f} | {r['error']:+.1%} | {r['predicted_beyond_weights_bytes'] / MIB:.0f} / "
+            f"{r['measured_beyond_weights_bytes'] / MIB:.0f} | {r['reserved_minus_allocated_bytes'] / MIB:.0f} |"
+        )
     print(f"\nworst error {worst:.1%} (tolerance {args.tolerance:.0%}); total {time.perf_counter() - started:.0f} s")
     if args.json:
         report = {
-            "command": "python " + " ".join(sys.argv), "gpu": gpu,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_commit": git_commit(),
-            "torch": torch.__version__, "num_layers": args.num_layers, "profile": args.profile,
-            "cuda_context_bytes": context_bytes, "cuda_context_source": context_source,
-            "constants": {"CUDA_CONTEXT_BYTES": CUDA_CONTEXT_BYTES, "CUBLAS_WORKSPACE_BYTES": CUBLAS_WORKSPACE_BYTES,
-                          "FRAGMENTATION_RESERVE_FRACTION": FRAGMENTATION_RESERVE_FRACTION},
-            "tolerance": args.tolerance, "worst_error": worst, "rows": rows,
+            "command": "python " + " ".join(sys.argv),
+            "gpu": gpu,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_commit": git_commit(),
+            "torch": torch.__version__,
+            "num_layers": args.num_layers,
+            "profile": args.profile,
+            "cuda_context_bytes": context_bytes,
+            "cuda_context_source": context_source,
+            "constants": {
+                "CUDA_CONTEXT_BYTES": CUDA_CONTEXT_BYTES,
+                "CUBLAS_WORKSPACE_BYTES": CUBLAS_WORKSPACE_BYTES,
+                "FRAGMENTATION_RESERVE_FRACTION": FRAGMENTATION_RESERVE_FRACTION,
+            },
+            "tolerance": args.tolerance,
+            "worst_error": worst,
+            "rows": rows,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

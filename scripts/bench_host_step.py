@@ -79,9 +79,14 @@ def build_engine(model_dir: Path, kv_backend: str, max_model_len: int) -> LLMEng
     """The tiny model under the 4gb profile's scheduler, page and controller settings, on the CPU."""
     gb4 = load_profile("4gb")
     profile = load_profile("cpu").replace(
-        max_model_len=max_model_len, max_num_seqs=gb4.max_num_seqs, max_num_batched_tokens=gb4.max_num_batched_tokens,
-        kv_block_size=gb4.kv_block_size, kv_recent_fp16_tokens=gb4.kv_recent_fp16_tokens,
-        enable_prefix_caching=gb4.enable_prefix_caching, controller=gb4.controller)
+        max_model_len=max_model_len,
+        max_num_seqs=gb4.max_num_seqs,
+        max_num_batched_tokens=gb4.max_num_batched_tokens,
+        kv_block_size=gb4.kv_block_size,
+        kv_recent_fp16_tokens=gb4.kv_recent_fp16_tokens,
+        enable_prefix_caching=gb4.enable_prefix_caching,
+        controller=gb4.controller,
+    )
     engine = LLMEngine(str(model_dir), profile)
     if kv_backend == "um":
         from lowvram.kv.tiers import ManagedKVPool
@@ -92,14 +97,27 @@ def build_engine(model_dir: Path, kv_backend: str, max_model_len: int) -> LLMEng
         shape = KVShape(c.num_layers, profile.kv_block_size, c.num_kv_heads, c.head_dim, engine.dtype)
         num_blocks = gb4.max_num_seqs * -(-gb4.max_model_len // gb4.kv_block_size)
         share = UM_DEVICE_SHARE_TOKENS // gb4.kv_block_size
-        pool = ManagedKVPool(shape, num_blocks, "fp16", "cpu", max_device_blocks=share,
-                             memory=HostManagedMemory(shape.code_block_bytes("fp16")), budget_bytes=2**40)
+        pool = ManagedKVPool(
+            shape,
+            num_blocks,
+            "fp16",
+            "cpu",
+            max_device_blocks=share,
+            memory=HostManagedMemory(shape.code_block_bytes("fp16")),
+            budget_bytes=2**40,
+        )
         engine.kv_pool = pool
-        engine.block_manager = BlockManager(num_blocks, pool.block_size,
-                                            enable_prefix_caching=profile.enable_prefix_caching)
+        engine.block_manager = BlockManager(
+            num_blocks, pool.block_size, enable_prefix_caching=profile.enable_prefix_caching
+        )
         engine.scheduler = Scheduler(engine.block_manager, profile.max_num_seqs, profile.max_num_batched_tokens)
-        engine.runner = ModelRunner(engine.model, engine.block_manager, pool, max_num_seqs=profile.max_num_seqs,
-                                    max_model_len=engine.max_model_len)
+        engine.runner = ModelRunner(
+            engine.model,
+            engine.block_manager,
+            pool,
+            max_num_seqs=profile.max_num_seqs,
+            max_model_len=engine.max_model_len,
+        )
     return engine
 
 
@@ -142,8 +160,7 @@ def decode_step_times_us(engine: LLMEngine) -> list[float]:
     return times
 
 
-def profile_rows(engine: LLMEngine, batch: int, context: int, num_tokens: int, warmup: int,
-                 top: int) -> list[dict]:
+def profile_rows(engine: LLMEngine, batch: int, context: int, num_tokens: int, warmup: int, top: int) -> list[dict]:
     """cProfile of one run's decode steps after the warm-up: the top functions by own time."""
     add_requests(engine, batch, context, num_tokens, seed=10_000)
     num_decode_steps = 0
@@ -166,7 +183,7 @@ def bench(engine: LLMEngine, batch: int, args) -> dict:
     medians, means, every = [], [], []
     for repeat in range(args.repeats):
         add_requests(engine, batch, args.context, args.num_tokens, seed=1000 * batch + repeat)
-        times = decode_step_times_us(engine)[args.warmup:]
+        times = decode_step_times_us(engine)[args.warmup :]
         medians.append(statistics.median(times))
         means.append(statistics.fmean(times))
         every += times
@@ -189,10 +206,15 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--num-tokens", type=int, default=200, help="tokens decoded per request")
     parser.add_argument("--warmup", type=int, default=20, help="decode steps left out at the start of each run")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per batch size (the median of their medians is reported)")
-    parser.add_argument("--kv-backend", choices=("um", "device"), default="um",
-                        help="um: the 4gb profile's pool with its page bookkeeping; device: no spill bookkeeping")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per batch size (the median of their medians is reported)"
+    )
+    parser.add_argument(
+        "--kv-backend",
+        choices=("um", "device"),
+        default="um",
+        help="um: the 4gb profile's pool with its page bookkeeping; device: no spill bookkeeping",
+    )
     parser.add_argument("--top", type=int, default=25, help="functions listed from the profile")
     parser.add_argument("--json", help="write the record to this path")
     args = parser.parse_args()
@@ -201,19 +223,29 @@ def main() -> int:
         model_dir = make_tiny_model(Path(tmp) / "tiny-qwen2", "qwen2")
         engine = build_engine(model_dir, args.kv_backend, args.context + args.num_tokens + 64)
         record = run_metadata("bench_host_step.py " + " ".join(sys.argv[1:]))
-        record["settings"] = {"context": args.context, "num_tokens": args.num_tokens, "warmup": args.warmup,
-                              "repeats": args.repeats, "kv_backend": args.kv_backend,
-                              "vocab_size": engine.config.vocab_size, "profile": "4gb scheduler/controller on cpu",
-                              "torch_threads": torch.get_num_threads()}
+        record["settings"] = {
+            "context": args.context,
+            "num_tokens": args.num_tokens,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "kv_backend": args.kv_backend,
+            "vocab_size": engine.config.vocab_size,
+            "profile": "4gb scheduler/controller on cpu",
+            "torch_threads": torch.get_num_threads(),
+        }
         record["runs"] = []
         for batch in batch_sizes:
             run = bench(engine, batch, args)
             record["runs"].append(run)
-            print(f"batch {batch}: median {run['median_us']:.1f} µs, mean {run['mean_us']:.1f} µs, "
-                  f"p90 {run['p90_us']:.1f} µs per decode step (repeat medians {run['median_us_by_repeat']})")
+            print(
+                f"batch {batch}: median {run['median_us']:.1f} µs, mean {run['mean_us']:.1f} µs, "
+                f"p90 {run['p90_us']:.1f} µs per decode step (repeat medians {run['median_us_by_repeat']})"
+            )
             for row in run["host_functions"][:12]:
-                print(f"    {row['self_us_per_step']:8.1f} self {row['cumulative_us_per_step']:8.1f} cum "
-                      f"{row['calls_per_step']:7.1f}x  {row['function']}")
+                print(
+                    f"    {row['self_us_per_step']:8.1f} self {row['cumulative_us_per_step']:8.1f} cum "
+                    f"{row['calls_per_step']:7.1f}x  {row['function']}"
+                )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")

@@ -86,10 +86,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runs", default=None, help=f"which of {', '.join(RUNS)} (default: all; device on the CPU)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="decode steps before timing (default 3)")
     parser.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per context (default 16)")
-    parser.add_argument("--forced-share-tokens", type=int, default=1024,
-                        help="um device share for the forced-spill decode, in tokens (0 = skip; default 1024)")
-    parser.add_argument("--max-prefill-s", type=float, default=90.0,
-                        help="give up growing a run's context after this many seconds of prefill (default 90)")
+    parser.add_argument(
+        "--forced-share-tokens",
+        type=int,
+        default=1024,
+        help="um device share for the forced-spill decode, in tokens (0 = skip; default 1024)",
+    )
+    parser.add_argument(
+        "--max-prefill-s",
+        type=float,
+        default=90.0,
+        help="give up growing a run's context after this many seconds of prefill (default 90)",
+    )
     parser.add_argument("--transfer-mib", type=int, default=1024, help="bytes moved per transfer row (default 1024)")
     return parser.parse_args(argv)
 
@@ -108,11 +116,14 @@ def make_model(args: argparse.Namespace, work: Path) -> tuple[str, str]:
         model_dir = cached_checkpoint(f"{SHAPE_NAME}-bf16", lambda d: write_random_checkpoint(d, SHAPE_NAME), work)
         print(f"random {SHAPE_NAME} checkpoint ready in {time.perf_counter() - start:.1f} s")
         return str(model_dir), f"{SHAPE_NAME}, random FP16 weights"
-    _, awq_dir = random_awq_checkpoint(SHAPE_NAME, work, num_samples=args.quantize_samples,
-                                       emulate_vram_gib=args.card_gib)
+    _, awq_dir = random_awq_checkpoint(
+        SHAPE_NAME, work, num_samples=args.quantize_samples, emulate_vram_gib=args.card_gib
+    )
     release_memory()
-    print(f"random {SHAPE_NAME} checkpoint in AWQ INT4 ({args.quantize_samples} calibration samples) ready in "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"random {SHAPE_NAME} checkpoint in AWQ INT4 ({args.quantize_samples} calibration samples) ready in "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return str(awq_dir), f"{SHAPE_NAME}, random weights, AWQ INT4 ({args.quantize_samples} calibration samples)"
 
 
@@ -122,9 +133,14 @@ def open_engine(model_dir: str, args: argparse.Namespace, backend: str, precisio
     profile = load_profile(args.profile)
     controller = dataclasses.replace(profile.controller, is_enabled=False)
     profile = profile.replace(
-        device=args.device, emulate_vram_gib=args.card_gib if args.device == "cuda" else None,
-        max_model_len=max_model_len, max_num_seqs=1, kv_backend=backend, kv_precision=precision,
-        host_spill_gib=max(profile.host_spill_gib, 4.0), controller=controller,
+        device=args.device,
+        emulate_vram_gib=args.card_gib if args.device == "cuda" else None,
+        max_model_len=max_model_len,
+        max_num_seqs=1,
+        kv_backend=backend,
+        kv_precision=precision,
+        host_spill_gib=max(profile.host_spill_gib, 4.0),
+        controller=controller,
     )
     return LLMEngine(model_dir, profile)
 
@@ -173,11 +189,16 @@ class Meter:
         peak_total = peak_allocated + (self.peak_pool_bytes if outside_torch else 0)
         budget = self.engine.memory_budget_bytes
         row = {
-            "pool_device_bytes": pool.device_bytes, "pool_host_bytes": pool.host_bytes,
-            "num_live_blocks_on_host": self.engine.runner.num_kv_blocks_on_host(), "torch_allocated_bytes": allocated,
-            "torch_peak_allocated_bytes": peak_allocated, "peak_pool_device_bytes": self.peak_pool_bytes,
-            "peak_device_total_bytes": peak_total, "peak_memory_in_use_bytes": self.peak_in_use_bytes,
-            "budget_bytes": budget, "is_within_budget": self.peak_in_use_bytes <= budget,
+            "pool_device_bytes": pool.device_bytes,
+            "pool_host_bytes": pool.host_bytes,
+            "num_live_blocks_on_host": self.engine.runner.num_kv_blocks_on_host(),
+            "torch_allocated_bytes": allocated,
+            "torch_peak_allocated_bytes": peak_allocated,
+            "peak_pool_device_bytes": self.peak_pool_bytes,
+            "peak_device_total_bytes": peak_total,
+            "peak_memory_in_use_bytes": self.peak_in_use_bytes,
+            "budget_bytes": budget,
+            "is_within_budget": self.peak_in_use_bytes <= budget,
         }
         if card_bytes is not None:
             row.update(card_bytes=card_bytes, is_within_card=peak_total <= card_bytes)
@@ -210,8 +231,11 @@ def _decode(engine, meter: Meter, num_warmup: int, num_timed: int) -> dict:
             times_s.append(seconds)
     step_s = statistics.median(times_s)
     # Pages of the running sequence that live on the host (the pool's free pages do not count).
-    return {"step_ms": round(step_s * 1e3, 3), "tokens_per_s": round(1 / step_s, 1),
-            "num_blocks_on_host": engine.runner.num_kv_blocks_on_host()}
+    return {
+        "step_ms": round(step_s * 1e3, 3),
+        "tokens_per_s": round(1 / step_s, 1),
+        "num_blocks_on_host": engine.runner.num_kv_blocks_on_host(),
+    }
 
 
 def measure_context(engine, meter: Meter, tokens: list[int], context: int, args, card_bytes) -> dict:
@@ -236,19 +260,28 @@ def measure_context(engine, meter: Meter, tokens: list[int], context: int, args,
         if prefill_s > args.max_prefill_s:
             engine.abort_request(request_id)
             computed = engine.stats.num_prefill_tokens - num_prefilled
-            row.update(is_complete=False, prefill_s=round(prefill_s, 2),
-                       note=f"prefill stopped after {prefill_s:.0f} s with {computed} new tokens computed")
+            row.update(
+                is_complete=False,
+                prefill_s=round(prefill_s, 2),
+                note=f"prefill stopped after {prefill_s:.0f} s with {computed} new tokens computed",
+            )
             return row
     computed = engine.stats.num_prefill_tokens - num_prefilled
-    row.update(is_complete=True, num_prefill_tokens=computed, prefill_s=round(prefill_s, 3),
-               prefill_tokens_per_s=round(computed / prefill_s, 1) if prefill_s else None)
+    row.update(
+        is_complete=True,
+        num_prefill_tokens=computed,
+        prefill_s=round(prefill_s, 3),
+        prefill_tokens_per_s=round(computed / prefill_s, 1) if prefill_s else None,
+    )
     row["decode"] = _decode(engine, meter, args.warmup_steps, args.decode_steps)
     row["memory"] = meter.row(card_bytes)  # peaks of the prefill and decode at the profile's device share
     if forced:
         share = pool.max_device_blocks
         pool.set_max_device_blocks(max(1, forced // pool.block_size))
-        row["decode_forced_spill"] = {"device_share_tokens": pool.max_device_blocks * pool.block_size,
-                                      **_decode(engine, meter, args.warmup_steps, args.decode_steps)}
+        row["decode_forced_spill"] = {
+            "device_share_tokens": pool.max_device_blocks * pool.block_size,
+            **_decode(engine, meter, args.warmup_steps, args.decode_steps),
+        }
         pool.set_max_device_blocks(share)
     engine.abort_request(request_id)
     return row
@@ -280,15 +313,24 @@ def run(name: str, model_dir: str, args: argparse.Namespace, contexts: list[int]
     max_context = engine.max_model_len - DECODE_MARGIN_TOKENS
     wanted = sorted({min(context, max_context) for context in wanted})
     pool = engine.kv_pool
-    result.update(pool_backend=pool.backend, num_pool_blocks=pool.num_blocks, block_size=pool.block_size,
-                  device_share_tokens=getattr(pool, "max_device_blocks", pool.num_blocks) * pool.block_size,
-                  budget_bytes=engine.memory_budget_bytes, model_weight_bytes=engine.model.weight_bytes)
+    result.update(
+        pool_backend=pool.backend,
+        num_pool_blocks=pool.num_blocks,
+        block_size=pool.block_size,
+        device_share_tokens=getattr(pool, "max_device_blocks", pool.num_blocks) * pool.block_size,
+        budget_bytes=engine.memory_budget_bytes,
+        model_weight_bytes=engine.model.weight_bytes,
+    )
     if pool.max_blocks_per_step is not None:  # pinned: a step's pages must all be on the device
         limit = pool.max_blocks_per_step * pool.block_size
         for context in [c for c in wanted if c + DECODE_MARGIN_TOKENS > limit]:
             wanted.remove(context)
-            result["not_fitting"].append({"context_tokens": context, "reason": (
-                f"a pinned step holds all its pages on the device; the device share is {limit} tokens")})
+            result["not_fitting"].append(
+                {
+                    "context_tokens": context,
+                    "reason": (f"a pinned step holds all its pages on the device; the device share is {limit} tokens"),
+                }
+            )
     tokens = prompt_stream(max(wanted, default=0), engine.config.vocab_size)
     meter = Meter(engine)
     for context in wanted:
@@ -319,9 +361,12 @@ def _print_row(name: str, row: dict) -> None:
     verdict = "within budget" if memory["is_within_budget"] else "OVER BUDGET"
     if "card_bytes" in memory:
         verdict += f", peak {memory['peak_device_total_bytes'] / GIB:.2f} GiB " + (
-            "within card" if memory["is_within_card"] else "OVER THE CARD")
-    print(f"{name:>12} {row['context_tokens']:>7}  prefill {row['prefill_tokens_per_s'] or 0:>8.0f} tok/s  "
-          f"decode {speed(decode)}  pool {memory['pool_device_bytes'] / GIB:.2f} GiB  {verdict}{forced_text}")
+            "within card" if memory["is_within_card"] else "OVER THE CARD"
+        )
+    print(
+        f"{name:>12} {row['context_tokens']:>7}  prefill {row['prefill_tokens_per_s'] or 0:>8.0f} tok/s  "
+        f"decode {speed(decode)}  pool {memory['pool_device_bytes'] / GIB:.2f} GiB  {verdict}{forced_text}"
+    )
 
 
 # ---------------------------------------------------------------- transfers
@@ -361,11 +406,18 @@ def transfer_rows(shape: KVShape, num_bytes: int) -> list[dict]:
     num_blocks = max(2, num_bytes // shape.block_bytes("fp16"))
     link = link_mb_per_s(num_blocks * shape.block_bytes("fp16"))
     pools = {
-        "um": lambda: ManagedKVPool(shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
-                                    memory=ManagedMemory(torch.device("cuda")),
-                                    budget_bytes=2 * num_blocks * shape.block_bytes("fp16")),
-        "pinned": lambda: PinnedKVPool(shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks,
-                                       num_host_blocks=num_blocks),
+        "um": lambda: ManagedKVPool(
+            shape,
+            num_blocks,
+            "fp16",
+            "cuda",
+            max_device_blocks=num_blocks,
+            memory=ManagedMemory(torch.device("cuda")),
+            budget_bytes=2 * num_blocks * shape.block_bytes("fp16"),
+        ),
+        "pinned": lambda: PinnedKVPool(
+            shape, num_blocks, "fp16", "cuda", max_device_blocks=num_blocks, num_host_blocks=num_blocks
+        ),
     }
     rows = []
     for backend, make in pools.items():
@@ -384,11 +436,21 @@ def transfer_rows(shape: KVShape, num_bytes: int) -> list[dict]:
             moved = pool.spilled_bytes + pool.fetched_bytes - moved
             link_rate = link["d2h" if operation == "spill" else "h2d"]
             rate = moved / seconds / 1e6
-            rows.append({"backend": backend, "operation": operation, "bytes": moved, "ms": round(seconds * 1e3, 2),
-                         "mb_per_s": round(rate), "link_mb_per_s": round(link_rate),
-                         "fraction_of_link": round(rate / link_rate, 3)})
-            print(f"{backend:>7} {operation:>15}: {moved / MIB:7.0f} MiB in {seconds * 1e3:8.1f} ms = {rate:8.0f} MB/s "
-                  f"({rate / link_rate:.0%} of the pinned {'d2h' if operation == 'spill' else 'h2d'} copy)")
+            rows.append(
+                {
+                    "backend": backend,
+                    "operation": operation,
+                    "bytes": moved,
+                    "ms": round(seconds * 1e3, 2),
+                    "mb_per_s": round(rate),
+                    "link_mb_per_s": round(link_rate),
+                    "fraction_of_link": round(rate / link_rate, 3),
+                }
+            )
+            print(
+                f"{backend:>7} {operation:>15}: {moved / MIB:7.0f} MiB in {seconds * 1e3:8.1f} ms = {rate:8.0f} MB/s "
+                f"({rate / link_rate:.0%} of the pinned {'d2h' if operation == 'spill' else 'h2d'} copy)"
+            )
         del pool
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -417,8 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     record = run_metadata(" ".join(["python", "scripts/bench_kv_pool.py", *given]))
     with tempfile.TemporaryDirectory(prefix="lowvram-bench-kv-pool-") as work:
         model_dir, model_note = make_model(args, Path(work))
-        print(f"model: {model_note}; profile {args.profile}"
-              + (f", emulated {args.card_gib} GiB card" if card_bytes else ""))
+        print(
+            f"model: {model_note}; profile {args.profile}"
+            + (f", emulated {args.card_gib} GiB card" if card_bytes else "")
+        )
         results = [run(name, model_dir, args, contexts, card_bytes) for name in runs]
         from lowvram.models.config import load_model_config
 
@@ -428,13 +492,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result['run']:>12} {missing['context_tokens']:>7}  does not fit: {missing['reason']}")
     transfers = []
     if args.device == "cuda" and args.transfer_mib > 0:
-        shape = KVShape(config.num_layers, load_profile(args.profile).kv_block_size, config.num_kv_heads,
-                        config.head_dim, torch.float16)
+        shape = KVShape(
+            config.num_layers,
+            load_profile(args.profile).kv_block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            torch.float16,
+        )
         transfers = transfer_rows(shape, args.transfer_mib * MIB)
-    is_over = any(not row["memory"].get("is_within_card", True) for result in results
-                  if result["kv_backend"] in SPILL_BACKENDS for row in result["contexts"] if row["is_complete"])
-    record.update(model=model_note, profile=args.profile, card_bytes=card_bytes, runs=results, transfers=transfers,
-                  notes=["transfers: standalone pools of the model's KV shape, FP16 pages"])
+    is_over = any(
+        not row["memory"].get("is_within_card", True)
+        for result in results
+        if result["kv_backend"] in SPILL_BACKENDS
+        for row in result["contexts"]
+        if row["is_complete"]
+    )
+    record.update(
+        model=model_note,
+        profile=args.profile,
+        card_bytes=card_bytes,
+        runs=results,
+        transfers=transfers,
+        notes=["transfers: standalone pools of the model's KV shape, FP16 pages"],
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")

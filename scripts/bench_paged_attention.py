@@ -187,8 +187,13 @@ def dependent_copy(source: torch.Tensor, target: torch.Tensor) -> None:
     """Copy `source` to `target` (bytes, a multiple of 4 long) with _dependent_copy_kernel."""
     num_words = source.numel() // 4
     _dependent_copy_kernel[(triton.cdiv(num_words, COPY_BLOCK_WORDS),)](
-        source.view(torch.int32), target.view(torch.int32), num_words, BLOCK=COPY_BLOCK_WORDS, num_warps=4,
-        **dependent_launch(source.device))
+        source.view(torch.int32),
+        target.view(torch.int32),
+        num_words,
+        BLOCK=COPY_BLOCK_WORDS,
+        num_warps=4,
+        **dependent_launch(source.device),
+    )
 
 
 @dataclasses.dataclass
@@ -220,7 +225,7 @@ class Setup:
         by_sequence = order.view(copies, batch_size, blocks_per_seq)
         tables = [t.contiguous() for t in by_sequence]  # [S, max_blocks] each
         if pages.is_quantized and (window_blocks := window_pages(context_len, window_tokens)):
-            keep_in_fp16(pages, by_sequence[..., blocks_per_seq - window_blocks:].flatten(), generator)
+            keep_in_fp16(pages, by_sequence[..., blocks_per_seq - window_blocks :].flatten(), generator)
         context_lens = torch.full((batch_size,), context_len, dtype=torch.int32, device="cuda")
         q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
         return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
@@ -232,9 +237,17 @@ class Setup:
 
         def run_all():
             for table in self.tables:
-                paged_decode_attention(self.q, self.pages, table, self.context_lens, HEAD_DIM**-0.5,
-                                       max_context_len=self.context_len, partition_tokens=partition_tokens,
-                                       num_splits=num_splits, _config=config)
+                paged_decode_attention(
+                    self.q,
+                    self.pages,
+                    table,
+                    self.context_lens,
+                    HEAD_DIM**-0.5,
+                    max_context_len=self.context_len,
+                    partition_tokens=partition_tokens,
+                    num_splits=num_splits,
+                    _config=config,
+                )
 
         return run_all
 
@@ -255,8 +268,11 @@ class Setup:
                 for _ in range(PROFILED_ROUNDS):
                     run_all()
                 synchronize()
-        return {event.key: round(event.self_device_time_total / event.count, 2)
-                for event in profile.key_averages() if event.self_device_time_total > 0}
+        return {
+            event.key: round(event.self_device_time_total / event.count, 2)
+            for event in profile.key_averages()
+            if event.self_device_time_total > 0
+        }
 
 
 def copy_and_merge_gbs(setup: Setup, num_splits: int, partition_tokens: int) -> tuple[float, float]:
@@ -273,8 +289,10 @@ def copy_and_merge_gbs(setup: Setup, num_splits: int, partition_tokens: int) -> 
         merge_partitions(partial_out, partial_lse, out, setup.context_lens, partition_tokens)
 
     num_bytes = setup.bytes_read // 8 * 8  # halves of whole 32-bit words
-    return (same_bytes_copy_gbs(num_bytes, setup.copies, copy=dependent_copy),
-            same_bytes_copy_gbs(num_bytes, setup.copies, then=merge, copy=dependent_copy))
+    return (
+        same_bytes_copy_gbs(num_bytes, setup.copies, copy=dependent_copy),
+        same_bytes_copy_gbs(num_bytes, setup.copies, then=merge, copy=dependent_copy),
+    )
 
 
 def _bytes_per_token(precision: str) -> int:
@@ -330,8 +348,10 @@ def fits_in_memory(precision: str, context_len: int, batch_size: int, window_tok
 
 def sweep_configs() -> list[DecodeConfig]:
     """The tile grid, every configuration merging in the merge kernel."""
-    return [DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=0)
-            for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)]
+    return [
+        DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=0)
+        for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)
+    ]
 
 
 def _config_label(config: DecodeConfig, num_splits: int, partitioning: str) -> str:
@@ -339,31 +359,55 @@ def _config_label(config: DecodeConfig, num_splits: int, partitioning: str) -> s
     return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
 
 
-def _timed(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float,
-           num_splits: int | None = None) -> dict:
+def _timed(
+    setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float, num_splits: int | None = None
+) -> dict:
     time_us = setup.time_us(partitioning, config, num_splits)
     achieved_gbs = setup.bytes_read / (time_us * 1e-6) / 1e9
-    return {"time_us": round(time_us, 2), "achieved_gbs": round(achieved_gbs, 1),
-            "fraction_of_copy": round(achieved_gbs / copy_gbs, 3)}
+    return {
+        "time_us": round(time_us, 2),
+        "achieved_gbs": round(achieved_gbs, 1),
+        "fraction_of_copy": round(achieved_gbs / copy_gbs, 3),
+    }
 
 
-def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: float, sweep: bool,
-              forced_splits: tuple[int, ...] = (), tile: tuple[int, int, int] | None = None,
-              kernel_times: bool = False, floor: bool = False) -> dict:
+def bench_row(
+    setup: Setup,
+    partitioning: str,
+    copy_gbs: float,
+    same_copy_gbs: float,
+    sweep: bool,
+    forced_splits: tuple[int, ...] = (),
+    tile: tuple[int, int, int] | None = None,
+    kernel_times: bool = False,
+    floor: bool = False,
+) -> dict:
     """One row: the configuration paged_decode_attention takes for it (decode_config), or with
     `tile` (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
     grid, with `forced_splits` the row's configuration at each of those partition counts, with
     `kernel_times` each of its kernels' device time, and with `floor` (default partitioning, split)
     the time of a copy of its bytes followed by its merge (copy_and_merge_gbs)."""
-    config = decode_config(setup.q.device, HEAD_DIM, BITS_BY_PRECISION[setup.precision], setup.batch_size,
-                           NUM_KV_HEADS, setup.context_len, is_partitioning_fixed=partitioning == "invariant")
+    config = decode_config(
+        setup.q.device,
+        HEAD_DIM,
+        BITS_BY_PRECISION[setup.precision],
+        setup.batch_size,
+        NUM_KV_HEADS,
+        setup.context_len,
+        is_partitioning_fixed=partitioning == "invariant",
+    )
     if tile is not None:
         block_n, num_warps, num_stages = tile
         config = dataclasses.replace(config, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
     num_splits, partition_tokens = plan_decode_partitions(
-        setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, partition_tokens=partition_tokens,
-        block_n=config.block_n)
+        setup.batch_size,
+        NUM_KV_HEADS,
+        setup.context_len,
+        setup.q.device,
+        partition_tokens=partition_tokens,
+        block_n=config.block_n,
+    )
     timed = _timed(setup, partitioning, config, copy_gbs)
     row = {
         "precision": setup.precision,
@@ -385,27 +429,38 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
         row["kernel_times_us"] = setup.kernel_times_us(partitioning, config)
     if floor and partitioning == "auto" and num_splits > 1:
         dependent_copy_gbs, floor_gbs = copy_and_merge_gbs(setup, num_splits, partition_tokens)
-        row["copy_and_merge"] = {"copy_us": round(setup.bytes_read / dependent_copy_gbs / 1e3, 2),
-                                 "time_us": round(setup.bytes_read / floor_gbs / 1e3, 2),
-                                 "fraction_of_copy": round(floor_gbs / copy_gbs, 3)}
+        row["copy_and_merge"] = {
+            "copy_us": round(setup.bytes_read / dependent_copy_gbs / 1e3, 2),
+            "time_us": round(setup.bytes_read / floor_gbs / 1e3, 2),
+            "fraction_of_copy": round(floor_gbs / copy_gbs, 3),
+        }
     if partitioning == "auto" and forced_splits:
         useful = math.ceil(setup.context_len / config.block_n)
-        row["by_splits"] = [_sweep_result(setup, partitioning, config, copy_gbs, n)
-                            for n in forced_splits if n != num_splits and n <= useful]
+        row["by_splits"] = [
+            _sweep_result(setup, partitioning, config, copy_gbs, n)
+            for n in forced_splits
+            if n != num_splits and n <= useful
+        ]
     if sweep:
         candidates = sweep_configs()
         results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
         timed_tiles = [(result, candidate) for result, candidate in zip(results, candidates) if "time_us" in result]
         if timed_tiles:
             _, best_tiles = min(timed_tiles, key=lambda pair: pair[0]["time_us"])
-            results.append(_sweep_result(setup, partitioning,
-                                         dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs))
+            results.append(
+                _sweep_result(
+                    setup, partitioning, dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs
+                )
+            )
             if partitioning == "auto":
                 # Fewer partitions than the default: with at most max_fused_splits of them the
                 # decode kernel merges them itself (batch 1 gets 64 by default, merged by a kernel).
                 fused_tiles = dataclasses.replace(best_tiles, max_fused_splits=config.max_fused_splits)
-                results += [_sweep_result(setup, partitioning, fused_tiles, copy_gbs, num_splits)
-                            for num_splits in SWEEP_NUM_SPLITS if num_splits < row["num_splits"]]
+                results += [
+                    _sweep_result(setup, partitioning, fused_tiles, copy_gbs, num_splits)
+                    for num_splits in SWEEP_NUM_SPLITS
+                    if num_splits < row["num_splits"]
+                ]
         row["sweep"] = results
         timed_all = [result for result in results if "time_us" in result]
         if timed_all:
@@ -414,11 +469,19 @@ def bench_row(setup: Setup, partitioning: str, copy_gbs: float, same_copy_gbs: f
     return row
 
 
-def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float,
-                  forced_splits: int | None = None) -> dict:
+def _sweep_result(
+    setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float, forced_splits: int | None = None
+) -> dict:
     partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
-    num_splits, _ = plan_decode_partitions(setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device,
-                                           forced_splits, partition_tokens=partition_tokens, block_n=config.block_n)
+    num_splits, _ = plan_decode_partitions(
+        setup.batch_size,
+        NUM_KV_HEADS,
+        setup.context_len,
+        setup.q.device,
+        forced_splits,
+        partition_tokens=partition_tokens,
+        block_n=config.block_n,
+    )
     try:
         result = _timed(setup, partitioning, config, copy_gbs, forced_splits)
     except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
@@ -430,9 +493,11 @@ def _sweep_result(setup: Setup, partitioning: str, config: DecodeConfig, copy_gb
 
 
 def print_row(row: dict) -> None:
-    line = (f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
-            f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
-            f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}")
+    line = (
+        f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
+        f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
+        f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}"
+    )
     if "best" in row:
         best = row["best"]
         line += f"  best {best['config']:<32} {best['time_us']:>8.1f} {best['fraction_of_copy']:>7.1%}"
@@ -449,23 +514,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     splits as lists of values, config as (tokens, warps, stages) or None."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time a grid of kernel configurations per row and report the best")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time a grid of kernel configurations per row and report the best"
+    )
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated page precisions")
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXT_LENS)), help="comma-separated context lengths")
     parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)), help="comma-separated batch sizes")
-    parser.add_argument("--window-tokens", type=int, default=0,
-                        help="keep each sequence's last N tokens' pages in FP16 beside INT8/INT4 codes (default 0)")
-    parser.add_argument("--config", default="", metavar="TOKENS/WARPS/STAGES",
-                        help="time every row with this tile instead of the default configuration")
-    parser.add_argument("--splits", default="",
-                        help="comma-separated partition counts to also time each row's default configuration at")
-    parser.add_argument("--kernel-times", action="store_true",
-                        help="also record each kernel's device time per call (profiler, eager calls)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also time a copy of each row's bytes followed by its merge kernel")
-    parser.add_argument("--sms", type=int, default=None,
-                        help="run on a slice of this many of the GPU's SMs (a green context; needs cuda-bindings)")
+    parser.add_argument(
+        "--window-tokens",
+        type=int,
+        default=0,
+        help="keep each sequence's last N tokens' pages in FP16 beside INT8/INT4 codes (default 0)",
+    )
+    parser.add_argument(
+        "--config",
+        default="",
+        metavar="TOKENS/WARPS/STAGES",
+        help="time every row with this tile instead of the default configuration",
+    )
+    parser.add_argument(
+        "--splits", default="", help="comma-separated partition counts to also time each row's default configuration at"
+    )
+    parser.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="also record each kernel's device time per call (profiler, eager calls)",
+    )
+    parser.add_argument(
+        "--floor", action="store_true", help="also time a copy of each row's bytes followed by its merge kernel"
+    )
+    parser.add_argument(
+        "--sms",
+        type=int,
+        default=None,
+        help="run on a slice of this many of the GPU's SMs (a green context; needs cuda-bindings)",
+    )
     args = parser.parse_args(argv)
     if args.window_tokens < 0:
         parser.error(f"--window-tokens must be 0 or more, got {args.window_tokens}")
@@ -528,16 +611,26 @@ def run(args: argparse.Namespace, piece) -> int:
     if piece is not None:
         full_sms = torch.cuda.get_device_properties(0).multi_processor_count
         reached = sms_reached(4 * full_sms)
-        metadata["sm_slice"] = {"num_sms": piece.num_sms, "asked": args.sms, "gpu_sms": full_sms,
-                                "sms_reached_by_probe": reached}
-        print(f"on a slice of {piece.num_sms} of the GPU's {full_sms} SMs (asked {args.sms}); a probe kernel's "
-              f"{4 * full_sms} programs ran on {reached} distinct SMs")
+        metadata["sm_slice"] = {
+            "num_sms": piece.num_sms,
+            "asked": args.sms,
+            "gpu_sms": full_sms,
+            "sms_reached_by_probe": reached,
+        }
+        print(
+            f"on a slice of {piece.num_sms} of the GPU's {full_sms} SMs (asked {args.sms}); a probe kernel's "
+            f"{4 * full_sms} programs ran on {reached} distinct SMs"
+        )
     copy_gbs = copy_bandwidth_gbs()
     print(f"{gpu_name}: copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
-    print(f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
-          f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way")
-    header = (f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
-              f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}")
+    print(
+        f"decode, H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} B={BLOCK_SIZE}, one layer; target >= "
+        f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way"
+    )
+    header = (
+        f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
+        f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}"
+    )
     if args.sweep:
         header += f"  {'best config':<32} {'time_us':>8} {'of copy':>7}"
     print(header)
@@ -550,21 +643,36 @@ def run(args: argparse.Namespace, piece) -> int:
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
         for partitioning in PARTITIONINGS:
-            row = bench_row(setup, partitioning, copy_gbs, same_copy_gbs, args.sweep, args.splits, args.config,
-                            args.kernel_times, args.floor)
+            row = bench_row(
+                setup,
+                partitioning,
+                copy_gbs,
+                same_copy_gbs,
+                args.sweep,
+                args.splits,
+                args.config,
+                args.kernel_times,
+                args.floor,
+            )
             rows.append(row)
             print_row(row)
             if "kernel_times_us" in row:
-                print(f"{'':>9} kernels: " + ", ".join(f"{name} {us:.1f} us"
-                                                       for name, us in row["kernel_times_us"].items()))
+                print(
+                    f"{'':>9} kernels: "
+                    + ", ".join(f"{name} {us:.1f} us" for name, us in row["kernel_times_us"].items())
+                )
             if "copy_and_merge" in row:
                 floor = row["copy_and_merge"]
-                print(f"{'':>9} a dependent copy of its bytes {floor['copy_us']:.1f} us; then its merge: "
-                      f"{floor['time_us']:.1f} us, {floor['fraction_of_copy']:.1%} of copy")
+                print(
+                    f"{'':>9} a dependent copy of its bytes {floor['copy_us']:.1f} us; then its merge: "
+                    f"{floor['time_us']:.1f} us, {floor['fraction_of_copy']:.1%} of copy"
+                )
             for forced in row.get("by_splits", []):
-                print(f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
-                      f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
-                      f"{forced.get('fraction_of_copy', float('nan')):>7.1%}  {forced.get('error', '')}")
+                print(
+                    f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
+                    f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
+                    f"{forced.get('fraction_of_copy', float('nan')):>7.1%}  {forced.get('error', '')}"
+                )
         del setup
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
         if args.json:
@@ -577,8 +685,9 @@ def run(args: argparse.Namespace, piece) -> int:
     return 0
 
 
-def write_json(path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, window_tokens: int,
-               is_complete: bool) -> None:
+def write_json(
+    path: str, metadata: dict, rows: list, copy_gbs: float, sweep: bool, window_tokens: int, is_complete: bool
+) -> None:
     """The record: `metadata` (lowvram.bench.record.run_metadata, taken once per run), then the rows."""
     result = {
         **metadata,

@@ -25,9 +25,16 @@ from lowvram.bench.record import git_commit
 from lowvram.config import load_profile
 
 QUESTIONS = [
-    "What is 17 + 25?", "Sort these words: pear, apple, fig.", "How many letters r are in strawberry?",
-    "What day comes 3 days after Monday?", "Convert 3 kilometers to meters.", "What is 120 - 45?",
-    "Sort: 9, 2, 7, 4.", "What is the largest of 3, 17, 8?", "What comes next: 2, 4, 6, 8?", "What is 64 + 36?",
+    "What is 17 + 25?",
+    "Sort these words: pear, apple, fig.",
+    "How many letters r are in strawberry?",
+    "What day comes 3 days after Monday?",
+    "Convert 3 kilometers to meters.",
+    "What is 120 - 45?",
+    "Sort: 9, 2, 7, 4.",
+    "What is the largest of 3, 17, 8?",
+    "What comes next: 2, 4, 6, 8?",
+    "What is 64 + 36?",
 ]
 
 
@@ -50,8 +57,14 @@ def chat_turns(llm: LLM, num_turns: int, max_tokens: int, padding: str) -> list[
         prompt_tokens = len(llm.engine.tokenizer.apply_chat_template(messages))
         before = llm.engine.stats.num_prefill_tokens
         ttft, reply = _ttft_s(llm, messages, max_tokens)
-        rows.append({"turn": turn + 1, "prompt_tokens": prompt_tokens, "ttft_ms": round(ttft * 1000, 2),
-                     "prefill_tokens_computed": llm.engine.stats.num_prefill_tokens - before})
+        rows.append(
+            {
+                "turn": turn + 1,
+                "prompt_tokens": prompt_tokens,
+                "ttft_ms": round(ttft * 1000, 2),
+                "prefill_tokens_computed": llm.engine.stats.num_prefill_tokens - before,
+            }
+        )
         messages.append({"role": "assistant", "content": reply})
     return rows
 
@@ -64,7 +77,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--padding-tokens", type=int, default=0, help="lengthen the first turn (a long system context)")
-    parser.add_argument("--restore-tokens", type=int, default=0, help="also time save/restore of a conversation this long")
+    parser.add_argument(
+        "--restore-tokens", type=int, default=0, help="also time save/restore of a conversation this long"
+    )
     parser.add_argument("--emulate-vram-gib", type=float, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -78,25 +93,37 @@ def main() -> int:
     base = load_profile("cpu" if args.device == "cpu" else "8gb")
     max_len = max(4096, args.restore_tokens + 64)
     padding = "context " * args.padding_tokens
-    record = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-              "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} threads",
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "git_commit": git_commit(short=True),
-              "model": args.shape or model or "bundled demo model"}
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "machine": f"{platform.machine()} {platform.system()}, {torch.get_num_threads()} threads",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "git_commit": git_commit(short=True),
+        "model": args.shape or model or "bundled demo model",
+    }
     for enabled in (True, False):
-        profile = base.replace(enable_prefix_caching=enabled, max_model_len=max_len, max_num_batched_tokens=2048,
-                               max_num_seqs=1, emulate_vram_gib=args.emulate_vram_gib)
+        profile = base.replace(
+            enable_prefix_caching=enabled,
+            max_model_len=max_len,
+            max_num_batched_tokens=2048,
+            max_num_seqs=1,
+            emulate_vram_gib=args.emulate_vram_gib,
+        )
         llm = LLM(model, profile, device=args.device)
         _ttft_s(llm, [{"role": "user", "content": "warm up"}], 2)
         rows = chat_turns(llm, args.turns, args.max_tokens, padding)
         record["with_prefix_cache" if enabled else "without_prefix_cache"] = rows
         last = rows[-1]
-        print(f"prefix caching {'on ' if enabled else 'off'}: turn {last['turn']} prompt {last['prompt_tokens']} tokens, "
-              f"TTFT {last['ttft_ms']:.1f} ms, prefill computed {last['prefill_tokens_computed']} tokens")
+        print(
+            f"prefix caching {'on ' if enabled else 'off'}: turn {last['turn']} prompt {last['prompt_tokens']} tokens, "
+            f"TTFT {last['ttft_ms']:.1f} ms, prefill computed {last['prefill_tokens_computed']} tokens"
+        )
         del llm
     if args.restore_tokens:
-        profile = base.replace(max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=1,
-                               emulate_vram_gib=args.emulate_vram_gib)
+        profile = base.replace(
+            max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=1, emulate_vram_gib=args.emulate_vram_gib
+        )
         llm = LLM(model, profile, device=args.device)
         ids = llm.engine.tokenizer.encode("lorem ipsum dolor sit amet " * args.restore_tokens)[: args.restore_tokens]
         start = time.perf_counter()
@@ -111,11 +138,17 @@ def main() -> int:
         result = restore_conversation(fresh.engine, path)
         if args.device == "cuda":
             torch.cuda.synchronize()
-        record["restore"] = {"tokens": len(ids), "recompute_ms": round(recompute_s * 1000, 1),
-                             "restore_ms": round(result.seconds * 1000, 1), "file_mib": round(path.stat().st_size / 2**20, 1),
-                             "is_restored": result.is_restored}
-        print(f"{len(ids)}-token conversation: recompute {recompute_s * 1000:.0f} ms, restore {result.seconds * 1000:.0f} ms "
-              f"({path.stat().st_size / 2**20:.0f} MiB file)")
+        record["restore"] = {
+            "tokens": len(ids),
+            "recompute_ms": round(recompute_s * 1000, 1),
+            "restore_ms": round(result.seconds * 1000, 1),
+            "file_mib": round(path.stat().st_size / 2**20, 1),
+            "is_restored": result.is_restored,
+        }
+        print(
+            f"{len(ids)}-token conversation: recompute {recompute_s * 1000:.0f} ms, restore {result.seconds * 1000:.0f} ms "
+            f"({path.stat().st_size / 2**20:.0f} MiB file)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0

@@ -62,25 +62,44 @@ def write_random_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> in
     def norm():
         return (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": normal(SHAPE["vocab_size"], hidden),
-               "model.norm.weight": norm(), "lm_head.weight": normal(SHAPE["vocab_size"], hidden)}
+    tensors = {
+        "model.embed_tokens.weight": normal(SHAPE["vocab_size"], hidden),
+        "model.norm.weight": norm(),
+        "lm_head.weight": normal(SHAPE["vocab_size"], hidden),
+    }
     for i in range(num_layers):
         prefix = f"model.layers.{i}."
-        tensors.update({
-            prefix + "input_layernorm.weight": norm(), prefix + "post_attention_layernorm.weight": norm(),
-            prefix + "self_attn.q_proj.weight": normal(hidden, hidden), prefix + "self_attn.q_proj.bias": normal(hidden),
-            prefix + "self_attn.k_proj.weight": normal(kv, hidden), prefix + "self_attn.k_proj.bias": normal(kv),
-            prefix + "self_attn.v_proj.weight": normal(kv, hidden), prefix + "self_attn.v_proj.bias": normal(kv),
-            prefix + "self_attn.o_proj.weight": normal(hidden, hidden),
-            prefix + "mlp.gate_proj.weight": normal(inter, hidden), prefix + "mlp.up_proj.weight": normal(inter, hidden),
-            prefix + "mlp.down_proj.weight": normal(hidden, inter),
-        })
+        tensors.update(
+            {
+                prefix + "input_layernorm.weight": norm(),
+                prefix + "post_attention_layernorm.weight": norm(),
+                prefix + "self_attn.q_proj.weight": normal(hidden, hidden),
+                prefix + "self_attn.q_proj.bias": normal(hidden),
+                prefix + "self_attn.k_proj.weight": normal(kv, hidden),
+                prefix + "self_attn.k_proj.bias": normal(kv),
+                prefix + "self_attn.v_proj.weight": normal(kv, hidden),
+                prefix + "self_attn.v_proj.bias": normal(kv),
+                prefix + "self_attn.o_proj.weight": normal(hidden, hidden),
+                prefix + "mlp.gate_proj.weight": normal(inter, hidden),
+                prefix + "mlp.up_proj.weight": normal(inter, hidden),
+                prefix + "mlp.down_proj.weight": normal(hidden, inter),
+            }
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     train_tiny_tokenizer(out_dir, extra_special_tokens=("<|endoftext|>",))
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": num_layers,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-              "use_sliding_window": False, "bos_token_id": 0, "eos_token_id": 1, **SHAPE}
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": num_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        **SHAPE,
+    }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return sum(t.numel() for t in tensors.values())
 
@@ -109,9 +128,16 @@ def main(argv=None) -> int:
         build_s = time.perf_counter() - start
         print(f"built a random {num_params / 1e9:.2f}B-parameter checkpoint in {build_s:.1f} s")
         report = quantize_model(
-            work / "bf16", work / "awq", group_size=args.group_size, fp16_budget_mib=args.fp16_budget_mib,
-            rank=args.rank, num_samples=args.num_samples, seq_len=args.seq_len, device=args.device,
-            emulate_vram_gib=args.emulate_vram_gib if args.device == "cuda" else None, show_progress=True,
+            work / "bf16",
+            work / "awq",
+            group_size=args.group_size,
+            fp16_budget_mib=args.fp16_budget_mib,
+            rank=args.rank,
+            num_samples=args.num_samples,
+            seq_len=args.seq_len,
+            device=args.device,
+            emulate_vram_gib=args.emulate_vram_gib if args.device == "cuda" else None,
+            show_progress=True,
         )
         output_bytes = sum(p.stat().st_size for p in (work / "awq").iterdir())
     print(report.summary())
@@ -138,8 +164,10 @@ def main(argv=None) -> int:
         "num_compensated_linears": len(report.compensation),
     }
     if args.device == "cuda":
-        print(f"peak device memory {numbers['peak_device_gib']:.2f} GiB (cap {args.emulate_vram_gib:g} GiB): "
-              f"{'OK' if is_under_cap else 'OVER THE CAP'}")
+        print(
+            f"peak device memory {numbers['peak_device_gib']:.2f} GiB (cap {args.emulate_vram_gib:g} GiB): "
+            f"{'OK' if is_under_cap else 'OVER THE CAP'}"
+        )
     if args.json:
         record = {
             "command": " ".join([sys.executable, *sys.argv]),
@@ -149,7 +177,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             "note": "random weights: time and memory only. The calibration text is the shipped corpus "
-                    "tokenized by a small test tokenizer.",
+            "tokenized by a small test tokenizer.",
             "numbers": numbers,
         }
         with open(args.json, "w") as handle:

@@ -36,7 +36,9 @@ WARMUP_MS = 10
 REP_MS = 50
 GEMV_SWEEP = [
     {"block_n": block_n, "block_k": block_k, "split_k_scale": split_k_scale, "num_warps": 4}
-    for block_n in (64, 128, 256) for block_k in (64, 128) for split_k_scale in (0.5, 1, 2)
+    for block_n in (64, 128, 256)
+    for block_k in (64, 128)
+    for split_k_scale in (0.5, 1, 2)
 ]
 GEMM_SWEEP = [
     {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3},
@@ -69,8 +71,7 @@ def bench_decode(num_inputs, num_outputs, num_rows, copy_gbps, num_sms, is_sweep
     x = torch.randn(num_rows, num_inputs, device="cuda").half()
     y = torch.empty(num_rows, num_outputs, dtype=torch.float16, device="cuda")
     config = choose_gemv_config(num_rows, num_outputs, num_inputs, GROUP_SIZE, num_sms)
-    elapsed_ms = median_ms(
-        lambda: launch_awq_gemv(x, qweight, qzeros, scales, GROUP_SIZE, None, y, config))
+    elapsed_ms = median_ms(lambda: launch_awq_gemv(x, qweight, qzeros, scales, GROUP_SIZE, None, y, config))
     ref = w4a16.awq_linear_ref(x, qweight, qzeros, scales, GROUP_SIZE)
     error = relative_error(y, ref)
     weight_fp16 = launch_awq_dequant(qweight, qzeros, scales, GROUP_SIZE)
@@ -78,9 +79,17 @@ def bench_decode(num_inputs, num_outputs, num_rows, copy_gbps, num_sms, is_sweep
     num_bytes = sum(t.numel() * t.element_size() for t in (qweight, qzeros, scales, x, y))
     gbps = num_bytes / elapsed_ms / 1e6
     row = {
-        "kind": "decode", "K": num_inputs, "N": num_outputs, "M": num_rows, "config": config,
-        "ms": elapsed_ms, "bytes": num_bytes, "gbps": gbps, "copy_fraction": gbps / copy_gbps,
-        "fp16_matmul_ms": fp16_ms, "rel_err": error,
+        "kind": "decode",
+        "K": num_inputs,
+        "N": num_outputs,
+        "M": num_rows,
+        "config": config,
+        "ms": elapsed_ms,
+        "bytes": num_bytes,
+        "gbps": gbps,
+        "copy_fraction": gbps / copy_gbps,
+        "fp16_matmul_ms": fp16_ms,
+        "rel_err": error,
     }
     if is_sweep:
         best_ms, best_config = elapsed_ms, config
@@ -90,8 +99,7 @@ def bench_decode(num_inputs, num_outputs, num_rows, copy_gbps, num_sms, is_sweep
             trial = dict(candidate)
             scale = trial.pop("split_k_scale")
             trial["split_k"] = max(1, round(config["split_k"] * scale))
-            trial_ms = median_ms(
-                lambda: launch_awq_gemv(x, qweight, qzeros, scales, GROUP_SIZE, None, y, trial))
+            trial_ms = median_ms(lambda: launch_awq_gemv(x, qweight, qzeros, scales, GROUP_SIZE, None, y, trial))
             if trial_ms < best_ms:
                 best_ms, best_config = trial_ms, trial
         row["best_ms"], row["best_config"] = best_ms, best_config
@@ -103,25 +111,30 @@ def bench_prefill(num_inputs, num_outputs, is_sweep):
     x = torch.randn(PREFILL_ROWS, num_inputs, device="cuda").half()
     y = torch.empty(PREFILL_ROWS, num_outputs, dtype=torch.float16, device="cuda")
     config = choose_gemm_config(PREFILL_ROWS, GROUP_SIZE)
-    gemm_ms = median_ms(
-        lambda: launch_awq_gemm(x, qweight, qzeros, scales, GROUP_SIZE, None, y, config))
+    gemm_ms = median_ms(lambda: launch_awq_gemm(x, qweight, qzeros, scales, GROUP_SIZE, None, y, config))
     error = relative_error(y, w4a16.awq_linear_ref(x, qweight, qzeros, scales, GROUP_SIZE))
-    dequant_matmul_ms = median_ms(
-        lambda: x @ launch_awq_dequant(qweight, qzeros, scales, GROUP_SIZE))
+    dequant_matmul_ms = median_ms(lambda: x @ launch_awq_dequant(qweight, qzeros, scales, GROUP_SIZE))
     weight_fp16 = launch_awq_dequant(qweight, qzeros, scales, GROUP_SIZE)
     fp16_ms = median_ms(lambda: x @ weight_fp16)
     flops = 2 * PREFILL_ROWS * num_inputs * num_outputs
     row = {
-        "kind": "prefill", "K": num_inputs, "N": num_outputs, "M": PREFILL_ROWS, "config": config,
-        "ms": gemm_ms, "tflops": flops / gemm_ms / 1e9,
-        "dequant_matmul_ms": dequant_matmul_ms, "dequant_matmul_tflops": flops / dequant_matmul_ms / 1e9,
-        "fp16_matmul_ms": fp16_ms, "fp16_matmul_tflops": flops / fp16_ms / 1e9, "rel_err": error,
+        "kind": "prefill",
+        "K": num_inputs,
+        "N": num_outputs,
+        "M": PREFILL_ROWS,
+        "config": config,
+        "ms": gemm_ms,
+        "tflops": flops / gemm_ms / 1e9,
+        "dequant_matmul_ms": dequant_matmul_ms,
+        "dequant_matmul_tflops": flops / dequant_matmul_ms / 1e9,
+        "fp16_matmul_ms": fp16_ms,
+        "fp16_matmul_tflops": flops / fp16_ms / 1e9,
+        "rel_err": error,
     }
     if is_sweep:
         best_ms, best_config = gemm_ms, config
         for trial in GEMM_SWEEP:
-            trial_ms = median_ms(
-                lambda: launch_awq_gemm(x, qweight, qzeros, scales, GROUP_SIZE, None, y, trial))
+            trial_ms = median_ms(lambda: launch_awq_gemm(x, qweight, qzeros, scales, GROUP_SIZE, None, y, trial))
             if trial_ms < best_ms:
                 best_ms, best_config = trial_ms, trial
         row["best_ms"], row["best_config"] = best_ms, best_config
@@ -130,24 +143,32 @@ def bench_prefill(num_inputs, num_outputs, is_sweep):
 
 def print_tables(copy_gbps, rows):
     print(f"device-to-device copy: {copy_gbps:,.0f} GB/s (read + write)\n")
-    print(f"{'decode':8} {'K':>5} {'N':>5} {'M':>3} {'us':>8} {'GB/s':>8} {'of copy':>8} "
-          f"{'fp16 us':>8} {'rel err':>8}  config")
+    print(
+        f"{'decode':8} {'K':>5} {'N':>5} {'M':>3} {'us':>8} {'GB/s':>8} {'of copy':>8} "
+        f"{'fp16 us':>8} {'rel err':>8}  config"
+    )
     for row in rows:
         if row["kind"] != "decode":
             continue
         best = f"  best {row['best_ms'] * 1e3:.1f} us {row['best_config']}" if "best_ms" in row else ""
-        print(f"{'':8} {row['K']:>5} {row['N']:>5} {row['M']:>3} {row['ms'] * 1e3:>8.1f} "
-              f"{row['gbps']:>8.0f} {row['copy_fraction']:>8.1%} {row['fp16_matmul_ms'] * 1e3:>8.1f} "
-              f"{row['rel_err']:>8.1e}  {row['config']}{best}")
-    print(f"\n{'prefill':8} {'K':>5} {'N':>5} {'M':>3} {'us':>8} {'TFLOP/s':>8} "
-          f"{'dq+mm':>8} {'fp16 mm':>8} {'rel err':>8}  (TFLOP/s)")
+        print(
+            f"{'':8} {row['K']:>5} {row['N']:>5} {row['M']:>3} {row['ms'] * 1e3:>8.1f} "
+            f"{row['gbps']:>8.0f} {row['copy_fraction']:>8.1%} {row['fp16_matmul_ms'] * 1e3:>8.1f} "
+            f"{row['rel_err']:>8.1e}  {row['config']}{best}"
+        )
+    print(
+        f"\n{'prefill':8} {'K':>5} {'N':>5} {'M':>3} {'us':>8} {'TFLOP/s':>8} "
+        f"{'dq+mm':>8} {'fp16 mm':>8} {'rel err':>8}  (TFLOP/s)"
+    )
     for row in rows:
         if row["kind"] != "prefill":
             continue
         best = f"  best {row['best_ms'] * 1e3:.1f} us {row['best_config']}" if "best_ms" in row else ""
-        print(f"{'':8} {row['K']:>5} {row['N']:>5} {row['M']:>3} {row['ms'] * 1e3:>8.1f} "
-              f"{row['tflops']:>8.1f} {row['dequant_matmul_tflops']:>8.1f} "
-              f"{row['fp16_matmul_tflops']:>8.1f} {row['rel_err']:>8.1e}{best}")
+        print(
+            f"{'':8} {row['K']:>5} {row['N']:>5} {row['M']:>3} {row['ms'] * 1e3:>8.1f} "
+            f"{row['tflops']:>8.1f} {row['dequant_matmul_tflops']:>8.1f} "
+            f"{row['fp16_matmul_tflops']:>8.1f} {row['rel_err']:>8.1e}{best}"
+        )
 
 
 def main(argv=None) -> int:

@@ -63,18 +63,30 @@ def main() -> int:
         for x_scale in X_SCALES:
             x = (torch.randn(k, generator=generator) * x_scale).half()
             ref = (x.double()[:, None] * centered * per_row_scales).sum(0)
-            float32 = ((x.float()[:, None] * centered.float()).reshape(k // GROUP_SIZE, GROUP_SIZE, n).sum(1)
-                       * scales.float()).sum(0)
-            row = {"projection": name, "k": k, "n": n, "x_std": x_scale,
-                   "float32_sums": max_relative_error(float32, ref),
-                   "float16_output_rounding": max_relative_error(ref.half().float(), ref),
-                   "float16_spans": {str(span): max_relative_error(half_span_sums(x, centered, scales, span), ref)
-                                     for span in SPANS}}
+            float32 = (
+                (x.float()[:, None] * centered.float()).reshape(k // GROUP_SIZE, GROUP_SIZE, n).sum(1) * scales.float()
+            ).sum(0)
+            row = {
+                "projection": name,
+                "k": k,
+                "n": n,
+                "x_std": x_scale,
+                "float32_sums": max_relative_error(float32, ref),
+                "float16_output_rounding": max_relative_error(ref.half().float(), ref),
+                "float16_spans": {
+                    str(span): max_relative_error(half_span_sums(x, centered, scales, span), ref) for span in SPANS
+                },
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.json:
-        record = {**run_metadata(" ".join(["half_accumulation_error.py", *sys.argv[1:]])), "shape": args.shape,
-                  "group_size": GROUP_SIZE, "metric": "max |y - ref| / max |ref|, ref in float64", "results": results}
+        record = {
+            **run_metadata(" ".join(["half_accumulation_error.py", *sys.argv[1:]])),
+            "shape": args.shape,
+            "group_size": GROUP_SIZE,
+            "metric": "max |y - ref| / max |ref|, ref in float64",
+            "results": results,
+        }
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 

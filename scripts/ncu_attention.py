@@ -35,11 +35,17 @@ def main() -> int:
     for precision in args.precisions.split(","):
         setup = Setup.make(precision, args.context, args.batch)
         for _ in range(2):
-            paged_decode_attention(setup.q, setup.pages, setup.tables[0], setup.context_lens, HEAD_DIM**-0.5,
-                                   max_context_len=args.context)
+            paged_decode_attention(
+                setup.q, setup.pages, setup.tables[0], setup.context_lens, HEAD_DIM**-0.5, max_context_len=args.context
+            )
         torch.cuda.synchronize()
-        print(precision, args.context, args.batch, f"{setup.bytes_read / 2**20:.0f} MiB of pages read per call",
-              flush=True)
+        print(
+            precision,
+            args.context,
+            args.batch,
+            f"{setup.bytes_read / 2**20:.0f} MiB of pages read per call",
+            flush=True,
+        )
         del setup
         torch.cuda.empty_cache()
     return 0

@@ -39,8 +39,14 @@ def main() -> int:
     g = args.group_size
     for name, (k, n) in shapes.items():
         qweight, qzeros, scales = random_awq_tensors(k, n, g, device="cuda")
-        lora = ((torch.randn(args.rank, k, dtype=torch.float16, device="cuda") * 0.01,
-                 torch.randn(args.rank, n, dtype=torch.float16, device="cuda") * 0.01) if args.rank else (None, None))
+        lora = (
+            (
+                torch.randn(args.rank, k, dtype=torch.float16, device="cuda") * 0.01,
+                torch.randn(args.rank, n, dtype=torch.float16, device="cuda") * 0.01,
+            )
+            if args.rank
+            else (None, None)
+        )
         x = torch.randn(1, k, dtype=torch.float16, device="cuda")
         y = torch.empty(1, n, dtype=torch.float16, device="cuda")
         config = choose_gemv_config(1, n, k, g, num_sms)
@@ -53,9 +59,18 @@ def main() -> int:
         split = triton.cdiv(num_k_blocks, per_split)
         out = torch.empty(split * triton.cdiv(n, block_n) * block_n // 8, dtype=torch.int32, device="cuda")
         for mode in MODES.values():
-            _read_tiles_kernel[(triton.cdiv(n, block_n), split)](qweight, x, out, n // 8, per_split, num_k_blocks,
-                                                                 BLOCK_C=block_n // 8, BLOCK_K=block_k, MODE=mode,
-                                                                 num_warps=config["num_warps"])
+            _read_tiles_kernel[(triton.cdiv(n, block_n), split)](
+                qweight,
+                x,
+                out,
+                n // 8,
+                per_split,
+                num_k_blocks,
+                BLOCK_C=block_n // 8,
+                BLOCK_K=block_k,
+                MODE=mode,
+                num_warps=config["num_warps"],
+            )
     torch.cuda.synchronize()
     return 0
 

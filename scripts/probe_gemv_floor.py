@@ -61,12 +61,24 @@ def _half2_dequant_fma(acc0, acc1, acc2, acc3, words, zero2, x2):
         }""",
         constraints="=r,=r,=r,=r,r,r,r,r,r,r,r",
         args=[acc0, acc1, acc2, acc3, words, zero2, x2],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
-def _read_tiles_kernel(qweight_ptr, x_ptr, out_ptr, num_packed_cols, K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS,
-                       BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+def _read_tiles_kernel(
+    qweight_ptr,
+    x_ptr,
+    out_ptr,
+    num_packed_cols,
+    K_BLOCKS_PER_SPLIT,
+    NUM_K_BLOCKS,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -80,8 +92,9 @@ def _read_tiles_kernel(qweight_ptr, x_ptr, out_ptr, num_packed_cols, K_BLOCKS_PE
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
     for kb in range(kb_start, tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        packed = tl.load(qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :], mask=mask_c[None, :],
-                         other=0)
+        packed = tl.load(
+            qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :], mask=mask_c[None, :], other=0
+        )
         if MODE == 0:
             total += tl.sum(packed, axis=0)
         elif MODE == 1:
@@ -111,8 +124,11 @@ def time_cold(fn_over_copies, num_copies: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b")
-    parser.add_argument("--modes", default="read,f32,half2",
-                        help="what the probe does with the words: read (the floor), f32, half2 (see MODES)")
+    parser.add_argument(
+        "--modes",
+        default="read,f32,half2",
+        help="what the probe does with the words: read (the floor), f32, half2 (see MODES)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from lowvram.models.shapes import projection_shapes
@@ -120,16 +136,21 @@ def main() -> int:
     shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     tilings = [  # (block_n, block_k, num_warps, split rule); "lanes": the one-row GEMV's own
-        (64, 128, 4, "lanes"), (64, 128, 4, "k/128"), (256, 32, 1, "k/128"), (256, 64, 1, "k/256"),
-        (512, 64, 4, "k/128"), (1024, 16, 4, "k/128"),
+        (64, 128, 4, "lanes"),
+        (64, 128, 4, "k/128"),
+        (256, 32, 1, "k/128"),
+        (256, 64, 1, "k/256"),
+        (512, 64, 4, "k/128"),
+        (1024, 16, 4, "k/128"),
     ]
     modes = args.modes.split(",")
     results = []
     for name, (k, n) in shapes.items():
         nbytes = k * n // 2
         num_copies = max(1, min(64, COLD_BYTES // nbytes))
-        copies = [torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda")
-                  for _ in range(num_copies)]
+        copies = [
+            torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device="cuda") for _ in range(num_copies)
+        ]
         x = torch.randn(k, dtype=torch.float16, device="cuda")
         row = {"shape": name, "k": k, "n": n, "weight_bytes": nbytes, "num_copies": num_copies, "tilings": []}
         dst = torch.empty_like(copies[0])
@@ -153,14 +174,39 @@ def main() -> int:
             grid = (num_n_blocks, split)
 
             for mode in modes:
-                def calls(block_n=block_n, block_k=block_k, warps=warps, per_split=per_split, out=out, grid=grid,
-                          num_k_blocks=num_k_blocks, mode=mode):
-                    for w in copies:
-                        _read_tiles_kernel[grid](w, x, out, n // 8, per_split, num_k_blocks, BLOCK_C=block_n // 8,
-                                                 BLOCK_K=block_k, MODE=MODES[mode], num_warps=warps)
 
-                timing = {"mode": mode, "block_n": block_n, "block_k": block_k, "num_warps": warps, "split_k": split,
-                          "programs": num_n_blocks * split}
+                def calls(
+                    block_n=block_n,
+                    block_k=block_k,
+                    warps=warps,
+                    per_split=per_split,
+                    out=out,
+                    grid=grid,
+                    num_k_blocks=num_k_blocks,
+                    mode=mode,
+                ):
+                    for w in copies:
+                        _read_tiles_kernel[grid](
+                            w,
+                            x,
+                            out,
+                            n // 8,
+                            per_split,
+                            num_k_blocks,
+                            BLOCK_C=block_n // 8,
+                            BLOCK_K=block_k,
+                            MODE=MODES[mode],
+                            num_warps=warps,
+                        )
+
+                timing = {
+                    "mode": mode,
+                    "block_n": block_n,
+                    "block_k": block_k,
+                    "num_warps": warps,
+                    "split_k": split,
+                    "programs": num_n_blocks * split,
+                }
                 try:
                     us = time_cold(calls, num_copies)
                 except Exception as exc:  # e.g. the inline assembly on a GPU without float16 pairs
@@ -168,13 +214,16 @@ def main() -> int:
                     continue
                 row["tilings"].append(timing | {"us": round(us, 2), "gbps": round(nbytes / us / 1e3, 1)})
         results.append(row)
-        best = {mode: min((t for t in row["tilings"] if t["mode"] == mode and "us" in t), key=lambda t: t["us"],
-                          default=None) for mode in modes}
+        best = {
+            mode: min(
+                (t for t in row["tilings"] if t["mode"] == mode and "us" in t), key=lambda t: t["us"], default=None
+            )
+            for mode in modes
+        }
         print(json.dumps({k2: v for k2, v in row.items() if k2 != "tilings"} | {"best_by_mode": best}))
         for t in row["tilings"]:
             print("   ", json.dumps(t))
-    record = {**run_metadata(" ".join(["probe_gemv_floor.py", *sys.argv[1:]])), "shape": args.shape,
-              "results": results}
+    record = {**run_metadata(" ".join(["probe_gemv_floor.py", *sys.argv[1:]])), "shape": args.shape, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0

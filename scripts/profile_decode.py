@@ -96,9 +96,14 @@ def cprofile_rows(profiler, num_steps: int, top: int) -> list[dict]:
     rows = []
     for (filename, line, name), (_, calls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
         where = f"{Path(filename).name}:{line}:{name}" if line else name
-        rows.append({"function": where[:90], "calls_per_step": round(calls / num_steps, 2),
-                     "self_us_per_step": round(1e6 * tottime / num_steps, 2),
-                     "cumulative_us_per_step": round(1e6 * cumtime / num_steps, 2)})
+        rows.append(
+            {
+                "function": where[:90],
+                "calls_per_step": round(calls / num_steps, 2),
+                "self_us_per_step": round(1e6 * tottime / num_steps, 2),
+                "cumulative_us_per_step": round(1e6 * cumtime / num_steps, 2),
+            }
+        )
     rows.sort(key=lambda r: -r["self_us_per_step"])
     return rows[:top]
 
@@ -114,8 +119,13 @@ def kernel_table(engine: LLMEngine, num_steps: int) -> list[dict]:
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
         if device_us > 0 and event.count:
-            rows.append({"kernel": event.key[:90], "calls_per_step": event.count / num_steps,
-                         "us_per_step": round(device_us / num_steps, 1)})
+            rows.append(
+                {
+                    "kernel": event.key[:90],
+                    "calls_per_step": event.count / num_steps,
+                    "us_per_step": round(device_us / num_steps, 1),
+                }
+            )
     rows.sort(key=lambda r: -r["us_per_step"])
     return rows
 
@@ -161,13 +171,21 @@ def kernel_timeline(engine: LLMEngine, num_steps: int, top: int = 15) -> dict:
     rows = sorted(by_name.values(), key=lambda r: -(r["us"] + r["gap_before_us"]))
     per_step = lambda v: round(v / num_steps, 1)  # noqa: E731
     return {
-        "steps": num_steps, "kernels_per_step": round(len(kernels) / num_steps, 1),
+        "steps": num_steps,
+        "kernels_per_step": round(len(kernels) / num_steps, 1),
         "span_us_per_step": per_step(span_us),
         "kernel_us_per_step": per_step(sum(d for _, d, _ in kernels)),
-        "launch_gap_us_per_step": per_step(launch_gap_us), "host_gap_us_per_step": per_step(host_gap_us),
-        "kernels": [{"kernel": r["kernel"], "calls_per_step": round(r["calls"] / num_steps, 1),
-                     "us_per_step": per_step(r["us"]), "gap_before_us_per_step": per_step(r["gap_before_us"])}
-                    for r in rows[:top]],
+        "launch_gap_us_per_step": per_step(launch_gap_us),
+        "host_gap_us_per_step": per_step(host_gap_us),
+        "kernels": [
+            {
+                "kernel": r["kernel"],
+                "calls_per_step": round(r["calls"] / num_steps, 1),
+                "us_per_step": per_step(r["us"]),
+                "gap_before_us_per_step": per_step(r["gap_before_us"]),
+            }
+            for r in rows[:top]
+        ],
     }
 
 
@@ -196,9 +214,14 @@ def profile_prefill(engine: LLMEngine, num_tokens: int) -> dict:
         if device_us > 0:
             rows.append({"kernel": event.key[:90], "calls": event.count, "ms": round(device_us / 1000, 2)})
     rows.sort(key=lambda r: -r["ms"])
-    return {"prompt_tokens": num_tokens, "steps": num_steps, "seconds_profiled": round(elapsed, 3),
-            "tokens_per_s_profiled": round(num_tokens / elapsed, 1),
-            "kernel_ms_total": round(sum(r["ms"] for r in rows), 1), "kernels": rows[:25]}
+    return {
+        "prompt_tokens": num_tokens,
+        "steps": num_steps,
+        "seconds_profiled": round(elapsed, 3),
+        "tokens_per_s_profiled": round(num_tokens / elapsed, 1),
+        "kernel_ms_total": round(sum(r["ms"] for r in rows), 1),
+        "kernels": rows[:25],
+    }
 
 
 def finish_all(engine: LLMEngine) -> None:
@@ -223,34 +246,68 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
         auto = max(1, triton.cdiv(2 * num_sms, triton.cdiv(n, bn)))
         # ... and one or two K blocks per program: every load of a program issued at once
         one_block = k // bk
-        return sorted(s for s in {auto, max(1, auto // 2), 2 * auto, 1, 2, 4, 8, one_block, max(1, one_block // 2)}
-                      if s <= one_block)
+        return sorted(
+            s
+            for s in {auto, max(1, auto // 2), 2 * auto, 1, 2, 4, 8, one_block, max(1, one_block // 2)}
+            if s <= one_block
+        )
 
     found = []
     if rows > 1:  # the interleaving kernel: one row is always faster in the lane kernel
-        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
-                  for bn in (64, 128) for bk in (64, 128) if bk <= group_size for sk in splits(bn, bk)]
+        found += [
+            {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": 4}
+            for bn in (64, 128)
+            for bk in (64, 128)
+            if bk <= group_size
+            for sk in splits(bn, bk)
+        ]
     if rows == 1:
         # the lane kernel over tile sizes, reductions and splits
-        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
-                  for bn in (64, 128) for bk in (64, 128) if bk <= group_size
-                  for r in ("block", "end") for w in (4,) for sk in splits(bn, bk)]
+        found += [
+            {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes", "reduce": r}
+            for bn in (64, 128)
+            for bk in (64, 128)
+            if bk <= group_size
+            for r in ("block", "end")
+            for w in (4,)
+            for sk in splits(bn, bk)
+        ]
         # the K-in-thread form: column blocks x row tiles x loads per step x warps, each thread
         # four or eight words of a row per load, at about 4, 8 and 16 programs per SM (the
         # first sweep's 512- and 1024-column blocks were never among the best)
-        for bn, tile_rows, unroll, w in ((256, 16, 2, 4), (256, 8, 2, 2), (128, 16, 2, 2), (128, 16, 4, 2),
-                                         (64, 16, 2, 1), (64, 32, 2, 2)):
+        for bn, tile_rows, unroll, w in (
+            (256, 16, 2, 4),
+            (256, 8, 2, 2),
+            (128, 16, 2, 2),
+            (128, 16, 4, 2),
+            (64, 16, 2, 1),
+            (64, 32, 2, 2),
+        ):
             if group_size % (tile_rows * unroll):
                 continue
             blocks = triton.cdiv(n, bn)
             for per_sm in (4, 8, 16):
                 sk = max(1, min(k // group_size, triton.cdiv(per_sm * num_sms, blocks)))
-                found.append({"block_n": bn, "block_k": group_size, "split_k": sk, "num_warps": w,
-                              "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll})
+                found.append(
+                    {
+                        "block_n": bn,
+                        "block_k": group_size,
+                        "split_k": sk,
+                        "num_warps": w,
+                        "unpack": "rows",
+                        "tile_rows": tile_rows,
+                        "unroll": unroll,
+                    }
+                )
     else:  # the lane unpacking feeding tl.dot
-        found += [{"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
-                  for bn in (64, 128) for bk in (32, 64, 128) if bk <= group_size
-                  for w in (4, 8) for sk in splits(bn, bk)]
+        found += [
+            {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
+            for bn in (64, 128)
+            for bk in (32, 64, 128)
+            if bk <= group_size
+            for w in (4, 8)
+            for sk in splits(bn, bk)
+        ]
     return found
 
 
@@ -259,8 +316,9 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
 SWEEP_COLD_BYTES = 256 * 2**20
 
 
-def compensation_factors(num_inputs: int, parts: tuple[int, ...], rank: int,
-                         device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+def compensation_factors(
+    num_inputs: int, parts: tuple[int, ...], rank: int, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A [R, K] and Bt [R, N] of a rank-`rank` compensation on each of a fused layer's `parts`
     (their output sizes, in order), as lowvram.models.fusion joins them: R = rank * len(parts), B
     block diagonal, Bt a contiguous [R, N] as the layer passes it."""
@@ -269,14 +327,20 @@ def compensation_factors(num_inputs: int, parts: tuple[int, ...], rank: int,
     lora_bt = torch.zeros(total, sum(parts), dtype=torch.float16, device=device)
     start = 0
     for index, size in enumerate(parts):
-        lora_bt[index * rank:(index + 1) * rank, start:start + size] = torch.randn(rank, size, device=device) * 0.01
+        lora_bt[index * rank : (index + 1) * rank, start : start + size] = torch.randn(rank, size, device=device) * 0.01
         start += size
     return lora_a, lora_bt
 
 
-def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 0,
-               row_counts: tuple[int, ...] = (1, 8), only_shapes: str = "", forms: str = "",
-               parts: dict[str, tuple[int, ...]] | None = None) -> list[dict]:
+def sweep_gemv(
+    shapes: dict[str, tuple[int, int]],
+    group_size: int,
+    rank: int = 0,
+    row_counts: tuple[int, ...] = (1, 8),
+    only_shapes: str = "",
+    forms: str = "",
+    parts: dict[str, tuple[int, ...]] | None = None,
+) -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
     lowvram.models.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
@@ -308,9 +372,12 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             # and the residual sum before q/k/v and gate/up, silu(gate) * up before down.
             norm = None
             if rows == 1 and name in ("qkv", "gate_up"):
-                norm = InputNorm(torch.rand(k, dtype=torch.float16, device="cuda") + 0.5, 1e-6,
-                                 torch.randn(1, k, dtype=torch.float16, device="cuda"),
-                                 torch.empty(1, k, dtype=torch.float16, device="cuda"))
+                norm = InputNorm(
+                    torch.rand(k, dtype=torch.float16, device="cuda") + 0.5,
+                    1e-6,
+                    torch.randn(1, k, dtype=torch.float16, device="cuda"),
+                    torch.empty(1, k, dtype=torch.float16, device="cuda"),
+                )
             is_gated = rows == 1 and name == "down"
             x = torch.randn(rows, 2 * k if is_gated else k, dtype=torch.float16, device="cuda")
             y = torch.empty(rows, n, dtype=torch.float16, device="cuda")
@@ -318,8 +385,9 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
             def calls(cfg: dict, x=x, y=y, norm=norm, is_gated=is_gated, has_prologue=True) -> None:
                 for qweight, qzeros, scales in copies:
                     if has_prologue:
-                        launch_awq_gemv(x, qweight, qzeros, scales, group_size, None, y, cfg, *lora, norm=norm,
-                                        is_gated=is_gated)
+                        launch_awq_gemv(
+                            x, qweight, qzeros, scales, group_size, None, y, cfg, *lora, norm=norm, is_gated=is_gated
+                        )
                     else:  # the batch-invariant form has no prologues: the model runs them as kernels of their own
                         launch_awq_gemv(x[:, :k], qweight, qzeros, scales, group_size, None, y, cfg, *lora)
 
@@ -332,9 +400,15 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
 
             default = decode_gemv_config(rows, n, k, group_size, num_sms, bool(rank))
             lanes_default = choose_gemv_config(rows, n, k, group_size, num_sms)
-            candidates = [default] + ([lanes_default] if lanes_default != default else []) + [
-                c for c in gemv_candidates(rows, n, k, group_size, num_sms)
-                if not forms or c.get("unpack", "interleave") in forms.split(",")]
+            candidates = (
+                [default]
+                + ([lanes_default] if lanes_default != default else [])
+                + [
+                    c
+                    for c in gemv_candidates(rows, n, k, group_size, num_sms)
+                    if not forms or c.get("unpack", "interleave") in forms.split(",")
+                ]
+            )
             if rank and rows == 1:  # the compensation's x A^T in every column block, as before
                 candidates.append({**default, "lora": "per_block" if default.get("lora") == "once" else "once"})
             timed = [time_config(cfg) for cfg in candidates]
@@ -358,22 +432,44 @@ def sweep_gemv(shapes: dict[str, tuple[int, int]], group_size: int, rank: int = 
                     if form not in by_form or t["us"] < by_form[form]["us"]:
                         by_form[form] = t
                     continue
-                form = "/".join((t["config"].get("unpack", "interleave"), t["config"].get("reduce", "block"),
-                                 t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
-                                 t["config"].get("lora", "once"),
-                                 "lora-end" if t["config"].get("lora_reduce") == "end" else ""))
+                form = "/".join(
+                    (
+                        t["config"].get("unpack", "interleave"),
+                        t["config"].get("reduce", "block"),
+                        t["config"].get("dequant", "magic" if t["config"].get("unpack") else "convert"),
+                        t["config"].get("lora", "once"),
+                        "lora-end" if t["config"].get("lora_reduce") == "end" else "",
+                    )
+                )
                 if form not in by_form or t["us"] < by_form[form]["us"]:
                     by_form[form] = t
-            results.append({"shape": name, "k": k, "n": n, "rows": rows, "weight_bytes": nbytes, "lora_rank": rank,
-                            "num_weight_copies": num_copies,
-                            "best_by_form": by_form,
-                            "default": ok[0] if ok and ok[0]["config"] is default else None, "best": best,
-                            "batch_invariant": invariant,
-                            "top5": sorted(ok, key=lambda t: t["us"])[:5]})
+            results.append(
+                {
+                    "shape": name,
+                    "k": k,
+                    "n": n,
+                    "rows": rows,
+                    "weight_bytes": nbytes,
+                    "lora_rank": rank,
+                    "num_weight_copies": num_copies,
+                    "best_by_form": by_form,
+                    "default": ok[0] if ok and ok[0]["config"] is default else None,
+                    "best": best,
+                    "batch_invariant": invariant,
+                    "top5": sorted(ok, key=lambda t: t["us"])[:5],
+                }
+            )
             print("   best by form: " + ", ".join(f"{f} {t['us']} us" for f, t in by_form.items()))
-            print(json.dumps(results[-1]["best"] | {"shape": name, "rows": rows,
-                                                    "default_us": results[-1]["default"]["us"]
-                                                    if results[-1]["default"] else None}))
+            print(
+                json.dumps(
+                    results[-1]["best"]
+                    | {
+                        "shape": name,
+                        "rows": rows,
+                        "default_us": results[-1]["default"]["us"] if results[-1]["default"] else None,
+                    }
+                )
+            )
     return results
 
 
@@ -410,8 +506,9 @@ def sweep_shape_only(args) -> int:
     # in --sweep-shapes' order, and written after each shape: a run stopped by its time limit keeps those done
     names = [name for name in args.sweep_shapes.split(",") if name in shapes] if args.sweep_shapes else list(shapes)
     for name in names:
-        results = sweep_gemv({name: shapes[name]}, args.group_size, args.rank, row_counts, args.sweep_shapes,
-                             args.sweep_forms, parts)
+        results = sweep_gemv(
+            {name: shapes[name]}, args.group_size, args.rank, row_counts, args.sweep_shapes, args.sweep_forms, parts
+        )
         record["gemv_sweep"] += results
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
@@ -431,30 +528,52 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--sweep-gemv", action="store_true")
-    parser.add_argument("--sweep-gemv-only", action="store_true",
-                        help="only the GEMV sweep, on the shape's projections (no engine, no profile)")
+    parser.add_argument(
+        "--sweep-gemv-only",
+        action="store_true",
+        help="only the GEMV sweep, on the shape's projections (no engine, no profile)",
+    )
     parser.add_argument("--group-size", type=int, default=128, help="AWQ group size of --sweep-gemv-only")
     parser.add_argument("--sweep-rows", default="1,8", help="row counts of --sweep-gemv-only")
-    parser.add_argument("--sweep-shapes", default="",
-                        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all), "
-                             "and head (the vocabulary projection, only when named)")
-    parser.add_argument("--save-tuning", default=None,
-                        help="--sweep-gemv-only: write each one-row shape's fastest configuration to this "
-                             "tuning file (LOWVRAM_GEMV_TUNING; kernels/tuned/), merged with its entries")
-    parser.add_argument("--sweep-forms", default="",
-                        help="GEMV forms the sweep times besides the default, from interleave,lanes,rows (default all)")
-    parser.add_argument("--rank", type=int, default=None,
-                        help="compensation rank of the quantized model and the sweep (default: the profile's)")
-    parser.add_argument("--fp16-budget-mib", type=float, default=None,
-                        help="FP16-kept layers of the quantized model (default: the profile's)")
+    parser.add_argument(
+        "--sweep-shapes",
+        default="",
+        help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all), "
+        "and head (the vocabulary projection, only when named)",
+    )
+    parser.add_argument(
+        "--save-tuning",
+        default=None,
+        help="--sweep-gemv-only: write each one-row shape's fastest configuration to this "
+        "tuning file (LOWVRAM_GEMV_TUNING; kernels/tuned/), merged with its entries",
+    )
+    parser.add_argument(
+        "--sweep-forms",
+        default="",
+        help="GEMV forms the sweep times besides the default, from interleave,lanes,rows (default all)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="compensation rank of the quantized model and the sweep (default: the profile's)",
+    )
+    parser.add_argument(
+        "--fp16-budget-mib",
+        type=float,
+        default=None,
+        help="FP16-kept layers of the quantized model (default: the profile's)",
+    )
     parser.add_argument("--host-profile", action="store_true", help="cProfile the decode steps (Python's share)")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     unknown = set(filter(None, args.sweep_shapes.split(","))) - set(PROJECTIONS) - {"head"}
     if unknown:
-        parser.error(f"--sweep-shapes: unknown projections {', '.join(sorted(unknown))}; "
-                     f"choose from {', '.join(PROJECTIONS)}, head")
+        parser.error(
+            f"--sweep-shapes: unknown projections {', '.join(sorted(unknown))}; "
+            f"choose from {', '.join(PROJECTIONS)}, head"
+        )
 
     profile = load_profile(args.profile)
     args.rank = profile.compensation_rank if args.rank is None else args.rank
@@ -466,8 +585,15 @@ def main() -> int:
     if model is None and args.quantize:
         from lowvram.models.shapes import random_awq_checkpoint
 
-        model = str(random_awq_checkpoint(args.shape, work, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
-                                          fp16_budget_mib=args.fp16_budget_mib)[1])
+        model = str(
+            random_awq_checkpoint(
+                args.shape,
+                work,
+                emulate_vram_gib=args.emulate_vram_gib,
+                rank=args.rank,
+                fp16_budget_mib=args.fp16_budget_mib,
+            )[1]
+        )
     elif model is None:
         from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
 
@@ -475,13 +601,21 @@ def main() -> int:
     elif args.quantize:
         from lowvram.quant.quantize import quantize_model
 
-        quantize_model(model, work / "awq", num_samples=8, emulate_vram_gib=args.emulate_vram_gib, rank=args.rank,
-                       fp16_budget_mib=args.fp16_budget_mib)
+        quantize_model(
+            model,
+            work / "awq",
+            num_samples=8,
+            emulate_vram_gib=args.emulate_vram_gib,
+            rank=args.rank,
+            fp16_budget_mib=args.fp16_budget_mib,
+        )
         model = str(work / "awq")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    base = profile.replace(emulate_vram_gib=args.emulate_vram_gib,
-                           max_model_len=max(args.context + 3 * args.steps + 64, args.prefill_tokens + 16),
-                           max_num_seqs=max(batch_sizes))
+    base = profile.replace(
+        emulate_vram_gib=args.emulate_vram_gib,
+        max_model_len=max(args.context + 3 * args.steps + 64, args.prefill_tokens + 16),
+        max_num_seqs=max(batch_sizes),
+    )
     record = {**run_metadata(" ".join(["profile_decode.py", *sys.argv[1:]])), "runs": []}
     engine = None
     for use_graphs in (False, True):
@@ -494,8 +628,13 @@ def main() -> int:
             for _ in range(4):  # graph captures and compilations happen here, not in the timing
                 engine.step()
             timing = time_decode(engine, args.steps)
-            run = {"cuda_graphs": use_graphs, "batch_size": batch_size, "context": args.context, **timing,
-                   "tokens_per_s": round(1000 * batch_size / timing["step_ms"], 1)}
+            run = {
+                "cuda_graphs": use_graphs,
+                "batch_size": batch_size,
+                "context": args.context,
+                **timing,
+                "tokens_per_s": round(1000 * batch_size / timing["step_ms"], 1),
+            }
             if not use_graphs and batch_size == 1:
                 kernels = kernel_table(engine, 8)
                 run["kernels"] = kernels[:25]
@@ -514,19 +653,27 @@ def main() -> int:
             timeline = run["timeline"]
             print("  timeline per step: " + json.dumps({k: v for k, v in timeline.items() if k != "kernels"}))
             for row in timeline.get("kernels", []):
-                print(f"    {row['us_per_step']:>8.1f} us + {row['gap_before_us_per_step']:>7.1f} us gaps "
-                      f"{row['calls_per_step']:>6.1f} calls  {row['kernel']}")
+                print(
+                    f"    {row['us_per_step']:>8.1f} us + {row['gap_before_us_per_step']:>7.1f} us gaps "
+                    f"{row['calls_per_step']:>6.1f} calls  {row['kernel']}"
+                )
             for row in run.get("host_functions", [])[:12]:
-                print(f"    {row['self_us_per_step']:>9.1f} us self {row['cumulative_us_per_step']:>9.1f} us cum "
-                      f"{row['calls_per_step']:>7.1f} calls  {row['function']}")
+                print(
+                    f"    {row['self_us_per_step']:>9.1f} us self {row['cumulative_us_per_step']:>9.1f} us cum "
+                    f"{row['calls_per_step']:>7.1f} calls  {row['function']}"
+                )
             finish(engine)
     record["prefill"] = profile_prefill(engine, args.prefill_tokens)
     print(json.dumps({k: v for k, v in record["prefill"].items() if k != "kernels"}))
     if args.sweep_gemv and engine.config.quantization is not None:
         c = engine.config
         shapes = layer_projection_shapes(c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
-        record["gemv_sweep"] = sweep_gemv(shapes, c.quantization.group_size, args.rank,
-                                          parts=fused_projection_parts(c.intermediate_size, c.q_size, c.kv_size))
+        record["gemv_sweep"] = sweep_gemv(
+            shapes,
+            c.quantization.group_size,
+            args.rank,
+            parts=fused_projection_parts(c.intermediate_size, c.q_size, c.kv_size),
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     return 0

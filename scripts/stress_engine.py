@@ -86,8 +86,9 @@ def prompt_lengths(num: int, max_prompt_tokens: int, long_share: float, seed: in
     return lengths
 
 
-def make_requests(tokenizer: Tokenizer, num: int, max_prompt_tokens: int, max_output_tokens: int, seed: int,
-                  long_share: float = 0.0) -> list[Request]:
+def make_requests(
+    tokenizer: Tokenizer, num: int, max_prompt_tokens: int, max_output_tokens: int, seed: int, long_share: float = 0.0
+) -> list[Request]:
     """Mixed prompt lengths (a long share, the rest log-uniform) and output lengths, reproducible."""
     rng = random.Random(seed + 1)
     min_output = min(MIN_OUTPUT_TOKENS, max_output_tokens)
@@ -132,8 +133,17 @@ def device_bytes_now(engine: LLMEngine) -> int:
     return torch.cuda.max_memory_allocated(engine.device) + managed
 
 
-def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str, timeline: Path,
-             slow_step_ms: float = 0.0, num_slow_steps: int = 0, slow_every_steps: int = 50):
+def run_mode(
+    model: str,
+    profile: Profile,
+    requests: list[Request],
+    *,
+    mode: str,
+    timeline: Path,
+    slow_step_ms: float = 0.0,
+    num_slow_steps: int = 0,
+    slow_every_steps: int = 50,
+):
     """Submit every request at once and step until all are done. Returns (result, outputs, engine)."""
     controller = dataclasses.replace(profile.controller, is_enabled=mode != "off")
     allocated_before_load = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
@@ -152,14 +162,19 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
     start = time.perf_counter()
     for request in requests:
         try:
-            engine.add_request(request.request_id, None, greedy(request.max_tokens),
-                               prompt_token_ids=request.prompt_token_ids)
+            engine.add_request(
+                request.request_id, None, greedy(request.max_tokens), prompt_token_ids=request.prompt_token_ids
+            )
         except LowvramError as exc:
             refused.append((request.request_id, str(exc)))
     while engine.has_unfinished_requests():
         decode_s = engine.stats.decode_s
-        before = (engine.stats.num_prefill_tokens, engine.stats.num_decode_tokens, engine.num_controller_events,
-                  engine.runner.num_graph_captures)
+        before = (
+            engine.stats.num_prefill_tokens,
+            engine.stats.num_decode_tokens,
+            engine.num_controller_events,
+            engine.runner.num_graph_captures,
+        )
         if is_cuda:
             torch.cuda.reset_peak_memory_stats(engine.device)
         try:
@@ -179,50 +194,74 @@ def run_mode(model: str, profile: Profile, requests: list[Request], *, mode: str
         device_now = device_bytes_now(engine)
         peak_device = max(peak_device, device_now)
         if is_cuda and (len(peak_steps) < 3 or device_now > peak_steps[-1]["device_bytes"]):
-            peak_steps = sorted(peak_steps + [{
-                "step": engine.stats.num_steps, "device_bytes": device_now,
-                "torch_peak_allocated": torch.cuda.max_memory_allocated(engine.device),
-                "torch_allocated_after": torch.cuda.memory_allocated(engine.device),
-                "torch_peak_reserved": torch.cuda.max_memory_reserved(engine.device),
-                "managed_device_bytes": engine.kv_pool.device_bytes if engine.kv_pool.backend == "um" else 0,
-                "prefill_tokens": engine.stats.num_prefill_tokens - before[0],
-                "decode_tokens": engine.stats.num_decode_tokens - before[1],
-                "controller_events": engine.num_controller_events - before[2],
-                "graph_captures": engine.runner.num_graph_captures - before[3],
-                "kv_precision": engine.kv_precision}], key=lambda r: -r["device_bytes"])[:3]
+            peak_steps = sorted(
+                peak_steps
+                + [
+                    {
+                        "step": engine.stats.num_steps,
+                        "device_bytes": device_now,
+                        "torch_peak_allocated": torch.cuda.max_memory_allocated(engine.device),
+                        "torch_allocated_after": torch.cuda.memory_allocated(engine.device),
+                        "torch_peak_reserved": torch.cuda.max_memory_reserved(engine.device),
+                        "managed_device_bytes": engine.kv_pool.device_bytes if engine.kv_pool.backend == "um" else 0,
+                        "prefill_tokens": engine.stats.num_prefill_tokens - before[0],
+                        "decode_tokens": engine.stats.num_decode_tokens - before[1],
+                        "controller_events": engine.num_controller_events - before[2],
+                        "graph_captures": engine.runner.num_graph_captures - before[3],
+                        "kv_precision": engine.kv_precision,
+                    }
+                ],
+                key=lambda r: -r["device_bytes"],
+            )[:3]
         if is_cuda:  # the peak statistics restart every step
             peak_reserved = max(peak_reserved, torch.cuda.max_memory_reserved(engine.device))
         peak_pressure = max(peak_pressure, engine.memory_pressure_bytes())
     elapsed = time.perf_counter() - start
-    events = [json.loads(line) for line in timeline.read_text().splitlines() if '"type": "event"' in line] \
-        if timeline.is_file() else []
+    events = (
+        [json.loads(line) for line in timeline.read_text().splitlines() if '"type": "event"' in line]
+        if timeline.is_file()
+        else []
+    )
     ordered = sorted(latencies_ms) or [0.0]
     budget = engine.memory_budget_bytes
     result = {
-        "mode": mode, "controller": "off" if mode == "off" else "on",
-        "num_requests": len(requests), "num_completed": len(outputs), "num_refused": len(refused),
-        "num_oom_steps": sum(1 for e in events if OOM_REASON in e["reason"]), "refusals": refused[:5], "error": error,
+        "mode": mode,
+        "controller": "off" if mode == "off" else "on",
+        "num_requests": len(requests),
+        "num_completed": len(outputs),
+        "num_refused": len(refused),
+        "num_oom_steps": sum(1 for e in events if OOM_REASON in e["reason"]),
+        "refusals": refused[:5],
+        "error": error,
         "output_tokens_per_s": round(sum(len(v) for v in outputs.values()) / elapsed, 2),
         "p95_token_latency_ms": round(ordered[int(0.95 * (len(ordered) - 1))], 3),
         "median_token_latency_ms": round(statistics.median(ordered), 3),
         "peak_device_memory_gib": round(peak_device / 2**30, 3),
         "peak_torch_reserved_gib": round(peak_reserved / 2**30, 3) if is_cuda else None,
-        "budget_gib": round(budget / 2**30, 3), "is_within_budget": peak_device <= budget,
+        "budget_gib": round(budget / 2**30, 3),
+        "is_within_budget": peak_device <= budget,
         "torch_allocated_before_load_gib": round(allocated_before_load / 2**30, 3),
-        "torch_allocated_after_load_gib": round(baseline_allocated / 2**30, 3), "peak_steps": peak_steps,
+        "torch_allocated_after_load_gib": round(baseline_allocated / 2**30, 3),
+        "peak_steps": peak_steps,
         "peak_memory_pressure": round(peak_pressure / budget, 3),
-        "kv_backend": engine.kv_pool.backend, "num_kv_blocks": engine.block_manager.num_blocks,
+        "kv_backend": engine.kv_pool.backend,
+        "num_kv_blocks": engine.block_manager.num_blocks,
         "num_kv_blocks_device_share": engine.kv_plan.num_blocks,
         "num_preemptions": engine.stats.num_preemptions,
         "num_controller_events": len(events),
         "controller_actions": [f"{e['step']}:{e['action']}={e['value']}" for e in events][:40],
         "kv_precisions_used": sorted({p for ps in precisions.values() for p in ps}, key=lambda p: -KV_BITS[p]),
-        "final_mode": engine.controller_state.mode, "num_steps": engine.stats.num_steps,
-        "elapsed_s": round(elapsed, 2), "timeline": timeline.name,
+        "final_mode": engine.controller_state.mode,
+        "num_steps": engine.stats.num_steps,
+        "elapsed_s": round(elapsed, 2),
+        "timeline": timeline.name,
     }
     if slow_step_ms and num_slow_steps:
-        result["slow_steps"] = {"slow_step_ms": slow_step_ms, "num_slow_steps": num_slow_steps,
-                                "every_decode_steps": slow_every_steps}
+        result["slow_steps"] = {
+            "slow_step_ms": slow_step_ms,
+            "num_slow_steps": num_slow_steps,
+            "every_decode_steps": slow_every_steps,
+        }
     result["compressed_requests"] = sorted(r for r, ps in precisions.items() if ps != {"fp16"})
     result["preempted_requests"] = sorted(preempted)
     return result, outputs, engine
@@ -232,8 +271,9 @@ def requests_to_check(requests: list[Request], results: list[dict], num: int) ->
     """The requests compared with solo runs: first those whose run was disturbed (KV
     compressed while they ran, or preempted and recomputed), in submission order, then the others."""
     disturbed = {r for result in results for r in result["compressed_requests"] + result["preempted_requests"]}
-    ordered = [r for r in requests if r.request_id in disturbed] + \
-        [r for r in requests if r.request_id not in disturbed]
+    ordered = [r for r in requests if r.request_id in disturbed] + [
+        r for r in requests if r.request_id not in disturbed
+    ]
     return ordered[:num]
 
 
@@ -250,8 +290,9 @@ def run_alone(engine: LLMEngine, requests: list[Request]) -> dict[str, list[int]
     return outputs
 
 
-def compare_alone(result: dict, outputs: dict[str, list[int]], alone: dict[str, list[int]],
-                  submitted: set[str]) -> None:
+def compare_alone(
+    result: dict, outputs: dict[str, list[int]], alone: dict[str, list[int]], submitted: set[str]
+) -> None:
     """Record how many checked outputs equal their solo run, and where the others diverge."""
     alone = {r: ids for r, ids in alone.items() if r in submitted}
     same = [r for r, ids in alone.items() if outputs.get(r) == ids]
@@ -261,9 +302,14 @@ def compare_alone(result: dict, outputs: dict[str, list[int]], alone: dict[str, 
         got = outputs.get(request_id)
         if got != ids:
             first = next((i for i, (a, b) in enumerate(zip(ids, got or [])) if a != b), min(len(ids), len(got or [])))
-            mismatches.append({"request_id": request_id, "first_different_token": first,
-                               "was_kv_compressed": request_id in result["compressed_requests"],
-                               "was_preempted": request_id in result["preempted_requests"]})
+            mismatches.append(
+                {
+                    "request_id": request_id,
+                    "first_different_token": first,
+                    "was_kv_compressed": request_id in result["compressed_requests"],
+                    "was_preempted": request_id in result["preempted_requests"],
+                }
+            )
     result["alone_mismatches"] = mismatches
 
 
@@ -295,22 +341,49 @@ def plot(timelines: list[Path], path: Path, *, high_water: float, low_water: flo
         steps, events = read_timeline(timeline)
         color, label = colors[i % len(colors)], timeline.stem.removeprefix("stress_timeline_")
         x = [s["step"] for s in steps]
-        axes[0].plot(x, [s["memory_used_bytes"] / s["memory_budget_bytes"] for s in steps], color=color,
-                     label=f"{label}: pressure")
-        axes[0].plot(x, [s.get("device_memory_bytes", 0) / s["memory_budget_bytes"] for s in steps], color=color,
-                     linestyle=":", label=f"{label}: on the device")
-        axes[1].plot(x, [s["token_latency_ms"] if s["token_latency_ms"] is not None else float("nan") for s in steps],
-                     ".", color=color, markersize=2, label=label)
+        axes[0].plot(
+            x,
+            [s["memory_used_bytes"] / s["memory_budget_bytes"] for s in steps],
+            color=color,
+            label=f"{label}: pressure",
+        )
+        axes[0].plot(
+            x,
+            [s.get("device_memory_bytes", 0) / s["memory_budget_bytes"] for s in steps],
+            color=color,
+            linestyle=":",
+            label=f"{label}: on the device",
+        )
+        axes[1].plot(
+            x,
+            [s["token_latency_ms"] if s["token_latency_ms"] is not None else float("nan") for s in steps],
+            ".",
+            color=color,
+            markersize=2,
+            label=label,
+        )
         axes[2].plot(x, [s["num_running"] for s in steps], color=color, label=f"{label}: running")
-        axes[2].plot(x, [s["batch_limit"] for s in steps], color=color, linestyle="--", linewidth=0.8,
-                     label=f"{label}: batch limit")
+        axes[2].plot(
+            x,
+            [s["batch_limit"] for s in steps],
+            color=color,
+            linestyle="--",
+            linewidth=0.8,
+            label=f"{label}: batch limit",
+        )
         axes[3].step(x, [KV_BITS[s["kv_precision"]] for s in steps], where="post", color=color, label=label)
         for n, event in enumerate(events):
             for ax in axes:
                 ax.axvline(event["step"], color=color, alpha=0.35, linewidth=0.8)
-            axes[0].annotate(event_label(event), (event["step"], 1.0), xycoords=("data", "axes fraction"),
-                             xytext=(2, -10 - 9 * ((n + 2 * i) % 6)), textcoords="offset points", fontsize=6,
-                             color=color)
+            axes[0].annotate(
+                event_label(event),
+                (event["step"], 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -10 - 9 * ((n + 2 * i) % 6)),
+                textcoords="offset points",
+                fontsize=6,
+                color=color,
+            )
     axes[0].axhline(high_water, color="grey", linestyle="--", linewidth=0.8)
     axes[0].axhline(low_water, color="grey", linestyle=":", linewidth=0.8)
     names = ("memory / budget", "token latency (ms)", "sequences", "KV bits")
@@ -326,8 +399,10 @@ def plot(timelines: list[Path], path: Path, *, high_water: float, low_water: flo
 
 def summary_markdown(results: list[dict]) -> str:
     """One table row per mode, for docs/performance.md."""
-    header = ("| run | completed | OOM steps | refused | output tokens/s | median / p95 token latency | "
-              "peak device memory (budget) | peak pressure | controller events | KV used | same as solo |")
+    header = (
+        "| run | completed | OOM steps | refused | output tokens/s | median / p95 token latency | "
+        "peak device memory (budget) | peak pressure | controller events | KV used | same as solo |"
+    )
     lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         alone = r.get("alone")
@@ -337,7 +412,8 @@ def summary_markdown(results: list[dict]) -> str:
             f"{r['output_tokens_per_s']:.1f} | "
             f"{r['median_token_latency_ms']:.0f} / {r['p95_token_latency_ms']:.0f} ms | "
             f"{r['peak_device_memory_gib']:.2f} GiB ({r['budget_gib']:.2f}) | {100 * r['peak_memory_pressure']:.0f}% | "
-            f"{r['num_controller_events']} | {', '.join(r['kv_precisions_used']) or '-'} | {same} |")
+            f"{r['num_controller_events']} | {', '.join(r['kv_precisions_used']) or '-'} | {same} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -352,23 +428,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-prompt-tokens", type=int, default=16384)
     parser.add_argument("--max-output-tokens", type=int, default=64)
-    parser.add_argument("--long-share", type=float, default=0.25,
-                        help="share of prompts drawn from the upper half of the length range (0..1)")
+    parser.add_argument(
+        "--long-share",
+        type=float,
+        default=0.25,
+        help="share of prompts drawn from the upper half of the length range (0..1)",
+    )
     parser.add_argument("--modes", default="off,on", help=f"comma-separated, in order, from {', '.join(MODES)}")
-    parser.add_argument("--slow-step-ms", type=float, default=None,
-                        help="latency mode: extra time per slow decode step (default: 2 x latency_high_ms)")
-    parser.add_argument("--slow-steps", type=int, default=None,
-                        help="latency mode: consecutive slow decode steps per run (default: patience_tokens + 1)")
-    parser.add_argument("--slow-every", type=int, default=48,
-                        help="latency mode: decode steps from one run to the next")
-    parser.add_argument("--latency-num-requests", type=int, default=16,
-                        help="latency mode replays this many of the requests (the first ones)")
-    parser.add_argument("--check-alone", type=int, default=4,
-                        help="requests whose output is checked against a solo run")
-    parser.add_argument("--seed", type=int, default=6,
-                        help="draw of the mix (6: several long requests run together; see above)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="the profile's batch_invariant mode: requests decode as they would alone")
+    parser.add_argument(
+        "--slow-step-ms",
+        type=float,
+        default=None,
+        help="latency mode: extra time per slow decode step (default: 2 x latency_high_ms)",
+    )
+    parser.add_argument(
+        "--slow-steps",
+        type=int,
+        default=None,
+        help="latency mode: consecutive slow decode steps per run (default: patience_tokens + 1)",
+    )
+    parser.add_argument(
+        "--slow-every", type=int, default=48, help="latency mode: decode steps from one run to the next"
+    )
+    parser.add_argument(
+        "--latency-num-requests",
+        type=int,
+        default=16,
+        help="latency mode replays this many of the requests (the first ones)",
+    )
+    parser.add_argument(
+        "--check-alone", type=int, default=4, help="requests whose output is checked against a solo run"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=6, help="draw of the mix (6: several long requests run together; see above)"
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the profile's batch_invariant mode: requests decode as they would alone",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--summary-md", default=None, help="write the Markdown summary table here too")
@@ -421,32 +519,52 @@ def free_device_memory() -> None:
 
 def workload_record(args, requests: list[Request], controller) -> dict:
     lengths = sorted(len(r.prompt_token_ids) for r in requests)
-    return {"num_requests": len(requests), "max_prompt_tokens": args.max_prompt_tokens, "long_share": args.long_share,
-            "seed": args.seed, "num_prompt_tokens": sum(lengths),
-            "prompt_tokens_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
-            "num_output_tokens": sum(r.max_tokens for r in requests), "max_output_tokens": args.max_output_tokens,
-            "controller": dataclasses.asdict(controller), "batch_invariant": args.batch_invariant}
+    return {
+        "num_requests": len(requests),
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "long_share": args.long_share,
+        "seed": args.seed,
+        "num_prompt_tokens": sum(lengths),
+        "prompt_tokens_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]],
+        "num_output_tokens": sum(r.max_tokens for r in requests),
+        "max_output_tokens": args.max_output_tokens,
+        "controller": dataclasses.asdict(controller),
+        "batch_invariant": args.batch_invariant,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="lowvram-stress-"))
     model = prepare_model(args, work)
-    profile = load_profile(args.profile).replace(emulate_vram_gib=args.emulate_vram_gib, device=args.device,
-                                                 max_model_len=args.max_prompt_tokens + args.max_output_tokens,
-                                                 batch_invariant=args.batch_invariant or None)
-    requests = make_requests(Tokenizer(resolve_model_path(model)), args.num_requests, args.max_prompt_tokens,
-                             args.max_output_tokens, args.seed, args.long_share)
+    profile = load_profile(args.profile).replace(
+        emulate_vram_gib=args.emulate_vram_gib,
+        device=args.device,
+        max_model_len=args.max_prompt_tokens + args.max_output_tokens,
+        batch_invariant=args.batch_invariant or None,
+    )
+    requests = make_requests(
+        Tokenizer(resolve_model_path(model)),
+        args.num_requests,
+        args.max_prompt_tokens,
+        args.max_output_tokens,
+        args.seed,
+        args.long_share,
+    )
     controller = profile.controller
     slow_step_ms = args.slow_step_ms if args.slow_step_ms is not None else 2 * controller.latency_high_ms
-    num_slow_steps = args.slow_steps if args.slow_steps is not None else \
-        min(controller.patience_tokens + 1, args.slow_every - args.slow_every // 2)
+    num_slow_steps = (
+        args.slow_steps
+        if args.slow_steps is not None
+        else min(controller.patience_tokens + 1, args.slow_every - args.slow_every // 2)
+    )
     out_dir = Path(args.json).resolve().parent if args.json else work
     record = {
         "command": " ".join(["stress_engine.py", *(argv if argv is not None else sys.argv[1:])]),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "workload": workload_record(args, requests, controller), "results": [],
+        "workload": workload_record(args, requests, controller),
+        "results": [],
     }
     runs, timelines = [], []
     for mode in args.modes.split(","):
@@ -455,8 +573,15 @@ def main(argv: list[str] | None = None) -> int:
         is_latency = mode == "latency"
         workload = requests[: args.latency_num_requests] if is_latency else requests
         result, outputs, engine = run_mode(
-            model, profile, workload, mode=mode, timeline=timeline, slow_step_ms=slow_step_ms if is_latency else 0.0,
-            num_slow_steps=num_slow_steps if is_latency else 0, slow_every_steps=args.slow_every)
+            model,
+            profile,
+            workload,
+            mode=mode,
+            timeline=timeline,
+            slow_step_ms=slow_step_ms if is_latency else 0.0,
+            num_slow_steps=num_slow_steps if is_latency else 0,
+            slow_every_steps=args.slow_every,
+        )
         del engine
         free_device_memory()
         runs.append((result, outputs, {r.request_id for r in workload}))

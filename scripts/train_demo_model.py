@@ -56,10 +56,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batches, for a CPU smoke run")
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: only the time budget)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="stop after this many steps (default: only the time budget)"
+    )
     parser.add_argument("--max-minutes", type=float, default=7.0, help="wall budget from start to the end of training")
-    parser.add_argument("--out-dir", default=None, help="checkpoint directory (default: a temp dir with --tiny, else lowvram/demo_model)")
-    parser.add_argument("--bench-json", default=None, help="results JSON (default: docs/bench/train_demo_<date>.json; with --tiny, inside --out-dir)")
+    parser.add_argument(
+        "--out-dir",
+        default=None,
+        help="checkpoint directory (default: a temp dir with --tiny, else lowvram/demo_model)",
+    )
+    parser.add_argument(
+        "--bench-json",
+        default=None,
+        help="results JSON (default: docs/bench/train_demo_<date>.json; with --tiny, inside --out-dir)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -71,7 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--task-rows", type=int, default=64, help="rows of packed conversations per step")
     parser.add_argument("--text-rows", type=int, default=4, help="rows of Python source per step")
     parser.add_argument("--row-len", type=int, default=512, help="tokens per row; also the perplexity's window")
-    parser.add_argument("--text-weight", type=float, default=1.0, help="weight of the Python loss against the task loss")
+    parser.add_argument(
+        "--text-weight", type=float, default=1.0, help="weight of the Python loss against the task loss"
+    )
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--min-lr-ratio", type=float, default=0.05)
     parser.add_argument("--warmup-steps", type=int, default=300)
@@ -89,7 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.task_rows, args.text_rows, args.row_len = 2, 1, 64
         args.num_workers, args.warmup_steps, args.heldout_per_kind, args.max_new_tokens = 0, 1, 2, 8
     if args.out_dir is None:
-        args.out_dir = tempfile.mkdtemp(prefix="demo_model_") if args.tiny else str(REPO_ROOT / "lowvram" / "demo_model")
+        args.out_dir = (
+            tempfile.mkdtemp(prefix="demo_model_") if args.tiny else str(REPO_ROOT / "lowvram" / "demo_model")
+        )
     if args.bench_json is None:
         date = datetime.date.today().isoformat()
         bench_dir = Path(args.out_dir) if args.tiny else REPO_ROOT / "docs" / "bench"
@@ -163,7 +177,9 @@ def pack_rows(sequences, num_rows: int, row_len: int, pad_id: int) -> dict:
         row_ids, row_targets, row_positions, row_segments = [], [], [], []
         for segment, (ids, trained) in enumerate(packed):
             row_ids += ids
-            row_targets += [next_id if is_trained else IGNORE_INDEX for next_id, is_trained in zip(ids[1:], trained[1:])]
+            row_targets += [
+                next_id if is_trained else IGNORE_INDEX for next_id, is_trained in zip(ids[1:], trained[1:])
+            ]
             row_targets.append(IGNORE_INDEX)  # the next row token belongs to another sequence
             row_positions += range(len(ids))
             row_segments += [segment] * len(ids)
@@ -184,7 +200,9 @@ def pack_rows(sequences, num_rows: int, row_len: int, pad_id: int) -> dict:
     }
 
 
-def encode_pieces(tokenizer: Tokenizer, conversations: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[bool]]]:
+def encode_pieces(
+    tokenizer: Tokenizer, conversations: list[list[tuple[str, bool]]]
+) -> list[tuple[list[int], list[bool]]]:
     """Each conversation's token ids and, per token, whether it is trained on."""
     flat = [text for pieces in conversations for text, _ in pieces]
     encoded = iter(tokenizer.encode_batch(flat, add_special_tokens=False))
@@ -202,8 +220,16 @@ def encode_pieces(tokenizer: Tokenizer, conversations: list[list[tuple[str, bool
 class TaskRows(torch.utils.data.IterableDataset):
     """Endless steps' worth of packed training conversations; each loader worker draws its own stream."""
 
-    def __init__(self, tokenizer_json: str, seed: int, num_rows: int, row_len: int,
-                 multi_turn_prob: float, system_prob: float, pad_id: int):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        seed: int,
+        num_rows: int,
+        row_len: int,
+        multi_turn_prob: float,
+        system_prob: float,
+        pad_id: int,
+    ):
         self.tokenizer_json = tokenizer_json
         self.seed, self.num_rows, self.row_len = seed, num_rows, row_len
         self.multi_turn_prob, self.system_prob = multi_turn_prob, system_prob
@@ -272,7 +298,9 @@ def heldout_text_loss(model, heldout_ids: torch.Tensor, length: int, bos_id: int
 
 
 @torch.no_grad()
-def heldout_task_loss(model, tokenizer: Tokenizer, heldout: list[tasks.Task], pad_id: int, device: str, batch_size: int = 256) -> float:
+def heldout_task_loss(
+    model, tokenizer: Tokenizer, heldout: list[tasks.Task], pad_id: int, device: str, batch_size: int = 256
+) -> float:
     """Mean NLL per answer token, teacher-forced, on the held-out tasks."""
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(heldout), batch_size):
@@ -285,7 +313,9 @@ def heldout_task_loss(model, tokenizer: Tokenizer, heldout: list[tasks.Task], pa
 
 
 @torch.no_grad()
-def greedy_replies(model, hf_tokenizer, heldout: list[tasks.Task], device: str, max_new_tokens: int, batch_size: int = 400) -> list[str]:
+def greedy_replies(
+    model, hf_tokenizer, heldout: list[tasks.Task], device: str, max_new_tokens: int, batch_size: int = 400
+) -> list[str]:
     """Greedy replies to each task's chat prompt, batched with left padding."""
     hf_tokenizer.padding_side = "left"
     replies = []
@@ -316,7 +346,9 @@ def accuracy_by_kind(heldout: list[tasks.Task], replies: list[str]) -> tuple[dic
         if tasks.is_correct(task, reply):
             num_correct[task.kind] += 1
         elif len(failures) < 24:
-            failures.append({"kind": task.kind, "question": task.messages[-1]["content"], "answer": task.answer, "reply": reply})
+            failures.append(
+                {"kind": task.kind, "question": task.messages[-1]["content"], "answer": task.answer, "reply": reply}
+            )
     accuracy = {kind: num_correct[kind] / num_total[kind] for kind in tasks.KINDS if num_total[kind]}
     overall = sum(num_correct.values()) / max(sum(num_total.values()), 1)
     return accuracy, overall, failures
@@ -394,12 +426,12 @@ quality can be measured.
 
 - Architecture: `Qwen2ForCausalLM` in DeepSeek-R1-Distill-Qwen's layout: GQA, q/k/v bias,
   untied head, RMSNorm, SwiGLU, RoPE.
-- Size: {model['num_parameters'] / 1e6:.2f}M parameters; {model['num_layers']} layers, hidden size {model['hidden_size']},
-  intermediate size {model['intermediate_size']}, {model['num_heads']} query and {model['num_kv_heads']} key/value heads of {model['head_dim']}.
-- Tokenizer: byte-level BPE, {model['vocab_size']} tokens, digits split one per token,
+- Size: {model["num_parameters"] / 1e6:.2f}M parameters; {model["num_layers"]} layers, hidden size {model["hidden_size"]},
+  intermediate size {model["intermediate_size"]}, {model["num_heads"]} query and {model["num_kv_heads"]} key/value heads of {model["head_dim"]}.
+- Tokenizer: byte-level BPE, {model["vocab_size"]} tokens, digits split one per token,
   DeepSeek-R1's special tokens and chat format (`chat_template.jinja`).
 - Training: from scratch by `scripts/train_demo_model.py` in the lowvram repository,
-  {record['steps']} steps, {record['train_time_s'] / 60:.1f} minutes on {record['machine']['device_name']}, on synthetic chat
+  {record["steps"]} steps, {record["train_time_s"] / 60:.1f} minutes on {record["machine"]["device_name"]}, on synthetic chat
   tasks with exact answers (`lowvram.demo.tasks`) and Python standard-library source
   (`lowvram.demo.corpus`).
 
@@ -411,10 +443,10 @@ Measured on held-out data whose problems never appear in training; FP16, greedy 
 | task | exact match |
 |---|---|
 {accuracy_rows}
-| all | {record['accuracy_overall']:.1%} |
+| all | {record["accuracy_overall"]:.1%} |
 
-Perplexity on held-out Python (`heldout_python.txt`, {record['text_len']}-token windows, each from BOS):
-{record['heldout_ppl']:.2f}.
+Perplexity on held-out Python (`heldout_python.txt`, {record["text_len"]}-token windows, each from BOS):
+{record["heldout_ppl"]:.2f}.
 """
     (out_dir / "README.md").write_text(card, encoding="utf-8")
 
@@ -446,10 +478,16 @@ def main(argv=None) -> dict:
     print(f"tokenizer: {tokenizer.get_vocab_size()} tokens, trained in {time.time() - started:.1f}s", flush=True)
 
     # Loader workers fork before CUDA starts in this process.
-    batches = TaskRows(tokenizer.to_str(), args.seed, args.task_rows, args.row_len, args.multi_turn_prob, args.system_prob, pad_id)
+    batches = TaskRows(
+        tokenizer.to_str(), args.seed, args.task_rows, args.row_len, args.multi_turn_prob, args.system_prob, pad_id
+    )
     loader = torch.utils.data.DataLoader(
-        batches, batch_size=None, num_workers=args.num_workers, pin_memory=is_cuda,
-        prefetch_factor=4 if args.num_workers else None, persistent_workers=args.num_workers > 0,
+        batches,
+        batch_size=None,
+        num_workers=args.num_workers,
+        pin_memory=is_cuda,
+        prefetch_factor=4 if args.num_workers else None,
+        persistent_workers=args.num_workers > 0,
     )
     task_batches = iter(loader)
 
@@ -487,8 +525,10 @@ def main(argv=None) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        packed = {key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
-                  for key, value in next(task_batches).items()}
+        packed = {
+            key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            for key, value in next(task_batches).items()
+        }
         text_inputs, text_targets = text_batch(text_ids, args.text_rows, args.row_len, bos_id, generator)
         num_task_rows = packed["input_ids"].shape[0]
         inputs = torch.cat([packed["input_ids"], text_inputs])  # [R + T, row_len]
@@ -497,7 +537,9 @@ def main(argv=None) -> dict:
         with autocast:
             logits = model(input_ids=inputs, position_ids=positions, attention_mask=block_causal_mask(segments)).logits
             logits = logits.float()  # [R + T, row_len, V]
-            task_loss = F.cross_entropy(logits[:num_task_rows].flatten(0, 1), packed["targets"].flatten(), ignore_index=IGNORE_INDEX)
+            task_loss = F.cross_entropy(
+                logits[:num_task_rows].flatten(0, 1), packed["targets"].flatten(), ignore_index=IGNORE_INDEX
+            )
             text_loss = F.cross_entropy(logits[num_task_rows:].flatten(0, 1), text_targets.flatten())
         loss = task_loss + args.text_weight * text_loss
         optimizer.zero_grad(set_to_none=True)
@@ -524,18 +566,31 @@ def main(argv=None) -> dict:
                 task_nll = heldout_task_loss(model, tokenizer, heldout, pad_id, device)
                 text_nll = heldout_text_loss(model, heldout_ids, args.row_len, bos_id)
                 sample = heldout[::4]  # heldout is grouped by kind: a quarter of each
-                sample_by_kind, sample_accuracy, _ = accuracy_by_kind(sample, greedy_replies(model, hf_tokenizer, sample, device, args.max_new_tokens))
+                sample_by_kind, sample_accuracy, _ = accuracy_by_kind(
+                    sample, greedy_replies(model, hf_tokenizer, sample, device, args.max_new_tokens)
+                )
             model.train()
-            history.append({
-                "step": step, "elapsed_s": round(now - started, 1), "lr": lr,
-                "train_task_loss": round(task_loss.item(), 4), "train_text_loss": round(text_loss.item(), 4),
-                "heldout_task_loss": round(task_nll, 4), "heldout_text_loss": round(text_nll, 4),
-                "heldout_accuracy_quarter": round(sample_accuracy, 4),
-                "heldout_accuracy_quarter_by_kind": {kind: round(value, 3) for kind, value in sample_by_kind.items()},
-            })
-            print(f"eval  step {step}: held-out task loss {task_nll:.4f}, text loss {text_nll:.4f}, "
-                  f"accuracy (1/4 of held-out) {sample_accuracy:.1%}: "
-                  + " ".join(f"{kind} {value:.0%}" for kind, value in sample_by_kind.items()), flush=True)
+            history.append(
+                {
+                    "step": step,
+                    "elapsed_s": round(now - started, 1),
+                    "lr": lr,
+                    "train_task_loss": round(task_loss.item(), 4),
+                    "train_text_loss": round(text_loss.item(), 4),
+                    "heldout_task_loss": round(task_nll, 4),
+                    "heldout_text_loss": round(text_nll, 4),
+                    "heldout_accuracy_quarter": round(sample_accuracy, 4),
+                    "heldout_accuracy_quarter_by_kind": {
+                        kind: round(value, 3) for kind, value in sample_by_kind.items()
+                    },
+                }
+            )
+            print(
+                f"eval  step {step}: held-out task loss {task_nll:.4f}, text loss {text_nll:.4f}, "
+                f"accuracy (1/4 of held-out) {sample_accuracy:.1%}: "
+                + " ".join(f"{kind} {value:.0%}" for kind, value in sample_by_kind.items()),
+                flush=True,
+            )
 
     train_time_s = time.time() - loop_started
     del task_batches, loader
@@ -588,10 +643,18 @@ def main(argv=None) -> dict:
         "train_time_s": round(train_time_s, 1),
         "wall_time_s": round(time.time() - started, 1),
         "hyperparameters": {
-            "lr": args.lr, "min_lr_ratio": args.min_lr_ratio, "warmup_steps": args.warmup_steps,
-            "weight_decay": args.weight_decay, "task_rows": args.task_rows, "text_rows": args.text_rows,
-            "row_len": args.row_len, "text_weight": args.text_weight, "multi_turn_prob": args.multi_turn_prob,
-            "system_prob": args.system_prob, "seed": args.seed, "max_minutes": args.max_minutes,
+            "lr": args.lr,
+            "min_lr_ratio": args.min_lr_ratio,
+            "warmup_steps": args.warmup_steps,
+            "weight_decay": args.weight_decay,
+            "task_rows": args.task_rows,
+            "text_rows": args.text_rows,
+            "row_len": args.row_len,
+            "text_weight": args.text_weight,
+            "multi_turn_prob": args.multi_turn_prob,
+            "system_prob": args.system_prob,
+            "seed": args.seed,
+            "max_minutes": args.max_minutes,
         },
         "text_len": args.row_len,
         "final_heldout_task_loss": round(final_task_nll, 4),
@@ -611,10 +674,14 @@ def main(argv=None) -> dict:
     bench_path.write_text(json.dumps(record, indent=2) + "\n")
 
     print(f"saved {out_dir} ({weights_bytes / 1e6:.1f} MB FP16) and {bench_path}")
-    print(f"steps {step}, train {train_time_s:.0f}s, wall {record['wall_time_s']:.0f}s, tokens {record['tokens_seen']['total']:,}")
+    print(
+        f"steps {step}, train {train_time_s:.0f}s, wall {record['wall_time_s']:.0f}s, tokens {record['tokens_seen']['total']:,}"
+    )
     print("accuracy: " + ", ".join(f"{kind} {value:.1%}" for kind, value in accuracy.items()))
-    print(f"overall accuracy {overall:.1%}, held-out Python ppl {record['heldout_ppl']:.2f}, "
-          f"held-out task loss {final_task_nll:.4f}")
+    print(
+        f"overall accuracy {overall:.1%}, held-out Python ppl {record['heldout_ppl']:.2f}, "
+        f"held-out task loss {final_task_nll:.4f}"
+    )
     return record
 
 

@@ -68,8 +68,9 @@ def check_awq_checkpoint(model_dir: Path) -> dict[str, tuple[int, int]]:
         assert scales.dtype == torch.float16 and tuple(scales.shape) == (num_inputs // group_size, num_outputs), stem
         assert num_inputs % group_size == 0, stem
         assert f"{stem}.weight" not in tensors, f"{stem} has both INT4 tensors and an FP16 weight"
-        assert not any(fragment in stem for fragment in quant["modules_to_not_convert"]), \
+        assert not any(fragment in stem for fragment in quant["modules_to_not_convert"]), (
             f"{stem} is quantized but matches modules_to_not_convert"
+        )
         zeros = reference_unpack(qzeros)
         assert int(zeros.min()) >= 0 and int(zeros.max()) <= 15
         assert torch.isfinite(reference_dequantize(qweight, qzeros, scales, group_size)).all(), stem

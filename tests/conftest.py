@@ -13,6 +13,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 def _strict_interpreted_launches() -> None:
     """The interpreter drops launch keywords that the kernel does not take, where a compiled
     launch raises KeyError on them: a keyword left behind by a change to a kernel's arguments

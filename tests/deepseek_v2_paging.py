@@ -17,8 +17,9 @@ def transformers_reference(checkpoint):
     return DeepseekV2ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def _metadata(block_table: list[int], num_cached: int, num_new: int,
-              device: torch.device | str = "cpu") -> tuple[AttentionMetadata, torch.Tensor]:
+def _metadata(
+    block_table: list[int], num_cached: int, num_new: int, device: torch.device | str = "cpu"
+) -> tuple[AttentionMetadata, torch.Tensor]:
     positions = torch.arange(num_cached, num_cached + num_new)
     blocks = torch.tensor(block_table)
     slots = blocks[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
@@ -36,8 +37,9 @@ def _metadata(block_table: list[int], num_cached: int, num_new: int,
     return meta, positions.to(device)
 
 
-def greedy_through_pages(model, prompt: list[int], num_steps: int,
-                          forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+def greedy_through_pages(
+    model, prompt: list[int], num_steps: int, forced: list[int] | None = None
+) -> tuple[list[int], torch.Tensor]:
     """Prefill then greedy decode through paged KV on the model's device; returns (new tokens,
     logits of every step [1 + steps, V]). `forced` feeds these tokens instead of the argmax
     (to compare two models step by step where rounding could flip a near tie)."""

@@ -33,15 +33,26 @@ def aot():
 def test_opcodes_drop_predicates_and_modifiers(aot):
     instructions = aot.sass_instructions(SASS)
     assert [address for address, _ in instructions] == list(range(0, 0x90, 0x10))
-    assert [aot.opcode(text) for _, text in instructions] == ["LDC", "S2R", "LDG", "HADD2", "ISETP", "BRA", "FADD",
-                                                              "BRA", "EXIT"]
+    assert [aot.opcode(text) for _, text in instructions] == [
+        "LDC",
+        "S2R",
+        "LDG",
+        "HADD2",
+        "ISETP",
+        "BRA",
+        "FADD",
+        "BRA",
+        "EXIT",
+    ]
 
 
 def test_longest_loop_is_the_longest_backward_branch(aot):
     loop = aot.longest_loop(aot.sass_instructions(SASS))
     assert [aot.opcode(text) for text in loop] == ["LDG", "HADD2", "ISETP", "BRA"]
-    assert aot.longest_loop(aot.sass_instructions(SASS.replace("BRA 0x20", "BRA 0x80"))) == ["FADD R5, R4, R4",
-                                                                                             "BRA 0x60"]
+    assert aot.longest_loop(aot.sass_instructions(SASS.replace("BRA 0x20", "BRA 0x80"))) == [
+        "FADD R5, R4, R4",
+        "BRA 0x60",
+    ]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -53,16 +64,16 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     if not (tools / "cuobjdump").exists() or not any(tools.glob("ptxas*")):
         pytest.skip("this Triton build has no bundled ptxas/cuobjdump")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
 
 def test_decode_attention_compiles_for_sm90_without_a_gpu():
     result = run_script("attention", "--bits", "8", "--arch", "90")
-    found = re.search(r"8-bit pages.*: (\d+) registers, (\d+) bytes spilled, loop (\d+) instructions.*'HMMA': (\d+)",
-                      result.stdout)
+    found = re.search(
+        r"8-bit pages.*: (\d+) registers, (\d+) bytes spilled, loop (\d+) instructions.*'HMMA': (\d+)", result.stdout
+    )
     assert found, result.stdout
     registers, spilled, loop, hmma = map(int, found.groups())
     assert 0 < registers <= 255 and spilled == 0
@@ -72,6 +83,7 @@ def test_decode_attention_compiles_for_sm90_without_a_gpu():
 def test_decode_attention_under_pdl_compiles_for_wide_heads():
     """The PDL variant (which the interpreter never runs) at MLA's 576-wide heads, whose rows
     span a number of cache lines that is not a power of two, at every page precision."""
-    result = run_script("attention", "--bits", "16,8,4", "--head-dim", "576", "--block-n", "16", "--warps", "8",
-                        "--arch", "90", "--pdl")
+    result = run_script(
+        "attention", "--bits", "16,8,4", "--head-dim", "576", "--block-n", "16", "--warps", "8", "--arch", "90", "--pdl"
+    )
     assert result.stdout.count("bytes spilled") == 3, result.stdout

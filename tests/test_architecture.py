@@ -44,8 +44,9 @@ def import_graph() -> dict[str, set[str]]:
                     parent = ".".join(base + ([node.module] if node.module else []))
                 else:
                     parent = node.module
-                targets.update(f"{parent}.{alias.name}" if f"{parent}.{alias.name}" in modules else parent
-                               for alias in node.names)
+                targets.update(
+                    f"{parent}.{alias.name}" if f"{parent}.{alias.name}" in modules else parent for alias in node.names
+                )
         graph[name] = {target for target in targets if target in modules and target != name}
     return graph
 
@@ -59,7 +60,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -91,9 +92,13 @@ def test_no_import_cycles():
 def test_kernels_import_nothing_of_lowvram_but_its_errors():
     """Plain arguments in, tensors out: a kernel module may import other kernels and
     lowvram.errors, nothing of the engine's state or formats."""
-    arrows = sorted(f"{name} -> {target}" for name, targets in import_graph().items()
-                    if name.startswith("lowvram.kernels") for target in targets
-                    if not target.startswith("lowvram.kernels") and target not in ("lowvram", "lowvram.errors"))
+    arrows = sorted(
+        f"{name} -> {target}"
+        for name, targets in import_graph().items()
+        if name.startswith("lowvram.kernels")
+        for target in targets
+        if not target.startswith("lowvram.kernels") and target not in ("lowvram", "lowvram.errors")
+    )
     assert arrows == []
 
 
@@ -119,8 +124,13 @@ sys.exit(pytest.main(sys.argv[1:]))
 
 def test_the_core_runs_its_exact_tests_without_torch():
     tests = [str(ROOT / "tests" / name) for name in CORE_TESTS]
-    result = subprocess.run([sys.executable, "-c", NO_TORCH, "-q", "-p", "no:cacheprovider", "--noconftest", *tests],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, "-q", "-p", "no:cacheprovider", "--noconftest", *tests],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-500:]
 
@@ -135,8 +145,16 @@ def test_the_blocker_blocks_torch():
     assert result.returncode != 0 and "torch is not available here" in result.stderr
 
 
-@pytest.mark.parametrize("module", ["lowvram.core.block_manager", "lowvram.core.scheduler", "lowvram.core.controller",
-                                    "lowvram.core.spill_policy", "lowvram.core.sequence"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "lowvram.core.block_manager",
+        "lowvram.core.scheduler",
+        "lowvram.core.controller",
+        "lowvram.core.spill_policy",
+        "lowvram.core.sequence",
+    ],
+)
 def test_each_core_module_imports_without_torch(module):
     result = run_without_torch(f"import {module}")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -51,7 +51,9 @@ def test_cancelling_a_stream_aborts_and_frees_pages(llm, engine):
 
     async def main():
         async def consume():
-            async for _ in engine.generate("c", "cancel me", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)):
+            async for _ in engine.generate(
+                "c", "cancel me", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            ):
                 pass
 
         task = asyncio.create_task(consume())

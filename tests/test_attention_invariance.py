@@ -46,8 +46,9 @@ MIXED_MERGES = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_fused_spl
 
 def _case(precision, dtype, num_window_blocks, context_lens, seed):
     pages_dtype = dtype if precision == "fp16" else torch.float32
-    return PagedCase(precision, pages_dtype, 8, 2, TINY_DIM, context_lens, seed=seed,
-                     num_window_blocks=num_window_blocks)
+    return PagedCase(
+        precision, pages_dtype, 8, 2, TINY_DIM, context_lens, seed=seed, num_window_blocks=num_window_blocks
+    )
 
 
 def _tolerance(dtype):
@@ -66,28 +67,48 @@ def test_decode_row_is_the_same_alone_and_in_a_batch(precision, dtype, num_windo
     # still, so the batch has more partitions than any of its sequences.
     padding = torch.full((len(context_lens), 7), -1, dtype=torch.int32, device=DEVICE)
     wide_tables = torch.cat([case.block_tables, padding], dim=1)
-    batched = paged_decode_attention(q, case.pages, wide_tables, case.context_lens_t, 0.3,
-                                     partition_tokens=PARTITION_TOKENS, max_context_len=500, _config=MIXED_MERGES)
+    batched = paged_decode_attention(
+        q,
+        case.pages,
+        wide_tables,
+        case.context_lens_t,
+        0.3,
+        partition_tokens=PARTITION_TOKENS,
+        max_context_len=500,
+        _config=MIXED_MERGES,
+    )
     expected = paged_decode_attention_ref(q, case.pages, case.block_tables, case.context_lens_t, 0.3)
     assert _report(f"decode {precision} batched vs reference", batched, expected) <= _tolerance(dtype)
 
     for seq, context_len in enumerate(context_lens):
         num_blocks = max(1, -(-context_len // 8))
-        alone = paged_decode_attention(q[seq : seq + 1], case.pages, case.block_tables[seq : seq + 1, :num_blocks],
-                                       case.context_lens_t[seq : seq + 1], 0.3, partition_tokens=PARTITION_TOKENS,
-                                       _config=MIXED_MERGES)
+        alone = paged_decode_attention(
+            q[seq : seq + 1],
+            case.pages,
+            case.block_tables[seq : seq + 1, :num_blocks],
+            case.context_lens_t[seq : seq + 1],
+            0.3,
+            partition_tokens=PARTITION_TOKENS,
+            _config=MIXED_MERGES,
+        )
         # Two other batches: the sequence with the shortest one, and in another slot.
         pair = [seq, 2]
-        in_pair = paged_decode_attention(q[pair], case.pages, case.block_tables[pair], case.context_lens_t[pair],
-                                         0.3, partition_tokens=PARTITION_TOKENS, _config=MIXED_MERGES)
+        in_pair = paged_decode_attention(
+            q[pair],
+            case.pages,
+            case.block_tables[pair],
+            case.context_lens_t[pair],
+            0.3,
+            partition_tokens=PARTITION_TOKENS,
+            _config=MIXED_MERGES,
+        )
         assert torch.equal(alone[0], batched[seq]), f"sequence {seq} ({context_len} tokens): alone != batched"
         assert torch.equal(in_pair[0], batched[seq]), f"sequence {seq} ({context_len} tokens): pair != batched"
     assert not batched[4].any(), "an empty context must give zeros"
 
 
 @pytest.mark.parametrize("precision,dtype,num_window_blocks", CASES[:3] + CASES[4:5], ids=CASE_IDS[:3] + CASE_IDS[4:5])
-def test_both_merges_match_and_fixed_partitions_take_the_merge_kernel(precision, dtype, num_window_blocks,
-                                                                      monkeypatch):
+def test_both_merges_match_and_fixed_partitions_take_the_merge_kernel(precision, dtype, num_window_blocks, monkeypatch):
     # With the default partitioning, which merge runs depends on the batch (num_splits against
     # max_fused_splits): both must give the reference's result. Fixed partitions always take
     # the merge kernel, so max_fused_splits leaves their bits alone. The decode kernel's own
@@ -137,11 +158,13 @@ def test_decode_rejects_partitions_that_are_not_whole_tiles(partition_tokens):
     case = _case("int8", torch.float32, 0, [5, 9], seed=52)
     q = torch.zeros(2, TINY_HEADS, TINY_DIM, device=DEVICE)
     with pytest.raises(KernelError, match=f"partition_tokens={partition_tokens!r}"):
-        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 1.0,
-                               partition_tokens=partition_tokens)
+        paged_decode_attention(
+            q, case.pages, case.block_tables, case.context_lens_t, 1.0, partition_tokens=partition_tokens
+        )
     with pytest.raises(KernelError, match="not both"):
-        paged_decode_attention(q, case.pages, case.block_tables, case.context_lens_t, 1.0,
-                               num_splits=2, partition_tokens=32)
+        paged_decode_attention(
+            q, case.pages, case.block_tables, case.context_lens_t, 1.0, num_splits=2, partition_tokens=32
+        )
 
 
 def _prefill(case, q, seqs, chunks):
@@ -196,9 +219,14 @@ def test_decode_row_is_the_same_alone_and_in_a_batch_gpu(precision):
     assert _report(f"decode gpu {precision} batched, fixed partitions", batched, expected) <= 2e-3
     for seq in range(len(context_lens)):
         num_blocks = -(-context_lens[seq] // 16)
-        alone = paged_decode_attention(q[seq : seq + 1], case.pages, case.block_tables[seq : seq + 1, :num_blocks],
-                                       case.context_lens_t[seq : seq + 1], 128**-0.5,
-                                       partition_tokens=INVARIANT_PARTITION_TOKENS)
+        alone = paged_decode_attention(
+            q[seq : seq + 1],
+            case.pages,
+            case.block_tables[seq : seq + 1, :num_blocks],
+            case.context_lens_t[seq : seq + 1],
+            128**-0.5,
+            partition_tokens=INVARIANT_PARTITION_TOKENS,
+        )
         assert torch.equal(alone[0], batched[seq]), f"sequence {seq}: alone != batched"
 
 
@@ -218,9 +246,12 @@ def test_both_merges_match_and_fixed_partitions_take_the_merge_kernel_gpu(precis
     expected = paged_decode_attention_ref(q.float(), *args)
     default = default_decode_config(DEVICE, head_dim, case.pages.bits)
     for partitioning in ({"partition_tokens": INVARIANT_PARTITION_TOKENS}, {"num_splits": 8}, {"num_splits": 40}):
-        separate, fused = (paged_decode_attention(q, *args, **partitioning,
-                                                  _config=replace(default, max_fused_splits=max_fused_splits))
-                           for max_fused_splits in (0, 1 << 30))
+        separate, fused = (
+            paged_decode_attention(
+                q, *args, **partitioning, _config=replace(default, max_fused_splits=max_fused_splits)
+            )
+            for max_fused_splits in (0, 1 << 30)
+        )
         label = f"decode gpu {precision} D={head_dim} {partitioning}"
         assert _report(f"{label} fused", fused, expected) <= 2e-3
         assert _report(f"{label} separate", separate, expected) <= 2e-3

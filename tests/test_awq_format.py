@@ -16,10 +16,10 @@ from lowvram.kernels.awq_format import (
 
 def random_awq(num_inputs, num_outputs, group_size, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (num_inputs, num_outputs // 8),
-                            dtype=torch.int32, generator=gen)
-    qzeros = torch.randint(-(2**31), 2**31 - 1, (num_inputs // group_size, num_outputs // 8),
-                           dtype=torch.int32, generator=gen)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, generator=gen)
+    qzeros = torch.randint(
+        -(2**31), 2**31 - 1, (num_inputs // group_size, num_outputs // 8), dtype=torch.int32, generator=gen
+    )
     scales = (torch.rand(num_inputs // group_size, num_outputs, generator=gen) * 0.02 + 1e-3).half()
     return qweight, qzeros, scales
 

@@ -25,12 +25,25 @@ from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B, AwqLinear
 
 GROUP_SIZE = 32
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
-AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm",
-              "modules_to_not_convert": None}
+AWQ_CONFIG = {
+    "quant_method": "awq",
+    "bits": 4,
+    "group_size": GROUP_SIZE,
+    "zero_point": True,
+    "version": "gemm",
+    "modules_to_not_convert": None,
+}
 
 
-def write_awq_checkpoint(src: Path, dst: Path, *, keep_fp16: tuple[str, ...] = (), dequantized: bool = False,
-                         quant_config: dict | None = None, legacy: bool = False) -> dict:
+def write_awq_checkpoint(
+    src: Path,
+    dst: Path,
+    *,
+    keep_fp16: tuple[str, ...] = (),
+    dequantized: bool = False,
+    quant_config: dict | None = None,
+    legacy: bool = False,
+) -> dict:
     """Copy `src` with its decoder Linears in AutoAWQ GEMM form (or, with dequantized=True, the
     same INT4 weights dequantized into plain FP32 `.weight` tensors). Returns the written tensors."""
     dst.mkdir(parents=True)
@@ -47,11 +60,15 @@ def write_awq_checkpoint(src: Path, dst: Path, *, keep_fp16: tuple[str, ...] = (
             continue
         packed = quantize_rtn(tensor.float(), GROUP_SIZE)
         if dequantized:
-            out[name] = dequantize_awq(packed.qweight, packed.qzeros, packed.scales, GROUP_SIZE,
-                                       dtype=torch.float32).t().contiguous()
+            out[name] = (
+                dequantize_awq(packed.qweight, packed.qzeros, packed.scales, GROUP_SIZE, dtype=torch.float32)
+                .t()
+                .contiguous()
+            )
         else:
-            out.update({f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros,
-                        f"{stem}.scales": packed.scales})
+            out.update(
+                {f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros, f"{stem}.scales": packed.scales}
+            )
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     if not dequantized:
@@ -112,8 +129,9 @@ def test_weight_report_counts_packed_bytes(awq_qwen2_dir):
     on_disk = load_file(str(awq_qwen2_dir / "model.safetensors"))
     model, config = load_model(awq_qwen2_dir, torch.device("cpu"))
     report = model.weight_report
-    packed_bytes = sum(t.numel() * t.element_size() for n, t in on_disk.items()
-                       if n.endswith((".qweight", ".qzeros", ".scales")))
+    packed_bytes = sum(
+        t.numel() * t.element_size() for n, t in on_disk.items() if n.endswith((".qweight", ".qzeros", ".scales"))
+    )
     bias_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith("_proj.bias"))
     assert report.int4_layer_bytes == packed_bytes + bias_bytes
     assert report.num_int4_layers == config.num_layers * len(QUANTIZABLE_LINEARS)
@@ -175,15 +193,18 @@ def test_legacy_quant_config_json_is_read(tiny_llama_dir, tmp_path):
     assert isinstance(model.get_submodule("model.layers.0.mlp.up_proj"), AwqLinear)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"version": "gemv"}, "AWQ version 'gemv' is not supported"),
-    ({"version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
-    ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
-    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-    ({"bits": 8}, "AWQ with 8 bits is not supported"),
-    ({"group_size": 256}, "group_size 256 is not supported"),
-    ({"zero_point": False}, "without zero points"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"version": "gemv"}, "AWQ version 'gemv' is not supported"),
+        ({"version": "gemv_fast"}, "AWQ version 'gemv_fast' is not supported"),
+        ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"bits": 8}, "AWQ with 8 bits is not supported"),
+        ({"group_size": 256}, "group_size 256 is not supported"),
+        ({"zero_point": False}, "without zero points"),
+    ],
+)
 def test_unsupported_quantization_is_refused_clearly(awq_qwen2_dir, tmp_path, change, message):
     bad = tmp_path / "bad"
     shutil.copytree(awq_qwen2_dir, bad)
@@ -210,8 +231,9 @@ def test_fp16_layer_missing_from_skip_list_names_the_layer(tiny_qwen2_dir, tmp_p
     config = json.loads((tmp_path / "bad" / "config.json").read_text())
     config["quantization_config"]["modules_to_not_convert"] = []
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.down_proj is listed as INT4 but the checkpoint "
-                                             "holds it in FP16"):
+    with pytest.raises(
+        ModelLoadError, match="model.layers.1.mlp.down_proj is listed as INT4 but the checkpoint holds it in FP16"
+    ):
         load_model(tmp_path / "bad", torch.device("cpu"))
 
 
@@ -220,9 +242,11 @@ def test_compensation_file_is_invisible_to_awq_only_loaders(awq_qwen2_dir, tmp_p
     the *.safetensors files; the compensation tensors must not be among them."""
     checkpoint = tmp_path / "compensated"
     shutil.copytree(awq_qwen2_dir, checkpoint)
-    extras = {"model.layers.0.mlp.down_proj." + LORA_A: torch.zeros(2, 160, dtype=torch.float16),
-              "model.layers.0.mlp.down_proj." + LORA_B: torch.zeros(64, 2, dtype=torch.float16),
-              "model.layers.0.mlp.down_proj." + BIAS_CORRECTION: torch.full((64,), 0.5, dtype=torch.float16)}
+    extras = {
+        "model.layers.0.mlp.down_proj." + LORA_A: torch.zeros(2, 160, dtype=torch.float16),
+        "model.layers.0.mlp.down_proj." + LORA_B: torch.zeros(64, 2, dtype=torch.float16),
+        "model.layers.0.mlp.down_proj." + BIAS_CORRECTION: torch.full((64,), 0.5, dtype=torch.float16),
+    }
     save_file(extras, str(checkpoint / COMPENSATION_FILE), metadata={"format": "pt"})
 
     awq_suffixes = (".qweight", ".qzeros", ".scales", ".bias", ".weight")
@@ -267,8 +291,12 @@ def random_compensation(seed: int) -> dict[str, torch.Tensor]:
     ranks differ between q, k and v (fused, R = 4 + 8 = 12 over a block-diagonal B), corrections
     land on biased layers (q) and bias-free ones (gate, down), and up has none beside gate."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"self_attn.q_proj": (4, 64, 64, True), "self_attn.v_proj": (8, 64, 32, False),
-              "mlp.gate_proj": (16, 64, 160, True), "mlp.down_proj": (6, 160, 64, True)}
+    shapes = {
+        "self_attn.q_proj": (4, 64, 64, True),
+        "self_attn.v_proj": (8, 64, 32, False),
+        "mlp.gate_proj": (16, 64, 160, True),
+        "mlp.down_proj": (6, 160, 64, True),
+    }
     tensors = {}
     for layer in (0, 1):
         for name, (rank, k, n, has_correction) in shapes.items():
@@ -316,9 +344,12 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
 
     import lowvram.engine.engine
     import lowvram.quant.awq_linear
+
     with monkeypatch.context() as patch:
+
         def kernels_only(*args, **kwargs):
             return w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
+
         patch.setattr(lowvram.quant.awq_linear, "awq_linear", kernels_only)
         launch, rows_with_lora = w4a16.w4a16_gemv.launch_awq_gemv, set()
 
@@ -339,23 +370,31 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
 
     def unfused(layer: AwqLinear, lora_a, lora_b, correction):
         def forward(x):  # the forward pass before the fusion: INT4, then the terms in plain torch
-            y = w4a16.awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.group_size, layer.bias,
-                                 use_reference=True)
+            y = w4a16.awq_linear(
+                x, layer.qweight, layer.qzeros, layer.scales, layer.group_size, layer.bias, use_reference=True
+            )
             y = y + (x @ lora_a.t().to(x.dtype)) @ lora_b.t().to(x.dtype)
             return y if correction is None else y + correction.to(y.dtype)
+
         return forward
 
     for name, module in engine.model.named_modules():
         if f"{name}.{LORA_A}" in compensation:
-            module.forward = unfused(module, compensation[f"{name}.{LORA_A}"], compensation[f"{name}.{LORA_B}"],
-                                     compensation.get(f"{name}.{BIAS_CORRECTION}"))
+            module.forward = unfused(
+                module,
+                compensation[f"{name}.{LORA_A}"],
+                compensation[f"{name}.{LORA_B}"],
+                compensation.get(f"{name}.{BIAS_CORRECTION}"),
+            )
     plain = prefill_logits(awq_qwen2_dir)
     for (prompts, max_tokens), got in zip(cases, fused):
         expected = generated_logits(engine, prompts, max_tokens)
         rel = ((got - expected).abs().max() / expected.abs().max()).item()
         moved = ((expected[:, 0] - plain[: len(prompts)]).abs().max() / expected.abs().max()).item()
-        print(f"{len(prompts)} prompts x {max_tokens} steps: largest relative logit difference, kernels vs "
-              f"unfused torch terms {rel:.2e} (the compensation moves them by {moved:.2e})")
+        print(
+            f"{len(prompts)} prompts x {max_tokens} steps: largest relative logit difference, kernels vs "
+            f"unfused torch terms {rel:.2e} (the compensation moves them by {moved:.2e})"
+        )
         assert rel <= 1e-4 < moved
 
 
@@ -376,8 +415,9 @@ def test_bias_correction_is_added_into_the_bias():
 
 
 @pytest.mark.gpu
-def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_separate_kernel(awq_qwen2_dir,
-                                                                                              monkeypatch):
+def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_separate_kernel(
+    awq_qwen2_dir, monkeypatch
+):
     """One sequence decoding on the GPU rotates q and k and stores k and v inside the fused
     q/k/v projection's kernel (Attention.fused_rope_kv); its logits equal, within the GEMV's
     own rounding (its column blocks and K splits change), those of rotary_write_kv after it."""
@@ -400,16 +440,20 @@ def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_sep
             patch.setattr(lowvram.models.dense.Attention, "fused_rope_kv", lambda *args: None)
             separate = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:1], 6)
         worst = ((fused - separate).abs().max() / separate.abs().max()).item()
-        print(f"graphs={use_graphs}: RoPE and KV store in the q/k/v kernel vs separate, largest relative "
-              f"difference of the logits {worst:.2e}")
+        print(
+            f"graphs={use_graphs}: RoPE and KV store in the q/k/v kernel vs separate, largest relative "
+            f"difference of the logits {worst:.2e}"
+        )
         assert worst <= 1e-3
         assert torch.equal(fused.argmax(-1), separate.argmax(-1))
         taken.clear()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+",
+)
 @pytest.mark.parametrize("num_prompts", [1, 3])
 def test_decode_with_dependent_launch_gives_the_logits_of_plain_launches(awq_qwen2_dir, num_prompts, monkeypatch):
     """Decode kernels that start while the one before runs (kernels/pdl.py) change no bit of
@@ -427,7 +471,8 @@ def test_decode_with_dependent_launch_gives_the_logits_of_plain_launches(awq_qwe
 
 @pytest.mark.gpu
 def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_separate_kernels(
-        awq_qwen2_dir, tmp_path, monkeypatch):
+    awq_qwen2_dir, tmp_path, monkeypatch
+):
     """One sequence decoding on the GPU runs both norms and the activation inside the INT4
     kernels (model.fuses_input); every step's logits equal those of the separate kernels."""
     import lowvram.models.dense
@@ -451,8 +496,10 @@ def test_decode_with_norms_and_activation_inside_the_int4_kernels_matches_the_se
             patch.setattr(lowvram.models.dense, "fuses_input", lambda *args: False)
             separate = generated_logits(LLMEngine(str(checkpoint), profile), PROMPTS[:1], 6)
         worst = ((fused - separate).abs().max() / separate.abs().max()).item()
-        print(f"graphs={use_graphs}: fused vs separate decode logits, largest relative difference {worst:.2e}, "
-              f"bit-identical: {torch.equal(fused, separate)}")
+        print(
+            f"graphs={use_graphs}: fused vs separate decode logits, largest relative difference {worst:.2e}, "
+            f"bit-identical: {torch.equal(fused, separate)}"
+        )
         assert worst <= 1e-3
         assert torch.equal(fused.argmax(-1), separate.argmax(-1))
         fused_calls.clear()

@@ -25,7 +25,7 @@ def assert_rows_invariant(compute, x):
         if num_rows <= x.shape[0]:
             assert torch.equal(compute(x[:num_rows]), full[:num_rows]), f"rows differ at M = {num_rows}"
     last = x.shape[0] - 1
-    assert torch.equal(compute(x[last:last + 1]), full[last:last + 1])
+    assert torch.equal(compute(x[last : last + 1]), full[last : last + 1])
     return full
 
 
@@ -39,12 +39,14 @@ def test_awq_rows_do_not_depend_on_the_batch(has_lora):
     x = random_x(70, num_inputs, seed=3, dtype=dtype)
 
     def compute(rows):
-        return awq_linear(rows, qweight, qzeros, scales, group_size, bias, lora_a=lora_a, lora_bt=lora_bt,
-                          batch_invariant=True)
+        return awq_linear(
+            rows, qweight, qzeros, scales, group_size, bias, lora_a=lora_a, lora_bt=lora_bt, batch_invariant=True
+        )
 
     full = assert_rows_invariant(compute, x)
-    error = relative_error(full, awq_linear_ref(x, qweight, qzeros, scales, group_size, bias,
-                                                lora_a=lora_a, lora_bt=lora_bt))
+    error = relative_error(
+        full, awq_linear_ref(x, qweight, qzeros, scales, group_size, bias, lora_a=lora_a, lora_bt=lora_bt)
+    )
     print(f"largest relative difference against the reference: {error:.2e}")
     assert error < 2e-3
 
@@ -52,8 +54,9 @@ def test_awq_rows_do_not_depend_on_the_batch(has_lora):
 def test_awq_plain_torch_rows_do_not_depend_on_the_batch():
     qweight, qzeros, scales, bias = random_awq(256, 128, 64, seed=4, device="cpu")
     x = random_x(70, 256, seed=5, dtype=torch.float32, device="cpu")
-    assert_rows_invariant(lambda rows: awq_linear(rows, qweight, qzeros, scales, 64, bias, use_reference=True,
-                                                  batch_invariant=True), x)
+    assert_rows_invariant(
+        lambda rows: awq_linear(rows, qweight, qzeros, scales, 64, bias, use_reference=True, batch_invariant=True), x
+    )
 
 
 @needs_triton
@@ -102,10 +105,13 @@ def test_awq_rows_do_not_depend_on_the_batch_at_real_shapes(num_inputs, num_outp
     qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=9)
     lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=10, dtype=torch.float16)
     x = random_x(70, num_inputs, seed=11)
-    full = assert_rows_invariant(lambda rows: awq_linear(rows, qweight, qzeros, scales, 128, bias, lora_a=lora_a,
-                                                         lora_bt=lora_bt, batch_invariant=True), x)
-    error = relative_error(full, awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a,
-                                                lora_bt=lora_bt))
+    full = assert_rows_invariant(
+        lambda rows: awq_linear(
+            rows, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt, batch_invariant=True
+        ),
+        x,
+    )
+    error = relative_error(full, awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt))
     print(f"K={num_inputs} N={num_outputs}: largest relative difference {error:.2e}")
     assert error < 2e-3
 
@@ -164,8 +170,7 @@ def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
                 done[out.request_id] = out.outputs[0].token_ids
         num_steps += 1
         decoding = [seq for seq in engine.scheduler.running if len(seq.output_token_ids) >= 2]
-        if preempt_at_step is not None and preempted_at is None and num_steps >= preempt_at_step \
-                and len(decoding) >= 2:
+        if preempt_at_step is not None and preempted_at is None and num_steps >= preempt_at_step and len(decoding) >= 2:
             num_preempted, preempted_at = len(engine.scheduler.set_batch_limit(1)), num_steps
         elif preempted_at is not None and num_steps == preempted_at + 4:
             engine.scheduler.set_batch_limit(engine.profile.max_num_seqs)
@@ -174,8 +179,9 @@ def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
     return done
 
 
-def check_requests_decode_as_alone(model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None,
-                                   is_pipelined=None):
+def check_requests_decode_as_alone(
+    model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None, is_pipelined=None
+):
     """Batched (chunked prefill under a small token budget, decode batches that shrink, and
     with `preempt_at_step` requests preempted and recomputed) against one request at a time
     on a fresh engine: the same tokens and the same logits, bit for bit. `is_pipelined`
@@ -213,16 +219,29 @@ def test_requests_decode_as_they_do_alone_on_the_cpu(tiny_qwen2_dir, monkeypatch
     from lowvram.config import load_profile
 
     profile = load_profile("cpu").replace(batch_invariant=True, max_num_seqs=4, max_num_batched_tokens=32)
-    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 40, 23, 61], max_tokens=8,
-                                   preempt_at_step=preempt_at_step, is_pipelined=is_pipelined)
+    check_requests_decode_as_alone(
+        tiny_qwen2_dir,
+        profile,
+        monkeypatch,
+        lengths=[5, 40, 23, 61],
+        max_tokens=8,
+        preempt_at_step=preempt_at_step,
+        is_pipelined=is_pipelined,
+    )
 
 
 def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(tiny_qwen2_dir, monkeypatch):
     from lowvram.config import ControllerConfig, load_profile
     from lowvram.engine.engine import LLMEngine
 
-    controller = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=1e5,
-                                  latency_low_ms=5e4, patience_tokens=2, cooldown_steps=3)
+    controller = ControllerConfig(
+        memory_high_water=0.9,
+        memory_low_water=0.75,
+        latency_high_ms=1e5,
+        latency_low_ms=5e4,
+        patience_tokens=2,
+        cooldown_steps=3,
+    )
     profile = load_profile("cpu").replace(batch_invariant=True, controller=controller, max_num_seqs=4)
     engine = LLMEngine(str(tiny_qwen2_dir), profile)
     engine.memory_in_use_bytes = lambda *_: int(0.95 * engine.kv_plan.budget_bytes)  # a card near full
@@ -245,12 +264,22 @@ def test_batch_invariance_refuses_deepseek_v2(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cuda_graphs, preempt_at_step", [(False, None), (True, None), (True, 1)],
-                         ids=["eager", "graphs", "graphs-preempted"])
+@pytest.mark.parametrize(
+    "cuda_graphs, preempt_at_step",
+    [(False, None), (True, None), (True, 1)],
+    ids=["eager", "graphs", "graphs-preempted"],
+)
 def test_requests_decode_as_they_do_alone_on_the_gpu(tiny_qwen2_dir, monkeypatch, cuda_graphs, preempt_at_step):
     from lowvram.config import load_profile
 
-    profile = load_profile("4gb").replace(batch_invariant=True, enable_cuda_graphs=cuda_graphs, max_num_seqs=4,
-                                          max_num_batched_tokens=256, max_model_len=4096, emulate_vram_gib=4.0)
-    check_requests_decode_as_alone(tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 300, 97, 1100], max_tokens=24,
-                                   preempt_at_step=preempt_at_step)
+    profile = load_profile("4gb").replace(
+        batch_invariant=True,
+        enable_cuda_graphs=cuda_graphs,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        max_model_len=4096,
+        emulate_vram_gib=4.0,
+    )
+    check_requests_decode_as_alone(
+        tiny_qwen2_dir, profile, monkeypatch, lengths=[5, 300, 97, 1100], max_tokens=24, preempt_at_step=preempt_at_step
+    )

@@ -13,10 +13,31 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_writes_an_awq_checkpoint_and_reports_the_expert_cache(tmp_path):
     model_dir, out = tmp_path / "dsv2", tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_deepseek_v2.py"), "--model-dir", str(model_dir), "--tiny",
-         "--group-size", "32", "--profile", "cpu", "--max-model-len", "128", "--prompt-tokens", "24",
-         "--output-tokens", "6", "--max-cached-experts", "3", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_deepseek_v2.py"),
+            "--model-dir",
+            str(model_dir),
+            "--tiny",
+            "--group-size",
+            "32",
+            "--profile",
+            "cpu",
+            "--max-model-len",
+            "128",
+            "--prompt-tokens",
+            "24",
+            "--output-tokens",
+            "6",
+            "--max-cached-experts",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(out.read_text())
     assert record["is_oom_free"] and record["num_cached_experts"] == 3 < record["num_routed_experts"] == 8

@@ -15,8 +15,22 @@ def bench():
 
 def test_main_path_grows_one_sequence_and_records_decode_and_memory(bench, tiny_qwen2_dir, tmp_path, capsys):
     out = tmp_path / "kv_pool.json"
-    code = bench.main(["--model", str(tiny_qwen2_dir), "--device", "cpu", "--contexts", "48,96", "--warmup-steps", "1",
-                       "--decode-steps", "3", "--json", str(out)])
+    code = bench.main(
+        [
+            "--model",
+            str(tiny_qwen2_dir),
+            "--device",
+            "cpu",
+            "--contexts",
+            "48,96",
+            "--warmup-steps",
+            "1",
+            "--decode-steps",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())
     assert record["command"].startswith("python scripts/bench_kv_pool.py") and record["date"]

@@ -49,8 +49,22 @@ def test_pages_kept_in_fp16_are_what_decode_attention_reads():
 def test_the_command_line_becomes_the_plan_run_takes():
     """parse_args hands run() its rows and options as values, not the strings typed."""
     bench = load_script("bench_paged_attention")
-    args = bench.parse_args(["--precisions", "int8,int4", "--contexts", "8192,131072", "--batches", "4",
-                             "--splits", "41,66", "--config", "64/2/3", "--sms", "16"])
+    args = bench.parse_args(
+        [
+            "--precisions",
+            "int8,int4",
+            "--contexts",
+            "8192,131072",
+            "--batches",
+            "4",
+            "--splits",
+            "41,66",
+            "--config",
+            "64/2/3",
+            "--sms",
+            "16",
+        ]
+    )
     assert (args.precisions, args.contexts, args.batches) == (["int8", "int4"], [8192, 131072], [4])
     assert (args.splits, args.config, args.sms) == ((41, 66), (64, 2, 3), 16)
     defaults = bench.parse_args([])
@@ -59,14 +73,20 @@ def test_the_command_line_becomes_the_plan_run_takes():
     assert bench.parse_args(["--floor"]).floor
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--precisions", "fp8"], "--precisions: fp8 not among fp16, int8, int4"),
-    (["--contexts", "8k"], "--contexts, --batches and --splits take comma-separated integers"),
-    (["--splits", "0"], "--splits takes partition counts of 1 or more, got 0"),
-    (["--config", "64/2"], "--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got '64/2'"),
-    (["--window-tokens", "-1"], "--window-tokens must be 0 or more, got -1"),
-    (["--floor", "--window-tokens", "64"], "--floor copies the bytes of pages without a window; it does not take --window-tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--precisions", "fp8"], "--precisions: fp8 not among fp16, int8, int4"),
+        (["--contexts", "8k"], "--contexts, --batches and --splits take comma-separated integers"),
+        (["--splits", "0"], "--splits takes partition counts of 1 or more, got 0"),
+        (["--config", "64/2"], "--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got '64/2'"),
+        (["--window-tokens", "-1"], "--window-tokens must be 0 or more, got -1"),
+        (
+            ["--floor", "--window-tokens", "64"],
+            "--floor copies the bytes of pages without a window; it does not take --window-tokens",
+        ),
+    ],
+)
 def test_a_bad_command_line_is_named(argv, message, capsys):
     bench = load_script("bench_paged_attention")
     with pytest.raises(SystemExit):

@@ -20,10 +20,27 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-speed")
-    argv = ["bench", "speed", "--shape", "tiny", "--device", "cpu", "--profile", "cpu",
-            "--context-lens", ",".join(map(str, CONTEXTS)), "--batch-sizes", ",".join(map(str, BATCHES)),
-            "--max-tokens", str(MAX_TOKENS), "--vs-hf", "--json", str(out / "speed.json"),
-            "--output", str(out / "speed.md")]
+    argv = [
+        "bench",
+        "speed",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--profile",
+        "cpu",
+        "--context-lens",
+        ",".join(map(str, CONTEXTS)),
+        "--batch-sizes",
+        ",".join(map(str, BATCHES)),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--vs-hf",
+        "--json",
+        str(out / "speed.json"),
+        "--output",
+        str(out / "speed.md"),
+    ]
     if HAS_MATPLOTLIB:
         argv += ["--plot", str(out / "speed.png")]
     assert main(argv) == 0
@@ -32,8 +49,24 @@ def cli_run(tmp_path_factory):
 
 def test_the_record_says_where_and_what_it_measured(cli_run):
     _, record = cli_run
-    for key in ("command", "date", "git_commit", "gpu", "versions", "device", "copy_bandwidth_gbps", "model",
-                "profile", "kv_bytes_per_token", "prefill", "decode", "memory", "one_request", "hf", "elapsed_s"):
+    for key in (
+        "command",
+        "date",
+        "git_commit",
+        "gpu",
+        "versions",
+        "device",
+        "copy_bandwidth_gbps",
+        "model",
+        "profile",
+        "kv_bytes_per_token",
+        "prefill",
+        "decode",
+        "memory",
+        "one_request",
+        "hf",
+        "elapsed_s",
+    ):
         assert key in record, key
     assert record["command"].startswith("lowvram bench speed")
     assert record["device"] == "cpu" and record["gpu"] is None
@@ -77,8 +110,7 @@ def test_bytes_per_step_are_weights_without_the_embedding_plus_the_kv_read(cli_r
         assert row["bytes_per_step"] == int(record["model"]["weight_bytes_read_per_step"] + kv)
         # Both figures are rounded to hundredths: on a slow CPU the rate is a few tenths of a GB/s,
         # where the rounding alone is a 2% difference.
-        assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02,
-                                                     abs=0.01)
+        assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02, abs=0.01)
 
 
 def test_transformers_generate_runs_on_the_same_shape(cli_run):
@@ -106,8 +138,16 @@ def test_the_plot_is_a_png(cli_run):
 
 
 def test_quantize_measures_awq_int4_weights():
-    record = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu",
-                             batch_sizes=(2,), context_lens=(16,), max_tokens=4)
+    record = run_speed_bench(
+        shape="tiny",
+        quantize=True,
+        calib_samples=2,
+        profile="cpu",
+        device="cpu",
+        batch_sizes=(2,),
+        context_lens=(16,),
+        max_tokens=4,
+    )
     model = record["model"]
     assert model["weight_format"].startswith("awq-int4")
     assert model["quantization"]["num_samples"] == 2
@@ -116,10 +156,27 @@ def test_quantize_measures_awq_int4_weights():
 
 
 def test_quantize_head_measures_an_int4_lm_head():
-    kept = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu",
-                           batch_sizes=(1,), context_lens=(16,), max_tokens=2)
-    record = run_speed_bench(shape="tiny", quantize=True, quantize_head=True, calib_samples=2, profile="cpu",
-                             device="cpu", batch_sizes=(1,), context_lens=(16,), max_tokens=2)
+    kept = run_speed_bench(
+        shape="tiny",
+        quantize=True,
+        calib_samples=2,
+        profile="cpu",
+        device="cpu",
+        batch_sizes=(1,),
+        context_lens=(16,),
+        max_tokens=2,
+    )
+    record = run_speed_bench(
+        shape="tiny",
+        quantize=True,
+        quantize_head=True,
+        calib_samples=2,
+        profile="cpu",
+        device="cpu",
+        batch_sizes=(1,),
+        context_lens=(16,),
+        max_tokens=2,
+    )
     assert record["model"]["quantization"]["quantize_head"] is True
     # The head is read as packed INT4 with group scales: under a quarter of its FP16 bytes plus scales.
     fp16, int4 = kept["model"]["weight_bytes"], record["model"]["weight_bytes"]
@@ -130,8 +187,18 @@ def test_quantize_head_measures_an_int4_lm_head():
 
 def test_rank_and_fp16_budget_replace_the_profiles():
     """--rank / --fp16-budget-mib: the cpu profile quantizes without compensation; rank 4 adds it."""
-    record = run_speed_bench(shape="tiny", quantize=True, calib_samples=2, profile="cpu", device="cpu", rank=4,
-                             fp16_budget_mib=0, batch_sizes=(1,), context_lens=(16,), max_tokens=2)
+    record = run_speed_bench(
+        shape="tiny",
+        quantize=True,
+        calib_samples=2,
+        profile="cpu",
+        device="cpu",
+        rank=4,
+        fp16_budget_mib=0,
+        batch_sizes=(1,),
+        context_lens=(16,),
+        max_tokens=2,
+    )
     assert record["model"]["quantization"]["rank"] == 4
     assert record["model"]["weight_bytes"]["compensation_bytes"] > 0
     assert record["model"]["weight_bytes"]["num_fp16_layers"] == 0
@@ -139,8 +206,16 @@ def test_rank_and_fp16_budget_replace_the_profiles():
 
 
 def test_sampled_decode_requests():
-    record = run_speed_bench(shape="tiny", profile="cpu", device="cpu", temperature=0.8, top_p=0.9,
-                             batch_sizes=(2,), context_lens=(16,), max_tokens=4)
+    record = run_speed_bench(
+        shape="tiny",
+        profile="cpu",
+        device="cpu",
+        temperature=0.8,
+        top_p=0.9,
+        batch_sizes=(2,),
+        context_lens=(16,),
+        max_tokens=4,
+    )
     assert record["sampling"] == {"temperature": 0.8, "top_p": 0.9}
     assert record["decode"][0]["num_decode_tokens"] == 2 * 3
     assert "sampled at temperature 0.8, top-p 0.9, seeded" in write_markdown(record)
@@ -170,8 +245,9 @@ def test_a_context_longer_than_the_model_allows_is_refused_before_measuring():
 
 @pytest.mark.gpu
 def test_on_cuda_the_record_has_peak_device_memory_and_the_copy_bandwidth():
-    record = run_speed_bench(shape="tiny", profile="4gb", device="cuda", batch_sizes=(1, 2), context_lens=(32,),
-                             max_tokens=4, vs_hf=True)
+    record = run_speed_bench(
+        shape="tiny", profile="4gb", device="cuda", batch_sizes=(1, 2), context_lens=(32,), max_tokens=4, vs_hf=True
+    )
     memory = record["memory"]
     assert memory["peak_device_bytes"] >= record["model"]["weight_bytes"]["total_bytes"]
     one = record["one_request"]
@@ -193,13 +269,33 @@ def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeyp
     from lowvram.models import shapes
 
     # A small shape under a real shape's rules (Qwen2 layout, vocabulary the tokenizer covers).
-    monkeypatch.setitem(shapes.SHAPES, "small-qwen2", dict(
-        shapes.SHAPES["r1-distill-qwen-1.5b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512))
+    monkeypatch.setitem(
+        shapes.SHAPES,
+        "small-qwen2",
+        dict(
+            shapes.SHAPES["r1-distill-qwen-1.5b"],
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=512,
+        ),
+    )
     monkeypatch.setenv(shapes.BENCH_CACHE_ENV, str(tmp_path / "cache"))
+
     def run():
-        return run_speed_bench(shape="small-qwen2", quantize=True, calib_samples=2, profile="cpu", device="cpu",
-                               batch_sizes=(1,), context_lens=(16,), max_tokens=3)
+        return run_speed_bench(
+            shape="small-qwen2",
+            quantize=True,
+            calib_samples=2,
+            profile="cpu",
+            device="cpu",
+            batch_sizes=(1,),
+            context_lens=(16,),
+            max_tokens=3,
+        )
 
     runs = [run()]
     made = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/.complete")}
@@ -213,5 +309,10 @@ def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeyp
     assert cached == [f"small-qwen2-awq-n2-g128-f{budget:g}-r{rank}", "small-qwen2-bf16"]
     for record in runs:
         assert record["model"]["weight_format"].startswith("awq-int4")
-        assert record["model"]["quantization"] == {"num_samples": 2, "group_size": 128, "fp16_budget_mib": budget,
-                                                   "rank": rank, "quantize_head": False}
+        assert record["model"]["quantization"] == {
+            "num_samples": 2,
+            "group_size": 128,
+            "fp16_budget_mib": budget,
+            "rank": rank,
+            "quantize_head": False,
+        }

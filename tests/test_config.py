@@ -25,21 +25,24 @@ def _write(tmp_path, text):
     return path
 
 
-@pytest.mark.parametrize("text, words", [
-    ("kv_precision: int3\n", ["kv_precision", "'int3'", "fp16, int8, int4, auto"]),
-    ("memory_utilization: 1.5\n", ["memory_utilization", "1.5", "0.3 to 1.0"]),
-    ("max_num_seqs: 0\n", ["max_num_seqs", "0", "1 to 1024"]),
-    ("max_model_len: lots\n", ["max_model_len", "'lots'", "integer"]),
-    ("kv_block_size: 12\n", ["kv_block_size", "12", "8, 16, 32, 64"]),
-    ("turbo: true\n", ["unknown field 'turbo'", "max_model_len"]),
-    ("controller:\n  patience: 3\n", ["controller.patience", "controller.patience_tokens"]),
-    ("controller:\n  memory_high_water: 0.5\n  memory_low_water: 0.6\n", ["memory_low_water", "below"]),
-    ("max_num_seqs: 64\nmax_num_batched_tokens: 32\n", ["max_num_batched_tokens", "max_num_seqs"]),
-    ("allow_oversubscription: maybe\n", ["allow_oversubscription", "true or false"]),
-    ("batch_invariant: sometimes\n", ["batch_invariant", "'sometimes'", "true or false"]),
-    ("[1, 2\n", ["not valid YAML"]),
-    ("- a\n- b\n", ["mapping"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("kv_precision: int3\n", ["kv_precision", "'int3'", "fp16, int8, int4, auto"]),
+        ("memory_utilization: 1.5\n", ["memory_utilization", "1.5", "0.3 to 1.0"]),
+        ("max_num_seqs: 0\n", ["max_num_seqs", "0", "1 to 1024"]),
+        ("max_model_len: lots\n", ["max_model_len", "'lots'", "integer"]),
+        ("kv_block_size: 12\n", ["kv_block_size", "12", "8, 16, 32, 64"]),
+        ("turbo: true\n", ["unknown field 'turbo'", "max_model_len"]),
+        ("controller:\n  patience: 3\n", ["controller.patience", "controller.patience_tokens"]),
+        ("controller:\n  memory_high_water: 0.5\n  memory_low_water: 0.6\n", ["memory_low_water", "below"]),
+        ("max_num_seqs: 64\nmax_num_batched_tokens: 32\n", ["max_num_batched_tokens", "max_num_seqs"]),
+        ("allow_oversubscription: maybe\n", ["allow_oversubscription", "true or false"]),
+        ("batch_invariant: sometimes\n", ["batch_invariant", "'sometimes'", "true or false"]),
+        ("[1, 2\n", ["not valid YAML"]),
+        ("- a\n- b\n", ["mapping"]),
+    ],
+)
 def test_bad_profiles_name_the_field_the_value_and_what_is_allowed(tmp_path, text, words):
     with pytest.raises(ConfigError) as err:
         load_profile(_write(tmp_path, text))

@@ -3,8 +3,14 @@
 from lowvram.config import ControllerConfig
 from lowvram.core.controller import ControllerState, Observation, decide, latency_stats
 
-CFG = ControllerConfig(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=100, latency_low_ms=50,
-                       patience_tokens=3, cooldown_steps=5)
+CFG = ControllerConfig(
+    memory_high_water=0.9,
+    memory_low_water=0.75,
+    latency_high_ms=100,
+    latency_low_ms=50,
+    patience_tokens=3,
+    cooldown_steps=5,
+)
 BUDGET = 1000
 
 
@@ -13,7 +19,9 @@ def run(trace, state=None, cfg=CFG, max_num_seqs=8):
     state = state or ControllerState()
     events = []
     for step, (mem, latency) in enumerate(trace):
-        state, new = decide(state, Observation(step, int(mem * BUDGET), BUDGET, latency), cfg, max_num_seqs=max_num_seqs)
+        state, new = decide(
+            state, Observation(step, int(mem * BUDGET), BUDGET, latency), cfg, max_num_seqs=max_num_seqs
+        )
         events += new
     return state, events
 
@@ -24,8 +32,14 @@ def kinds(events):
 
 def test_memory_pressure_escalates_in_order_one_rung_per_patience():
     state, events = run([(0.95, 40.0)] * 18)
-    assert kinds(events) == [("kv_precision", "int8"), ("kv_precision", "int4"), ("spill", True),
-                             ("batch_limit", 4), ("batch_limit", 2), ("batch_limit", 1)]
+    assert kinds(events) == [
+        ("kv_precision", "int8"),
+        ("kv_precision", "int4"),
+        ("spill", True),
+        ("batch_limit", 4),
+        ("batch_limit", 2),
+        ("batch_limit", 1),
+    ]
     assert [e.step for e in events] == [2, 5, 8, 11, 14, 17]  # patience 3: act on the 3rd high observation
     assert state.mode == "kv-int4+spill+batch<=1"
     state, more = run([(0.95, 40.0)] * 6, state)

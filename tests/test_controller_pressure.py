@@ -24,15 +24,28 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 def _um_engine(model_dir, **controller) -> LLMEngine:
     """The tiny model over a 40-page um pool of which 4 pages fit the device."""
-    cfg = {"memory_high_water": 0.9, "memory_low_water": 0.75, "latency_high_ms": 1e5, "latency_low_ms": 5e4,
-           "patience_tokens": 2, "cooldown_steps": 1000}
+    cfg = {
+        "memory_high_water": 0.9,
+        "memory_low_water": 0.75,
+        "latency_high_ms": 1e5,
+        "latency_low_ms": 5e4,
+        "patience_tokens": 2,
+        "cooldown_steps": 1000,
+    }
     cfg.update(controller)
     profile = load_profile("cpu").replace(controller=ControllerConfig(**cfg), max_num_seqs=4)
     engine = LLMEngine(str(model_dir), profile, max_model_len=256)
     c = engine.config
     shape = KVShape(c.num_layers, profile.kv_block_size, c.num_kv_heads, c.head_dim, engine.dtype)
-    pool = ManagedKVPool(shape, 40, "fp16", "cpu", max_device_blocks=NUM_DEVICE_PAGES,
-                         memory=FakeManagedMemory(page_bytes=shape.code_block_bytes("fp16")), budget_bytes=2**30)
+    pool = ManagedKVPool(
+        shape,
+        40,
+        "fp16",
+        "cpu",
+        max_device_blocks=NUM_DEVICE_PAGES,
+        memory=FakeManagedMemory(page_bytes=shape.code_block_bytes("fp16")),
+        budget_bytes=2**30,
+    )
     engine.kv_pool = pool
     engine.block_manager = BlockManager(pool.num_blocks, pool.block_size, enable_prefix_caching=True)
     engine.scheduler = Scheduler(engine.block_manager, profile.max_num_seqs, profile.max_num_batched_tokens)

@@ -27,7 +27,9 @@ def test_restored_conversation_continues_without_recompute_and_same_text(tiny_qw
     computed = fresh.engine.stats.num_prefill_tokens - before
     full_prompt = len(fresh.engine.tokenizer.apply_chat_template(NEXT))
     assert computed <= full_prompt - result.num_tokens + 1
-    assert restored_reply == _llm(tiny_qwen2_dir, enable_prefix_caching=False).chat(NEXT, GREEDY)[0].outputs[0].token_ids
+    assert (
+        restored_reply == _llm(tiny_qwen2_dir, enable_prefix_caching=False).chat(NEXT, GREEDY)[0].outputs[0].token_ids
+    )
 
 
 def test_default_location_is_the_user_data_dir(tiny_qwen2_dir, tmp_path, monkeypatch):
@@ -40,7 +42,10 @@ def test_default_location_is_the_user_data_dir(tiny_qwen2_dir, tmp_path, monkeyp
 @pytest.mark.parametrize("case", ["other-model", "other-kv-precision", "corrupt", "missing"])
 def test_a_mismatch_falls_back_to_recompute_with_a_message(case, tiny_qwen2_dir, tiny_llama_dir, tmp_path):
     path = _llm(tiny_qwen2_dir).save_conversation(HISTORY, tmp_path / "conv.kv")
-    target = {"other-model": lambda: _llm(tiny_llama_dir), "other-kv-precision": lambda: _llm(tiny_qwen2_dir, kv_precision="int8")}
+    target = {
+        "other-model": lambda: _llm(tiny_llama_dir),
+        "other-kv-precision": lambda: _llm(tiny_qwen2_dir, kv_precision="int8"),
+    }
     llm = target.get(case, lambda: _llm(tiny_qwen2_dir))()
     if case == "corrupt":
         data = bytearray(path.read_bytes())
@@ -50,7 +55,12 @@ def test_a_mismatch_falls_back_to_recompute_with_a_message(case, tiny_qwen2_dir,
         path.unlink()
     result = llm.restore_conversation(path)
     assert not result.is_restored and "recomputed" in result.message
-    expected = {"other-model": "model", "other-kv-precision": "kv_precision", "corrupt": "damaged", "missing": "does not exist"}[case]
+    expected = {
+        "other-model": "model",
+        "other-kv-precision": "kv_precision",
+        "corrupt": "damaged",
+        "missing": "does not exist",
+    }[case]
     assert expected in result.message
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert len(llm.chat(NEXT, GREEDY)[0].outputs[0].token_ids) == 10

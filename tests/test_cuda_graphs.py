@@ -161,8 +161,9 @@ def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny
     back, the host must not overwrite a step's inputs before their copy has read them."""
     from lowvram.kv.attention import AttentionMetadata
 
-    engine = LLMEngine(str(tiny_qwen2_dir), GRAPHED.replace(kv_backend="device"), max_model_len=2048,
-                       emulate_vram_gib=4.0)
+    engine = LLMEngine(
+        str(tiny_qwen2_dir), GRAPHED.replace(kv_backend="device"), max_model_len=2048, emulate_vram_gib=4.0
+    )
     prompt = _prompts(engine, [40])[0]
     engine.add_request("0", None, SamplingParams(temperature=0, max_tokens=100), prompt_token_ids=prompt)
     engine.step()  # the prefill: 40 tokens of real KV, the next position is 40
@@ -176,15 +177,22 @@ def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny
         runner.graphs.run(key, [token_ids[0]], [40], [slot], [table], [41], runner.kv_pool.pages)  # captures
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of every copy below
-        replayed = [runner.graphs.run(key, [t], [40], [slot], [table], [41], runner.kv_pool.pages).clone()
-                    for t in token_ids]
+        replayed = [
+            runner.graphs.run(key, [t], [40], [slot], [table], [41], runner.kv_pool.pages).clone() for t in token_ids
+        ]
         eager = []
         dev = engine.device
         for t in token_ids:
-            meta = AttentionMetadata(False, torch.tensor([slot], device=dev),
-                                     torch.tensor([table], dtype=torch.int32, device=dev),
-                                     torch.tensor([41], dtype=torch.int32, device=dev),
-                                     torch.tensor([0, 1], dtype=torch.int32, device=dev), 41, [41], [1])
+            meta = AttentionMetadata(
+                False,
+                torch.tensor([slot], device=dev),
+                torch.tensor([table], dtype=torch.int32, device=dev),
+                torch.tensor([41], dtype=torch.int32, device=dev),
+                torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                41,
+                [41],
+                [1],
+            )
             ids, pos = torch.tensor([t], device=dev), torch.tensor([40], device=dev)
             eager.append(runner._logits(ids, pos, meta, runner.kv_pool.pages))
     replayed, eager = torch.cat(replayed), torch.cat(eager)  # [24, vocab]
@@ -235,8 +243,14 @@ def test_pipelined_decode_gives_the_tokens_of_steps_run_one_by_one(tiny_qwen2_di
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
     for engine in (steady, piped):
         engine.add_request("stop", None, params, prompt_token_ids=prompts[2])
-    outs = [[o for _ in range(200) if e.has_unfinished_requests() for o in e.step() if o.finished] for e in (steady, piped)]
-    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids == expected["2"][:expected["2"].index(stop) + 1]
+    outs = [
+        [o for _ in range(200) if e.has_unfinished_requests() for o in e.step() if o.finished] for e in (steady, piped)
+    ]
+    assert (
+        outs[0][0].outputs[0].token_ids
+        == outs[1][0].outputs[0].token_ids
+        == expected["2"][: expected["2"].index(stop) + 1]
+    )
 
 
 @pytest.mark.gpu
@@ -307,9 +321,10 @@ def test_prefill_graphs_give_the_eager_logits_and_tokens(tiny_qwen2_dir):
     (eager_logits, eager_tokens), (graph_logits, graph_tokens) = recorded
     worst = ((eager_logits - graph_logits).abs().max() / eager_logits.abs().max()).item()
     graphs = graphed.runner.prefill_graphs
-    print(f"prefill graphs: {graphs.num_captures} captured, {graphs.num_replays} replays; "
-          f"largest relative logit difference {worst:.2e}")
+    print(
+        f"prefill graphs: {graphs.num_captures} captured, {graphs.num_replays} replays; "
+        f"largest relative logit difference {worst:.2e}"
+    )
     assert graphs.num_replays >= 4 and {size for size, _ in graphs.graphs} >= {64, 128, 512}
     assert worst <= 2e-3
     assert graph_tokens == eager_tokens
-

@@ -38,7 +38,9 @@ def test_config_reads_mla_moe_and_yarn_fields(checkpoint):
     assert (config.num_routed_experts, config.num_experts_per_tok, config.first_k_dense_replace) == (8, 2, 1)
     assert config.rope["rope_type"] == "yarn" and config.rope["factor"] == 4.0
     # mscale_all_dim=0.707 at factor 4 raises the softmax scale above 1/sqrt(24).
-    assert softmax_scale(config) == pytest.approx(24**-0.5 * (0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
+    assert softmax_scale(config) == pytest.approx(
+        24**-0.5 * (0.1 * 0.707 * torch.log(torch.tensor(4.0)).item() + 1) ** 2
+    )
 
 
 def test_prefill_and_paged_decode_logits_match_transformers(checkpoint, reference):
@@ -58,10 +60,16 @@ def test_greedy_continuation_equals_transformers_generate(checkpoint, reference)
     tokens, _ = greedy_through_pages(model, prompt, NUM_DECODE_STEPS)
     with torch.no_grad():
         # The explicit mask keeps generate from taking the BOS (id 0) for padding.
-        generated = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                       max_new_tokens=NUM_DECODE_STEPS, min_new_tokens=NUM_DECODE_STEPS,
-                                       do_sample=False, eos_token_id=None, pad_token_id=1)
-    assert tokens == generated[0, len(prompt):].tolist()
+        generated = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_DECODE_STEPS,
+            min_new_tokens=NUM_DECODE_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
+    assert tokens == generated[0, len(prompt) :].tolist()
     assert len(set(tokens)) > 1, "a constant continuation would not tell a right model from a wrong one"
 
 

@@ -57,8 +57,14 @@ def checkpoints(tmp_path_factory):
     save_file(awq_tensors, str(awq_dir / "model.safetensors"))
     save_file(dequantized, str(dequantized_dir / "model.safetensors"))
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True,
-                                     "version": "gemm", "modules_to_not_convert": [FP16_KEPT]}
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP_SIZE,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": [FP16_KEPT],
+    }
     (awq_dir / "config.json").write_text(json.dumps(config))
     return awq_dir, dequantized_dir
 
@@ -87,13 +93,19 @@ def test_awq_logits_and_greedy_tokens_match_transformers(checkpoints, reference,
     tokens, logits = greedy_through_pages(model, prompt, NUM_DECODE_STEPS)
     with torch.no_grad():
         expected = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :].float()
-        generated = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                       max_new_tokens=NUM_DECODE_STEPS, min_new_tokens=NUM_DECODE_STEPS,
-                                       do_sample=False, eos_token_id=None, pad_token_id=1)
+        generated = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_DECODE_STEPS,
+            min_new_tokens=NUM_DECODE_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
     diff = rel_diff(logits, expected)
     print(f"AWQ, cached experts {max_cached_experts}: largest relative logit difference {diff:.2e}")
     assert diff <= MAX_REL_DIFF
-    assert tokens == generated[0, len(prompt):].tolist()
+    assert tokens == generated[0, len(prompt) :].tolist()
     if max_cached_experts is not None:
         assert model.expert_stats.num_fetches > 0
 

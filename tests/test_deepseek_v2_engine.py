@@ -46,10 +46,16 @@ def _greedy(llm) -> list[list[int]]:
 def _transformers_greedy(checkpoint, prompt_ids: list[int]) -> list[int]:
     model = transformers_reference(checkpoint)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=1)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            min_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_llm_generates_the_greedy_tokens_of_transformers(checkpoint, llm):
@@ -86,8 +92,14 @@ def test_kv_pool_holds_one_latent_row_per_token_and_layer(llm):
 
 def _v2_lite_awq() -> tuple[DeepseekV2Config, dict]:
     raw = copy.deepcopy(DEEPSEEK_V2_LITE_CONFIG)
-    raw["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                  "version": "gemm", "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}
+    raw["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": ["model.layers.0.mlp.down_proj"],
+    }
     return DeepseekV2Config.from_dict(raw), raw
 
 

@@ -45,8 +45,10 @@ def test_offloaded_experts_give_transformers_logits(checkpoint, reference, max_c
         expected = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :].float()
     diff = rel_diff(logits, expected)
     stats = model.expert_stats
-    print(f"{max_cached_experts} cached experts: largest relative logit difference {diff:.2e}; "
-          f"hit rate {stats.hit_rate:.2f}, {stats.num_fetches} fetches")
+    print(
+        f"{max_cached_experts} cached experts: largest relative logit difference {diff:.2e}; "
+        f"hit rate {stats.hit_rate:.2f}, {stats.num_fetches} fetches"
+    )
     assert diff <= MAX_REL_DIFF
     assert stats.num_fetches > 0 and stats.hit_rate < 1.0, "the cache never missed: nothing was offloaded"
     assert stats.fetched_bytes == stats.num_fetches * model.moe_layers[0].cache.expert_bytes
@@ -57,10 +59,16 @@ def test_offloaded_greedy_continuation_equals_transformers_generate(checkpoint, 
     prompt = [0, 3, 250, 48, 111, 9]
     tokens, _ = greedy_through_pages(model, prompt, NUM_DECODE_STEPS)
     with torch.no_grad():
-        generated = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                       max_new_tokens=NUM_DECODE_STEPS, min_new_tokens=NUM_DECODE_STEPS,
-                                       do_sample=False, eos_token_id=None, pad_token_id=1)
-    assert tokens == generated[0, len(prompt):].tolist()
+        generated = reference.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NUM_DECODE_STEPS,
+            min_new_tokens=NUM_DECODE_STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=1,
+        )
+    assert tokens == generated[0, len(prompt) :].tolist()
 
 
 def test_offloaded_experts_leave_the_model_and_its_device_bytes(checkpoint):

@@ -19,9 +19,15 @@ NUM_TRAINING_SAMPLES = 20_000
 # 2024-01-01 was a Monday: datetime does the weekday arithmetic independently of tasks.py.
 MONDAY = datetime.date(2024, 1, 1)
 CONVERSION_FACTORS = {
-    ("kilometers", "meters"): 1000, ("meters", "centimeters"): 100, ("centimeters", "millimeters"): 10,
-    ("kilograms", "grams"): 1000, ("liters", "milliliters"): 1000, ("hours", "minutes"): 60,
-    ("minutes", "seconds"): 60, ("weeks", "days"): 7, ("yards", "feet"): 3,
+    ("kilometers", "meters"): 1000,
+    ("meters", "centimeters"): 100,
+    ("centimeters", "millimeters"): 10,
+    ("kilograms", "grams"): 1000,
+    ("liters", "milliliters"): 1000,
+    ("hours", "minutes"): 60,
+    ("minutes", "seconds"): 60,
+    ("weeks", "days"): 7,
+    ("yards", "feet"): 3,
 }
 PLURALS = {"foot": "feet"}
 
@@ -39,8 +45,11 @@ def _expected_answer(task: tasks.Task) -> str:
     if task.kind == "sub":
         return str(numbers[0] - numbers[1]) if "Subtract" not in question else str(numbers[1] - numbers[0])
     if task.kind == "convert":
-        match = re.search(r"(\d+) ([a-z]+)\b.*?\b(kilometers|meters|centimeters|millimeters|kilograms|grams|liters|"
-                          r"milliliters|hours|minutes|seconds|weeks|days|yards|feet)\b", question)
+        match = re.search(
+            r"(\d+) ([a-z]+)\b.*?\b(kilometers|meters|centimeters|millimeters|kilograms|grams|liters|"
+            r"milliliters|hours|minutes|seconds|weeks|days|yards|feet)\b",
+            question,
+        )
         if question.startswith("How many"):
             match = re.search(r"How many ([a-z]+) are in (\d+) ([a-z]+)", question)
             to_unit, value, from_unit = match.group(1), int(match.group(2)), _plural(match.group(3))
@@ -140,7 +149,8 @@ def test_corpus_split_is_by_file_and_heldout_is_shipped():
 @pytest.fixture(scope="module")
 def small_tokenizer(tmp_path_factory):
     texts = [corpus.training_text()[:200_000]] + [
-        format_chat(t.messages + [{"role": "assistant", "content": t.answer}]) for t in islice(tasks.training_tasks(0), 2000)
+        format_chat(t.messages + [{"role": "assistant", "content": t.answer}])
+        for t in islice(tasks.training_tasks(0), 2000)
     ]
     tokenizer = train_tokenizer(texts, vocab_size=512)
     out_dir = tmp_path_factory.mktemp("tokenizer")
@@ -213,19 +223,31 @@ def test_packed_rows_compute_what_separate_sequences_do(train_script):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    sequences = [([0, 5, 6, 7, 2], [False, False, False, True, True]), ([0, 8, 9], [False, True, True]),
-                 ([0, 10, 11, 12], [False, False, True, True])]
+    sequences = [
+        ([0, 5, 6, 7, 2], [False, False, False, True, True]),
+        ([0, 8, 9], [False, True, True]),
+        ([0, 10, 11, 12], [False, False, True, True]),
+    ]
     packed = train_script.pack_rows(iter(sequences), num_rows=2, row_len=8, pad_id=1)
     ignore = train_script.IGNORE_INDEX
     assert packed["input_ids"].tolist() == [[0, 5, 6, 7, 2, 0, 8, 9], [0, 10, 11, 12, 1, 1, 1, 1]]
-    assert packed["targets"].tolist() == [[ignore, ignore, 7, 2, ignore, 8, 9, ignore],
-                                          [ignore, 11, 12, ignore, ignore, ignore, ignore, ignore]]
+    assert packed["targets"].tolist() == [
+        [ignore, ignore, 7, 2, ignore, 8, 9, ignore],
+        [ignore, 11, 12, ignore, ignore, ignore, ignore, ignore],
+    ]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 0, 0, 0]]
     assert (packed["num_tokens"], packed["num_trained"]) == (12, 6)
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     model = Qwen2ForCausalLM(config).eval()
     mask = train_script.block_causal_mask(packed["segment_ids"])
     with torch.no_grad():
@@ -237,13 +259,34 @@ def test_packed_rows_compute_what_separate_sequences_do(train_script):
 def test_training_script_smoke_run_on_cpu(tmp_path):
     out_dir = tmp_path / "model"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "train_demo_model.py"), "--device", "cpu", "--steps", "3", "--tiny",
-         "--out-dir", str(out_dir), "--bench-json", str(tmp_path / "bench.json")],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / "train_demo_model.py"),
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--tiny",
+            "--out-dir",
+            str(out_dir),
+            "--bench-json",
+            str(tmp_path / "bench.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja", "README.md"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "README.md",
+    ):
         assert (out_dir / name).is_file(), name
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
@@ -272,6 +315,6 @@ def test_bundled_demo_model_answers_heldout_tasks():
     assert tokenizer.padding_side == "left"
     with torch.no_grad():
         output = model.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    replies = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    replies = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     num_correct = sum(tasks.is_correct(task, reply) for task, reply in zip(heldout, replies))
     assert num_correct >= len(heldout) - 1, list(zip([t.answer for t in heldout], replies))

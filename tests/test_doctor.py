@@ -18,21 +18,48 @@ from lowvram.models.config import load_model_config, model_config_from_dict
 GIB = 2**30
 
 R1_DISTILL_QWEN_1_5B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-    "tie_word_embeddings": False, "max_position_embeddings": 131072, "rope_theta": 10000, "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16", "bos_token_id": 151646, "eos_token_id": 151643,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "rope_theta": 10000,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151646,
+    "eos_token_id": 151643,
 }
 R1_DISTILL_QWEN_1_5B_AWQ = {
     **R1_DISTILL_QWEN_1_5B,
-    "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                            "version": "gemm", "modules_to_not_convert": None},
+    "quantization_config": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    },
 }
 DEEPSEEK_CODER_1_3B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5504,
-    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32256,
-    "tie_word_embeddings": False, "max_position_embeddings": 16384, "rope_theta": 100000,
-    "rope_scaling": {"type": "linear", "factor": 4.0}, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 5504,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 32256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 16384,
+    "rope_theta": 100000,
+    "rope_scaling": {"type": "linear", "factor": 4.0},
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
 }
 # The whole-card check uses overheads that are calibrated on GPUs; tests that pin
 # engine-side numbers give the card room so only the engine budget binds.
@@ -60,11 +87,11 @@ def test_fp16_weights_of_r1_distill_1_5b_by_hand():
 def test_awq_g128_weights_of_r1_distill_1_5b_by_hand():
     weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, element_bytes=2)
     # K -> N: qweight K*N/2, qzeros (K/128)*(N/8)*4, scales (K/128)*N*2, bias N*2
-    q = 1_179_648 + 9_216 + 36_864 + 3_072      # 1536 -> 1536, with bias
-    kv = 196_608 + 1_536 + 6_144 + 512          # 1536 -> 256, with bias
-    o = 1_179_648 + 9_216 + 36_864              # 1536 -> 1536
-    gate = 6_881_280 + 53_760 + 215_040         # 1536 -> 8960 (up the same)
-    down = 6_881_280 + 53_760 + 215_040         # 8960 -> 1536: 70 groups x 192 packed columns
+    q = 1_179_648 + 9_216 + 36_864 + 3_072  # 1536 -> 1536, with bias
+    kv = 196_608 + 1_536 + 6_144 + 512  # 1536 -> 256, with bias
+    o = 1_179_648 + 9_216 + 36_864  # 1536 -> 1536
+    gate = 6_881_280 + 53_760 + 215_040  # 1536 -> 8960 (up the same)
+    down = 6_881_280 + 53_760 + 215_040  # 8960 -> 1536: 70 groups x 192 packed columns
     per_layer = q + 2 * kv + o + 2 * gate + down
     assert per_layer == 24_314_368
     assert weights.int4_bytes == 28 * per_layer == 680_802_304
@@ -93,8 +120,13 @@ def _write_compensation(model_dir, layers):
 def test_fp16_kept_layers_and_compensation_terms(tmp_path):
     raw = json.loads(json.dumps(R1_DISTILL_QWEN_1_5B_AWQ))
     raw["quantization_config"]["modules_to_not_convert"] = ["down_proj"]
-    _write_compensation(tmp_path, {"model.layers.0.self_attn.q_proj": (32, 1536, 1536, True),
-                                   "model.layers.5.mlp.gate_proj": (8, 1536, 8960, False)})
+    _write_compensation(
+        tmp_path,
+        {
+            "model.layers.0.self_attn.q_proj": (32, 1536, 1536, True),
+            "model.layers.5.mlp.gate_proj": (8, 1536, 8960, False),
+        },
+    )
     weights = mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2, model_dir=tmp_path)
     assert weights.num_fp16_layers == 28 and weights.num_int4_layers == 168
     assert weights.fp16_linear_bytes == 28 * 8960 * 1536 * 2
@@ -129,26 +161,36 @@ def _write_awq_copy(src, dst, keep_fp16=()):
             tensors[name] = tensor.to(torch.float16)
             continue
         packed = quantize_rtn(tensor.float(), 32)
-        tensors.update({f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros,
-                        f"{stem}.scales": packed.scales})
+        tensors.update(
+            {f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros, f"{stem}.scales": packed.scales}
+        )
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                     "version": "gemm", "modules_to_not_convert": list(keep_fp16)}
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": list(keep_fp16),
+    }
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
-def test_from_config_weights_equal_what_the_loader_loads(tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir,
-                                                         tmp_path):
+def test_from_config_weights_equal_what_the_loader_loads(
+    tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir, tmp_path
+):
     from lowvram.models.loader import load_model
     from lowvram.testing import make_tiny_model
 
     tied_dir = make_tiny_model(tmp_path / "tied", "qwen2", tie_word_embeddings=True)
     awq_dir = _write_awq_copy(tiny_qwen2_dir, tmp_path / "awq", keep_fp16=("layers.1.mlp.down_proj",))
     # tiny qwen2: hidden 64, intermediate 160, kv heads 2 x head_dim 16
-    _write_compensation(awq_dir, {"model.layers.0.mlp.up_proj": (4, 64, 160, True),
-                                  "model.layers.1.self_attn.k_proj": (2, 64, 32, False)})
+    _write_compensation(
+        awq_dir,
+        {"model.layers.0.mlp.up_proj": (4, 64, 160, True), "model.layers.1.self_attn.k_proj": (2, 64, 32, False)},
+    )
     for model_dir in (tiny_llama_dir, tiny_qwen2_dir, tiny_qwen2_sharded_dir, tied_dir, awq_dir):
         config, raw = load_model_config(model_dir)
         for dtype in (torch.float32, torch.bfloat16):
@@ -178,8 +220,14 @@ def test_kv_bytes_per_token_by_hand():
 
 
 def test_workspace_on_the_kernel_path_by_hand():
-    ws = mp.step_workspace(_config(R1_DISTILL_QWEN_1_5B), num_tokens=2048, num_seqs=8, context_len=16384,
-                           element_bytes=2, uses_kernels=True)
+    ws = mp.step_workspace(
+        _config(R1_DISTILL_QWEN_1_5B),
+        num_tokens=2048,
+        num_seqs=8,
+        context_len=16384,
+        element_bytes=2,
+        uses_kernels=True,
+    )
     # MLP: layer input + running sum + normed input [2048, 1536] fp16, and
     # silu(gate), up, their product [2048, 8960] fp16 alive at once
     assert ws.phases["mlp"] == 3 * 2048 * 1536 * 2 + 3 * 2048 * 8960 * 2 == 128_974_848
@@ -190,8 +238,9 @@ def test_workspace_on_the_kernel_path_by_hand():
     assert ws.peak_phase == "mlp"
     assert ws.peak_bytes == 128_974_848 + 8_388_608 + 81_920
 
-    coder = mp.step_workspace(_config(DEEPSEEK_CODER_1_3B), num_tokens=2048, num_seqs=8, context_len=16384,
-                              element_bytes=2, uses_kernels=True)
+    coder = mp.step_workspace(
+        _config(DEEPSEEK_CODER_1_3B), num_tokens=2048, num_seqs=8, context_len=16384, element_bytes=2, uses_kernels=True
+    )
     # MHA: RoPE of k (while q's fp16 result is kept) is the peak, not the MLP
     assert coder.phases["mlp"] == 92_798_976
     assert coder.phases["rotary"] == 16_777_216 + 25_165_824 + 1_048_576 + 8_388_608 + 50_331_648
@@ -199,8 +248,14 @@ def test_workspace_on_the_kernel_path_by_hand():
 
 
 def test_workspace_on_the_plain_torch_path_counts_float32_scores():
-    ws = mp.step_workspace(_config(R1_DISTILL_QWEN_1_5B), num_tokens=2048, num_seqs=1, context_len=16384,
-                           element_bytes=2, uses_kernels=False)
+    ws = mp.step_workspace(
+        _config(R1_DISTILL_QWEN_1_5B),
+        num_tokens=2048,
+        num_seqs=1,
+        context_len=16384,
+        element_bytes=2,
+        uses_kernels=False,
+    )
     residual_qkv = 12_582_912 + 8_388_608
     out_and_q = 2048 * 1536 * 4 * 2
     gathered = 2 * 16384 * 256 * 4 + 2 * 16384 * 1536 * 4
@@ -259,8 +314,9 @@ def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
     from lowvram.engine.engine import LLMEngine
     from lowvram.testing import make_tiny_model
 
-    model_dir = make_tiny_model(tmp_path / "m", "qwen2", hidden_size=128, intermediate_size=352,
-                                num_attention_heads=4, head_dim=32)
+    model_dir = make_tiny_model(
+        tmp_path / "m", "qwen2", hidden_size=128, intermediate_size=352, num_attention_heads=4, head_dim=32
+    )
     profile = load_profile("cpu").replace(max_num_batched_tokens=128, max_model_len=512, max_num_seqs=2)
     engine = LLMEngine(str(model_dir), profile)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True, seed=0)
@@ -271,7 +327,9 @@ def test_workspace_matches_the_live_tensor_peak_of_a_real_run(tmp_path):
         while engine.has_unfinished_requests():
             engine.step()
     predicted = engine.kv_plan.workspace.peak_bytes
-    print(f"workspace: predicted {predicted} B, measured live peak {tracker.peak} B, ratio {predicted / tracker.peak:.3f}")
+    print(
+        f"workspace: predicted {predicted} B, measured live peak {tracker.peak} B, ratio {predicted / tracker.peak:.3f}"
+    )
     assert 0.9 <= predicted / tracker.peak <= 1.1
 
 
@@ -287,8 +345,9 @@ ON_DEVICE_4GB = PROFILE_4GB.replace(embeddings_on_host=False)
 
 
 def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda",
-                       capacity=HUGE_CARD)
+    plan = plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
+    )
     assert plan.context_len == 16384 and plan.num_seqs == 1 and plan.kv_precision == "fp16"
     assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
     # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
@@ -308,8 +367,9 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
 
 
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, ON_DEVICE_4GB,
-                       device="cuda", capacity=HUGE_CARD)
+    plan = plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
+    )
     # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
     # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
     assert plan.workspace.phases["mlp"] == 147_324_928
@@ -324,43 +384,58 @@ def test_prefill_graphs_hold_a_512_token_step_by_hand():
     on = mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
     # The MLP phase of a 512-token step: input and running sum, the normed input, three [512, 8960]
     assert on.graph_bytes - off.graph_bytes == 2 * 512 * 1536 * 2 + 512 * 1536 * 2 + 3 * 512 * 8960 * 2 == 32_243_712
-    assert mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True,
-                                                                    enable_cuda_graphs=False),
-                                16384, 2, "cuda").graph_bytes == 0
+    assert (
+        mp.profile_workspace(
+            config, PROFILE_4GB.replace(enable_prefill_graphs=True, enable_cuda_graphs=False), 16384, 2, "cuda"
+        ).graph_bytes
+        == 0
+    )
 
 
 def test_embeddings_on_host_by_hand():
     # The 4gb profile keeps the untied embedding table (151,936 x 1536 FP16) in host memory: FP16
     # weights at a 16K context now fit, by what the table took.
     table = 151_936 * 1536 * 2
-    on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cuda",
-                          capacity=HUGE_CARD)
-    on_device = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda",
-                            capacity=HUGE_CARD)
+    on_host = plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cuda", capacity=HUGE_CARD
+    )
+    on_device = plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
+    )
     assert on_host.weights.total_bytes == on_device.weights.total_bytes - table == 3_554_176_000 - 466_747_392
     assert ("embeddings held in host memory (embeddings_on_host)", -table) in on_host.weights.rows()
     assert on_host.fits and on_host.engine_margin_bytes == -365_702_070 + table == 101_045_322
     # A tied head reads the table on the device; the CPU has no device to save.
     tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)
     assert not plan_memory(_config(tied), tied, PROFILE_4GB, device="cuda").weights.is_embedding_on_host
-    assert not plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB,
-                           device="cpu").weights.is_embedding_on_host
+    assert not plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cpu"
+    ).weights.is_embedding_on_host
 
 
 def test_deepseek_coder_plan_by_hand():
-    plan = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda",
-                       context_len=4096, num_seqs=2, capacity=HUGE_CARD)
+    plan = plan_memory(
+        _config(DEEPSEEK_CODER_1_3B),
+        DEEPSEEK_CODER_1_3B,
+        ON_DEVICE_4GB,
+        device="cuda",
+        context_len=4096,
+        num_seqs=2,
+        capacity=HUGE_CARD,
+    )
     assert plan.kv_bytes == 2 * 4096 * 196_608
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
     # + the decode graphs: inputs, float32 logits of 2 sequences (vocab 32,256), the cuBLAS workspace
     # + the cuBLAS workspace of the engine's stream
     graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mp.CUBLAS_WORKSPACE_BYTES
-    assert plan.workspace.peak_bytes == (101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs
-                                         + mp.CUBLAS_WORKSPACE_BYTES)
+    assert plan.workspace.peak_bytes == (
+        101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs + mp.CUBLAS_WORKSPACE_BYTES
+    )
     assert plan.engine_need_bytes == 2_692_943_872 + 173_326_392 + 1_610_612_736
     assert not plan.fits
-    longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda",
-                          capacity=HUGE_CARD).max_context
+    longest = plan_memory(
+        _config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
+    ).max_context
     # fp16: (3,865,470,566 - 2,692,943,872 - 175,292,932 workspace at 5072 tokens) // 196,608 = 5072
     assert longest["fp16"] == 5072
     # int4: 16384 x 52,224 B of KV fits beside the weights: the model's whole window
@@ -372,24 +447,37 @@ def test_largest_context_is_the_edge_of_fitting():
     plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, profile, device="cuda")
     for precision, longest in plan.max_context.items():
         assert longest > 0
-        at = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B,
-                         profile.replace(kv_precision=precision), device="cuda", context_len=longest)
-        past = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B,
-                           profile.replace(kv_precision=precision), device="cuda", context_len=longest + 16)
+        at = plan_memory(
+            _config(R1_DISTILL_QWEN_1_5B),
+            R1_DISTILL_QWEN_1_5B,
+            profile.replace(kv_precision=precision),
+            device="cuda",
+            context_len=longest,
+        )
+        past = plan_memory(
+            _config(R1_DISTILL_QWEN_1_5B),
+            R1_DISTILL_QWEN_1_5B,
+            profile.replace(kv_precision=precision),
+            device="cuda",
+            context_len=longest + 16,
+        )
         assert at.fits and not past.fits, precision
     assert plan.max_context["fp16"] < plan.max_context["int8"] < plan.max_context["int4"]
 
 
 def test_device_total_adds_context_and_fragmentation():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, PROFILE_4GB,
-                       device="cuda")
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, PROFILE_4GB, device="cuda")
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
     # The cuBLAS workspace is in the engine's own total (its workspace), which sizes the KV pool.
     assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES
     assert plan.device_need_bytes == plan.engine_need_bytes + fragmentation + mp.CUDA_CONTEXT_BYTES
     assert plan.device_capacity_bytes == 4 * GIB
-    emulated = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ,
-                           PROFILE_4GB.replace(emulate_vram_gib=3.0), device="cuda")
+    emulated = plan_memory(
+        _config(R1_DISTILL_QWEN_1_5B_AWQ),
+        R1_DISTILL_QWEN_1_5B_AWQ,
+        PROFILE_4GB.replace(emulate_vram_gib=3.0),
+        device="cuda",
+    )
     # torch's allocator cap leaves the CUDA context out
     assert emulated.device_need_bytes == emulated.peak_allocated_bytes + emulated.fragmentation_bytes
     assert emulated.device_capacity_bytes == 3 * GIB
@@ -419,8 +507,15 @@ def test_plan_kv_and_the_doctor_agree_with_the_engine(tiny_qwen2_dir):
 
     engine = LLMEngine(str(tiny_qwen2_dir), "cpu")
     config, raw = load_model_config(tiny_qwen2_dir)
-    plan = plan_memory(config, raw, engine.profile, context_len=engine.max_model_len,
-                       num_seqs=engine.profile.max_num_seqs, device="cpu", capacity=HUGE_CARD)
+    plan = plan_memory(
+        config,
+        raw,
+        engine.profile,
+        context_len=engine.max_model_len,
+        num_seqs=engine.profile.max_num_seqs,
+        device="cpu",
+        capacity=HUGE_CARD,
+    )
     assert plan.weights.total_bytes == engine.model.weight_bytes
     assert plan.workspace.peak_bytes == engine.kv_plan.activation_bytes
     assert plan.kv_bytes == engine.kv_plan.kv_bytes
@@ -439,6 +534,7 @@ def test_plan_kv_error_names_the_numbers_and_the_doctor():
     facts = parse_oom_message(f"lowvram: error: {message}")
     assert facts.source == "lowvram-plan" and facts.plan["context_len"] == 16384
 
+
 def test_memory_the_process_already_holds_comes_out_of_the_pool():
     # A second engine in one process (or a caller's own tensors) must not plan the whole budget again.
     config, profile = _config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB.replace(max_model_len=4096)
@@ -453,7 +549,6 @@ def test_memory_the_process_already_holds_comes_out_of_the_pool():
         mp.plan_kv(config, profile, 3_000_000_000, 2, 4096, device_type="cuda", held_bytes=3 * GIB)
 
 
-
 def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share():
     config, profile = _config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB
     with pytest.raises(OutOfMemoryError):
@@ -465,8 +560,15 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
     assert 0 < plan.num_blocks < 16384 // 16  # the device share; the rest of the sequence waits on the host
     # longer than the device share and the host spill together: the error names the spill
     with pytest.raises(OutOfMemoryError, match=r"host_spill_gib 0\.1\) holds only \d+ tokens beyond it"):
-        mp.plan_kv(config, profile.replace(host_spill_gib=0.1), 3_554_176_000, 2, 16384, device_type="cuda",
-                   host_blocks=mp.host_kv_blocks(config, profile.replace(host_spill_gib=0.1), 2, "cuda"))
+        mp.plan_kv(
+            config,
+            profile.replace(host_spill_gib=0.1),
+            3_554_176_000,
+            2,
+            16384,
+            device_type="cuda",
+            host_blocks=mp.host_kv_blocks(config, profile.replace(host_spill_gib=0.1), 2, "cuda"),
+        )
     # pinned and device pools read only device pages, and the CPU has no spill
     assert mp.host_kv_blocks(config, profile.replace(kv_backend="pinned"), 2, "cuda") == 0
     assert mp.host_kv_blocks(config, profile.replace(kv_backend="device"), 2, "cuda") == 0
@@ -475,8 +577,9 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
     plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert not plan.fits
     assert any("the engine still runs a 16384-token context" in note for note in plan.notes)
-    short = plan_memory(config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD,
-                        context_len=1024)
+    short = plan_memory(
+        config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD, context_len=1024
+    )
     assert short.fits and not any("the engine still runs" in note for note in short.notes)
 
 
@@ -484,12 +587,22 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
 
 
 def _env(**changes):
-    env = Environment(platform="Linux 6.1 x86_64", python_version="3.11", torch_version="2.11.0",
-                      torch_cuda_version="12.6", cuda_available=True, driver_version="560.35",
-                      driver_cuda_version="12.6", num_nvml_gpus=1, triton_version="3.6.0", triton_status="runs",
-                      has_cuda_bindings=True, host_total_bytes=32 * GIB, host_available_bytes=24 * GIB,
-                      gpus=[GpuInfo(0, "NVIDIA GeForce GTX 1650", (7, 5), 4 * GIB, int(3.8 * GIB), 14, True, True,
-                                    "cuda-bindings")])
+    env = Environment(
+        platform="Linux 6.1 x86_64",
+        python_version="3.11",
+        torch_version="2.11.0",
+        torch_cuda_version="12.6",
+        cuda_available=True,
+        driver_version="560.35",
+        driver_cuda_version="12.6",
+        num_nvml_gpus=1,
+        triton_version="3.6.0",
+        triton_status="runs",
+        has_cuda_bindings=True,
+        host_total_bytes=32 * GIB,
+        host_available_bytes=24 * GIB,
+        gpus=[GpuInfo(0, "NVIDIA GeForce GTX 1650", (7, 5), 4 * GIB, int(3.8 * GIB), 14, True, True, "cuda-bindings")],
+    )
     for key, value in changes.items():
         setattr(env, key, value)
     return env
@@ -552,16 +665,18 @@ def test_cli_prints_environment_and_plan_and_exits_0_when_it_fits(tiny_llama_dir
 
 def test_cli_exits_1_with_recommendations_when_it_does_not_fit(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(R1_DISTILL_QWEN_1_5B))
-    code = _run(["--model", str(tmp_path / "config.json"), "--profile", "4gb", "--device", "cuda", "--quick",
-                 "--batch", "2"])
+    code = _run(
+        ["--model", str(tmp_path / "config.json"), "--profile", "4gb", "--device", "cuda", "--quick", "--batch", "2"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "verdict: does not fit" in out and "weight_format: awq" in out and "max_model_len:" in out
 
 
 def test_cli_json_is_one_object_with_the_plan(tiny_qwen2_dir, capsys):
-    code = _run(["--model", str(tiny_qwen2_dir), "--profile", "cpu", "--json", "--quick", "--context", "512",
-                 "--batch", "2"])
+    code = _run(
+        ["--model", str(tiny_qwen2_dir), "--profile", "cpu", "--json", "--quick", "--context", "512", "--batch", "2"]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["plan"]["fits"] is True
     assert data["plan"]["context_len"] == 512 and data["plan"]["num_seqs"] == 2
@@ -583,9 +698,11 @@ def test_predicted_peak_matches_a_real_gpu_run(tmp_path):
     bench = load_script("bench_doctor_accuracy")
     model_dir = bench.write_checkpoint(tmp_path, num_layers=4)
     row = bench.run_row(model_dir, load_profile("8gb"), 1024, 2, "fp16", 4, context_bytes=0)
-    print(f"predicted {row['predicted_peak_allocated_bytes']} B, measured {row['measured_peak_allocated_bytes']} B "
-          f"({row['error']:+.1%}); beyond weights {row['predicted_beyond_weights_bytes']} vs "
-          f"{row['measured_beyond_weights_bytes']} B")
+    print(
+        f"predicted {row['predicted_peak_allocated_bytes']} B, measured {row['measured_peak_allocated_bytes']} B "
+        f"({row['error']:+.1%}); beyond weights {row['predicted_beyond_weights_bytes']} vs "
+        f"{row['measured_beyond_weights_bytes']} B"
+    )
     # The engine plans from what loading really allocated (a few MiB more than the tensors here).
     assert 0 <= row["measured_weight_bytes"] - row["predicted_weight_bytes"] <= 0.005 * row["predicted_weight_bytes"]
     assert abs(row["error"]) <= 0.10

@@ -12,8 +12,14 @@ PROMPTS = [f"request number {i} asks about" for i in range(6)]
 
 
 def _profile(**controller):
-    cfg = dict(memory_high_water=0.9, memory_low_water=0.75, latency_high_ms=1e5, latency_low_ms=5e4,
-               patience_tokens=2, cooldown_steps=3)
+    cfg = dict(
+        memory_high_water=0.9,
+        memory_low_water=0.75,
+        latency_high_ms=1e5,
+        latency_low_ms=5e4,
+        patience_tokens=2,
+        cooldown_steps=3,
+    )
     cfg.update(controller)
     return load_profile("cpu").replace(controller=ControllerConfig(**cfg), max_num_seqs=4)
 
@@ -124,8 +130,10 @@ def test_an_oom_inside_a_step_is_survived_with_a_crash_report(tiny_qwen2_dir, tm
     def failing_run(batch, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity "
-                                         "of 3.81 GiB of which 19.69 MiB is free.")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity "
+                "of 3.81 GiB of which 19.69 MiB is free."
+            )
         return run(batch, **kwargs)
 
     llm.engine.runner.run = failing_run
@@ -174,7 +182,8 @@ def test_cached_pages_are_reported_as_reclaimable_in_the_crash_report(tiny_qwen2
 
 
 def test_device_memory_growth_reaches_the_controller_though_decode_steps_read_the_allocator_seldom(
-        tiny_qwen2_dir, monkeypatch):
+    tiny_qwen2_dir, monkeypatch
+):
     """A reading of the allocator's counters costs a noticeable share of a graph-replayed
     decode step, so decode steps read them every ALLOCATOR_READ_EVERY_STEPS steps; memory
     that grows meanwhile still reaches the controller within that many steps."""

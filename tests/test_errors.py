@@ -20,7 +20,9 @@ def _cli(*args, env_extra=None):
     import os
 
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "lowvram", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lowvram", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def _assert_clean_failure(result, *words):
@@ -60,7 +62,9 @@ def test_unsupported_architecture_lists_the_supported_ones(model_copy):
     (model_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="Qwen2ForCausalLM"):
         LLM(str(model_copy), profile="cpu")
-    _assert_clean_failure(_cli("generate", "--model", str(model_copy), "-p", "hi"), "MistralForCausalLM", "LlamaForCausalLM")
+    _assert_clean_failure(
+        _cli("generate", "--model", str(model_copy), "-p", "hi"), "MistralForCausalLM", "LlamaForCausalLM"
+    )
 
 
 def test_truncated_index_json(model_copy):
@@ -71,8 +75,9 @@ def test_truncated_index_json(model_copy):
 def test_bad_profile_at_the_cli(tiny_qwen2_dir, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_num_seqs: -3\n")
-    _assert_clean_failure(_cli("generate", "--model", str(tiny_qwen2_dir), "-p", "hi", "--profile", str(bad)),
-                          "max_num_seqs", "-3")
+    _assert_clean_failure(
+        _cli("generate", "--model", str(tiny_qwen2_dir), "-p", "hi", "--profile", str(bad)), "max_num_seqs", "-3"
+    )
     _assert_clean_failure(_cli("generate", "--model", str(tiny_qwen2_dir), "-p", "hi", "--profile", "huge"), "huge")
 
 
@@ -81,8 +86,14 @@ def test_missing_model_directory():
 
 
 def test_hub_id_offline_says_how_to_pass_a_local_path(tmp_path):
-    result = _cli("generate", "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "-p", "hi",
-                  env_extra={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    result = _cli(
+        "generate",
+        "--model",
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+        "-p",
+        "hi",
+        env_extra={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)},
+    )
     _assert_clean_failure(result, "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "--model DIR")
 
 

@@ -54,8 +54,15 @@ def test_rms_norm_in_place_over_its_inputs_equals_the_out_of_place_result(num_co
     for use_reference in (False, True):
         expected, expected_sum = rms_norm(x, weight, 1e-6, residual, use_reference=use_reference)
         x_in_place, residual_in_place = x.clone(), residual.clone()
-        got, got_sum = rms_norm(x_in_place, weight, 1e-6, residual_in_place, out=x_in_place, sum_out=residual_in_place,
-                                use_reference=use_reference)
+        got, got_sum = rms_norm(
+            x_in_place,
+            weight,
+            1e-6,
+            residual_in_place,
+            out=x_in_place,
+            sum_out=residual_in_place,
+            use_reference=use_reference,
+        )
         assert got.data_ptr() == x_in_place.data_ptr() and got_sum.data_ptr() == residual_in_place.data_ptr()
         assert torch.equal(got, expected) and torch.equal(got_sum, expected_sum)
 
@@ -106,8 +113,13 @@ def test_rotary_in_place_on_a_fused_qkv_output(head_dim):
 def test_rotary_rejects_tables_of_the_wrong_width():
     q = torch.zeros(2, 2, 16, device=DEVICE)
     with pytest.raises(KernelError, match="cos/sin"):
-        apply_rotary(q, q.clone(), torch.zeros(2, dtype=torch.long, device=DEVICE),
-                     torch.zeros(8, 4, device=DEVICE), torch.zeros(8, 4, device=DEVICE))
+        apply_rotary(
+            q,
+            q.clone(),
+            torch.zeros(2, dtype=torch.long, device=DEVICE),
+            torch.zeros(8, 4, device=DEVICE),
+            torch.zeros(8, 4, device=DEVICE),
+        )
 
 
 @pytest.mark.parametrize("num_cols", [24, 1408])
@@ -143,6 +155,8 @@ def test_fused_kernels_at_the_real_shapes_in_fp16():
     worst_rotary = _largest_relative(q, expected_q)
     gate_up = (torch.randn(8, 2 * 8960, generator=generator) * 4).cuda().half()
     worst_silu = _largest_relative(silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
-    print(f"fp16 at real shapes, largest relative differences: rms_norm {worst_norm:.2e}, "
-          f"rotary {worst_rotary:.2e}, silu_and_mul {worst_silu:.2e}")
+    print(
+        f"fp16 at real shapes, largest relative differences: rms_norm {worst_norm:.2e}, "
+        f"rotary {worst_rotary:.2e}, silu_and_mul {worst_silu:.2e}"
+    )
     assert max(worst_norm, worst_rotary, worst_silu) <= 1e-3

@@ -18,8 +18,12 @@ def checkpoints(tiny_qwen2_dir, tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fusion")
     quantize_model(tiny_qwen2_dir, root / "awq", **FAST)
     quantize_model(tiny_llama_dir, root / "awq-comp", rank=8, **FAST)
-    return {"fp32 qwen2": tiny_qwen2_dir, "fp32 llama": tiny_llama_dir, "awq qwen2": root / "awq",
-            "awq + compensation llama": root / "awq-comp"}
+    return {
+        "fp32 qwen2": tiny_qwen2_dir,
+        "fp32 llama": tiny_llama_dir,
+        "awq qwen2": root / "awq",
+        "awq + compensation llama": root / "awq-comp",
+    }
 
 
 @pytest.mark.parametrize("name", ["fp32 qwen2", "fp32 llama", "awq qwen2", "awq + compensation llama"])

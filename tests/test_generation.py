@@ -34,7 +34,9 @@ def test_stop_string_ends_generation_and_is_not_returned(llm):
     free = llm.generate("a b c", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].text
     assert len(free) > 6
     stop = free[3:6]
-    cut = llm.generate("a b c", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    cut = llm.generate("a b c", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[
+        0
+    ]
     assert cut.finish_reason == "stop"
     assert cut.text == free[: free.index(stop)]
 
@@ -82,8 +84,9 @@ def test_chat_uses_the_chat_template(llm):
 
 def test_repetition_penalty_changes_a_repetitive_greedy_output(llm):
     plain = llm.generate("la la la la", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
-    penalised = llm.generate("la la la la", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                           repetition_penalty=1.8))[0].outputs[0]
+    penalised = llm.generate(
+        "la la la la", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8)
+    )[0].outputs[0]
     assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
     assert penalised.token_ids != plain.token_ids
 
@@ -96,9 +99,20 @@ def test_prompt_longer_than_context_is_refused(tiny_qwen2_dir):
     assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 32
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-5),
-                                 dict(min_p=2), dict(stop=[""]), dict(temperature=float("nan")),
-                                 dict(temperature=1e-300), dict(seed=2**64)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(max_tokens=0),
+        dict(top_k=-5),
+        dict(min_p=2),
+        dict(stop=[""]),
+        dict(temperature=float("nan")),
+        dict(temperature=1e-300),
+        dict(seed=2**64),
+    ],
+)
 def test_bad_sampling_values_are_rejected_by_name(bad):
     with pytest.raises(RequestError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -125,14 +139,19 @@ def test_a_batch_samples_the_tokens_each_row_would_alone():
     prompt, output = [1, 2, 3], [4, 5]
 
     def seq(**params):
-        return SimpleNamespace(params=SamplingParams(**params), prompt_token_ids=prompt, output_token_ids=output,
-                               generator=torch.Generator().manual_seed(11))
+        return SimpleNamespace(
+            params=SamplingParams(**params),
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            generator=torch.Generator().manual_seed(11),
+        )
 
     # Row 1 is a chunked prefill that samples nothing; greedy rows with and without a penalty, a random one.
     seqs = [seq(temperature=0), seq(temperature=0, repetition_penalty=1.3), seq(temperature=0.8), seq(temperature=0)]
     rows = [0, 2, 3, 4]
-    alone = [sample_token(logits[r], s.params, torch.Generator().manual_seed(11), prompt, output)
-             for r, s in zip(rows, seqs)]
+    alone = [
+        sample_token(logits[r], s.params, torch.Generator().manual_seed(11), prompt, output) for r, s in zip(rows, seqs)
+    ]
     assert sample_tokens(logits, rows, seqs) == alone
     assert alone[3] == 7
     assert sample_tokens(logits[:1], [0], seqs[:1]) == [int(torch.argmax(logits[0]))]

@@ -75,9 +75,18 @@ def _read(pool, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _plan(**changes):
-    args = dict(backend="auto", device_type="cuda", num_device_blocks=100, max_num_blocks=1000, block_bytes=GIB // 100,
-                host_spill_bytes=2 * GIB, allow_oversubscription=False, has_runtime=True, is_concurrent=True,
-                free_bytes=40 * GIB)
+    args = dict(
+        backend="auto",
+        device_type="cuda",
+        num_device_blocks=100,
+        max_num_blocks=1000,
+        block_bytes=GIB // 100,
+        host_spill_bytes=2 * GIB,
+        allow_oversubscription=False,
+        has_runtime=True,
+        is_concurrent=True,
+        free_bytes=40 * GIB,
+    )
     args.update(changes)
     return plan_pool(**args)
 
@@ -231,8 +240,9 @@ def test_pinned_spill_moves_pages_to_host_until_the_tier_is_full():
 
 def _managed(num_blocks=16, max_device_blocks=8, **kwargs):
     memory = FakeManagedMemory(**kwargs)
-    pool = ManagedKVPool(SHAPE, num_blocks, "fp16", "cpu", max_device_blocks=max_device_blocks, memory=memory,
-                         budget_bytes=GIB)
+    pool = ManagedKVPool(
+        SHAPE, num_blocks, "fp16", "cpu", max_device_blocks=max_device_blocks, memory=memory, budget_bytes=GIB
+    )
     return pool, memory
 
 
@@ -250,9 +260,18 @@ def test_managed_pages_move_in_units_of_whole_os_pages():
     # Unit 3 (pages 6-7) was never read, so it goes first; then unit 0, the least recently used.
     half = 16 * CODE_BYTES_FP32  # V codes start after the K codes of all 16 pages
     assert memory.placements == [
-        (0, 512, True), (half, 512, True), (0, 512, True), (half, 512, True),  # unit 0, both layers
-        (1536, 512, True), (half + 1536, 512, True), (1536, 512, True), (half + 1536, 512, True),  # unit 3
-        (2048, 1024, False), (half + 2048, 1024, False), (2048, 1024, False), (half + 2048, 1024, False),  # 4-5
+        (0, 512, True),
+        (half, 512, True),
+        (0, 512, True),
+        (half, 512, True),  # unit 0, both layers
+        (1536, 512, True),
+        (half + 1536, 512, True),
+        (1536, 512, True),
+        (half + 1536, 512, True),  # unit 3
+        (2048, 1024, False),
+        (half + 2048, 1024, False),
+        (2048, 1024, False),
+        (half + 2048, 1024, False),  # 4-5
     ]
     assert [pool.is_resident(b) for b in range(0, 16, 2)] == [False, True, True, False, True, True, False, False]
     assert pool.num_page_misses == 2 and pool.spilled_bytes == 2 * unit_bytes
@@ -322,13 +341,19 @@ def test_device_pool_precision_ladder_frees_the_expected_bytes():
         _write(pool, block)
     per_block = {p: SHAPE.block_bytes(p) for p in ("fp16", "int8", "int4")}
     # layers * (K, V) * B * Hkv * (codes + scale and zero) per page
-    assert per_block == {"fp16": 2 * 2 * 4 * 2 * (8 * 4), "int8": 2 * 2 * 4 * 2 * (8 + 4),
-                         "int4": 2 * 2 * 4 * 2 * (4 + 4)}
+    assert per_block == {
+        "fp16": 2 * 2 * 4 * 2 * (8 * 4),
+        "int8": 2 * 2 * 4 * 2 * (8 + 4),
+        "int4": 2 * 2 * 4 * 2 * (4 + 4),
+    }
     assert pool.set_precision("int8") == 10 * (per_block["fp16"] - per_block["int8"])
     assert pool.set_precision("int4", range(5)) == 10 * (per_block["int8"] - per_block["int4"])
     assert pool.device_bytes == 10 * per_block["int4"] and pool.pages[0].k.dtype == torch.uint8
-    worst = max((k - k_ref).abs().max().item() for block in range(5)
-                for (k, _), (k_ref, _) in zip(_read(pool, block), _block_data(block)))
+    worst = max(
+        (k - k_ref).abs().max().item()
+        for block in range(5)
+        for (k, _), (k_ref, _) in zip(_read(pool, block), _block_data(block))
+    )
     assert 0.01 < worst < 0.6  # INT4 steps of about range / 15
     # Back up to fp16 fits the bytes the pool started with.
     assert pool.set_precision("fp16") == -10 * (per_block["fp16"] - per_block["int4"])

@@ -25,10 +25,12 @@ def _engine(model_dir, **changes) -> LLMEngine:
 def _use_pool(engine: LLMEngine, pool) -> None:
     """Rebuild the engine's page bookkeeping around another pool."""
     engine.kv_pool = pool
-    engine.block_manager = BlockManager(pool.num_blocks, pool.block_size,
-                                        enable_prefix_caching=engine.profile.enable_prefix_caching)
-    engine.scheduler = Scheduler(engine.block_manager, engine.profile.max_num_seqs,
-                                 engine.profile.max_num_batched_tokens)
+    engine.block_manager = BlockManager(
+        pool.num_blocks, pool.block_size, enable_prefix_caching=engine.profile.enable_prefix_caching
+    )
+    engine.scheduler = Scheduler(
+        engine.block_manager, engine.profile.max_num_seqs, engine.profile.max_num_batched_tokens
+    )
     engine.runner = ModelRunner(engine.model, engine.block_manager, pool)
 
 
@@ -62,8 +64,15 @@ def test_spilling_pools_give_the_device_pools_greedy_output(tiny_qwen2_dir, back
         # 4 device slots for 3 sequences of 3 pages each: every step runs in parts.
         pool = PinnedKVPool(shape, 40, "fp16", "cpu", max_device_blocks=4, num_host_blocks=36)
     else:
-        pool = ManagedKVPool(shape, 40, "fp16", "cpu", max_device_blocks=4,
-                             memory=FakeManagedMemory(page_bytes=shape.code_block_bytes("fp16")), budget_bytes=2**30)
+        pool = ManagedKVPool(
+            shape,
+            40,
+            "fp16",
+            "cpu",
+            max_device_blocks=4,
+            memory=FakeManagedMemory(page_bytes=shape.code_block_bytes("fp16")),
+            budget_bytes=2**30,
+        )
     _use_pool(engine, pool)
     split_sizes = []
     split = engine.runner._split
@@ -93,8 +102,11 @@ def test_precision_changes_while_requests_run_free_the_expected_bytes(tiny_qwen2
         engine.add_request(str(i), prompt, GREEDY)
     outputs: dict[str, list[int]] = {}
     num_blocks, c, bs = engine.kv_pool.num_blocks, engine.config, engine.profile.kv_block_size
-    per_token = {"fp16": 2 * c.num_kv_heads * c.head_dim * 4,  # float32 on the CPU
-                 "int8": 2 * c.num_kv_heads * (c.head_dim + 4), "int4": 2 * c.num_kv_heads * (c.head_dim // 2 + 4)}
+    per_token = {
+        "fp16": 2 * c.num_kv_heads * c.head_dim * 4,  # float32 on the CPU
+        "int8": 2 * c.num_kv_heads * (c.head_dim + 4),
+        "int4": 2 * c.num_kv_heads * (c.head_dim // 2 + 4),
+    }
     fp16_page_bytes = bs * c.num_layers * per_token["fp16"]
     freed = {}
     num_steps = 0
@@ -103,15 +115,18 @@ def test_precision_changes_while_requests_run_free_the_expected_bytes(tiny_qwen2
         if num_steps in (6, 14):
             precision = "int8" if num_steps == 6 else "int4"
             before, num_window_before = engine.kv_pool.precision, len(engine.kv_pool.window_block_ids)
-            running = [(engine.block_manager.block_table(s.seq_id), s.num_computed_tokens)
-                       for s in engine.scheduler.running]
+            running = [
+                (engine.block_manager.block_table(s.seq_id), s.num_computed_tokens) for s in engine.scheduler.running
+            ]
             freed[precision] = engine.set_kv_precision(precision)
             # Each running sequence keeps the pages of its last `num_window_tokens` tokens in FP16.
             window = engine.kv_pool.window_block_ids
             assert window == recent_window_blocks(running, num_window_tokens, bs)
             assert len(window) >= 2 * bool(num_window_tokens)
-            expected_freed = (num_blocks * bs * c.num_layers * (per_token[before] - per_token[precision])
-                              - (len(window) - num_window_before) * fp16_page_bytes)
+            expected_freed = (
+                num_blocks * bs * c.num_layers * (per_token[before] - per_token[precision])
+                - (len(window) - num_window_before) * fp16_page_bytes
+            )
             assert freed[precision] == expected_freed
             assert engine.snapshot().kv_precision == precision
         for out in engine.step():

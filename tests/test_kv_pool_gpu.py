@@ -31,8 +31,13 @@ def _memory():
 def _block_data(block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator(device="cuda").manual_seed(1000 + block)
     shape = (SHAPE.block_size, SHAPE.num_kv_heads, SHAPE.head_dim)
-    return [(torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16),
-             torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)) for _ in range(SHAPE.num_layers)]
+    return [
+        (
+            torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16),
+            torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16),
+        )
+        for _ in range(SHAPE.num_layers)
+    ]
 
 
 def _slots(row: int) -> torch.Tensor:
@@ -55,8 +60,15 @@ def _assert_block_equal(pool, block: int) -> None:
 
 
 def _managed_pool(num_blocks=64, max_device_blocks=16, precision="fp16") -> ManagedKVPool:
-    return ManagedKVPool(SHAPE, num_blocks, precision, "cuda", max_device_blocks=max_device_blocks, memory=_memory(),
-                         budget_bytes=4 * GIB)
+    return ManagedKVPool(
+        SHAPE,
+        num_blocks,
+        precision,
+        "cuda",
+        max_device_blocks=max_device_blocks,
+        memory=_memory(),
+        budget_bytes=4 * GIB,
+    )
 
 
 def _written_pool(backend: str):
@@ -103,10 +115,14 @@ def test_prefetch_overlaps_and_ensure_resident_orders_the_read(backend):
         assert pool.is_resident(block)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "on the H200 test VM (driver 580.159, 2026-11-30) cudaMemGetInfo does not change when 64 MiB of "
-    "managed memory is touched on the GPU nor when it is prefetched to the host, so the free-memory "
-    "rise this test expects cannot be observed there; open item of the KV-pool issue"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "on the H200 test VM (driver 580.159, 2026-11-30) cudaMemGetInfo does not change when 64 MiB of "
+        "managed memory is touched on the GPU nor when it is prefetched to the host, so the free-memory "
+        "rise this test expects cannot be observed there; open item of the KV-pool issue"
+    ),
+)
 def test_spilled_managed_pages_are_prefetched_to_host_and_leave_the_device():
     pool = _managed_pool(num_blocks=1024, max_device_blocks=1024)  # 8 MiB x 4 layers x 2 = 64 MiB of codes
     for pages in pool.pages:  # touch every page on the GPU
@@ -156,12 +172,15 @@ def test_spilled_managed_pages_are_read_from_the_host():
     after_us = _gather_us(tensors, rows)
     again_us = _gather_us(tensors, rows)
     num_bytes = sum(t[0].numel() * t.element_size() for t in tensors) * len(spilled)
-    print(f"\n{num_bytes / 2**20:.0f} MiB of spilled pages read by the GPU: {before_spilled_us:.0f} µs on the device "
-          f"before the spill, {after_us:.0f} µs after it ({num_bytes / after_us / 1e3:.1f} GB/s), "
-          f"{again_us:.0f} µs read again")
+    print(
+        f"\n{num_bytes / 2**20:.0f} MiB of spilled pages read by the GPU: {before_spilled_us:.0f} µs on the device "
+        f"before the spill, {after_us:.0f} µs after it ({num_bytes / after_us / 1e3:.1f} GB/s), "
+        f"{again_us:.0f} µs read again"
+    )
     assert after_us >= 4 * before_spilled_us, (
         f"spilled pages read in {after_us:.0f} µs against {before_spilled_us:.0f} µs on the device: "
-        "they did not leave device memory")
+        "they did not leave device memory"
+    )
     assert torch.equal(pool.pages[3].v[spilled[5]], torch.full_like(pool.pages[3].v[0], 2.0))
 
 
@@ -274,5 +293,13 @@ def test_explicit_um_over_free_memory_is_refused_before_allocating(tiny_qwen2_di
 
     profile = engine.profile.replace(kv_backend="um")
     with pytest.raises(OutOfMemoryError, match="GiB free"):
-        create_kv_pool(engine.config, profile, engine.kv_plan.num_blocks, engine.device, engine.dtype, "fp16",
-                       max_model_len=engine.max_model_len, memory=TinyFreeMemory(engine.device))
+        create_kv_pool(
+            engine.config,
+            profile,
+            engine.kv_plan.num_blocks,
+            engine.device,
+            engine.dtype,
+            "fp16",
+            max_model_len=engine.max_model_len,
+            memory=TinyFreeMemory(engine.device),
+        )

@@ -162,8 +162,9 @@ def test_managed_pool_keeps_the_window_in_device_memory():
     before = pool.device_bytes
     freed = pool.set_precision("int4", fp16_block_ids=[7, 6])
     assert pool.window_block_ids == [7, 6] and freed == before - pool.device_bytes
-    assert pool.device_bytes == pool._scale_bytes("int4") + pool._num_resident * pool._unit_bytes() + \
-        2 * FP16_PAGE_BYTES
+    assert (
+        pool.device_bytes == pool._scale_bytes("int4") + pool._num_resident * pool._unit_bytes() + 2 * FP16_PAGE_BYTES
+    )
     assert torch.equal(_read_page(pool, 6)[0], _page_of(k, 6))
     assert not torch.equal(_read_page(pool, 5)[0], _page_of(k, 5))
 

@@ -35,8 +35,9 @@ def _write_awq(src, dst):
         stem, _, attr = name.rpartition(".")
         if attr == "weight" and stem.endswith(QUANTIZABLE_LINEARS):
             packed = quantize_rtn(tensor.float(), GROUP_SIZE)
-            tensors.update({f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros,
-                            f"{stem}.scales": packed.scales})
+            tensors.update(
+                {f"{stem}.qweight": packed.qweight, f"{stem}.qzeros": packed.qzeros, f"{stem}.scales": packed.scales}
+            )
         else:
             tensors[name] = tensor.to(torch.float16)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -127,21 +128,52 @@ def test_auto_keeps_every_weight_on_the_device_when_the_model_fits(checkpoints):
 
 
 def test_plan_keeps_as_many_leading_layers_as_fit_beside_kv_and_workspace():
-    plan = mp.plan_offload([100] * 10, [100] * 10, fixed_bytes=50, host_embedding_bytes=300, budget_bytes=1000,
-                           workspace_bytes=100, kv_bytes=150)
+    plan = mp.plan_offload(
+        [100] * 10,
+        [100] * 10,
+        fixed_bytes=50,
+        host_embedding_bytes=300,
+        budget_bytes=1000,
+        workspace_bytes=100,
+        kv_bytes=150,
+    )
     # room for layers and staging: 1000 - 100 - 150 - 50 = 700 = 5 layers + 2 staging buffers
     assert (plan.num_resident_layers, plan.num_streamed_layers, plan.num_staging_buffers) == (5, 5, 2)
     assert plan.device_weight_bytes == 50 + 500 + 200 and plan.copied_bytes_per_pass == 500 and plan.fits
     assert plan.host_weight_bytes == 500 + 300
 
-    cpu = mp.plan_offload([100] * 10, [20] * 10, fixed_bytes=50, host_embedding_bytes=0, budget_bytes=1000,
-                          workspace_bytes=100, kv_bytes=150, strategy="cpu")
+    cpu = mp.plan_offload(
+        [100] * 10,
+        [20] * 10,
+        fixed_bytes=50,
+        host_embedding_bytes=0,
+        budget_bytes=1000,
+        workspace_bytes=100,
+        kv_bytes=150,
+        strategy="cpu",
+    )
     assert cpu.num_resident_layers == 6  # 600 + 2 x 20 staged <= 700
-    capped = mp.plan_offload([100] * 10, [100] * 10, fixed_bytes=50, host_embedding_bytes=0, budget_bytes=1000,
-                             workspace_bytes=100, kv_bytes=150, max_resident_layers=2)
+    capped = mp.plan_offload(
+        [100] * 10,
+        [100] * 10,
+        fixed_bytes=50,
+        host_embedding_bytes=0,
+        budget_bytes=1000,
+        workspace_bytes=100,
+        kv_bytes=150,
+        max_resident_layers=2,
+    )
     assert capped.num_resident_layers == 2
-    one_left = mp.plan_offload([100] * 3, [20] * 3, fixed_bytes=0, host_embedding_bytes=0, budget_bytes=230,
-                               workspace_bytes=0, kv_bytes=0, strategy="cpu")
+    one_left = mp.plan_offload(
+        [100] * 3,
+        [20] * 3,
+        fixed_bytes=0,
+        host_embedding_bytes=0,
+        budget_bytes=230,
+        workspace_bytes=0,
+        kv_bytes=0,
+        strategy="cpu",
+    )
     assert (one_left.num_resident_layers, one_left.num_staging_buffers) == (2, 1)
 
 
@@ -154,8 +186,11 @@ def test_the_7b_shape_in_awq_streams_on_the_4gb_profile_and_as_many_layers_as_fi
     config, raw = _seven_b(tmp_path)
     profile = load_profile("4gb")
     weights = mp.weight_bytes_by_kind(config, raw, 2)
-    assert len(weights.layer_bytes) == 28 and sum(weights.layer_bytes) + weights.embedding_bytes + \
-        weights.head_bytes + config.hidden_size * 2 == weights.all_bytes
+    assert (
+        len(weights.layer_bytes) == 28
+        and sum(weights.layer_bytes) + weights.embedding_bytes + weights.head_bytes + config.hidden_size * 2
+        == weights.all_bytes
+    )
     plan = mp.plan_weight_offload(config, profile, weights, 2, 16384, device_type="cuda", raw_config=raw)
     assert plan is not None and plan.strategy == mp.DEFAULT_OFFLOAD_STRATEGY and plan.fits
     assert plan.is_embedding_on_host and 0 < plan.num_resident_layers < 28
@@ -168,10 +203,24 @@ def test_the_7b_shape_in_awq_streams_on_the_4gb_profile_and_as_many_layers_as_fi
 
     small = dict(shape_config("r1-distill-qwen-1.5b"), quantization_config={**AWQ_CONFIG, "group_size": 128})
     small_config = model_config_from_dict(small)
-    assert mp.plan_weight_offload(small_config, profile, mp.weight_bytes_by_kind(small_config, small, 2), 2, 16384,
-                                  device_type="cuda", raw_config=small) is None
-    assert mp.plan_weight_offload(config, profile.replace(weight_offload="off"), weights, 2, 16384,
-                                  device_type="cuda", raw_config=raw) is None
+    assert (
+        mp.plan_weight_offload(
+            small_config,
+            profile,
+            mp.weight_bytes_by_kind(small_config, small, 2),
+            2,
+            16384,
+            device_type="cuda",
+            raw_config=small,
+        )
+        is None
+    )
+    assert (
+        mp.plan_weight_offload(
+            config, profile.replace(weight_offload="off"), weights, 2, 16384, device_type="cuda", raw_config=raw
+        )
+        is None
+    )
 
 
 def test_doctor_plans_the_7b_shape_on_4gb_with_layers_in_host_memory(tmp_path):
@@ -188,16 +237,30 @@ def test_doctor_plans_the_7b_shape_on_4gb_with_layers_in_host_memory(tmp_path):
 
 
 def test_a_budget_that_cannot_hold_one_streamed_layer_is_a_clear_error(checkpoints):
-    plan = mp.plan_offload([100] * 4, [100] * 4, fixed_bytes=400, host_embedding_bytes=0, budget_bytes=700,
-                           workspace_bytes=100, kv_bytes=50, max_model_len=2048)
+    plan = mp.plan_offload(
+        [100] * 4,
+        [100] * 4,
+        fixed_bytes=400,
+        host_embedding_bytes=0,
+        budget_bytes=700,
+        workspace_bytes=100,
+        kv_bytes=50,
+        max_model_len=2048,
+    )
     assert plan.num_resident_layers == 0 and not plan.fits
     with pytest.raises(OutOfMemoryError, match="even with every decoder layer streamed"):
         plan.check("4gb")
 
     with pytest.raises(OutOfMemoryError) as info:
         # the plain-torch attention scores of a 2048-token step alone outgrow the 0.07 GiB budget
-        _engine(checkpoints["qwen2"], weight_offload="stream", memory_budget_gib=0.25, memory_utilization=0.3,
-                max_num_batched_tokens=2048, max_model_len=2048)
+        _engine(
+            checkpoints["qwen2"],
+            weight_offload="stream",
+            memory_budget_gib=0.25,
+            memory_utilization=0.3,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+        )
     message = str(info.value)
     assert "2 staging buffers" in message and "but the budget 0.07 GiB leaves -0." in message
     assert "Lower max_model_len" in message and "lowvram doctor --profile cpu --context 2048" in message
@@ -221,8 +284,9 @@ def test_weight_offload_settings_are_validated():
 def test_streamed_layers_match_resident_ones_on_cuda(checkpoints, kind, num_resident):
     # With 3 streamed layers and 2 staging buffers every pass re-copies layers on the side stream.
     resident = _engine(checkpoints[kind], "4gb", device="cuda")
-    streamed = _engine(checkpoints[kind], "4gb", device="cuda", weight_offload="stream",
-                       max_resident_layers=num_resident)
+    streamed = _engine(
+        checkpoints[kind], "4gb", device="cuda", weight_offload="stream", max_resident_layers=num_resident
+    )
     streamer = streamed.model.layer_streamer
     assert streamer.num_streamed_layers == NUM_LAYERS - num_resident and streamer.layers[0].host.is_pinned()
     assert not streamed.model.supports_cuda_graphs
@@ -254,4 +318,3 @@ def test_place_on_device_moves_every_tensor_once_and_keeps_ties(checkpoints, kin
     assert all(t.device.type == "meta" for t in model.parameters())
     assert all(t.device.type == "meta" for t in model.buffers())
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-

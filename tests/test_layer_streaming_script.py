@@ -12,9 +12,31 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_streaming_bench_measures_both_strategies_on_a_tiny_shape(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_7b_streaming.py"), "--shape", "tiny", "--profile", "cpu",
-         "--max-resident-layers", "1", "--prompt-tokens", "48", "--decode-tokens", "4", "--cpu-decode-tokens", "4",
-         "--work-dir", str(tmp_path), "--json", str(out)], check=False, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_7b_streaming.py"),
+            "--shape",
+            "tiny",
+            "--profile",
+            "cpu",
+            "--max-resident-layers",
+            "1",
+            "--prompt-tokens",
+            "48",
+            "--decode-tokens",
+            "4",
+            "--cpu-decode-tokens",
+            "4",
+            "--work-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(out.read_text())
     assert record["command"].startswith("bench_7b_streaming.py --shape tiny") and record["date"]

@@ -55,8 +55,12 @@ def test_logits_and_greedy_match_transformers(fixture, request):
         expected = ref[len(prompt_ids) - 1 : len(prompt_ids) - 1 + NUM_DECODE_STEPS]
         rel = ((ours - expected).abs().max() / expected.abs().max()).item()
         worst = max(worst, rel)
-        greedy = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=NUM_DECODE_STEPS, min_new_tokens=NUM_DECODE_STEPS,
-                             do_sample=False)[0, len(prompt_ids):].tolist()
+        greedy = hf.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=NUM_DECODE_STEPS,
+            min_new_tokens=NUM_DECODE_STEPS,
+            do_sample=False,
+        )[0, len(prompt_ids) :].tolist()
         assert outputs[i] == greedy, f"prompt {i}: greedy continuation differs from transformers"
     print(f"{fixture}: largest relative logit difference {worst:.2e}")
     assert worst <= 1e-4
@@ -103,7 +107,9 @@ def test_score_equals_transformers_log_probs_across_chunks(tiny_llama_dir):
     ours = torch.tensor(engine.score(ids))
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[
+            :, 0
+        ]
     assert len(ids) > 48 and ours.shape == ref.shape
     assert (ours - ref).abs().max() < 1e-4
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

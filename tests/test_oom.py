@@ -32,37 +32,96 @@ def b(value, unit):
 
 # file -> fields the parser must find (None where the message has no such number)
 EXPECTED = {
-    "torch_1_4_cached.txt": dict(source="torch<2.1", requested_bytes=b(20, MIB), total_bytes=b(3.95, GIB),
-                                 allocated_bytes=b(3.36, GIB), free_bytes=b(7.19, MIB),
-                                 reserved_unallocated_bytes=b(3.38, GIB) - b(3.36, GIB), device_index=0,
-                                 exception_type="RuntimeError"),
-    "torch_1_8_reserved.txt": dict(source="torch<2.1", requested_bytes=b(64, MIB), total_bytes=b(3.82, GIB),
-                                   allocated_bytes=b(2.71, GIB), free_bytes=b(13.31, MIB),
-                                   reserved_unallocated_bytes=b(2.84, GIB) - b(2.71, GIB)),
-    "torch_1_12_allowed.txt": dict(source="torch<2.1", requested_bytes=b(512, MIB), allowed_bytes=b(3.60, GIB),
-                                   free_bytes=b(19.12, GIB), allocated_bytes=b(3.41, GIB)),
-    "torch_1_13_request_too_large.txt": dict(source="torch<2.1", requested_bytes=b(18, GIB),
-                                             total_bytes=b(14.75, GIB), exception_type="torch.cuda.OutOfMemoryError"),
-    "torch_2_1_capacty.txt": dict(source="torch>=2.1", requested_bytes=b(1.5, GIB), total_bytes=b(7.79, GIB),
-                                  free_bytes=b(1.12, GIB), process_bytes=b(6.65, GIB), allocated_bytes=b(5.87, GIB),
-                                  reserved_unallocated_bytes=b(401.23, MIB), other_processes=[]),
-    "torch_2_4_other_process_wrapped.txt": dict(source="torch>=2.1", requested_bytes=b(256, MIB),
-                                                total_bytes=b(3.81, GIB), free_bytes=b(98.44, MIB),
-                                                process_bytes=b(2.51, GIB), allocated_bytes=b(1.98, GIB),
-                                                reserved_unallocated_bytes=b(95.36, MIB),
-                                                other_processes=[(4121, b(1.20, GIB))],
-                                                exception_type="torch.OutOfMemoryError"),
-    "torch_2_5_private_pools.txt": dict(source="torch>=2.1", requested_bytes=b(768, MIB), allocated_bytes=b(21.92, GIB),
-                                        private_pool_bytes=b(104, MIB), reserved_unallocated_bytes=b(797.79, MIB)),
+    "torch_1_4_cached.txt": dict(
+        source="torch<2.1",
+        requested_bytes=b(20, MIB),
+        total_bytes=b(3.95, GIB),
+        allocated_bytes=b(3.36, GIB),
+        free_bytes=b(7.19, MIB),
+        reserved_unallocated_bytes=b(3.38, GIB) - b(3.36, GIB),
+        device_index=0,
+        exception_type="RuntimeError",
+    ),
+    "torch_1_8_reserved.txt": dict(
+        source="torch<2.1",
+        requested_bytes=b(64, MIB),
+        total_bytes=b(3.82, GIB),
+        allocated_bytes=b(2.71, GIB),
+        free_bytes=b(13.31, MIB),
+        reserved_unallocated_bytes=b(2.84, GIB) - b(2.71, GIB),
+    ),
+    "torch_1_12_allowed.txt": dict(
+        source="torch<2.1",
+        requested_bytes=b(512, MIB),
+        allowed_bytes=b(3.60, GIB),
+        free_bytes=b(19.12, GIB),
+        allocated_bytes=b(3.41, GIB),
+    ),
+    "torch_1_13_request_too_large.txt": dict(
+        source="torch<2.1",
+        requested_bytes=b(18, GIB),
+        total_bytes=b(14.75, GIB),
+        exception_type="torch.cuda.OutOfMemoryError",
+    ),
+    "torch_2_1_capacty.txt": dict(
+        source="torch>=2.1",
+        requested_bytes=b(1.5, GIB),
+        total_bytes=b(7.79, GIB),
+        free_bytes=b(1.12, GIB),
+        process_bytes=b(6.65, GIB),
+        allocated_bytes=b(5.87, GIB),
+        reserved_unallocated_bytes=b(401.23, MIB),
+        other_processes=[],
+    ),
+    "torch_2_4_other_process_wrapped.txt": dict(
+        source="torch>=2.1",
+        requested_bytes=b(256, MIB),
+        total_bytes=b(3.81, GIB),
+        free_bytes=b(98.44, MIB),
+        process_bytes=b(2.51, GIB),
+        allocated_bytes=b(1.98, GIB),
+        reserved_unallocated_bytes=b(95.36, MIB),
+        other_processes=[(4121, b(1.20, GIB))],
+        exception_type="torch.OutOfMemoryError",
+    ),
+    "torch_2_5_private_pools.txt": dict(
+        source="torch>=2.1",
+        requested_bytes=b(768, MIB),
+        allocated_bytes=b(21.92, GIB),
+        private_pool_bytes=b(104, MIB),
+        reserved_unallocated_bytes=b(797.79, MIB),
+    ),
     # In a container torch prints its own process as "Process N"; one holding at least what torch reserved is it.
-    "torch_2_6_container_pid.txt": dict(source="torch>=2.1", requested_bytes=b(2, MIB), free_bytes=b(896, KIB),
-                                        process_bytes=b(5.78, GIB), other_processes=[]),
-    "torch_2_8_fragmented.txt": dict(source="torch>=2.1", requested_bytes=b(384, MIB), free_bytes=0,
-                                     allocated_bytes=b(4.01, GIB), reserved_unallocated_bytes=b(1.20, GIB)),
-    "hip_rocm.txt": dict(source="torch>=2.1", backend="HIP", requested_bytes=b(2, GIB), total_bytes=b(15.98, GIB),
-                         free_bytes=b(1.21, GIB), allocated_bytes=b(13.96, GIB), process_bytes=None),
-    "mps.txt": dict(source="mps", backend="MPS", requested_bytes=b(256, MIB), allocated_bytes=b(17.75, GIB),
-                    allowed_bytes=b(18.13, GIB)),
+    "torch_2_6_container_pid.txt": dict(
+        source="torch>=2.1",
+        requested_bytes=b(2, MIB),
+        free_bytes=b(896, KIB),
+        process_bytes=b(5.78, GIB),
+        other_processes=[],
+    ),
+    "torch_2_8_fragmented.txt": dict(
+        source="torch>=2.1",
+        requested_bytes=b(384, MIB),
+        free_bytes=0,
+        allocated_bytes=b(4.01, GIB),
+        reserved_unallocated_bytes=b(1.20, GIB),
+    ),
+    "hip_rocm.txt": dict(
+        source="torch>=2.1",
+        backend="HIP",
+        requested_bytes=b(2, GIB),
+        total_bytes=b(15.98, GIB),
+        free_bytes=b(1.21, GIB),
+        allocated_bytes=b(13.96, GIB),
+        process_bytes=None,
+    ),
+    "mps.txt": dict(
+        source="mps",
+        backend="MPS",
+        requested_bytes=b(256, MIB),
+        allocated_bytes=b(17.75, GIB),
+        allowed_bytes=b(18.13, GIB),
+    ),
     "cuda_driver_error.txt": dict(source="driver", requested_bytes=None, total_bytes=None),
     "cublas_alloc_failed.txt": dict(source="driver", requested_bytes=None),
     "lowvram_plan.txt": dict(source="lowvram-plan", requested_bytes=b(3.88, GIB), total_bytes=b(3.60, GIB)),
@@ -113,8 +172,15 @@ def test_crash_report_round_trip(tmp_path, tiny_qwen2_dir):
 
     events = [{"step": 120, "action": "kv_precision", "to": "int8"}, {"step": 180, "action": "spill", "pages": 64}]
     memory = {"weight_bytes": 123_456, "kv_pool_bytes": 65_536, "device_name": "NVIDIA GeForce GTX 1650"}
-    path = write_crash_report(tmp_path / "r.json", profile=load_profile("4gb"), model=tiny_qwen2_dir,
-                              memory=memory, controller_events=events, exception_text="boom", command="lowvram x")
+    path = write_crash_report(
+        tmp_path / "r.json",
+        profile=load_profile("4gb"),
+        model=tiny_qwen2_dir,
+        memory=memory,
+        controller_events=events,
+        exception_text="boom",
+        command="lowvram x",
+    )
     report = read_crash_report(path)
     assert report.path == path and report.exception_text == "boom" and report.command == "lowvram x"
     assert report.profile["name"] == "4gb" and report.profile["max_model_len"] == 16384
@@ -192,6 +258,7 @@ def _frame(filename, line, name):
 
 def _snapshot(with_history=False):
     """A torch 2.1+ snapshot (frames per block, innermost first); torch 2.0 kept them in 'history'."""
+
     def block(size, frames, state="active_allocated"):
         entry = {"address": 0, "size": size, "requested_size": size, "state": state}
         if with_history:
@@ -201,15 +268,27 @@ def _snapshot(with_history=False):
         return entry
 
     torch_frame = _frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 1750, "_call_impl")
-    kv = [_frame("/src/lowvram/kv_quant.py", 170, "allocate_pages"), _frame("/src/lowvram/model_runner.py", 24, "__init__")]
+    kv = [
+        _frame("/src/lowvram/kv_quant.py", 170, "allocate_pages"),
+        _frame("/src/lowvram/model_runner.py", 24, "__init__"),
+    ]
     weights = [_frame("/src/lowvram/loader.py", 120, "load_weights")]
-    scores = [torch_frame, _frame("/src/kernels/paged_attention.py", 90, "_attend"),
-              _frame("/src/lowvram/model.py", 80, "forward")]
+    scores = [
+        torch_frame,
+        _frame("/src/kernels/paged_attention.py", 90, "_attend"),
+        _frame("/src/lowvram/model.py", 80, "forward"),
+    ]
     segments = [
-        {"total_size": 600 * MIB, "allocated_size": 600 * MIB,
-         "blocks": [block(14 * MIB, kv) for _ in range(40)] + [block(40 * MIB, weights)]},
-        {"total_size": 400 * MIB, "allocated_size": 256 * MIB,
-         "blocks": [block(256 * MIB, scores), block(144 * MIB, [], state="inactive")]},
+        {
+            "total_size": 600 * MIB,
+            "allocated_size": 600 * MIB,
+            "blocks": [block(14 * MIB, kv) for _ in range(40)] + [block(40 * MIB, weights)],
+        },
+        {
+            "total_size": 400 * MIB,
+            "allocated_size": 256 * MIB,
+            "blocks": [block(256 * MIB, scores), block(144 * MIB, [], state="inactive")],
+        },
     ]
     return {"segments": segments, "device_traces": []}
 

@@ -35,8 +35,19 @@ class PagedCase:
     (sequence, page of the sequence) pairs.
     """
 
-    def __init__(self, precision, dtype, block_size, num_kv_heads, head_dim, context_lens, seed, device=DEVICE,
-                 num_window_blocks=0, window_pages_at=()):
+    def __init__(
+        self,
+        precision,
+        dtype,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        context_lens,
+        seed,
+        device=DEVICE,
+        num_window_blocks=0,
+        window_pages_at=(),
+    ):
         generator = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         self.context_lens = context_lens
@@ -52,7 +63,9 @@ class PagedCase:
         order = torch.randperm(num_blocks, generator=generator)
         window = order[: 3 * num_window_blocks : 3].tolist()
         if window_pages_at:
-            first_block = [sum(math.ceil(n / block_size) for n in context_lens[:seq]) for seq in range(len(context_lens))]
+            first_block = [
+                sum(math.ceil(n / block_size) for n in context_lens[:seq]) for seq in range(len(context_lens))
+            ]
             window = [int(order[first_block[seq] + page]) for seq, page in window_pages_at]
         if window:
             shape = (len(window), block_size, num_kv_heads, head_dim)
@@ -133,6 +146,7 @@ def _prefill_batch(case, num_new_tokens, num_heads, seed):
 def test_page_offsets_widen_only_past_int32():
     """The kernels compute page offsets in int32 unless some page array reaches 2**31
     elements from its start (shapes only: meta tensors hold no memory)."""
+
     def pages(num_blocks, precision):
         return allocate_pages(num_blocks, 16, 2, 128, precision, device="meta")
 
@@ -146,8 +160,9 @@ def test_page_offsets_widen_only_past_int32():
 def test_wide_page_offsets_give_the_same_bits(precision, monkeypatch):
     """The int64 page offsets of very large page arrays, forced on small ones: decode and
     prefill give exactly what the int32 ones give."""
-    case = PagedCase(precision, torch.float32, 4, 2, TINY_DIM, [9, 3], seed=25,
-                     num_window_blocks=0 if precision == "fp16" else 1)
+    case = PagedCase(
+        precision, torch.float32, 4, 2, TINY_DIM, [9, 3], seed=25, num_window_blocks=0 if precision == "fp16" else 1
+    )
     q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(26)).to(DEVICE)
     decode_args = (q, case.pages, case.block_tables, case.context_lens_t, TINY_DIM**-0.5)
     q_new, cu_seqlens = _prefill_batch(case, [3, 2], TINY_HEADS, seed=27)
@@ -336,15 +351,22 @@ def test_pages_kept_in_fp16_are_read_unquantized(precision):
 
     out = paged_decode_attention(*decode_args, num_splits=2)
     assert _report(f"decode {precision} window, kernel", out, paged_decode_attention_ref(*decode_args)) <= 1e-5
-    dense = torch.cat([expected(q[seq : seq + 1], seq, torch.tensor([n - 1]))
-                       for seq, n in enumerate(case.context_lens)])
+    dense = torch.cat(
+        [expected(q[seq : seq + 1], seq, torch.tensor([n - 1])) for seq, n in enumerate(case.context_lens)]
+    )
     assert _report(f"decode {precision} window, kernel vs dense", out, dense) <= 1e-5
     out = paged_prefill_attention(*prefill_args)
     assert _report(f"prefill {precision} window, kernel", out, paged_prefill_attention_ref(*prefill_args)) <= 1e-5
     for seq, n in enumerate(case.context_lens):
         rows = slice(int(cu_seqlens[seq]), int(cu_seqlens[seq + 1]))
-        assert _report(f"prefill {precision} window seq {seq}", out[rows],
-                       expected(q_new[rows], seq, torch.arange(n - num_new[seq], n))) <= 1e-5
+        assert (
+            _report(
+                f"prefill {precision} window seq {seq}",
+                out[rows],
+                expected(q_new[rows], seq, torch.arange(n - num_new[seq], n)),
+            )
+            <= 1e-5
+        )
     # The same pages read without the window: only the codes, far from the FP16 values.
     case.pages.window_row.fill_(-1)
     assert _relative_error(paged_decode_attention(*decode_args, num_splits=2), dense) > 1e-3
@@ -355,8 +377,9 @@ def test_float16_queries_over_codes_and_kept_pages(precision):
     # Float16 queries: the decode kernel's codes enter its dots as subnormals with their
     # scales times 2**24; the tiles where prefill mixes kept pages (scale 1) with codes must
     # not, or a row's V scale would push the kept tokens' weights below float16's range.
-    case = PagedCase(precision, torch.float16, 8, 2, TINY_DIM, [40, 64], seed=82,
-                     window_pages_at=[(0, 2), (1, 0), (1, 7)])
+    case = PagedCase(
+        precision, torch.float16, 8, 2, TINY_DIM, [40, 64], seed=82, window_pages_at=[(0, 2), (1, 0), (1, 7)]
+    )
     scale = TINY_DIM**-0.5
     q = torch.randn(2, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(83)).to(DEVICE, torch.float16)
     decode_args = (q, case.pages, case.block_tables, case.context_lens_t, scale)
@@ -377,14 +400,20 @@ def test_decode_reads_kept_pages_wherever_they_sit(precision):
     # loop sees no token), one with a kept page mid-context, one with none, in partitions
     # with and without kept pages (100 tokens in 3 splits: the kept page sits in the first).
     context_lens = [12, 100, 64]
-    case = PagedCase(precision, torch.float32, 8, 2, TINY_DIM, context_lens, seed=80,
-                     window_pages_at=[(0, 0), (0, 1), (1, 5)])
+    case = PagedCase(
+        precision, torch.float32, 8, 2, TINY_DIM, context_lens, seed=80, window_pages_at=[(0, 0), (0, 1), (1, 5)]
+    )
     scale = TINY_DIM**-0.5
     q = torch.randn(3, TINY_HEADS, TINY_DIM, generator=torch.Generator().manual_seed(81)).to(DEVICE) * 4.0
     args = (q, case.pages, case.block_tables, case.context_lens_t, scale)
-    dense = torch.cat([_dense_attention(q[seq : seq + 1], case.k_dense[seq], case.v_dense[seq], scale,
-                                        torch.tensor([n - 1], device=DEVICE))
-                       for seq, n in enumerate(context_lens)])
+    dense = torch.cat(
+        [
+            _dense_attention(
+                q[seq : seq + 1], case.k_dense[seq], case.v_dense[seq], scale, torch.tensor([n - 1], device=DEVICE)
+            )
+            for seq, n in enumerate(context_lens)
+        ]
+    )
     for partitioning in ({"num_splits": 1}, {"num_splits": 3}, {"partition_tokens": 32}):
         out = paged_decode_attention(*args, **partitioning)
         assert _report(f"decode {precision} kept pages {partitioning}", out, dense) <= 1e-5
@@ -447,8 +476,10 @@ def test_choose_num_splits_fills_the_gpu():
 def test_decode_tiles_fit_the_grid():
     # The 2-warp defaults of a 132-SM GPU (H200) against the 1.5B shape's grids.
     fit = paged_attention.fit_decode_config
-    defaults = {bits: paged_attention.DecodeConfig(block_n=tokens, num_warps=2, num_stages=3, max_fused_splits=0)
-                for bits, tokens in paged_attention.ASYNC_DECODE_TILE_TOKENS.items()}
+    defaults = {
+        bits: paged_attention.DecodeConfig(block_n=tokens, num_warps=2, num_stages=3, max_fused_splits=0)
+        for bits, tokens in paged_attention.ASYNC_DECODE_TILE_TOKENS.items()
+    }
     latency = paged_attention.LATENCY_DECODE_CONFIG
     # No more programs than SMs: one sequence to 8K (64 partitions of 2 KV heads), eight to 512.
     for bits in (16, 8, 4):
@@ -491,8 +522,9 @@ def test_kernels_read_latent_pages_whose_values_are_their_keys():
     args = (q, case.pages, case.block_tables, case.context_lens_t, 0.2)
     out = paged_decode_attention(*args, num_splits=2)
     for seq, context_len in enumerate(case.context_lens):
-        expected = _dense_attention(q[seq : seq + 1], case.k_dense[seq], case.k_dense[seq], 0.2,
-                                    torch.tensor([context_len - 1], device=DEVICE))
+        expected = _dense_attention(
+            q[seq : seq + 1], case.k_dense[seq], case.k_dense[seq], 0.2, torch.tensor([context_len - 1], device=DEVICE)
+        )
         assert _report(f"decode latent seq {seq}", out[seq : seq + 1], expected) <= 1e-5
 
 
@@ -560,13 +592,19 @@ def _int8_errors_past_int32_offsets() -> tuple[float, float]:
         context_lens = torch.tensor([8 * block_size - 3], dtype=torch.int32, device=DEVICE)
         q = torch.randn(1, 12, head_dim, device=DEVICE, generator=generator).to(torch.float16)
         args = (pages, block_tables, context_lens, head_dim**-0.5)
-        decode = _report("decode gpu int8 past int32 offsets", paged_decode_attention(q, *args),
-                         paged_decode_attention_ref(q.float(), *args))
+        decode = _report(
+            "decode gpu int8 past int32 offsets",
+            paged_decode_attention(q, *args),
+            paged_decode_attention_ref(q.float(), *args),
+        )
         cu_seqlens = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
         q = torch.randn(5, 12, head_dim, device=DEVICE, generator=generator).to(torch.float16)
         args = (pages, block_tables, cu_seqlens, context_lens, head_dim**-0.5)
-        prefill = _report("prefill gpu int8 past int32 offsets", paged_prefill_attention(q, *args),
-                          paged_prefill_attention_ref(q.float(), *args))
+        prefill = _report(
+            "prefill gpu int8 past int32 offsets",
+            paged_prefill_attention(q, *args),
+            paged_prefill_attention_ref(q.float(), *args),
+        )
         return decode, prefill
     finally:
         for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):

@@ -14,8 +14,9 @@ from tests.test_w4a16 import random_awq, random_x
 L2_BYTES = 50 * 2**20
 
 
-@pytest.mark.parametrize("num_bytes, num_programs", [(1, 1), (128, 1), (129, 1), (1536 * 1024, 48),
-                                                      (1536 * 8960, 280), (3 * 2**20 + 16, 7)])
+@pytest.mark.parametrize(
+    "num_bytes, num_programs", [(1, 1), (128, 1), (129, 1), (1536 * 1024, 48), (1536 * 8960, 280), (3 * 2**20 + 16, 7)]
+)
 def test_the_programs_prefetch_lines_cover_the_buffer_in_the_fewest_powers_of_two(num_bytes, num_programs):
     lines = pdl.prefetch_lines(num_bytes, num_programs, L2_BYTES)
     assert lines & (lines - 1) == 0
@@ -67,21 +68,30 @@ def test_a_layer_asks_l2_for_its_weights_only_while_they_fit_its_share(monkeypat
     monkeypatch.setattr(pdl, "uses_pdl", lambda device: True)
     monkeypatch.setattr(pdl, "_l2_bytes", lambda index: L2_BYTES)
     device = torch.device("cuda", 0)
-    gate_up = (torch.empty(1536, 17920 // 8, dtype=torch.int32), torch.empty(12, 17920, dtype=torch.float16),
-               torch.empty(12, 17920 // 8, dtype=torch.int32))
+    gate_up = (
+        torch.empty(1536, 17920 // 8, dtype=torch.int32),
+        torch.empty(12, 17920, dtype=torch.float16),
+        torch.empty(12, 17920 // 8, dtype=torch.int32),
+    )
     options = pdl.launch_prefetch(device, gate_up, 140)
     assert options["PDL"] and options["launch_pdl"]
     assert [options[f"PREFETCH_{i}"] for i in range(3)] == [
-        pdl.prefetch_lines(t.numel() * t.element_size(), 140, L2_BYTES) for t in gate_up]
+        pdl.prefetch_lines(t.numel() * t.element_size(), 140, L2_BYTES) for t in gate_up
+    ]
     assert options["PREFETCH_0"] * 140 * pdl.LINE_BYTES >= 1536 * 17920 // 2
-    head = (torch.empty(1536, 151936 // 8, dtype=torch.int32), torch.empty(12, 151936, dtype=torch.float16),
-            torch.empty(12, 151936 // 8, dtype=torch.int32))
+    head = (
+        torch.empty(1536, 151936 // 8, dtype=torch.int32),
+        torch.empty(12, 151936, dtype=torch.float16),
+        torch.empty(12, 151936 // 8, dtype=torch.int32),
+    )
     options = pdl.launch_prefetch(device, head, 1187)
     assert options["PDL"] and [options[f"PREFETCH_{i}"] for i in range(3)] == [0, 0, 0]
 
 
-needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < pdl.MIN_CAPABILITY,
-                                reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+")
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < pdl.MIN_CAPABILITY,
+    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+",
+)
 
 
 def decoder_chain(num_layers, hidden, intermediate, seed):
@@ -91,20 +101,41 @@ def decoder_chain(num_layers, hidden, intermediate, seed):
     layers = []
     for layer in range(num_layers):
         weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(seed + layer)) + 0.5).half().cuda()
-        layers.append((weight, random_awq(hidden, hidden, 128, seed=seed + 10 * layer),
-                       random_awq(hidden, 2 * intermediate, 128, seed=seed + 10 * layer + 1),
-                       random_awq(intermediate, hidden, 128, seed=seed + 10 * layer + 2)))
+        layers.append(
+            (
+                weight,
+                random_awq(hidden, hidden, 128, seed=seed + 10 * layer),
+                random_awq(hidden, 2 * intermediate, 128, seed=seed + 10 * layer + 1),
+                random_awq(intermediate, hidden, 128, seed=seed + 10 * layer + 2),
+            )
+        )
     lanes = {"block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4, "unpack": "lanes", "reduce": "end"}
-    rows = gemv.choose_rows_config(2 * intermediate, hidden, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+    rows = gemv.choose_rows_config(
+        2 * intermediate, hidden, 128, torch.cuda.get_device_properties(0).multi_processor_count
+    )
 
     def run(x):
         outputs, residual = [], torch.zeros_like(x)
         for weight, attention, gate_up, down in layers:
             total = torch.empty_like(x)
-            h = gemv.launch_awq_gemv(x, *attention[:3], 128, attention[3], torch.empty_like(x), lanes,
-                                     norm=InputNorm(weight, 1e-6, residual, total))
-            g = gemv.launch_awq_gemv(h, *gate_up[:3], 128, None, x.new_empty(1, 2 * intermediate), rows,
-                                     norm=InputNorm(weight, 1e-6, None, None))
+            h = gemv.launch_awq_gemv(
+                x,
+                *attention[:3],
+                128,
+                attention[3],
+                torch.empty_like(x),
+                lanes,
+                norm=InputNorm(weight, 1e-6, residual, total),
+            )
+            g = gemv.launch_awq_gemv(
+                h,
+                *gate_up[:3],
+                128,
+                None,
+                x.new_empty(1, 2 * intermediate),
+                rows,
+                norm=InputNorm(weight, 1e-6, None, None),
+            )
             x = gemv.launch_awq_gemv(g, *down[:3], 128, down[3], torch.empty_like(x), lanes, is_gated=True)
             residual = total
             outputs += [h, g, x, total]
@@ -139,6 +170,5 @@ def test_a_chain_of_dependent_gemvs_launched_early_gives_the_bits_of_plain_launc
         torch.cuda.synchronize()
         worst = max((y.float() - want.float()).abs().max().item() for y, want in zip(static_outputs, expected))
         assert worst == 0, f"a graph replay differs from plain launches by up to {worst}"
-    compiled = [kernel for cache in gemv._awq_gemv_row_kernel.device_caches.values()
-                for kernel in cache[0].values()]
+    compiled = [kernel for cache in gemv._awq_gemv_row_kernel.device_caches.values() for kernel in cache[0].values()]
     assert any(kernel.metadata.launch_pdl for kernel in compiled), "no GEMV was compiled for dependent launch"

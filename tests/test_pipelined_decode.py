@@ -133,16 +133,24 @@ def test_a_request_waiting_for_a_full_batch_does_not_stop_the_pipeline(tiny_qwen
     piped = LLMEngine(str(tiny_qwen2_dir), profile)
     piped.pipelines_decode = True
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    requests = {"a": ([5, 6, 7], greedy), "b": ([9, 10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
-                "c": ([3, 4], greedy)}
+    requests = {
+        "a": ([5, 6, 7], greedy),
+        "b": ([9, 10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+        "c": ([3, 4], greedy),
+    }
     expected = run(plain, requests)
     for request_id, (ids, params) in requests.items():
         piped.add_request(request_id, prompt_token_ids=ids, params=params)
     pipelined_while_waiting, got = 0, {}
     while piped.has_unfinished_requests():
         before, waiting = piped.stats.num_pipelined_steps, bool(piped.scheduler.waiting)
-        got.update({o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
-                    for o in piped.step() if o.finished})
+        got.update(
+            {
+                o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+                for o in piped.step()
+                if o.finished
+            }
+        )
         pipelined_while_waiting += waiting and piped.stats.num_pipelined_steps > before
     assert got == expected
     assert pipelined_while_waiting > 5
@@ -156,20 +164,25 @@ def test_steps_read_right_after_the_one_before_show_the_controller_no_latency(en
     finish, control = piped._finish, piped._control
 
     def recording_finish(launched):
-        monkeypatch.setattr(piped, "_control",
-                            lambda latency, *args: (seen.append((launched, latency)), control(latency, *args)))
+        monkeypatch.setattr(
+            piped, "_control", lambda latency, *args: (seen.append((launched, latency)), control(latency, *args))
+        )
         try:
             return finish(launched)
         finally:
             monkeypatch.setattr(piped, "_control", control)
 
     monkeypatch.setattr(piped, "_finish", recording_finish)
-    requests = {f"r{i}": ([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True))
-                for i in range(3)}
+    requests = {
+        f"r{i}": ([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True)) for i in range(3)
+    }
     run(piped, requests)
     tails = [latency for launched, latency in seen if launched.is_tail]
-    steady = [latency for launched, latency in seen
-              if not launched.is_tail and not launched.batch.is_prefill and not launched.is_warmup]
+    steady = [
+        latency
+        for launched, latency in seen
+        if not launched.is_tail and not launched.batch.is_prefill and not launched.is_warmup
+    ]
     assert len(tails) >= 2 and all(latency is None for latency in tails)
     assert steady and all(latency is not None for latency in steady)
 
@@ -204,6 +217,7 @@ def test_running_out_of_memory_while_queueing_a_step_recovers_after_the_step_bef
     assert piped.controller_events[-1].action.kind == "kv_precision"
     assert piped.last_crash_report is not None and piped.last_crash_report.exists()
     piped.set_kv_precision("fp16")
+
 
 def test_sampled_requests_are_pipelined_and_their_seeds_hold(engines):
     """Sampling on the device (Gumbel-max): a seeded request draws the same tokens alone,

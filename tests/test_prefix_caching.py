@@ -71,8 +71,12 @@ def test_concurrent_requests_sharing_a_system_prompt_match_separate_runs(tiny_ll
 
 
 def test_bundled_model_chat_is_identical_with_and_without_reuse():
-    turns = ["What is 17 + 25?", "What is 120 - 45?", "Sort these words alphabetically: pear, apple, kiwi",
-             "How many letters a are in banana?"]
+    turns = [
+        "What is 17 + 25?",
+        "What is 120 - 45?",
+        "Sort these words alphabetically: pear, apple, kiwi",
+        "How many letters a are in banana?",
+    ]
     cached = LLM(None, load_profile("cpu"))
     plain = LLM(None, load_profile("cpu").replace(enable_prefix_caching=False))
     with_reuse = _chat(cached, turns)

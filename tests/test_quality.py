@@ -20,9 +20,28 @@ def test_fp16_numbers_reproduce_on_a_slice():
 
 def test_cli_writes_markdown_and_json(tmp_path):
     out, js = tmp_path / "quality.md", tmp_path / "quality.json"
-    result = subprocess.run([sys.executable, "-m", "lowvram", "bench", "quality", "--variants", "fp16", "--limit", "1",
-                             "--max-chars", "3000", "--output", str(out), "--json", str(js)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lowvram",
+            "bench",
+            "quality",
+            "--variants",
+            "fp16",
+            "--limit",
+            "1",
+            "--max-chars",
+            "3000",
+            "--output",
+            str(out),
+            "--json",
+            str(js),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert out.read_text().startswith("# Quality of lowvram's weight and KV formats")
     data = json.loads(js.read_text())
@@ -30,6 +49,10 @@ def test_cli_writes_markdown_and_json(tmp_path):
 
 
 def test_unknown_variant_is_a_clear_error():
-    result = subprocess.run([sys.executable, "-m", "lowvram", "bench", "quality", "--variants", "fp8"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "lowvram", "bench", "quality", "--variants", "fp8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "unknown quality variant 'fp8'" in result.stderr

@@ -52,6 +52,7 @@ def quantized(request, tmp_path_factory):
 
 # -- the written checkpoint ----------------------------------------------------------------------
 
+
 def test_checkpoint_follows_the_documented_layout(quantized):
     source, plain, full, report = quantized
     for out in (plain, full):
@@ -85,8 +86,9 @@ def test_int4_weights_are_the_awq_transform_of_the_original(quantized):
     original = load_file(str(source / "model.safetensors"))
     written = load_file(str(plain / "model.safetensors"))
     stem = "model.layers.0.mlp.gate_proj"
-    weight = reference_dequantize(written[f"{stem}.qweight"], written[f"{stem}.qzeros"], written[f"{stem}.scales"],
-                                  GROUP_SIZE).t()  # [N, K], input channels scaled by s
+    weight = reference_dequantize(
+        written[f"{stem}.qweight"], written[f"{stem}.qzeros"], written[f"{stem}.scales"], GROUP_SIZE
+    ).t()  # [N, K], input channels scaled by s
     norm_original = original["model.layers.0.post_attention_layernorm.weight"].float()
     norm_written = written["model.layers.0.post_attention_layernorm.weight"].float()
     scales = norm_original / norm_written  # the folded s
@@ -142,8 +144,23 @@ def test_rtn_method_and_report_file(tiny_qwen2_dir, tmp_path):
 def test_cli_parser_runs_the_quantizer(tiny_llama_dir, tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="lowvram")
     add_quantize_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["quantize", str(tiny_llama_dir), str(tmp_path / "out"), "--group-size", "64",
-                              "--num-samples", "4", "--seq-len", "32", "--rank", "4", "--device", "cpu"])
+    args = parser.parse_args(
+        [
+            "quantize",
+            str(tiny_llama_dir),
+            str(tmp_path / "out"),
+            "--group-size",
+            "64",
+            "--num-samples",
+            "4",
+            "--seq-len",
+            "32",
+            "--rank",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
     assert args.quantize_head is False and args.bias_correction is False and args.fp16_budget_mib == 0
     assert args.func(args) == 0
     assert "AWQ INT4, group size 64" in capsys.readouterr().out
@@ -187,9 +204,13 @@ def test_quantize_head_writes_an_int4_head(tiny_llama_dir, tmp_path):
 
 # -- errors leave nothing behind ------------------------------------------------------------------
 
+
 def test_group_size_must_divide_the_model(tiny_qwen2_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"--group-size 64 does not divide the model's intermediate_size \(160\).*"
-                                          r"use --group-size 32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--group-size 64 does not divide the model's intermediate_size \(160\).*"
+        r"use --group-size 32",
+    ):
         quantize_model(tiny_qwen2_dir, tmp_path / "out", group_size=64, num_samples=2, seq_len=32)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
@@ -247,6 +268,7 @@ def test_existing_output_needs_force(tiny_qwen2_dir, tmp_path):
 
 
 # -- the algorithm ----------------------------------------------------------------------------
+
 
 def test_fake_quantize_is_exactly_the_written_weight():
     gen = torch.Generator().manual_seed(3)
@@ -362,7 +384,9 @@ def test_sensitivity_picks_the_layer_made_sensitive(tiny_llama_dir, tmp_path):
     assert ranked[0] == "model.layers.1.mlp.down_proj"
     assert report.fp16_groups[0]["name"] == "model.layers.1.mlp.down_proj"
     assert "model.layers.1.mlp.down_proj" in report.summary()
-    skipped = json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    skipped = json.loads((tmp_path / "rtn" / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
     assert "model.layers.1.mlp.down_proj" in skipped
     written = load_file(str(tmp_path / "rtn" / "model.safetensors"))
     assert written["model.layers.1.mlp.down_proj.weight"].dtype == torch.float16
@@ -370,12 +394,15 @@ def test_sensitivity_picks_the_layer_made_sensitive(tiny_llama_dir, tmp_path):
 
     # AWQ scales the dead channels down before rounding, which removes most of the damage
     awq = quantize_model(model, tmp_path / "awq", fp16_budget_mib=0.02, **FAST)
-    print(f"layer 1 down score: RTN {report.sensitivity['model.layers.1.mlp.down_proj']:.2e}, "
-          f"AWQ {awq.sensitivity['model.layers.1.mlp.down_proj']:.2e}")
+    print(
+        f"layer 1 down score: RTN {report.sensitivity['model.layers.1.mlp.down_proj']:.2e}, "
+        f"AWQ {awq.sensitivity['model.layers.1.mlp.down_proj']:.2e}"
+    )
     assert awq.sensitivity["model.layers.1.mlp.down_proj"] < 0.2 * report.sensitivity["model.layers.1.mlp.down_proj"]
 
 
 # -- calibration ----------------------------------------------------------------------------------
+
 
 def test_shipped_corpus_and_user_files(tiny_qwen2_dir, tmp_path):
     from lowvram.engine.tokenizer import Tokenizer
@@ -402,17 +429,34 @@ def test_shipped_corpus_and_user_files(tiny_qwen2_dir, tmp_path):
 
 # -- GPU ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_quantize_on_cuda_with_the_model_on_the_host(tiny_qwen2_dir, tmp_path):
     already_allocated = torch.cuda.memory_allocated()  # what earlier tests still hold
-    report = quantize_model(tiny_qwen2_dir, tmp_path / "cuda", device="cuda", fp16_budget_mib=0.02, rank=8,
-                            group_size=GROUP_SIZE, num_samples=16, seq_len=128)
+    report = quantize_model(
+        tiny_qwen2_dir,
+        tmp_path / "cuda",
+        device="cuda",
+        fp16_budget_mib=0.02,
+        rank=8,
+        group_size=GROUP_SIZE,
+        num_samples=16,
+        seq_len=128,
+    )
     assert report.device.startswith("cuda") and report.peak_device_bytes is not None
     print(f"peak device memory: {(report.peak_device_bytes - already_allocated) / 2**20:.1f} MiB")
     assert report.peak_device_bytes - already_allocated < 256 * 2**20  # one tiny layer at a time
     check_awq_checkpoint(tmp_path / "cuda")
-    cpu = quantize_model(tiny_qwen2_dir, tmp_path / "cpu", device="cpu", fp16_budget_mib=0.02, rank=8,
-                         group_size=GROUP_SIZE, num_samples=16, seq_len=128)
+    cpu = quantize_model(
+        tiny_qwen2_dir,
+        tmp_path / "cpu",
+        device="cpu",
+        fp16_budget_mib=0.02,
+        rank=8,
+        group_size=GROUP_SIZE,
+        num_samples=16,
+        seq_len=128,
+    )
     reference = prefill_logits(tiny_qwen2_dir)
     on_cuda = relative_mse(prefill_logits(tmp_path / "cuda"), reference)
     on_cpu = relative_mse(prefill_logits(tmp_path / "cpu"), reference)

@@ -49,14 +49,14 @@ def _check_dense_model(model_dir, device, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm(tiny_model_dir, dtype,
-                                                                                    monkeypatch):
+def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm(
+    tiny_model_dir, dtype, monkeypatch
+):
     _check_dense_model(tiny_model_dir, "cpu", dtype, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm_gpu(tiny_qwen2_dir,
-                                                                                        monkeypatch):
+def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm_gpu(tiny_qwen2_dir, monkeypatch):
     _check_dense_model(tiny_qwen2_dir, "cuda", torch.float16, monkeypatch)
 
 

@@ -59,16 +59,20 @@ def _split(qkv, num_heads, num_kv_heads, head_dim):
     """q [T, H, D], k and v [T, Hkv, D]: strided views into the fused projection output."""
     q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1)
     num_tokens = qkv.shape[0]
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
 
 
 def _largest_relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
 
-def _check_against_reference_and_separate_kernels(precision, num_heads, num_kv_heads, head_dim, dtype, *,
-                                                  has_window=False, block_size=8, num_tokens=24, seed=0):
+def _check_against_reference_and_separate_kernels(
+    precision, num_heads, num_kv_heads, head_dim, dtype, *, has_window=False, block_size=8, num_tokens=24, seed=0
+):
     generator = torch.Generator().manual_seed(seed)
     num_blocks = 8
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3.0
@@ -113,8 +117,11 @@ def _check_against_reference_and_separate_kernels(precision, num_heads, num_kv_h
     reference_qkv, reference_pages = results["reference"]
     ref_q, ref_k, _ = _split(reference_qkv, num_heads, num_kv_heads, head_dim)
     worst = max(_largest_relative(q, ref_q), _largest_relative(k, ref_k))
-    num_page_diffs = sum(int((getattr(fused_pages, name) != getattr(reference_pages, name)).sum())
-                         for name in PAGE_NAMES if getattr(fused_pages, name) is not None)
+    num_page_diffs = sum(
+        int((getattr(fused_pages, name) != getattr(reference_pages, name)).sum())
+        for name in PAGE_NAMES
+        if getattr(fused_pages, name) is not None
+    )
     print(f"{label}: largest relative q/k difference {worst:.2e}, {num_page_diffs} page elements differ")
     if IS_EXACT_VS_REFERENCE:
         assert worst == 0.0 and num_page_diffs == 0
@@ -138,8 +145,9 @@ def _check_against_reference_and_separate_kernels(precision, num_heads, num_kv_h
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 2), (4, 4)])
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 def test_rotary_write_kv_matches_reference_and_the_separate_kernels(precision, num_heads, num_kv_heads, head_dim):
-    _check_against_reference_and_separate_kernels(precision, num_heads, num_kv_heads, head_dim, torch.float16,
-                                                  seed=head_dim + num_heads)
+    _check_against_reference_and_separate_kernels(
+        precision, num_heads, num_kv_heads, head_dim, torch.float16, seed=head_dim + num_heads
+    )
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -152,12 +160,14 @@ def test_rotary_write_kv_in_float32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,has_window", [("fp16", False), ("int8", False), ("int4", False),
-                                                  ("int8", True), ("int4", True)])
+@pytest.mark.parametrize(
+    "precision,has_window", [("fp16", False), ("int8", False), ("int4", False), ("int8", True), ("int4", True)]
+)
 def test_rotary_write_kv_at_the_real_shape_gpu(precision, has_window):
     """R1-Distill-Qwen-1.5B: 12 heads and 2 KV heads of 128; a prefill's worth of tokens."""
-    _check_against_reference_and_separate_kernels(precision, 12, 2, 128, torch.float16, has_window=has_window,
-                                                  block_size=16, num_tokens=100, seed=5)
+    _check_against_reference_and_separate_kernels(
+        precision, 12, 2, 128, torch.float16, has_window=has_window, block_size=16, num_tokens=100, seed=5
+    )
 
 
 def _attention_forward_rotating_first(self, h, positions, meta, kv_pages):

@@ -167,7 +167,8 @@ def test_token_ids_between_is_a_slice_of_all_token_ids():
     seq.output_token_ids.extend([50, 51, 52])
     every = seq.all_token_ids
     assert [seq.token_ids_between(a, b) for a in range(9) for b in range(a, 10)] == [
-        every[a:b] for a in range(9) for b in range(a, 10)]
+        every[a:b] for a in range(9) for b in range(a, 10)
+    ]
 
 
 def test_equal_looking_sequences_are_different_requests():

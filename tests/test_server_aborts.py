@@ -33,8 +33,12 @@ def _wait_until_settled(engine, state, timeout_s=20.0) -> bool:
     """True once no request is in flight and every page is free again."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (state.num_in_flight == 0 and not state.generations and not engine.has_unfinished_requests()
-                and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks):
+        if (
+            state.num_in_flight == 0
+            and not state.generations
+            and not engine.has_unfinished_requests()
+            and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        ):
             return True
         time.sleep(0.05)
     return False
@@ -42,8 +46,14 @@ def _wait_until_settled(engine, state, timeout_s=20.0) -> bool:
 
 def _long_request(model, i, **extra):
     # far longer than the test lets it run: it is cut off mid-way
-    return {"model": model, "prompt": f"request number {i} goes on and on", "max_tokens": 2000, "temperature": 0,
-            "ignore_eos": True, **extra}
+    return {
+        "model": model,
+        "prompt": f"request number {i} goes on and on",
+        "max_tokens": 2000,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def test_200_streams_aborted_midway_leak_no_pages_and_the_server_still_answers(served, engine, tiny_qwen2_dir):
@@ -52,8 +62,14 @@ def test_200_streams_aborted_midway_leak_no_pages_and_the_server_still_answers(s
     num_chunks_read = []
 
     async def open_and_abandon(client, i):
-        body = {"model": model, "messages": [{"role": "user", "content": f"stream {i} goes on"}], "stream": True,
-                "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"stream {i} goes on"}],
+            "stream": True,
+            "max_tokens": 1000,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             num_data = 0
@@ -76,7 +92,8 @@ def test_200_streams_aborted_midway_leak_no_pages_and_the_server_still_answers(s
     assert num_chunks_read == [3] * NUM_ABORTED_STREAMS
     assert _wait_until_settled(engine, state), (
         f"{engine.block_manager.num_blocks - engine.block_manager.num_free_blocks} pages still held, "
-        f"{state.num_in_flight} requests in flight")
+        f"{state.num_in_flight} requests in flight"
+    )
     metrics = httpx.get(f"{base_url}/metrics").text
     assert f'lowvram_requests_finished_total{{finish_reason="disconnect"}} {NUM_ABORTED_STREAMS}' in metrics
     reply = httpx.post(f"{base_url}/v1/completions", json={**_long_request(model, 0), "max_tokens": 5}, timeout=30)
@@ -87,7 +104,10 @@ def test_a_non_streaming_client_that_times_out_frees_its_pages(served, engine, t
     base_url, state = served
     num_before = state.metrics.finished.value("disconnect")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", json=_long_request(tiny_qwen2_dir.name, 1),
-                   timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(
+            f"{base_url}/v1/completions",
+            json=_long_request(tiny_qwen2_dir.name, 1),
+            timeout=httpx.Timeout(30, read=0.3),
+        )
     assert _wait_until_settled(engine, state)
     assert state.metrics.finished.value("disconnect") == num_before + 1

@@ -20,7 +20,13 @@ def _parse(*argv):
 def test_defaults_bind_loopback_port_8000_without_a_key(monkeypatch):
     monkeypatch.delenv("LOWVRAM_API_KEY", raising=False)
     args = _parse()
-    assert (args.host, args.port, args.api_key, args.insecure_no_auth, args.model) == ("127.0.0.1", 8000, None, False, None)
+    assert (args.host, args.port, args.api_key, args.insecure_no_auth, args.model) == (
+        "127.0.0.1",
+        8000,
+        None,
+        False,
+        None,
+    )
     assert args.func is cmd_serve
 
 
@@ -88,9 +94,19 @@ def test_histogram_buckets_are_cumulative_and_end_with_inf():
 def test_metrics_escape_label_values_and_count_controller_decisions():
     metrics = ServerMetrics('model "quoted"\\name')
     snapshot = SimpleNamespace(
-        num_kv_blocks=10, num_kv_blocks_used=6, num_kv_blocks_on_host=2, kv_block_size=16, kv_precision="int8",
-        num_running=3, num_waiting=1, decode_tokens_per_s=12.5, controller_mode="pressure", last_decision=None,
-        memory_used_bytes=100, memory_budget_bytes=200)
+        num_kv_blocks=10,
+        num_kv_blocks_used=6,
+        num_kv_blocks_on_host=2,
+        kv_block_size=16,
+        kv_precision="int8",
+        num_running=3,
+        num_waiting=1,
+        decode_tokens_per_s=12.5,
+        controller_mode="pressure",
+        last_decision=None,
+        memory_used_bytes=100,
+        memory_budget_bytes=200,
+    )
     for decision in ("kv->int8", "kv->int8", "spill", "spill", "kv->int8"):
         snapshot.last_decision = decision
         metrics.observe_snapshot(snapshot)

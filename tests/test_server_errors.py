@@ -61,30 +61,100 @@ BAD_REQUESTS = [
     ("empty body", "chat", "", 400, ["empty"], None),
     ("NaN is not JSON", "completion", '{"model": "M", "prompt": "x", "temperature": NaN}', 400, ["NaN"], None),
     ("deeply nested", "completion", "[" * 8000 + "]" * 8000, 400, ["nested too deeply"], None),
-    ("missing model", "chat", json.dumps({"messages": [{"role": "user", "content": "hi"}]}), 400, ["'model' is required"], "model"),
+    (
+        "missing model",
+        "chat",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        400,
+        ["'model' is required"],
+        "model",
+    ),
     ("missing messages", "chat", json.dumps({"model": "M"}), 400, ["'messages' is required"], "messages"),
-    ("max_tokens as a string", "chat", "OK_CHAT max_tokens=\"5\"", 400, ["max_tokens", "integer"], "max_tokens"),
+    ("max_tokens as a string", "chat", 'OK_CHAT max_tokens="5"', 400, ["max_tokens", "integer"], "max_tokens"),
     ("stream as an int", "chat", "OK_CHAT stream=1", 400, ["stream", "boolean"], "stream"),
     ("temperature too high", "chat", "OK_CHAT temperature=2.5", 400, ["temperature", "2"], "temperature"),
     ("top_p of zero", "completion", "OK_COMPLETION top_p=0", 400, ["top_p"], "top_p"),
     ("negative max_tokens", "completion", "OK_COMPLETION max_tokens=-1", 400, ["max_tokens"], "max_tokens"),
     ("unknown parameter", "chat", "OK_CHAT temprature=0.5", 400, ["unknown parameter 'temprature'"], "temprature"),
-    ("bad role", "chat", json.dumps({"model": "M", "messages": [{"role": "tool", "content": "x"}]}), 400, ["role"], "messages[0].role"),
-    ("image content", "chat", json.dumps({"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}), 400, ["text"], "messages[0].content"),
+    (
+        "bad role",
+        "chat",
+        json.dumps({"model": "M", "messages": [{"role": "tool", "content": "x"}]}),
+        400,
+        ["role"],
+        "messages[0].role",
+    ),
+    (
+        "image content",
+        "chat",
+        json.dumps(
+            {
+                "model": "M",
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}
+                ],
+            }
+        ),
+        400,
+        ["text"],
+        "messages[0].content",
+    ),
     ("empty messages", "chat", json.dumps({"model": "M", "messages": []}), 400, ["messages"], "messages"),
     ("stop of the wrong type", "completion", "OK_COMPLETION stop=5", 400, ["string or a list of strings"], "stop"),
-    ("empty stop string", "completion", "OK_COMPLETION stop=\"\"", 400, ["stop"], None),
+    ("empty stop string", "completion", 'OK_COMPLETION stop=""', 400, ["stop"], None),
     ("n > 1", "chat", "OK_CHAT n=2", 400, ["'n'", "not supported"], "n"),
     ("n = true", "chat", "OK_CHAT n=true", 400, ["'n'", "not supported"], "n"),
     ("logprobs", "chat", "OK_CHAT logprobs=true", 400, ["logprobs", "not supported"], "logprobs"),
-    ("tools", "chat", "OK_CHAT tools=[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]", 400, ["tool", "not supported"], "tools"),
-    ("json mode", "chat", "OK_CHAT response_format={\"type\": \"json_object\"}", 400, ["response_format", "not supported"], "response_format"),
+    (
+        "tools",
+        "chat",
+        'OK_CHAT tools=[{"type": "function", "function": {"name": "f"}}]',
+        400,
+        ["tool", "not supported"],
+        "tools",
+    ),
+    (
+        "json mode",
+        "chat",
+        'OK_CHAT response_format={"type": "json_object"}',
+        400,
+        ["response_format", "not supported"],
+        "response_format",
+    ),
     ("echo", "completion", "OK_COMPLETION echo=true", 400, ["echo", "not supported"], "echo"),
     ("batched prompts", "completion", json.dumps({"model": "M", "prompt": ["a", "b"]}), 400, ["one prompt"], None),
-    ("token id out of range", "completion", json.dumps({"model": "M", "prompt": [1, 10**9]}), 400, ["token ids"], "prompt"),
-    ("stream_options without stream", "chat", "OK_CHAT stream_options={\"include_usage\": true}", 400, ["stream_options"], "stream_options"),
-    ("prompt longer than max_model_len", "completion", json.dumps({"model": "M", "prompt": "word " * 600}), 400, ["maximum context length is 512"], "prompt"),
-    ("max_tokens beyond the context", "chat", "OK_CHAT max_tokens=1000", 400, ["maximum context length", "1000"], "max_tokens"),
+    (
+        "token id out of range",
+        "completion",
+        json.dumps({"model": "M", "prompt": [1, 10**9]}),
+        400,
+        ["token ids"],
+        "prompt",
+    ),
+    (
+        "stream_options without stream",
+        "chat",
+        'OK_CHAT stream_options={"include_usage": true}',
+        400,
+        ["stream_options"],
+        "stream_options",
+    ),
+    (
+        "prompt longer than max_model_len",
+        "completion",
+        json.dumps({"model": "M", "prompt": "word " * 600}),
+        400,
+        ["maximum context length is 512"],
+        "prompt",
+    ),
+    (
+        "max_tokens beyond the context",
+        "chat",
+        "OK_CHAT max_tokens=1000",
+        400,
+        ["maximum context length", "1000"],
+        "max_tokens",
+    ),
     ("both max_tokens names", "chat", "OK_CHAT max_completion_tokens=3", 400, ["max_completion_tokens"], None),
     ("seed beyond 64 bits", "completion", "OK_COMPLETION seed=18446744073709551616", 400, ["seed"], "seed"),
     ("unpaired surrogate", "completion", '{"model": "M", "prompt": "\\ud800"}', 400, ["surrogate"], "prompt"),
@@ -103,8 +173,9 @@ def _body(template: str, model: str) -> str:
 
 
 @pytest.mark.parametrize("what,endpoint,template,status,words,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_requests_get_a_4xx_error_object_that_says_what_is_wrong(http, model, what, endpoint, template, status,
-                                                                      words, param):
+def test_bad_requests_get_a_4xx_error_object_that_says_what_is_wrong(
+    http, model, what, endpoint, template, status, words, param
+):
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     response = http.post(path, content=_body(template, model), headers={"Content-Type": "application/json"})
     _assert_error(response, status, *words, param=param)
@@ -147,10 +218,14 @@ def test_queue_full_answers_429_with_retry_after_and_recovers(async_engine, mode
     state = app.state.lowvram
     # long enough that neither stream can finish while the test looks
     hold = _ok_completion(model, prompt="hold the line", max_tokens=480, stream=True, ignore_eos=True)
-    with BackgroundServer(app, bind_socket("127.0.0.1", 0)) as server, \
-            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
-        with client.stream("POST", "/v1/completions", json=hold) as first, \
-                client.stream("POST", "/v1/completions", json=hold) as second:
+    with (
+        BackgroundServer(app, bind_socket("127.0.0.1", 0)) as server,
+        httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client,
+    ):
+        with (
+            client.stream("POST", "/v1/completions", json=hold) as first,
+            client.stream("POST", "/v1/completions", json=hold) as second,
+        ):
             assert first.status_code == second.status_code == 200
             third = client.post("/v1/completions", json=_ok_completion(model))
             _assert_error(third, 429, "max_queue = 2", code="server_overloaded")
@@ -167,8 +242,10 @@ def test_queue_full_answers_429_with_retry_after_and_recovers(async_engine, mode
 
 def test_draining_server_answers_503_with_retry_after(async_engine, model):
     app = create_app(async_engine, model_name=model)
-    with BackgroundServer(app, bind_socket("127.0.0.1", 0)) as server, \
-            httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
+    with (
+        BackgroundServer(app, bind_socket("127.0.0.1", 0)) as server,
+        httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client,
+    ):
         app.state.lowvram.begin_shutdown()
         response = client.post("/v1/chat/completions", json=_ok_chat(model))
         _assert_error(response, 503, "shutting down", code="server_shutting_down")
@@ -185,18 +262,27 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 def test_metrics_follow_the_requests(http, model):
     before = http.get("/metrics")
     assert before.headers["content-type"].startswith("text/plain; version=0.0.4")
-    done_before = _metric(before.text, "lowvram_http_requests_total", '{endpoint="/v1/chat/completions",status="200"}') \
-        if '/v1/chat/completions",status="200"' in before.text else 0
+    done_before = (
+        _metric(before.text, "lowvram_http_requests_total", '{endpoint="/v1/chat/completions",status="200"}')
+        if '/v1/chat/completions",status="200"' in before.text
+        else 0
+    )
     tokens_before = _metric(before.text, "lowvram_generation_tokens_total")
     for _ in range(3):
-        assert http.post("/v1/chat/completions", json=_ok_chat(model, temperature=0, ignore_eos=True)).status_code == 200
+        assert (
+            http.post("/v1/chat/completions", json=_ok_chat(model, temperature=0, ignore_eos=True)).status_code == 200
+        )
     text = http.get("/metrics").text
-    assert _metric(text, "lowvram_http_requests_total", '{endpoint="/v1/chat/completions",status="200"}') == done_before + 3
+    assert (
+        _metric(text, "lowvram_http_requests_total", '{endpoint="/v1/chat/completions",status="200"}')
+        == done_before + 3
+    )
     assert _metric(text, "lowvram_generation_tokens_total") == tokens_before + 6
     assert _metric(text, "lowvram_time_to_first_token_seconds_count") >= 3
     assert _metric(text, "lowvram_inter_token_latency_seconds_count") >= 3
-    assert _metric(text, "lowvram_time_to_first_token_seconds_bucket", '{le="+Inf"}') == \
-        _metric(text, "lowvram_time_to_first_token_seconds_count")
+    assert _metric(text, "lowvram_time_to_first_token_seconds_bucket", '{le="+Inf"}') == _metric(
+        text, "lowvram_time_to_first_token_seconds_count"
+    )
     # the engine's gauges are as of its last step, which may end just after the answer was sent
     for _ in range(100):
         if _metric(text, "lowvram_kv_pages", '{location="device"}') == 0:
@@ -208,8 +294,12 @@ def test_metrics_follow_the_requests(http, model):
     assert _metric(text, "lowvram_kv_pages_capacity") > 0
     assert _metric(text, "lowvram_kv_precision_info", '{precision="fp16"}') == 1
     assert _metric(text, "lowvram_controller_mode_info", '{mode="normal"}') == 1  # the controller is on, idle
-    for name in ("lowvram_queue_depth", "lowvram_batch_size", "lowvram_decode_tokens_per_second",
-                 "lowvram_requests_in_flight"):
+    for name in (
+        "lowvram_queue_depth",
+        "lowvram_batch_size",
+        "lowvram_decode_tokens_per_second",
+        "lowvram_requests_in_flight",
+    ):
         _metric(text, name)
     assert "# TYPE lowvram_controller_events_total counter" in text
     # every sample line is "name{labels} number"

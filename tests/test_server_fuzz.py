@@ -19,14 +19,26 @@ from lowvram.server.app import create_app
 from lowvram.server.cli import BackgroundServer, bind_socket
 
 MODEL = "fuzz-model"
-FUZZ = settings(max_examples=80, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=80,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
-json_leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-             | st.text(max_size=12))
-json_any = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                                   max_size=3),
-                        max_leaves=6)
+json_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_any = st.recursive(
+    json_leaf,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def _maybe(valid):
@@ -58,18 +70,22 @@ COMMON = {
     "response_format": _maybe(st.just({"type": "text"})),
 }
 
-message = st.fixed_dictionaries({
-    "role": _maybe(st.sampled_from(["system", "developer", "user", "assistant", "tool"])),
-    "content": _maybe(text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)),
-})
+message = st.fixed_dictionaries(
+    {
+        "role": _maybe(st.sampled_from(["system", "developer", "user", "assistant", "tool"])),
+        "content": _maybe(text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)),
+    }
+)
 
 chat_body = st.fixed_dictionaries(
     {"model": _maybe(st.just(MODEL)), "messages": _maybe(st.lists(message, max_size=3))},
     optional={**COMMON, "max_completion_tokens": _maybe(small_count)},
 )
 completion_body = st.fixed_dictionaries(
-    {"model": _maybe(st.just(MODEL)),
-     "prompt": _maybe(text | st.lists(text, max_size=2) | st.lists(st.integers(-5, 600), max_size=6))},
+    {
+        "model": _maybe(st.just(MODEL)),
+        "prompt": _maybe(text | st.lists(text, max_size=2) | st.lists(st.integers(-5, 600), max_size=6)),
+    },
     optional={**COMMON, "echo": _maybe(st.booleans())},
 )
 extra_keys = st.dictionaries(st.text(max_size=8), json_any, max_size=2)
@@ -119,7 +135,9 @@ def _merge(body: dict, extra: dict) -> dict:
 @given(body=chat_body, extra=extra_keys)
 @example(body={"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]}, extra={})  # unpaired surrogate
 @example(body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, extra={"\udfff": 0})  # ... in a key
-@example(body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, extra={})  # overflows torch
+@example(
+    body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, extra={}
+)  # overflows torch
 @example(body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": True}, extra={})  # True == 1
 @example(body={"model": MODEL, "messages": [{"role": "assistant", "content": ""}], "stop": ["\x00"]}, extra={})
 def test_fuzzed_chat_requests_never_get_a_5xx(http, body, extra):
@@ -145,8 +163,16 @@ def test_fuzzed_raw_bodies_never_get_a_5xx(http, raw):
 
 
 def test_after_fuzzing_the_server_answers_and_holds_no_pages(http, engine):
-    response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                       "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    response = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
     assert http.get("/health").json()["requests_in_flight"] == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -64,8 +64,11 @@ def test_chat_completion_counts_usage_and_respects_max_tokens(client, model, eng
 def test_chat_stream_has_openai_chunks_and_equals_the_non_streamed_text(client, model):
     messages = _chat("tell me about pages")
     whole = client.chat.completions.create(model=model, messages=messages, **GREEDY)
-    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -81,8 +84,9 @@ def test_completion_stream_equals_non_streamed_and_token_id_prompts_work(client,
     prompt = "def add(a, b):"
     whole = client.completions.create(model=model, prompt=prompt, **GREEDY)
     assert whole.object == "text_completion" and whole.usage.completion_tokens == 8
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, stream=True,
-                                                                              **GREEDY))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, stream=True, **GREEDY)
+    )
     assert streamed == whole.choices[0].text
     by_ids = client.completions.create(model=model, prompt=engine.tokenizer.encode(prompt), **GREEDY)
     assert by_ids.choices[0].text == whole.choices[0].text
@@ -91,20 +95,37 @@ def test_completion_stream_equals_non_streamed_and_token_id_prompts_work(client,
 
 def test_stop_string_ends_the_text_before_it(client, model):
     prompt = "The quick brown fox"
-    full = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=16,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model=model, prompt=prompt, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     assert stop.strip(), f"need a visible stop string from {full!r}"
-    reply = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=16, stop=[stop],
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=16, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].text == full[: full.index(stop)]
 
 
 def test_seed_makes_sampling_repeatable(client, model):
     def sample(seed):
-        return client.completions.create(model=model, prompt="Once upon a time", temperature=1.0, top_p=0.95,
-                                         max_tokens=12, seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=model,
+                prompt="Once upon a time",
+                temperature=1.0,
+                top_p=0.95,
+                max_tokens=12,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
 
     assert sample(7) == sample(7)
     assert len({sample(seed) for seed in range(4)}) > 1
@@ -163,7 +184,9 @@ def test_api_key_is_required_when_set(async_engine, model):
         assert httpx.get(f"http://127.0.0.1:{server.port}/metrics").status_code == 401
 
 
-@pytest.mark.skipif(not BUNDLED_WEIGHTS.is_file(), reason="the bundled demo model has not been trained into the package yet")
+@pytest.mark.skipif(
+    not BUNDLED_WEIGHTS.is_file(), reason="the bundled demo model has not been trained into the package yet"
+)
 def test_bundled_model_is_served_when_no_model_is_given_and_answers():
     engine = LLMEngine(None, "cpu")
     async_engine = AsyncLLMEngine(engine).start()
@@ -174,8 +197,12 @@ def test_bundled_model_is_served_when_no_model_is_given_and_answers():
             with openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0) as c:
                 name = c.models.list().data[0].id
                 reply = c.chat.completions.create(model=name, messages=question, temperature=0, max_tokens=16)
-                streamed = "".join(chunk.choices[0].delta.content or "" for chunk in c.chat.completions.create(
-                    model=name, messages=question, temperature=0, max_tokens=16, stream=True))
+                streamed = "".join(
+                    chunk.choices[0].delta.content or ""
+                    for chunk in c.chat.completions.create(
+                        model=name, messages=question, temperature=0, max_tokens=16, stream=True
+                    )
+                )
         assert name == "demo_model"
         assert reply.choices[0].message.content.strip() == "168"
         assert reply.choices[0].finish_reason == "stop"  # the model ends its answer itself

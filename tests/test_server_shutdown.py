@@ -32,9 +32,26 @@ def _data_events(lines):
 
 
 def _start_server_process(model_dir, *extra):
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH_SERVE, "serve", "--model", str(model_dir), "--profile", "cpu",
-                             "--port", "0", "--max-model-len", "2048", *extra],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LAUNCH_SERVE,
+            "serve",
+            "--model",
+            str(model_dir),
+            "--profile",
+            "cpu",
+            "--port",
+            "0",
+            "--max-model-len",
+            "2048",
+            *extra,
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     deadline = time.monotonic() + 120
@@ -55,17 +72,28 @@ def test_sigterm_lets_the_inflight_stream_finish_refuses_new_work_and_exits_0(ti
     proc, port, stderr_lines = _start_server_process(tiny_qwen2_dir)
     base_url = f"http://127.0.0.1:{port}"
     try:
-        body = {"model": tiny_qwen2_dir.name, "prompt": "count to a thousand:", "max_tokens": 300, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.Client(timeout=30) as client, client.stream("POST", f"{base_url}/v1/completions", json=body) as stream:
+        body = {
+            "model": tiny_qwen2_dir.name,
+            "prompt": "count to a thousand:",
+            "max_tokens": 300,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with (
+            httpx.Client(timeout=30) as client,
+            client.stream("POST", f"{base_url}/v1/completions", json=body) as stream,
+        ):
             lines = stream.iter_lines()
             seen = [next(line for line in lines if line.startswith("data: "))]
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.05)
             with httpx.Client(timeout=10) as other:
                 try:
-                    refused = other.post(f"{base_url}/v1/completions", json={**body, "stream": False,
-                                                                                     "stream_options": None}).status_code
+                    refused = other.post(
+                        f"{base_url}/v1/completions", json={**body, "stream": False, "stream_options": None}
+                    ).status_code
                 except httpx.ConnectError:
                     refused = "connection refused"
             seen += list(lines)
@@ -93,9 +121,17 @@ def test_ctrl_c_ends_streams_still_running_after_the_grace_period_with_an_error_
     try:
         app = create_app(async_engine, model_name=tiny_qwen2_dir.name, shutdown_grace_s=0.3)
         server = BackgroundServer(app, bind_socket("127.0.0.1", 0)).start()
-        body = {"model": tiny_qwen2_dir.name, "messages": [{"role": "user", "content": "go on forever"}],
-                "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body, timeout=30) as stream:
+        body = {
+            "model": tiny_qwen2_dir.name,
+            "messages": [{"role": "user", "content": "go on forever"}],
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body, timeout=30
+        ) as stream:
             lines = stream.iter_lines()
             seen = [next(line for line in lines if line.startswith("data: "))]
             started = time.monotonic()

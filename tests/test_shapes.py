@@ -20,8 +20,14 @@ def test_random_checkpoint_of_a_real_shape_loads_and_generates(tmp_path):
 
 def test_the_published_dimensions():
     c = shape_config("r1-distill-qwen-1.5b")
-    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_attention_heads"],
-            c["num_key_value_heads"], c["vocab_size"]) == (1536, 8960, 28, 12, 2, 151936)
+    assert (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["vocab_size"],
+    ) == (1536, 8960, 28, 12, 2, 151936)
     assert set(SHAPES) == {"r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "deepseek-coder-1.3b"}
     with pytest.raises(ConfigError, match="known shapes"):
         shape_config("gpt-5")

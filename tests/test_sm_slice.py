@@ -130,8 +130,10 @@ def test_a_slice_reaches_only_its_sms():
             replayed = sm_ids(num_programs)
         graph.replay()
         stream.synchronize()
-        print(f"slice of {piece.num_sms} SMs: eager launch on {torch.unique(eager).numel()} SMs, "
-              f"graph replay on {torch.unique(replayed).numel()}")
+        print(
+            f"slice of {piece.num_sms} SMs: eager launch on {torch.unique(eager).numel()} SMs, "
+            f"graph replay on {torch.unique(replayed).numel()}"
+        )
         assert 0 < torch.unique(eager).numel() <= piece.num_sms
         assert 0 < torch.unique(replayed).numel() <= piece.num_sms
     assert num_sms(torch.device("cuda")) == full_sms

@@ -85,7 +85,7 @@ class EveryStepPolicy:
                 self.recency.pop(page, None)
                 self.recency[page] = None
                 self.hits[page] = self.hits.get(page, 0) + 1
-            self.hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks:]) if self.num_hot_blocks else ()
+            self.hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks :]) if self.num_hot_blocks else ()
         if live_seq_ids is not None:
             self.hot_by_seq = {s: w for s, w in self.hot_by_seq.items() if s in live_seq_ids}
 

@@ -28,15 +28,37 @@ def scaled_card(tmp_path_factory):
     from lowvram.testing import make_tiny_model
 
     root = tmp_path_factory.mktemp("scaled-card")
-    model = make_tiny_model(root / "model", "llama", num_layers=8, head_dim=64, num_key_value_heads=4,
-                            vocab_size=57344, max_position_embeddings=1024)
+    model = make_tiny_model(
+        root / "model",
+        "llama",
+        num_layers=8,
+        head_dim=64,
+        num_key_value_heads=4,
+        vocab_size=57344,
+        max_position_embeddings=1024,
+    )
     profile = {
-        "name": "scaled-4gb", "description": "the 4gb profile's ratios at a tiny model's size",
-        "device": "cpu", "dtype": "float32", "memory_budget_gib": 0.25, "memory_utilization": 0.3,
-        "max_model_len": MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS, "max_num_seqs": 8, "max_num_batched_tokens": 128,
-        "kv_block_size": 16, "kv_precision": "auto", "kv_backend": "auto", "host_spill_gib": 0.0,
-        "controller": {"memory_high_water": 0.90, "memory_low_water": 0.75, "latency_high_ms": 120.0,
-                       "latency_low_ms": 60.0, "patience_tokens": 3, "cooldown_steps": 32},
+        "name": "scaled-4gb",
+        "description": "the 4gb profile's ratios at a tiny model's size",
+        "device": "cpu",
+        "dtype": "float32",
+        "memory_budget_gib": 0.25,
+        "memory_utilization": 0.3,
+        "max_model_len": MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "kv_block_size": 16,
+        "kv_precision": "auto",
+        "kv_backend": "auto",
+        "host_spill_gib": 0.0,
+        "controller": {
+            "memory_high_water": 0.90,
+            "memory_low_water": 0.75,
+            "latency_high_ms": 120.0,
+            "latency_low_ms": 60.0,
+            "patience_tokens": 3,
+            "cooldown_steps": 32,
+        },
     }
     path = root / "scaled-4gb.yaml"
     path.write_text(yaml.safe_dump(profile))
@@ -46,9 +68,21 @@ def scaled_card(tmp_path_factory):
 def _run(scaled_card, tmp_path, *args) -> tuple[dict, dict]:
     model, profile = scaled_card
     out = tmp_path / "stress.json"
-    code = stress_engine.main(["--model", str(model), "--profile", str(profile), "--max-prompt-tokens",
-                               str(MAX_PROMPT_TOKENS), "--max-output-tokens", str(MAX_OUTPUT_TOKENS),
-                               "--json", str(out), *args])
+    code = stress_engine.main(
+        [
+            "--model",
+            str(model),
+            "--profile",
+            str(profile),
+            "--max-prompt-tokens",
+            str(MAX_PROMPT_TOKENS),
+            "--max-output-tokens",
+            str(MAX_OUTPUT_TOKENS),
+            "--json",
+            str(out),
+            *args,
+        ]
+    )
     assert code == 0
     record = json.loads(out.read_text())
     return {r["mode"]: r for r in record["results"]}, record
@@ -60,9 +94,24 @@ def _events(tmp_path, result) -> list[dict]:
 
 
 def test_memory_pressure_from_long_prompts_makes_the_controller_act_without_changing_outputs(scaled_card, tmp_path):
-    results, record = _run(scaled_card, tmp_path, "--num-requests", "24", "--long-share", "0.25", "--seed", "1",
-                   "--modes", "off,on", "--check-alone", "4", "--plot", str(tmp_path / "stress.png"),
-                   "--summary-md", str(tmp_path / "stress.md"))
+    results, record = _run(
+        scaled_card,
+        tmp_path,
+        "--num-requests",
+        "24",
+        "--long-share",
+        "0.25",
+        "--seed",
+        "1",
+        "--modes",
+        "off,on",
+        "--check-alone",
+        "4",
+        "--plot",
+        str(tmp_path / "stress.png"),
+        "--summary-md",
+        str(tmp_path / "stress.md"),
+    )
     off, on = results["off"], results["on"]
     # The pressure is the workload's own: nothing patched the memory reading.
     assert off["peak_memory_pressure"] > 0.9 and off["num_controller_events"] == 0
@@ -80,12 +129,32 @@ def test_memory_pressure_from_long_prompts_makes_the_controller_act_without_chan
 
 
 @pytest.mark.parametrize("num_slow_steps, expects_event", [(4, True), (2, False)], ids=["run-of-4", "run-of-2"])
-def test_a_run_of_slow_decode_steps_longer_than_the_patience_shrinks_the_batch(scaled_card, tmp_path,
-                                                                              num_slow_steps, expects_event):
+def test_a_run_of_slow_decode_steps_longer_than_the_patience_shrinks_the_batch(
+    scaled_card, tmp_path, num_slow_steps, expects_event
+):
     # Short prompts keep memory calm, so any event comes from the latency path.
-    results, _ = _run(scaled_card, tmp_path, "--num-requests", "12", "--long-share", "0", "--max-prompt-tokens", "64",
-                   "--modes", "latency", "--latency-num-requests", "12", "--slow-every", "16", "--slow-steps",
-                   str(num_slow_steps), "--slow-step-ms", "150", "--check-alone", "3")
+    results, _ = _run(
+        scaled_card,
+        tmp_path,
+        "--num-requests",
+        "12",
+        "--long-share",
+        "0",
+        "--max-prompt-tokens",
+        "64",
+        "--modes",
+        "latency",
+        "--latency-num-requests",
+        "12",
+        "--slow-every",
+        "16",
+        "--slow-steps",
+        str(num_slow_steps),
+        "--slow-step-ms",
+        "150",
+        "--check-alone",
+        "3",
+    )
     latency = results["latency"]
     events = _events(tmp_path, latency)
     assert latency["num_completed"] == 12 and latency["alone"] == {"num_checked": 3, "num_identical": 3}

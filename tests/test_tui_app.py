@@ -202,8 +202,12 @@ def test_gauges_follow_the_engine(engine, chat_model):
 
 def test_save_writes_markdown_and_json_that_load_back(llm, chat_model, tmp_path):
     async def main():
-        app = ChatApp(EngineSpec(chat_model, "cpu"), ChatSettings(system_prompt="Be brief.", max_tokens=12),
-                      transcript_dir=tmp_path, loader=reuse(llm.engine))
+        app = ChatApp(
+            EngineSpec(chat_model, "cpu"),
+            ChatSettings(system_prompt="Be brief.", max_tokens=12),
+            transcript_dir=tmp_path,
+            loader=reuse(llm.engine),
+        )
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.backend is not None, "the engine")
             await type_and_send(pilot, QUESTION)
@@ -273,11 +277,21 @@ def test_a_load_error_is_a_dialog_with_a_fix_not_a_traceback(tmp_path):
 # -- the screen, with a scripted backend -------------------------------------------
 
 SCRIPTED_SNAPSHOT = EngineSnapshot(
-    device="cuda:0", memory_used_bytes=int(3.02 * 2**30), memory_budget_bytes=int(3.6 * 2**30),
-    num_kv_blocks=512, num_kv_blocks_used=137, num_kv_blocks_on_host=24, kv_block_size=16, kv_precision="int8",
-    num_running=1, num_waiting=0, decode_tokens_per_s=31.4, token_latency_ms=31.9,
+    device="cuda:0",
+    memory_used_bytes=int(3.02 * 2**30),
+    memory_budget_bytes=int(3.6 * 2**30),
+    num_kv_blocks=512,
+    num_kv_blocks_used=137,
+    num_kv_blocks_on_host=24,
+    kv_block_size=16,
+    kv_precision="int8",
+    num_running=1,
+    num_waiting=0,
+    decode_tokens_per_s=31.4,
+    token_latency_ms=31.9,
     recent_token_latency_ms=[30 + 8 * math.sin(i / 2) + (110 if i in (17, 18) else 0) for i in range(40)],
-    latency_high_ms=120.0, controller_mode="compress",
+    latency_high_ms=120.0,
+    controller_mode="compress",
     last_decision="KV fp16 -> int8: memory at 0.92 of the budget, above the 0.90 high water mark",
 )
 
@@ -318,9 +332,14 @@ class ScriptedBackend:
                 chunk = await self.chunks.get()
                 is_finished = chunk is None
                 text += chunk or ""
-                yield RequestOutput("r", None, [1], [CompletionOutput(0, text, [0] * len(text.split()),
-                                                                     "stop" if is_finished else None)],
-                                    is_finished, chunk or "")
+                yield RequestOutput(
+                    "r",
+                    None,
+                    [1],
+                    [CompletionOutput(0, text, [0] * len(text.split()), "stop" if is_finished else None)],
+                    is_finished,
+                    chunk or "",
+                )
         finally:
             self.num_aborted += not is_finished
 
@@ -340,7 +359,9 @@ def scripted_app(backend=None, **kwargs):
 
 async def started(pilot):
     app = pilot.app
-    await wait_until(pilot, lambda: app.backend is not None and not isinstance(app.screen, LoadingScreen), "the backend")
+    await wait_until(
+        pilot, lambda: app.backend is not None and not isinstance(app.screen, LoadingScreen), "the backend"
+    )
     app.query_one(ChatInput).cursor_blink = False
     await pilot.pause(0.3)  # the panel's first refresh
 
@@ -355,8 +376,12 @@ def test_a_second_message_while_streaming_waits_in_a_visible_queue():
             await type_and_send(pilot, "second")
             await pilot.pause(0.05)
             queued = app.query(UserMessage)[1]
-            seen = (queued.has_class("-queued"), queued.border_subtitle, str(app.query_one("#status").content),
-                    len(backend.requests))
+            seen = (
+                queued.has_class("-queued"),
+                queued.border_subtitle,
+                str(app.query_one("#status").content),
+                len(backend.requests),
+            )
             backend.feed("two")
             await wait_until(pilot, lambda: len(backend.requests) == 2, "the queued message to be sent")
             backend.feed("three")
@@ -366,8 +391,11 @@ def test_a_second_message_while_streaming_waits_in_a_visible_queue():
     (was_queued, subtitle, status, num_requests), is_still_queued, requests = run(main())
     assert was_queued and "queued" in subtitle and "1 queued" in status and num_requests == 1
     assert not is_still_queued
-    assert requests[1] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one two"},
-                           {"role": "user", "content": "second"}]
+    assert requests[1] == [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "one two"},
+        {"role": "user", "content": "second"},
+    ]
 
 
 def test_stop_also_drops_queued_messages():
@@ -538,9 +566,11 @@ def assert_snapshot(svg: str, name: str, tmp_path: Path) -> None:
     differing = [row for row, (want, got) in enumerate(zip(expected_rows, actual_rows)) if want != got]
     if differing or len(actual_rows) != len(expected_rows):
         row = differing[0] if differing else min(len(expected_rows), len(actual_rows))
-        pytest.fail(f"the screen differs from {path} in {len(differing)} rows, first row {row}: "
-                    f"{expected_rows[row:row + 1]!r} became {actual_rows[row:row + 1]!r}; the new one is {actual} "
-                    "(LOWVRAM_UPDATE_SNAPSHOTS=1 accepts it)")
+        pytest.fail(
+            f"the screen differs from {path} in {len(differing)} rows, first row {row}: "
+            f"{expected_rows[row : row + 1]!r} became {actual_rows[row : row + 1]!r}; the new one is {actual} "
+            "(LOWVRAM_UPDATE_SNAPSHOTS=1 accepts it)"
+        )
 
 
 async def main_screen(pilot, backend) -> None:
@@ -577,8 +607,9 @@ def test_snapshot_load_error(tmp_path):
     from lowvram.errors import OutOfMemoryError
 
     def failing(spec, on_stage):
-        raise OutOfMemoryError("the model needs 5.2 GiB but profile '4gb' allows 3.6 GiB; "
-                               "use a smaller model or an AWQ INT4 checkpoint")
+        raise OutOfMemoryError(
+            "the model needs 5.2 GiB but profile '4gb' allows 3.6 GiB; use a smaller model or an AWQ INT4 checkpoint"
+        )
 
     async def main():
         app = ChatApp(EngineSpec(None, "4gb"), loader=failing)
@@ -594,6 +625,7 @@ def test_snapshot_load_error(tmp_path):
 def test_docs_screenshot_is_the_app(tmp_path):
     """docs/chat.svg is a real session on the bundled model; LOWVRAM_UPDATE_SNAPSHOTS=1 retakes it."""
     if UPDATE_SNAPSHOTS and DEMO_WEIGHTS.is_file():
+
         async def main():
             app = ChatApp(EngineSpec(None, "cpu"), ChatSettings(max_tokens=64))
             async with app.run_test(size=SIZE) as pilot:
@@ -614,8 +646,12 @@ def test_saved_chat_keeps_its_kv_pages_and_loading_restores_them(chat_model, tmp
     first_engine = LLM(chat_model, profile="cpu").engine
 
     async def save():
-        app = ChatApp(EngineSpec(chat_model, "cpu"), ChatSettings(max_tokens=12), transcript_dir=tmp_path,
-                      loader=reuse(first_engine))
+        app = ChatApp(
+            EngineSpec(chat_model, "cpu"),
+            ChatSettings(max_tokens=12),
+            transcript_dir=tmp_path,
+            loader=reuse(first_engine),
+        )
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.backend is not None, "the engine")
             await type_and_send(pilot, QUESTION)
@@ -648,7 +684,9 @@ def test_quantize_on_load_reports_each_layer_and_chats_with_int4_weights(chat_mo
     engine = load_engine(spec, stages.append)
     num_layers = engine.config.num_layers
     assert any(s.startswith("quantizing ") and "once" in s for s in stages)
-    assert [s for s in stages if s.startswith("quantizing: layer")][-1] == f"quantizing: layer {num_layers} of {num_layers}"
+    assert [s for s in stages if s.startswith("quantizing: layer")][
+        -1
+    ] == f"quantizing: layer {num_layers} of {num_layers}"
     assert engine.config.quantization is not None and engine.model.weight_report.int4_layer_bytes > 0
     again: list[str] = []
     load_engine(spec, again.append)  # the INT4 copy is made once

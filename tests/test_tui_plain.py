@@ -62,8 +62,12 @@ def chat_argv() -> list[str]:
 
 def sample_conversation() -> Conversation:
     settings = ChatSettings(system_prompt="Be brief.", temperature=0.7, max_tokens=64)
-    turns = [Turn("user", "What is `x`?\n\nTwo lines."), Turn("assistant", "```python\nx = 1\n```", "stop"),
-             Turn("user", "More"), Turn("assistant", "It is", "abort")]
+    turns = [
+        Turn("user", "What is `x`?\n\nTwo lines."),
+        Turn("assistant", "```python\nx = 1\n```", "stop"),
+        Turn("user", "More"),
+        Turn("assistant", "It is", "abort"),
+    ]
     return Conversation(settings, turns, model="demo", profile="4gb", started_at="2025-01-02T03:04:05")
 
 
@@ -74,8 +78,16 @@ def test_transcript_json_round_trips_and_markdown_reads_well(tmp_path):
     assert load_transcript(json_path) == conversation
     assert load_transcript(markdown_path) == conversation  # a .md path reads its .json twin
     markdown = markdown_path.read_text()
-    for text in ("## System", "Be brief.", "## You", "Two lines.", "```python\nx = 1\n```", "*(stopped)*",
-                 "temperature: 0.7", "max tokens: 64"):
+    for text in (
+        "## System",
+        "Be brief.",
+        "## You",
+        "Two lines.",
+        "```python\nx = 1\n```",
+        "*(stopped)*",
+        "temperature: 0.7",
+        "max tokens: 64",
+    ):
         assert text in markdown
     assert conversation.messages()[0] == {"role": "system", "content": "Be brief."}
     assert len(conversation.messages()) == 5
@@ -157,8 +169,10 @@ def test_loading_reports_stages_and_keeps_warnings_on_the_terminal(monkeypatch, 
     caplog.set_level(logging.WARNING)
     stages = []
     assert backend.load_engine(EngineSpec(None), stages.append) == "engine"
-    assert stages[0].startswith("resolving bundled demo model") and stages[1:] == ["weights loaded",
-                                                                                   "odd generation_config.json"]
+    assert stages[0].startswith("resolving bundled demo model") and stages[1:] == [
+        "weights loaded",
+        "odd generation_config.json",
+    ]
     assert [r.getMessage() for r in caplog.records] == ["odd generation_config.json"]  # INFO stays off the terminal
     assert logging.getLogger("lowvram").propagate
 
@@ -168,10 +182,11 @@ def test_loading_reports_stages_and_keeps_warnings_on_the_terminal(monkeypatch, 
 
 def test_plain_mode_keeps_a_multi_turn_chat_and_obeys_commands(model_args, tmp_path):
     model = model_args[1] if model_args else None
-    stdin = io.StringIO(f"What is 17 + 25?\n/max 4\n/system Be brief.\nAnd 2 + 2?\n/nonsense\n/save {tmp_path}/t.json\n")
+    stdin = io.StringIO(
+        f"What is 17 + 25?\n/max 4\n/system Be brief.\nAnd 2 + 2?\n/nonsense\n/save {tmp_path}/t.json\n"
+    )
     stdout, stderr = io.StringIO(), io.StringIO()
-    status = run_plain(EngineSpec(model, "cpu"), ChatSettings(max_tokens=16), stdin=stdin, stdout=stdout,
-                       stderr=stderr)
+    status = run_plain(EngineSpec(model, "cpu"), ChatSettings(max_tokens=16), stdin=stdin, stdout=stdout, stderr=stderr)
     assert status == 1  # the unknown command failed; the rest went on
     assert "unknown command /nonsense" in stderr.getvalue()
     saved = load_transcript(tmp_path / "t.json")
@@ -211,8 +226,13 @@ def test_piped_lines_get_the_models_answers_from_the_binary(model_args):
         answer = llm.chat(history, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
         history.append({"role": "assistant", "content": answer})
         expected.append(answer)
-    result = subprocess.run([*chat_argv(), "--plain", *model_args, "--profile", "cpu", "-n", "16"],
-                            input="\n".join(questions) + "\n", capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*chat_argv(), "--plain", *model_args, "--profile", "cpu", "-n", "16"],
+        input="\n".join(questions) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "".join(answer + "\n" for answer in expected)
     assert "Traceback" not in result.stderr
@@ -224,8 +244,13 @@ def test_piped_lines_get_the_models_answers_from_the_binary(model_args):
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_chat_runs_in_a_real_terminal(model_args):
     env = dict(os.environ, LOWVRAM_CHAT_CMD=" ".join(chat_argv()))
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "tmux_chat_check.sh"), *model_args, "--profile", "cpu"],
-                            capture_output=True, text=True, timeout=240, env=env)
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "tmux_chat_check.sh"), *model_args, "--profile", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert "tmux_chat_check: ok" in result.stdout
 

@@ -22,22 +22,20 @@ GPU_TOLERANCE = 2e-3
 GPU_SHAPES = [(1536, 1536), (1536, 8960), (8960, 1536), (1536, 256), (2048, 5504)]
 
 needs_triton = pytest.mark.skipif(
-    w4a16.w4a16_gemv is None or not w4a16._backend_for(torch.device(DEVICE).type,
-                                                          torch.device(DEVICE).index)[0],
+    w4a16.w4a16_gemv is None or not w4a16._backend_for(torch.device(DEVICE).type, torch.device(DEVICE).index)[0],
     reason="Triton kernels unavailable here (no CUDA and TRITON_INTERPRET unset)",
 )
 
 
 def random_awq(num_inputs, num_outputs, group_size, seed, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
-    qweight = torch.randint(-(2**31), 2**31 - 1, (num_inputs, num_outputs // 8),
-                            dtype=torch.int32, generator=gen)
-    qzeros = torch.randint(-(2**31), 2**31 - 1, (num_inputs // group_size, num_outputs // 8),
-                           dtype=torch.int32, generator=gen)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, generator=gen)
+    qzeros = torch.randint(
+        -(2**31), 2**31 - 1, (num_inputs // group_size, num_outputs // 8), dtype=torch.int32, generator=gen
+    )
     scales = torch.rand(num_inputs // group_size, num_outputs, generator=gen) * 0.02 + 1e-3
     bias = torch.randn(num_outputs, generator=gen)
-    return (qweight.to(device), qzeros.to(device), scales.half().to(device),
-            bias.half().to(device))
+    return (qweight.to(device), qzeros.to(device), scales.half().to(device), bias.half().to(device))
 
 
 def random_x(num_rows, num_inputs, seed, dtype=torch.float16, device=DEVICE):
@@ -79,10 +77,14 @@ def test_awq_linear_matches_reference(num_rows, group_size):
 # With several splits the lane kernel computes the compensation's x A^T once per launch (in
 # the first column block's programs); "per_block" recomputes it in every column block.
 # "lora_reduce": "end" sums x A^T's products once after the K loop (the narrow projections' default).
-ROW_FORMS = [{}, {"unpack": "lanes", "reduce": "block"}, {"unpack": "lanes", "reduce": "end"},
-             {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
-             {"unpack": "lanes", "reduce": "end", "lora": "per_block"},
-             {"unpack": "lanes", "reduce": "end", "lora": "per_block", "lora_reduce": "end", "dequant": "convert"}]
+ROW_FORMS = [
+    {},
+    {"unpack": "lanes", "reduce": "block"},
+    {"unpack": "lanes", "reduce": "end"},
+    {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
+    {"unpack": "lanes", "reduce": "end", "lora": "per_block"},
+    {"unpack": "lanes", "reduce": "end", "lora": "per_block", "lora_reduce": "end", "dequant": "convert"},
+]
 ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block", "lanes-lora-end"]
 
 
@@ -123,8 +125,10 @@ def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
         if split_k > 1:  # every arrival counter, the compensation's included, is back to zero
             assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[y.device].any()
         error = relative_error(y, ref)
-        print(f"decode + lora R={rank} M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: "
-              f"rel err {error:.2e} (leaving the term out: {without:.2e})")
+        print(
+            f"decode + lora R={rank} M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: "
+            f"rel err {error:.2e} (leaving the term out: {without:.2e})"
+        )
         assert error <= SMALL_TOLERANCE < without
 
 
@@ -146,16 +150,28 @@ def test_one_row_kernel_fuses_the_rms_norm(has_residual, split_k, reduce):
     lora_a, lora_bt = random_lora(16, 192, 200, seed=64)
     normed, total = rms_norm_ref(x, weight, 1e-6, residual)
     ref = awq_linear_ref(normed, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt)
-    unnormed = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt),
-                              ref)
+    unnormed = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt), ref)
     sum_out = torch.full_like(x, float("nan")) if has_residual else None
     y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
     config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": reduce}
-    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, bias, y, config, lora_a, lora_bt,
-                                     norm=InputNorm(weight, 1e-6, residual, sum_out))
+    w4a16.w4a16_gemv.launch_awq_gemv(
+        x,
+        qweight,
+        qzeros,
+        scales,
+        64,
+        bias,
+        y,
+        config,
+        lora_a,
+        lora_bt,
+        norm=InputNorm(weight, 1e-6, residual, sum_out),
+    )
     error = relative_error(y, ref)
-    print(f"norm prologue residual={has_residual} split_k={split_k} {reduce}: rel err {error:.2e} "
-          f"(without the norm: {unnormed:.2e})")
+    print(
+        f"norm prologue residual={has_residual} split_k={split_k} {reduce}: rel err {error:.2e} "
+        f"(without the norm: {unnormed:.2e})"
+    )
     assert error <= SMALL_TOLERANCE < unnormed
     if has_residual:
         assert torch.equal(sum_out, total)
@@ -242,8 +258,16 @@ def split_partials(x, qweight, qzeros, scales, group_size, config):
         end = min(start + split_inputs, num_inputs)
         groups = slice(start // group_size, end // group_size)
         partial = torch.empty((x.shape[0], qweight.shape[1] * 8), dtype=torch.float32, device=x.device)
-        w4a16.w4a16_gemv.launch_awq_gemv(x[:, start:end], qweight[start:end], qzeros[groups], scales[groups],
-                                         group_size, None, partial, config | {"split_k": 1})
+        w4a16.w4a16_gemv.launch_awq_gemv(
+            x[:, start:end],
+            qweight[start:end],
+            qzeros[groups],
+            scales[groups],
+            group_size,
+            None,
+            partial,
+            config | {"split_k": 1},
+        )
         partials.append(partial)
     return partials
 
@@ -276,8 +300,10 @@ def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
             outputs.append(y)
         error = relative_error(outputs[0], awq_linear_ref(x, qweight, qzeros, scales, group_size, layer_bias))
         largest = (outputs[0] - expected).abs().max().item()
-        print(f"split_k={split_k} M={num_rows} {form} bias={layer_bias is not None}: rel err {error:.2e}, "
-              f"largest difference from the ordered split sum {largest:.2e}")
+        print(
+            f"split_k={split_k} M={num_rows} {form} bias={layer_bias is not None}: rel err {error:.2e}, "
+            f"largest difference from the ordered split sum {largest:.2e}"
+        )
         assert error <= SMALL_TOLERANCE
         assert torch.equal(outputs[0], expected)
         assert all(torch.equal(y, outputs[0]) for y in outputs[1:])
@@ -453,22 +479,22 @@ def test_bfloat16_activations_are_refused_by_the_kernels():
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_real_shapes_on_gpu(shape, num_rows):
     num_inputs, num_outputs = shape
-    qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128,
-                                               seed=num_inputs + num_outputs)
+    qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + num_outputs)
     x = random_x(num_rows, num_inputs, seed=num_rows)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
     y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
     if num_rows <= w4a16.MAX_DECODE_M:
-        config = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128,
-                                                     w4a16.num_sms(x.device))
+        config = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
     else:
         config = w4a16.w4a16_gemm.choose_gemm_config(num_rows, 128)
         w4a16.w4a16_gemm.launch_awq_gemm(x, qweight, qzeros, scales, 128, bias, y, config)
     kernel_error = relative_error(y, ref)
     wrapper_error = relative_error(awq_linear(x, qweight, qzeros, scales, 128, bias), ref)
-    print(f"K={num_inputs} N={num_outputs} M={num_rows} {config}: rel err kernel "
-          f"{kernel_error:.2e} wrapper {wrapper_error:.2e}")
+    print(
+        f"K={num_inputs} N={num_outputs} M={num_rows} {config}: rel err kernel "
+        f"{kernel_error:.2e} wrapper {wrapper_error:.2e}"
+    )
     assert kernel_error <= GPU_TOLERANCE
     assert wrapper_error <= GPU_TOLERANCE
 
@@ -481,8 +507,9 @@ def test_dequant_matmul_path_on_gpu(shape):
     weight = w4a16.w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, 128)
     assert torch.equal(weight, dequantize_awq(qweight, qzeros, scales, 128))
     x = random_x(w4a16.DEQUANT_MATMUL_MIN_M, num_inputs, seed=22)
-    error = relative_error(awq_linear(x, qweight, qzeros, scales, 128, bias),
-                           awq_linear_ref(x, qweight, qzeros, scales, 128, bias))
+    error = relative_error(
+        awq_linear(x, qweight, qzeros, scales, 128, bias), awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
+    )
     print(f"dequant+matmul K={num_inputs} N={num_outputs}: rel err {error:.2e}")
     assert error <= GPU_TOLERANCE
 
@@ -503,7 +530,9 @@ def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
     qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 3)
     x = random_x(num_rows, num_inputs, seed=11)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
-    blocks = ((128, 64, 1), (256, 128, 6), (64, 32, 16)) if num_rows == 1 else ((128, 64, 1), (64, 128, 6), (64, 32, 16))
+    blocks = (
+        ((128, 64, 1), (256, 128, 6), (64, 32, 16)) if num_rows == 1 else ((128, 64, 1), (64, 128, 6), (64, 32, 16))
+    )
     for block_n, block_k, split_k in blocks:
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         config = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, **form}
@@ -549,12 +578,13 @@ def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
         graph.replay()
         if not torch.equal(static_y, eager[which]):
             num_mismatches += 1
-            print(f"replay {replay}: largest difference from eager "
-                  f"{(static_y - eager[which]).abs().max().item():.2e}")
+            print(f"replay {replay}: largest difference from eager {(static_y - eager[which]).abs().max().item():.2e}")
     torch.cuda.synchronize()
     error = relative_error(eager[0], awq_linear_ref(xs[0], qweight, qzeros, scales, 128, bias))
-    print(f"K={num_inputs} N={num_outputs} M={num_rows} {config}: rel err {error:.2e}, "
-          f"{num_mismatches} of 30 replays differ from eager")
+    print(
+        f"K={num_inputs} N={num_outputs} M={num_rows} {config}: rel err {error:.2e}, "
+        f"{num_mismatches} of 30 replays differ from eager"
+    )
     assert error <= GPU_TOLERANCE
     assert num_mismatches == 0
     assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[static_y.device].any()
@@ -573,8 +603,10 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     x = random_x(num_rows, num_inputs, seed=61)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
     default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
-    for config in (default, *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form}
-                              for form in ROW_FORMS)):
+    for config in (
+        default,
+        *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in ROW_FORMS),
+    ):
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config, lora_a, lora_bt)
         error = relative_error(y, ref)
@@ -594,7 +626,8 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     static_y.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    error = relative_error(static_y, awq_linear_ref(x2, qweight, qzeros, scales, 128, bias, lora_a=lora_a,
-                                                    lora_bt=lora_bt))
+    error = relative_error(
+        static_y, awq_linear_ref(x2, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
+    )
     print(f"K={num_inputs} N={num_outputs} M={num_rows} R=16 graph replay: rel err {error:.2e}")
     assert error <= GPU_TOLERANCE

@@ -20,12 +20,33 @@ DTYPE = torch.float16 if DEVICE == "cuda" else torch.float32
 
 
 def lanes_config(split_k, **extra):
-    return {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": "end",
-            **extra}
+    return {
+        "block_n": 64,
+        "block_k": 32,
+        "split_k": split_k,
+        "num_warps": 4,
+        "unpack": "lanes",
+        "reduce": "end",
+        **extra,
+    }
 
 
-def run_both(num_heads, num_kv_heads, head_dim, precision, *, has_window=False, split_k=1, position=37, slot=11,
-             group_size=32, with_norm=False, rank=0, config_extra=None, seed=0):
+def run_both(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    precision,
+    *,
+    has_window=False,
+    split_k=1,
+    position=37,
+    slot=11,
+    group_size=32,
+    with_norm=False,
+    rank=0,
+    config_extra=None,
+    seed=0,
+):
     """(y, pages) of the fused launch and of the GEMV then rotary_write_kv, from the same inputs."""
     num_inputs = 4 * group_size
     num_outputs = (num_heads + 2 * num_kv_heads) * head_dim
@@ -47,8 +68,9 @@ def run_both(num_heads, num_kv_heads, head_dim, precision, *, has_window=False, 
             norm = InputNorm(weight.to(DEVICE), 1e-6)
         y = torch.full((1, num_outputs), float("nan"), dtype=DTYPE, device=DEVICE)
         rope_kv = RopeKVWrite(num_heads, positions, cos, sin, slots, pages) if fused else None
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, *lora, norm=norm,
-                                         rope_kv=rope_kv)
+        w4a16.w4a16_gemv.launch_awq_gemv(
+            x, qweight, qzeros, scales, group_size, bias, y, config, *lora, norm=norm, rope_kv=rope_kv
+        )
         if not fused:
             q, k, v = _split(y, num_heads, num_kv_heads, head_dim)
             rotary_write_kv(q, k, v, positions, cos, sin, slots, pages)
@@ -109,5 +131,17 @@ def test_the_projection_refuses_rope_outside_the_one_row_lane_kernel():
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 def test_at_the_real_heads(precision):
     # the 1.5B shape's attention: 12 query heads, 2 KV heads of 128, group 128
-    assert_same(*run_both(12, 2, 128, precision, group_size=128, split_k=9, position=60, with_norm=True, rank=16,
-                          config_extra={"block_k": 128}))
+    assert_same(
+        *run_both(
+            12,
+            2,
+            128,
+            precision,
+            group_size=128,
+            split_k=9,
+            position=60,
+            with_norm=True,
+            rank=16,
+            config_extra={"block_k": 128},
+        )
+    )

@@ -27,15 +27,21 @@ from tests.test_w4a16 import (
 
 
 def rows_config(block_n, group_size, split_k, tile_rows, unroll, num_warps=4):
-    return {"block_n": block_n, "block_k": group_size, "split_k": split_k, "num_warps": num_warps,
-            "unpack": "rows", "tile_rows": tile_rows, "unroll": unroll}
+    return {
+        "block_n": block_n,
+        "block_k": group_size,
+        "split_k": split_k,
+        "num_warps": num_warps,
+        "unpack": "rows",
+        "tile_rows": tile_rows,
+        "unroll": unroll,
+    }
 
 
 def run_rows(x, awq, group_size, config, bias=None, lora_a=None, lora_bt=None, **fused):
     qweight, qzeros, scales, _ = awq
     y = torch.full((x.shape[0], scales.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
-    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt,
-                                     **fused)
+    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt, **fused)
     return y
 
 
@@ -134,8 +140,9 @@ def test_rows_form_adds_the_compensation(split_k, rank):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("num_inputs,num_outputs", [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536),
-                                                    (1536, 151936)])
+@pytest.mark.parametrize(
+    "num_inputs,num_outputs", [(1536, 2048), (1536, 1536), (1536, 17920), (8960, 1536), (1536, 151936)]
+)
 def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
     awq = random_awq(num_inputs, num_outputs, 128, seed=101)
     x = random_x(1, num_inputs, seed=102)
@@ -147,8 +154,9 @@ def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
         words = slice(cols.start // 8, cols.stop // 8)
         ref = awq_linear_ref(x, awq[0][:, words], awq[1][:, words], awq[2][:, cols], 128, awq[3][cols])
         error = relative_error(y[:, cols], ref)
-        print(f"rows form K={num_inputs} N={num_outputs} columns {cols.start}-{cols.stop} {config}: "
-              f"rel err {error:.2e}")
+        print(
+            f"rows form K={num_inputs} N={num_outputs} columns {cols.start}-{cols.stop} {config}: rel err {error:.2e}"
+        )
         assert error <= GPU_TOLERANCE
     # graph replays give the same bits (the split-K sum runs in split order)
     graph = torch.cuda.CUDAGraph()
@@ -159,7 +167,6 @@ def test_rows_form_at_the_real_shapes(num_inputs, num_outputs):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, y)
-
 
 
 @pytest.mark.gpu
@@ -180,8 +187,11 @@ def test_rows_form_with_the_compensation_at_the_real_shapes(num_inputs, num_outp
 
 def shipped_entries():
     """(GPU file, key, configuration) of every shipped tuning file's entries."""
-    return [(path.stem, key, config) for path in sorted(w4a16_gemv.TUNED_DIR.glob("*.json"))
-            for key, config in json.loads(path.read_text())["configs"].items()]
+    return [
+        (path.stem, key, config)
+        for path in sorted(w4a16_gemv.TUNED_DIR.glob("*.json"))
+        for key, config in json.loads(path.read_text())["configs"].items()
+    ]
 
 
 def parse_key(key):
@@ -225,11 +235,20 @@ def test_this_gpus_shipped_configurations_at_their_shapes():
         for cols in (slice(0, min(8192, num_outputs)), slice(max(0, num_outputs - 8192), num_outputs)):
             words = slice(cols.start // 8, cols.stop // 8)
             part_lora = (lora[0], lora[1][:, cols]) if has_lora else (None, None)
-            ref = awq_linear_ref(x, awq[0][:, words], awq[1][:, words], awq[2][:, cols], group_size, awq[3][cols],
-                                 lora_a=part_lora[0], lora_bt=part_lora[1])
+            ref = awq_linear_ref(
+                x,
+                awq[0][:, words],
+                awq[1][:, words],
+                awq[2][:, cols],
+                group_size,
+                awq[3][cols],
+                lora_a=part_lora[0],
+                lora_bt=part_lora[1],
+            )
             error = relative_error(y[:, cols], ref)
             print(f"shipped {key} {config} columns {cols.start}-{cols.stop}: rel err {error:.2e}")
             assert error <= GPU_TOLERANCE
+
 
 @pytest.fixture
 def tuning(tmp_path, monkeypatch):
@@ -249,26 +268,38 @@ def test_a_gpus_measured_configuration_is_used_for_its_layer(tuning, monkeypatch
     (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": {tuning_key(17920, 1536, 128, False): measured}}))
     assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
     # another layer, another GPU, compensation, several rows: the rules as before
-    assert decode_gemv_config(1, 2048, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 2048, 1536, 128,
-                                                                                                  132)
+    assert decode_gemv_config(1, 2048, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
+        1, 2048, 1536, 128, 132
+    )
     assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA GeForce GTX 1650")["split_k"] != 6
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, True, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
-                                                                                                   128, 132)
-    assert decode_gemv_config(8, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(8, 17920, 1536,
-                                                                                                   128, 132)
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, True, "NVIDIA H200") == choose_gemv_config(
+        1, 17920, 1536, 128, 132
+    )
+    assert decode_gemv_config(8, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
+        8, 17920, 1536, 128, 132
+    )
     # an entry for 2-16 rows serves every count from 2 to 16, not one row or 17
     several = {"block_n": 64, "block_k": 64, "split_k": 3, "num_warps": 8, "unpack": "lanes"}
-    (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": {
-        tuning_key(17920, 1536, 128, False): measured, tuning_key(17920, 1536, 128, False, 8): several}}))
+    (tuning / "NVIDIA_H200.json").write_text(
+        json.dumps(
+            {
+                "configs": {
+                    tuning_key(17920, 1536, 128, False): measured,
+                    tuning_key(17920, 1536, 128, False, 8): several,
+                }
+            }
+        )
+    )
     tuned_configs.cache_clear()
-    assert all(decode_gemv_config(rows, 17920, 1536, 128, 132, False, "NVIDIA H200") == several
-               for rows in (2, 8, 16))
+    assert all(decode_gemv_config(rows, 17920, 1536, 128, 132, False, "NVIDIA H200") == several for rows in (2, 8, 16))
     assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
     assert decode_gemv_config(17, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
-        17, 17920, 1536, 128, 132)
+        17, 17920, 1536, 128, 132
+    )
     monkeypatch.setenv("LOWVRAM_GEMV_FORM", "lanes")  # the side-by-side switch wins over the table
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(1, 17920, 1536,
-                                                                                                   128, 132)
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
+        1, 17920, 1536, 128, 132
+    )
     assert tuned_configs("NVIDIA GeForce GTX 1650") == {}
 
 
@@ -298,15 +329,20 @@ def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
     path = tuning / "tuning.json"
     fast, slow = rows_config(128, 128, 8, 16, 2, num_warps=2), rows_config(256, 128, 12, 16, 2)
     several = {"block_n": 128, "block_k": 128, "split_k": 2, "num_warps": 4}  # the interleaving kernel
-    sweep = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 0, "best": {"config": fast}},
-             {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 8, "lora_rank": 0, "best": {"config": several}},
-             {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 32, "lora_rank": 0, "best": {"config": slow}}]
+    sweep = [
+        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 0, "best": {"config": fast}},
+        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 8, "lora_rank": 0, "best": {"config": several}},
+        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 32, "lora_rank": 0, "best": {"config": slow}},
+    ]
     profile_decode.save_tuning(path, sweep, 128, {"gpu": "NVIDIA H200", "date": "today", "command": "sweep"})
     compensated = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 16, "best": {"config": slow}}]
     profile_decode.save_tuning(path, compensated, 128, {"gpu": "NVIDIA H200", "date": "later", "command": "again"})
     saved = json.loads(path.read_text())
-    assert saved["configs"] == {tuning_key(17920, 1536, 128, False): fast, tuning_key(17920, 1536, 128, True): slow,
-                                tuning_key(17920, 1536, 128, False, 8): several}
+    assert saved["configs"] == {
+        tuning_key(17920, 1536, 128, False): fast,
+        tuning_key(17920, 1536, 128, True): slow,
+        tuning_key(17920, 1536, 128, False, 8): several,
+    }
     assert saved["date"] == "later"
     monkeypatch.setenv("LOWVRAM_GEMV_TUNING", str(path))
     assert tuned_configs("NVIDIA H200") == saved["configs"]

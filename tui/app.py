@@ -103,9 +103,11 @@ KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
 
 def key_label(keys: str) -> str:
     """'ctrl+n' -> 'Ctrl+N', 'escape' -> 'Esc', as the help screen and the docs show them."""
+
     def one(key: str) -> str:
-        return "+".join(KEY_NAMES.get(part, part.capitalize() if len(part) > 1 else part.upper())
-                        for part in key.split("+"))
+        return "+".join(
+            KEY_NAMES.get(part, part.capitalize() if len(part) > 1 else part.upper()) for part in key.split("+")
+        )
 
     return " / ".join(one(key) for key in keys.split(","))
 
@@ -130,9 +132,14 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
-    def __init__(self, spec: EngineSpec | None = None, settings: ChatSettings | None = None, *,
-                 transcript_dir: Path | None = None,
-                 loader: Callable[[EngineSpec, Callable[[str], None]], ChatBackend] = load_backend):
+    def __init__(
+        self,
+        spec: EngineSpec | None = None,
+        settings: ChatSettings | None = None,
+        *,
+        transcript_dir: Path | None = None,
+        loader: Callable[[EngineSpec, Callable[[str], None]], ChatBackend] = load_backend,
+    ):
         super().__init__()
         self.spec = spec or EngineSpec()
         self.conversation = Conversation(settings or ChatSettings(), model=self.spec.model_label)
@@ -227,7 +234,9 @@ class ChatApp(App):
             self.pop_screen()
         self.sub_title = f"{self.spec.model_label} · not loaded"
         self._update_status()
-        dialog = ErrorDialog("Could not load the model", message.error, [("profile", "Pick a profile"), ("quit", "Quit")])
+        dialog = ErrorDialog(
+            "Could not load the model", message.error, [("profile", "Pick a profile"), ("quit", "Quit")]
+        )
         self.push_screen(dialog, self._after_load_error)
 
     def _after_load_error(self, choice: str | None) -> None:
@@ -280,7 +289,9 @@ class ChatApp(App):
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
         reply_id = next(self._reply_ids)
-        worker = self._stream_reply(reply_id, self.conversation.messages(), self.conversation.settings.sampling_params())
+        worker = self._stream_reply(
+            reply_id, self.conversation.messages(), self.conversation.settings.sampling_params()
+        )
         self._reply = ActiveReply(reply_id, view, worker)
         self._update_status()
 
@@ -409,8 +420,11 @@ class ChatApp(App):
         self._update_status()
 
     def action_system_prompt(self) -> None:
-        prompt = TextPrompt("System prompt (empty = none)", self.conversation.settings.system_prompt,
-                            placeholder="e.g. You are a concise assistant.")
+        prompt = TextPrompt(
+            "System prompt (empty = none)",
+            self.conversation.settings.system_prompt,
+            placeholder="e.g. You are a concise assistant.",
+        )
         self.push_screen(prompt, self._set_system_prompt)
 
     def _set_system_prompt(self, text: str | None) -> None:
@@ -431,8 +445,9 @@ class ChatApp(App):
 
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
-        prompt = TextPrompt("Profile (the model reloads)", placeholder="or a path to a profile YAML file",
-                            choices=choices)
+        prompt = TextPrompt(
+            "Profile (the model reloads)", placeholder="or a path to a profile YAML file", choices=choices
+        )
         self.push_screen(prompt, self._switch_profile)
 
     async def _switch_profile(self, profile: str | None) -> None:

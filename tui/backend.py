@@ -94,15 +94,24 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         return str(model_dir)
     profile = load_profile(spec.profile)
     base = user_data_dir("quantized")
-    out = base / f"{model_dir.name}-awq-g128-f{profile.fp16_budget_mib}-r{profile.compensation_rank}-{model_identity(model_dir)[:12]}"
+    out = (
+        base
+        / f"{model_dir.name}-awq-g128-f{profile.fp16_budget_mib}-r{profile.compensation_rank}-{model_identity(model_dir)[:12]}"
+    )
     if (out / "config.json").is_file():
         on_stage(f"using the AWQ INT4 copy made earlier: {out}")
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     on_stage(f"quantizing {spec.model_label} to AWQ INT4 (once; kept in {out})")
-    quantize_model(model_dir, out, fp16_budget_mib=profile.fp16_budget_mib, rank=profile.compensation_rank,
-                   num_samples=spec.num_calib_samples, device=spec.engine_kwargs.get("device") or "auto",
-                   on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"))
+    quantize_model(
+        model_dir,
+        out,
+        fp16_budget_mib=profile.fp16_budget_mib,
+        rank=profile.compensation_rank,
+        num_samples=spec.num_calib_samples,
+        device=spec.engine_kwargs.get("device") or "auto",
+        on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"),
+    )
     return str(out)
 
 
@@ -128,7 +137,8 @@ class ChatBackend:
         from lowvram.kv.conversation_store import save_conversation
 
         return await self.async_engine.call(
-            lambda engine: save_conversation(engine, engine.tokenizer.apply_chat_template(messages, False), path))
+            lambda engine: save_conversation(engine, engine.tokenizer.apply_chat_template(messages, False), path)
+        )
 
     async def restore_kv(self, path):
         """Load saved KV pages into the prefix cache; a mismatch is reported, not fatal."""

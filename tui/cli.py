@@ -19,21 +19,34 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default="", help="system prompt (F2 or /system changes it in the chat)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); F3 or /temp changes it")
     p.add_argument("--max-tokens", "-n", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument("--plain", action="store_true",
-                   help="line mode: each input line is a message, replies go to stdout "
-                        "(automatic when stdin or stdout is not a terminal)")
-    p.add_argument("--quantize", action="store_true",
-                   help="quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)")
-    p.add_argument("--transcripts", default=None, metavar="DIR",
-                   help="where Ctrl+S saves transcripts (default: $XDG_DATA_HOME/lowvram/transcripts, "
-                        "else ~/.local/share/lowvram/transcripts)")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="line mode: each input line is a message, replies go to stdout "
+        "(automatic when stdin or stdout is not a terminal)",
+    )
+    p.add_argument(
+        "--quantize",
+        action="store_true",
+        help="quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)",
+    )
+    p.add_argument(
+        "--transcripts",
+        default=None,
+        metavar="DIR",
+        help="where Ctrl+S saves transcripts (default: $XDG_DATA_HOME/lowvram/transcripts, "
+        "else ~/.local/share/lowvram/transcripts)",
+    )
 
 
 def add_chat_parser(subparsers) -> None:
     """Register `chat` on lowvram's subcommand parser."""
-    p = subparsers.add_parser("chat", help="chat in the terminal and watch memory, KV pages and speed live",
-                              description="Chat with a model in the terminal while a side panel shows what the "
-                                          "engine is doing. F1 in the chat lists the keys.")
+    p = subparsers.add_parser(
+        "chat",
+        help="chat in the terminal and watch memory, KV pages and speed live",
+        description="Chat with a model in the terminal while a side panel shows what the "
+        "engine is doing. F1 in the chat lists the keys.",
+    )
     _add_chat_args(p)
     p.set_defaults(func=cmd_chat)
 

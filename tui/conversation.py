@@ -89,29 +89,43 @@ class Conversation:
     @classmethod
     def from_json(cls, data: dict, source: str = "transcript") -> Conversation:
         if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
-            raise ConfigError(f"{source} is not a lowvram chat transcript (no \"format\": \"{TRANSCRIPT_FORMAT}\"); "
-                              "load a .json file written by the chat's save")
+            raise ConfigError(
+                f'{source} is not a lowvram chat transcript (no "format": "{TRANSCRIPT_FORMAT}"); '
+                "load a .json file written by the chat's save"
+            )
         if data.get("version") != TRANSCRIPT_VERSION:
-            raise ConfigError(f"{source} has transcript version {data.get('version')!r}; this lowvram reads version "
-                              f"{TRANSCRIPT_VERSION}")
+            raise ConfigError(
+                f"{source} has transcript version {data.get('version')!r}; this lowvram reads version "
+                f"{TRANSCRIPT_VERSION}"
+            )
         settings_data = data.get("settings", {})
         unknown = set(settings_data) - set(ChatSettings.__dataclass_fields__)
         if unknown:
-            raise ConfigError(f"{source}: unknown settings {sorted(unknown)}; allowed: "
-                              f"{sorted(ChatSettings.__dataclass_fields__)}")
+            raise ConfigError(
+                f"{source}: unknown settings {sorted(unknown)}; allowed: {sorted(ChatSettings.__dataclass_fields__)}"
+            )
         turns = []
         for i, raw in enumerate(data.get("turns", [])):
             if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
                 raise ConfigError(f"{source}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
             turns.append(Turn(raw["role"], raw["content"], raw.get("finish_reason")))
-        return cls(ChatSettings(**settings_data), turns, str(data.get("model", "")), str(data.get("profile", "")),
-                   str(data.get("started_at", "")))
+        return cls(
+            ChatSettings(**settings_data),
+            turns,
+            str(data.get("model", "")),
+            str(data.get("profile", "")),
+            str(data.get("started_at", "")),
+        )
 
     def to_markdown(self) -> str:
         s = self.settings
-        lines = [f"# lowvram chat, {self.started_at.replace('T', ' ')}", "",
-                 f"model: {self.model or '-'} | profile: {self.profile or '-'} | temperature: {s.temperature:g} | "
-                 f"max tokens: {s.max_tokens}", ""]
+        lines = [
+            f"# lowvram chat, {self.started_at.replace('T', ' ')}",
+            "",
+            f"model: {self.model or '-'} | profile: {self.profile or '-'} | temperature: {s.temperature:g} | "
+            f"max tokens: {s.max_tokens}",
+            "",
+        ]
         if s.system_prompt:
             lines += ["## System", "", s.system_prompt, ""]
         for turn in self.turns:
@@ -143,8 +157,9 @@ def save_transcript(conversation: Conversation, target: str | os.PathLike | None
         markdown_path.write_text(conversation.to_markdown(), encoding="utf-8")
         json_path.write_text(json.dumps(conversation.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"could not save the transcript to {stem.parent}: {exc.strerror or exc}; "
-                          "give a writable path (/save PATH)") from None
+        raise ConfigError(
+            f"could not save the transcript to {stem.parent}: {exc.strerror or exc}; give a writable path (/save PATH)"
+        ) from None
     return markdown_path, json_path
 
 

@@ -21,7 +21,9 @@ THRESHOLD_CHAR = "┈"
 SCALE_HEADROOM = 1.15
 
 
-def sparkline_cells(values: list[float], threshold: float, num_rows: int, is_high_bad: bool) -> list[list[tuple[str, str]]]:
+def sparkline_cells(
+    values: list[float], threshold: float, num_rows: int, is_high_bad: bool
+) -> list[list[tuple[str, str]]]:
     """Rows (top first) of (character, kind) cells, one column per value.
 
     kind: "bar", "bad" (a bar on the wrong side of the threshold), "threshold"
@@ -110,8 +112,10 @@ class Gauge(Widget):
     def render(self) -> Text:
         filled, empty = gauge_cells(self.fraction, self.content_size.width)
         fill_class = "gauge--high" if self.fraction >= self.high_fraction else "gauge--fill"
-        return Text.assemble(("█" * filled, self.get_component_rich_style(fill_class)),
-                             ("░" * empty, self.get_component_rich_style("gauge--empty")))
+        return Text.assemble(
+            ("█" * filled, self.get_component_rich_style(fill_class)),
+            ("░" * empty, self.get_component_rich_style("gauge--empty")),
+        )
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -150,12 +154,16 @@ class EnginePanel(Vertical):
     def _show(self, snap: EngineSnapshot, profile_name: str) -> None:
         self._set("#device", f"{snap.device} · profile {profile_name}")
         memory_fraction = snap.memory_used_bytes / snap.memory_budget_bytes if snap.memory_budget_bytes else 0.0
-        self._set("#memory-label", f"memory {format_bytes(snap.memory_used_bytes)} / "
-                                   f"{format_bytes(snap.memory_budget_bytes)}")
+        self._set(
+            "#memory-label", f"memory {format_bytes(snap.memory_used_bytes)} / {format_bytes(snap.memory_budget_bytes)}"
+        )
         self.query_one("#memory", Gauge).set_fraction(memory_fraction)
-        self._set("#kv-label", f"KV pages {snap.num_kv_blocks_used}/{snap.num_kv_blocks} · host "
-                               f"{snap.num_kv_blocks_on_host}")
-        self.query_one("#kv", Gauge).set_fraction(snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0)
+        self._set(
+            "#kv-label", f"KV pages {snap.num_kv_blocks_used}/{snap.num_kv_blocks} · host {snap.num_kv_blocks_on_host}"
+        )
+        self.query_one("#kv", Gauge).set_fraction(
+            snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
+        )
         self._set("#kv-precision", f"KV {snap.kv_precision} · {snap.kv_block_size} tokens/page")
         self._set("#batch", f"batch {snap.num_running} running · {snap.num_waiting} waiting")
         # Per-token latency and decode speed are the same measurement; the floor on speed is the latency limit.
@@ -165,7 +173,9 @@ class EnginePanel(Vertical):
         self.query_one("#decode-spark", ThresholdSparkline).set_data(speeds, speed_floor)
         latency = "-" if snap.token_latency_ms is None else f"{snap.token_latency_ms:.1f}"
         self._set("#latency-label", f"latency {latency} ms (limit {snap.latency_high_ms:g})")
-        self.query_one("#latency-spark", ThresholdSparkline).set_data(snap.recent_token_latency_ms, snap.latency_high_ms)
+        self.query_one("#latency-spark", ThresholdSparkline).set_data(
+            snap.recent_token_latency_ms, snap.latency_high_ms
+        )
         self._set("#controller", f"controller {snap.controller_mode}")
         self._set("#decision", f"last: {snap.last_decision or 'no decision yet'}")
 

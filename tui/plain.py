@@ -23,8 +23,16 @@ from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_tran
 class PlainChat:
     """One conversation against one engine, written to text streams."""
 
-    def __init__(self, spec: EngineSpec, settings: ChatSettings, *, transcript_dir: Path | None = None,
-                 stdout: TextIO, stderr: TextIO, is_interactive: bool = False):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        settings: ChatSettings,
+        *,
+        transcript_dir: Path | None = None,
+        stdout: TextIO,
+        stderr: TextIO,
+        is_interactive: bool = False,
+    ):
         self.spec = spec
         self.transcript_dir = transcript_dir
         self.stdout, self.stderr = stdout, stderr
@@ -38,8 +46,10 @@ class PlainChat:
 
     def _load(self, spec: EngineSpec) -> LLMEngine:
         if spec.model is None:
-            self.note(f"using the {BUNDLED_MODEL_LABEL} (a small model trained for lowvram's tests, "
-                      "not a real DeepSeek model); pass --model for a real one")
+            self.note(
+                f"using the {BUNDLED_MODEL_LABEL} (a small model trained for lowvram's tests, "
+                "not a real DeepSeek model); pass --model for a real one"
+            )
         if self.is_interactive:
             self.note(f"loading {spec.model_label}...")
         return load_engine(spec)
@@ -134,10 +144,18 @@ class PlainChat:
             self.note(f"profile {self.engine.profile.name}")
 
 
-def run_plain(spec: EngineSpec, settings: ChatSettings, *, transcript_dir: Path | None = None,
-              stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+def run_plain(
+    spec: EngineSpec,
+    settings: ChatSettings,
+    *,
+    transcript_dir: Path | None = None,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     is_interactive = stdin.isatty()
-    chat = PlainChat(spec, settings, transcript_dir=transcript_dir, stdout=stdout, stderr=stderr,
-                     is_interactive=is_interactive)
+    chat = PlainChat(
+        spec, settings, transcript_dir=transcript_dir, stdout=stdout, stderr=stderr, is_interactive=is_interactive
+    )
     return chat.run(stdin)

@@ -26,7 +26,7 @@ from lowvram.tui.conversation import ChatSettings
 ERROR_HINTS = {
     OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
     ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
-                    "safetensors weights and tokenizer files.",
+    "safetensors weights and tokenizer files.",
     UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; pass one with --model.",
     ConfigError: "`lowvram profiles` lists the built-in profiles; `lowvram profiles --fields` explains every field.",
     RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
@@ -36,8 +36,10 @@ ERROR_HINTS = {
 def describe_error(error: BaseException) -> tuple[str, str]:
     """(message, suggested fix) for a dialog; never a traceback."""
     if not isinstance(error, LowvramError):
-        return (f"{type(error).__name__}: {error}",
-                "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them.")
+        return (
+            f"{type(error).__name__}: {error}",
+            "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them.",
+        )
     hint = next((h for kind, h in ERROR_HINTS.items() if isinstance(error, kind)), "")
     return str(error), hint
 

@@ -111,8 +111,9 @@ def builtin_variants(model: str | None, device: str, calib_samples: int = 32) ->
             from lowvram.quant.quantize import quantize_model
 
             out = Path(tempfile.mkdtemp(prefix=f"lowvram-quality-{name}-"))
-            quantize_model(resolve_model_path(model), out / "model", device=device, num_samples=calib_samples,
-                           **options)
+            quantize_model(
+                resolve_model_path(model), out / "model", device=device, num_samples=calib_samples, **options
+            )
             return LLM(str(out / "model"), profile.replace(kv_precision="fp16"), device=device)
 
         return build
@@ -122,18 +123,29 @@ def builtin_variants(model: str | None, device: str, calib_samples: int = 32) ->
         Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", with_kv("fp16")),
         Variant("rtn-int4", "round-to-nearest INT4, group 128 (AutoAWQ layout)", quantized("rtn", method="rtn")),
         Variant("awq-int4", "AWQ INT4, group 128 (scale and clipping search)", quantized("awq", method="awq")),
-        Variant("awq-fp16", f"AWQ INT4 with the most sensitive layers kept in FP16 ({fp16_mib:g} MiB budget)",
-                quantized("awq-fp16", method="awq", fp16_budget_mib=fp16_mib)),
-        Variant("awq-fp16-comp", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
-                "(rank 16 low-rank term + bias correction)",
-                quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True)),
+        Variant(
+            "awq-fp16",
+            f"AWQ INT4 with the most sensitive layers kept in FP16 ({fp16_mib:g} MiB budget)",
+            quantized("awq-fp16", method="awq", fp16_budget_mib=fp16_mib),
+        ),
+        Variant(
+            "awq-fp16-comp",
+            f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
+            "(rank 16 low-rank term + bias correction)",
+            quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True),
+        ),
         # The two corrections apart, and half the rank: what each buys against what it costs in
         # decode speed (every compensated INT4 matmul does the rank's products too).
-        Variant("awq-comp", "AWQ INT4 and residual compensation (rank 16 + bias correction), no FP16-kept layers",
-                quantized("awq-comp", method="awq", rank=16, bias_correction=True)),
-        Variant("awq-fp16-comp-r8", f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation of "
-                "rank 8 (+ bias correction)",
-                quantized("awq-fp16-comp-r8", method="awq", fp16_budget_mib=fp16_mib, rank=8, bias_correction=True)),
+        Variant(
+            "awq-comp",
+            "AWQ INT4 and residual compensation (rank 16 + bias correction), no FP16-kept layers",
+            quantized("awq-comp", method="awq", rank=16, bias_correction=True),
+        ),
+        Variant(
+            "awq-fp16-comp-r8",
+            f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation of rank 8 (+ bias correction)",
+            quantized("awq-fp16-comp-r8", method="awq", fp16_budget_mib=fp16_mib, rank=8, bias_correction=True),
+        ),
         Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
         Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
     ]
@@ -158,10 +170,18 @@ class QualityReport:
         return data
 
 
-def run_quality_bench(model: str | None = None, *, variant_names: list[str] | None = None, device: str = "cpu",
-                      num_per_kind: int | None = None, max_chars: int | None = None, command: str = "",
-                      calib_samples: int = 32,
-                      variants: list[Variant] | None = None, progress: Callable[[str], None] | None = None) -> QualityReport:
+def run_quality_bench(
+    model: str | None = None,
+    *,
+    variant_names: list[str] | None = None,
+    device: str = "cpu",
+    num_per_kind: int | None = None,
+    max_chars: int | None = None,
+    command: str = "",
+    calib_samples: int = 32,
+    variants: list[Variant] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> QualityReport:
     from lowvram.demo.corpus import heldout_text
     from lowvram.demo.tasks import heldout_tasks
 
@@ -183,10 +203,15 @@ def run_quality_bench(model: str | None = None, *, variant_names: list[str] | No
         reference = rows[0].replies if rows and rows[0].variant == "fp16" else None
         rows.append(evaluate(variant, tasks, text, reference))
     return QualityReport(
-        model=str(model or "bundled demo model"), device=device, command=command,
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), git_commit=git_commit(short=True),
+        model=str(model or "bundled demo model"),
+        device=device,
+        command=command,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        git_commit=git_commit(short=True),
         machine=f"{platform.machine()} {platform.processor() or ''} {platform.system()}, Python {platform.python_version()}".strip(),
-        num_per_kind=num_per_kind, max_chars=max_chars, rows=rows,
+        num_per_kind=num_per_kind,
+        max_chars=max_chars,
+        rows=rows,
     )
 
 
@@ -197,7 +222,9 @@ def to_markdown(report: QualityReport) -> str:
     for r in report.rows:
         agree = "-" if r.agreement_with_fp16 is None else f"{100 * r.agreement_with_fp16:.1f}%"
         per_kind = " | ".join(f"{100 * r.accuracy_by_kind[k]:.0f}%" for k in kinds)
-        lines.append(f"| {r.variant} | {100 * r.accuracy:.1f}% | {r.perplexity:.3f} | {agree} | {r.weight_mib:.1f} | {per_kind} |")
+        lines.append(
+            f"| {r.variant} | {100 * r.accuracy:.1f}% | {r.perplexity:.3f} | {agree} | {r.weight_mib:.1f} | {per_kind} |"
+        )
     rows = report.rows
     by_name = {r.variant: r for r in rows}
     gaps = []
@@ -206,9 +233,11 @@ def to_markdown(report: QualityReport) -> str:
         for name in ("awq-int4", "awq-fp16", "awq-fp16-comp", "awq-comp", "awq-fp16-comp-r8"):
             if name in by_name and rtn > base:
                 closed = (rtn - by_name[name].perplexity) / (rtn - base)
-                gaps.append(f"- {name} closes {100 * closed:.0f}% of RTN's perplexity gap to FP16 "
-                            f"({by_name[name].perplexity:.3f} vs RTN {rtn:.3f}, FP16 {base:.3f}); accuracy "
-                            f"{100 * (by_name[name].accuracy - by_name['fp16'].accuracy):+.1f} points vs FP16")
+                gaps.append(
+                    f"- {name} closes {100 * closed:.0f}% of RTN's perplexity gap to FP16 "
+                    f"({by_name[name].perplexity:.3f} vs RTN {rtn:.3f}, FP16 {base:.3f}); accuracy "
+                    f"{100 * (by_name[name].accuracy - by_name['fp16'].accuracy):+.1f} points vs FP16"
+                )
     gap_text = ("Quantization, against FP16:\n\n" + "\n".join(gaps) + "\n\n") if gaps else ""
     detail = "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
     return (
@@ -216,6 +245,10 @@ def to_markdown(report: QualityReport) -> str:
         f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
         f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
         f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows, each scored from BOS.\n\n"
-        + "\n".join(lines) + "\n\n" + gap_text + detail + "\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + gap_text
+        + detail
+        + "\n\n"
         f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
     )

@@ -31,8 +31,9 @@ def git_commit(short: bool = False) -> str:
     command = ["git", "rev-parse", "--short", "HEAD"] if short else ["git", "rev-parse", "HEAD"]
     try:
         # Asked from the package's own folder: the caller's working directory may be any repository.
-        result = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False,
-                                cwd=Path(__file__).resolve().parent)
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=10, check=False, cwd=Path(__file__).resolve().parent
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
@@ -76,8 +77,9 @@ def hold_stream() -> None:
     torch.cuda._sleep(HOLD_CYCLES)
 
 
-def measure_copy_bandwidth_gbps(num_bytes: int = DEFAULT_COPY_BYTES, device: torch.device | str | None = None,
-                                num_repeats: int = NUM_COPY_REPEATS) -> float:
+def measure_copy_bandwidth_gbps(
+    num_bytes: int = DEFAULT_COPY_BYTES, device: torch.device | str | None = None, num_repeats: int = NUM_COPY_REPEATS
+) -> float:
     """Bytes read plus bytes written per second (in GB/s, 1e9) by one copy of `num_bytes`.
 
     device: "cuda" (default when there is a GPU) or "cpu". On CUDA each copy is timed with
@@ -113,5 +115,11 @@ def measure_copy_bandwidth_gbps(num_bytes: int = DEFAULT_COPY_BYTES, device: tor
 
 def run_metadata(command: str) -> dict:
     """The fields every record starts with: command, date, commit, GPU (None on the CPU), versions."""
-    return {"command": command, "date": utc_now(), "git_commit": git_commit(), "gpu": gpu_name(),
-            "machine": f"{platform.machine()} {platform.system()}", "versions": versions()}
+    return {
+        "command": command,
+        "date": utc_now(),
+        "git_commit": git_commit(),
+        "gpu": gpu_name(),
+        "machine": f"{platform.machine()} {platform.system()}",
+        "versions": versions(),
+    }

@@ -111,7 +111,9 @@ def latency_stats(window: tuple[float, ...]) -> tuple[float | None, float | None
     return sum(window) / len(window), ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
-def _escalate_memory(state: ControllerState, max_num_seqs: int, min_precision: str) -> tuple[ControllerState, Action, str] | None:
+def _escalate_memory(
+    state: ControllerState, max_num_seqs: int, min_precision: str
+) -> tuple[ControllerState, Action, str] | None:
     ladder = KV_LADDER[: KV_LADDER.index(min_precision) + 1]
     if state.kv_precision != ladder[-1]:
         nxt = ladder[ladder.index(state.kv_precision) + 1]
@@ -151,15 +153,25 @@ def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, 
     if last == "batch_limit":
         limit = min(max_num_seqs, state.batch_limit * 2)
         new = 0 if limit >= max_num_seqs else limit
-        return replace(state, batch_limit=new), Action("batch_limit", new or max_num_seqs), f"raise the batch limit to {new or max_num_seqs}"
+        return (
+            replace(state, batch_limit=new),
+            Action("batch_limit", new or max_num_seqs),
+            f"raise the batch limit to {new or max_num_seqs}",
+        )
     if last == "spill":
         return replace(state, is_spilling=False), Action("spill", False), "stop spilling KV pages"
     prev = KV_LADDER[KV_LADDER.index(state.kv_precision) - 1]
     return replace(state, kv_precision=prev), Action("kv_precision", prev), f"store new KV at {prev} again"
 
 
-def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *, max_num_seqs: int,
-           min_precision: str = "int4") -> tuple[ControllerState, list[Event]]:
+def decide(
+    state: ControllerState,
+    obs: Observation,
+    config: ControllerConfig,
+    *,
+    max_num_seqs: int,
+    min_precision: str = "int4",
+) -> tuple[ControllerState, list[Event]]:
     """One controller step. Returns the new state and the events it decided (0 or 1)."""
     if not config.is_enabled:
         return state, []
@@ -175,7 +187,9 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
         state,
         latency_window=window,
         memory_streak=state.memory_streak + 1 if is_memory_high else 0,
-        latency_streak=(state.latency_streak + 1 if is_latency_high else 0) if latency is not None else state.latency_streak,
+        latency_streak=(state.latency_streak + 1 if is_latency_high else 0)
+        if latency is not None
+        else state.latency_streak,
         calm_streak=state.calm_streak + 1 if is_calm else 0,
     )
     step = None
@@ -185,11 +199,16 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     elif latency is not None and state.latency_streak >= config.patience_tokens:
         step = _escalate_batch(state, max_num_seqs)
         reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
-    elif state.calm_streak >= max(1, config.cooldown_steps) and state.applied and (
-            state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config)):
+    elif (
+        state.calm_streak >= max(1, config.cooldown_steps)
+        and state.applied
+        and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config))
+    ):
         step = _relax(state, max_num_seqs)
-        reason = (f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
-                  f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps")
+        reason = (
+            f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
+            f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps"
+        )
         if step is not None:
             new_state, action, what = step
             new_state = replace(new_state, calm_streak=0)
@@ -197,17 +216,21 @@ def decide(state: ControllerState, obs: Observation, config: ControllerConfig, *
     if step is None:
         return state, []
     new_state, action, what = step
-    new_state = replace(new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0)
+    new_state = replace(
+        new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
+    )
     return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
 
 
-def escalate_after_oom(state: ControllerState, step: int, max_num_seqs: int,
-                       min_precision: str = "int4") -> tuple[ControllerState, list[Event]]:
+def escalate_after_oom(
+    state: ControllerState, step: int, max_num_seqs: int, min_precision: str = "int4"
+) -> tuple[ControllerState, list[Event]]:
     """A real out-of-memory in a step: take the next memory rung at once, without patience."""
     rung = _escalate_memory(state, max_num_seqs, min_precision)
     if rung is None:
         return state, []
     new_state, action, what = rung
-    new_state = replace(new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0,
-                        calm_streak=0)
+    new_state = replace(
+        new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
+    )
     return new_state, [Event(step, action, f"{what}: a step ran out of device memory", 1.0, None, new_state.mode)]

@@ -45,10 +45,16 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise RequestError(f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
-                               f"or at least {MIN_TEMPERATURE}")
-        if self.seed is not None and not isinstance(self.seed, bool) and isinstance(self.seed, int) \
-                and not 0 <= self.seed < 2**63:
+            raise RequestError(
+                f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
+                f"or at least {MIN_TEMPERATURE}"
+            )
+        if (
+            self.seed is not None
+            and not isinstance(self.seed, bool)
+            and isinstance(self.seed, int)
+            and not 0 <= self.seed < 2**63
+        ):
             raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
         checks = [
             ("temperature", self.temperature, 0.0, 100.0),
@@ -59,7 +65,12 @@ class SamplingParams:
             ("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
         ]
         for name, value, low, high in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not low <= value <= high
+            ):
                 raise RequestError(f"{name} = {value!r} is invalid; allowed: {low} to {high}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k = {self.top_k!r} is invalid; use -1 or 0 for all tokens, or a positive count")

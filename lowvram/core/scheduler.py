@@ -99,8 +99,11 @@ class Scheduler:
         """Whether the next waiting sequence may join the running ones now (pages permitting):
         there is one, the batch is below its limit, and admission is not throttled (when it
         is, only sequences that were admitted once, preempted since, come back)."""
-        return bool(self.waiting and len(self.running) < self.batch_limit
-                    and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0))
+        return bool(
+            self.waiting
+            and len(self.running) < self.batch_limit
+            and not (self.is_throttled and self.running and self.waiting[0].num_preemptions == 0)
+        )
 
     def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         if seq.num_computed_tokens == 0 and not self.block_manager.block_table(seq.seq_id):
@@ -133,7 +136,9 @@ class Scheduler:
         batch = ScheduledBatch(is_prefill=False)
         block_manager = self.block_manager
         for seq in list(self.running):
-            if seq not in self.running or seq.num_uncomputed_tokens != 1:  # preempted below to make room for an older one
+            if (
+                seq not in self.running or seq.num_uncomputed_tokens != 1
+            ):  # preempted below to make room for an older one
                 continue
             num_tokens = seq.num_tokens
             if block_manager.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full

@@ -87,7 +87,7 @@ class SpillPolicy:
             if run is None or not run.extend_to(table, step):
                 run = _Run(list(table), step)
             runs[seq_id] = run
-            self._hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks:]) if self.num_hot_blocks else ()
+            self._hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks :]) if self.num_hot_blocks else ()
         # Runs that did not continue last ended at the step before this one, in that step's order.
         for seq_id, run in self._runs.items():
             if runs.get(seq_id) is not run:

@@ -21,7 +21,8 @@ from pathlib import Path
 HELDOUT_FILES = ("difflib.py", "json/__init__.py", "optparse.py", "pyclbr.py", "tracemalloc.py")
 
 # Codec tables, machine-specific modules and jokes (this.py, antigravity.py) are left out.
-TRAINING_FILES = tuple("""
+TRAINING_FILES = tuple(
+    """
     __future__.py _collections_abc.py _compat_pickle.py _compression.py
     _markupbase.py _py_abc.py _pydecimal.py _pyio.py _sitebuiltins.py _strptime.py
     _threading_local.py _weakrefset.py abc.py argparse.py ast.py asyncio/__init__.py
@@ -101,7 +102,8 @@ TRAINING_FILES = tuple("""
     xml/sax/handler.py xml/sax/saxutils.py xml/sax/xmlreader.py xmlrpc/__init__.py
     xmlrpc/client.py xmlrpc/server.py zipapp.py zipimport.py zoneinfo/__init__.py
     zoneinfo/_common.py zoneinfo/_tzpath.py zoneinfo/_zoneinfo.py
-""".split())
+""".split()
+)
 
 FILE_SEPARATOR = "\n\n"
 HELDOUT_PATH = Path(__file__).resolve().parent.parent / "demo_model" / "heldout_python.txt"

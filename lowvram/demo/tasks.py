@@ -28,11 +28,49 @@ HELDOUT_MODULUS = 10  # one key in ten is held out
 WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 SORT_WORDS = (
-    "apple", "banana", "bear", "black", "blue", "cat", "cherry", "deer", "dog",
-    "duck", "eagle", "fig", "fox", "frog", "goat", "gold", "grape", "green",
-    "horse", "kiwi", "lemon", "lime", "lion", "mango", "melon", "mouse", "olive",
-    "orange", "owl", "peach", "pear", "pink", "plum", "red", "shark", "sheep",
-    "silver", "snake", "tiger", "whale", "white", "wolf", "zebra",
+    "apple",
+    "banana",
+    "bear",
+    "black",
+    "blue",
+    "cat",
+    "cherry",
+    "deer",
+    "dog",
+    "duck",
+    "eagle",
+    "fig",
+    "fox",
+    "frog",
+    "goat",
+    "gold",
+    "grape",
+    "green",
+    "horse",
+    "kiwi",
+    "lemon",
+    "lime",
+    "lion",
+    "mango",
+    "melon",
+    "mouse",
+    "olive",
+    "orange",
+    "owl",
+    "peach",
+    "pear",
+    "pink",
+    "plum",
+    "red",
+    "shark",
+    "sheep",
+    "silver",
+    "snake",
+    "tiger",
+    "whale",
+    "white",
+    "wolf",
+    "zebra",
 )
 
 # (from singular, from plural, to singular, to plural, factor)
@@ -90,28 +128,32 @@ def _join(items) -> str:
 
 def make_add(rng: random.Random) -> Task:
     a, b = _number(rng, 3), _number(rng, 3)
-    question = rng.choice((
-        "What is {a} + {b}?",
-        "Compute {a} + {b}.",
-        "What is {a} plus {b}?",
-        "Add {a} and {b}.",
-        "What is the sum of {a} and {b}?",
-        "{a} + {b} = ?",
-    )).format(a=a, b=b)
+    question = rng.choice(
+        (
+            "What is {a} + {b}?",
+            "Compute {a} + {b}.",
+            "What is {a} plus {b}?",
+            "Add {a} and {b}.",
+            "What is the sum of {a} and {b}?",
+            "{a} + {b} = ?",
+        )
+    ).format(a=a, b=b)
     return _task("add", f"add|{a}|{b}", question, str(a + b))
 
 
 def make_sub(rng: random.Random) -> Task:
     a, b = _number(rng, 3), _number(rng, 3)
     a, b = max(a, b), min(a, b)
-    question = rng.choice((
-        "What is {a} - {b}?",
-        "Compute {a} - {b}.",
-        "What is {a} minus {b}?",
-        "Subtract {b} from {a}.",
-        "What is the difference between {a} and {b}?",
-        "{a} - {b} = ?",
-    )).format(a=a, b=b)
+    question = rng.choice(
+        (
+            "What is {a} - {b}?",
+            "Compute {a} - {b}.",
+            "What is {a} minus {b}?",
+            "Subtract {b} from {a}.",
+            "What is the difference between {a} and {b}?",
+            "{a} - {b} = ?",
+        )
+    ).format(a=a, b=b)
     return _task("sub", f"sub|{a}|{b}", question, str(a - b))
 
 
@@ -130,12 +172,14 @@ def make_convert(rng: random.Random) -> Task:
         answer = value * factor
         from_one, from_many, to_many = big_one, big_many, small_many
     from_name = from_one if value == 1 else from_many
-    question = rng.choice((
-        "Convert {v} {f} to {t}.",
-        "How many {t} are in {v} {f}?",
-        "{v} {f} is how many {t}?",
-        "What is {v} {f} in {t}?",
-    )).format(v=value, f=from_name, t=to_many)
+    question = rng.choice(
+        (
+            "Convert {v} {f} to {t}.",
+            "How many {t} are in {v} {f}?",
+            "{v} {f} is how many {t}?",
+            "What is {v} {f} in {t}?",
+        )
+    ).format(v=value, f=from_name, t=to_many)
     return _task("convert", f"convert|{value}|{from_many}|{to_many}", question, str(answer))
 
 
@@ -159,18 +203,22 @@ def make_weekday(rng: random.Random) -> Task:
     else:
         num_weeks, num_days = rng.randint(1, 52), rng.randint(0, 6)
     if is_after:
-        template = rng.choice((
-            "What day of the week is {n} after {s}?",
-            "If today is {s}, what day of the week will it be in {n}?",
-            "What day comes {n} after {s}?",
-        ))
+        template = rng.choice(
+            (
+                "What day of the week is {n} after {s}?",
+                "If today is {s}, what day of the week will it be in {n}?",
+                "What day comes {n} after {s}?",
+            )
+        )
         answer = WEEKDAYS[(start + num_days) % 7]
     else:
-        template = rng.choice((
-            "What day of the week is {n} before {s}?",
-            "If today is {s}, what day of the week was it {n} ago?",
-            "What day comes {n} before {s}?",
-        ))
+        template = rng.choice(
+            (
+                "What day of the week is {n} before {s}?",
+                "If today is {s}, what day of the week was it {n} ago?",
+                "What day comes {n} before {s}?",
+            )
+        )
         answer = WEEKDAYS[(start - num_days) % 7]
     question = template.format(n=_span(num_weeks, num_days), s=WEEKDAYS[start])
     direction = "after" if is_after else "before"
@@ -182,24 +230,30 @@ def make_sort(rng: random.Random) -> Task:
     num_items = rng.randint(3, 5)
     if rng.random() < 0.5:
         words = rng.sample(SORT_WORDS, num_items)
-        question = rng.choice((
-            "Sort these words alphabetically: {x}",
-            "Put these words in alphabetical order: {x}",
-            "Arrange in alphabetical order: {x}",
-        )).format(x=_join(words))
+        question = rng.choice(
+            (
+                "Sort these words alphabetically: {x}",
+                "Put these words in alphabetical order: {x}",
+                "Arrange in alphabetical order: {x}",
+            )
+        ).format(x=_join(words))
         return _task("sort", "sort|words|" + _join(words), question, _join(sorted(words)))
     numbers = rng.sample(range(1, 1000), num_items)
     is_descending = rng.random() < 0.5
     if is_descending:
-        template = rng.choice((
-            "Sort these numbers from largest to smallest: {x}",
-            "Sort in descending order: {x}",
-        ))
+        template = rng.choice(
+            (
+                "Sort these numbers from largest to smallest: {x}",
+                "Sort in descending order: {x}",
+            )
+        )
     else:
-        template = rng.choice((
-            "Sort these numbers from smallest to largest: {x}",
-            "Sort in ascending order: {x}",
-        ))
+        template = rng.choice(
+            (
+                "Sort these numbers from smallest to largest: {x}",
+                "Sort in ascending order: {x}",
+            )
+        )
     order = "desc" if is_descending else "asc"
     answer = _join(sorted(numbers, reverse=is_descending))
     return _task("sort", f"sort|{order}|" + _join(numbers), template.format(x=_join(numbers)), answer)
@@ -225,12 +279,14 @@ def make_count(rng: random.Random) -> Task:
         letter = rng.choice(word)
     else:
         letter = rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c not in word])
-    question = rng.choice((
-        'How many times does the letter "{c}" appear in "{w}"?',
-        'Count the letter "{c}" in the word "{w}".',
-        'How many "{c}" are in "{w}"?',
-        'In the word "{w}", how many times does "{c}" occur?',
-    )).format(c=letter, w=word)
+    question = rng.choice(
+        (
+            'How many times does the letter "{c}" appear in "{w}"?',
+            'Count the letter "{c}" in the word "{w}".',
+            'How many "{c}" are in "{w}"?',
+            'In the word "{w}", how many times does "{c}" occur?',
+        )
+    ).format(c=letter, w=word)
     return _task("count", f"count|{word}|{letter}", question, str(word.count(letter)))
 
 
@@ -238,17 +294,21 @@ def make_extreme(rng: random.Random) -> Task:
     numbers = rng.sample(range(1, 1000), rng.randint(3, 6))
     is_largest = rng.random() < 0.5
     if is_largest:
-        template = rng.choice((
-            "Which number is the largest: {x}?",
-            "What is the largest of these numbers: {x}?",
-            "Find the maximum of {x}.",
-        ))
+        template = rng.choice(
+            (
+                "Which number is the largest: {x}?",
+                "What is the largest of these numbers: {x}?",
+                "Find the maximum of {x}.",
+            )
+        )
     else:
-        template = rng.choice((
-            "Which number is the smallest: {x}?",
-            "What is the smallest of these numbers: {x}?",
-            "Find the minimum of {x}.",
-        ))
+        template = rng.choice(
+            (
+                "Which number is the smallest: {x}?",
+                "What is the smallest of these numbers: {x}?",
+                "Find the minimum of {x}.",
+            )
+        )
     answer = max(numbers) if is_largest else min(numbers)
     which = "max" if is_largest else "min"
     return _task("extreme", f"extreme|{which}|" + _join(numbers), template.format(x=_join(numbers)), str(answer))
@@ -257,11 +317,13 @@ def make_extreme(rng: random.Random) -> Task:
 def make_sequence(rng: random.Random) -> Task:
     start, step = rng.randint(0, 99), rng.randint(1, 15)
     shown = [start + i * step for i in range(4)]
-    question = rng.choice((
-        "What number comes next in the sequence {x}?",
-        "Continue the pattern: {x}, ...",
-        "What is the next number: {x}?",
-    )).format(x=_join(shown))
+    question = rng.choice(
+        (
+            "What number comes next in the sequence {x}?",
+            "Continue the pattern: {x}, ...",
+            "What is the next number: {x}?",
+        )
+    ).format(x=_join(shown))
     return _task("sequence", f"sequence|{start}|{step}", question, str(start + 4 * step))
 
 
@@ -279,8 +341,14 @@ KINDS = tuple(MAKERS)
 
 # Letter counting and multiplying take the longest to learn; list-picking the shortest.
 KIND_WEIGHTS = {
-    "add": 1.0, "sub": 1.0, "convert": 1.5, "weekday": 1.25,
-    "sort": 1.0, "count": 2.0, "extreme": 0.5, "sequence": 0.5,
+    "add": 1.0,
+    "sub": 1.0,
+    "convert": 1.5,
+    "weekday": 1.25,
+    "sort": 1.0,
+    "count": 2.0,
+    "extreme": 0.5,
+    "sequence": 0.5,
 }
 
 

@@ -60,10 +60,12 @@ def format_chat(messages: list[dict], add_generation_prompt: bool = False) -> st
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
     """Byte-level BPE over `texts`; encoding a plain text prepends BOS, as R1's tokenizer does."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -95,7 +97,11 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, max_length: int) -
         "model_max_length": max_length,
         "padding_side": "left",
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     special_tokens_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_tokens_map, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps(special_tokens_map, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")

@@ -104,9 +104,15 @@ class AsyncLLMEngine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None, *,
-                       prompt_token_ids: list[int] | None = None,
-                       messages: list[dict] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput per new token; the last one has `finished` set.
 
         Bad input raises the engine's error (RequestError) at the first iteration.
@@ -114,8 +120,17 @@ class AsyncLLMEngine:
         if self._thread is None:
             raise LowvramError("the engine loop is not running; call start() first")
         stream: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params or SamplingParams(), prompt_token_ids, messages, stream,
-                                asyncio.get_running_loop()))
+        self._commands.put(
+            _Add(
+                request_id,
+                prompt,
+                params or SamplingParams(),
+                prompt_token_ids,
+                messages,
+                stream,
+                asyncio.get_running_loop(),
+            )
+        )
         is_finished = False
         try:
             while not is_finished:
@@ -158,8 +173,13 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             self._streams[command.request_id] = (command.stream, command.loop)
             try:
-                self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        prompt_token_ids=command.prompt_token_ids, messages=command.messages)
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    prompt_token_ids=command.prompt_token_ids,
+                    messages=command.messages,
+                )
             except Exception as exc:  # a bad request fails alone; the loop keeps serving
                 if not isinstance(exc, LowvramError):
                     log.exception("request %s could not be added", command.request_id)
@@ -177,7 +197,8 @@ class AsyncLLMEngine:
             settle = command.future.set_exception if error is not None else command.future.set_result
             try:
                 command.loop.call_soon_threadsafe(
-                    lambda: command.future.done() or settle(error if error is not None else result))
+                    lambda: command.future.done() or settle(error if error is not None else result)
+                )
             except RuntimeError:  # the caller's event loop is closed
                 pass
         self._snapshot = self.engine.snapshot()
@@ -186,8 +207,11 @@ class AsyncLLMEngine:
         while not self._is_stopping:
             try:
                 # Block only when idle; while requests run, drain commands without waiting.
-                command = self._commands.get(timeout=0.1) if not self.engine.has_unfinished_requests() else \
-                    self._commands.get_nowait()
+                command = (
+                    self._commands.get(timeout=0.1)
+                    if not self.engine.has_unfinished_requests()
+                    else self._commands.get_nowait()
+                )
             except queue.Empty:
                 command = False
             if command is None:

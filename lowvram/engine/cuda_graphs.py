@@ -88,8 +88,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
     """The device addresses a graph bakes in; a change means the graphs are stale."""
-    return tuple(value.data_ptr() for pages in kv_pages for value in vars(pages).values()
-                 if isinstance(value, torch.Tensor))
+    return tuple(
+        value.data_ptr() for pages in kv_pages for value in vars(pages).values() if isinstance(value, torch.Tensor)
+    )
 
 
 class StagedInputs:
@@ -158,9 +159,16 @@ class _StepGraphs:
 
     kind = "step"
 
-    def __init__(self, device: torch.device, row_sizes: list[int], max_blocks_per_seq: int, max_logit_rows: int,
-                 stage_embeddings: Callable[[list[int], int], None] | None, stage_capacity: int | None,
-                 input_fields: dict[str, tuple[torch.dtype, int, int]]):
+    def __init__(
+        self,
+        device: torch.device,
+        row_sizes: list[int],
+        max_blocks_per_seq: int,
+        max_logit_rows: int,
+        stage_embeddings: Callable[[list[int], int], None] | None,
+        stage_capacity: int | None,
+        input_fields: dict[str, tuple[torch.dtype, int, int]],
+    ):
         self.device = device
         self.row_sizes = row_sizes
         self.table_widths = table_buckets(max_blocks_per_seq)
@@ -170,14 +178,21 @@ class _StepGraphs:
         self.stage_embeddings = stage_embeddings
         self.stage_capacity = stage_capacity or max_rows
         self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
-        self.staged = StagedInputs({
-            "input_ids": (torch.long, max_rows, 0),
-            "positions": (torch.long, max_rows, 0),
-            "slot_mapping": (torch.long, max_rows, -1),
-            **input_fields,
-        }, device)
+        self.staged = StagedInputs(
+            {
+                "input_ids": (torch.long, max_rows, 0),
+                "positions": (torch.long, max_rows, 0),
+                "slot_mapping": (torch.long, max_rows, -1),
+                **input_fields,
+            },
+            device,
+        )
         inputs = self.staged.inputs
-        self.input_ids, self.positions, self.slot_mapping = inputs["input_ids"], inputs["positions"], inputs["slot_mapping"]
+        self.input_ids, self.positions, self.slot_mapping = (
+            inputs["input_ids"],
+            inputs["positions"],
+            inputs["slot_mapping"],
+        )
         self.logits: torch.Tensor | None = None  # [max_logit_rows, vocab] float32, made at the first capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
@@ -195,8 +210,9 @@ class _StepGraphs:
             return None
         return rows, width
 
-    def _fill_rows(self, host: dict[str, np.ndarray], size: int, input_ids: list[int], positions: list[int],
-                   slots: list[int]) -> None:
+    def _fill_rows(
+        self, host: dict[str, np.ndarray], size: int, input_ids: list[int], positions: list[int], slots: list[int]
+    ) -> None:
         """The per-row inputs of a `size`-row bucket into the host mirror, padded (padding rows store no KV)."""
         num_rows = len(input_ids)
         host["input_ids"][:num_rows] = input_ids
@@ -211,8 +227,9 @@ class _StepGraphs:
             self._replayed.synchronize()
             self.stage_embeddings(input_ids + [0] * (size - num_rows), self.stage_capacity)
 
-    def _replay(self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None,
-                num_rows: int) -> torch.Tensor | None:
+    def _replay(
+        self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None, num_rows: int
+    ) -> torch.Tensor | None:
         """Replay (capturing first if needed) the graph for `key`, whose inputs are filled;
         logits [num_rows, vocab], or None when the capture failed. The logits are a view of
         the static buffer every graph writes: valid until the next replay of any bucket.
@@ -290,9 +307,15 @@ class DecodeGraphs(_StepGraphs):
 
     kind = "decode"
 
-    def __init__(self, forward: Callable[..., torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
-                 stage_capacity: int | None = None):
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        stage_embeddings: Callable[[list[int], int], None] | None = None,
+        stage_capacity: int | None = None,
+    ):
         batch_sizes = batch_buckets(max_num_seqs)
         max_batch, max_width = batch_sizes[-1], table_buckets(max_blocks_per_seq)[-1]
         fields = {
@@ -302,15 +325,23 @@ class DecodeGraphs(_StepGraphs):
             # StagedInputs.upload copies the front of the buffer up to what the step uses.
             "block_tables": (torch.int32, max_batch * max_width, 0),
         }
-        super().__init__(device, batch_sizes, max_blocks_per_seq, max_batch, stage_embeddings, stage_capacity,
-                         fields)
+        super().__init__(device, batch_sizes, max_blocks_per_seq, max_batch, stage_embeddings, stage_capacity, fields)
         self.forward = forward
         self.context_lens = self.staged.inputs["context_lens"]
         self.block_tables = self.staged.inputs["block_tables"]
 
-    def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
-            tables: list[list[int]], context_lens: list[int], kv_pages: list[KVPages],
-            pages_version: int | None = None, device_input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(
+        self,
+        key: tuple[int, int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        context_lens: list[int],
+        kv_pages: list[KVPages],
+        pages_version: int | None = None,
+        device_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Logits [S, vocab] of the decode step, by replaying the graph for `key`; None when the
         graph could not be captured (the caller runs the step eagerly). `device_input_ids`
         [S]: the step's token ids on the device, copied over `input_ids` (placeholders) in
@@ -320,7 +351,7 @@ class DecodeGraphs(_StepGraphs):
             raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, tables, context_lens, batch, width)
         if device_input_ids is not None:
-            self.input_ids[:len(input_ids)].copy_(device_input_ids)
+            self.input_ids[: len(input_ids)].copy_(device_input_ids)
         return self._replay(key, kv_pages, pages_version, len(input_ids))
 
     def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:
@@ -329,15 +360,15 @@ class DecodeGraphs(_StepGraphs):
         num_seqs = len(input_ids)
         host["context_lens"][:num_seqs] = context_lens
         host["context_lens"][num_seqs:batch] = 0
-        rows = host["block_tables"][:batch * width].reshape(batch, width)  # [B, width]
+        rows = host["block_tables"][: batch * width].reshape(batch, width)  # [B, width]
         for row, table in zip(rows, tables):
-            row[:len(table)] = table
-            row[len(table):] = 0
+            row[: len(table)] = table
+            row[len(table) :] = 0
         rows[num_seqs:] = 0
         self.staged.upload("block_tables", batch * width)
 
     def _tables(self, batch: int, width: int) -> torch.Tensor:
-        return self.block_tables[:batch * width].view(batch, width)  # [B, width], packed rows
+        return self.block_tables[: batch * width].view(batch, width)  # [B, width], packed rows
 
     def _meta(self, batch: int, width: int, block_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -391,9 +422,15 @@ class PrefillGraphs(_StepGraphs):
 
     kind = "prefill"
 
-    def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int, max_blocks_per_seq: int,
-                 device: torch.device, stage_embeddings: Callable[[list[int], int], None] | None = None,
-                 stage_capacity: int | None = None):
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_tokens: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        stage_embeddings: Callable[[list[int], int], None] | None = None,
+        stage_capacity: int | None = None,
+    ):
         max_width = table_buckets(max_blocks_per_seq)[-1]
         fields = {
             "last_row": (torch.long, 1, 0),
@@ -402,16 +439,25 @@ class PrefillGraphs(_StepGraphs):
             # [2 * max_width]: the sequence's and the padding's (empty) tables, packed at the bucket's width.
             "block_tables": (torch.int32, 2 * max_width, 0),
         }
-        super().__init__(device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity,
-                         fields)
+        super().__init__(
+            device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity, fields
+        )
         self.forward = forward
         inputs = self.staged.inputs
         self.last_row, self.context_lens = inputs["last_row"], inputs["context_lens"]
         self.cu_seqlens, self.block_tables = inputs["cu_seqlens"], inputs["block_tables"]
 
-    def run(self, key: tuple[int, int], input_ids: list[int], positions: list[int], slots: list[int],
-            table: list[int], context_len: int, kv_pages: list[KVPages],
-            pages_version: int | None = None) -> torch.Tensor | None:
+    def run(
+        self,
+        key: tuple[int, int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        table: list[int],
+        context_len: int,
+        kv_pages: list[KVPages],
+        pages_version: int | None = None,
+    ) -> torch.Tensor | None:
         """Logits [1, vocab] at the last of `input_ids` (one sequence's new tokens, ending at
         `context_len`), by replaying the graph for `key`; None when it could not be captured."""
         self._fill(input_ids, positions, slots, table, context_len, *key)
@@ -424,9 +470,9 @@ class PrefillGraphs(_StepGraphs):
         host["last_row"][0] = num_new - 1
         host["context_lens"][:] = (context_len, 0)
         host["cu_seqlens"][:] = (0, num_new, size)
-        tables = host["block_tables"][:2 * width]
-        tables[:len(table)] = table
-        tables[len(table):] = 0  # the rest of the sequence's row, and the padding's row
+        tables = host["block_tables"][: 2 * width]
+        tables[: len(table)] = table
+        tables[len(table) :] = 0  # the rest of the sequence's row, and the padding's row
         self.staged.upload("block_tables", 2 * width)
 
     def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
@@ -435,7 +481,7 @@ class PrefillGraphs(_StepGraphs):
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:2 * width].view(2, width),  # [2, width]: the sequence, the padding (empty)
+            block_tables=self.block_tables[: 2 * width].view(2, width),  # [2, width]: the sequence, the padding (empty)
             context_lens=self.context_lens,
             cu_seqlens_q=self.cu_seqlens,
             max_context_len=width * block_size,

@@ -116,12 +116,26 @@ class LLMEngine:
     this JSONL file (for plots and post-mortems).
     """
 
-    def __init__(self, model: str | None = None, profile: str | Profile | None = None, *, device: str | None = None,
-                 dtype: str | None = None, emulate_vram_gib: float | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int | None = None, timeline_path: str | None = None):
+    def __init__(
+        self,
+        model: str | None = None,
+        profile: str | Profile | None = None,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        emulate_vram_gib: float | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        timeline_path: str | None = None,
+    ):
         base = profile if isinstance(profile, Profile) else load_profile(profile)
-        self.profile = base.replace(device=device, dtype=dtype, emulate_vram_gib=emulate_vram_gib,
-                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self.profile = base.replace(
+            device=device,
+            dtype=dtype,
+            emulate_vram_gib=emulate_vram_gib,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
         self.device = pick_device(self.profile.device)
         self.dtype = pick_dtype(self.profile.dtype, self.device)
         apply_emulation(self.profile, self.device)
@@ -131,28 +145,37 @@ class LLMEngine:
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         is_deepseek_v2 = is_deepseek_v2_checkpoint(self.model_dir)
         if self.profile.batch_invariant and is_deepseek_v2:
-            raise ConfigError(f"batch_invariant: true is not available for DeepSeek-V2 models ({self.model_dir}): "
-                              f"its MLA attention and expert routing have no batch-invariant kernels; set "
-                              f"batch_invariant: false in profile '{self.profile.name}'")
+            raise ConfigError(
+                f"batch_invariant: true is not available for DeepSeek-V2 models ({self.model_dir}): "
+                f"its MLA attention and expert routing have no batch-invariant kernels; set "
+                f"batch_invariant: false in profile '{self.profile.name}'"
+            )
         if is_deepseek_v2:
             # MoE: routed experts leave the device through their own cache, sized from the profile.
-            self.model, self.config = load_model(self.model_dir, self.device, self.dtype, profile=self.profile,
-                                                 held_bytes=held)
+            self.model, self.config = load_model(
+                self.model_dir, self.device, self.dtype, profile=self.profile, held_bytes=held
+            )
         else:
             # Projections are fused before any weight offload, so the fused tensors are the ones that stream.
-            self.model, self.config = load_model_for_profile(self.model_dir, self.profile, self.device, self.dtype,
-                                                             prepare=fuse_projections, held_bytes=held)
+            self.model, self.config = load_model_for_profile(
+                self.model_dir, self.profile, self.device, self.dtype, prepare=fuse_projections, held_bytes=held
+            )
         if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
             # Plan from what loading really allocated when that is more than the tensors' own bytes
             # (allocator rounding, buffers no weight report counts), so the pool leaves room for it.
             loaded = torch.cuda.memory_allocated(self.device) - held
             if loaded > self.model.weight_bytes:
-                log.info("loading allocated %.1f MiB beyond the weights' %.1f MiB; the plan counts it",
-                         (loaded - self.model.weight_bytes) / 2**20, self.model.weight_bytes / 2**20)
+                log.info(
+                    "loading allocated %.1f MiB beyond the weights' %.1f MiB; the plan counts it",
+                    (loaded - self.model.weight_bytes) / 2**20,
+                    self.model.weight_bytes / 2**20,
+                )
                 self.model.weight_bytes = loaded
         if self.profile.batch_invariant:
-            log.info("batch-invariant kernels in %d layers: every request decodes as it would alone",
-                     make_batch_invariant(self.model))
+            log.info(
+                "batch-invariant kernels in %d layers: every request decodes as it would alone",
+                make_batch_invariant(self.model),
+            )
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -162,25 +185,40 @@ class LLMEngine:
         # its pages wait in host memory and are read over the bus); other pools may not.
         host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
         plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
-                               host_blocks=host_blocks, held_bytes=held)
+        self.kv_plan = plan_kv(
+            *plan_args, device_type=self.device.type, model_dir=self.model_dir, host_blocks=host_blocks, held_bytes=held
+        )
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
         # The lowest precision the controller may compress to. Batch-invariant mode keeps the
         # starting one: compressed pages change what a request reads, so it would not decode
         # as it does alone.
         self.min_kv_precision = self.kv_precision if self.profile.batch_invariant else KV_LADDER[-1]
-        self.kv_pool = create_kv_pool(self.config, self.profile, self.kv_plan.num_blocks, self.device, self.dtype,
-                                      self.kv_precision, max_model_len=self.max_model_len)
+        self.kv_pool = create_kv_pool(
+            self.config,
+            self.profile,
+            self.kv_plan.num_blocks,
+            self.device,
+            self.dtype,
+            self.kv_precision,
+            max_model_len=self.max_model_len,
+        )
         if host_blocks and not self.kv_pool.can_read_host:
-            plan_kv(*plan_args, device_type=self.device.type, model_dir=self.model_dir,
-                    held_bytes=held)  # the error, if it is one
-        self.block_manager = BlockManager(self.kv_pool.num_blocks, self.kv_plan.block_size,
-                                          enable_prefix_caching=self.profile.enable_prefix_caching)
+            plan_kv(
+                *plan_args, device_type=self.device.type, model_dir=self.model_dir, held_bytes=held
+            )  # the error, if it is one
+        self.block_manager = BlockManager(
+            self.kv_pool.num_blocks, self.kv_plan.block_size, enable_prefix_caching=self.profile.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.block_manager, self.kv_pool, max_num_seqs=self.profile.max_num_seqs,
-                                  max_model_len=self.max_model_len, use_cuda_graphs=self.profile.enable_cuda_graphs,
-                                  max_prefill_graph_tokens=(self.profile.max_num_batched_tokens
-                                                            if self.profile.enable_prefill_graphs else 0))
+        self.runner = ModelRunner(
+            self.model,
+            self.block_manager,
+            self.kv_pool,
+            max_num_seqs=self.profile.max_num_seqs,
+            max_model_len=self.max_model_len,
+            use_cuda_graphs=self.profile.enable_cuda_graphs,
+            max_prefill_graph_tokens=(self.profile.max_num_batched_tokens if self.profile.enable_prefill_graphs else 0),
+        )
         self.requests: dict[str, Sequence] = {}
         self.controller_state = ControllerState(kv_precision=self.kv_precision)
         self.controller_events: deque[Event] = deque(maxlen=256)
@@ -199,12 +237,23 @@ class LLMEngine:
         self._drained: list[RequestOutput] = []  # outputs of a queued step finished early (_drain)
         self._oom_in_queue: tuple[ScheduledBatch, BaseException] | None = None  # _continue's, for step
         self._last_finish = 0.0
-        log.info("KV pool: %d pages of %d tokens (%.1f MiB)", self.kv_plan.num_blocks, self.kv_plan.block_size,
-                 self.kv_plan.kv_bytes / 2**20)
+        log.info(
+            "KV pool: %d pages of %d tokens (%.1f MiB)",
+            self.kv_plan.num_blocks,
+            self.kv_plan.block_size,
+            self.kv_plan.kv_bytes / 2**20,
+        )
 
     # -- requests -----------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None = None, params: SamplingParams | None = None, *,
-                    prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
+    ) -> None:
         """Queue a request given as text, token ids, or chat messages (rendered with the chat template)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -227,8 +276,15 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        seq = Sequence(next(self._seq_ids), request_id, prompt, list(prompt_token_ids), params,
-                       Detokenizer(self.tokenizer), generator)
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            Detokenizer(self.tokenizer),
+            generator,
+        )
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -345,8 +401,11 @@ class LLMEngine:
         if sampled and len(on_device) == len(sampled):
             # Where each seeded generator stood before this step's draws: a row dropped
             # because its request was preempted meanwhile gives its draw back (_finish).
-            launched.generator_states = {seq.seq_id: generator.get_state() for seq in sampled
-                                         if (generator := device_generator(seq, logits.device)) is not None}
+            launched.generator_states = {
+                seq.seq_id: generator.get_state()
+                for seq in sampled
+                if (generator := device_generator(seq, logits.device)) is not None
+            }
             launched.device_tokens = sample_tokens_on_device(logits, rows, sampled)
             if launched.device_tokens.is_cuda:
                 launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
@@ -374,8 +433,13 @@ class LLMEngine:
         place in a full batch does not stop the pipeline), none reaches its length limit with
         the token it samples, and the pages the next step needs are free (no one is
         preempted for them)."""
-        if (not self.pipelines_decode or launched.device_tokens is None or launched.batch.is_prefill
-                or self.scheduler.may_admit() or not self.runner.accepts_device_input_ids):
+        if (
+            not self.pipelines_decode
+            or launched.device_tokens is None
+            or launched.batch.is_prefill
+            or self.scheduler.may_admit()
+            or not self.runner.accepts_device_input_ids
+        ):
             return False
         seqs = launched.batch.seqs
         if len(seqs) != len(self.scheduler.running):
@@ -401,8 +465,12 @@ class LLMEngine:
             # Not expected (_can_continue rules it out). Nothing is queued: the sequences go
             # on from `launched`'s tokens, and the scheduler, which keeps no state of its own
             # about a batch, schedules whatever this one held again at the next step.
-            log.warning("a pipelined decode step was scheduled with other sequences than the step before it "
-                        "(%d against %d); it runs on its own", len(batch.seqs), len(launched.batch.seqs))
+            log.warning(
+                "a pipelined decode step was scheduled with other sequences than the step before it "
+                "(%d against %d); it runs on its own",
+                len(batch.seqs),
+                len(launched.batch.seqs),
+            )
             self._drop_placeholders(launched.batch.seqs)
             return None
         try:
@@ -439,8 +507,9 @@ class LLMEngine:
                 placeheld.append(seq)
         for seq in launched.batch.seqs:
             # A decode step fills a page one token in block_size: the ids are gathered only then.
-            if (seq.status is SequenceStatus.RUNNING
-                    and block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens)):
+            if seq.status is SequenceStatus.RUNNING and block_manager.num_uncommitted(
+                seq.seq_id, seq.num_computed_tokens
+            ):
                 block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
         for seq in placeheld:
             seq.output_token_ids.pop()  # _append_token adds it again, with its checks
@@ -531,8 +600,9 @@ class LLMEngine:
             reading = self._allocated_reading = (step, self._read_allocated_bytes())
         return reading[1]
 
-    def memory_pressure_bytes(self, memory_in_use_bytes: int | None = None,
-                              num_blocks_on_host: int | None = None) -> int:
+    def memory_pressure_bytes(
+        self, memory_in_use_bytes: int | None = None, num_blocks_on_host: int | None = None
+    ) -> int:
         """What the controller compares with the budget: memory in use, plus the live KV
         pages that wait on the host, plus (on CUDA) the workspace the plan reserves for
         a step. Above the budget when the running sequences outgrow the card.
@@ -570,20 +640,38 @@ class LLMEngine:
             return  # nobody reads the observation: skip gathering it
         on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
         in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=is_plain_decode))
-        obs = Observation(self.stats.num_steps, self.memory_pressure_bytes(in_use, on_host), self.memory_budget_bytes,
-                          token_latency_ms, len(self.scheduler.running), len(self.scheduler.waiting),
-                          kv_bytes_by_precision=self.kv_bytes_by_precision())
-        self.controller_state, events = decide(self.controller_state, obs, self.profile.controller,
-                                               max_num_seqs=self.profile.max_num_seqs,
-                                               min_precision=self.min_kv_precision)
+        obs = Observation(
+            self.stats.num_steps,
+            self.memory_pressure_bytes(in_use, on_host),
+            self.memory_budget_bytes,
+            token_latency_ms,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            kv_bytes_by_precision=self.kv_bytes_by_precision(),
+        )
+        self.controller_state, events = decide(
+            self.controller_state,
+            obs,
+            self.profile.controller,
+            max_num_seqs=self.profile.max_num_seqs,
+            min_precision=self.min_kv_precision,
+        )
         for event in events:
             self._apply(event)
         if self.timeline_path:
             record = {k: v for k, v in asdict(obs).items() if k != "kv_bytes_by_precision"}
-            self._write_timeline({"type": "step", **record, "device_memory_bytes": in_use,
-                                  "num_kv_blocks_used": self.block_manager.num_used_blocks,
-                                  "batch_limit": self.scheduler.batch_limit, "kv_precision": self.kv_precision,
-                                  "mode": self.controller_state.mode, "time": time.time()})
+            self._write_timeline(
+                {
+                    "type": "step",
+                    **record,
+                    "device_memory_bytes": in_use,
+                    "num_kv_blocks_used": self.block_manager.num_used_blocks,
+                    "batch_limit": self.scheduler.batch_limit,
+                    "kv_precision": self.kv_precision,
+                    "mode": self.controller_state.mode,
+                    "time": time.time(),
+                }
+            )
 
     def _apply(self, event: Event) -> None:
         """Carry out one controller decision. Nothing here drops a request."""
@@ -600,7 +688,8 @@ class LLMEngine:
         elif kind == "spill":
             if value and self.kv_pool.can_spill:
                 cold = list(self.block_manager.cached_free) + [
-                    b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)]
+                    b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)
+                ]
                 note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
             elif value:
                 note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
@@ -616,8 +705,17 @@ class LLMEngine:
         self.num_controller_events += 1
         log.info("controller: %s", event.reason)
         if self.timeline_path:
-            self._write_timeline({"type": "event", "step": event.step, "action": kind, "value": value,
-                                  "reason": event.reason, "mode": event.mode, "time": time.time()})
+            self._write_timeline(
+                {
+                    "type": "event",
+                    "step": event.step,
+                    "action": kind,
+                    "value": value,
+                    "reason": event.reason,
+                    "mode": event.mode,
+                    "time": time.time(),
+                }
+            )
 
     def _recover_from_oom(self, batch, exc: BaseException) -> None:
         """A step ran out of device memory: nothing it computed is kept, its sequences go
@@ -632,12 +730,15 @@ class LLMEngine:
                 self.scheduler.preempt(seq)
                 self.stats.num_preemptions += 1
         # Escalate even with the controller off: retrying the same step as it was would fail again.
-        self.controller_state, events = escalate_after_oom(self.controller_state, self.stats.num_steps,
-                                                           self.profile.max_num_seqs, self.min_kv_precision)
+        self.controller_state, events = escalate_after_oom(
+            self.controller_state, self.stats.num_steps, self.profile.max_num_seqs, self.min_kv_precision
+        )
         for event in events:
             self._apply(event)
-        events_json = [{"step": e.step, "action": e.action.kind, "value": e.action.value, "reason": e.reason}
-                       for e in self.controller_events]
+        events_json = [
+            {"step": e.step, "action": e.action.kind, "value": e.action.value, "reason": e.reason}
+            for e in self.controller_events
+        ]
         try:
             path = write_oom_crash_report(exc, engine=self, controller_events=events_json)
             self.last_crash_report = path
@@ -660,8 +761,9 @@ class LLMEngine:
 
         free = set(self.block_manager.free_blocks)
         used = [b for b in range(self.block_manager.num_blocks) if b not in free]
-        running = [(self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens)
-                   for seq in self.scheduler.running]
+        running = [
+            (self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens) for seq in self.scheduler.running
+        ]
         recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, self.block_manager.block_size)
         freed = self.kv_pool.set_precision(precision, used, fp16_block_ids=recent)
         self.kv_precision = precision
@@ -734,6 +836,9 @@ class LLMEngine:
         seq.num_emitted_chars += len(delta)
         token_ids = list(seq.output_token_ids)
         completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                 len(seq.prompt_token_ids), len(token_ids))
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics)
+        metrics = RequestMetrics(
+            seq.arrival_time, seq.first_token_time, seq.finish_time, len(seq.prompt_token_ids), len(token_ids)
+        )
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics
+        )

@@ -1,9 +1,9 @@
 """The offline Python API, shaped like vLLM's so code moves between them.
 
-    from lowvram import LLM, SamplingParams
-    llm = LLM(model="path/to/DeepSeek-R1-Distill-Qwen-1.5B", profile="4gb")
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(out[0].outputs[0].text)
+from lowvram import LLM, SamplingParams
+llm = LLM(model="path/to/DeepSeek-R1-Distill-Qwen-1.5B", profile="4gb")
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -66,8 +66,11 @@ class LLM:
             raise RequestError(f"got {len(params)} sampling params for {num} prompts")
         return list(params)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for one or many prompts (batched together); outputs in prompt order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -75,8 +78,11 @@ class LLM:
         ids = [self._add(p, prompt) for prompt, p in zip(prompts, params)]
         return self._run(ids)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = self._params_list(sampling_params, len(conversations))
@@ -102,8 +108,13 @@ class LLM:
 
         return restore_conversation(self.engine, path)
 
-    def stream(self, prompt: PromptType | None = None, sampling_params: SamplingParams | None = None, *,
-               messages: list[dict] | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self,
+        prompt: PromptType | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+    ) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per new token (its `text_delta` is the new text); the last one is finished.
 
         Closing the iterator early aborts the request and frees its pages.

@@ -38,8 +38,17 @@ class ModelRunner:
             from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
     """
 
-    def __init__(self, model: CausalLM, block_manager: BlockManager, kv_pool: KVPool, *, max_num_seqs: int = 1,
-                 max_model_len: int = 0, use_cuda_graphs: bool = False, max_prefill_graph_tokens: int = 0):
+    def __init__(
+        self,
+        model: CausalLM,
+        block_manager: BlockManager,
+        kv_pool: KVPool,
+        *,
+        max_num_seqs: int = 1,
+        max_model_len: int = 0,
+        use_cuda_graphs: bool = False,
+        max_prefill_graph_tokens: int = 0,
+    ):
         if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
             raise KernelError(
                 f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
@@ -62,11 +71,23 @@ class ModelRunner:
             stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
             capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
-            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device,
-                                       stage_embeddings=stage, stage_capacity=capacity)
+            self.graphs = DecodeGraphs(
+                self._logits,
+                max_num_seqs,
+                max_blocks_per_seq,
+                self.device,
+                stage_embeddings=stage,
+                stage_capacity=capacity,
+            )
             if prefill_tokens > 0:
-                self.prefill_graphs = PrefillGraphs(self._last_logits, prefill_tokens, max_blocks_per_seq,
-                                                    self.device, stage_embeddings=stage, stage_capacity=capacity)
+                self.prefill_graphs = PrefillGraphs(
+                    self._last_logits,
+                    prefill_tokens,
+                    max_blocks_per_seq,
+                    self.device,
+                    stage_embeddings=stage,
+                    stage_capacity=capacity,
+                )
 
     @property
     def num_graph_captures(self) -> int:
@@ -127,8 +148,9 @@ class ModelRunner:
         return self.graphs is None or self.graphs.stage_embeddings is None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, *, is_all_rows: bool = False,
-            input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, batch: ScheduledBatch, *, is_all_rows: bool = False, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
         (or [T, vocab] at every new token with is_all_rows, for scoring text).
 
@@ -191,8 +213,17 @@ class ModelRunner:
         if key is None:
             return None
         host_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.graphs.run(key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages,
-                               getattr(self.kv_pool, "pages_version", None), device_input_ids=input_ids)
+        return self.graphs.run(
+            key,
+            host_ids,
+            positions,
+            slots,
+            tables,
+            context_lens,
+            self.kv_pool.pages,
+            getattr(self.kv_pool, "pages_version", None),
+            device_input_ids=input_ids,
+        )
 
     def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
         table = self.block_manager.block_table(batch.seqs[0].seq_id)
@@ -200,15 +231,30 @@ class ModelRunner:
         if key is None:
             return None
         input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.prefill_graphs.run(key, input_ids, positions, slots, tables[0], context_lens[0],
-                                       self.kv_pool.pages, getattr(self.kv_pool, "pages_version", None))
+        return self.prefill_graphs.run(
+            key,
+            input_ids,
+            positions,
+            slots,
+            tables[0],
+            context_lens[0],
+            self.kv_pool.pages,
+            getattr(self.kv_pool, "pages_version", None),
+        )
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_pages: list[KVPages]) -> torch.Tensor:
+    def _logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: list[KVPages]
+    ) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
 
-    def _last_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     kv_pages: list[KVPages], last_row: torch.Tensor) -> torch.Tensor:
+    def _last_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_pages: list[KVPages],
+        last_row: torch.Tensor,
+    ) -> torch.Tensor:
         hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
         return self.model.compute_logits(hidden.index_select(0, last_row))  # [1, vocab]
 

@@ -7,13 +7,17 @@ import torch
 from lowvram.core.sampling_params import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
     """logits [V] (FP32). Repetition penalty as in CTRL/HF; presence/frequency as in OpenAI."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
         if seen.numel():
             picked = logits[seen]
-            logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+            logits[seen] = torch.where(
+                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+            )
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
         ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
@@ -39,8 +43,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 prompt_ids: list[int], output_ids: list[int]) -> int:
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_ids: list[int],
+    output_ids: list[int],
+) -> int:
     """Pick the next token from one row of FP32 logits [V]."""
     # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
@@ -118,7 +127,7 @@ def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list) -> list[int
     plain_set = set(plain)
     for i, seq in enumerate(seqs):
         if i not in plain_set:
-            tokens[i] = sample_token(logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids,
-                                     seq.output_token_ids)
+            tokens[i] = sample_token(
+                logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids
+            )
     return tokens
-

@@ -17,7 +17,9 @@ class Tokenizer:
     def __init__(self, model_dir: Path):
         has_files = any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
         if not has_files:
-            raise ModelLoadError(f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json")
+            raise ModelLoadError(
+                f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json"
+            )
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         # tokenizer.json holds the exact pipeline the model was trained with. AutoTokenizer
@@ -59,7 +61,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render a conversation (with the generation prompt appended by default) as token ids."""
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
         ):
             raise RequestError("messages must be a list of {'role': str, 'content': str}")
         if not self.has_chat_template:

@@ -54,9 +54,18 @@ def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
     return q.is_cuda and head_dim >= 16
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KVPages, meta: AttentionMetadata,
-                    scale: float, rope: Rope | None = None, *, batch_invariant: bool = False,
-                    is_stored: bool = False) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: KVPages,
+    meta: AttentionMetadata,
+    scale: float,
+    rope: Rope | None = None,
+    *,
+    batch_invariant: bool = False,
+    is_stored: bool = False,
+) -> torch.Tensor:
     """Store this step's k, v (quantizing for INT8/INT4 pages) then attend.
 
     q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. With `rope`, q and k are first rotated in
@@ -70,18 +79,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: KV
         if rope is None:
             write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
         else:
-            rotary_write_kv(q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages,
-                            use_reference=use_reference)
+            rotary_write_kv(
+                q, k, v, rope.positions, rope.cos, rope.sin, meta.slot_mapping, pages, use_reference=use_reference
+            )
     if batch_invariant and use_reference:
         return _rows_ref(q, pages, meta, scale)
     if meta.is_prefill or batch_invariant:
         # Batch-invariant decode rows go through the prefill kernel too, whose tiles sit at
         # absolute positions: a generated token then gets the same bits from its decode step
         # and from the prefill that recomputes it after a preemption.
-        return paged_prefill_attention(q, pages, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-                                       max_q_len=max(meta.query_lens_cpu), use_reference=use_reference)
-    return paged_decode_attention(q, pages, meta.block_tables, meta.context_lens, scale,
-                                  max_context_len=meta.max_context_len, use_reference=use_reference)
+        return paged_prefill_attention(
+            q,
+            pages,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.context_lens,
+            scale,
+            max_q_len=max(meta.query_lens_cpu),
+            use_reference=use_reference,
+        )
+    return paged_decode_attention(
+        q,
+        pages,
+        meta.block_tables,
+        meta.context_lens,
+        scale,
+        max_context_len=meta.max_context_len,
+        use_reference=use_reference,
+    )
 
 
 def _rows_ref(q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -94,9 +119,15 @@ def _rows_ref(q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, scale: f
     row = 0
     for seq, (context_len, query_len) in enumerate(zip(meta.context_lens_cpu, meta.query_lens_cpu)):
         for position in range(context_len - query_len, context_len):
-            out[row:row + 1] = paged_prefill_attention(
-                q[row:row + 1], pages, meta.block_tables[seq:seq + 1], one_row,
-                torch.tensor([position + 1], dtype=torch.int32, device=q.device), scale, max_q_len=1,
-                use_reference=True)
+            out[row : row + 1] = paged_prefill_attention(
+                q[row : row + 1],
+                pages,
+                meta.block_tables[seq : seq + 1],
+                one_row,
+                torch.tensor([position + 1], dtype=torch.int32, device=q.device),
+                scale,
+                max_q_len=1,
+                use_reference=True,
+            )
             row += 1
     return out

@@ -94,8 +94,10 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
     match = _ensure_cached(engine, token_ids)
     blocks = list(match.block_ids) + ([match.copy_from] if match.copy_from is not None else [])
     if match.num_tokens != len(token_ids):
-        raise RequestError(f"only {match.num_tokens} of {len(token_ids)} tokens could be kept in the KV pool to save; "
-                           "raise the profile's memory budget or shorten the conversation")
+        raise RequestError(
+            f"only {match.num_tokens} of {len(token_ids)} tokens could be kept in the KV pool to save; "
+            "raise the profile's memory budget or shorten the conversation"
+        )
     pool = engine.kv_pool
     pool.ensure_resident(blocks)
     index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
@@ -105,7 +107,9 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
             tensor = getattr(pages, name)
             if tensor is not None:
                 tensors[f"layer.{i}.{name}"] = tensor.index_select(0, index).cpu().contiguous()
-    metadata = dict(_expected_metadata(engine), token_ids=json.dumps(token_ids), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    metadata = dict(
+        _expected_metadata(engine), token_ids=json.dumps(token_ids), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S")
+    )
     path = Path(path) if path is not None else default_dir() / f"conversation-{time.strftime('%Y%m%d-%H%M%S')}.kv"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
@@ -193,4 +197,6 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         del mapped
     bm.free(seq_id)  # the pages stay cached, ready for the next turn
     seconds = time.perf_counter() - start
-    return RestoreResult(True, len(token_ids), f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms", seconds, token_ids)
+    return RestoreResult(
+        True, len(token_ids), f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms", seconds, token_ids
+    )

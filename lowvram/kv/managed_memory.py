@@ -140,8 +140,11 @@ class ManagedBuffer:
         check(rt.cudaSetDevice(device_index), "cudaSetDevice")
         self.num_bytes = num_bytes
         self.device_index = device_index
-        self.ptr = int(check(rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal),
-                             f"cudaMallocManaged({num_bytes} bytes)"))
+        self.ptr = int(
+            check(
+                rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal), f"cudaMallocManaged({num_bytes} bytes)"
+            )
+        )
         self.__cuda_array_interface__ = {
             "shape": (num_bytes,),
             "typestr": "|u1",
@@ -198,8 +201,9 @@ class ManagedMemory:
         self._advise(buffer.ptr, num_bytes, "cudaMemAdviseSetAccessedBy", self._gpu)
         return flat
 
-    def place(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool,
-              stream: torch.cuda.Stream) -> None:
+    def place(
+        self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool, stream: torch.cuda.Stream
+    ) -> None:
         """Advise `num_bytes` of `tensor` from `start_bytes` to live on the host or the GPU
         and migrate them there, enqueued on `stream`."""
         if num_bytes <= 0:
@@ -218,26 +222,29 @@ class ManagedMemory:
     def advise_preferred(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool) -> None:
         """Set where a range should live without migrating it (for pages never touched yet)."""
         if num_bytes > 0:
-            self._advise(tensor.data_ptr() + start_bytes, num_bytes, "cudaMemAdviseSetPreferredLocation",
-                         HOST if on_host else self._gpu)
+            self._advise(
+                tensor.data_ptr() + start_bytes,
+                num_bytes,
+                "cudaMemAdviseSetPreferredLocation",
+                HOST if on_host else self._gpu,
+            )
 
     def last_prefetch_is_host(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int) -> bool:
         """Whether the range was last prefetched to the host (for tests and diagnostics)."""
         rt = self.rt
         attr = rt.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation
-        value = check(rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes),
-                      "cudaMemRangeGetAttribute")
+        value = check(
+            rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes), "cudaMemRangeGetAttribute"
+        )
         return int(value) == int(rt.cudaCpuDeviceId)
 
     def _advise(self, ptr: int, num_bytes: int, advice_name: str, location: Location) -> None:
         rt = self.rt
         advice = getattr(rt.cudaMemoryAdvise, advice_name)
-        check(rt.cudaMemAdvise(ptr, num_bytes, advice, _location_args(rt, location)),
-              f"cudaMemAdvise({advice_name})")
+        check(rt.cudaMemAdvise(ptr, num_bytes, advice, _location_args(rt, location)), f"cudaMemAdvise({advice_name})")
 
 
-def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, *,
-                       allow_oversubscription: bool) -> None:
+def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, *, allow_oversubscription: bool) -> None:
     """Refuse a managed pool larger than the profile's budgets (device KV share plus host
     spill) or, unless the profile allows oversubscription, than the free device memory.
 

@@ -91,8 +91,9 @@ class KVShape:
 
     def template(self, precision: str, num_blocks: int = 1) -> KVPages:
         """One layer's pages on the meta device: the layout without memory."""
-        return allocate_pages(num_blocks, self.block_size, self.num_kv_heads, self.head_dim, precision, self.dtype,
-                              "meta")
+        return allocate_pages(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_dim, precision, self.dtype, "meta"
+        )
 
     def layer_block_bytes(self, precision: str) -> int:
         """One page of one layer: K and V codes plus scales and zeros."""
@@ -165,8 +166,9 @@ def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: 
         if num_cached > 0:
             first, last = max(0, num_cached - num_tokens) // block_size, (num_cached - 1) // block_size
             newest_first.append(list(table[first : last + 1])[::-1])
-    order = [pages[i] for i in range(max(map(len, newest_first), default=0)) for pages in newest_first
-             if i < len(pages)]
+    order = [
+        pages[i] for i in range(max(map(len, newest_first), default=0)) for pages in newest_first if i < len(pages)
+    ]
     return list(dict.fromkeys(order))  # a shared prefix page once
 
 
@@ -189,9 +191,19 @@ class PoolPlan:
         return self.num_blocks * self.block_bytes if self.backend == "um" else 0
 
 
-def plan_pool(*, backend: str, device_type: str, num_device_blocks: int, max_num_blocks: int, block_bytes: int,
-              host_spill_bytes: int, allow_oversubscription: bool, has_runtime: bool, is_concurrent: bool | None,
-              free_bytes: int | None) -> PoolPlan:
+def plan_pool(
+    *,
+    backend: str,
+    device_type: str,
+    num_device_blocks: int,
+    max_num_blocks: int,
+    block_bytes: int,
+    host_spill_bytes: int,
+    allow_oversubscription: bool,
+    has_runtime: bool,
+    is_concurrent: bool | None,
+    free_bytes: int | None,
+) -> PoolPlan:
     """Pick the backend and size it. Pure: every probe of the machine is an argument.
 
     `num_device_blocks` is the device share the memory plan left for KV; the host
@@ -205,11 +217,18 @@ def plan_pool(*, backend: str, device_type: str, num_device_blocks: int, max_num
     device_blocks = num_device_blocks
     if device_type != "cuda":
         note = "" if backend in ("auto", "device") else f" (kv_backend {backend!r} needs CUDA)"
-        return PoolPlan("device", device_blocks, device_blocks, 0, block_bytes,
-                        f"CPU: KV pages live in host memory{note}")
+        return PoolPlan(
+            "device", device_blocks, device_blocks, 0, block_bytes, f"CPU: KV pages live in host memory{note}"
+        )
     if backend == "device":
-        return PoolPlan("device", device_blocks, device_blocks, 0, block_bytes,
-                        "kv_backend 'device': pages stay on the GPU, no spill")
+        return PoolPlan(
+            "device",
+            device_blocks,
+            device_blocks,
+            0,
+            block_bytes,
+            "kv_backend 'device': pages stay on the GPU, no spill",
+        )
     host_blocks = int(host_spill_bytes // block_bytes)
     num_blocks = max(device_blocks, min(device_blocks + host_blocks, max_num_blocks))
     managed_bytes = num_blocks * block_bytes
@@ -219,11 +238,19 @@ def plan_pool(*, backend: str, device_type: str, num_device_blocks: int, max_num
         if not has_runtime:
             backend, reason = "pinned", "cuda-bindings is not installed or not usable"
         elif not is_concurrent:
-            backend, reason = "pinned", "this GPU cannot share managed memory with the host while kernels run " \
-                                        "(concurrentManagedAccess = 0, as on Windows and WSL2)"
+            backend, reason = (
+                "pinned",
+                "this GPU cannot share managed memory with the host while kernels run "
+                "(concurrentManagedAccess = 0, as on Windows and WSL2)",
+            )
         elif not fits_free:
-            backend, reason = "pinned", (f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the "
-                                         f"{free_bytes / GIB:.2f} GiB free on the GPU")
+            backend, reason = (
+                "pinned",
+                (
+                    f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the "
+                    f"{free_bytes / GIB:.2f} GiB free on the GPU"
+                ),
+            )
         else:
             backend, reason = "um", "concurrent managed access works"
         reason = f"kv_backend auto -> {backend}: {reason}"
@@ -237,8 +264,12 @@ def plan_pool(*, backend: str, device_type: str, num_device_blocks: int, max_num
                 "kv_backend 'um' needs concurrent managed access, which this GPU/OS does not offer "
                 "(concurrentManagedAccess = 0, as on Windows and WSL2); use kv_backend 'pinned' or 'auto'"
             )
-        check_managed_size(managed_bytes, free_bytes if free_bytes is not None else managed_bytes, budget_bytes,
-                           allow_oversubscription=allow_oversubscription)
+        check_managed_size(
+            managed_bytes,
+            free_bytes if free_bytes is not None else managed_bytes,
+            budget_bytes,
+            allow_oversubscription=allow_oversubscription,
+        )
         return PoolPlan("um", num_blocks, device_blocks, num_blocks - device_blocks, block_bytes, reason)
     return PoolPlan("pinned", num_blocks, device_blocks, min(host_blocks, num_blocks), block_bytes, reason)
 
@@ -318,8 +349,16 @@ class KVPool:
         return 0
 
     def stats(self) -> KVPoolStats:
-        return KVPoolStats(self.backend, self.precision, self.num_blocks, self.num_blocks, self.num_blocks_on_host(),
-                           self.device_bytes, self.host_bytes, num_window_blocks=len(self.window_block_ids))
+        return KVPoolStats(
+            self.backend,
+            self.precision,
+            self.num_blocks,
+            self.num_blocks,
+            self.num_blocks_on_host(),
+            self.device_bytes,
+            self.host_bytes,
+            num_window_blocks=len(self.window_block_ids),
+        )
 
     # -- residency ---------------------------------------------------------------
     def device_table(self, table: list[int]) -> list[int]:
@@ -333,8 +372,9 @@ class KVPool:
         """Make the pages readable on the device before the compute stream's next kernels.
         `free_block_ids` are pages with no data (moving them copies nothing)."""
 
-    def prefetch(self, block_ids: Iterable[int], protected: Iterable[int] = (),
-                 free_block_ids: Collection[int] = ()) -> None:
+    def prefetch(
+        self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
+    ) -> None:
         """Start bringing pages back on the side stream without waiting; never evicts `protected`."""
 
     def spill(self, block_ids: Iterable[int]) -> int:
@@ -355,8 +395,9 @@ class KVPool:
         for pages in self.pages:
             copy_page(pages, src_row, dst_row)
 
-    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
-                      fp16_block_ids: Sequence[int] = ()) -> int:
+    def set_precision(
+        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
+    ) -> int:
         """Re-quantize the pages with data (`block_ids`, default all) to `precision`; returns
         device bytes freed (negative when the pool grows). Raises OutOfMemoryError, changing
         nothing, when the new precision would exceed the device bytes the pool started with.
@@ -384,8 +425,9 @@ class KVPool:
         room = max(0, self.max_device_bytes - other_bytes)
         window = wanted[: room // self.shape.block_bytes("fp16")]
         if len(window) < len(wanted):
-            log.info("KV pages kept in FP16: %d of the %d asked for fit the pool's device bytes", len(window),
-                     len(wanted))
+            log.info(
+                "KV pages kept in FP16: %d of the %d asked for fit the pool's device bytes", len(window), len(wanted)
+            )
         return window
 
     def _window_rows(self, window: list[int], row_of: Callable[[int], int], num_rows: int) -> torch.Tensor | None:
@@ -420,11 +462,13 @@ class DeviceKVPool(KVPool):
 
     def _allocate(self, precision: str) -> KVPages:
         s = self.shape
-        return allocate_pages(self.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype,
-                              self.device)
+        return allocate_pages(
+            self.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device
+        )
 
-    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
-                      fp16_block_ids: Sequence[int] = ()) -> int:
+    def set_precision(
+        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
+    ) -> int:
         _check_precision(precision)
         if precision == self.precision:
             return 0
@@ -443,5 +487,6 @@ class DeviceKVPool(KVPool):
         self.pages_version += 1
         _release_cached(self.device)
         return before - self.device_bytes
+
 
 # ---------------------------------------------------------------- construction

@@ -81,8 +81,16 @@ class _TieredKVPool(KVPool):
 
     can_spill = True
 
-    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
-                 max_device_blocks: int, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        precision: str,
+        device: torch.device | str,
+        *,
+        max_device_blocks: int,
+        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
+    ):
         super().__init__(shape, num_blocks, precision, device)
         if max_device_blocks < 1:
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
@@ -141,9 +149,20 @@ class _TieredKVPool(KVPool):
         return bool(self._is_resident[block_id // self.unit_size])
 
     def stats(self) -> KVPoolStats:
-        return KVPoolStats(self.backend, self.precision, self.num_blocks, self.max_device_units * self.unit_size,
-                           self.num_blocks_on_host(), self.device_bytes, self.host_bytes, self.num_page_hits,
-                           self.num_page_misses, self.spilled_bytes, self.fetched_bytes, len(self.window_block_ids))
+        return KVPoolStats(
+            self.backend,
+            self.precision,
+            self.num_blocks,
+            self.max_device_units * self.unit_size,
+            self.num_blocks_on_host(),
+            self.device_bytes,
+            self.host_bytes,
+            self.num_page_hits,
+            self.num_page_misses,
+            self.spilled_bytes,
+            self.fetched_bytes,
+            len(self.window_block_ids),
+        )
 
     # -- residency ---------------------------------------------------------------
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
@@ -159,12 +178,14 @@ class _TieredKVPool(KVPool):
         self._make_resident(block_ids, (), free_block_ids, is_required=True)
         self._wait_for_transfers()
 
-    def prefetch(self, block_ids: Iterable[int], protected: Iterable[int] = (),
-                 free_block_ids: Collection[int] = ()) -> None:
+    def prefetch(
+        self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
+    ) -> None:
         self._make_resident(block_ids, protected, free_block_ids, is_required=False)
 
-    def _make_resident(self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *,
-                       is_required: bool) -> None:
+    def _make_resident(
+        self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *, is_required: bool
+    ) -> None:
         if self.unit_size == 1:
             block_ids = block_ids if isinstance(block_ids, (list, tuple, set, frozenset)) else list(block_ids)
             if self._host_units.isdisjoint(block_ids):  # every page resident: the usual step
@@ -200,8 +221,9 @@ class _TieredKVPool(KVPool):
         if victims or missing:
             self._swap(victims, missing, dataless)
 
-    def _fit_step(self, units: list[int], missing: list[int], victims: list[int],
-                  room: int) -> tuple[list[int], list[int]]:
+    def _fit_step(
+        self, units: list[int], missing: list[int], victims: list[int], room: int
+    ) -> tuple[list[int], list[int]]:
         """The step reads more units than fit: keep the most valuable ones on the device
         and let the kernels read the rest where they are (um only)."""
         ranked = self.policy.admission_order(units)
@@ -308,17 +330,32 @@ class ManagedKVPool(_TieredKVPool):
     backend = "um"
     can_read_host = True
 
-    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
-                 max_device_blocks: int, memory: ManagedMemory, budget_bytes: int,
-                 allow_oversubscription: bool = False, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks,
-                         num_hot_blocks=num_hot_blocks)
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        precision: str,
+        device: torch.device | str,
+        *,
+        max_device_blocks: int,
+        memory: ManagedMemory,
+        budget_bytes: int,
+        allow_oversubscription: bool = False,
+        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
+    ):
+        super().__init__(
+            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
+        )
         self.memory = memory
         self.budget_bytes = budget_bytes
         self.allow_oversubscription = allow_oversubscription
         self._set_units(self._unit_size_for(precision))
-        check_managed_size(self._managed_bytes(precision), memory.free_bytes(), budget_bytes,
-                           allow_oversubscription=allow_oversubscription)
+        check_managed_size(
+            self._managed_bytes(precision),
+            memory.free_bytes(),
+            budget_bytes,
+            allow_oversubscription=allow_oversubscription,
+        )
         resident = [u < self.max_device_units for u in range(self.num_units)]
         self.pages, self._flats = [], []
         for _ in range(shape.num_layers):
@@ -351,8 +388,9 @@ class ManagedKVPool(_TieredKVPool):
         for is_on_host in (False, True):
             for start, end in _runs(u for u, r in enumerate(resident) if r != is_on_host):
                 for base in (0, half_bytes):
-                    self.memory.advise_preferred(flat, base + start * unit_bytes, (end - start) * unit_bytes,
-                                                 on_host=is_on_host)
+                    self.memory.advise_preferred(
+                        flat, base + start * unit_bytes, (end - start) * unit_bytes, on_host=is_on_host
+                    )
 
         def make(name: str, like: torch.Tensor) -> torch.Tensor:
             if name in ("k", "v"):
@@ -388,15 +426,21 @@ class ManagedKVPool(_TieredKVPool):
             for start, end in _runs(units):
                 for flat in self._flats:
                     for base in (0, half_bytes):
-                        self.memory.place(flat, base + start * unit_bytes, (end - start) * unit_bytes,
-                                          on_host=on_host, stream=self._side)
+                        self.memory.place(
+                            flat,
+                            base + start * unit_bytes,
+                            (end - start) * unit_bytes,
+                            on_host=on_host,
+                            stream=self._side,
+                        )
         self._mark(victims, False)
         self._mark(incoming, True)
         self.spilled_bytes += len(victims) * self._unit_bytes()
         self.fetched_bytes += len(incoming) * self._unit_bytes()
 
-    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
-                      fp16_block_ids: Sequence[int] = ()) -> int:
+    def set_precision(
+        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
+    ) -> int:
         _check_precision(precision)
         if precision == self.precision:
             return 0
@@ -404,18 +448,24 @@ class ManagedKVPool(_TieredKVPool):
         new_unit = self._unit_size_for(precision)
         new_num_units = -(-self.num_blocks // new_unit)
         new_max_units = max(1, self.max_device_blocks // new_unit)
-        new_device_bytes = (self._scale_bytes(precision) + new_max_units * self.shape.num_layers * 2 * new_unit
-                            * self.shape.code_block_bytes(precision))
+        new_device_bytes = self._scale_bytes(
+            precision
+        ) + new_max_units * self.shape.num_layers * 2 * new_unit * self.shape.code_block_bytes(precision)
         window = self._choose_window(precision, fp16_block_ids, new_device_bytes)
         self._check_device_budget(precision, new_device_bytes + self.window_bytes(len(window)))
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
         free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
-        check_managed_size(self._managed_bytes(precision), free_bytes, self.budget_bytes,
-                           allow_oversubscription=self.allow_oversubscription)
+        check_managed_size(
+            self._managed_bytes(precision),
+            free_bytes,
+            self.budget_bytes,
+            allow_oversubscription=self.allow_oversubscription,
+        )
         # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
-        resident = [any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit,
-                                                                                          self.num_blocks)))
-                    for u in range(new_num_units)]
+        resident = [
+            any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit, self.num_blocks)))
+            for u in range(new_num_units)
+        ]
         kept = 0
         for u, is_resident in enumerate(resident):
             kept += is_resident
@@ -450,10 +500,20 @@ class PinnedKVPool(_TieredKVPool):
     backend = "pinned"
     is_translated = True
 
-    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str, *,
-                 max_device_blocks: int, num_host_blocks: int, num_hot_blocks: int = HOT_WINDOW_BLOCKS):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks,
-                         num_hot_blocks=num_hot_blocks)
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        precision: str,
+        device: torch.device | str,
+        *,
+        max_device_blocks: int,
+        num_host_blocks: int,
+        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
+    ):
+        super().__init__(
+            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
+        )
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
         self.pages = [self._allocate_device(precision, self.num_slots) for _ in range(shape.num_layers)]
@@ -593,8 +653,11 @@ class PinnedKVPool(_TieredKVPool):
         """Device slots -> host slots: gathered and copied on the side stream now, scattered
         into the host tier once the copy finished (`_complete_spills`)."""
         host_index = torch.tensor(host_slots, dtype=torch.long)
-        pairs = [(host_t, dev_t) for host_pages, pages in zip(self.host_pages, self.pages)
-                 for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages))]
+        pairs = [
+            (host_t, dev_t)
+            for host_pages, pages in zip(self.host_pages, self.pages)
+            for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages))
+        ]
         if self._side is None:
             index = torch.tensor(slots, dtype=torch.long)
             for host_t, dev_t in pairs:
@@ -664,8 +727,9 @@ class PinnedKVPool(_TieredKVPool):
         self.pages_version += 1
         _release_cached(self.device)
 
-    def set_precision(self, precision: str, block_ids: Iterable[int] | None = None,
-                      fp16_block_ids: Sequence[int] = ()) -> int:
+    def set_precision(
+        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
+    ) -> int:
         _check_precision(precision)
         if precision == self.precision:
             return 0
@@ -694,8 +758,17 @@ class PinnedKVPool(_TieredKVPool):
         return before - self.device_bytes
 
 
-def create_kv_pool(config, profile: Profile, num_device_blocks: int, device: torch.device, dtype: torch.dtype,
-                   precision: str, *, max_model_len: int, memory: ManagedMemory | None = None) -> KVPool:
+def create_kv_pool(
+    config,
+    profile: Profile,
+    num_device_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    precision: str,
+    *,
+    max_model_len: int,
+    memory: ManagedMemory | None = None,
+) -> KVPool:
     """The pool the profile asks for, sized from the memory plan's device share.
 
     config: the model's ModelConfig (layers, KV heads, head size) or DeepseekV2Config.
@@ -721,24 +794,48 @@ def create_kv_pool(config, profile: Profile, num_device_blocks: int, device: tor
             memory = None
             free_bytes = torch.cuda.mem_get_info(device)[0]
     plan = plan_pool(
-        backend=profile.kv_backend, device_type=device.type, num_device_blocks=num_device_blocks,
+        backend=profile.kv_backend,
+        device_type=device.type,
+        num_device_blocks=num_device_blocks,
         max_num_blocks=max(num_device_blocks, profile.max_num_seqs * blocks_per_seq),
-        block_bytes=shape.block_bytes(precision), host_spill_bytes=int(profile.host_spill_gib * GIB),
-        allow_oversubscription=profile.allow_oversubscription, has_runtime=memory is not None,
-        is_concurrent=is_concurrent, free_bytes=free_bytes,
+        block_bytes=shape.block_bytes(precision),
+        host_spill_bytes=int(profile.host_spill_gib * GIB),
+        allow_oversubscription=profile.allow_oversubscription,
+        has_runtime=memory is not None,
+        is_concurrent=is_concurrent,
+        free_bytes=free_bytes,
     )
     _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
     if plan.backend == "um":
         budget = plan.num_device_blocks * plan.block_bytes + int(profile.host_spill_gib * GIB)
-        pool: KVPool = ManagedKVPool(shape, plan.num_blocks, precision, device,
-                                     max_device_blocks=plan.num_device_blocks, memory=memory, budget_bytes=budget,
-                                     allow_oversubscription=profile.allow_oversubscription)
+        pool: KVPool = ManagedKVPool(
+            shape,
+            plan.num_blocks,
+            precision,
+            device,
+            max_device_blocks=plan.num_device_blocks,
+            memory=memory,
+            budget_bytes=budget,
+            allow_oversubscription=profile.allow_oversubscription,
+        )
     elif plan.backend == "pinned":
-        pool = PinnedKVPool(shape, plan.num_blocks, precision, device, max_device_blocks=plan.num_device_blocks,
-                            num_host_blocks=plan.num_host_blocks)
+        pool = PinnedKVPool(
+            shape,
+            plan.num_blocks,
+            precision,
+            device,
+            max_device_blocks=plan.num_device_blocks,
+            num_host_blocks=plan.num_host_blocks,
+        )
     else:
         pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
-    log.info("KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
-             pool.backend, pool.num_blocks, shape.block_size, plan.num_device_blocks, pool.device_bytes / 2**20,
-             pool.host_bytes / 2**20)
+    log.info(
+        "KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
+        pool.backend,
+        pool.num_blocks,
+        shape.block_size,
+        plan.num_device_blocks,
+        pool.device_bytes / 2**20,
+        pool.host_bytes / 2**20,
+    )
     return pool

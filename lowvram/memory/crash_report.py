@@ -110,9 +110,16 @@ def _json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def write_crash_report(path: str | os.PathLike | None, *, profile: Any, model: Any, memory: dict,
-                       controller_events: list[dict] | tuple = (), exception_text: str,
-                       command: str | None = None) -> Path:
+def write_crash_report(
+    path: str | os.PathLike | None,
+    *,
+    profile: Any,
+    model: Any,
+    memory: dict,
+    controller_events: list[dict] | tuple = (),
+    exception_text: str,
+    command: str | None = None,
+) -> Path:
     """Write a crash report and return its path.
 
     path: a file, a directory to create the file in, or None for
@@ -152,19 +159,28 @@ def write_crash_report(path: str | os.PathLike | None, *, profile: Any, model: A
 def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashReport:
     """Validate a parsed crash report; ConfigError names what is wrong."""
     if not isinstance(data, dict) or data.get("format") != CRASH_REPORT_FORMAT:
-        raise ConfigError(f"{source} is not a lowvram crash report (no \"format\": \"{CRASH_REPORT_FORMAT}\")")
+        raise ConfigError(f'{source} is not a lowvram crash report (no "format": "{CRASH_REPORT_FORMAT}")')
     version = data.get("version")
     if not isinstance(version, int) or version > CRASH_REPORT_VERSION:
-        raise ConfigError(f"{source} has crash-report version {version!r}; this lowvram reads up to "
-                          f"{CRASH_REPORT_VERSION}: update lowvram")
+        raise ConfigError(
+            f"{source} has crash-report version {version!r}; this lowvram reads up to "
+            f"{CRASH_REPORT_VERSION}: update lowvram"
+        )
     kinds = {"profile": dict, "model": dict, "memory": dict, "controller_events": list, "exception_text": str}
     for key, kind in kinds.items():
         if not isinstance(data.get(key), kind):
-            raise ConfigError(f"{source}: field {key!r} must be a JSON {kind.__name__}, got {type(data.get(key)).__name__}")
+            raise ConfigError(
+                f"{source}: field {key!r} must be a JSON {kind.__name__}, got {type(data.get(key)).__name__}"
+            )
     return CrashReport(
-        exception_text=data["exception_text"], profile=data["profile"], model=data["model"], memory=data["memory"],
-        controller_events=data["controller_events"], command=data.get("command"),
-        created_utc=str(data.get("created_utc", "")), lowvram_version=str(data.get("lowvram_version", "")),
+        exception_text=data["exception_text"],
+        profile=data["profile"],
+        model=data["model"],
+        memory=data["memory"],
+        controller_events=data["controller_events"],
+        command=data.get("command"),
+        created_utc=str(data.get("created_utc", "")),
+        lowvram_version=str(data.get("lowvram_version", "")),
         torch_version=data.get("torch_version"),
     )
 
@@ -202,14 +218,23 @@ def collect_cuda_memory(device: int | None = None) -> dict:
     except Exception:
         pass
     stats = torch.cuda.memory_stats(device)
-    for key, name in (("allocated_bytes.all.current", "allocated_bytes"), ("allocated_bytes.all.peak", "peak_allocated_bytes"),
-                      ("reserved_bytes.all.current", "reserved_bytes"), ("reserved_bytes.all.peak", "peak_reserved_bytes"),
-                      ("num_ooms", "num_ooms"), ("num_alloc_retries", "num_alloc_retries")):
+    for key, name in (
+        ("allocated_bytes.all.current", "allocated_bytes"),
+        ("allocated_bytes.all.peak", "peak_allocated_bytes"),
+        ("reserved_bytes.all.current", "reserved_bytes"),
+        ("reserved_bytes.all.peak", "peak_reserved_bytes"),
+        ("num_ooms", "num_ooms"),
+        ("num_alloc_retries", "num_alloc_retries"),
+    ):
         if key in stats:
             memory[name] = int(stats[key])
     try:
-        blocks = [block["size"] for segment in torch.cuda.memory_snapshot() for block in segment.get("blocks", [])
-                  if block.get("state") == "active_allocated"]
+        blocks = [
+            block["size"]
+            for segment in torch.cuda.memory_snapshot()
+            for block in segment.get("blocks", [])
+            if block.get("state") == "active_allocated"
+        ]
         memory["largest_live_blocks_bytes"] = sorted(blocks, reverse=True)[:MAX_LARGEST_BLOCKS]
     except Exception:
         pass
@@ -224,19 +249,26 @@ def engine_memory(engine: Any) -> dict:
     if model is not None and hasattr(model, "weight_bytes"):
         memory["weight_bytes"] = int(model.weight_bytes)
     if plan is not None:
-        memory.update(kv_pool_bytes=int(plan.kv_bytes), kv_num_blocks=int(plan.num_blocks),
-                      kv_block_size=int(plan.block_size), kv_bytes_per_token=int(plan.bytes_per_token),
-                      workspace_reserve_bytes=int(plan.activation_bytes), budget_bytes=int(plan.budget_bytes),
-                      kv_precision=getattr(plan, "kv_precision", None))
+        memory.update(
+            kv_pool_bytes=int(plan.kv_bytes),
+            kv_num_blocks=int(plan.num_blocks),
+            kv_block_size=int(plan.block_size),
+            kv_bytes_per_token=int(plan.bytes_per_token),
+            workspace_reserve_bytes=int(plan.activation_bytes),
+            budget_bytes=int(plan.budget_bytes),
+            kv_precision=getattr(plan, "kv_precision", None),
+        )
     for name in ("max_model_len", "kv_precision"):
         if hasattr(engine, name):
             memory[name] = getattr(engine, name)
     bm = getattr(engine, "block_manager", None)
     if bm is not None and hasattr(engine, "kv_bytes_in_use"):
         # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
-        memory.update(kv_bytes_in_use=int(engine.kv_bytes_in_use()),
-                      kv_blocks_in_use=int(bm.num_used_blocks),
-                      kv_blocks_cached_reclaimable=int(bm.num_cached_blocks))
+        memory.update(
+            kv_bytes_in_use=int(engine.kv_bytes_in_use()),
+            kv_blocks_in_use=int(bm.num_used_blocks),
+            kv_blocks_cached_reclaimable=int(bm.num_cached_blocks),
+        )
     device = getattr(engine, "device", None)
     if device is not None:
         memory["device_type"] = str(getattr(device, "type", device))
@@ -254,12 +286,20 @@ def is_cuda_oom(exc: BaseException) -> bool:
         pass
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation"))
+        marker in text for marker in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+    )
 
 
-def write_oom_crash_report(exc: BaseException, *, profile: Any = None, model: Any = None, engine: Any = None,
-                           controller_events: list[dict] | tuple = (), command: str | None = None,
-                           path: str | os.PathLike | None = None) -> Path:
+def write_oom_crash_report(
+    exc: BaseException,
+    *,
+    profile: Any = None,
+    model: Any = None,
+    engine: Any = None,
+    controller_events: list[dict] | tuple = (),
+    command: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> Path:
     """Write a crash report for an out-of-memory exception that was just caught."""
     memory = collect_cuda_memory()
     if engine is not None:
@@ -271,15 +311,24 @@ def write_oom_crash_report(exc: BaseException, *, profile: Any = None, model: An
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     if command is None and sys.argv:
         command = "lowvram " + shlex.join(sys.argv[1:])
-    return write_crash_report(path, profile=profile, model=model, memory=memory,
-                              controller_events=controller_events, exception_text=text, command=command)
+    return write_crash_report(
+        path,
+        profile=profile,
+        model=model,
+        memory=memory,
+        controller_events=controller_events,
+        exception_text=text,
+        command=command,
+    )
 
 
 def format_doctor_hint(path: str | os.PathLike) -> str:
     """The lines a run prints after writing a crash report."""
-    return (f"lowvram: out of device memory; crash report written to {path}\n"
-            f"lowvram: to see what held the memory and what to change, run:\n"
-            f"    lowvram doctor --oom {shlex.quote(str(path))}")
+    return (
+        f"lowvram: out of device memory; crash report written to {path}\n"
+        f"lowvram: to see what held the memory and what to change, run:\n"
+        f"    lowvram doctor --oom {shlex.quote(str(path))}"
+    )
 
 
 def engine_in_traceback(exc: BaseException) -> Any:
@@ -320,8 +369,9 @@ def report_cuda_oom(command: Callable[[Any], int]) -> Callable[[Any], int]:
             if not is_cuda_oom(exc):
                 raise
             engine = engine_in_traceback(exc)
-            path = write_oom_crash_report(exc, profile=_profile_from_args(args), model=getattr(args, "model", None),
-                                          engine=engine)
+            path = write_oom_crash_report(
+                exc, profile=_profile_from_args(args), model=getattr(args, "model", None), engine=engine
+            )
             print(format_doctor_hint(path), file=sys.stderr)
             return EXIT_OUT_OF_MEMORY
 

@@ -18,7 +18,9 @@ def pick_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device = 'cuda' but no CUDA GPU is visible to torch; use --device cpu or install a CUDA build of torch")
+        raise ConfigError(
+            "device = 'cuda' but no CUDA GPU is visible to torch; use --device cpu or install a CUDA build of torch"
+        )
     if requested not in ("cuda", "cpu"):
         raise ConfigError(f"device = {requested!r} is not allowed; use auto, cuda or cpu")
     return torch.device(requested)
@@ -48,7 +50,12 @@ def apply_emulation(profile: Profile, device: torch.device) -> None:
             "emulation can only make a card smaller"
         )
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    log.info("emulating a %.1f GiB card: torch allocator capped at %.3f of %.1f GiB", profile.emulate_vram_gib, fraction, total / GIB)
+    log.info(
+        "emulating a %.1f GiB card: torch allocator capped at %.3f of %.1f GiB",
+        profile.emulate_vram_gib,
+        fraction,
+        total / GIB,
+    )
 
 
 SMALL_MODEL_PARAMS = 50_000_000

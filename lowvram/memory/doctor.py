@@ -138,27 +138,47 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         data = {
-            "model": self.model, "architecture": self.architecture, "profile": self.profile_name,
-            "device_type": self.device_type, "dtype": self.dtype, "context_len": self.context_len,
-            "num_seqs": self.num_seqs, "kv_precision": self.kv_precision, "block_size": self.block_size,
-            "weights": {**{k: v for k, v in dataclasses.asdict(self.weights).items()},
-                        "total_bytes": self.weights.total_bytes},
+            "model": self.model,
+            "architecture": self.architecture,
+            "profile": self.profile_name,
+            "device_type": self.device_type,
+            "dtype": self.dtype,
+            "context_len": self.context_len,
+            "num_seqs": self.num_seqs,
+            "kv_precision": self.kv_precision,
+            "block_size": self.block_size,
+            "weights": {
+                **{k: v for k, v in dataclasses.asdict(self.weights).items()},
+                "total_bytes": self.weights.total_bytes,
+            },
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_bytes": self.kv_bytes,
-            "workspace": {"peak_bytes": self.workspace.peak_bytes, "peak_phase": self.workspace.peak_phase,
-                          "phases": self.workspace.phases, "rope_bytes": self.workspace.rope_bytes,
-                          "metadata_bytes": self.workspace.metadata_bytes, "num_tokens": self.workspace.num_tokens,
-                          "graph_bytes": self.workspace.graph_bytes, "cublas_bytes": self.workspace.cublas_bytes,
-                          "uses_kernels": self.workspace.uses_kernels},
-            "cuda_context_bytes": self.cuda_context_bytes, "is_context_measured": self.is_context_measured,
+            "workspace": {
+                "peak_bytes": self.workspace.peak_bytes,
+                "peak_phase": self.workspace.peak_phase,
+                "phases": self.workspace.phases,
+                "rope_bytes": self.workspace.rope_bytes,
+                "metadata_bytes": self.workspace.metadata_bytes,
+                "num_tokens": self.workspace.num_tokens,
+                "graph_bytes": self.workspace.graph_bytes,
+                "cublas_bytes": self.workspace.cublas_bytes,
+                "uses_kernels": self.workspace.uses_kernels,
+            },
+            "cuda_context_bytes": self.cuda_context_bytes,
+            "is_context_measured": self.is_context_measured,
             "fragmentation_bytes": self.fragmentation_bytes,
-            "engine_need_bytes": self.engine_need_bytes, "budget_bytes": self.budget_bytes,
+            "engine_need_bytes": self.engine_need_bytes,
+            "budget_bytes": self.budget_bytes,
             "peak_allocated_bytes": self.peak_allocated_bytes,
-            "device_need_bytes": self.device_need_bytes, "device_capacity_bytes": self.device_capacity_bytes,
+            "device_need_bytes": self.device_need_bytes,
+            "device_capacity_bytes": self.device_capacity_bytes,
             "device_capacity_source": self.device_capacity_source,
-            "fits": self.fits, "margin_bytes": self.margin_bytes,
-            "engine_margin_bytes": self.engine_margin_bytes, "device_margin_bytes": self.device_margin_bytes,
-            "max_context": self.max_context, "max_position_embeddings": self.max_position_embeddings,
+            "fits": self.fits,
+            "margin_bytes": self.margin_bytes,
+            "engine_margin_bytes": self.engine_margin_bytes,
+            "device_margin_bytes": self.device_margin_bytes,
+            "max_context": self.max_context,
+            "max_position_embeddings": self.max_position_embeddings,
             "recommendations": [dataclasses.asdict(r) | {"setting": r.setting} for r in self.recommendations],
             "notes": self.notes,
         }
@@ -204,7 +224,8 @@ def _hub_config(repo_id: str) -> tuple[ModelConfig, dict, str, None]:
     except Exception as exc:  # offline, 404, gated: the hub raises many types
         raise ModelLoadError(
             f"could not fetch config.json of {repo_id!r} from the Hugging Face hub ({type(exc).__name__}); "
-            "pass a local model directory or its config.json") from None
+            "pass a local model directory or its config.json"
+        ) from None
     raw = json.loads(path.read_text())
     return model_config_from_dict(raw, repo_id), raw, repo_id, None
 
@@ -219,8 +240,10 @@ def _device_type(profile: Profile, device: str | None, cuda_available: bool, not
     if cuda_available:
         return "cuda"
     if profile.device == "auto" and profile.name != "cpu":
-        notes.append(f"no CUDA GPU here: planned for the {profile.memory_budget_gib:g} GiB card of profile "
-                     f"{profile.name!r}; on this machine the engine would run on the CPU (--device cpu plans that)")
+        notes.append(
+            f"no CUDA GPU here: planned for the {profile.memory_budget_gib:g} GiB card of profile "
+            f"{profile.name!r}; on this machine the engine would run on the CPU (--device cpu plans that)"
+        )
         return "cuda"
     return "cpu"
 
@@ -253,17 +276,37 @@ def _capacity(setup: _Setup, profile: Profile) -> int:
     return int(profile.memory_budget_gib * GIB)
 
 
-def _evaluate(setup: _Setup, profile: Profile, context_len: int, num_seqs: int,
-              element_bytes: int) -> tuple[_Fit, WeightBytes, mp.KVPlan, int]:
+def _evaluate(
+    setup: _Setup, profile: Profile, context_len: int, num_seqs: int, element_bytes: int
+) -> tuple[_Fit, WeightBytes, mp.KVPlan, int]:
     """The two checks for `num_seqs` sequences of `context_len` tokens under `profile`."""
     config = setup.config
-    weights = mp.weight_bytes_by_kind(config, setup.raw, element_bytes, model_dir=setup.model_dir,
-                                      is_embedding_on_host=mp.keeps_embeddings_on_host(config, profile,
-                                                                                       setup.device_type))
-    weights.offload = mp.plan_weight_offload(config, profile, weights, element_bytes, context_len,
-                                             device_type=setup.device_type, raw_config=setup.raw, num_seqs=num_seqs)
-    pool = mp.size_kv_pool(config, profile, weights.total_bytes, element_bytes, context_len,
-                           device_type=setup.device_type, raw_config=setup.raw)
+    weights = mp.weight_bytes_by_kind(
+        config,
+        setup.raw,
+        element_bytes,
+        model_dir=setup.model_dir,
+        is_embedding_on_host=mp.keeps_embeddings_on_host(config, profile, setup.device_type),
+    )
+    weights.offload = mp.plan_weight_offload(
+        config,
+        profile,
+        weights,
+        element_bytes,
+        context_len,
+        device_type=setup.device_type,
+        raw_config=setup.raw,
+        num_seqs=num_seqs,
+    )
+    pool = mp.size_kv_pool(
+        config,
+        profile,
+        weights.total_bytes,
+        element_bytes,
+        context_len,
+        device_type=setup.device_type,
+        raw_config=setup.raw,
+    )
     kv_bytes = num_seqs * mp.kv_pool_bytes(config, context_len, profile.kv_block_size, pool.kv_precision, element_bytes)
     engine_need = weights.total_bytes + pool.activation_bytes + kv_bytes
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (kv_bytes + pool.activation_bytes))
@@ -283,8 +326,7 @@ def _variant(profile: Profile, context_len: int, num_seqs: int, **changes) -> Pr
     return profile.replace(**values)
 
 
-def _largest_context(setup: _Setup, profile: Profile, num_seqs: int, element_bytes: int, limit: int,
-                     **changes) -> int:
+def _largest_context(setup: _Setup, profile: Profile, num_seqs: int, element_bytes: int, limit: int, **changes) -> int:
     """The longest context (whole pages) that passes both checks; 0 if none does."""
     block = profile.kv_block_size
 
@@ -304,9 +346,19 @@ def _largest_context(setup: _Setup, profile: Profile, num_seqs: int, element_byt
     return low * block
 
 
-def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, *, context_len: int | None = None,
-                num_seqs: int = 1, device: str | None = None, env=None, model_label: str = "",
-                capacity: tuple[int, str] | None = None, model_dir: str | Path | None = None) -> MemoryPlan:
+def plan_memory(
+    config: ModelConfig,
+    raw_config: dict | None,
+    profile: Profile,
+    *,
+    context_len: int | None = None,
+    num_seqs: int = 1,
+    device: str | None = None,
+    env=None,
+    model_label: str = "",
+    capacity: tuple[int, str] | None = None,
+    model_dir: str | Path | None = None,
+) -> MemoryPlan:
     """The memory plan for `num_seqs` sequences of `context_len` tokens.
 
     env: a lowvram.memory.environment.Environment (its measured CUDA context and free
@@ -352,46 +404,76 @@ def plan_memory(config: ModelConfig, raw_config: dict | None, profile: Profile, 
             available = gpu.free_bytes + (env.cuda_context_bytes or 0)
             if available < card:
                 capacity_bytes, capacity_source = available, f"free on {gpu.name} now"
-    setup = _Setup(config, raw, Path(model_dir) if model_dir is not None else None, device_type, context_bytes,
-                   capacity_bytes, capacity_source, is_cuda)
+    setup = _Setup(
+        config,
+        raw,
+        Path(model_dir) if model_dir is not None else None,
+        device_type,
+        context_bytes,
+        capacity_bytes,
+        capacity_source,
+        is_cuda,
+    )
     fit, weights, pool, kv_bytes = _evaluate(setup, planned, context_len, num_seqs, element_bytes)
     if weights.weight_format == "fp16" and profile.weight_format == "awq":
-        notes.append("the profile asks for weight_format awq but the checkpoint is not AWQ: weights are planned as "
-                     "stored; quantize it (AutoAWQ GEMM layout) to get the INT4 sizes")
+        notes.append(
+            "the profile asks for weight_format awq but the checkpoint is not AWQ: weights are planned as "
+            "stored; quantize it (AutoAWQ GEMM layout) to get the INT4 sizes"
+        )
     if is_cuda and profile.kv_backend in ("um", "pinned", "auto") and profile.host_spill_gib > 0:
         tokens = int(profile.host_spill_gib * GIB) // mp.kv_bytes_per_token(config, pool.kv_precision, element_bytes)
-        notes.append(f"kv_backend {profile.kv_backend}: up to {profile.host_spill_gib:g} GiB more KV (about {tokens} "
-                     "tokens) can wait in host RAM beyond the device share; the verdict asks the device to hold "
-                     "every planned sequence")
+        notes.append(
+            f"kv_backend {profile.kv_backend}: up to {profile.host_spill_gib:g} GiB more KV (about {tokens} "
+            "tokens) can wait in host RAM beyond the device share; the verdict asks the device to hold "
+            "every planned sequence"
+        )
         blocks_per_seq = -(-context_len // pool.block_size)
         host_blocks = mp.host_kv_blocks(config, planned, element_bytes, device_type)
         if pool.num_blocks < blocks_per_seq <= pool.num_blocks + host_blocks:
             on_host = (blocks_per_seq - pool.num_blocks) * pool.block_size
-            notes.append(f"with unified memory (kv_backend um, or auto where the GPU offers it) the engine still "
-                         f"runs a {context_len}-token context: about {on_host} of its tokens wait in host RAM and "
-                         "each step reads them over the bus, so long-context steps are slower; a pinned pool "
-                         "cannot")
+            notes.append(
+                f"with unified memory (kv_backend um, or auto where the GPU offers it) the engine still "
+                f"runs a {context_len}-token context: about {on_host} of its tokens wait in host RAM and "
+                "each step reads them over the bus, so long-context steps are slower; a pinned pool "
+                "cannot"
+            )
     if weights.offload is not None:
         notes.append(f"weight offload ({weights.offload.strategy}): {weights.offload.summary()}")
     if not pool.workspace.uses_kernels and is_cuda:
-        notes.append("the plain-torch attention path runs here (no Triton, or a head_dim that is not a power of two): "
-                     "its float32 scores grow with context x max_num_batched_tokens")
+        notes.append(
+            "the plain-torch attention path runs here (no Triton, or a head_dim that is not a power of two): "
+            "its float32 scores grow with context x max_num_batched_tokens"
+        )
 
     plan = MemoryPlan(
-        model=model_label, architecture=config.architecture, profile_name=profile.name, device_type=device_type,
-        dtype=dtype, element_bytes=element_bytes, context_len=context_len, num_seqs=num_seqs,
-        kv_precision=pool.kv_precision, block_size=planned.kv_block_size, weights=weights,
+        model=model_label,
+        architecture=config.architecture,
+        profile_name=profile.name,
+        device_type=device_type,
+        dtype=dtype,
+        element_bytes=element_bytes,
+        context_len=context_len,
+        num_seqs=num_seqs,
+        kv_precision=pool.kv_precision,
+        block_size=planned.kv_block_size,
+        weights=weights,
         kv_bytes_per_token={p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS},
-        kv_bytes=kv_bytes, workspace=pool.workspace, budget_bytes=pool.budget_bytes,
-        cuda_context_bytes=context_bytes, is_context_measured=measured is not None,
+        kv_bytes=kv_bytes,
+        workspace=pool.workspace,
+        budget_bytes=pool.budget_bytes,
+        cuda_context_bytes=context_bytes,
+        is_context_measured=measured is not None,
         fragmentation_bytes=fit.fragmentation_bytes,
-        device_capacity_bytes=fit.capacity_bytes, device_capacity_source=capacity_source,
+        device_capacity_bytes=fit.capacity_bytes,
+        device_capacity_source=capacity_source,
         is_context_in_capacity=fit.context_bytes > 0,
-        max_position_embeddings=limit, notes=notes,
+        max_position_embeddings=limit,
+        notes=notes,
     )
     for precision in mp.KV_PRECISIONS:
-        plan.max_context[precision] = _largest_context(setup, planned, num_seqs, element_bytes, limit,
-                                                       kv_precision=precision)
+        plan.max_context[precision] = _largest_context(
+            setup, planned, num_seqs, element_bytes, limit, kv_precision=precision
+        )
     plan.recommendations = recommend(setup, planned, plan, element_bytes)
     return plan
 
@@ -417,10 +499,14 @@ def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan, element_bytes: 
             found.append(Recommendation(field_name, value, int(freed), fit.fits, note))
 
     order = list(mp.KV_PRECISIONS)
-    for precision in order[order.index(plan.kv_precision) + 1:]:
+    for precision in order[order.index(plan.kv_precision) + 1 :]:
         fit = _evaluate(setup, _variant(profile, n, b, kv_precision=precision), n, b, element_bytes)[0]
-        consider("kv_precision", precision, fit, "INT8 KV is near lossless" if precision == "int8" else
-                 "INT4 KV costs a little quality")
+        consider(
+            "kv_precision",
+            precision,
+            fit,
+            "INT8 KV is near lossless" if precision == "int8" else "INT4 KV costs a little quality",
+        )
 
     tokens = profile.max_num_batched_tokens // 2
     best = None
@@ -446,8 +532,16 @@ def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan, element_bytes: 
                 break
 
     if plan.weights.weight_format == "fp16":
-        awq_raw = dict(setup.raw, quantization_config={"quant_method": "awq", "bits": 4, "version": "gemm",
-                                                       "group_size": AWQ_DEFAULT_GROUP_SIZE, "zero_point": True})
+        awq_raw = dict(
+            setup.raw,
+            quantization_config={
+                "quant_method": "awq",
+                "bits": 4,
+                "version": "gemm",
+                "group_size": AWQ_DEFAULT_GROUP_SIZE,
+                "zero_point": True,
+            },
+        )
         awq_setup = dataclasses.replace(setup, raw=awq_raw, model_dir=None)
         fit = _evaluate(awq_setup, _variant(profile, n, b, weight_format="awq"), n, b, element_bytes)[0]
         consider("weight_format", "awq", fit, "needs an AWQ INT4 checkpoint (AutoAWQ GEMM layout, group size 128)")
@@ -463,16 +557,26 @@ def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan, element_bytes: 
         if budget_gib * GIB <= setup.capacity_bytes:
             changed = _variant(profile, n, b, memory_budget_gib=budget_gib)
             fit = _evaluate(setup, changed, n, b, element_bytes)[0]
-            consider("memory_budget_gib", budget_gib, fit, f"this device has {_size(setup.capacity_bytes)} available",
-                     freed=fit.budget_bytes - base.budget_bytes)
+            consider(
+                "memory_budget_gib",
+                budget_gib,
+                fit,
+                f"this device has {_size(setup.capacity_bytes)} available",
+                freed=fit.budget_bytes - base.budget_bytes,
+            )
 
     if base.engine_need_bytes > base.budget_bytes and profile.memory_utilization < 0.98:
         utilization = min(0.98, -(-base.engine_need_bytes * 100 // int(profile.memory_budget_gib * GIB)) / 100)
         if utilization > profile.memory_utilization:
             changed = _variant(profile, n, b, memory_utilization=utilization)
             fit = _evaluate(setup, changed, n, b, element_bytes)[0]
-            consider("memory_utilization", utilization, fit, "less headroom for other programs",
-                     freed=fit.budget_bytes - base.budget_bytes)
+            consider(
+                "memory_utilization",
+                utilization,
+                fit,
+                "less headroom for other programs",
+                freed=fit.budget_bytes - base.budget_bytes,
+            )
 
     found.sort(key=lambda r: (-r.freed_bytes, r.field))
     return found
@@ -511,8 +615,10 @@ def read_oom_source(source: str) -> tuple[bytes, str]:
         return sys.stdin.buffer.read(), "stdin"
     path = Path(source).expanduser()
     if not path.is_file():
-        raise ConfigError(f"--oom {source}: no such file; pass the file holding the error text, a crash report "
-                          "(crash-*.json) or a memory snapshot, or '-' to read stdin")
+        raise ConfigError(
+            f"--oom {source}: no such file; pass the file holding the error text, a crash report "
+            "(crash-*.json) or a memory snapshot, or '-' to read stdin"
+        )
     try:
         return path.read_bytes(), str(path)
     except OSError as exc:
@@ -540,16 +646,23 @@ def explain_oom_input(data: bytes, source: str) -> OomExplanation:
     plan = explanation.plan
     if plan is not None and not plan.fits and plan.recommendations:
         top = plan.recommendations[0]
-        explanation.findings.append(oom.Finding(
-            f"For this profile and model the plan needs {oom.gib(plan.device_need_bytes)} of "
-            f"{oom.gib(plan.device_capacity_bytes)}; the change that frees the most is `{top.setting}` "
-            f"({oom.gib(top.freed_bytes)}).", top.setting))
+        explanation.findings.append(
+            oom.Finding(
+                f"For this profile and model the plan needs {oom.gib(plan.device_need_bytes)} of "
+                f"{oom.gib(plan.device_capacity_bytes)}; the change that frees the most is `{top.setting}` "
+                f"({oom.gib(top.freed_bytes)}).",
+                top.setting,
+            )
+        )
     elif plan is not None and plan.fits:
-        explanation.findings.append(oom.Finding(
-            f"The plan for this profile and model fits ({oom.gib(plan.device_need_bytes)} of "
-            f"{oom.gib(plan.device_capacity_bytes)}), so the run used memory the plan does not count: other "
-            "processes, fragmentation, or a path the plan misses (see above).",
-            "the changes above; if none applies, report it with this crash report"))
+        explanation.findings.append(
+            oom.Finding(
+                f"The plan for this profile and model fits ({oom.gib(plan.device_need_bytes)} of "
+                f"{oom.gib(plan.device_capacity_bytes)}), so the run used memory the plan does not count: other "
+                "processes, fragmentation, or a path the plan misses (see above).",
+                "the changes above; if none applies, report it with this crash report",
+            )
+        )
     return explanation
 
 
@@ -557,26 +670,42 @@ def _explain_report_memory(explanation: OomExplanation) -> None:
     from lowvram.memory import oom
 
     memory = explanation.report.memory
-    parts = [f"{label} {oom.gib(memory[key])}" for key, label in (
-        ("weight_bytes", "weights"), ("kv_pool_bytes", "KV pool"), ("workspace_reserve_bytes", "workspace reserve"),
-        ("budget_bytes", "budget")) if isinstance(memory.get(key), int)]
+    parts = [
+        f"{label} {oom.gib(memory[key])}"
+        for key, label in (
+            ("weight_bytes", "weights"),
+            ("kv_pool_bytes", "KV pool"),
+            ("workspace_reserve_bytes", "workspace reserve"),
+            ("budget_bytes", "budget"),
+        )
+        if isinstance(memory.get(key), int)
+    ]
     if parts:
         explanation.findings.append(oom.Finding("The engine had planned: " + ", ".join(parts) + "."))
     if isinstance(memory.get("kv_blocks_in_use"), int):
         cached = memory.get("kv_blocks_cached_reclaimable", 0)
-        explanation.findings.append(oom.Finding(
-            f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
-            f"({oom.gib(memory.get('kv_bytes_in_use', 0))}), {cached} cached for reuse by later requests; cached pages "
-            "are reclaimable (evicted on demand), so they did not cause the failure."))
-    planned = sum(memory.get(k, 0) for k in ("weight_bytes", "kv_pool_bytes", "workspace_reserve_bytes")
-                  if isinstance(memory.get(k), int))
+        explanation.findings.append(
+            oom.Finding(
+                f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
+                f"({oom.gib(memory.get('kv_bytes_in_use', 0))}), {cached} cached for reuse by later requests; cached pages "
+                "are reclaimable (evicted on demand), so they did not cause the failure."
+            )
+        )
+    planned = sum(
+        memory.get(k, 0)
+        for k in ("weight_bytes", "kv_pool_bytes", "workspace_reserve_bytes")
+        if isinstance(memory.get(k), int)
+    )
     allocated = memory.get("peak_allocated_bytes")
     if planned and isinstance(allocated, int) and allocated > planned * 1.05:
-        explanation.findings.append(oom.Finding(
-            f"torch's peak allocation ({oom.gib(allocated)}) exceeded the engine's plan ({oom.gib(planned)}) by "
-            f"{oom.gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
-            "model in the process, or a workspace the plan undercounts).",
-            "report it with this crash report; meanwhile lower max_num_batched_tokens"))
+        explanation.findings.append(
+            oom.Finding(
+                f"torch's peak allocation ({oom.gib(allocated)}) exceeded the engine's plan ({oom.gib(planned)}) by "
+                f"{oom.gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
+                "model in the process, or a workspace the plan undercounts).",
+                "report it with this crash report; meanwhile lower max_num_batched_tokens",
+            )
+        )
     events = explanation.report.controller_events
     if events:
         last = ", ".join(json.dumps(e, sort_keys=True) for e in events[-3:])
@@ -598,8 +727,16 @@ def _plan_from_report(report) -> MemoryPlan | None:
         capacity = (memory["device_total_bytes"], f"{memory.get('device_name', 'the GPU')} (whole card)")
     path = report.model.get("path")
     model_dir = Path(path) if path and Path(path).is_dir() else None
-    return plan_memory(config, raw, profile, context_len=context, device=device,
-                       model_label=str(path or "model of the crash report"), capacity=capacity, model_dir=model_dir)
+    return plan_memory(
+        config,
+        raw,
+        profile,
+        context_len=context,
+        device=device,
+        model_label=str(path or "model of the crash report"),
+        capacity=capacity,
+        model_dir=model_dir,
+    )
 
 
 # ---------------------------------------------------------------- rendering
@@ -626,31 +763,45 @@ def render_environment(console, env, problems) -> None:
     table.add_column("item", style="bold")
     table.add_column("value")
     table.add_row("platform", f"{env.platform}{' (WSL2)' if env.is_wsl else ''}, Python {env.python_version}")
-    runtime = f"CUDA {env.torch_cuda_version}" if env.torch_cuda_version else (
-        f"HIP {env.torch_hip_version}" if env.torch_hip_version else "CPU-only build")
+    runtime = (
+        f"CUDA {env.torch_cuda_version}"
+        if env.torch_cuda_version
+        else (f"HIP {env.torch_hip_version}" if env.torch_hip_version else "CPU-only build")
+    )
     table.add_row("torch", f"{env.torch_version} ({runtime})")
-    table.add_row("driver", f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version
-                  else "not found")
+    table.add_row(
+        "driver",
+        f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version else "not found",
+    )
     if not env.gpus:
         table.add_row("GPU", "none visible to torch")
     for gpu in env.gpus:
-        table.add_row(f"GPU {gpu.index}", f"{gpu.name}, compute capability {gpu.sm}, "
-                      f"{gpu.num_multiprocessors or '?'} SMs")
+        table.add_row(
+            f"GPU {gpu.index}", f"{gpu.name}, compute capability {gpu.sm}, {gpu.num_multiprocessors or '?'} SMs"
+        )
         table.add_row("  memory", f"{_size(gpu.total_bytes)} total, {_size(gpu.free_bytes)} free")
         managed = {True: "yes", False: "no", None: "unknown"}
         oversubscription = {True: "possible", False: "not possible", None: "unknown"}[gpu.can_oversubscribe]
-        table.add_row("  managed memory", f"concurrent access {managed[gpu.concurrent_managed_access]}, "
-                      f"pageable access {managed[gpu.pageable_memory_access]}, oversubscription {oversubscription} "
-                      f"({gpu.managed_source})")
+        table.add_row(
+            "  managed memory",
+            f"concurrent access {managed[gpu.concurrent_managed_access]}, "
+            f"pageable access {managed[gpu.pageable_memory_access]}, oversubscription {oversubscription} "
+            f"({gpu.managed_source})",
+        )
     if env.cuda_context_bytes:
         table.add_row("CUDA context", f"{_size(env.cuda_context_bytes)} (measured)")
     table.add_row("Triton", f"{env.triton_version or 'not installed'}: kernels {env.triton_status}")
     table.add_row("cuda-bindings", "installed" if env.has_cuda_bindings else "not installed")
-    table.add_row("host RAM", f"{_size(env.host_total_bytes)} total, {_size(env.host_available_bytes)} available, "
-                  f"swap {_size(env.swap_free_bytes)} free")
+    table.add_row(
+        "host RAM",
+        f"{_size(env.host_total_bytes)} total, {_size(env.host_available_bytes)} available, "
+        f"swap {_size(env.swap_free_bytes)} free",
+    )
     if env.memlock_known:
-        table.add_row("pinned-memory limit", "unlimited" if env.memlock_soft_bytes is None else
-                      f"{_size(env.memlock_soft_bytes)} (ulimit -l)")
+        table.add_row(
+            "pinned-memory limit",
+            "unlimited" if env.memlock_soft_bytes is None else f"{_size(env.memlock_soft_bytes)} (ulimit -l)",
+        )
     console.print(table)
     for note in env.notes:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)
@@ -667,8 +818,10 @@ def render_plan(console, plan: MemoryPlan) -> None:
     from rich.table import Table
 
     seqs = f"{plan.num_seqs} sequence{'s' if plan.num_seqs != 1 else ''}"
-    title = (f"memory plan: {plan.model} ({plan.architecture}) on profile {plan.profile_name} "
-             f"({plan.device_type}, {plan.dtype}), context {plan.context_len} x {seqs}, KV {plan.kv_precision}")
+    title = (
+        f"memory plan: {plan.model} ({plan.architecture}) on profile {plan.profile_name} "
+        f"({plan.device_type}, {plan.dtype}), context {plan.context_len} x {seqs}, KV {plan.kv_precision}"
+    )
     table = Table(title=escape(title), title_justify="left")
     table.add_column("item")
     table.add_column("size", justify="right")
@@ -684,30 +837,50 @@ def render_plan(console, plan: MemoryPlan) -> None:
     per_token = " · ".join(f"{p} {_size(b)}" for p, b in plan.kv_bytes_per_token.items())
     table.add_row("KV per token", _size(plan.kv_bytes_per_token[plan.kv_precision]), per_token)
     pages = plan.num_seqs * -(-plan.context_len // plan.block_size)
-    table.add_row(f"KV cache ({plan.context_len} tokens x {plan.num_seqs})", _size(plan.kv_bytes),
-                  f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}")
+    table.add_row(
+        f"KV cache ({plan.context_len} tokens x {plan.num_seqs})",
+        _size(plan.kv_bytes),
+        f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}",
+    )
     ws = plan.workspace
     path = "Triton attention" if ws.uses_kernels else "plain-torch attention"
     graphs = f"; decode CUDA graphs {_size(ws.graph_bytes)}" if ws.graph_bytes else ""
     graphs += f"; cuBLAS workspace {_size(ws.cublas_bytes)}" if ws.cublas_bytes else ""
-    table.add_row(f"workspace (peak: {ws.peak_phase})", _size(ws.peak_bytes),
-                  f"{ws.num_tokens}-token step, {path}; RoPE tables {_size(ws.rope_bytes)}{graphs}")
-    table.add_row("[bold]engine total[/bold]", f"[bold]{_size(plan.engine_need_bytes)}[/bold]",
-                  f"engine budget {_size(plan.budget_bytes)}")
+    table.add_row(
+        f"workspace (peak: {ws.peak_phase})",
+        _size(ws.peak_bytes),
+        f"{ws.num_tokens}-token step, {path}; RoPE tables {_size(ws.rope_bytes)}{graphs}",
+    )
+    table.add_row(
+        "[bold]engine total[/bold]",
+        f"[bold]{_size(plan.engine_need_bytes)}[/bold]",
+        f"engine budget {_size(plan.budget_bytes)}",
+    )
     if plan.device_type == "cuda":
         if plan.is_context_in_capacity:
-            table.add_row("CUDA context", _size(plan.cuda_context_bytes),
-                          "measured here" if plan.is_context_measured else "typical, not measured")
-    table.add_row(f"fragmentation reserve ({mp.FRAGMENTATION_RESERVE_FRACTION:.0%})", _size(plan.fragmentation_bytes),
-                  "of KV + workspace")
-    table.add_row("[bold]device total[/bold]", f"[bold]{_size(plan.device_need_bytes)}[/bold]",
-                  f"capacity {_size(plan.device_capacity_bytes)}: {plan.device_capacity_source}")
+            table.add_row(
+                "CUDA context",
+                _size(plan.cuda_context_bytes),
+                "measured here" if plan.is_context_measured else "typical, not measured",
+            )
+    table.add_row(
+        f"fragmentation reserve ({mp.FRAGMENTATION_RESERVE_FRACTION:.0%})",
+        _size(plan.fragmentation_bytes),
+        "of KV + workspace",
+    )
+    table.add_row(
+        "[bold]device total[/bold]",
+        f"[bold]{_size(plan.device_need_bytes)}[/bold]",
+        f"capacity {_size(plan.device_capacity_bytes)}: {plan.device_capacity_source}",
+    )
     console.print(table)
 
     if plan.fits:
-        console.print(f"[bold green]verdict: fits[/bold green], {_size(plan.margin_bytes)} to spare "
-                      f"(engine budget {_size(plan.engine_margin_bytes)}, device {_size(plan.device_margin_bytes)})",
-                      highlight=False)
+        console.print(
+            f"[bold green]verdict: fits[/bold green], {_size(plan.margin_bytes)} to spare "
+            f"(engine budget {_size(plan.engine_margin_bytes)}, device {_size(plan.device_margin_bytes)})",
+            highlight=False,
+        )
     else:
         short = []
         if plan.engine_margin_bytes < 0:
@@ -717,15 +890,21 @@ def render_plan(console, plan: MemoryPlan) -> None:
         console.print(f"[bold red]verdict: does not fit[/bold red]: over {' and '.join(short)}", highlight=False)
     contexts = " · ".join(
         f"{p} {n if n else 'none'}{' (model limit)' if n == plan.max_position_embeddings else ''}"
-        for p, n in plan.max_context.items())
+        for p, n in plan.max_context.items()
+    )
     console.print(f"largest context that fits ({plan.num_seqs} x): {contexts}", highlight=False)
     for note in plan.notes:
         console.print(f"[dim]note: {note}[/dim]", highlight=False)
     tight = plan.margin_bytes < TIGHT_MARGIN_FRACTION * plan.device_capacity_bytes
     if plan.recommendations and (not plan.fits or tight):
         rec = Table(title="recommendations, ranked by memory freed", title_justify="left")
-        for column, justify in (("#", "right"), ("profile change", "left"), ("frees", "right"),
-                                ("fits alone", "left"), ("note", "left")):
+        for column, justify in (
+            ("#", "right"),
+            ("profile change", "left"),
+            ("frees", "right"),
+            ("fits alone", "left"),
+            ("note", "left"),
+        ):
             rec.add_column(column, justify=justify)
         for i, r in enumerate(plan.recommendations, 1):
             rec.add_row(str(i), r.setting, _size(r.freed_bytes), "yes" if r.is_sufficient else "no", r.note)
@@ -737,8 +916,11 @@ def render_plan(console, plan: MemoryPlan) -> None:
 def render_oom(console, explanation: OomExplanation) -> None:
     from rich.table import Table
 
-    titles = {"message": "out-of-memory message", "crash_report": "lowvram crash report",
-              "snapshot": "torch memory snapshot"}
+    titles = {
+        "message": "out-of-memory message",
+        "crash_report": "lowvram crash report",
+        "snapshot": "torch memory snapshot",
+    }
     console.print(f"[bold]{titles[explanation.kind]}[/bold]")
     if explanation.report is not None and explanation.report.command:
         console.print(f"command: {explanation.report.command}", highlight=False)
@@ -766,23 +948,44 @@ def render_oom(console, explanation: OomExplanation) -> None:
 def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
     """Add `lowvram doctor` to the CLI's subparsers."""
     parser = subparsers.add_parser(
-        "doctor", help="check this machine, plan memory for a model and profile, or explain an out-of-memory error",
+        "doctor",
+        help="check this machine, plan memory for a model and profile, or explain an out-of-memory error",
         description="Without --oom: environment checks and a memory plan (exit 0 = fits, 1 = does not fit). "
-                    "With --oom FILE: explain an out-of-memory message, crash report or torch memory snapshot.")
-    parser.add_argument("--model", "-m", default=None,
-                        help="model directory, its config.json, or a hub id (only config.json is fetched); "
-                             "default: the bundled demo model")
-    parser.add_argument("--profile", default=None, help="built-in profile or YAML file (default: 4gb with CUDA, cpu without)")
-    parser.add_argument("--context", type=int, default=None, metavar="N",
-                        help="context length to plan for (default: the profile's max_model_len)")
-    parser.add_argument("--batch", type=int, default=1, metavar="B", help="sequences of that length at once (default 1)")
+        "With --oom FILE: explain an out-of-memory message, crash report or torch memory snapshot.",
+    )
+    parser.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="model directory, its config.json, or a hub id (only config.json is fetched); "
+        "default: the bundled demo model",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="built-in profile or YAML file (default: 4gb with CUDA, cpu without)"
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="context length to plan for (default: the profile's max_model_len)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, metavar="B", help="sequences of that length at once (default 1)"
+    )
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="plan for this device")
-    parser.add_argument("--oom", default=None, metavar="FILE",
-                        help="explain an out-of-memory message, a lowvram crash report or a torch memory snapshot "
-                             "('-' reads stdin)")
+    parser.add_argument(
+        "--oom",
+        default=None,
+        metavar="FILE",
+        help="explain an out-of-memory message, a lowvram crash report or a torch memory snapshot ('-' reads stdin)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--quick", action="store_true",
-                        help="skip the checks that start CUDA (Triton kernel test, CUDA context measurement)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip the checks that start CUDA (Triton kernel test, CUDA context measurement)",
+    )
     parser.set_defaults(func=cmd_doctor)
     return parser
 
@@ -821,12 +1024,29 @@ def cmd_doctor(args) -> int:
         if console is not None:
             console.print()
         raise
-    plan = plan_memory(config, raw, profile, context_len=args.context, num_seqs=args.batch, device=args.device,
-                       env=env, model_label=label, model_dir=model_dir)
+    plan = plan_memory(
+        config,
+        raw,
+        profile,
+        context_len=args.context,
+        num_seqs=args.batch,
+        device=args.device,
+        env=env,
+        model_label=label,
+        model_dir=model_dir,
+    )
     if args.json:
-        print(json.dumps({"environment": dataclasses.asdict(env),
-                          "problems": [dataclasses.asdict(p) for p in problems],
-                          "plan": plan.to_json()}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "environment": dataclasses.asdict(env),
+                    "problems": [dataclasses.asdict(p) for p in problems],
+                    "plan": plan.to_json(),
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
         console.print()
         render_plan(console, plan)

@@ -114,8 +114,14 @@ def _probe_nvml(env: Environment) -> list[dict]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             name = pynvml.nvmlDeviceGetName(handle)
-            devices.append({"name": name.decode() if isinstance(name, bytes) else str(name),
-                            "total": int(memory.total), "free": int(memory.free), "used": int(memory.used)})
+            devices.append(
+                {
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "total": int(memory.total),
+                    "free": int(memory.free),
+                    "used": int(memory.used),
+                }
+            )
     except Exception as exc:
         env.notes.append(f"NVML query failed ({type(exc).__name__}: {exc})")
     finally:
@@ -264,8 +270,13 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
         env.cuda_available = torch.cuda.is_available()
         for index in range(torch.cuda.device_count() if env.cuda_available else 0):
             props = torch.cuda.get_device_properties(index)
-            gpu = GpuInfo(index, props.name, (props.major, props.minor), int(props.total_memory),
-                          num_multiprocessors=props.multi_processor_count)
+            gpu = GpuInfo(
+                index,
+                props.name,
+                (props.major, props.minor),
+                int(props.total_memory),
+                num_multiprocessors=props.multi_processor_count,
+            )
             try:
                 free, _ = torch.cuda.mem_get_info(index)
                 gpu.free_bytes = int(free)
@@ -313,84 +324,140 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
     if not env.cuda_available:
         sees_gpu = bool(env.num_nvml_gpus)
         if env.torch_cuda_version is None and env.torch_hip_version is None and sees_gpu:
-            problems.append(Problem(
-                "error" if wants_cuda else "warning",
-                f"torch {env.torch_version} is a CPU-only build, but the driver sees {env.num_nvml_gpus} NVIDIA GPU(s)",
-                "install a CUDA build of torch: pip install torch --index-url https://download.pytorch.org/whl/cu126 "
-                f"(the driver supports CUDA {env.driver_cuda_version or '?'}; pick a wheel at or below it)"))
+            problems.append(
+                Problem(
+                    "error" if wants_cuda else "warning",
+                    f"torch {env.torch_version} is a CPU-only build, but the driver sees {env.num_nvml_gpus} NVIDIA GPU(s)",
+                    "install a CUDA build of torch: pip install torch --index-url https://download.pytorch.org/whl/cu126 "
+                    f"(the driver supports CUDA {env.driver_cuda_version or '?'}; pick a wheel at or below it)",
+                )
+            )
         elif env.cuda_visible_devices is not None and env.cuda_visible_devices.strip() in ("", "-1"):
-            problems.append(Problem("error" if wants_cuda else "info",
-                                    f"CUDA_VISIBLE_DEVICES={env.cuda_visible_devices!r} hides every GPU",
-                                    "unset CUDA_VISIBLE_DEVICES or set it to a GPU index (e.g. 0)"))
+            problems.append(
+                Problem(
+                    "error" if wants_cuda else "info",
+                    f"CUDA_VISIBLE_DEVICES={env.cuda_visible_devices!r} hides every GPU",
+                    "unset CUDA_VISIBLE_DEVICES or set it to a GPU index (e.g. 0)",
+                )
+            )
         elif env.torch_cuda_version is not None and not sees_gpu:
-            problems.append(Problem(
-                "error" if wants_cuda else "info", "torch has CUDA support but no GPU or NVIDIA driver was found",
-                "install the NVIDIA driver (nvidia-smi must list the GPU), or run on the CPU: --profile cpu"))
+            problems.append(
+                Problem(
+                    "error" if wants_cuda else "info",
+                    "torch has CUDA support but no GPU or NVIDIA driver was found",
+                    "install the NVIDIA driver (nvidia-smi must list the GPU), or run on the CPU: --profile cpu",
+                )
+            )
         elif wants_cuda:
-            problems.append(Problem("error", "no CUDA GPU is visible to torch",
-                                    "run on the CPU: --profile cpu (or --device cpu)"))
+            problems.append(
+                Problem("error", "no CUDA GPU is visible to torch", "run on the CPU: --profile cpu (or --device cpu)")
+            )
 
     driver = _version_tuple(env.driver_cuda_version)
     runtime = _version_tuple(env.torch_cuda_version)
     if driver and runtime and driver[0] < runtime[0]:
-        problems.append(Problem(
-            "error",
-            f"the NVIDIA driver {env.driver_version} supports CUDA {env.driver_cuda_version}, older than torch's "
-            f"CUDA {env.torch_cuda_version}",
-            f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver[0]}.x"))
+        problems.append(
+            Problem(
+                "error",
+                f"the NVIDIA driver {env.driver_version} supports CUDA {env.driver_cuda_version}, older than torch's "
+                f"CUDA {env.torch_cuda_version}",
+                f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver[0]}.x",
+            )
+        )
 
     if gpu is not None and wants_cuda:
         if env.triton_status == "missing":
-            problems.append(Problem(
-                "warning", "Triton is not installed: attention and INT4 layers use the slower plain-torch paths, "
-                "whose attention workspace grows with the context (the plan counts it)",
-                "pip install triton-windows" if env.is_windows else "pip install triton"))
+            problems.append(
+                Problem(
+                    "warning",
+                    "Triton is not installed: attention and INT4 layers use the slower plain-torch paths, "
+                    "whose attention workspace grows with the context (the plan counts it)",
+                    "pip install triton-windows" if env.is_windows else "pip install triton",
+                )
+            )
         elif env.triton_status.startswith("fails"):
-            problems.append(Problem(
-                "error", f"Triton kernels do not run on {gpu.name} ({env.triton_status[len('fails: '):]})",
-                "use a GPU of compute capability 7.5 or newer, or update triton and the driver; "
-                "on the CPU: --profile cpu"))
+            problems.append(
+                Problem(
+                    "error",
+                    f"Triton kernels do not run on {gpu.name} ({env.triton_status[len('fails: ') :]})",
+                    "use a GPU of compute capability 7.5 or newer, or update triton and the driver; "
+                    "on the CPU: --profile cpu",
+                )
+            )
         card_bytes = int(profile.memory_budget_gib * GIB)
         if profile.emulate_vram_gib is None and gpu.total_bytes is not None and gpu.total_bytes < card_bytes * 0.97:
             fitting = max(0.25, gpu.total_bytes / GIB * 0.95)
-            problems.append(Problem(
-                "error", f"profile {profile.name!r} plans for a {profile.memory_budget_gib:g} GiB card but "
-                f"{gpu.name} has {_gib(gpu.total_bytes)}",
-                f"pick a smaller profile (e.g. --profile {_smaller_profile(gpu.total_bytes)}) or set "
-                f"memory_budget_gib: {fitting:.1f}"))
+            problems.append(
+                Problem(
+                    "error",
+                    f"profile {profile.name!r} plans for a {profile.memory_budget_gib:g} GiB card but "
+                    f"{gpu.name} has {_gib(gpu.total_bytes)}",
+                    f"pick a smaller profile (e.g. --profile {_smaller_profile(gpu.total_bytes)}) or set "
+                    f"memory_budget_gib: {fitting:.1f}",
+                )
+            )
         elif gpu.free_bytes is not None and gpu.total_bytes is not None:
             budget = profile.emulate_vram_gib or profile.memory_budget_gib
             busy = gpu.total_bytes - gpu.free_bytes - (env.cuda_context_bytes or 0)
             if gpu.free_bytes < budget * GIB and busy > OTHER_PROCESSES_SHARE * gpu.total_bytes:
-                problems.append(Problem(
-                    "warning", f"other processes use {_gib(busy)} of {gpu.name}; only {_gib(gpu.free_bytes)} is free "
-                    f"for a {budget:g} GiB plan",
-                    f"close them (nvidia-smi lists them) or plan for less: memory_budget_gib: "
-                    f"{max(0.25, gpu.free_bytes / GIB * 0.95):.1f}"))
+                problems.append(
+                    Problem(
+                        "warning",
+                        f"other processes use {_gib(busy)} of {gpu.name}; only {_gib(gpu.free_bytes)} is free "
+                        f"for a {budget:g} GiB plan",
+                        f"close them (nvidia-smi lists them) or plan for less: memory_budget_gib: "
+                        f"{max(0.25, gpu.free_bytes / GIB * 0.95):.1f}",
+                    )
+                )
         wants_um = profile.kv_backend in ("um", "auto")
         if gpu.concurrent_managed_access is False and wants_um:
             where = "Windows" if env.is_windows else "WSL2" if env.is_wsl else "this GPU"
-            problems.append(Problem(
-                "error" if profile.allow_oversubscription else "warning",
-                f"unified memory cannot oversubscribe the card on {where} (no concurrent managed access): "
-                "KV pages cannot spill to host RAM through managed memory",
-                "kv_backend: pinned" + ("  and  allow_oversubscription: false" if profile.allow_oversubscription else "")))
+            problems.append(
+                Problem(
+                    "error" if profile.allow_oversubscription else "warning",
+                    f"unified memory cannot oversubscribe the card on {where} (no concurrent managed access): "
+                    "KV pages cannot spill to host RAM through managed memory",
+                    "kv_backend: pinned"
+                    + ("  and  allow_oversubscription: false" if profile.allow_oversubscription else ""),
+                )
+            )
         if not env.has_cuda_bindings and profile.kv_backend == "um":
-            problems.append(Problem("warning", "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
-                                    "pip install 'lowvram[um]'  (or kv_backend: pinned)"))
+            problems.append(
+                Problem(
+                    "warning",
+                    "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
+                    "pip install 'lowvram[um]'  (or kv_backend: pinned)",
+                )
+            )
 
-    if (env.host_available_bytes is not None and profile.host_spill_gib > 0
-            and env.host_available_bytes < profile.host_spill_gib * GIB):
-        problems.append(Problem(
-            "warning", f"the profile may spill {profile.host_spill_gib:g} GiB of KV to host RAM but only "
-            f"{_gib(env.host_available_bytes)} is available",
-            f"host_spill_gib: {max(0.0, env.host_available_bytes / GIB * 0.5):.1f}"))
-    if (wants_cuda and env.memlock_known and env.memlock_soft_bytes is not None
-            and env.memlock_soft_bytes < MIN_COMFORTABLE_MEMLOCK_BYTES and profile.kv_backend in ("pinned", "auto")):
-        problems.append(Problem(
-            "info", f"the locked-memory limit (ulimit -l) is {env.memlock_soft_bytes // 1024} KiB; some container "
-            "runtimes apply it to pinned host buffers",
-            "if pinned allocations fail: ulimit -l unlimited (docker: --ulimit memlock=-1)"))
+    if (
+        env.host_available_bytes is not None
+        and profile.host_spill_gib > 0
+        and env.host_available_bytes < profile.host_spill_gib * GIB
+    ):
+        problems.append(
+            Problem(
+                "warning",
+                f"the profile may spill {profile.host_spill_gib:g} GiB of KV to host RAM but only "
+                f"{_gib(env.host_available_bytes)} is available",
+                f"host_spill_gib: {max(0.0, env.host_available_bytes / GIB * 0.5):.1f}",
+            )
+        )
+    if (
+        wants_cuda
+        and env.memlock_known
+        and env.memlock_soft_bytes is not None
+        and env.memlock_soft_bytes < MIN_COMFORTABLE_MEMLOCK_BYTES
+        and profile.kv_backend in ("pinned", "auto")
+    ):
+        problems.append(
+            Problem(
+                "info",
+                f"the locked-memory limit (ulimit -l) is {env.memlock_soft_bytes // 1024} KiB; some container "
+                "runtimes apply it to pinned host buffers",
+                "if pinned allocations fail: ulimit -l unlimited (docker: --ulimit memlock=-1)",
+            )
+        )
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(problems, key=lambda p: order[p.severity])
 

@@ -35,8 +35,19 @@ from lowvram.errors import ConfigError
 GIB = 2**30
 MIB = 2**20
 
-_UNITS = {"b": 1, "byte": 1, "bytes": 1, "kib": 2**10, "kb": 2**10, "mib": 2**20, "mb": 2**20,
-          "gib": 2**30, "gb": 2**30, "tib": 2**40, "tb": 2**40}
+_UNITS = {
+    "b": 1,
+    "byte": 1,
+    "bytes": 1,
+    "kib": 2**10,
+    "kb": 2**10,
+    "mib": 2**20,
+    "mb": 2**20,
+    "gib": 2**30,
+    "gb": 2**30,
+    "tib": 2**40,
+    "tb": 2**40,
+}
 SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
 _SIZE_RE = re.compile(SIZE, re.IGNORECASE)
 
@@ -118,30 +129,65 @@ def parse_oom_message(text: str) -> OomFacts | None:
     flat = _normalise(text)
     exc_type = _exception_type(flat)
 
-    plan = re.search(r"an? (\d+)-token context does not fit: weights " + SIZE + r" \+ workspace " + SIZE
-                     + r" \+ KV " + SIZE + r" = " + SIZE + r" > budget " + SIZE, flat)
+    plan = re.search(
+        r"an? (\d+)-token context does not fit: weights "
+        + SIZE
+        + r" \+ workspace "
+        + SIZE
+        + r" \+ KV "
+        + SIZE
+        + r" = "
+        + SIZE
+        + r" > budget "
+        + SIZE,
+        flat,
+    )
     if plan:
         g = plan.groups()
         numbers = {"context_len": int(g[0])}
         for i, name in enumerate(("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")):
             numbers[name] = parse_size(g[1 + 2 * i], g[2 + 2 * i])
-        return OomFacts("lowvram-plan", exception_type=exc_type, plan=numbers,
-                        requested_bytes=numbers["need_bytes"], total_bytes=numbers["budget_bytes"])
+        return OomFacts(
+            "lowvram-plan",
+            exception_type=exc_type,
+            plan=numbers,
+            requested_bytes=numbers["need_bytes"],
+            total_bytes=numbers["budget_bytes"],
+        )
 
-    mps = re.search(r"MPS backend out of memory \(MPS allocated: " + SIZE + r", other allocations: " + SIZE
-                    + r", max allowed: " + SIZE + r"\)\. Tried to allocate " + SIZE, flat, re.IGNORECASE)
+    mps = re.search(
+        r"MPS backend out of memory \(MPS allocated: "
+        + SIZE
+        + r", other allocations: "
+        + SIZE
+        + r", max allowed: "
+        + SIZE
+        + r"\)\. Tried to allocate "
+        + SIZE,
+        flat,
+        re.IGNORECASE,
+    )
     if mps:
         g = mps.groups()
         allocated, other, allowed, requested = (parse_size(g[i], g[i + 1]) for i in (0, 2, 4, 6))
-        return OomFacts("mps", "MPS", exc_type, requested_bytes=requested, allowed_bytes=allowed,
-                        total_bytes=allowed, allocated_bytes=allocated, process_bytes=allocated + other,
-                        reserved_unallocated_bytes=0)
+        return OomFacts(
+            "mps",
+            "MPS",
+            exc_type,
+            requested_bytes=requested,
+            allowed_bytes=allowed,
+            total_bytes=allowed,
+            allocated_bytes=allocated,
+            process_bytes=allocated + other,
+            reserved_unallocated_bytes=0,
+        )
 
     head = re.search(r"\b(CUDA|HIP|XPU)\b out of memory\. Tried to allocate " + SIZE, flat, re.IGNORECASE)
     if head:
-        facts = OomFacts("torch>=2.1", head.group(1).upper(), exc_type,
-                         requested_bytes=parse_size(head.group(2), head.group(3)))
-        rest = flat[head.end():]
+        facts = OomFacts(
+            "torch>=2.1", head.group(1).upper(), exc_type, requested_bytes=parse_size(head.group(2), head.group(3))
+        )
+        rest = flat[head.end() :]
         old = re.match(r"\s*\(GPU (\d+); ([^)]*)\)", rest)
         if old:
             _parse_v1(facts, int(old.group(1)), old.group(2))
@@ -149,9 +195,13 @@ def parse_oom_message(text: str) -> OomFacts | None:
             _parse_v2(facts, rest)
         return facts
 
-    driver = re.search(r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
-                       r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|"
-                       r"CUDA out of memory)", flat, re.IGNORECASE)
+    driver = re.search(
+        r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
+        r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|"
+        r"CUDA out of memory)",
+        flat,
+        re.IGNORECASE,
+    )
     if driver:
         return OomFacts("driver", "HIP" if "hip" in driver.group(1).lower() else "CUDA", exc_type)
     return None
@@ -168,7 +218,7 @@ def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
         if not size:
             continue
         value = parse_size(size.group(1), size.group(2))
-        label = piece[size.end():].strip().lower()
+        label = piece[size.end() :].strip().lower()
         if label.startswith("total capacity"):
             facts.total_bytes = value
         elif label.startswith("already allocated"):
@@ -184,8 +234,9 @@ def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
 
 
 def _parse_v2(facts: OomFacts, rest: str) -> None:
-    capacity = re.search(r"GPU (\d+) has a total capac\w* of " + SIZE + r" of which " + SIZE + r" is free", rest,
-                         re.IGNORECASE)
+    capacity = re.search(
+        r"GPU (\d+) has a total capac\w* of " + SIZE + r" of which " + SIZE + r" is free", rest, re.IGNORECASE
+    )
     if capacity:
         facts.device_index = int(capacity.group(1))
         facts.total_bytes = parse_size(capacity.group(2), capacity.group(3))
@@ -235,21 +286,28 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
     if facts.source == "lowvram-plan":
         p = facts.plan
         return [
-            Finding(f"lowvram refused to start: a {int(p['context_len'])}-token context needs {gib(p['need_bytes'])} "
-                    f"(weights {gib(p['weight_bytes'])}, workspace {gib(p['workspace_bytes'])}, KV "
-                    f"{gib(p['kv_bytes'])}) but the profile's budget is {gib(p['budget_bytes'])}."),
-            Finding("Nothing ran out of memory on the device: the plan was checked before loading anything.",
-                    "run `lowvram doctor --model M --profile P --context N` for the largest context that fits and "
-                    "ranked changes (kv_precision: int8, a smaller max_model_len or max_num_batched_tokens)"),
+            Finding(
+                f"lowvram refused to start: a {int(p['context_len'])}-token context needs {gib(p['need_bytes'])} "
+                f"(weights {gib(p['weight_bytes'])}, workspace {gib(p['workspace_bytes'])}, KV "
+                f"{gib(p['kv_bytes'])}) but the profile's budget is {gib(p['budget_bytes'])}."
+            ),
+            Finding(
+                "Nothing ran out of memory on the device: the plan was checked before loading anything.",
+                "run `lowvram doctor --model M --profile P --context N` for the largest context that fits and "
+                "ranked changes (kv_precision: int8, a smaller max_model_len or max_num_batched_tokens)",
+            ),
         ]
     if facts.source == "driver":
-        return [Finding(
-            f"The {facts.backend} driver or a library (cuBLAS) could not allocate memory outside PyTorch's "
-            "allocator; the message carries no numbers. This happens when the CUDA context or cuBLAS "
-            "workspace is created on a card that is already full, or when unified-memory pages oversubscribe "
-            "a card that cannot page.",
-            "free device memory before the run (other processes: nvidia-smi), lower max_num_batched_tokens, "
-            "or set kv_backend: pinned")]
+        return [
+            Finding(
+                f"The {facts.backend} driver or a library (cuBLAS) could not allocate memory outside PyTorch's "
+                "allocator; the message carries no numbers. This happens when the CUDA context or cuBLAS "
+                "workspace is created on a card that is already full, or when unified-memory pages oversubscribe "
+                "a card that cannot page.",
+                "free device memory before the run (other processes: nvidia-smi), lower max_num_batched_tokens, "
+                "or set kv_backend: pinned",
+            )
+        ]
 
     findings: list[Finding] = []
     requested, total = facts.requested_bytes, facts.total_bytes
@@ -267,8 +325,9 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
     if facts.reserved_unallocated_bytes is not None:
         held.append(f"cached by PyTorch but unused {gib(facts.reserved_unallocated_bytes)}")
     if facts.non_torch_bytes is not None:
-        held.append(f"outside PyTorch in this process {gib(facts.non_torch_bytes)} (CUDA context, cuBLAS, "
-                    "unified-memory pages)")
+        held.append(
+            f"outside PyTorch in this process {gib(facts.non_torch_bytes)} (CUDA context, cuBLAS, unified-memory pages)"
+        )
     others = facts.other_process_bytes
     if others is not None:
         held.append(f"other processes {gib(others)}")
@@ -278,47 +337,75 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
     alloc_conf = "PYTORCH_HIP_ALLOC_CONF" if facts.backend == "HIP" else "PYTORCH_CUDA_ALLOC_CONF"
     cause_found = False
     if requested is not None and limit is not None and requested > limit:
-        findings.append(Finding(
-            f"This single allocation ({gib(requested)}) is larger than everything the process may use "
-            f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink.",
-            "lower max_num_batched_tokens (prefill chunk) and max_model_len; with the plain-torch attention path "
-            "a prefill chunk allocates float32 scores of heads x chunk x context"))
+        findings.append(
+            Finding(
+                f"This single allocation ({gib(requested)}) is larger than everything the process may use "
+                f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink.",
+                "lower max_num_batched_tokens (prefill chunk) and max_model_len; with the plain-torch attention path "
+                "a prefill chunk allocates float32 scores of heads x chunk x context",
+            )
+        )
         cause_found = True
-    is_capped = (facts.allowed_bytes is not None and facts.free_bytes is not None and requested is not None
-                 and facts.source != "mps" and facts.free_bytes > requested)
+    is_capped = (
+        facts.allowed_bytes is not None
+        and facts.free_bytes is not None
+        and requested is not None
+        and facts.source != "mps"
+        and facts.free_bytes > requested
+    )
     if is_capped and not cause_found:
-        findings.append(Finding(
-            f"The card still had {gib(facts.free_bytes)} free: the process's own cap of {gib(facts.allowed_bytes)} "
-            "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it.",
-            f"plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
-            f"above {facts.allowed_bytes / GIB:.1f}"))
+        findings.append(
+            Finding(
+                f"The card still had {gib(facts.free_bytes)} free: the process's own cap of {gib(facts.allowed_bytes)} "
+                "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it.",
+                f"plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
+                f"above {facts.allowed_bytes / GIB:.1f}",
+            )
+        )
         cause_found = True
     unallocated = facts.reserved_unallocated_bytes
     reserved = facts.reserved_bytes
-    if (unallocated is not None and reserved and requested is not None
-            and unallocated >= requested and unallocated >= FRAGMENTATION_SHARE * reserved):
-        findings.append(Finding(
-            f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
-            "into pieces too small for it.",
-            f"export {alloc_conf}=expandable_segments:True"))
+    if (
+        unallocated is not None
+        and reserved
+        and requested is not None
+        and unallocated >= requested
+        and unallocated >= FRAGMENTATION_SHARE * reserved
+    ):
+        findings.append(
+            Finding(
+                f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
+                "into pieces too small for it.",
+                f"export {alloc_conf}=expandable_segments:True",
+            )
+        )
         cause_found = True
     if others is not None and total and others >= OTHER_PROCESS_SHARE * total:
-        findings.append(Finding(
-            f"Other processes held {gib(others)} of the card.",
-            f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: "
-            f"{max(0.25, (total - others) / GIB * 0.95):.1f}"))
+        findings.append(
+            Finding(
+                f"Other processes held {gib(others)} of the card.",
+                f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: "
+                f"{max(0.25, (total - others) / GIB * 0.95):.1f}",
+            )
+        )
         cause_found = True
     if facts.non_torch_bytes is not None and facts.non_torch_bytes > TYPICAL_NON_TORCH_BYTES:
-        findings.append(Finding(
-            f"This process held {gib(facts.non_torch_bytes)} outside PyTorch's allocator, more than a CUDA "
-            "context needs: unified-memory KV pages or another library's buffers.",
-            "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself"))
+        findings.append(
+            Finding(
+                f"This process held {gib(facts.non_torch_bytes)} outside PyTorch's allocator, more than a CUDA "
+                "context needs: unified-memory KV pages or another library's buffers.",
+                "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself",
+            )
+        )
         cause_found = True
     if not cause_found:
-        findings.append(Finding(
-            "Live tensors filled the card: the run needs more memory than the card has.",
-            "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
-            "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values"))
+        findings.append(
+            Finding(
+                "Live tensors filled the card: the run needs more memory than the card has.",
+                "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
+                "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values",
+            )
+        )
     return findings
 
 
@@ -341,21 +428,31 @@ def load_snapshot_bytes(data: bytes) -> dict:
     except Exception as exc:
         raise ConfigError(f"the memory snapshot could not be read ({type(exc).__name__}: {exc})") from None
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise ConfigError("the pickle is not a torch memory snapshot (no 'segments' list); write one with "
-                          "torch.cuda.memory._dump_snapshot(PATH)")
+        raise ConfigError(
+            "the pickle is not a torch memory snapshot (no 'segments' list); write one with "
+            "torch.cuda.memory._dump_snapshot(PATH)"
+        )
     return snapshot
 
 
 # (what the frame's function or file tells, category); snapshots from before lowvram's files
 # moved into packages name kv_pool.py, sampling.py and model.py
 _CATEGORIES = (
-    ("load_weights", "weights"), ("loader.py", "weights"),
-    ("allocate_pages", "KV pages"), ("pool.py", "KV pages"), ("tiers.py", "KV pages"), ("kv_pool.py", "KV pages"),
+    ("load_weights", "weights"),
+    ("loader.py", "weights"),
+    ("allocate_pages", "KV pages"),
+    ("pool.py", "KV pages"),
+    ("tiers.py", "KV pages"),
+    ("kv_pool.py", "KV pages"),
     ("managed_memory.py", "KV pages"),
-    ("compute_logits", "logits and sampling"), ("sampler.py", "logits and sampling"),
+    ("compute_logits", "logits and sampling"),
+    ("sampler.py", "logits and sampling"),
     ("sampling.py", "logits and sampling"),
-    ("paged_attention", "attention workspace"), ("attention.py", "attention workspace"),
-    ("_attend", "attention workspace"), ("dense.py", "layer activations"), ("model.py", "layer activations"),
+    ("paged_attention", "attention workspace"),
+    ("attention.py", "attention workspace"),
+    ("_attend", "attention workspace"),
+    ("dense.py", "layer activations"),
+    ("model.py", "layer activations"),
 )
 CATEGORY_ADVICE = {
     "weights": "weight_format: awq (INT4 weights take about a quarter of FP16)",
@@ -436,8 +533,14 @@ def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummar
                 continue
             frames = _block_frames(block)
             frame = _user_frame(frames)
-            where = (f"{str(frame.get('filename', '?')).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.get('line', '?')}"
-                     f" in {frame.get('name', '?')}") if frame else "(no stack recorded)"
+            where = (
+                (
+                    f"{str(frame.get('filename', '?')).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.get('line', '?')}"
+                    f" in {frame.get('name', '?')}"
+                )
+                if frame
+                else "(no stack recorded)"
+            )
             category = _category(frames)
             blocks.append((size, where))
             site = sites.setdefault(where, SnapshotSite(where, category, 0, 0))
@@ -446,25 +549,43 @@ def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummar
             categories[category] = categories.get(category, 0) + size
     blocks.sort(key=lambda item: -item[0])
     ranked_sites = sorted(sites.values(), key=lambda s: -s.num_bytes)[:max_sites]
-    return SnapshotSummary(len(snapshot.get("segments", [])), reserved, allocated, largest_free, blocks[:10],
-                           ranked_sites, dict(sorted(categories.items(), key=lambda kv: -kv[1])))
+    return SnapshotSummary(
+        len(snapshot.get("segments", [])),
+        reserved,
+        allocated,
+        largest_free,
+        blocks[:10],
+        ranked_sites,
+        dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+    )
 
 
 def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
-    findings = [Finding(
-        f"PyTorch had reserved {gib(summary.reserved_bytes)} in {summary.num_segments} segments; live tensors "
-        f"used {gib(summary.allocated_bytes)}, and {gib(summary.unallocated_bytes)} sat cached but unused "
-        f"(largest free piece {gib(summary.largest_free_bytes)}).")]
+    findings = [
+        Finding(
+            f"PyTorch had reserved {gib(summary.reserved_bytes)} in {summary.num_segments} segments; live tensors "
+            f"used {gib(summary.allocated_bytes)}, and {gib(summary.unallocated_bytes)} sat cached but unused "
+            f"(largest free piece {gib(summary.largest_free_bytes)})."
+        )
+    ]
     if summary.categories:
         parts = [f"{name} {gib(size)}" for name, size in summary.categories.items()]
         findings.append(Finding("Live memory by kind: " + "; ".join(parts) + "."))
         top, top_bytes = next(iter(summary.categories.items()))
         if top in CATEGORY_ADVICE and summary.allocated_bytes:
-            findings.append(Finding(f"{top.capitalize()} held the most ({top_bytes / summary.allocated_bytes:.0%} "
-                                    "of live memory).", CATEGORY_ADVICE[top]))
+            findings.append(
+                Finding(
+                    f"{top.capitalize()} held the most ({top_bytes / summary.allocated_bytes:.0%} of live memory).",
+                    CATEGORY_ADVICE[top],
+                )
+            )
     if summary.reserved_bytes and summary.unallocated_bytes >= FRAGMENTATION_SHARE * summary.reserved_bytes:
-        findings.append(Finding("A large share of the reserved memory was cached but unused: fragmentation.",
-                                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+        findings.append(
+            Finding(
+                "A large share of the reserved memory was cached but unused: fragmentation.",
+                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            )
+        )
     return findings
 
 
@@ -503,5 +624,6 @@ def read_oom_input(data: bytes, source: str) -> OomInput:
         raise ConfigError(
             f"{source} holds no out-of-memory message, lowvram crash report or torch memory snapshot that lowvram "
             "recognises; pass the full error text (e.g. the line with 'CUDA out of memory. Tried to allocate'), "
-            "a crash-*.json report, or a snapshot from torch.cuda.memory._dump_snapshot")
+            "a crash-*.json report, or a snapshot from torch.cuda.memory._dump_snapshot"
+        )
     return OomInput("message", facts=facts)

@@ -156,8 +156,10 @@ def deepseek_v2_linears(config) -> list[LinearShape]:
         if config.q_lora_rank is None:
             shapes.append(LinearShape(f"{attn}.q_proj", h, heads * config.qk_head_dim, False))
         else:
-            shapes += [LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank, False),
-                       LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, heads * config.qk_head_dim, False)]
+            shapes += [
+                LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank, False),
+                LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, heads * config.qk_head_dim, False),
+            ]
         shapes += [
             LinearShape(f"{attn}.kv_a_proj_with_mqa", h, config.kv_head_dim, False),
             LinearShape(f"{attn}.kv_b_proj", rank, heads * (config.qk_nope_head_dim + config.v_head_dim), False),
@@ -171,8 +173,11 @@ def deepseek_v2_linears(config) -> list[LinearShape]:
             if config.num_shared_experts:
                 blocks.append((f"{mlp}.shared_experts", config.moe_intermediate_size * config.num_shared_experts))
         for prefix, inter in blocks:
-            shapes += [LinearShape(f"{prefix}.gate_proj", h, inter, False), LinearShape(f"{prefix}.up_proj", h, inter, False),
-                       LinearShape(f"{prefix}.down_proj", inter, h, False)]
+            shapes += [
+                LinearShape(f"{prefix}.gate_proj", h, inter, False),
+                LinearShape(f"{prefix}.up_proj", h, inter, False),
+                LinearShape(f"{prefix}.down_proj", inter, h, False),
+            ]
     return shapes
 
 
@@ -308,8 +313,14 @@ class WeightBytes:
     @property
     def all_bytes(self) -> int:
         """Every weight, wherever it lives."""
-        return (self.int4_bytes + self.fp16_linear_bytes + self.compensation_bytes + self.embedding_bytes
-                + self.head_bytes + self.norm_bytes)
+        return (
+            self.int4_bytes
+            + self.fp16_linear_bytes
+            + self.compensation_bytes
+            + self.embedding_bytes
+            + self.head_bytes
+            + self.norm_bytes
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -337,8 +348,13 @@ class WeightBytes:
         if self.offload is not None:
             rows += self.offload.rows()
         if self.host_expert_bytes:
-            rows.append((f"routed experts held in host memory ({self.num_cached_experts} of "
-                         f"{self.num_routed_experts} per layer cached on the device)", -self.host_expert_bytes))
+            rows.append(
+                (
+                    f"routed experts held in host memory ({self.num_cached_experts} of "
+                    f"{self.num_routed_experts} per layer cached on the device)",
+                    -self.host_expert_bytes,
+                )
+            )
         return rows
 
 
@@ -350,13 +366,20 @@ FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part 
 def keeps_embeddings_on_host(config: ModelConfig, profile: Profile, device_type: str) -> bool:
     """Whether the engine leaves the embedding table in host memory: the profile asks, on
     CUDA, and the head does not share the table (a tied head needs it on the device)."""
-    return (profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head
-            and not _is_deepseek_v2(config))
+    return (
+        profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not _is_deepseek_v2(config)
+    )
 
 
-def weight_bytes_by_kind(config: ModelConfig, raw_config: dict | None, element_bytes: int, *,
-                         model_dir: str | Path | None = None, max_cached_experts: int | None = None,
-                         is_embedding_on_host: bool = False) -> WeightBytes:
+def weight_bytes_by_kind(
+    config: ModelConfig,
+    raw_config: dict | None,
+    element_bytes: int,
+    *,
+    model_dir: str | Path | None = None,
+    max_cached_experts: int | None = None,
+    is_embedding_on_host: bool = False,
+) -> WeightBytes:
     """Weights on the device, from config.json (and, given the directory, the shapes
     in the compensation side file).
 
@@ -427,8 +450,9 @@ def _add_deepseek_v2_extras(weights: WeightBytes, config, element_bytes: int, ma
     q_norm = config.q_lora_rank or 0
     weights.norm_bytes += config.num_layers * (config.kv_lora_rank + q_norm) * element_bytes
     weights.num_routed_experts = config.num_routed_experts
-    weights.num_cached_experts = config.num_routed_experts if max_cached_experts is None else \
-        min(max_cached_experts, config.num_routed_experts)
+    weights.num_cached_experts = (
+        config.num_routed_experts if max_cached_experts is None else min(max_cached_experts, config.num_routed_experts)
+    )
 
 
 def routed_expert_bytes(config, raw_config: dict | None, element_bytes: int) -> int:
@@ -437,8 +461,11 @@ def routed_expert_bytes(config, raw_config: dict | None, element_bytes: int) -> 
     h, m = config.hidden_size, config.moe_intermediate_size
     prefix = f"model.layers.{_first_moe_layer(config)}.mlp.experts.0"
     total = 0
-    for linear in (LinearShape(f"{prefix}.gate_proj", h, m, False), LinearShape(f"{prefix}.up_proj", h, m, False),
-                   LinearShape(f"{prefix}.down_proj", m, h, False)):
+    for linear in (
+        LinearShape(f"{prefix}.gate_proj", h, m, False),
+        LinearShape(f"{prefix}.up_proj", h, m, False),
+        LinearShape(f"{prefix}.down_proj", m, h, False),
+    ):
         if awq is not None and awq.is_quantized(linear.name):
             total += awq_linear_bytes(linear, awq.group_size, element_bytes)
         else:
@@ -465,7 +492,9 @@ def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
         from lowvram.kernels import paged_attention
     except Exception:  # planning must not fail where the kernels cannot even be imported
         return False
-    return bool(getattr(paged_attention, "HAS_TRITON", False)) and not getattr(paged_attention, "FORCE_REFERENCE", False)
+    return bool(getattr(paged_attention, "HAS_TRITON", False)) and not getattr(
+        paged_attention, "FORCE_REFERENCE", False
+    )
 
 
 def rope_table_bytes(config: ModelConfig, context_len: int) -> int:
@@ -511,12 +540,22 @@ class Workspace:
 
     @property
     def peak_bytes(self) -> int:
-        return (self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes
-                + self.cublas_bytes)
+        return (
+            self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes + self.cublas_bytes
+        )
 
 
-def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, context_len: int, element_bytes: int,
-                   uses_kernels: bool, block_size: int = 16, int4_scratch: int = 0) -> Workspace:
+def step_workspace(
+    config: ModelConfig,
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    context_len: int,
+    element_bytes: int,
+    uses_kernels: bool,
+    block_size: int = 16,
+    int4_scratch: int = 0,
+) -> Workspace:
     """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs`
     sequences over contexts of at most `context_len` tokens.
 
@@ -562,8 +601,9 @@ def step_workspace(config: ModelConfig, *, num_tokens: int, num_seqs: int, conte
         scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # two float32 [H, Q, L] plus the causal mask
         phases["attention"] = residual + qkv + t * q * 4 + q_len * q * 4 + gathered + scores
 
-    phases["logits"] = residual + s * hidden * e + s * config.vocab_size * (e + 4) + \
-        SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size
+    phases["logits"] = (
+        residual + s * hidden * e + s * config.vocab_size * (e + 4) + SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size
+    )
 
     # input ids, positions and slots (int64 [T]) and the int32 block table [S, blocks]
     metadata = 3 * t * 8 + s * -(-ctx // block_size) * 4
@@ -585,42 +625,71 @@ def decode_graph_bytes(config: ModelConfig, max_num_seqs: int, max_model_len: in
     return inputs + max_num_seqs * config.vocab_size * 4 + CUBLAS_WORKSPACE_BYTES
 
 
-def profile_workspace(config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int,
-                      device_type: str, weights: WeightBytes | None = None) -> Workspace:
+def profile_workspace(
+    config: ModelConfig,
+    profile: Profile,
+    max_model_len: int,
+    element_bytes: int,
+    device_type: str,
+    weights: WeightBytes | None = None,
+) -> Workspace:
     """The workspace the engine reserves for a profile: its largest possible step, the
     cuBLAS workspace of its stream (CUDA), and the decode graphs' buffers where the profile
     replays graphs (CUDA, dense models)."""
     num_tokens = step_tokens(profile, max_model_len)
     kernels = uses_attention_kernels(device_type, config.head_dim)
     workspace = step_workspace(
-        config, num_tokens=num_tokens, num_seqs=profile.max_num_seqs, context_len=max_model_len,
-        element_bytes=element_bytes, uses_kernels=kernels, block_size=profile.kv_block_size,
+        config,
+        num_tokens=num_tokens,
+        num_seqs=profile.max_num_seqs,
+        context_len=max_model_len,
+        element_bytes=element_bytes,
+        uses_kernels=kernels,
+        block_size=profile.kv_block_size,
         int4_scratch=int4_scratch_bytes(weights, num_tokens, kernels),
     )
     if device_type == "cuda":
         workspace.cublas_bytes = CUBLAS_WORKSPACE_BYTES
     if device_type == "cuda" and profile.enable_cuda_graphs and not _is_deepseek_v2(config):
-        workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len,
-                                                   profile.kv_block_size)
+        workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len, profile.kv_block_size)
         if profile.enable_prefill_graphs:
-            workspace.graph_bytes += prefill_graph_bytes(config, profile, max_model_len, element_bytes, kernels,
-                                                         weights)
+            workspace.graph_bytes += prefill_graph_bytes(
+                config, profile, max_model_len, element_bytes, kernels, weights
+            )
     return workspace
 
 
-def prefill_graph_bytes(config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int,
-                        uses_kernels: bool, weights: WeightBytes | None = None) -> int:
+def prefill_graph_bytes(
+    config: ModelConfig,
+    profile: Profile,
+    max_model_len: int,
+    element_bytes: int,
+    uses_kernels: bool,
+    weights: WeightBytes | None = None,
+) -> int:
     """What prefill graphs (lowvram.engine.cuda_graphs.PrefillGraphs) hold for good: their pool keeps
     the activations of the largest bucket's step, which eager steps cannot reuse."""
     tokens = min(MAX_PREFILL_GRAPH_TOKENS, step_tokens(profile, max_model_len))
-    step = step_workspace(config, num_tokens=tokens, num_seqs=2, context_len=max_model_len,
-                          element_bytes=element_bytes, uses_kernels=uses_kernels, block_size=profile.kv_block_size,
-                          int4_scratch=int4_scratch_bytes(weights, tokens, uses_kernels))
+    step = step_workspace(
+        config,
+        num_tokens=tokens,
+        num_seqs=2,
+        context_len=max_model_len,
+        element_bytes=element_bytes,
+        uses_kernels=uses_kernels,
+        block_size=profile.kv_block_size,
+        int4_scratch=int4_scratch_bytes(weights, tokens, uses_kernels),
+    )
     return step.phases[step.peak_phase]
 
 
-def activation_bytes(config: ModelConfig, profile: Profile, element_bytes: int, max_model_len: int | None = None,
-                     device_type: str = "cuda") -> int:
+def activation_bytes(
+    config: ModelConfig,
+    profile: Profile,
+    element_bytes: int,
+    max_model_len: int | None = None,
+    device_type: str = "cuda",
+) -> int:
     """Peak workspace of one step at the profile's token budget."""
     max_model_len = max_model_len or profile.max_model_len
     return profile_workspace(config, profile, max_model_len, element_bytes, device_type).peak_bytes
@@ -665,8 +734,17 @@ class KVPlan:
         return self.budget_bytes - self.weight_bytes - self.activation_bytes
 
 
-def size_kv_pool(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int, max_model_len: int, *,
-                 device_type: str = "cuda", raw_config: dict | None = None, held_bytes: int = 0) -> KVPlan:
+def size_kv_pool(
+    config: ModelConfig,
+    profile: Profile,
+    weight_bytes: int,
+    element_bytes: int,
+    max_model_len: int,
+    *,
+    device_type: str = "cuda",
+    raw_config: dict | None = None,
+    held_bytes: int = 0,
+) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace, never more
     than max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
     precision = kv_precision_for(profile)
@@ -678,13 +756,22 @@ def size_kv_pool(config: ModelConfig, profile: Profile, weight_bytes: int, eleme
     free = budget - weight_bytes - workspace.peak_bytes
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = max(0, min(free // (per_token * block_size), profile.max_num_seqs * blocks_per_seq))
-    return KVPlan(int(num_blocks), block_size, per_token, budget, weight_bytes, workspace.peak_bytes, precision,
-                  workspace)
+    return KVPlan(
+        int(num_blocks), block_size, per_token, budget, weight_bytes, workspace.peak_bytes, precision, workspace
+    )
 
 
-def largest_fitting_context(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int,
-                            max_len: int, *, device_type: str = "cuda", raw_config: dict | None = None,
-                            held_bytes: int = 0) -> int:
+def largest_fitting_context(
+    config: ModelConfig,
+    profile: Profile,
+    weight_bytes: int,
+    element_bytes: int,
+    max_len: int,
+    *,
+    device_type: str = "cuda",
+    raw_config: dict | None = None,
+    held_bytes: int = 0,
+) -> int:
     """The longest max_model_len (whole pages, at most `max_len`) for which the pool
     holds one full-length sequence; 0 if none does."""
     block_size = profile.kv_block_size
@@ -692,8 +779,16 @@ def largest_fitting_context(config: ModelConfig, profile: Profile, weight_bytes:
     def fits(num_blocks: int) -> bool:
         length = num_blocks * block_size
         changed = profile.replace(max_model_len=max(16, length))
-        pool = size_kv_pool(config, changed, weight_bytes, element_bytes, length, device_type=device_type,
-                            raw_config=raw_config, held_bytes=held_bytes)
+        pool = size_kv_pool(
+            config,
+            changed,
+            weight_bytes,
+            element_bytes,
+            length,
+            device_type=device_type,
+            raw_config=raw_config,
+            held_bytes=held_bytes,
+        )
         return pool.num_blocks >= num_blocks
 
     low, high = 0, max(1, max_len // block_size)
@@ -715,9 +810,18 @@ def host_kv_blocks(config: ModelConfig, profile: Profile, element_bytes: int, de
     return int(profile.host_spill_gib * GIB) // (per_token * profile.kv_block_size)
 
 
-def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_bytes: int, max_model_len: int, *,
-            device_type: str = "cuda", model_dir: str | Path | None = None, host_blocks: int = 0,
-            held_bytes: int = 0) -> KVPlan:
+def plan_kv(
+    config: ModelConfig,
+    profile: Profile,
+    weight_bytes: int,
+    element_bytes: int,
+    max_model_len: int,
+    *,
+    device_type: str = "cuda",
+    model_dir: str | Path | None = None,
+    host_blocks: int = 0,
+    held_bytes: int = 0,
+) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace.
 
     Never more than max_num_seqs full-length sequences need; never fewer than one
@@ -729,26 +833,52 @@ def plan_kv(config: ModelConfig, profile: Profile, weight_bytes: int, element_by
     (memory_budget_bytes).
     """
     raw_config = read_raw_config(model_dir)
-    plan = size_kv_pool(config, profile, weight_bytes, element_bytes, max_model_len, device_type=device_type,
-                        raw_config=raw_config, held_bytes=held_bytes)
+    plan = size_kv_pool(
+        config,
+        profile,
+        weight_bytes,
+        element_bytes,
+        max_model_len,
+        device_type=device_type,
+        raw_config=raw_config,
+        held_bytes=held_bytes,
+    )
     blocks_per_seq = -(-max_model_len // plan.block_size)
     if plan.num_blocks + host_blocks < blocks_per_seq:
         kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
         need = weight_bytes + plan.activation_bytes + kv
-        fitting = largest_fitting_context(config, profile, weight_bytes, element_bytes, max_model_len - 1,
-                                          device_type=device_type, raw_config=raw_config, held_bytes=held_bytes)
+        fitting = largest_fitting_context(
+            config,
+            profile,
+            weight_bytes,
+            element_bytes,
+            max_model_len - 1,
+            device_type=device_type,
+            raw_config=raw_config,
+            held_bytes=held_bytes,
+        )
         raise OutOfMemoryError(
             f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
             f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
             f"> budget {plan.budget_bytes / GIB:.2f} GiB"
             + (f" (after {held_bytes / GIB:.2f} GiB this process already held)" if held_bytes else "")
-            + (f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
-               f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. " if host_blocks else ". ")
-            + (f"Lower max_model_len (e.g. --max-model-len {fitting}), " if fitting else
-               "Even the shortest context does not fit beside the weights and workspace: ")
+            + (
+                f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
+                f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. "
+                if host_blocks
+                else ". "
+            )
+            + (
+                f"Lower max_model_len (e.g. --max-model-len {fitting}), "
+                if fitting
+                else "Even the shortest context does not fit beside the weights and workspace: "
+            )
             + "lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, "
-            + ("weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
-               if profile.weight_offload in ("off", "auto") else "")
+            + (
+                "weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
+                if profile.weight_offload in ("off", "auto")
+                else ""
+            )
             + "or a larger profile; "
             f"run `lowvram doctor --profile {profile.name} --context {max_model_len}` (with --model) for a plan"
         )
@@ -820,12 +950,16 @@ class OffloadPlan:
 
     def summary(self) -> str:
         mlp = " (their MLPs run on the CPU)" if self.strategy == "cpu" and self.num_streamed_layers else ""
-        text = (f"{self.num_resident_layers} of {self.num_layers} decoder layers on the device, "
-                f"{self.num_streamed_layers} streamed from host memory{mlp}")
+        text = (
+            f"{self.num_resident_layers} of {self.num_layers} decoder layers on the device, "
+            f"{self.num_streamed_layers} streamed from host memory{mlp}"
+        )
         if self.num_streamed_layers:
             buffers = "buffer" if self.num_staging_buffers == 1 else "buffers"
-            text += (f" ({self.copied_bytes_per_pass / MIB:.1f} MiB copied per forward pass, through "
-                     f"{self.num_staging_buffers} staging {buffers} of {self.staging_buffer_bytes / MIB:.1f} MiB)")
+            text += (
+                f" ({self.copied_bytes_per_pass / MIB:.1f} MiB copied per forward pass, through "
+                f"{self.num_staging_buffers} staging {buffers} of {self.staging_buffer_bytes / MIB:.1f} MiB)"
+            )
         if self.is_embedding_on_host:
             text += "; embeddings in host memory"
         return text
@@ -846,8 +980,9 @@ class OffloadPlan:
             return
         room = self.budget_bytes - self.workspace_bytes - self.kv_bytes - self.reserve_bytes
         tied = ", embeddings" if not self.is_embedding_on_host else ""
-        hint = ("weight_offload cpu (only the attention part of a layer is staged), " if self.strategy == "stream"
-                else "")
+        hint = (
+            "weight_offload cpu (only the attention part of a layer is staged), " if self.strategy == "stream" else ""
+        )
         raise OutOfMemoryError(
             f"the model does not fit even with every decoder layer streamed from host memory: head, norms{tied} "
             f"{self.fixed_bytes / GIB:.2f} GiB + {self.num_staging_buffers} staging buffers of "
@@ -860,10 +995,20 @@ class OffloadPlan:
         )
 
 
-def plan_offload(layer_bytes: list[int], staged_bytes: list[int], *, fixed_bytes: int, host_embedding_bytes: int,
-                 budget_bytes: int, workspace_bytes: int, kv_bytes: int, reserve_bytes: int = 0,
-                 strategy: str = DEFAULT_OFFLOAD_STRATEGY, max_resident_layers: int | None = None,
-                 max_model_len: int = 0) -> OffloadPlan:
+def plan_offload(
+    layer_bytes: list[int],
+    staged_bytes: list[int],
+    *,
+    fixed_bytes: int,
+    host_embedding_bytes: int,
+    budget_bytes: int,
+    workspace_bytes: int,
+    kv_bytes: int,
+    reserve_bytes: int = 0,
+    strategy: str = DEFAULT_OFFLOAD_STRATEGY,
+    max_resident_layers: int | None = None,
+    max_model_len: int = 0,
+) -> OffloadPlan:
     """Keep the most leading decoder layers on the device that fit beside the fixed
     weights, the staging buffers, the workspace, `kv_bytes` of KV and `reserve_bytes` of
     allocator slack; the rest stream.
@@ -886,17 +1031,36 @@ def plan_offload(layer_bytes: list[int], staged_bytes: list[int], *, fixed_bytes
         if sum(layer_bytes[:num_resident]) + num_buffers * buffer <= room:
             break
     return OffloadPlan(
-        strategy=strategy, num_layers=num_layers, num_resident_layers=num_resident, num_staging_buffers=num_buffers,
-        staging_buffer_bytes=buffer, resident_layer_bytes=sum(layer_bytes[:num_resident]),
-        streamed_layer_bytes=sum(layer_bytes[num_resident:]), copied_bytes_per_pass=sum(streamed),
-        fixed_bytes=fixed_bytes, host_embedding_bytes=host_embedding_bytes, budget_bytes=budget_bytes,
-        workspace_bytes=workspace_bytes, kv_bytes=kv_bytes, max_model_len=max_model_len, reserve_bytes=reserve_bytes,
+        strategy=strategy,
+        num_layers=num_layers,
+        num_resident_layers=num_resident,
+        num_staging_buffers=num_buffers,
+        staging_buffer_bytes=buffer,
+        resident_layer_bytes=sum(layer_bytes[:num_resident]),
+        streamed_layer_bytes=sum(layer_bytes[num_resident:]),
+        copied_bytes_per_pass=sum(streamed),
+        fixed_bytes=fixed_bytes,
+        host_embedding_bytes=host_embedding_bytes,
+        budget_bytes=budget_bytes,
+        workspace_bytes=workspace_bytes,
+        kv_bytes=kv_bytes,
+        max_model_len=max_model_len,
+        reserve_bytes=reserve_bytes,
     )
 
 
-def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBytes, element_bytes: int,
-                        max_model_len: int, *, device_type: str = "cuda", raw_config: dict | None = None,
-                        num_seqs: int = 1, held_bytes: int = 0) -> OffloadPlan | None:
+def plan_weight_offload(
+    config: ModelConfig,
+    profile: Profile,
+    weights: WeightBytes,
+    element_bytes: int,
+    max_model_len: int,
+    *,
+    device_type: str = "cuda",
+    raw_config: dict | None = None,
+    num_seqs: int = 1,
+    held_bytes: int = 0,
+) -> OffloadPlan | None:
     """The split the engine makes under the profile's `weight_offload`, from config.json's
     sizes (`weights`); None when every weight stays on the device.
 
@@ -912,22 +1076,41 @@ def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBy
     # MoE models leave the device by routed expert instead (lowvram.models.expert_offload).
     if mode == "off" or (mode == "auto" and device_type != "cuda") or _is_deepseek_v2(config):
         return None
-    pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type=device_type,
-                        raw_config=raw_config, held_bytes=held_bytes)
+    pool = size_kv_pool(
+        config,
+        profile,
+        0,
+        element_bytes,
+        max_model_len,
+        device_type=device_type,
+        raw_config=raw_config,
+        held_bytes=held_bytes,
+    )
     one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
-    if mode == "auto" and (weights.all_bytes - weights.host_embedding_bytes + pool.activation_bytes
-                           + one_page_each <= pool.budget_bytes):
+    if mode == "auto" and (
+        weights.all_bytes - weights.host_embedding_bytes + pool.activation_bytes + one_page_each <= pool.budget_bytes
+    ):
         return None
     strategy = DEFAULT_OFFLOAD_STRATEGY if mode == "auto" else mode
-    staged = weights.layer_bytes if strategy == "stream" else [
-        layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
+    staged = (
+        weights.layer_bytes
+        if strategy == "stream"
+        else [layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
+    )
     host_embedding = 0 if config.is_tied_head else weights.embedding_bytes
     kv = num_seqs * kv_pool_bytes(config, max_model_len, profile.kv_block_size, pool.kv_precision, element_bytes)
     reserve = int(FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes))
     return plan_offload(
-        weights.layer_bytes, staged, fixed_bytes=weights.all_bytes - sum(weights.layer_bytes) - host_embedding,
-        host_embedding_bytes=host_embedding, budget_bytes=pool.budget_bytes, workspace_bytes=pool.activation_bytes,
-        kv_bytes=kv, reserve_bytes=reserve, strategy=strategy, max_resident_layers=profile.max_resident_layers,
+        weights.layer_bytes,
+        staged,
+        fixed_bytes=weights.all_bytes - sum(weights.layer_bytes) - host_embedding,
+        host_embedding_bytes=host_embedding,
+        budget_bytes=pool.budget_bytes,
+        workspace_bytes=pool.activation_bytes,
+        kv_bytes=kv,
+        reserve_bytes=reserve,
+        strategy=strategy,
+        max_resident_layers=profile.max_resident_layers,
         max_model_len=max_model_len,
     )
 
@@ -938,9 +1121,17 @@ def plan_weight_offload(config: ModelConfig, profile: Profile, weights: WeightBy
 MIN_CACHED_EXPERTS = 2
 
 
-def plan_expert_cache(config, profile: Profile, element_bytes: int, max_model_len: int, *, device_type: str = "cuda",
-                      raw_config: dict | None = None, model_dir: str | Path | None = None,
-                      held_bytes: int = 0) -> int:
+def plan_expert_cache(
+    config,
+    profile: Profile,
+    element_bytes: int,
+    max_model_len: int,
+    *,
+    device_type: str = "cuda",
+    raw_config: dict | None = None,
+    model_dir: str | Path | None = None,
+    held_bytes: int = 0,
+) -> int:
     """Routed experts per MoE layer to keep on the device (DeepSeek-V2; lowvram.models.expert_offload):
     all of them when they fit, else as many as fit beside the other weights, the
     workspace and the KV of one full-length sequence (the least plan_kv accepts; pages

@@ -60,5 +60,6 @@ def make_batch_invariant(model: nn.Module) -> int:
     if num_attention == 0:
         raise ConfigError(
             f"batch_invariant: true covers dense Llama/Qwen2-style models; {type(model).__name__} has no layer "
-            f"it knows how to make batch-invariant. Set batch_invariant: false in the profile")
+            f"it knows how to make batch-invariant. Set batch_invariant: false in the profile"
+        )
     return num_switched

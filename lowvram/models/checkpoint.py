@@ -84,18 +84,26 @@ class WeightReport:
 
     @property
     def total_bytes(self) -> int:
-        return (self.int4_layer_bytes + self.fp16_layer_bytes + self.compensation_bytes + self.embedding_bytes
-                + self.head_bytes + self.other_bytes)
+        return (
+            self.int4_layer_bytes
+            + self.fp16_layer_bytes
+            + self.compensation_bytes
+            + self.embedding_bytes
+            + self.head_bytes
+            + self.other_bytes
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes}
 
     def summary(self) -> str:
         mib = 2**20
-        return (f"{self.total_bytes / mib:.1f} MiB: INT4 layers {self.int4_layer_bytes / mib:.1f} "
-                f"({self.num_int4_layers}), FP16 layers {self.fp16_layer_bytes / mib:.1f} ({self.num_fp16_layers}), "
-                f"compensation {self.compensation_bytes / mib:.1f}, embeddings {self.embedding_bytes / mib:.1f}, "
-                f"head {self.head_bytes / mib:.1f}, norms {self.other_bytes / mib:.1f}")
+        return (
+            f"{self.total_bytes / mib:.1f} MiB: INT4 layers {self.int4_layer_bytes / mib:.1f} "
+            f"({self.num_int4_layers}), FP16 layers {self.fp16_layer_bytes / mib:.1f} ({self.num_fp16_layers}), "
+            f"compensation {self.compensation_bytes / mib:.1f}, embeddings {self.embedding_bytes / mib:.1f}, "
+            f"head {self.head_bytes / mib:.1f}, norms {self.other_bytes / mib:.1f}"
+        )
 
 
 def _bytes(tensors) -> int:

@@ -108,7 +108,9 @@ def _rope_settings(raw: dict, source: str) -> tuple[float, str, float]:
     params = raw.get("rope_parameters") or {}
     legacy = raw.get("rope_scaling") or {}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    rope_type = (
+        params.get("rope_type") or params.get("type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    )
     factor = params.get("factor", legacy.get("factor", 1.0))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -126,7 +128,9 @@ def awq_config_from_dict(raw: dict, source: str) -> AwqConfig:
         raise ModelLoadError(f"{source}: quantization_config must be a JSON object, got {type(raw).__name__}")
     method = str(raw.get("quant_method", "awq")).lower()
     if method != "awq":
-        raise UnsupportedModelError(f"{source}: quant_method {method!r} is not supported. Supported: {_SUPPORTED_QUANT}")
+        raise UnsupportedModelError(
+            f"{source}: quant_method {method!r} is not supported. Supported: {_SUPPORTED_QUANT}"
+        )
     version = str(raw.get("version", "gemm")).lower()
     if version != "gemm":
         hint = " (GEMV packs along K for batch-1 kernels; re-quantize with version 'gemm', e.g. `lowvram quantize`)"

@@ -60,17 +60,49 @@ MODEL_TYPE = "deepseek_v2"
 # The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
 # 2.4B active per token), for benchmarks and plans at the real size.
 DEEPSEEK_V2_LITE_CONFIG = {
-    "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": 102400, "hidden_size": 2048,
-    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
-    "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
-    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "q_lora_rank": None,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "max_position_embeddings": 163840, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
-    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16",
+    "architectures": [ARCHITECTURE],
+    "model_type": MODEL_TYPE,
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -166,8 +198,13 @@ class DeepseekV2Config:
             q = h * heads * self.qk_head_dim
         else:
             q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
-        attn = (q + h * self.kv_head_dim + self.kv_lora_rank
-                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim) + heads * self.v_head_dim * h)
+        attn = (
+            q
+            + h * self.kv_head_dim
+            + self.kv_lora_rank
+            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+            + heads * self.v_head_dim * h
+        )
         expert = 3 * h * self.moe_intermediate_size
         moe = (self.num_routed_experts + self.num_shared_experts) * expert + self.num_routed_experts * h
         dense = 3 * h * self.intermediate_size
@@ -220,10 +257,12 @@ class DeepseekV2Config:
             raise ConfigError(f"{source} of a {ARCHITECTURE} is missing or has a bad field ({exc!r})") from None
         if config.rope["rope_type"] not in ("default", "yarn"):
             raise UnsupportedModelError(
-                f"rope type {config.rope['rope_type']!r} is not supported for {ARCHITECTURE}; supported: default, yarn")
+                f"rope type {config.rope['rope_type']!r} is not supported for {ARCHITECTURE}; supported: default, yarn"
+            )
         if config.topk_method not in ("greedy", "group_limited_greedy"):
             raise UnsupportedModelError(
-                f"topk_method {config.topk_method!r} is not supported; supported: greedy, group_limited_greedy")
+                f"topk_method {config.topk_method!r} is not supported; supported: greedy, group_limited_greedy"
+            )
         if raw.get("scoring_func", "softmax") != "softmax":
             raise UnsupportedModelError(f"scoring_func {raw['scoring_func']!r} is not supported; supported: softmax")
         if config.qk_rope_head_dim % 2:
@@ -287,7 +326,9 @@ class InterleavedRotary(nn.Module):
         if self.cos is None or self.cos.shape[0] < num_positions or self.cos.device != device:
             self._build(max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024)), device)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
+    ) -> list[torch.Tensor]:
         """Rotate each x [T, heads, R] by its token's position. `num_positions` bounds the
         positions (the step's longest context), sparing a device-to-host read per layer."""
         if num_positions is None:
@@ -325,15 +366,33 @@ def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
         rows, scale, zero, window = pages.k, pages.k_scale, pages.k_zero, pages.window_k
     else:
         rows, scale, zero, window = pages.v, pages.v_scale, pages.v_zero, pages.window_v
-    return KVPages(k=rows, v=rows, precision=pages.precision, k_scale=scale, k_zero=zero, v_scale=scale, v_zero=zero,
-                   window_k=window, window_v=window, window_row=pages.window_row)
+    return KVPages(
+        k=rows,
+        v=rows,
+        precision=pages.precision,
+        k_scale=scale,
+        k_zero=zero,
+        v_scale=scale,
+        v_zero=zero,
+        window_k=window,
+        window_v=window,
+        window_row=pages.window_row,
+    )
 
 
-def allocate_latent_pages(config: DeepseekV2Config, num_blocks: int, block_size: int, precision: str,
-                          dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu") -> list[KVPages]:
+def allocate_latent_pages(
+    config: DeepseekV2Config,
+    num_blocks: int,
+    block_size: int,
+    precision: str,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+) -> list[KVPages]:
     """Every layer's cache in the pool layout: `num_kv_layers` KVPages of one `kv_head_dim` head."""
-    return [allocate_pages(num_blocks, block_size, 1, config.kv_head_dim, precision, dtype, device)
-            for _ in range(config.num_kv_layers)]
+    return [
+        allocate_pages(num_blocks, block_size, 1, config.kv_head_dim, precision, dtype, device)
+        for _ in range(config.num_kv_layers)
+    ]
 
 
 class LatentAttention(nn.Module):
@@ -350,8 +409,9 @@ class LatentAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, heads * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim),
-                                   bias=False)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(heads * config.v_head_dim, hidden, bias=False)
         self.rotary = rotary
         self.scale = softmax_scale(config)
@@ -420,7 +480,8 @@ class MoE(nn.Module):
         self.num_experts = config.num_routed_experts
         self.gate = Router(config)
         self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts))
+            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts)
+        )
         if config.num_shared_experts:
             self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
         self.cache: ExpertCache | None = None
@@ -461,8 +522,9 @@ class MoE(nn.Module):
                 if count:
                     rows = token_rows[starts[expert_id] : starts[expert_id] + count]
                     y = self.experts[expert_id](x.index_select(0, rows))
-                    out.index_add_(0, rows, y * sorted_weights[starts[expert_id] : starts[expert_id] + count, None]
-                                   .to(x.dtype))
+                    out.index_add_(
+                        0, rows, y * sorted_weights[starts[expert_id] : starts[expert_id] + count, None].to(x.dtype)
+                    )
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
@@ -562,8 +624,11 @@ class DeepseekV2ForCausalLM(CausalLM):
 
 def _swap_awq_linears(model: DeepseekV2ForCausalLM, quant: AwqConfig, is_head_quantized: bool) -> None:
     """Replace the Linears an AWQ checkpoint quantizes by AwqLinear (model on the meta device)."""
-    names = [name for name, module in model.model.layers.named_modules(prefix="model.layers")
-             if isinstance(module, nn.Linear) and not quant.is_skipped(name)]
+    names = [
+        name
+        for name, module in model.model.layers.named_modules(prefix="model.layers")
+        if isinstance(module, nn.Linear) and not quant.is_skipped(name)
+    ]
     if is_head_quantized:
         names.append("lm_head")
     for name in names:
@@ -574,8 +639,10 @@ def _swap_awq_linears(model: DeepseekV2ForCausalLM, quant: AwqConfig, is_head_qu
             with torch.device("meta"):
                 awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
         except ValueError as exc:
-            raise ModelLoadError(f"{name} cannot be AWQ INT4 with group_size {quant.group_size}: {exc}; list it in "
-                                 "quantization_config.modules_to_not_convert if the checkpoint keeps it in FP16") from None
+            raise ModelLoadError(
+                f"{name} cannot be AWQ INT4 with group_size {quant.group_size}: {exc}; list it in "
+                "quantization_config.modules_to_not_convert if the checkpoint keeps it in FP16"
+            ) from None
         setattr(parent, child, awq)
 
 
@@ -595,8 +662,13 @@ def _dequantize_up_projections(model: DeepseekV2ForCausalLM, dtype: torch.dtype)
         layer.self_attn.kv_b_proj = dense
 
 
-def load_deepseek_v2(model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None, *,
-                     max_cached_experts: int | None = None) -> tuple[DeepseekV2ForCausalLM, dict]:
+def load_deepseek_v2(
+    model_dir: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    max_cached_experts: int | None = None,
+) -> tuple[DeepseekV2ForCausalLM, dict]:
     """Build on the meta device from config.json and assign the safetensors tensors by name.
 
     FP16/BF16/FP32 and AWQ INT4 (AutoAWQ GEMM) checkpoints. `max_cached_experts`: routed
@@ -636,8 +708,10 @@ def load_deepseek_v2(model_dir: str | Path, device: torch.device | str, dtype: t
                         continue
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(expected[name].shape):
-                        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
-                                             f"{tuple(expected[name].shape)}")
+                        raise ModelLoadError(
+                            f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
+                            f"{tuple(expected[name].shape)}"
+                        )
                     module_name, _, attr = name.rpartition(".")
                     module = model.get_submodule(module_name)
                     target = expert_device if ".mlp.experts." in name else device
@@ -657,8 +731,10 @@ def load_deepseek_v2(model_dir: str | Path, device: torch.device | str, dtype: t
         loaded.add("lm_head.weight")
     missing = sorted(set(expected) - loaded)
     if missing:
-        raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is "
-                             "incomplete or does not match config.json")
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is "
+            "incomplete or does not match config.json"
+        )
     _dequantize_up_projections(model, dtype)
     if is_offloaded:
         model.offload_experts(max_cached_experts)

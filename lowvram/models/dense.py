@@ -23,8 +23,7 @@ from lowvram.quant.awq_linear import AwqLinear
 def fuses_input(proj: nn.Module | None, x: torch.Tensor, norm: RMSNorm | None = None) -> bool:
     """Whether `proj` can take the norm (or the gate's activation) before it into its own kernel:
     one float16 row into an INT4 projection on the GPU, outside the batch-invariant mode."""
-    return (isinstance(proj, AwqLinear) and proj.can_fuse_input(x)
-            and (norm is None or norm.weight.dtype == x.dtype))
+    return isinstance(proj, AwqLinear) and proj.can_fuse_input(x) and (norm is None or norm.weight.dtype == x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -52,8 +51,9 @@ class RMSNorm(nn.Module):
         out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
         return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)
 
-    def add_norm_project(self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                         rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm_project(
+        self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, rope_kv: RopeKVWrite | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(proj(norm(x + residual)), x + residual): add_and_norm, then proj; one kernel when proj
         can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU).
         `rope_kv` (Attention.fused_rope_kv, which gives one only where this fuses, having asked
@@ -76,7 +76,9 @@ class Rotary(nn.Module):
         self.sin: torch.Tensor | None = None
 
     def _build(self, max_pos: int, device: torch.device) -> None:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+        )
         pos = torch.arange(max_pos, device=device, dtype=torch.float32) * self.position_scale
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
@@ -88,7 +90,9 @@ class Rotary(nn.Module):
             current = self.cos.shape[0] if self.cos is not None else 1024
             self._build(max(num_positions, 2 * current), device)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
+    ) -> list[torch.Tensor]:
         """Rotate each x [T, heads, D] by its token's position.
 
         `num_positions` bounds the positions (the step's longest context) so the tables can be
@@ -128,19 +132,27 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         return self._attend_heads(q, k, v, num_tokens, positions, meta, kv_pages)
 
-    def fused_rope_kv(self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata,
-                      kv_pages: KVPages) -> RopeKVWrite | None:
+    def fused_rope_kv(
+        self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: KVPages
+    ) -> RopeKVWrite | None:
         """RoPE and the KV store for the fused q/k/v projection's own kernel to run, where it can:
         a decode step of one token whose projection takes the norm (fuses_input), outside the
         batch-invariant mode, with heads of a power-of-two size from 16 up. None otherwise."""
-        if (meta.is_prefill or self.is_batch_invariant or x.shape[0] != 1 or not fuses_input(self.qkv_proj, x, norm)
-                or self.head_dim < 16 or self.head_dim & (self.head_dim - 1)):
+        if (
+            meta.is_prefill
+            or self.is_batch_invariant
+            or x.shape[0] != 1
+            or not fuses_input(self.qkv_proj, x, norm)
+            or self.head_dim < 16
+            or self.head_dim & (self.head_dim - 1)
+        ):
             return None
         rope = self.rotary.rope(positions, meta.max_context_len)
         return RopeKVWrite(self.num_heads, rope.positions, rope.cos, rope.sin, meta.slot_mapping, kv_pages)
 
-    def attend(self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages, *,
-               is_stored: bool = False) -> torch.Tensor:
+    def attend(
+        self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages, *, is_stored: bool = False
+    ) -> torch.Tensor:
         """The layer after the fused q/k/v projection: qkv [T, q_size + 2 * kv_size] -> [T, hidden].
         `is_stored`: the projection already rotated q and k and stored k and v (fused_rope_kv)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -153,8 +165,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rope = None if is_stored else self.rotary.rope(positions, meta.max_context_len)
         # rotates q and k in place first, unless the projection did
-        out = paged_attention(q, k, v, kv_pages, meta, self.scale, rope, batch_invariant=self.is_batch_invariant,
-                              is_stored=is_stored)
+        out = paged_attention(
+            q, k, v, kv_pages, meta, self.scale, rope, batch_invariant=self.is_batch_invariant, is_stored=is_stored
+        )
         return self.o_proj(out.reshape(num_tokens, -1))  # [T, H*D] -> [T, hidden]
 
 

@@ -58,12 +58,17 @@ class ExpertCacheStats:
         return ExpertCacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "hit_rate": self.hit_rate,
-                "bytes_per_token": self.bytes_per_token, "prefetch_accuracy": self.prefetch_accuracy}
+        return {
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "hit_rate": self.hit_rate,
+            "bytes_per_token": self.bytes_per_token,
+            "prefetch_accuracy": self.prefetch_accuracy,
+        }
 
 
-def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def group_by_expert(
+    ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Token-expert pairs ordered by expert, without a host sync per expert.
 
     ids, weights: [T, k]; counts[e]: pairs routed to expert e (on the host). Returns
@@ -145,16 +150,17 @@ class ExpertCache:
         stats: counters shared by every layer's cache.
     """
 
-    def __init__(self, experts: list[nn.Module], num_slots: int, device: torch.device | str,
-                 stats: ExpertCacheStats):
+    def __init__(self, experts: list[nn.Module], num_slots: int, device: torch.device | str, stats: ExpertCacheStats):
         self.device = torch.device(device)
         self.num_experts = len(experts)
         self.stats = stats
         self.pieces, self.expert_bytes = _layout(experts[0])
         for e, expert in enumerate(experts[1:], 1):
             if _layout(expert) != (self.pieces, self.expert_bytes):
-                raise ModelLoadError(f"expert {e} has other tensors than expert 0 (shapes, dtypes or compensation "
-                                     "terms); every routed expert of a layer must have the same ones")
+                raise ModelLoadError(
+                    f"expert {e} has other tensors than expert 0 (shapes, dtypes or compensation "
+                    "terms); every routed expert of a layer must have the same ones"
+                )
         is_cuda = self.device.type == "cuda"
         self.host = _host_rows(self.num_experts, self.expert_bytes, is_pinned=is_cuda)  # one per expert
         for e, expert in enumerate(experts):
@@ -278,7 +284,7 @@ class ExpertCache:
         for expert, slot in zip(missing, self._victims(set(needed))):
             self._fetch(expert, slot)
             queued.append(expert)
-        waiting = missing[len(queued):]
+        waiting = missing[len(queued) :]
         finished_slots = [compute(e) for e in resident]
         while queued or waiting:
             # Refill the finished slots first, so these copies overlap the compute queued next.

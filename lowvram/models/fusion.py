@@ -37,16 +37,23 @@ def _cat_awq(parts: list[AwqLinear]) -> AwqLinear:
     first = parts[0]
     biases = [p.bias for p in parts]
     has_bias = any(b is not None for b in biases)
-    fused = AwqLinear(first.in_features, sum(p.out_features for p in parts), first.group_size,
-                      any(p.has_own_bias for p in parts))
+    fused = AwqLinear(
+        first.in_features, sum(p.out_features for p in parts), first.group_size, any(p.has_own_bias for p in parts)
+    )
     fused.is_bias_corrected = any(p.is_bias_corrected for p in parts)
     for name in ("qweight", "qzeros", "scales"):
         fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1).contiguous())  # along N
     if has_bias:
         like = next(b for b in biases if b is not None)
-        fused.bias = nn.Parameter(torch.cat([
-            b if b is not None else torch.zeros(p.out_features, dtype=like.dtype, device=like.device)
-            for b, p in zip(biases, parts)]), requires_grad=False)
+        fused.bias = nn.Parameter(
+            torch.cat(
+                [
+                    b if b is not None else torch.zeros(p.out_features, dtype=like.dtype, device=like.device)
+                    for b, p in zip(biases, parts)
+                ]
+            ),
+            requires_grad=False,
+        )
     if any(p.lora_rank for p in parts):
         like = next(getattr(p, LORA_A) for p in parts if p.lora_rank)
         lora_a = torch.cat([getattr(p, LORA_A) for p in parts if p.lora_rank])  # [r_total, K]
@@ -54,7 +61,7 @@ def _cat_awq(parts: list[AwqLinear]) -> AwqLinear:
         row, rank = 0, 0
         for p in parts:
             if p.lora_rank:
-                lora_b[row:row + p.out_features, rank:rank + p.lora_rank] = getattr(p, LORA_B)
+                lora_b[row : row + p.out_features, rank : rank + p.lora_rank] = getattr(p, LORA_B)
                 rank += p.lora_rank
             row += p.out_features
         fused.set_compensation(LORA_A, lora_a)

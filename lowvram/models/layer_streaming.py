@@ -179,23 +179,41 @@ def _inventory(model: CausalLM, strategy: str) -> _Inventory:
         inventories.append(_LayerInventory(own, staged))
     shared = {i: entry for regs in per_layer for i, entry in regs.items() if counts[i] > 1 and i not in outside}
     embedding = getattr(model.model.embed_tokens, "weight", None)
-    is_movable = embedding is not None and id(embedding) in outside and all(
-        binding.module is model.model.embed_tokens for binding in outside[id(embedding)][1])
+    is_movable = (
+        embedding is not None
+        and id(embedding) in outside
+        and all(binding.module is model.model.embed_tokens for binding in outside[id(embedding)][1])
+    )
     host_embedding = _nbytes(embedding) if is_movable and id(embedding) not in shared else 0
     fixed = sum(_nbytes(t) for t, _ in {**outside, **shared}.values()) - host_embedding
     return _Inventory(inventories, fixed, host_embedding)
 
 
-def plan_for_model(model: CausalLM, strategy: str, *, budget_bytes: int, workspace_bytes: int, kv_bytes: int,
-                   reserve_bytes: int = 0, max_resident_layers: int | None = None,
-                   max_model_len: int = 0) -> OffloadPlan:
+def plan_for_model(
+    model: CausalLM,
+    strategy: str,
+    *,
+    budget_bytes: int,
+    workspace_bytes: int,
+    kv_bytes: int,
+    reserve_bytes: int = 0,
+    max_resident_layers: int | None = None,
+    max_model_len: int = 0,
+) -> OffloadPlan:
     """The split of a loaded model (its real tensor sizes) against a budget; see memory_plan.plan_offload."""
     inventory = _inventory(model, strategy)
     return plan_offload(
-        [layer.device_bytes for layer in inventory.layers], [layer.staged_bytes for layer in inventory.layers],
-        fixed_bytes=inventory.fixed_bytes, host_embedding_bytes=inventory.host_embedding_bytes,
-        budget_bytes=budget_bytes, workspace_bytes=workspace_bytes, kv_bytes=kv_bytes, reserve_bytes=reserve_bytes,
-        strategy=strategy, max_resident_layers=max_resident_layers, max_model_len=max_model_len,
+        [layer.device_bytes for layer in inventory.layers],
+        [layer.staged_bytes for layer in inventory.layers],
+        fixed_bytes=inventory.fixed_bytes,
+        host_embedding_bytes=inventory.host_embedding_bytes,
+        budget_bytes=budget_bytes,
+        workspace_bytes=workspace_bytes,
+        kv_bytes=kv_bytes,
+        reserve_bytes=reserve_bytes,
+        strategy=strategy,
+        max_resident_layers=max_resident_layers,
+        max_model_len=max_model_len,
     )
 
 
@@ -211,8 +229,13 @@ class _PinnedAsDevice:
     def __init__(self, host: torch.Tensor):
         self.host = host  # kept alive by the CUDA tensor's storage, which holds this object
         typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[host.element_size()]
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": typestr,
-                                         "data": (host.data_ptr(), False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": typestr,
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def pinned_device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -261,17 +284,16 @@ class HostEmbedding(nn.Module):
         that size, since graphs keep its address. The caller makes sure no replay still reads it."""
         if self._graph_rows is None:
             with torch.inference_mode(False):
-                self._graph_rows = torch.empty(capacity, self.embedding_dim, dtype=self.weight.dtype,
-                                               pin_memory=True)
+                self._graph_rows = torch.empty(capacity, self.embedding_dim, dtype=self.weight.dtype, pin_memory=True)
         ids = torch.tensor(token_ids, dtype=torch.long)
-        torch.index_select(self.weight, 0, ids, out=self._graph_rows[:len(token_ids)])
+        torch.index_select(self.weight, 0, ids, out=self._graph_rows[: len(token_ids)])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.device_view is not None:
             return torch.nn.functional.embedding(input_ids.to(self.device), self.device_view)
         if self._graph_rows is not None and torch.cuda.is_current_stream_capturing():
             # [B, hidden]: the replay copies what `stage` gathered; input_ids are not read.
-            return self._graph_rows[:input_ids.shape[0]].to(self.device, non_blocking=True)
+            return self._graph_rows[: input_ids.shape[0]].to(self.device, non_blocking=True)
         ids = input_ids.to("cpu")  # [T]
         if self._copied is None:
             return self.weight.index_select(0, ids).to(self.device)
@@ -319,9 +341,13 @@ def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
     cols = max(8, DEQUANT_CHUNK_ELEMENTS // k // 8 * 8)  # whole int32 words of 8 columns
     for start in range(0, n, cols):
         end = min(n, start + cols)
-        part = dequantize_awq(awq.qweight[:, start // 8 : end // 8].to(compute_device),
-                              awq.qzeros[:, start // 8 : end // 8].to(compute_device),
-                              awq.scales[:, start:end].to(compute_device), g, dtype=torch.float32)  # [K, cols]
+        part = dequantize_awq(
+            awq.qweight[:, start // 8 : end // 8].to(compute_device),
+            awq.qzeros[:, start // 8 : end // 8].to(compute_device),
+            awq.scales[:, start:end].to(compute_device),
+            g,
+            dtype=torch.float32,
+        )  # [K, cols]
         weight[start:end] = part.t().contiguous().cpu()
     lora_a, lora_b = getattr(awq, LORA_A), getattr(awq, LORA_B)
     if lora_a is not None and lora_b is not None:
@@ -384,8 +410,11 @@ class _PackedLayer:
         return [storage[e.offset : e.offset + e.num_bytes].view(e.dtype).view(e.shape) for e in self.entries]
 
     def _bound(self, storage: torch.Tensor) -> list[tuple[_Binding, torch.Tensor]]:
-        return [(binding, binding.wrap(view)) for view, e in zip(self._views(storage), self.entries)
-                for binding in e.bindings]
+        return [
+            (binding, binding.wrap(view))
+            for view, e in zip(self._views(storage), self.entries)
+            for binding in e.bindings
+        ]
 
     def add_staging(self, storage: torch.Tensor) -> None:
         self.staging_bound.append(self._bound(storage))
@@ -435,7 +464,7 @@ class LayerStreamer:
         self.is_cuda = self.device.type == "cuda"
         self.stats = StreamingStats()
         layers = list(model.model.layers)
-        streamed = layers[plan.num_resident_layers:]
+        streamed = layers[plan.num_resident_layers :]
         with torch.no_grad():
             if plan.strategy == "cpu":
                 for layer in streamed:
@@ -444,11 +473,12 @@ class LayerStreamer:
             inventory = _inventory(model, plan.strategy)
             self.has_host_embedding = plan.is_embedding_on_host and inventory.host_embedding_bytes > 0
             embedding = model.model.embed_tokens.weight if self.has_host_embedding else None
-            staged = [layer.staged for layer in inventory.layers[plan.num_resident_layers:]]
+            staged = [layer.staged for layer in inventory.layers[plan.num_resident_layers :]]
             kept = {i for regs in staged for i in regs} | ({id(embedding)} if embedding is not None else set())
             self._place(model, kept)
-            self.layers = [_PackedLayer(plan.num_resident_layers + k, regs, self.is_cuda)
-                           for k, regs in enumerate(staged)]
+            self.layers = [
+                _PackedLayer(plan.num_resident_layers + k, regs, self.is_cuda) for k, regs in enumerate(staged)
+            ]
             if embedding is not None:
                 model.model.embed_tokens = HostEmbedding(embedding, self.device)
             buffer_bytes = max((layer.num_bytes for layer in self.layers), default=0)
@@ -458,8 +488,13 @@ class LayerStreamer:
                 for buffer in storage:
                     layer.add_staging(buffer)
         events = (lambda: [torch.cuda.Event() for _ in storage]) if self.is_cuda else (lambda: [None] * num_buffers)
-        self.buffers = _Buffers(storage, [None] * num_buffers, events(), events(),
-                                copy_stream=torch.cuda.Stream(device=self.device) if self.is_cuda else None)
+        self.buffers = _Buffers(
+            storage,
+            [None] * num_buffers,
+            events(),
+            events(),
+            copy_stream=torch.cuda.Stream(device=self.device) if self.is_cuda else None,
+        )
         for k, layer in enumerate(streamed):
             layer.register_forward_pre_hook(partial(self._before_layer, k))
             layer.register_forward_hook(partial(self._after_layer, k))
@@ -530,10 +565,15 @@ class LayerStreamer:
 # ---------------------------------------------------------------- loading for a profile
 
 
-def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torch.device | str,
-                           dtype: torch.dtype | None = None, *,
-                           prepare: Callable[[nn.Module], object] | None = None,
-                           held_bytes: int = 0) -> tuple[CausalLM, ModelConfig]:
+def load_model_for_profile(
+    model_dir: str | Path,
+    profile: Profile,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    prepare: Callable[[nn.Module], object] | None = None,
+    held_bytes: int = 0,
+) -> tuple[CausalLM, ModelConfig]:
     """Load a checkpoint for `profile`: straight onto the device (loader.load_model), or,
     when the profile's `weight_offload` calls for a split (memory_plan.plan_weight_offload),
     into host memory first and then split by a LayerStreamer sized from the real tensors.
@@ -551,10 +591,19 @@ def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torc
     predicted = None
     is_embedding_on_host = keeps_embeddings_on_host(config, profile, device.type)
     if profile.weight_offload != "off":
-        weights = weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir,
-                                       is_embedding_on_host=is_embedding_on_host)
-        predicted = plan_weight_offload(config, profile, weights, element_bytes, max_model_len,
-                                        device_type=device.type, raw_config=raw, held_bytes=held_bytes)
+        weights = weight_bytes_by_kind(
+            config, raw, element_bytes, model_dir=model_dir, is_embedding_on_host=is_embedding_on_host
+        )
+        predicted = plan_weight_offload(
+            config,
+            profile,
+            weights,
+            element_bytes,
+            max_model_len,
+            device_type=device.type,
+            raw_config=raw,
+            held_bytes=held_bytes,
+        )
     # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on
     # the device, the dropped ones would leave holes the allocator keeps (1.7 GiB for the 1.5B
     # shape in FP16), so on CUDA the model is prepared in host memory and placed after.
@@ -569,10 +618,16 @@ def load_model_for_profile(model_dir: str | Path, profile: Profile, device: torc
         elif on_host:
             place_on_device(model, device)
         return model, config
-    plan = plan_for_model(model, predicted.strategy, budget_bytes=predicted.budget_bytes,
-                          workspace_bytes=predicted.workspace_bytes, kv_bytes=predicted.kv_bytes,
-                          reserve_bytes=predicted.reserve_bytes, max_resident_layers=profile.max_resident_layers,
-                          max_model_len=max_model_len)
+    plan = plan_for_model(
+        model,
+        predicted.strategy,
+        budget_bytes=predicted.budget_bytes,
+        workspace_bytes=predicted.workspace_bytes,
+        kv_bytes=predicted.kv_bytes,
+        reserve_bytes=predicted.reserve_bytes,
+        max_resident_layers=profile.max_resident_layers,
+        max_model_len=max_model_len,
+    )
     plan.check(profile.name)
     LayerStreamer(model, device, plan)
     return model, config

@@ -35,8 +35,15 @@ log = logging.getLogger("lowvram")
 # Not "*.safetensors": vLLM reads every *.safetensors file of a directory without an index
 # and fails on tensor names it does not know, so the extras go in a file it never globs.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", COMPENSATION_FILE]
-QUANTIZABLE_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QUANTIZABLE_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -50,7 +57,9 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         return path
-    looks_like_path = path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep == "\\" and "\\" in text
+    looks_like_path = (
+        path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep == "\\" and "\\" in text
+    )
     if looks_like_path:
         raise ModelLoadError(f"model directory {text!r} does not exist; pass a local Hugging Face model directory")
     return _download(text)
@@ -60,7 +69,9 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a declared dependency
-        raise ModelLoadError("huggingface_hub is not installed; pip install huggingface_hub, or pass a local directory") from None
+        raise ModelLoadError(
+            "huggingface_hub is not installed; pip install huggingface_hub, or pass a local directory"
+        ) from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as exc:  # the hub raises many types (offline, 404, gated, HTTP)
@@ -109,7 +120,9 @@ def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> No
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def _convert(module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _convert(
+    module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     # Packed AWQ tensors stay bit-for-bit as on disk: int32 words and float16 scales.
     if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
         return tensor.to(device=device)
@@ -165,11 +178,15 @@ def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
     for name in missing:
         stem, _, attr = name.rpartition(".")
         if attr == "qweight" and f"{stem}.weight" in names_on_disk:
-            return (f" ({stem} is listed as INT4 but the checkpoint holds it in FP16; is it missing from "
-                    "quantization_config.modules_to_not_convert?)")
+            return (
+                f" ({stem} is listed as INT4 but the checkpoint holds it in FP16; is it missing from "
+                "quantization_config.modules_to_not_convert?)"
+            )
         if attr == "weight" and f"{stem}.qweight" in names_on_disk:
-            return (f" ({stem} is listed in quantization_config.modules_to_not_convert but the checkpoint holds "
-                    "it quantized)")
+            return (
+                f" ({stem} is listed in quantization_config.modules_to_not_convert but the checkpoint holds "
+                "it quantized)"
+            )
     return ""
 
 
@@ -198,8 +215,14 @@ def swap_awq_linears(model: CausalLM, quant: AwqConfig, is_head_quantized: bool 
     return names
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *,
-               profile: Profile | None = None, held_bytes: int = 0) -> tuple[CausalLM, ModelConfig]:
+def load_model(
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    profile: Profile | None = None,
+    held_bytes: int = 0,
+) -> tuple[CausalLM, ModelConfig]:
     """Build the model on the meta device and assign the checkpoint's tensors.
 
     Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
@@ -227,8 +250,15 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype | None 
     model.dtype = dtype
     model.eval()
     kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    log.info("loaded %s (%s, %s) on %s in %s: %s", model_dir, config.architecture, kind, device, dtype,
-             model.weight_report.summary())
+    log.info(
+        "loaded %s (%s, %s) on %s in %s: %s",
+        model_dir,
+        config.architecture,
+        kind,
+        device,
+        dtype,
+        model.weight_report.summary(),
+    )
     return model, config
 
 
@@ -238,22 +268,46 @@ def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
     return raw is not None and is_deepseek_v2(raw)
 
 
-def _load_deepseek_v2(model_dir: Path, raw: dict, device: torch.device, dtype: torch.dtype | None,
-                      profile: Profile | None, held_bytes: int) -> tuple[CausalLM, ModelConfig]:
+def _load_deepseek_v2(
+    model_dir: Path,
+    raw: dict,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    profile: Profile | None,
+    held_bytes: int,
+) -> tuple[CausalLM, ModelConfig]:
     # Experts move only between host and a GPU: on the CPU they all stay where they are.
     config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
     dtype = _target_dtype(config, device, dtype)
     max_cached_experts = None
     if profile is not None and device.type == "cuda" and config.num_routed_experts:
         max_model_len = min(profile.max_model_len, config.max_position_embeddings)
-        max_cached_experts = plan_expert_cache(config, profile, torch.finfo(dtype).bits // 8, max_model_len,
-                                               device_type=device.type, raw_config=raw, model_dir=model_dir,
-                                               held_bytes=held_bytes)
+        max_cached_experts = plan_expert_cache(
+            config,
+            profile,
+            torch.finfo(dtype).bits // 8,
+            max_model_len,
+            device_type=device.type,
+            raw_config=raw,
+            model_dir=model_dir,
+            held_bytes=held_bytes,
+        )
     model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
     kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
     cached = model.num_cached_experts
-    experts = (f"{cached} of {config.num_routed_experts} routed experts per layer on the device" if cached
-               else "every routed expert on the device")
-    log.info("loaded %s (%s, %s) on %s in %s, %s: %s", model_dir, config.architecture, kind, device, dtype, experts,
-             model.weight_report.summary())
+    experts = (
+        f"{cached} of {config.num_routed_experts} routed experts per layer on the device"
+        if cached
+        else "every routed expert on the device"
+    )
+    log.info(
+        "loaded %s (%s, %s) on %s in %s, %s: %s",
+        model_dir,
+        config.architecture,
+        kind,
+        device,
+        dtype,
+        experts,
+        model.weight_report.summary(),
+    )
     return model, config

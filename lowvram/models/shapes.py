@@ -22,20 +22,47 @@ from lowvram.errors import ConfigError
 
 SHAPES: dict[str, dict] = {
     "r1-distill-qwen-1.5b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     ),
     "r1-distill-qwen-7b": dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     ),
     "deepseek-coder-1.3b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5504,
-        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, vocab_size=32256,
-        max_position_embeddings=16384, rope_theta=100000.0, rope_scaling={"type": "linear", "factor": 4.0},
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32256,
+        max_position_embeddings=16384,
+        rope_theta=100000.0,
+        rope_scaling={"type": "linear", "factor": 4.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -76,15 +103,28 @@ def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
     return layer_projection_shapes(c["hidden_size"], c["intermediate_size"], *attention_sizes(c))
 
 
-def random_awq_tensors(num_inputs: int, num_outputs: int, group_size: int, *, device: str | torch.device = "cpu",
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_awq_tensors(
+    num_inputs: int,
+    num_outputs: int,
+    group_size: int,
+    *,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight [K, N/8], qzeros [K/G, N/8], float16 scales [K/G, N]) of one AWQ layer with
     uniformly random codes and zeros and small positive scales: what the kernel benchmarks
     time and check against the reference."""
-    qweight = torch.randint(-2**31, 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, device=device,
-                            generator=generator)
-    qzeros = torch.randint(-2**31, 2**31 - 1, (num_inputs // group_size, num_outputs // 8), dtype=torch.int32,
-                           device=device, generator=generator)
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, device=device, generator=generator
+    )
+    qzeros = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (num_inputs // group_size, num_outputs // 8),
+        dtype=torch.int32,
+        device=device,
+        generator=generator,
+    )
     scales = torch.rand(num_inputs // group_size, num_outputs, device=device, generator=generator) * 0.02 + 1e-3
     return qweight, qzeros, scales.half()
 
@@ -97,20 +137,33 @@ def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
         if has_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
     return shapes
 
 
-def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int | None = None, seed: int = 0,
-                            max_shard_bytes: int = 2 * 2**30) -> Path:
+def write_random_checkpoint(
+    out_dir: str | Path, shape: str, *, num_layers: int | None = None, seed: int = 0, max_shard_bytes: int = 2 * 2**30
+) -> Path:
     """A complete checkpoint of a named shape with random BF16 weights; returns its directory."""
     from safetensors.torch import save_file
 
@@ -131,7 +184,9 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int 
         if name.endswith("norm.weight"):
             tensor = torch.ones(dims, dtype=torch.bfloat16)
         else:
-            tensor = (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+            tensor = (
+                (torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+            )
         if shard_bytes + tensor.numel() * 2 > max_shard_bytes and shards[-1]:
             shards.append({})
             shard_bytes = 0
@@ -143,7 +198,10 @@ def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int 
         save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
         weight_map.update({name: file for name in tensors})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * 2 for s in shards for t in s.values())},
+            "weight_map": weight_map,
+        }
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out_dir
 
@@ -181,9 +239,18 @@ def cached_checkpoint(key: str, make: Callable[[Path], object], work_dir: str | 
     return target
 
 
-def random_awq_checkpoint(shape: str, work_dir: str | Path, *, num_samples: int = 8, group_size: int = 128,
-                          fp16_budget_mib: float = 0.0, rank: int = 0, device: str = "auto",
-                          emulate_vram_gib: float | None = None, quantize_head: bool = False) -> tuple[Path, Path]:
+def random_awq_checkpoint(
+    shape: str,
+    work_dir: str | Path,
+    *,
+    num_samples: int = 8,
+    group_size: int = 128,
+    fp16_budget_mib: float = 0.0,
+    rank: int = 0,
+    device: str = "auto",
+    emulate_vram_gib: float | None = None,
+    quantize_head: bool = False,
+) -> tuple[Path, Path]:
     """Random weights of `shape` and their AWQ INT4 version (`num_samples` calibration
     blocks; FP16-kept layers, compensation and an INT4 lm_head as given, none by default):
     (source directory, AWQ directory), cached as `cached_checkpoint` says."""
@@ -191,7 +258,19 @@ def random_awq_checkpoint(shape: str, work_dir: str | Path, *, num_samples: int 
 
     source = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
     key = f"{shape}-awq-n{num_samples}-g{group_size}-f{fp16_budget_mib:g}-r{rank}" + ("-head" if quantize_head else "")
-    awq = cached_checkpoint(key, lambda d: quantize_model(
-        source, d, group_size=group_size, fp16_budget_mib=fp16_budget_mib, rank=rank, num_samples=num_samples,
-        device=device, emulate_vram_gib=emulate_vram_gib, quantize_head=quantize_head), work_dir)
+    awq = cached_checkpoint(
+        key,
+        lambda d: quantize_model(
+            source,
+            d,
+            group_size=group_size,
+            fp16_budget_mib=fp16_budget_mib,
+            rank=rank,
+            num_samples=num_samples,
+            device=device,
+            emulate_vram_gib=emulate_vram_gib,
+            quantize_head=quantize_head,
+        ),
+        work_dir,
+    )
     return source, awq

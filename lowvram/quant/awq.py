@@ -62,12 +62,19 @@ class ScaleGroup:
 
 def layer_scale_groups(num_heads: int, num_kv_heads: int) -> list[ScaleGroup]:
     """The scale groups of one decoder layer, in the order they are searched."""
-    groups = [ScaleGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                         inputs="attn_in", target="attn")]
+    groups = [
+        ScaleGroup(
+            "input_layernorm",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            inputs="attn_in",
+            target="attn",
+        )
+    ]
     if num_heads == num_kv_heads:
         groups.append(ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), inputs="o_in", target="o"))
-    groups.append(ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"),
-                             inputs="mlp_in", target="mlp"))
+    groups.append(
+        ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inputs="mlp_in", target="mlp")
+    )
     groups.append(ScaleGroup("mlp.up_proj", ("mlp.down_proj",), inputs="down_in", target="down"))
     return groups
 
@@ -124,8 +131,9 @@ class ScaleSearch:
     rtn_loss: float
 
 
-def search_scales(x_mean: torch.Tensor, weights: list[torch.Tensor], group_size: int,
-                  loss_fn: Callable[[list[torch.Tensor]], float]) -> ScaleSearch:
+def search_scales(
+    x_mean: torch.Tensor, weights: list[torch.Tensor], group_size: int, loss_fn: Callable[[list[torch.Tensor]], float]
+) -> ScaleSearch:
     """Grid-search the group's input-channel scales.
 
     x_mean [K]: mean |x| per input channel over the calibration tokens; weights: the group's

@@ -116,28 +116,53 @@ class AwqLinear(nn.Module):
         # On the CPU the model always takes the plain-torch path: Triton there is only the
         # interpreter, which tests use to check the kernels themselves.
         # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
-        return awq_linear(x, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                          **self._lora(), use_reference=not x.is_cuda, batch_invariant=self.is_batch_invariant)
+        return awq_linear(
+            x,
+            self.qweight,
+            self.qzeros,
+            self.scales,
+            self.group_size,
+            self.bias,
+            **self._lora(),
+            use_reference=not x.is_cuda,
+            batch_invariant=self.is_batch_invariant,
+        )
 
     def can_fuse_input(self, x: torch.Tensor) -> bool:
         """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside
         the batch-invariant mode (which keeps one kernel form for every row count)."""
         return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
 
-    def forward_normed(self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                       eps: float, rope_kv: RopeKVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        rope_kv: RopeKVWrite | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(RMSNorm(h + residual)), h + residual) in one kernel: RMSNorm.add_and_norm and
         this layer fused; with no residual (the first layer) the sum is h itself. `rope_kv`: a
         fused q/k/v layer's output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
         total = None if residual is None else torch.empty_like(h)
-        y = awq_linear_one_row(h, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                               **self._lora(), norm=InputNorm(norm_weight, eps, residual, total), rope_kv=rope_kv)
+        y = awq_linear_one_row(
+            h,
+            self.qweight,
+            self.qzeros,
+            self.scales,
+            self.group_size,
+            self.bias,
+            **self._lora(),
+            norm=InputNorm(norm_weight, eps, residual, total),
+            rope_kv=rope_kv,
+        )
         return y, (h if total is None else total)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of a fused gate/up output [1, 2K], in one kernel."""
-        return awq_linear_one_row(gate_up, self.qweight, self.qzeros, self.scales, self.group_size, self.bias,
-                                  **self._lora(), is_gated=True)
+        return awq_linear_one_row(
+            gate_up, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, **self._lora(), is_gated=True
+        )
 
     def _lora(self) -> dict:
         lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
@@ -149,5 +174,7 @@ class AwqLinear(nn.Module):
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
         if self.is_bias_corrected:
             extras += ", bias_correction=True"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}{extras}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, bias={self.bias is not None}{extras}"
+        )

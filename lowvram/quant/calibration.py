@@ -45,8 +45,11 @@ def load_calibration_records(path: str | Path | None = None) -> list[dict]:
     """
     path = CALIBRATION_PATH if path is None else Path(path).expanduser()
     if not path.is_file():
-        where = "the shipped calibration corpus is missing from this install; reinstall lowvram or pass --calib FILE" \
-            if path == CALIBRATION_PATH else f"--calib {path}: no such file"
+        where = (
+            "the shipped calibration corpus is missing from this install; reinstall lowvram or pass --calib FILE"
+            if path == CALIBRATION_PATH
+            else f"--calib {path}: no such file"
+        )
         raise ConfigError(where)
     try:
         content = path.read_text(encoding="utf-8")
@@ -120,8 +123,12 @@ def calibration_blocks(hf_tokenizer, records: list[dict], num_samples: int, seq_
             "pass more text with --calib or lower --seq-len"
         )
     if num_blocks < num_samples:
-        log.warning("calibration text gives %d blocks of %d tokens, fewer than the %d requested", num_blocks,
-                    seq_len, num_samples)
+        log.warning(
+            "calibration text gives %d blocks of %d tokens, fewer than the %d requested",
+            num_blocks,
+            seq_len,
+            num_samples,
+        )
     # blocks: [num_blocks, seq_len]
     return torch.tensor(ids[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
 

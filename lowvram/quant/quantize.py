@@ -94,12 +94,18 @@ FUSED_GROUPS = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 INPUT_OF = {
-    "self_attn.q_proj": "attn_in", "self_attn.k_proj": "attn_in", "self_attn.v_proj": "attn_in",
-    "self_attn.o_proj": "o_in", "mlp.gate_proj": "mlp_in", "mlp.up_proj": "mlp_in", "mlp.down_proj": "down_in",
+    "self_attn.q_proj": "attn_in",
+    "self_attn.k_proj": "attn_in",
+    "self_attn.v_proj": "attn_in",
+    "self_attn.o_proj": "o_in",
+    "mlp.gate_proj": "mlp_in",
+    "mlp.up_proj": "mlp_in",
+    "mlp.down_proj": "down_in",
 }
 
 
 # -- report ------------------------------------------------------------------------------------
+
 
 @dataclass
 class QuantizeReport:
@@ -119,7 +125,9 @@ class QuantizeReport:
     num_int4_linears: int = 0
     fp16_groups: list[dict] = field(default_factory=list)  # {"name", "score", "extra_mib"}, most sensitive first
     sensitivity: dict[str, float] = field(default_factory=dict)  # fused group -> relative error it adds to h
-    compensation: dict[str, dict] = field(default_factory=dict)  # linear -> {"rank", "scale", "bias", "error_reduction"}
+    compensation: dict[str, dict] = field(
+        default_factory=dict
+    )  # linear -> {"rank", "scale", "bias", "error_reduction"}
     awq_alphas: dict[str, float | None] = field(default_factory=dict)  # scale group -> alpha (None: RTN won)
     int4_bytes: int = 0
     fp16_layer_bytes: int = 0
@@ -137,31 +145,41 @@ class QuantizeReport:
         return {**asdict(self), "total_bytes": self.total_bytes}
 
     def summary(self) -> str:
-        lines = [f"quantized {self.model_dir} -> {self.out_dir} ({self.method.upper()} INT4, group size "
-                 f"{self.group_size}, {self.num_samples} x {self.seq_len} calibration tokens, on {self.device})"]
-        lines.append(f"  weights {self.total_bytes / MIB:.1f} MiB: INT4 {self.int4_bytes / MIB:.1f} "
-                     f"({self.num_int4_linears} linears), FP16 layers {self.fp16_layer_bytes / MIB:.1f}, "
-                     f"compensation {self.compensation_bytes / MIB:.1f}, embeddings/head/norms "
-                     f"{self.other_bytes / MIB:.1f}")
+        lines = [
+            f"quantized {self.model_dir} -> {self.out_dir} ({self.method.upper()} INT4, group size "
+            f"{self.group_size}, {self.num_samples} x {self.seq_len} calibration tokens, on {self.device})"
+        ]
+        lines.append(
+            f"  weights {self.total_bytes / MIB:.1f} MiB: INT4 {self.int4_bytes / MIB:.1f} "
+            f"({self.num_int4_linears} linears), FP16 layers {self.fp16_layer_bytes / MIB:.1f}, "
+            f"compensation {self.compensation_bytes / MIB:.1f}, embeddings/head/norms "
+            f"{self.other_bytes / MIB:.1f}"
+        )
         if self.fp16_budget_mib > 0:
             if self.fp16_groups:
                 lines.append(f"  kept in FP16 (most sensitive first, within {self.fp16_budget_mib:g} MiB):")
-                lines += [f"    {g['name']:<40} score {g['score']:.3e}  +{g['extra_mib']:.2f} MiB"
-                          for g in self.fp16_groups]
+                lines += [
+                    f"    {g['name']:<40} score {g['score']:.3e}  +{g['extra_mib']:.2f} MiB" for g in self.fp16_groups
+                ]
             else:
                 lines.append(f"  no layer fits the FP16 budget of {self.fp16_budget_mib:g} MiB")
         if self.compensation:
             ranks = [c["rank"] for c in self.compensation.values()]
             reductions = [c["error_reduction"] for c in self.compensation.values()]
-            lines.append(f"  compensation on {len(ranks)} linears: mean rank {sum(ranks) / len(ranks):.1f}, "
-                         f"held-out INT4 error reduced by {100 * sum(reductions) / len(reductions):.0f}% on average")
-        peak = f"peak device memory {self.peak_device_bytes / GIB:.2f} GiB" if self.peak_device_bytes is not None else ""
+            lines.append(
+                f"  compensation on {len(ranks)} linears: mean rank {sum(ranks) / len(ranks):.1f}, "
+                f"held-out INT4 error reduced by {100 * sum(reductions) / len(reductions):.0f}% on average"
+            )
+        peak = (
+            f"peak device memory {self.peak_device_bytes / GIB:.2f} GiB" if self.peak_device_bytes is not None else ""
+        )
         host = f"peak host memory {self.peak_host_bytes / GIB:.2f} GiB" if self.peak_host_bytes else ""
         lines.append(f"  time {self.seconds:.1f} s" + "".join(f", {p}" for p in (peak, host) if p))
         return "\n".join(lines)
 
 
 # -- reading the input checkpoint --------------------------------------------------------------
+
 
 class SourceCheckpoint:
     """The input checkpoint's tensors, read one at a time from its (memory-mapped) shards."""
@@ -197,6 +215,7 @@ def _layer_weights(source: SourceCheckpoint, config: ModelConfig, index: int, de
 
 
 # -- the layer, run densely over whole calibration samples ---------------------------------------
+
 
 class LayerRunner:
     """One decoder layer's forward over calibration samples [b, L, hidden], without a KV cache.
@@ -262,6 +281,7 @@ class LayerRunner:
 
 # -- where cached activations live ---------------------------------------------------------------
 
+
 class ActivationStore:
     """Keeps per-chunk activations on the device while under budget, in pinned host memory beyond it."""
 
@@ -281,6 +301,7 @@ class ActivationStore:
 
 
 # -- per-layer result -------------------------------------------------------------------------------
+
 
 @dataclass
 class LinearResult:
@@ -311,9 +332,20 @@ def _float16(tensor: torch.Tensor, name: str) -> torch.Tensor:
 class Quantizer:
     """Runs the per-layer pipeline over the calibration activations; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, source: SourceCheckpoint, device: torch.device, *, method: str,
-                 group_size: int, rank: int, use_bias_correction: bool, is_sensitivity_needed: bool,
-                 seq_len: int, max_resident_bytes: int | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        source: SourceCheckpoint,
+        device: torch.device,
+        *,
+        method: str,
+        group_size: int,
+        rank: int,
+        use_bias_correction: bool,
+        is_sensitivity_needed: bool,
+        seq_len: int,
+        max_resident_bytes: int | None,
+    ):
         self.config, self.source, self.device = config, source, device
         self.method, self.group_size = method, group_size
         self.rank, self.use_bias_correction = rank, use_bias_correction
@@ -334,8 +366,10 @@ class Quantizer:
     def embed(self, ids: torch.Tensor, samples_per_chunk: int) -> list[torch.Tensor]:
         """Layer-0 inputs, one tensor [b, L, hidden] per chunk of samples."""
         table = self.source.get("model.embed_tokens.weight")
-        return [self.store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(self.device, self.dtype))
-                for i in range(0, ids.shape[0], samples_per_chunk)]
+        return [
+            self.store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(self.device, self.dtype))
+            for i in range(0, ids.shape[0], samples_per_chunk)
+        ]
 
     def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[LayerResult, list[torch.Tensor]]:
         """Quantize layer `index` given its inputs; returns its result and the next layer's inputs."""
@@ -372,9 +406,12 @@ class Quantizer:
             if self.is_compensated:
                 error = weights[f"{name}.weight"] - dequantized[name]
                 linears[name].compensation = _to_host(
-                    fit_compensation(error, stats[INPUT_OF[name]], self.rank, self.use_bias_correction))
-        norms = {name: _float16(weights[name], f"model.layers.{index}.{name}")
-                 for name in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+                    fit_compensation(error, stats[INPUT_OF[name]], self.rank, self.use_bias_correction)
+                )
+        norms = {
+            name: _float16(weights[name], f"model.layers.{index}.{name}")
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight")
+        }
         return LayerResult(norms, linears, scores), next_hs
 
     def _reference_pass(self, index: int, compute: dict, hs: list) -> tuple[list, list, list]:
@@ -407,7 +444,9 @@ class Quantizer:
                 weight = clip_weight(weight, self.group_size, max_abs)
             dequantized[name] = fake_quantize(weight, self.group_size)
             tensors = quantize_rtn(weight, self.group_size)
-            packed[name] = AwqTensors(tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), self.group_size)
+            packed[name] = AwqTensors(
+                tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), self.group_size
+            )
         return dequantized, packed
 
     def _group_inputs(self, group: ScaleGroup, compute: dict, hs: list, attn_ref: list) -> list[torch.Tensor]:
@@ -426,8 +465,9 @@ class Quantizer:
             inputs.append(store.keep(x))
         return inputs
 
-    def _search_group(self, index: int, group: ScaleGroup, weights: dict, compute: dict, inputs: list,
-                      refs: list) -> torch.Tensor:
+    def _search_group(
+        self, index: int, group: ScaleGroup, weights: dict, compute: dict, inputs: list, refs: list
+    ) -> torch.Tensor:
         store = self.store
         num_tokens = 0
         x_sum = torch.zeros(inputs[0].shape[-1], dtype=torch.float32, device=self.device)
@@ -447,8 +487,9 @@ class Quantizer:
                 count += out.numel()
             return total / count
 
-        found = search_scales(x_sum / num_tokens, [weights[f"{n}.weight"] for n in group.linears], self.group_size,
-                              loss_fn)
+        found = search_scales(
+            x_sum / num_tokens, [weights[f"{n}.weight"] for n in group.linears], self.group_size, loss_fn
+        )
         self.alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = found.alpha
         return found.scales
 
@@ -458,8 +499,12 @@ class Quantizer:
             return {}, {}
         runner, store = self.runner, self.store
         config = self.config
-        widths = {"attn_in": config.hidden_size, "o_in": config.q_size, "mlp_in": config.hidden_size,
-                  "down_in": config.intermediate_size}
+        widths = {
+            "attn_in": config.hidden_size,
+            "o_in": config.q_size,
+            "mlp_in": config.hidden_size,
+            "down_in": config.intermediate_size,
+        }
         stats = {kind: InputStats(width, self.device) for kind, width in widths.items()} if self.is_compensated else {}
         samples = {kind: [] for kind in widths}
         per_chunk = math.ceil(MAX_CLIP_TOKENS / len(hs))
@@ -469,10 +514,14 @@ class Quantizer:
             batch, length = h.shape[:2]
             x_attn = runner.rms_norm(h, compute["input_layernorm.weight"])
             x_mlp = runner.rms_norm(h + store.load(attn), compute["post_attention_layernorm.weight"])
-            inputs = {"attn_in": x_attn, "o_in": runner.attention_context(compute, x_attn), "mlp_in": x_mlp,
-                      "down_in": runner.mlp_hidden(compute, x_mlp)}
+            inputs = {
+                "attn_in": x_attn,
+                "o_in": runner.attention_context(compute, x_attn),
+                "mlp_in": x_mlp,
+                "down_in": runner.mlp_hidden(compute, x_mlp),
+            }
             # even samples fit the compensation, odd ones judge it
-            is_fit = (torch.arange(first_sample, first_sample + batch, device=self.device) % 2 == 0)
+            is_fit = torch.arange(first_sample, first_sample + batch, device=self.device) % 2 == 0
             for kind, x in inputs.items():
                 samples[kind].append(sample_tokens(x.reshape(batch * length, -1), per_chunk))
                 if stats:
@@ -526,13 +575,20 @@ class Quantizer:
         norm = self.source.get("model.norm.weight").to(device, torch.float32)
         weight = self.source.get("lm_head.weight").to(device, torch.float32)
         per_chunk = math.ceil(MAX_HEAD_TOKENS / len(hs))
-        x = torch.cat([sample_tokens(self.runner.rms_norm(load(h).to(dtype), norm.to(dtype)).reshape(-1, norm.shape[0]),
-                                     per_chunk) for h in hs])[:MAX_HEAD_TOKENS]
+        x = torch.cat(
+            [
+                sample_tokens(
+                    self.runner.rms_norm(load(h).to(dtype), norm.to(dtype)).reshape(-1, norm.shape[0]), per_chunk
+                )
+                for h in hs
+            ]
+        )[:MAX_HEAD_TOKENS]
         pieces = list(torch.split(x, HEAD_CHUNK_TOKENS))
         compute_weight = weight.to(dtype)
         refs = [keep(F.linear(piece, compute_weight)) for piece in pieces]
         del compute_weight
         if self.method == "awq":
+
             def loss_fn(trial):
                 trial_weight = trial[0].to(dtype)
                 total, count = 0.0, 0
@@ -568,11 +624,14 @@ def _to_host(compensation: Compensation | None) -> Compensation | None:
 
 # -- choosing the FP16 groups -----------------------------------------------------------------
 
+
 def _group_bytes(config: ModelConfig, group_size: int, members: tuple[str, ...]) -> tuple[int, int]:
     """(FP16 bytes, INT4 bytes) of a fused group's weights."""
     shapes = {
-        "self_attn.q_proj": (config.q_size, config.hidden_size), "self_attn.k_proj": (config.kv_size, config.hidden_size),
-        "self_attn.v_proj": (config.kv_size, config.hidden_size), "self_attn.o_proj": (config.hidden_size, config.q_size),
+        "self_attn.q_proj": (config.q_size, config.hidden_size),
+        "self_attn.k_proj": (config.kv_size, config.hidden_size),
+        "self_attn.v_proj": (config.kv_size, config.hidden_size),
+        "self_attn.o_proj": (config.hidden_size, config.q_size),
         "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
         "mlp.up_proj": (config.intermediate_size, config.hidden_size),
         "mlp.down_proj": (config.hidden_size, config.intermediate_size),
@@ -586,8 +645,9 @@ def _group_bytes(config: ModelConfig, group_size: int, members: tuple[str, ...])
     return fp16, int4
 
 
-def choose_fp16_groups(scores: dict[tuple[int, str], float], config: ModelConfig, group_size: int,
-                       budget_bytes: int) -> list[tuple[int, str, float, int]]:
+def choose_fp16_groups(
+    scores: dict[tuple[int, str], float], config: ModelConfig, group_size: int, budget_bytes: int
+) -> list[tuple[int, str, float, int]]:
     """The most sensitive fused groups whose extra bytes (FP16 minus INT4) fit the budget.
 
     Greedy by score: a group that does not fit is skipped and smaller ones are still tried.
@@ -616,32 +676,47 @@ def modules_to_not_convert(chosen: list[tuple[int, str, float, int]]) -> list[st
 
 # -- validation ---------------------------------------------------------------------------------
 
+
 def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: bool) -> None:
     """Raise before any work when the model cannot be written as AWQ with this group size."""
     if config.quantization is not None:
-        raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
-                                    "quantize its FP16/BF16 original instead")
+        raise UnsupportedModelError(
+            "the model is already quantized (config.json has quantization_config); "
+            "quantize its FP16/BF16 original instead"
+        )
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"--group-size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}")
-    dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-            "num_attention_heads * head_dim": config.q_size}
+    dims = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads * head_dim": config.q_size,
+    }
     for name, value in dims.items():
         if value % group_size:
             fitting = [g for g in SUPPORTED_GROUP_SIZES if all(v % g == 0 for v in dims.values())]
             hint = f"; use --group-size {fitting[-1]}" if fitting else "; no supported group size divides all of them"
-            raise ConfigError(f"--group-size {group_size} does not divide the model's {name} ({value}), which is "
-                              f"the input size (K) of some of its Linears{hint}")
-    outputs = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-               "num_attention_heads * head_dim": config.q_size, "num_key_value_heads * head_dim": config.kv_size}
+            raise ConfigError(
+                f"--group-size {group_size} does not divide the model's {name} ({value}), which is "
+                f"the input size (K) of some of its Linears{hint}"
+            )
+    outputs = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads * head_dim": config.q_size,
+        "num_key_value_heads * head_dim": config.kv_size,
+    }
     if is_head_quantized:
         outputs["vocab_size"] = config.vocab_size
     for name, value in outputs.items():
         if value % PACK_FACTOR:
-            raise UnsupportedModelError(f"the model's {name} ({value}) is not a multiple of 8, which the AWQ "
-                                        "layout needs (eight 4-bit outputs per int32)")
+            raise UnsupportedModelError(
+                f"the model's {name} ({value}) is not a multiple of 8, which the AWQ "
+                "layout needs (eight 4-bit outputs per int32)"
+            )
     if is_head_quantized and config.is_tied_head:
-        raise ConfigError("--quantize-head: this model's lm_head is tied to its embeddings, which stay FP16; "
-                          "drop --quantize-head")
+        raise ConfigError(
+            "--quantize-head: this model's lm_head is tied to its embeddings, which stay FP16; drop --quantize-head"
+        )
 
 
 def _check_output(model_dir: Path, out_dir: Path, is_forced: bool) -> None:
@@ -664,6 +739,7 @@ def _estimate_output_bytes(config: ModelConfig, group_size: int, fp16_budget_byt
 
 # -- writing ----------------------------------------------------------------------------------
 
+
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write one safetensors file (the metadata transformers expects included)."""
     from safetensors.torch import save_file
@@ -673,7 +749,7 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def _copy_side_files(model_dir: Path, staging: Path) -> None:
     for path in sorted(model_dir.iterdir()):
-        is_skipped = (path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES or path.name.startswith("lowvram_"))
+        is_skipped = path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES or path.name.startswith("lowvram_")
         if path.is_file() and not is_skipped:
             shutil.copy2(path, staging / path.name)
 
@@ -688,8 +764,14 @@ def _fp16_linear(source: SourceCheckpoint, prefix: str, result: LinearResult) ->
     return _float16(weight, f"{prefix}.weight")
 
 
-def _assemble(source: SourceCheckpoint, config: ModelConfig, layers: list[LayerResult], fp16_names: set[str],
-              head: tuple[AwqTensors, torch.Tensor] | None, report: QuantizeReport) -> tuple[dict, dict]:
+def _assemble(
+    source: SourceCheckpoint,
+    config: ModelConfig,
+    layers: list[LayerResult],
+    fp16_names: set[str],
+    head: tuple[AwqTensors, torch.Tensor] | None,
+    report: QuantizeReport,
+) -> tuple[dict, dict]:
     """The output tensors (AutoAWQ names) and the compensation tensors; fills the report's byte counts."""
     tensors, extras = {}, {}
 
@@ -697,8 +779,11 @@ def _assemble(source: SourceCheckpoint, config: ModelConfig, layers: list[LayerR
         tensors[name] = tensor
         setattr(report, kind, getattr(report, kind) + tensor.numel() * tensor.element_size())
 
-    add("model.embed_tokens.weight", _float16(source.get("model.embed_tokens.weight"), "model.embed_tokens.weight"),
-        "other_bytes")
+    add(
+        "model.embed_tokens.weight",
+        _float16(source.get("model.embed_tokens.weight"), "model.embed_tokens.weight"),
+        "other_bytes",
+    )
     for index, layer in enumerate(layers):
         for name, tensor in layer.norms.items():
             add(f"model.layers.{index}.{name}", tensor, "other_bytes")
@@ -716,13 +801,20 @@ def _assemble(source: SourceCheckpoint, config: ModelConfig, layers: list[LayerR
                 add(f"{prefix}.bias", result.bias, "int4_bytes")
             comp = result.compensation
             if comp is not None:
-                for attr, tensor in ((LORA_A, comp.lora_a), (LORA_B, comp.lora_b), (BIAS_CORRECTION, comp.bias_correction)):
+                for attr, tensor in (
+                    (LORA_A, comp.lora_a),
+                    (LORA_B, comp.lora_b),
+                    (BIAS_CORRECTION, comp.bias_correction),
+                ):
                     if tensor is not None:
                         extras[f"{prefix}.{attr}"] = tensor
                         report.compensation_bytes += tensor.numel() * tensor.element_size()
-                report.compensation[prefix] = {"rank": comp.rank, "scale": comp.scale,
-                                               "bias": comp.bias_correction is not None,
-                                               "error_reduction": round(comp.error_reduction, 4)}
+                report.compensation[prefix] = {
+                    "rank": comp.rank,
+                    "scale": comp.scale,
+                    "bias": comp.bias_correction is not None,
+                    "error_reduction": round(comp.error_reduction, 4),
+                }
     if head is not None:
         packed, norm = head
         add("model.norm.weight", norm, "other_bytes")
@@ -735,8 +827,15 @@ def _assemble(source: SourceCheckpoint, config: ModelConfig, layers: list[LayerR
     return tensors, extras
 
 
-def _write_output(model_dir: Path, out_dir: Path, raw_config: dict, quant: AwqConfig, tensors: dict, extras: dict,
-                  report: QuantizeReport) -> None:
+def _write_output(
+    model_dir: Path,
+    out_dir: Path,
+    raw_config: dict,
+    quant: AwqConfig,
+    tensors: dict,
+    extras: dict,
+    report: QuantizeReport,
+) -> None:
     """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure."""
     staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -755,10 +854,14 @@ def _write_output(model_dir: Path, out_dir: Path, raw_config: dict, quant: AwqCo
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError):
             if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-                raise ConfigError(f"no space left on the disk holding {out_dir.parent} while writing the checkpoint "
-                                  f"(about {report.total_bytes / MIB:.0f} MiB); free some space or choose another "
-                                  "OUT. Nothing was written.") from None
-            raise ConfigError(f"cannot write the checkpoint under {out_dir.parent}: {exc}. Nothing was written.") from None
+                raise ConfigError(
+                    f"no space left on the disk holding {out_dir.parent} while writing the checkpoint "
+                    f"(about {report.total_bytes / MIB:.0f} MiB); free some space or choose another "
+                    "OUT. Nothing was written."
+                ) from None
+            raise ConfigError(
+                f"cannot write the checkpoint under {out_dir.parent}: {exc}. Nothing was written."
+            ) from None
         raise
 
 
@@ -779,6 +882,7 @@ def _move_into_place(staging: Path, out_dir: Path) -> None:
 
 # -- the entry point ------------------------------------------------------------------------------
 
+
 def _pick_device(requested: str) -> torch.device:
     from lowvram.memory.device import pick_device
 
@@ -797,8 +901,9 @@ def _device_cap_bytes(device: torch.device, emulate_vram_gib: float | None) -> i
         return total
     fraction = emulate_vram_gib * GIB / total
     if not 0 < fraction <= 1:
-        raise ConfigError(f"--emulate-vram-gib {emulate_vram_gib} must be positive and at most this card's "
-                          f"{total / GIB:.1f} GiB")
+        raise ConfigError(
+            f"--emulate-vram-gib {emulate_vram_gib} must be positive and at most this card's {total / GIB:.1f} GiB"
+        )
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return int(emulate_vram_gib * GIB)
 
@@ -812,13 +917,26 @@ def _peak_host_bytes() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = "awq", group_size: int = 128,
-                   fp16_budget_mib: float = 0.0, rank: int = 0, bias_correction: bool = False,
-                   quantize_head: bool = False, calib_texts: list[str] | None = None,
-                   calib_path: str | Path | None = None, num_samples: int = 128, seq_len: int = 512,
-                   device: str = "auto", emulate_vram_gib: float | None = None, force: bool = False,
-                   show_progress: bool = False,
-                   on_layer: Callable[[int, int], None] | None = None) -> QuantizeReport:
+def quantize_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    method: str = "awq",
+    group_size: int = 128,
+    fp16_budget_mib: float = 0.0,
+    rank: int = 0,
+    bias_correction: bool = False,
+    quantize_head: bool = False,
+    calib_texts: list[str] | None = None,
+    calib_path: str | Path | None = None,
+    num_samples: int = 128,
+    seq_len: int = 512,
+    device: str = "auto",
+    emulate_vram_gib: float | None = None,
+    force: bool = False,
+    show_progress: bool = False,
+    on_layer: Callable[[int, int], None] | None = None,
+) -> QuantizeReport:
     """Quantize an FP16/BF16 checkpoint to AWQ INT4 (AutoAWQ GEMM layout) in `out_dir`.
 
     Args:
@@ -852,8 +970,10 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     if rank < 0 or fp16_budget_mib < 0:
         raise ConfigError(f"--rank ({rank}) and --fp16-budget-mib ({fp16_budget_mib}) must not be negative")
     if not model_dir.is_dir():
-        raise ModelLoadError(f"MODEL {model_dir} is not a directory; pass a Hugging Face model directory "
-                             "(config.json, *.safetensors, tokenizer files)")
+        raise ModelLoadError(
+            f"MODEL {model_dir} is not a directory; pass a Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
     config, raw_config = load_model_config(model_dir)
     check_quantizable(config, group_size, quantize_head)
     _check_output(model_dir, out_dir, force)
@@ -861,8 +981,10 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     free_bytes = shutil.disk_usage(out_dir.parent).free
     needed_bytes = _estimate_output_bytes(config, group_size, budget_bytes)
     if free_bytes < needed_bytes:
-        raise ConfigError(f"the disk holding {out_dir.parent} has {free_bytes / MIB:.0f} MiB free but the checkpoint "
-                          f"needs about {needed_bytes / MIB:.0f} MiB; free some space or choose another OUT")
+        raise ConfigError(
+            f"the disk holding {out_dir.parent} has {free_bytes / MIB:.0f} MiB free but the checkpoint "
+            f"needs about {needed_bytes / MIB:.0f} MiB; free some space or choose another OUT"
+        )
     use_bias = bool(bias_correction)
 
     compute_device = _pick_device(device)
@@ -873,22 +995,41 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     from lowvram.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir).hf
-    records = [{"text": text} for text in calib_texts] if calib_texts is not None else load_calibration_records(calib_path)
+    records = (
+        [{"text": text} for text in calib_texts] if calib_texts is not None else load_calibration_records(calib_path)
+    )
     ids = calibration_blocks(tokenizer, records, num_samples, seq_len)
     if int(ids.max()) >= config.vocab_size:
-        raise ModelLoadError(f"the tokenizer gives token id {int(ids.max())} but the model has {config.vocab_size} "
-                             "embeddings; the tokenizer does not belong to this model")
+        raise ModelLoadError(
+            f"the tokenizer gives token id {int(ids.max())} but the model has {config.vocab_size} "
+            "embeddings; the tokenizer does not belong to this model"
+        )
     num_samples, seq_len = ids.shape
     report = QuantizeReport(
-        model_dir=str(model_dir), out_dir=str(out_dir), method=method, group_size=group_size,
-        device=str(compute_device), num_samples=num_samples, seq_len=seq_len, rank=rank,
-        has_bias_correction=use_bias, fp16_budget_mib=fp16_budget_mib, is_head_quantized=quantize_head,
+        model_dir=str(model_dir),
+        out_dir=str(out_dir),
+        method=method,
+        group_size=group_size,
+        device=str(compute_device),
+        num_samples=num_samples,
+        seq_len=seq_len,
+        rank=rank,
+        has_bias_correction=use_bias,
+        fp16_budget_mib=fp16_budget_mib,
+        is_head_quantized=quantize_head,
     )
 
     source = SourceCheckpoint(model_dir)
     quantizer = Quantizer(
-        config, source, compute_device, method=method, group_size=group_size, rank=rank,
-        use_bias_correction=use_bias, is_sensitivity_needed=budget_bytes > 0, seq_len=seq_len,
+        config,
+        source,
+        compute_device,
+        method=method,
+        group_size=group_size,
+        rank=rank,
+        use_bias_correction=use_bias,
+        is_sensitivity_needed=budget_bytes > 0,
+        seq_len=seq_len,
         max_resident_bytes=int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None,
     )
     samples_per_chunk = max(1, CHUNK_TOKENS[compute_device.type] // seq_len)
@@ -916,8 +1057,10 @@ def quantize_model(model_dir: str | Path, out_dir: str | Path, *, method: str = 
     chosen = choose_fp16_groups(scores, config, group_size, budget_bytes) if budget_bytes else []
     skipped = modules_to_not_convert(chosen)
     report.sensitivity = {f"model.layers.{layer}.{group}": score for (layer, group), score in scores.items()}
-    report.fp16_groups = [{"name": f"model.layers.{layer}.{group}", "score": score, "extra_mib": extra / MIB}
-                          for layer, group, score, extra in chosen]
+    report.fp16_groups = [
+        {"name": f"model.layers.{layer}.{group}", "score": score, "extra_mib": extra / MIB}
+        for layer, group, score, extra in chosen
+    ]
     report.awq_alphas = quantizer.alphas
     tensors, extras = _assemble(source, config, layers, set(skipped), head, report)
     report.seconds = time.perf_counter() - start
@@ -942,8 +1085,14 @@ class LayerProgress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(TextColumn("quantizing"), BarColumn(), MofNCompleteColumn(), TextColumn("layers"),
-                             TimeElapsedColumn(), console=Console(stderr=True))
+        self._bar = Progress(
+            TextColumn("quantizing"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("layers"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
         self._bar.__enter__()
         task = self._bar.add_task("layers", total=self.num_layers)
         return lambda index: self._bar.update(task, completed=index + 1)
@@ -956,37 +1105,72 @@ class LayerProgress:
 
 # -- command line -----------------------------------------------------------------------------
 
+
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     """Register `lowvram quantize MODEL OUT` on an argparse subparsers object."""
     parser = subparsers.add_parser(
-        "quantize", help="quantize a model to AWQ INT4 (AutoAWQ GEMM layout, loads in vLLM and transformers)",
+        "quantize",
+        help="quantize a model to AWQ INT4 (AutoAWQ GEMM layout, loads in vLLM and transformers)",
         description="Quantize an FP16/BF16 Hugging Face checkpoint to AWQ INT4, layer by layer, optionally keeping "
-                    "the most sensitive layers in FP16 and adding a low-rank correction of the INT4 error.",
+        "the most sensitive layers in FP16 and adding a low-rank correction of the INT4 error.",
     )
     parser.add_argument("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer)")
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     parser.add_argument("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
-    parser.add_argument("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES,
-                        help="inputs sharing one scale and zero point (default 128)")
-    parser.add_argument("--calib", metavar="FILE", default=None,
-                        help="calibration text: .jsonl ({'text'} or {'messages'} records) or plain text; "
-                             "default: the corpus shipped with lowvram")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=128,
+        choices=SUPPORTED_GROUP_SIZES,
+        help="inputs sharing one scale and zero point (default 128)",
+    )
+    parser.add_argument(
+        "--calib",
+        metavar="FILE",
+        default=None,
+        help="calibration text: .jsonl ({'text'} or {'messages'} records) or plain text; "
+        "default: the corpus shipped with lowvram",
+    )
     parser.add_argument("--num-samples", type=int, default=128, help="calibration blocks (default 128)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
-    parser.add_argument("--fp16-budget-mib", type=float, default=0.0,
-                        help="extra MiB the most sensitive layers may use to stay FP16 (default 0: none)")
+    parser.add_argument(
+        "--fp16-budget-mib",
+        type=float,
+        default=0.0,
+        help="extra MiB the most sensitive layers may use to stay FP16 (default 0: none)",
+    )
     head = parser.add_mutually_exclusive_group()
-    head.add_argument("--keep-head", dest="quantize_head", action="store_false", default=False,
-                      help="keep lm_head in FP16 (default; what vLLM and transformers expect)")
-    head.add_argument("--quantize-head", dest="quantize_head", action="store_true",
-                      help="quantize lm_head too (smaller, but only lowvram loads the result)")
-    parser.add_argument("--rank", type=int, default=0,
-                        help="largest rank of the per-layer low-rank INT4 error correction (default 0: off)")
-    parser.add_argument("--bias-correction", action="store_true",
-                        help="also correct each layer's mean INT4 error with a bias (off by default: it fits the "
-                             "calibration text's mean input, which other text may not share)")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                        help="where to compute (the model itself stays in host memory)")
+    head.add_argument(
+        "--keep-head",
+        dest="quantize_head",
+        action="store_false",
+        default=False,
+        help="keep lm_head in FP16 (default; what vLLM and transformers expect)",
+    )
+    head.add_argument(
+        "--quantize-head",
+        dest="quantize_head",
+        action="store_true",
+        help="quantize lm_head too (smaller, but only lowvram loads the result)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="largest rank of the per-layer low-rank INT4 error correction (default 0: off)",
+    )
+    parser.add_argument(
+        "--bias-correction",
+        action="store_true",
+        help="also correct each layer's mean INT4 error with a bias (off by default: it fits the "
+        "calibration text's mean input, which other text may not share)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to compute (the model itself stays in host memory)",
+    )
     parser.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(func=cmd_quantize)
@@ -995,13 +1179,27 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_quantize(args) -> int:
     if args.quantize_head:
-        print("lowvram: --quantize-head: vLLM and transformers keep lm_head in FP16 and will not load this "
-              "checkpoint; lowvram will", file=sys.stderr)
+        print(
+            "lowvram: --quantize-head: vLLM and transformers keep lm_head in FP16 and will not load this "
+            "checkpoint; lowvram will",
+            file=sys.stderr,
+        )
     report = quantize_model(
-        args.model, args.out, method=args.method, group_size=args.group_size, fp16_budget_mib=args.fp16_budget_mib,
-        rank=args.rank, bias_correction=args.bias_correction, quantize_head=args.quantize_head, calib_path=args.calib,
-        num_samples=args.num_samples, seq_len=args.seq_len, device=args.device,
-        emulate_vram_gib=args.emulate_vram_gib, force=args.force, show_progress=True,
+        args.model,
+        args.out,
+        method=args.method,
+        group_size=args.group_size,
+        fp16_budget_mib=args.fp16_budget_mib,
+        rank=args.rank,
+        bias_correction=args.bias_correction,
+        quantize_head=args.quantize_head,
+        calib_path=args.calib,
+        num_samples=args.num_samples,
+        seq_len=args.seq_len,
+        device=args.device,
+        emulate_vram_gib=args.emulate_vram_gib,
+        force=args.force,
+        show_progress=True,
     )
     print(report.summary())
     return 0

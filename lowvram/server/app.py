@@ -69,15 +69,24 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
 class ApiError(Exception):
     """Answered as an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
         self.headers = headers or {}
 
     def response(self) -> Response:
-        return error_response(self.status, str(self), type=self.type, param=self.param, code=self.code,
-                              headers=self.headers)
+        return error_response(
+            self.status, str(self), type=self.type, param=self.param, code=self.code, headers=self.headers
+        )
 
 
 def _printable(text: str | None, max_chars: int = 300) -> str | None:
@@ -89,12 +98,20 @@ def _printable(text: str | None, max_chars: int = 300) -> str | None:
 
 
 def _error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=_printable(message, 2000), type=type, param=_printable(param),
-                                         code=code))
+    return ErrorResponse(
+        error=ErrorInfo(message=_printable(message, 2000), type=type, param=_printable(param), code=code)
+    )
 
 
-def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     body = _error_body(message, type=type, param=param, code=code).model_dump_json()
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
@@ -136,8 +153,9 @@ class _Generation:
 
     async def _pump(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         try:
-            async for out in self.state.async_engine.generate(self.request_id, None, params,
-                                                              prompt_token_ids=prompt_token_ids):
+            async for out in self.state.async_engine.generate(
+                self.request_id, None, params, prompt_token_ids=prompt_token_ids
+            ):
                 self._items.put_nowait(out)
         except asyncio.CancelledError:
             pass  # end() was called; cancelling the engine stream has already aborted the request
@@ -198,8 +216,17 @@ async def _watch_disconnect(receive, generation: _Generation) -> None:
 class ServerState:
     """Everything the routes share. Built by `create_app`, found at `app.state.lowvram`."""
 
-    def __init__(self, async_engine: AsyncLLMEngine, *, model_name: str, api_key: str | None, max_queue: int,
-                 max_body_bytes: int, default_max_tokens: int, shutdown_grace_s: float):
+    def __init__(
+        self,
+        async_engine: AsyncLLMEngine,
+        *,
+        model_name: str,
+        api_key: str | None,
+        max_queue: int,
+        max_body_bytes: int,
+        default_max_tokens: int,
+        shutdown_grace_s: float,
+    ):
         self.async_engine = async_engine
         engine = async_engine.engine
         self.tokenizer = engine.tokenizer
@@ -225,25 +252,44 @@ class ServerState:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # compare_digest takes time independent of where the strings differ
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8"), self._api_key):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
-                                "the server was started with", type="authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
+                "the server was started with",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise ApiError(404, f"the model '{name}' does not exist on this server; it serves '{self.model_name}' "
-                                "(see GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model '{name}' does not exist on this server; it serves '{self.model_name}' (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def admit(self) -> None:
         if self.is_draining:
             self.metrics.rejected.inc("shutdown")
-            raise ApiError(503, "the server is shutting down and takes no new requests", type="server_error",
-                           code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)})
+            raise ApiError(
+                503,
+                "the server is shutting down and takes no new requests",
+                type="server_error",
+                code="server_shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
+            )
         if self.num_in_flight >= self.max_queue:
             self.metrics.rejected.inc("queue_full")
-            raise ApiError(429, f"the server is busy: {self.num_in_flight} requests are in flight, the most it queues "
-                                f"(max_queue = {self.max_queue}); retry after a moment", type="rate_limit_error",
-                           code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_FULL_S)})
+            raise ApiError(
+                429,
+                f"the server is busy: {self.num_in_flight} requests are in flight, the most it queues "
+                f"(max_queue = {self.max_queue}); retry after a moment",
+                type="rate_limit_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_FULL_S)},
+            )
         self.num_in_flight += 1
 
     def release(self) -> None:
@@ -289,20 +335,31 @@ class ServerState:
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)
         if len(ids) >= self.max_model_len:
-            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                                f"has {len(ids)} tokens; shorten it", param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {len(ids)} tokens; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
         return ids
 
-    def sampling_params(self, request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int
+    ) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         asked = request.requested_max_tokens()
         if asked is None:
             max_tokens = min(self.default_max_tokens, room)
         elif asked > room:
-            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
-                                f"{num_prompt_tokens + asked} were requested ({num_prompt_tokens} in the prompt, {asked} "
-                                "for the completion); reduce the prompt or max_tokens", param="max_tokens",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt_tokens + asked} were requested ({num_prompt_tokens} in the prompt, {asked} "
+                "for the completion); reduce the prompt or max_tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         else:
             max_tokens = asked
         return SamplingParams(max_tokens=max_tokens, **request.sampling_kwargs())
@@ -322,8 +379,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 def _describe_failure(exc: BaseException) -> tuple[int, ErrorResponse]:
     """Status and error object for a generation that failed or was ended by the server."""
     if isinstance(exc, _Ended):
-        return 503, _error_body("the server is shutting down; the response was cut short", type="server_error",
-                                code="server_shutting_down")
+        return 503, _error_body(
+            "the server is shutting down; the response was cut short", type="server_error", code="server_shutting_down"
+        )
     if isinstance(exc, RequestError):
         return 400, _error_body(str(exc), type="invalid_request_error")
     if isinstance(exc, LowvramError):
@@ -419,8 +477,9 @@ def _answer_errors(handler):
 
 
 async def _read_json(request: Request, max_body_bytes: int) -> dict:
-    too_large = ApiError(413, f"the request body is larger than the server's limit of {max_body_bytes} bytes",
-                         code="request_too_large")
+    too_large = ApiError(
+        413, f"the request body is larger than the server's limit of {max_body_bytes} bytes", code="request_too_large"
+    )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise too_large
@@ -442,8 +501,9 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
             try:
                 key.encode("utf-8")
             except UnicodeEncodeError:
-                raise ApiError(400, "a key in the request body contains an unpaired UTF-16 surrogate "
-                                    "(a broken \\u escape)") from None
+                raise ApiError(
+                    400, "a key in the request body contains an unpaired UTF-16 surrogate (a broken \\u escape)"
+                ) from None
         return dict(pairs)
 
     try:
@@ -493,8 +553,12 @@ async def _generate(request: Request, request_model, shape_type: type[Completion
         if ended.reason == "disconnect":
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         status, error = _describe_failure(ended)
-        return Response(error.model_dump_json(), status_code=status, media_type="application/json",
-                        headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)})
+        return Response(
+            error.model_dump_json(),
+            status_code=status,
+            media_type="application/json",
+            headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
+        )
     except Exception as exc:
         status, error = _describe_failure(exc)
         return Response(error.model_dump_json(), status_code=status, media_type="application/json")
@@ -546,8 +610,9 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
-    text = state.metrics.render(state.async_engine.snapshot(), num_in_flight=state.num_in_flight,
-                                max_queue=state.max_queue)
+    text = state.metrics.render(
+        state.async_engine.snapshot(), num_in_flight=state.num_in_flight, max_queue=state.max_queue
+    )
     return Response(text, media_type=METRICS_CONTENT_TYPE)
 
 
@@ -556,8 +621,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"no such endpoint: {request.method} {request.url.path}; this server has " + ", ".join(ENDPOINTS)
         return error_response(404, message, code="not_found")
     if exc.status_code == 405:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed",
-                              headers=exc.headers)
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.url.path}",
+            code="method_not_allowed",
+            headers=exc.headers,
+        )
     return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
 
@@ -582,10 +651,16 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
-def create_app(async_engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> Starlette:
+def create_app(
+    async_engine: AsyncLLMEngine,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+) -> Starlette:
     """The OpenAI-compatible ASGI app over a running (or startable) AsyncLLMEngine.
 
     model_name: the id clients send as `model` and /v1/models lists.
@@ -598,9 +673,15 @@ def create_app(async_engine: AsyncLLMEngine, *, model_name: str, api_key: str | 
     """
     if max_queue < 1 or max_body_bytes < 1 or default_max_tokens < 1 or shutdown_grace_s < 0:
         raise ValueError("max_queue, max_body_bytes and default_max_tokens must be positive, shutdown_grace_s >= 0")
-    state = ServerState(async_engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                        max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
-                        shutdown_grace_s=shutdown_grace_s)
+    state = ServerState(
+        async_engine,
+        model_name=model_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+        shutdown_grace_s=shutdown_grace_s,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -617,7 +698,11 @@ def create_app(async_engine: AsyncLLMEngine, *, model_name: str, api_key: str | 
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(_CountResponses, metrics=state.metrics)])
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(_CountResponses, metrics=state.metrics)],
+    )
     app.state.lowvram = state
     return app

@@ -36,8 +36,10 @@ def check_exposure(host: str, api_key: str | None, is_insecure_no_auth: bool) ->
     """Refuse to serve without a key on an address other machines can reach."""
     if is_loopback(host) or api_key or is_insecure_no_auth:
         return
-    raise ConfigError(f"--host {host} makes the server reachable from other machines; protect it with --api-key KEY "
-                      f"(or the {API_KEY_ENV} environment variable), or pass --insecure-no-auth to serve without one")
+    raise ConfigError(
+        f"--host {host} makes the server reachable from other machines; protect it with --api-key KEY "
+        f"(or the {API_KEY_ENV} environment variable), or pass --insecure-no-auth to serve without one"
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -50,7 +52,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host.strip("[]"), port))
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or --host") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port or --host"
+        ) from None
     # Listening now lets a client that connects before uvicorn takes over wait in the backlog, not be refused.
     sock.listen(2048)
     return sock
@@ -67,8 +71,11 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit and threading.current_thread() is threading.main_thread():
                 # os.write, unlike print, is safe inside a signal handler
-                os.write(2, f"lowvram: stopping: {state.num_in_flight} requests in flight get up to "
-                            f"{state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now\n".encode())
+                os.write(
+                    2,
+                    f"lowvram: stopping: {state.num_in_flight} requests in flight get up to "
+                    f"{state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now\n".encode(),
+                )
             state.begin_shutdown()
             super().handle_exit(sig, frame)
 
@@ -87,8 +94,13 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
                     signal.signal(sig, handler)
 
     # uvicorn's own grace period is a backstop behind the app's: it cancels what is still running.
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=int(state.shutdown_grace_s) + 5)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=int(state.shutdown_grace_s) + 5,
+    )
     return Server(config)
 
 
@@ -103,8 +115,9 @@ class BackgroundServer:
         self.app, self.sock = app, sock
         self.port = sock.getsockname()[1]
         self.server = _uvicorn_server(app, log_level=log_level, access_log=False)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="lowvram-server",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name="lowvram-server", daemon=True
+        )
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         self._thread.start()
@@ -141,33 +154,64 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from lowvram.engine.args import add_engine_args
     from lowvram.server import defaults
 
-    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                              description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                          "/v1/chat/completions, /v1/models, /health, /metrics).")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics).",
+    )
     add_engine_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (overrides the profile)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only); others need --api-key")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only); others need --api-key",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); "
-                        "prefer the variable: arguments are visible to other users in the process list")
-    p.add_argument("--insecure-no-auth", action="store_true",
-                   help="allow a non-loopback --host without an API key (anyone who can reach it can use it)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the model directory's name); use the same name "
-                        "with vLLM's --served-model-name to move clients unchanged")
-    p.add_argument("--max-queue", type=int, default=defaults.DEFAULT_MAX_QUEUE,
-                   help="most requests held at once, running or waiting; more get 429 with Retry-After "
-                        f"(default {defaults.DEFAULT_MAX_QUEUE})")
-    p.add_argument("--max-body-bytes", type=int, default=defaults.DEFAULT_MAX_BODY_BYTES,
-                   help=f"larger request bodies get 413 (default {defaults.DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--default-max-tokens", type=int, default=defaults.DEFAULT_MAX_TOKENS,
-                   help="completion length when a request gives no max_tokens, at most the context left "
-                        f"(default {defaults.DEFAULT_MAX_TOKENS})")
-    p.add_argument("--shutdown-grace-s", type=float, default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
-                   help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are ended "
-                        f"(default {defaults.DEFAULT_SHUTDOWN_GRACE_S:g})")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); "
+        "prefer the variable: arguments are visible to other users in the process list",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow a non-loopback --host without an API key (anyone who can reach it can use it)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model directory's name); use the same name "
+        "with vLLM's --served-model-name to move clients unchanged",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=defaults.DEFAULT_MAX_QUEUE,
+        help="most requests held at once, running or waiting; more get 429 with Retry-After "
+        f"(default {defaults.DEFAULT_MAX_QUEUE})",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {defaults.DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=defaults.DEFAULT_MAX_TOKENS,
+        help="completion length when a request gives no max_tokens, at most the context left "
+        f"(default {defaults.DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
+        help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are ended "
+        f"(default {defaults.DEFAULT_SHUTDOWN_GRACE_S:g})",
+    )
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -186,8 +230,11 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--shutdown-grace-s = {args.shutdown_grace_s:g} must be zero or more")
     sock = bind_socket(args.host, args.port)
     if args.model is None:
-        print("lowvram: serving the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
-              "not a real DeepSeek model); pass --model for a real one", file=sys.stderr)
+        print(
+            "lowvram: serving the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
+            "not a real DeepSeek model); pass --model for a real one",
+            file=sys.stderr,
+        )
     try:
         engine = LLMEngine(args.model, args.profile, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
     except BaseException:
@@ -196,16 +243,25 @@ def cmd_serve(args) -> int:
     model_name = args.served_model_name or engine.model_dir.name
     async_engine = AsyncLLMEngine(engine).start()
     try:
-        app = create_app(async_engine, model_name=model_name, api_key=args.api_key, max_queue=args.max_queue,
-                         max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                         shutdown_grace_s=args.shutdown_grace_s)
+        app = create_app(
+            async_engine,
+            model_name=model_name,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            default_max_tokens=args.default_max_tokens,
+            shutdown_grace_s=args.shutdown_grace_s,
+        )
         host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
         port = sock.getsockname()[1]
         auth = "API key required" if args.api_key else "no API key"
         if not is_loopback(args.host) and not args.api_key:
             print(f"lowvram: WARNING: serving on {args.host} without an API key (--insecure-no-auth)", file=sys.stderr)
-        print(f"lowvram: serving '{model_name}' ({engine.profile.name} profile, {engine.device}) at "
-              f"http://{host}:{port}/v1 ({auth}); Ctrl-C to stop", file=sys.stderr)
+        print(
+            f"lowvram: serving '{model_name}' ({engine.profile.name} profile, {engine.device}) at "
+            f"http://{host}:{port}/v1 ({auth}); Ctrl-C to stop",
+            file=sys.stderr,
+        )
         is_verbose = getattr(args, "verbose", False)
         server = _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose)
         server.run(sockets=[sock])

@@ -91,22 +91,36 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.requests = Counter("lowvram_http_requests_total", "HTTP requests answered, by endpoint and status code.",
-                                ("endpoint", "status"))
-        self.finished = Counter("lowvram_requests_finished_total",
-                                "Generation requests ended, by reason (stop, length, abort, error, shutdown).",
-                                ("finish_reason",))
+        self.requests = Counter(
+            "lowvram_http_requests_total",
+            "HTTP requests answered, by endpoint and status code.",
+            ("endpoint", "status"),
+        )
+        self.finished = Counter(
+            "lowvram_requests_finished_total",
+            "Generation requests ended, by reason (stop, length, abort, error, shutdown).",
+            ("finish_reason",),
+        )
         self.prompt_tokens = Counter("lowvram_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("lowvram_generation_tokens_total", "Tokens generated and delivered.")
-        self.rejected = Counter("lowvram_requests_rejected_total",
-                                "Requests refused before generation because the queue was full or the server was stopping.",
-                                ("reason",))
-        self.ttft = Histogram("lowvram_time_to_first_token_seconds",
-                              "Time from admission to the first generated token.", TTFT_BUCKETS_S)
-        self.token_latency = Histogram("lowvram_inter_token_latency_seconds",
-                                       "Time between consecutive tokens of one request.", TOKEN_LATENCY_BUCKETS_S)
-        self.controller_events = Counter("lowvram_controller_events_total",
-                                         "Controller decisions seen in engine snapshots, by decision.", ("decision",))
+        self.rejected = Counter(
+            "lowvram_requests_rejected_total",
+            "Requests refused before generation because the queue was full or the server was stopping.",
+            ("reason",),
+        )
+        self.ttft = Histogram(
+            "lowvram_time_to_first_token_seconds", "Time from admission to the first generated token.", TTFT_BUCKETS_S
+        )
+        self.token_latency = Histogram(
+            "lowvram_inter_token_latency_seconds",
+            "Time between consecutive tokens of one request.",
+            TOKEN_LATENCY_BUCKETS_S,
+        )
+        self.controller_events = Counter(
+            "lowvram_controller_events_total",
+            "Controller decisions seen in engine snapshots, by decision.",
+            ("decision",),
+        )
         self._last_decision: str | None = None
 
     def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
@@ -121,29 +135,51 @@ class ServerMetrics:
         num_used = snapshot.num_kv_blocks_used
         num_on_host = snapshot.num_kv_blocks_on_host
         lines: list[str] = []
-        lines += _gauge("lowvram_model_info", "The served model (value is always 1).", [({"model": self.model_name}, 1)])
+        lines += _gauge(
+            "lowvram_model_info", "The served model (value is always 1).", [({"model": self.model_name}, 1)]
+        )
         for metric in (self.requests, self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
             lines += metric.render()
         lines += self.ttft.render() + self.token_latency.render()
-        lines += _gauge("lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.",
-                        [({}, num_in_flight)])
-        lines += _gauge("lowvram_queue_capacity", "Most requests the server holds at once; more get 429.",
-                        [({}, max_queue)])
-        lines += _gauge("lowvram_queue_depth", "Requests waiting in the engine's scheduler for a batch slot.",
-                        [({}, snapshot.num_waiting)])
+        lines += _gauge(
+            "lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.", [({}, num_in_flight)]
+        )
+        lines += _gauge(
+            "lowvram_queue_capacity", "Most requests the server holds at once; more get 429.", [({}, max_queue)]
+        )
+        lines += _gauge(
+            "lowvram_queue_depth",
+            "Requests waiting in the engine's scheduler for a batch slot.",
+            [({}, snapshot.num_waiting)],
+        )
         lines += _gauge("lowvram_batch_size", "Requests in the running batch.", [({}, snapshot.num_running)])
-        lines += _gauge("lowvram_decode_tokens_per_second", "Decode speed over the last steps, all requests together.",
-                        [({}, snapshot.decode_tokens_per_s)])
-        lines += _gauge("lowvram_kv_pages", "KV cache pages in use, by where they live.",
-                        [({"location": "device"}, num_used - num_on_host), ({"location": "host"}, num_on_host)])
+        lines += _gauge(
+            "lowvram_decode_tokens_per_second",
+            "Decode speed over the last steps, all requests together.",
+            [({}, snapshot.decode_tokens_per_s)],
+        )
+        lines += _gauge(
+            "lowvram_kv_pages",
+            "KV cache pages in use, by where they live.",
+            [({"location": "device"}, num_used - num_on_host), ({"location": "host"}, num_on_host)],
+        )
         lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", [({}, snapshot.num_kv_blocks)])
         lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", [({}, snapshot.kv_block_size)])
-        lines += _gauge("lowvram_kv_precision_info", "KV cache precision in use (value is always 1).",
-                        [({"precision": snapshot.kv_precision}, 1)])
-        lines += _gauge("lowvram_controller_mode_info", "Memory/latency controller mode (value is always 1).",
-                        [({"mode": snapshot.controller_mode}, 1)])
+        lines += _gauge(
+            "lowvram_kv_precision_info",
+            "KV cache precision in use (value is always 1).",
+            [({"precision": snapshot.kv_precision}, 1)],
+        )
+        lines += _gauge(
+            "lowvram_controller_mode_info",
+            "Memory/latency controller mode (value is always 1).",
+            [({"mode": snapshot.controller_mode}, 1)],
+        )
         lines += self.controller_events.render()
-        lines += _gauge("lowvram_memory_used_bytes", "Memory held by weights and KV cache.",
-                        [({}, snapshot.memory_used_bytes)])
-        lines += _gauge("lowvram_memory_budget_bytes", "Memory budget of the profile.", [({}, snapshot.memory_budget_bytes)])
+        lines += _gauge(
+            "lowvram_memory_used_bytes", "Memory held by weights and KV cache.", [({}, snapshot.memory_used_bytes)]
+        )
+        lines += _gauge(
+            "lowvram_memory_budget_bytes", "Memory budget of the profile.", [({}, snapshot.memory_budget_bytes)]
+        )
         return "\n".join(lines) + "\n"

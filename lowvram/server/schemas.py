@@ -115,8 +115,10 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _temperature_is_zero_or_usable(cls, value: float | None) -> float | None:
         if value is not None and 0.0 < value < MIN_SAMPLING_TEMPERATURE:
-            raise ValueError(f"= {value!r} is too small to sample with; use 0 for greedy decoding or at least "
-                             f"{MIN_SAMPLING_TEMPERATURE}")
+            raise ValueError(
+                f"= {value!r} is too small to sample with; use 0 for greedy decoding or at least "
+                f"{MIN_SAMPLING_TEMPERATURE}"
+            )
         return value
 
     def check_supported(self) -> None:
@@ -145,9 +147,19 @@ class _GenerationRequest(_Strict):
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams arguments, with OpenAI's defaults for what was left out."""
-        defaults = dict(temperature=1.0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, top_k=0,
-                        min_p=0.0, repetition_penalty=1.0, ignore_eos=False)
-        kwargs = {name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()}
+        defaults = dict(
+            temperature=1.0,
+            top_p=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            top_k=0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            ignore_eos=False,
+        )
+        kwargs = {
+            name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()
+        }
         kwargs["stop"] = self.stop
         kwargs["seed"] = self.seed
         return kwargs
@@ -207,8 +219,11 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: Any = None
 
     def requested_max_tokens(self) -> int | None:
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
             raise RequestError("give max_tokens or max_completion_tokens, not both with different values")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -258,8 +273,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+        )
 
 
 class CompletionChoice(BaseModel):
@@ -385,8 +403,9 @@ class ChatShape(CompletionShape):
 
     def _chunk(self, delta: ChatDelta | None, finish_reason: str | None = None, usage: Usage | None = None):
         choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if delta is not None else []
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                   usage=usage)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def first(self) -> BaseModel:
         return self._chunk(ChatDelta(role="assistant", content=""))
@@ -401,5 +420,10 @@ class ChatShape(CompletionShape):
         return self._chunk(None, None, usage)
 
     def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
-        return ChatCompletion(id=self.request_id, created=self.created, model=self.model, usage=usage,
-                              choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)])
+        return ChatCompletion(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            usage=usage,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
+        )
