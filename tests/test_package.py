@@ -13,8 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return next(out.glob("lowvram-*.whl"))
 
 
@@ -22,9 +26,16 @@ def test_wheel_installs_only_the_lowvram_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"lowvram"}
-    for expected in ("lowvram/kernels/__init__.py", "lowvram/tui/__init__.py", "lowvram/profiles/4gb.yaml", "lowvram/cli.py",
-                     "lowvram/demo/tasks.py", "lowvram/demo_model/model.safetensors", "lowvram/demo_model/tokenizer.json",
-                     "lowvram/demo_model/chat_template.jinja"):
+    for expected in (
+        "lowvram/kernels/__init__.py",
+        "lowvram/tui/__init__.py",
+        "lowvram/profiles/4gb.yaml",
+        "lowvram/cli.py",
+        "lowvram/demo/tasks.py",
+        "lowvram/demo_model/model.safetensors",
+        "lowvram/demo_model/tokenizer.json",
+        "lowvram/demo_model/chat_template.jinja",
+    ):
         assert expected in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "lowvram = lowvram.cli:main" in entry_points
@@ -32,8 +43,12 @@ def test_wheel_installs_only_the_lowvram_namespace(wheel):
 
 def test_installed_names_import(wheel, tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     code = (
         "import importlib.util, lowvram, lowvram.kernels, lowvram.tui\n"
         "from lowvram.config import load_profile\n"
@@ -48,8 +63,14 @@ def test_installed_names_import(wheel, tmp_path):
         "print('ok')\n"
     )
     # Run from an empty directory so the source tree is not on sys.path.
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": ""},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.stdout.strip() == "ok", result.stderr
 
 
@@ -60,13 +81,21 @@ CHECKOUT_ROOT_SCRIPT = """
 import importlib.metadata, importlib.util, os, sys
 root = os.path.realpath(sys.argv[1])
 assert os.path.realpath(sys.path[0] or os.curdir) == root, sys.path[:2]
-try:
-    import kernels
-except ModuleNotFoundError:
-    kernels = None
-if kernels is not None:
-    assert not os.path.realpath(kernels.__file__).startswith(root + os.sep), kernels.__file__
+import kernels
+where = getattr(kernels, "__file__", None)
+if where is None:  # no other kernels installed: an empty namespace module, as for a folder
+    assert kernels.__path__ == [] and not [n for n in vars(kernels) if not n.startswith("__")], vars(kernels)
+    try:
+        import kernels.rms_norm
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("kernels.rms_norm imported from the checkout")
+else:
+    assert not os.path.realpath(where).startswith(root + os.sep), where
     importlib.metadata.version("kernels")  # the installed distribution's module, not a folder of ours
+from transformers.utils import import_utils
+getattr(import_utils, "is_kernels_available", bool)()  # 5.13-5.24 import the module found here
 if importlib.util.find_spec("transformers.integrations.hub_kernels") is not None:
     import transformers.integrations.hub_kernels  # what failed: `from kernels import CUDAProperties`
 from transformers import AutoModelForCausalLM
@@ -75,19 +104,26 @@ from lowvram import LLM, SamplingParams
 out = LLM(model=sys.argv[2], profile="cpu").generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
 assert len(out[0].outputs[0].token_ids) == 2
 import lowvram.kernels.rms_norm
-print("kernels:", None if kernels is None else kernels.__file__)
+print("kernels:", where)
 """
 
 
 def test_the_checkout_root_does_not_shadow_hugging_faces_kernels(tiny_llama_dir):
-    result = subprocess.run([sys.executable, "-c", CHECKOUT_ROOT_SCRIPT, str(ROOT), str(tiny_llama_dir)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", CHECKOUT_ROOT_SCRIPT, str(ROOT), str(tiny_llama_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("kernels:"), result.stdout
 
 
 def test_python_m_lowvram_runs_from_the_checkout_root():
-    result = subprocess.run([sys.executable, "-m", "lowvram", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "lowvram", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: lowvram" in result.stdout
 
@@ -103,8 +139,11 @@ def test_the_oldest_set_pins_every_lower_bound():
     lower_bounds = {}
     for line in requires("lowvram"):
         requirement = Requirement(line)
-        if requirement.marker is not None and requirement.marker.evaluate({"extra": "um"}) \
-                and not requirement.marker.evaluate({"extra": ""}):
+        if (
+            requirement.marker is not None
+            and requirement.marker.evaluate({"extra": "um"})
+            and not requirement.marker.evaluate({"extra": ""})
+        ):
             continue  # cuda-bindings: only GPU machines install it
         (bound,) = [spec for spec in requirement.specifier if spec.operator == ">="]
         lower_bounds[canonicalize_name(requirement.name)] = bound.version
