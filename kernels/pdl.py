@@ -19,8 +19,8 @@ overlap and everything before the previous one has finished when a kernel starts
 wait a kernel issues L2 prefetches (a hint: it changes no value, even of memory written
 meanwhile) and reads only what was written before the previous kernel ran: decode attention
 reads its sequence's context length and block table there, to prefetch its first K/V tile.
-Kernels launched without the attribute (torch's, cuBLAS's) order as before. LOWVRAM_PDL=0
-turns it off; GPUs before sm_90 and the interpreter never use it.
+Kernels launched without the attribute (torch's, cuBLAS's) order as before. GPUs before
+sm_90 and the interpreter never use it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lowvram.errors import ConfigError
-
 try:  # Triton 3.4+
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -41,21 +39,11 @@ try:  # Triton 3.4+
 except ImportError:
     HAS_GDC = False
 
-PDL_ENV = "LOWVRAM_PDL"
 MIN_CAPABILITY = (9, 0)
 LINE_BYTES = 128  # one L2 prefetch brings one line
 # Prefetch a layer's weights only while they take at most this share of L2: more would evict
 # what the running kernel is reading (an INT4 head of 117 MB is read straight from DRAM).
 MAX_L2_SHARE = 0.4
-
-
-def pdl_setting() -> bool:
-    """LOWVRAM_PDL: unset or "1" uses programmatic dependent launch where the GPU has it, "0"
-    never does."""
-    value = os.environ.get(PDL_ENV, "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"{PDL_ENV}={value!r}: use 1 (the default: on where the GPU has it) or 0 (off)")
-    return value == "1"
 
 
 @functools.cache
@@ -71,10 +59,10 @@ def _index(device: torch.device) -> int:
 def uses_pdl(device: torch.device) -> bool:
     """Whether decode kernels on `device` launch with programmatic dependent launch: an NVIDIA
     GPU of compute capability 9.0 or later (not a ROCm device), compiled (not interpreted)
-    Triton with the grid-dependency instructions, and LOWVRAM_PDL not 0."""
+    Triton with the grid-dependency instructions."""
     if device.type != "cuda" or not HAS_GDC or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return pdl_setting() and _device_has_pdl(_index(device))
+    return _device_has_pdl(_index(device))
 
 
 @functools.cache

@@ -137,7 +137,7 @@ def awq_linear(
     y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     if num_rows <= MAX_DECODE_M:
         config = w4a16_gemv.decode_gemv_config(
-            num_rows, num_outputs, num_inputs, group_size, num_sms(x.device), has_lora, device_name(x.device)
+            num_rows, num_outputs, num_inputs, group_size, num_sms(x.device), has_lora
         )
         w4a16_gemv.launch_awq_gemv(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     else:
@@ -262,7 +262,7 @@ def awq_linear_one_row(
         )
     else:
         config = w4a16_gemv.decode_gemv_config(
-            1, num_outputs, num_inputs, group_size, num_sms(x.device), lora_a is not None, device_name(x.device)
+            1, num_outputs, num_inputs, group_size, num_sms(x.device), lora_a is not None
         )
     y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
     return w4a16_gemv.launch_awq_gemv(
@@ -389,13 +389,3 @@ def _backend_for(device_type: str, device_index) -> tuple[bool, str]:
     if capability < MIN_COMPUTE_CAPABILITY:
         return False, f"compute capability {capability[0]}.{capability[1]} is below 7.5"
     return True, f"compute capability {capability[0]}.{capability[1]}"
-
-
-@functools.cache
-def _device_name_for(device_type: str, device_index) -> str:
-    return torch.cuda.get_device_name(device_index) if device_type == "cuda" else ""
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, which picks its measured GEMV configurations ("" off CUDA)."""
-    return _device_name_for(device.type, device.index)

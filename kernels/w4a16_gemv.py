@@ -40,18 +40,13 @@ q/k/v or gate/up layer's B is block diagonal (lowvram.models.fusion) and is read
 included: its R is the sum of its parts' ranks.
 """
 
-import functools
-import json
 import math
 import os
-import re
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from lowvram.errors import ConfigError
 from lowvram.kernels import kv_write
 from lowvram.kernels.activation import silu_mul
 from lowvram.kernels.arrival_counters import ArrivalCounters
@@ -1341,121 +1336,19 @@ def choose_rows_config(
     }
 
 
-# Which one-row form serves wide layers without compensation: "rows" (K summed inside each
-# thread) or "lanes"; LOWVRAM_GEMV_FORM=lanes keeps the lane kernel for a side-by-side run.
-ONE_ROW_FORMS = ("rows", "lanes")
 # Outputs above which one row without compensation takes the K-in-thread form: on an H200 it
 # beat the lane kernel on gate/up (N = 17,920) and lost on q/k/v, o and down (N <= 2,048).
 ROWS_FORM_MIN_OUTPUTS = 4096
 
 
-def one_row_form() -> str:
-    form = os.environ.get("LOWVRAM_GEMV_FORM", "rows")
-    if form not in ONE_ROW_FORMS:
-        raise ConfigError(f"LOWVRAM_GEMV_FORM={form!r}: choose one of {', '.join(ONE_ROW_FORMS)}, or unset it")
-    return form
-
-
-# Decode configurations measured on a GPU (profile_decode.py --sweep-gemv-only --save-tuning),
-# for one row and for 2-16 rows (one 16-row tile: the same kernel work for any count in it):
-# the file LOWVRAM_GEMV_TUNING names, else the one shipped for the GPU's name in kernels/tuned/.
-TUNING_ENV = "LOWVRAM_GEMV_TUNING"
-TUNED_DIR = Path(__file__).resolve().parent / "tuned"
-TUNABLE_KEYS = {
-    "block_n",
-    "block_k",
-    "split_k",
-    "num_warps",
-    "unpack",
-    "reduce",
-    "lora",
-    "lora_reduce",
-    "tile_rows",
-    "unroll",
-    "dequant",
-    "num_stages",
-}
-
-
-# The forms a tuned entry may name: one row's, and several rows' (the interleaving kernel, no
-# "unpack", or the lane unpacking feeding tl.dot).
-TUNED_FORMS = {"one_row": ONE_ROW_FORMS, "rows2-16": (None, "lanes")}
-
-
-def tuning_key(num_outputs: int, num_inputs: int, group_size: int, has_lora: bool, num_rows: int = 1) -> str:
-    """A layer's key in a tuning file: K x N, the group size, whether it carries a compensation
-    ("compensated") or not ("plain"), and for 2-16 rows a "/rows2-16" suffix."""
-    key = f"{num_inputs}x{num_outputs}/g{group_size}/{'compensated' if has_lora else 'plain'}"
-    return key if num_rows == 1 else key + "/rows2-16"
-
-
-def tuning_file(device_name: str) -> Path:
-    """The shipped tuning file of a GPU: its name with every run of other characters than
-    letters and digits as one underscore ("NVIDIA H200" -> kernels/tuned/NVIDIA_H200.json)."""
-    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
-
-
-@functools.cache
-def tuned_configs(device_name: str) -> dict[str, dict]:
-    """Tuning key -> configuration for `device_name`, from $LOWVRAM_GEMV_TUNING or the shipped
-    file ({} when there is none). A named file that is missing or malformed is an error that
-    says which file and what is wrong in it."""
-    named = os.environ.get(TUNING_ENV)
-    path = Path(named) if named else tuning_file(device_name)
-    if not path.is_file():
-        if named:
-            raise ConfigError(
-                f"{TUNING_ENV}={named}: no such file; unset it or point it at the JSON that "
-                f"profile_decode.py --sweep-gemv-only --save-tuning writes"
-            )
-        return {}
-    try:
-        configs = json.loads(path.read_text())["configs"]
-        if not isinstance(configs, dict):
-            raise TypeError("'configs' is not an object")
-        for key, config in configs.items():
-            unknown = set(config) - TUNABLE_KEYS
-            rows = "rows2-16" if key.endswith("/rows2-16") else "one_row"
-            if (
-                unknown
-                or config.get("unpack") not in TUNED_FORMS[rows]
-                or not all(
-                    isinstance(config.get(name), int) and config[name] > 0
-                    for name in ("block_n", "block_k", "split_k", "num_warps")
-                )
-            ):
-                kind = "a one-row" if rows == "one_row" else "a 2-16-row"
-                raise ValueError(f"entry {key!r} is not {kind} configuration: {config}")
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(
-            f'GEMV tuning file {path}: {exc}; expected {{"configs": {{key: configuration}}}} as '
-            f"profile_decode.py --sweep-gemv-only --save-tuning writes it (or unset {TUNING_ENV})"
-        ) from exc
-    return configs
-
-
 def decode_gemv_config(
-    num_rows: int,
-    num_outputs: int,
-    num_inputs: int,
-    group_size: int,
-    num_sms: int,
-    has_lora: bool,
-    device_name: str = "",
+    num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int, has_lora: bool
 ) -> dict:
-    """The decode kernel's configuration for a layer: the GPU's measured one (tuned_configs)
-    when it has one for this layer and row count (one row, or 2-16); else for one row the
-    K-in-thread form for a wide layer without compensation where its whole-group steps fit the
-    group size; else choose_gemv_config. LOWVRAM_GEMV_FORM=lanes takes the lane kernel's
-    choice for one row."""
-    is_one_row = num_rows == 1
-    if num_rows <= DOT_MIN_M and (not is_one_row or one_row_form() == "rows"):
-        key = tuning_key(num_outputs, num_inputs, group_size, has_lora, num_rows)
-        tuned = tuned_configs(device_name).get(key) if device_name else None
-        if tuned is not None and group_size % tuned["block_k"] == 0:
-            return dict(tuned)
-        if is_one_row and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0:
-            return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
+    """The decode kernel's configuration for a layer: for one row, the K-in-thread form for a
+    wide layer without compensation where its whole-group steps fit the group size; else
+    choose_gemv_config."""
+    if num_rows == 1 and not has_lora and num_outputs > ROWS_FORM_MIN_OUTPUTS and group_size % 16 == 0:
+        return choose_rows_config(num_outputs, num_inputs, group_size, num_sms)
     return choose_gemv_config(num_rows, num_outputs, num_inputs, group_size, num_sms)
 
 

@@ -46,7 +46,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import sys
 import time
 from unittest import mock
@@ -57,6 +56,7 @@ import triton.language as tl
 
 from lowvram.bench.record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
 from lowvram.errors import ConfigError
+from lowvram.kernels import pdl
 from lowvram.kernels.kv_quant import BITS_BY_PRECISION, allocate_pages
 from lowvram.kernels.paged_attention import (
     INVARIANT_PARTITION_TOKENS,
@@ -67,7 +67,7 @@ from lowvram.kernels.paged_attention import (
     paged_decode_attention,
     plan_decode_partitions,
 )
-from lowvram.kernels.pdl import PDL_ENV, await_inputs, dependent_launch
+from lowvram.kernels.pdl import await_inputs, dependent_launch
 from lowvram.kv.pool import recent_window_blocks
 from lowvram.sm_slice import sm_ids, sm_slice
 
@@ -261,7 +261,7 @@ class Setup:
         programmatic dependent launch, which would count a kernel's wait for the one before it
         (the merge's for the decode kernel) as its own time."""
         run_all = self.calls(partitioning, config)
-        with mock.patch.dict(os.environ, {PDL_ENV: "0"}):
+        with mock.patch.object(pdl, "uses_pdl", lambda device: False):
             run_all()
             synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:

@@ -1,4 +1,5 @@
-"""Benchmark and tool scripts under scripts/, loaded as modules for the tests that drive them."""
+"""Benchmark and tool scripts under scripts/ (and the experiments in scripts/lab/), loaded as
+modules for the tests that drive them."""
 
 import importlib.util
 import sys
@@ -8,9 +9,12 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str):
-    """scripts/<name>.py as the module `name`, registered in sys.modules (dataclasses look
+    """scripts/<name>.py (or scripts/lab/<name>.py) as the module `name`, registered in sys.modules (dataclasses look
     their module up while a class is built)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    path = SCRIPTS / f"{name}.py"
+    if not path.is_file():
+        path = SCRIPTS / "lab" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""scripts/aot_kernels.py: reading cuobjdump's SASS, and compiling the decode attention kernel
+"""scripts/lab/aot_kernels.py: reading cuobjdump's SASS, and compiling the decode attention kernel
 for sm_90 on a machine without a GPU."""
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from script_modules import SCRIPTS, load_script
 
-SCRIPT = SCRIPTS / "aot_kernels.py"
+SCRIPT = SCRIPTS / "lab" / "aot_kernels.py"
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

@@ -458,15 +458,18 @@ def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_sep
 def test_decode_with_dependent_launch_gives_the_logits_of_plain_launches(awq_qwen2_dir, num_prompts, monkeypatch):
     """Decode kernels that start while the one before runs (kernels/pdl.py) change no bit of
     any step's logits, one sequence or three, eagerly and replayed from CUDA graphs."""
-    from lowvram.kernels.pdl import PDL_ENV
+    from lowvram.kernels import pdl
 
     for use_graphs in (False, True):
         profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
         logits = {}
-        for setting in ("1", "0"):
-            monkeypatch.setenv(PDL_ENV, setting)
-            logits[setting] = generated_logits(LLMEngine(str(awq_qwen2_dir), profile), PROMPTS[:num_prompts], 6)
-        assert torch.equal(logits["1"], logits["0"]), f"graphs={use_graphs}: PDL changed the logits"
+        for is_dependent in (True, False):
+            with monkeypatch.context() as setting:
+                if not is_dependent:
+                    setting.setattr(pdl, "uses_pdl", lambda device: False)
+                engine = LLMEngine(str(awq_qwen2_dir), profile)
+                logits[is_dependent] = generated_logits(engine, PROMPTS[:num_prompts], 6)
+        assert torch.equal(logits[True], logits[False]), f"graphs={use_graphs}: PDL changed the logits"
 
 
 @pytest.mark.gpu

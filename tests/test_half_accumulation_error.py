@@ -1,4 +1,4 @@
-"""scripts/half_accumulation_error.py emulates float16 running sums exactly: where every
+"""scripts/lab/half_accumulation_error.py emulates float16 running sums exactly: where every
 product and partial sum is exact in float16 it must reproduce the float64 reference, and
 where they are not its error must be the float16 rounding it claims to model."""
 

@@ -5,7 +5,6 @@ starts while the one before runs, gives the same bits as plain launches."""
 import pytest
 import torch
 
-from lowvram.errors import ConfigError
 from lowvram.kernels import pdl
 from lowvram.kernels import w4a16_gemv as gemv
 from lowvram.kernels.w4a16 import InputNorm
@@ -28,16 +27,6 @@ def test_no_prefetch_of_an_empty_buffer_or_one_too_large_for_its_share_of_l2():
     assert pdl.prefetch_lines(0, 4, L2_BYTES) == 0
     assert pdl.prefetch_lines(int(pdl.MAX_L2_SHARE * L2_BYTES), 4, L2_BYTES) > 0
     assert pdl.prefetch_lines(int(pdl.MAX_L2_SHARE * L2_BYTES) + 1, 4, L2_BYTES) == 0  # an INT4 head
-
-
-def test_the_setting_is_on_unless_turned_off_and_a_bad_value_says_what_to_use(monkeypatch):
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    assert pdl.pdl_setting()
-    monkeypatch.setenv(pdl.PDL_ENV, "0")
-    assert not pdl.pdl_setting()
-    monkeypatch.setenv(pdl.PDL_ENV, "yes")
-    with pytest.raises(ConfigError, match="LOWVRAM_PDL='yes'.*1.*0"):
-        pdl.pdl_setting()
 
 
 def test_only_nvidia_gpus_from_compute_capability_9_use_it(monkeypatch):
@@ -152,9 +141,9 @@ def test_a_chain_of_dependent_gemvs_launched_early_gives_the_bits_of_plain_launc
     A kernel that read its input before the wait would see the last replay's values."""
     run = decoder_chain(num_layers=4, hidden=1536, intermediate=2048, seed=3)
     inputs = [random_x(1, 1536, seed=100 + i) for i in range(8)]
-    monkeypatch.setenv(pdl.PDL_ENV, "0")
-    plain = [[y.clone() for y in run(x)] for x in inputs]
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    with monkeypatch.context() as plainly:
+        plainly.setattr(pdl, "uses_pdl", lambda device: False)
+        plain = [[y.clone() for y in run(x)] for x in inputs]
     assert pdl.launch_prefetch(inputs[0].device, (inputs[0],), 1)["PDL"]
     for x, expected in zip(inputs, plain):
         assert all(torch.equal(y, want) for y, want in zip(run(x), expected)), "eager launches differ"

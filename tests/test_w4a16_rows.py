@@ -5,14 +5,11 @@ GPU's from inline PTX); with CUDA the same tests run on the GPU, and the `gpu` t
 1.5B shape's projections and a check that graph replays give the same bits.
 """
 
-import json
-
 import pytest
 import torch
 from script_modules import load_script
 
-from lowvram.errors import ConfigError
-from lowvram.kernels import w4a16, w4a16_gemv
+from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16 import awq_linear_ref
 from tests.test_w4a16 import (
     DEVICE,
@@ -185,173 +182,15 @@ def test_rows_form_with_the_compensation_at_the_real_shapes(num_inputs, num_outp
     assert error <= GPU_TOLERANCE < without
 
 
-def shipped_entries():
-    """(GPU file, key, configuration) of every shipped tuning file's entries."""
-    return [
-        (path.stem, key, config)
-        for path in sorted(w4a16_gemv.TUNED_DIR.glob("*.json"))
-        for key, config in json.loads(path.read_text())["configs"].items()
-    ]
+def test_wide_plain_layers_take_the_k_in_thread_form_and_the_rest_the_rules():
+    from lowvram.kernels.w4a16_gemv import choose_gemv_config, choose_rows_config, decode_gemv_config
 
-
-def parse_key(key):
-    """tuning_key's (num_inputs, num_outputs, group_size, has_lora) and a row count to test
-    the entry at (1, or 8 for a 2-16-row entry)."""
-    size, group, kind, *rows = key.split("/")
-    num_inputs, num_outputs = (int(v) for v in size.split("x"))
-    return num_inputs, num_outputs, int(group[1:]), kind == "compensated", 8 if rows == ["rows2-16"] else 1
-
-
-@needs_triton
-@pytest.mark.parametrize("gpu,key,config", shipped_entries())
-def test_shipped_configurations_compute_the_product(gpu, key, config):
-    # Each shipped entry's tiling (block, row tiles, loads per step, split) at its group size
-    # on a small layer: the interpreter checks the arithmetic, the GPU test below the layouts.
-    assert w4a16_gemv.tuned_configs.__wrapped__(gpu.replace("_", " "))[key] == config
-    _, _, group_size, has_lora, num_rows = parse_key(key)
-    num_inputs, num_outputs = 2 * group_size, 2 * config["block_n"] + 8 * 3  # a partial last block
-    awq = random_awq(num_inputs, num_outputs, group_size, seed=109)
-    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
-    x = random_x(num_rows, num_inputs, seed=110, dtype=dtype)
-    lora = random_lora(16, num_inputs, num_outputs, seed=111) if has_lora else (None, None)
-    ref = awq_linear_ref(x, *awq[:3], group_size, awq[3], lora_a=lora[0], lora_bt=lora[1])
-    y = run_rows(x, awq, group_size, config, awq[3], *lora)
-    assert relative_error(y, ref) <= SMALL_TOLERANCE
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_this_gpus_shipped_configurations_at_their_shapes():
-    device = torch.device("cuda")
-    entries = w4a16_gemv.tuned_configs(w4a16.device_name(device))
-    if not entries:
-        pytest.skip(f"no tuning file ships for {w4a16.device_name(device)}")
-    for key, config in entries.items():
-        num_inputs, num_outputs, group_size, has_lora, num_rows = parse_key(key)
-        awq = random_awq(num_inputs, num_outputs, group_size, seed=112)
-        x = random_x(num_rows, num_inputs, seed=113)
-        lora = random_lora(16, num_inputs, num_outputs, seed=114, dtype=torch.float16) if has_lora else (None, None)
-        y = run_rows(x, awq, group_size, config, awq[3], *lora)
-        for cols in (slice(0, min(8192, num_outputs)), slice(max(0, num_outputs - 8192), num_outputs)):
-            words = slice(cols.start // 8, cols.stop // 8)
-            part_lora = (lora[0], lora[1][:, cols]) if has_lora else (None, None)
-            ref = awq_linear_ref(
-                x,
-                awq[0][:, words],
-                awq[1][:, words],
-                awq[2][:, cols],
-                group_size,
-                awq[3][cols],
-                lora_a=part_lora[0],
-                lora_bt=part_lora[1],
-            )
-            error = relative_error(y[:, cols], ref)
-            print(f"shipped {key} {config} columns {cols.start}-{cols.stop}: rel err {error:.2e}")
-            assert error <= GPU_TOLERANCE
-
-
-@pytest.fixture
-def tuning(tmp_path, monkeypatch):
-    """A tuning directory of our own, and tuned_configs' cache emptied before and after."""
-    monkeypatch.setattr(w4a16_gemv, "TUNED_DIR", tmp_path)
-    monkeypatch.delenv(w4a16_gemv.TUNING_ENV, raising=False)
-    monkeypatch.delenv("LOWVRAM_GEMV_FORM", raising=False)
-    w4a16_gemv.tuned_configs.cache_clear()
-    yield tmp_path
-    w4a16_gemv.tuned_configs.cache_clear()
-
-
-def test_a_gpus_measured_configuration_is_used_for_its_layer(tuning, monkeypatch):
-    from lowvram.kernels.w4a16_gemv import choose_gemv_config, decode_gemv_config, tuned_configs, tuning_key
-
-    measured = rows_config(128, 128, 6, 16, 2, num_warps=2)
-    (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": {tuning_key(17920, 1536, 128, False): measured}}))
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
-    # another layer, another GPU, compensation, several rows: the rules as before
-    assert decode_gemv_config(1, 2048, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
-        1, 2048, 1536, 128, 132
-    )
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA GeForce GTX 1650")["split_k"] != 6
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, True, "NVIDIA H200") == choose_gemv_config(
-        1, 17920, 1536, 128, 132
-    )
-    assert decode_gemv_config(8, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
-        8, 17920, 1536, 128, 132
-    )
-    # an entry for 2-16 rows serves every count from 2 to 16, not one row or 17
-    several = {"block_n": 64, "block_k": 64, "split_k": 3, "num_warps": 8, "unpack": "lanes"}
-    (tuning / "NVIDIA_H200.json").write_text(
-        json.dumps(
-            {
-                "configs": {
-                    tuning_key(17920, 1536, 128, False): measured,
-                    tuning_key(17920, 1536, 128, False, 8): several,
-                }
-            }
-        )
-    )
-    tuned_configs.cache_clear()
-    assert all(decode_gemv_config(rows, 17920, 1536, 128, 132, False, "NVIDIA H200") == several for rows in (2, 8, 16))
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == measured
-    assert decode_gemv_config(17, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
-        17, 17920, 1536, 128, 132
-    )
-    monkeypatch.setenv("LOWVRAM_GEMV_FORM", "lanes")  # the side-by-side switch wins over the table
-    assert decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200") == choose_gemv_config(
-        1, 17920, 1536, 128, 132
-    )
-    assert tuned_configs("NVIDIA GeForce GTX 1650") == {}
-
-
-def test_a_bad_tuning_file_is_named_in_the_error(tuning, monkeypatch):
-    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(tuning / "missing.json"))
-    with pytest.raises(ConfigError, match="missing.json: no such file"):
-        w4a16_gemv.tuned_configs("NVIDIA H200")
-    bad = tuning / "bad.json"
-    bad.write_text(json.dumps({"configs": {"1536x17920/g128/plain": {"block_n": 128, "unpack": "sideways"}}}))
-    monkeypatch.setenv(w4a16_gemv.TUNING_ENV, str(bad))
-    with pytest.raises(ConfigError, match=r"bad.json: entry '1536x17920/g128/plain' is not a one-row configuration"):
-        w4a16_gemv.tuned_configs("NVIDIA H200")
-    # the K-in-thread form runs one row only
-    bad.write_text(json.dumps({"configs": {"1536x17920/g128/plain/rows2-16": rows_config(128, 128, 8, 16, 2)}}))
-    w4a16_gemv.tuned_configs.cache_clear()
-    with pytest.raises(ConfigError, match=r"entry '1536x17920/g128/plain/rows2-16' is not a 2-16-row configuration"):
-        w4a16_gemv.tuned_configs("NVIDIA H200")
-    bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="bad.json"):
-        w4a16_gemv.tuned_configs("other")
-
-
-def test_the_sweep_saves_its_fastest_configurations(tuning, monkeypatch):
-    from lowvram.kernels.w4a16_gemv import tuned_configs, tuning_key
-
-    profile_decode = load_script("profile_decode")
-    path = tuning / "tuning.json"
-    fast, slow = rows_config(128, 128, 8, 16, 2, num_warps=2), rows_config(256, 128, 12, 16, 2)
-    several = {"block_n": 128, "block_k": 128, "split_k": 2, "num_warps": 4}  # the interleaving kernel
-    sweep = [
-        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 0, "best": {"config": fast}},
-        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 8, "lora_rank": 0, "best": {"config": several}},
-        {"shape": "gate_up", "k": 1536, "n": 17920, "rows": 32, "lora_rank": 0, "best": {"config": slow}},
-    ]
-    profile_decode.save_tuning(path, sweep, 128, {"gpu": "NVIDIA H200", "date": "today", "command": "sweep"})
-    compensated = [{"shape": "gate_up", "k": 1536, "n": 17920, "rows": 1, "lora_rank": 16, "best": {"config": slow}}]
-    profile_decode.save_tuning(path, compensated, 128, {"gpu": "NVIDIA H200", "date": "later", "command": "again"})
-    saved = json.loads(path.read_text())
-    assert saved["configs"] == {
-        tuning_key(17920, 1536, 128, False): fast,
-        tuning_key(17920, 1536, 128, True): slow,
-        tuning_key(17920, 1536, 128, False, 8): several,
-    }
-    assert saved["date"] == "later"
-    monkeypatch.setenv("LOWVRAM_GEMV_TUNING", str(path))
-    assert tuned_configs("NVIDIA H200") == saved["configs"]
-    # a new file starts from what ships for the GPU: named by LOWVRAM_GEMV_TUNING, it replaces that
-    shipped = {tuning_key(2048, 1536, 128, False): rows_config(128, 128, 12, 16, 2, num_warps=2)}
-    (tuning / "NVIDIA_H200.json").write_text(json.dumps({"configs": shipped}))
-    fresh = tuning / "fresh.json"
-    profile_decode.save_tuning(fresh, sweep[1:2], 128, {"gpu": "NVIDIA H200", "date": "today", "command": "sweep"})
-    assert json.loads(fresh.read_text())["configs"] == {**shipped, tuning_key(17920, 1536, 128, False, 8): several}
+    # gate/up of the 1.5B shape, one row, no compensation: the K-in-thread form
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, False) == choose_rows_config(17920, 1536, 128, 132)
+    # a narrow layer, a compensated one, several rows, a group size the form cannot step: the rules
+    for args in [(1, 2048, 1536, 128), (8, 17920, 1536, 128), (17, 17920, 1536, 128)]:
+        assert decode_gemv_config(*args, 132, False) == choose_gemv_config(*args, 132)
+    assert decode_gemv_config(1, 17920, 1536, 128, 132, True) == choose_gemv_config(1, 17920, 1536, 128, 132)
 
 
 def test_the_sweep_gives_fused_layers_the_models_compensation_rank():
@@ -366,9 +205,3 @@ def test_the_sweep_gives_fused_layers_the_models_compensation_rank():
         mask[rows, cols] = True
         assert lora_bt[rows, cols].abs().sum() > 0
     assert not lora_bt[~mask].any()
-
-
-def test_an_unknown_gemv_form_is_named_in_the_error(monkeypatch):
-    monkeypatch.setenv("LOWVRAM_GEMV_FORM", "half2")
-    with pytest.raises(ConfigError, match="LOWVRAM_GEMV_FORM='half2': choose one of rows, lanes"):
-        w4a16_gemv.decode_gemv_config(1, 17920, 1536, 128, 132, False, "NVIDIA H200")

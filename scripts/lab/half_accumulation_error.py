@@ -7,7 +7,7 @@ over `span` consecutive rows, the spans summed in float32 and scaled per group, 
 float64 reference and against the float32 sums the kernels use now. Random AWQ codes at a
 real projection shape; x at three magnitudes.
 
-    python scripts/half_accumulation_error.py [--shape r1-distill-qwen-1.5b] [--json out.json]
+    python scripts/lab/half_accumulation_error.py [--shape r1-distill-qwen-1.5b] [--json out.json]
 """
 
 import argparse

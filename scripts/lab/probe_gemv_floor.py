@@ -10,7 +10,7 @@ nibble per instruction in float32; "half2" two nibbles per instruction in float1
 (inline PTX: lop3, sub.f16x2, fma.rn.f16x2). Everything is timed from memory, over enough
 copies of the weights to leave L2 (as profile_decode.py's sweep does).
 
-    python scripts/probe_gemv_floor.py [--shape r1-distill-qwen-1.5b] [--json out.json]
+    python scripts/lab/probe_gemv_floor.py [--shape r1-distill-qwen-1.5b] [--json out.json]
 """
 
 import argparse

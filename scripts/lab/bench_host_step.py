@@ -14,8 +14,8 @@ um pool sized as on a 4 GB card whose managed memory is faked (at this load ever
 page fits the device share, so no page moves). Logits are a fixed random [B, vocab] matrix rolled every step,
 so argmax gives varied token ids and the detokenizer sees realistic input.
 
-    python scripts/bench_host_step.py                          # batch 1 and 8, 512-token context
-    python scripts/bench_host_step.py --repeats 5 --json docs/bench/host_step_cpu.json
+    python scripts/lab/bench_host_step.py                          # batch 1 and 8, 512-token context
+    python scripts/lab/bench_host_step.py --repeats 5 --json docs/bench/host_step_cpu.json
 
 Per-step numbers are decode steps after `--warmup` of them; each repeat runs fresh
 requests on the same engine. A separate run under cProfile gives the top functions.

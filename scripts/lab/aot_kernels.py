@@ -7,8 +7,8 @@ how many programs an SM holds (65,536 per SM); the main loop's length, over the 
 rows one pass covers, is what a memory-bound kernel must issue per byte. Both show a
 change's cost before any GPU run; they are a guide, not a timing.
 
-    python scripts/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 2] [--stages 3]
-    python scripts/aot_kernels.py gemv [--arch 90] [--shape r1-distill-qwen-1.5b] [--rank 16]
+    python scripts/lab/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 2] [--stages 3]
+    python scripts/lab/aot_kernels.py gemv [--arch 90] [--shape r1-distill-qwen-1.5b] [--rank 16]
 """
 
 from __future__ import annotations

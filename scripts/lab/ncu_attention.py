@@ -7,7 +7,7 @@ configuration. Run it under ncu, e.g.
 
     ncu --clock-control none --kernel-name regex:"_decode_kernel" \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \\
-        --section InstructionStats python scripts/ncu_attention.py
+        --section InstructionStats python scripts/lab/ncu_attention.py
 
 ncu flushes the caches before each profiled launch, so the pages come from memory as in a
 decode step; the second launch of each precision is the one to read.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for bench_paged_attention
 
 
 def main() -> int:

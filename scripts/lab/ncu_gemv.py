@@ -7,7 +7,7 @@ Run it under ncu, e.g.
 
     ncu --clock-control none --kernel-name regex:"_awq_gemv_row_kernel|_read_tiles_kernel" \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section SchedulerStats --section LaunchStats python scripts/ncu_gemv.py
+        --section SchedulerStats --section LaunchStats python scripts/lab/ncu_gemv.py
 
 ncu flushes the caches before each profiled launch by default, so the weights come from
 memory as in a decode step.

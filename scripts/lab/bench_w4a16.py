@@ -6,7 +6,7 @@ device-to-device copy bandwidth; a float16 cuBLAS matmul of the same shape is sh
 it. Prefill (M = 512) is compute-bound and reported in TFLOP/s for the tl.dot GEMM, for
 dequantize-then-cuBLAS, and for a cuBLAS float16 matmul of an already dequantized weight.
 
-    python scripts/bench_w4a16.py [--json PATH] [--sweep]
+    python scripts/lab/bench_w4a16.py [--json PATH] [--sweep]
 
 --sweep also times a few alternative block configurations per shape (takes longer).
 """

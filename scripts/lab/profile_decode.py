@@ -1,6 +1,6 @@
 """Where a decode step's time goes, on a CUDA GPU.
 
-    python scripts/profile_decode.py --shape r1-distill-qwen-1.5b --quantize --emulate-vram-gib 4 \
+    python scripts/lab/profile_decode.py --shape r1-distill-qwen-1.5b --quantize --emulate-vram-gib 4 \
         --context 512 --batch-sizes 1,8 --json out.json [--sweep-gemv]
 
 For eager steps and for CUDA-graph steps it reports the wall time of a decode step and the
@@ -473,25 +473,6 @@ def sweep_gemv(
     return results
 
 
-def save_tuning(path: Path, sweep: list[dict], group_size: int, metadata: dict) -> None:
-    """Write each shape's fastest configuration, for one row and for 2-16 rows (a sweep at 2-16
-    rows speaks for all of them: one 16-row tile), to the tuning file `path` (w4a16_gemv's
-    tuned_configs reads it), keeping the entries of earlier sweeps for other layers and rows. A
-    new file starts from the entries shipped for this GPU, which it replaces once named by
-    LOWVRAM_GEMV_TUNING."""
-    from lowvram.kernels.w4a16_gemv import DOT_MIN_M, tuning_file, tuning_key
-
-    shipped = tuning_file(metadata.get("gpu") or "")
-    start = path if path.is_file() else shipped if metadata.get("gpu") and shipped.is_file() else None
-    tuning = json.loads(start.read_text()) if start else {"configs": {}}
-    for result in sweep:
-        if result["rows"] <= DOT_MIN_M:
-            key = tuning_key(result["n"], result["k"], group_size, bool(result["lora_rank"]), result["rows"])
-            tuning["configs"][key] = result["best"]["config"]
-    tuning.update(gpu=metadata.get("gpu"), date=metadata.get("date"), command=metadata.get("command"))
-    path.write_text(json.dumps(tuning, indent=2) + "\n")
-
-
 def sweep_shape_only(args) -> int:
     """--sweep-gemv-only: the GEMV sweep on a named shape's projection sizes ("head": the
     vocabulary projection, as an INT4 lm_head runs it)."""
@@ -512,8 +493,6 @@ def sweep_shape_only(args) -> int:
         record["gemv_sweep"] += results
         if args.json:
             Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
-        if args.save_tuning:
-            save_tuning(Path(args.save_tuning), results, args.group_size, metadata)
     return 0
 
 
@@ -540,12 +519,6 @@ def main() -> int:
         default="",
         help=f"projections the GEMV sweep times, from {','.join(PROJECTIONS)} (default all), "
         "and head (the vocabulary projection, only when named)",
-    )
-    parser.add_argument(
-        "--save-tuning",
-        default=None,
-        help="--sweep-gemv-only: write each one-row shape's fastest configuration to this "
-        "tuning file (LOWVRAM_GEMV_TUNING; kernels/tuned/), merged with its entries",
     )
     parser.add_argument(
         "--sweep-forms",
