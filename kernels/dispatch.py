@@ -20,7 +20,7 @@ except ImportError:  # Windows and macOS wheels of torch ship without Triton
 logger = logging.getLogger("lowvram.kernels")
 _logged_paths: set[str] = set()
 # SMs the kernels size their grids for, by CUDA device index, where work runs on a slice of
-# the GPU's SMs (lowvram.sm_slice); a device not here sizes them for all of its own.
+# the GPU's SMs (scripts/lab/sm_slice.py); a device not here sizes them for all of its own.
 _sm_limits: dict[int, int] = {}
 
 

@@ -26,7 +26,7 @@ row's default configuration with the default partitioning forced to N, M, ... pa
 default configuration's (its merge setting kept). --kernel-times also records each row's
 kernels' device times (the profiler over eager calls), to tell the decode kernel from the merge
 and from the gaps between launches. --sms N runs everything, the copies it is compared with
-included, on a slice of N of the GPU's SMs (lowvram.sm_slice: a card of 16 SMs, say, as an RTX
+included, on a slice of N of the GPU's SMs (scripts/lab/sm_slice.py: a card of 16 SMs, say, as an RTX
 3050 laptop GPU has), with the kernels sizing their grids for N SMs; the record notes how many
 distinct SMs a probe kernel reached there. --floor also times, for each split row of the
 default partitioning, a copy of the row's bytes launched as the decode kernel is (programmatic
@@ -48,6 +48,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -69,7 +70,6 @@ from lowvram.kernels.paged_attention import (
 )
 from lowvram.kernels.pdl import await_inputs, dependent_launch
 from lowvram.kv.pool import recent_window_blocks
-from lowvram.sm_slice import sm_ids, sm_slice
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
 CONTEXT_LENS = (8192, 32768, 131072)
@@ -585,16 +585,26 @@ def main() -> int:
         print("bench_paged_attention needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
-        with sm_slice(args.sms) if args.sms else contextlib.nullcontext() as piece:
+        with lab_sm_slice().sm_slice(args.sms) if args.sms else contextlib.nullcontext() as piece:
             return run(args, piece)
     except ConfigError as exc:
         print(f"bench_paged_attention: {exc}", file=sys.stderr)
         return 2
 
 
+def lab_sm_slice():
+    """scripts/lab/sm_slice.py: --sms runs on a CUDA green context, an experiment kept out of
+    the package."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
+    import sm_slice
+
+    return sm_slice
+
+
 def sms_reached(num_programs: int) -> int:
     """Distinct SMs that `num_programs` programs of a probe kernel replayed from a CUDA graph on
     the current stream ran on (the graph as the timed calls are)."""
+    sm_ids = lab_sm_slice().sm_ids
     ids = sm_ids(num_programs)  # compiled outside the capture
     synchronize()
     graph = capture_graph(lambda: ids.copy_(sm_ids(num_programs)))

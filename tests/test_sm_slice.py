@@ -1,9 +1,10 @@
-"""Work on a slice of the GPU's SMs (lowvram.sm_slice): the kernels size their grids for the
+"""Work on a slice of the GPU's SMs (scripts/lab/sm_slice.py): the kernels size their grids for the
 slice, its stream's kernels (eager and replayed from a CUDA graph) reach only its SMs, and
 decode attention there gives the whole GPU's result. The GPU tests skip without CUDA."""
 
 import pytest
 import torch
+from script_modules import load_script
 
 from lowvram.errors import ConfigError
 from lowvram.kernels import paged_attention, w4a16
@@ -42,7 +43,8 @@ def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
 def test_a_slice_without_a_gpu_says_so():
-    from lowvram.sm_slice import open_sm_slice, sm_ids
+    lab = load_script("sm_slice")
+    open_sm_slice, sm_ids = lab.open_sm_slice, lab.sm_ids
 
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         open_sm_slice(SLICE_SMS)
@@ -78,7 +80,7 @@ class _IdleStream:
 def test_a_slice_that_fails_to_close_names_the_call_and_still_frees_its_context(monkeypatch):
     """A failure while closing names the call and the error, not a driver without green
     contexts (the slice was made, so the driver has them), and the context is destroyed anyway."""
-    from lowvram import sm_slice
+    sm_slice = load_script("sm_slice")
 
     driver = _DriverFailingStreamDestroy()
     monkeypatch.setattr(sm_slice, "_driver", lambda: driver)
@@ -92,8 +94,6 @@ def test_a_slice_that_fails_to_close_names_the_call_and_still_frees_its_context(
 
 
 def test_the_bench_refuses_a_slice_of_no_sms(capsys, monkeypatch):
-    from script_modules import load_script
-
     bench = load_script("bench_paged_attention")
     monkeypatch.setattr("sys.argv", ["bench_paged_attention.py", "--sms", "0"])
     with pytest.raises(SystemExit):
@@ -103,9 +103,7 @@ def test_the_bench_refuses_a_slice_of_no_sms(capsys, monkeypatch):
 
 def _open(num_sms):
     pytest.importorskip("cuda.bindings")
-    from lowvram.sm_slice import sm_slice
-
-    return sm_slice(num_sms)
+    return load_script("sm_slice").sm_slice(num_sms)
 
 
 @pytest.mark.gpu
@@ -113,7 +111,7 @@ def test_a_slice_reaches_only_its_sms():
     """Programs launched on the slice's stream, eagerly and from a CUDA graph captured there,
     run on at most its SMs; on the default stream the same launch spreads over more of them
     (so the check can fail). Inside the slice the kernels size their grids for it."""
-    from lowvram.sm_slice import sm_ids
+    sm_ids = load_script("sm_slice").sm_ids
 
     full_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if full_sms < 2 * SLICE_SMS:
