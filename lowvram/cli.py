@@ -69,6 +69,11 @@ def cmd_profiles(args) -> int:
 
     from lowvram.config import FIELD_DOCS, builtin_profile_names, load_profile
 
+    if args.markdown:
+        from lowvram.config import profiles_markdown
+
+        sys.stdout.write(profiles_markdown())
+        return 0
     console = Console()
     if args.fields:
         table = Table("field", "meaning")
@@ -322,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profiles", help="list the built-in profiles")
     prof.add_argument("--fields", action="store_true", help="describe every profile field")
     prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")
+    prof.add_argument(
+        "--markdown", action="store_true", help="every field and each built-in profile's value, as Markdown"
+    )
     prof.set_defaults(func=cmd_profiles)
 
     from lowvram.memory.doctor import add_doctor_parser

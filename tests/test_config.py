@@ -67,3 +67,15 @@ def test_replace_validates_overrides():
     with pytest.raises(ConfigError, match="emulate_vram_gib"):
         load_profile("4gb").replace(emulate_vram_gib=-1.0)
     assert load_profile("4gb").replace(emulate_vram_gib=4.0, max_model_len=None).max_model_len == 16384
+
+
+def test_the_profiles_page_is_current():
+    """docs/profiles.md is what `lowvram profiles --markdown` writes from the field docs and
+    the built-in profiles: a field or a default changed without regenerating it fails here."""
+    from pathlib import Path
+
+    from lowvram.config import FIELD_DOCS, profiles_markdown
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    assert page == profiles_markdown(), "run: lowvram profiles --markdown > docs/profiles.md"
+    assert all(f"| `{name}` |" in page for name in FIELD_DOCS if name not in ("name", "description"))
