@@ -25,9 +25,8 @@ stored to the columns each nibble holds in AWQ order. "reduce" picks where the s
 happens: "block" reduces every K block and scales after (fewest multiplies), "end" keeps a
 [BLOCK_K, BLOCK_N / 8, 8] accumulator and reduces once after the loop (no reduction across
 threads inside the loop; one more multiply per weight). Which is fastest depends on the
-GPU and shape; profile_decode.py --sweep-gemv measures them. With 2-16 rows the same
-unpacking feeds tl.dot (`_awq_gemv_lanes_dot_kernel`, also "unpack": "lanes"); the
-interleaving form stays the multi-row default until the sweep says otherwise.
+GPU and shape; scripts/lab/profile_decode.py --sweep-gemv measures them. With 2-16 rows
+the interleaving form runs.
 
 Residual compensation (y += (x A^T) B^T, rank R) rides along in the same launch. Each split
 program also accumulates t_s = x[its K range] A[:, its K range]^T in float32 while it walks K,
@@ -440,28 +439,6 @@ def awq_lane_columns(pid_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def awq_load_lanes(
-    qweight_ptr,
-    qzeros_ptr,
-    scales_ptr,
-    k_start,
-    offs_c,
-    cols,
-    N,
-    num_packed_cols,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-):
-    """One K block (inside one group) in lane form: (q - z) as int32 [BLOCK_K, C, 8] and the
-    group's float32 scales [C, 8], nibble j of packed column c at [:, c, j]."""
-    packed, packed_zeros, scales = awq_load_lanes_raw(
-        qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
-    )
-    return awq_unpack_lanes_int(packed, packed_zeros, scales)
-
-
-@triton.jit
 def awq_unpack_lanes_int(packed, packed_zeros, scales):
     """(q - z) as int32 [K, C, 8] and float32 scales [C, 8] from awq_load_lanes_raw's tensors."""
     shifts = tl.arange(0, 8) * 4
@@ -489,7 +466,7 @@ def awq_load_lanes_raw(
     EVEN_N: tl.constexpr,
 ):
     """One K block's tensors as stored: packed codes [BLOCK_K, C], packed zeros [C] and
-    scales [C, 8] (see awq_load_lanes)."""
+    scales [C, 8] (see awq_load_lanes_raw)."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     group = k_start // GROUP_SIZE
     weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
@@ -1180,100 +1157,6 @@ def _awq_gemv_rows_kernel(
     awq_gemv_store(acc, 0, cols, cols < N, y_ptr, 0, bias_ptr, partial_ptr, counter_ptr, 1, N, HAS_BIAS, IS_PARTIAL)
 
 
-@triton.jit
-def _awq_gemv_lanes_dot_kernel(
-    x_ptr,
-    qweight_ptr,
-    qzeros_ptr,
-    scales_ptr,
-    bias_ptr,
-    y_ptr,
-    partial_ptr,
-    counter_ptr,
-    lora_a_ptr,
-    lora_bt_ptr,
-    lora_rank,
-    stride_ar,
-    stride_br,
-    stride_bn,
-    M,
-    N,
-    num_packed_cols,
-    stride_xm,
-    stride_xk,
-    stride_ym,
-    K_BLOCKS_PER_SPLIT,
-    NUM_K_BLOCKS,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    IS_PARTIAL: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH_0: tl.constexpr,
-    PREFETCH_1: tl.constexpr,
-    PREFETCH_2: tl.constexpr,
-):
-    await_inputs_prefetching(
-        qweight_ptr,
-        scales_ptr,
-        qzeros_ptr,
-        NUM_K_BLOCKS * BLOCK_K,
-        N,
-        GROUP_SIZE,
-        PDL,
-        PREFETCH_0,
-        PREFETCH_1,
-        PREFETCH_2,
-    )
-    # 2..16 rows: the lane unpacking of _awq_gemv_row_kernel feeding tl.dot. Columns of the
-    # dot come in lane order (8c + j for nibble j) and are stored to their AWQ columns.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_c, cols2 = awq_lane_columns(pid_n, BLOCK_N)
-    cols = tl.reshape(cols2, (BLOCK_N,))
-    mask_cols = cols < N
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    kb_start = pid_k * K_BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, NUM_K_BLOCKS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA:
-        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        k_start = kb * BLOCK_K
-        centered, scales = awq_load_lanes(
-            qweight_ptr, qzeros_ptr, scales_ptr, k_start, offs_c, cols2, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
-        )
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        centered = tl.reshape(centered, (BLOCK_K, BLOCK_N))
-        acc += tl.dot(x, centered.to(x.dtype)) * tl.reshape(scales, (BLOCK_N,))[None, :]
-        if HAS_LORA:
-            t = lora_rows_down(t, x, lora_a_ptr, offs_k, lora_rank, stride_ar, BLOCK_R)
-    if HAS_LORA:
-        acc += lora_rows_up(t, lora_bt_ptr, cols, lora_rank, N, stride_br, stride_bn, BLOCK_R)
-    awq_gemv_store(
-        acc,
-        offs_m[:, None],
-        cols[None, :],
-        mask_m[:, None] & mask_cols[None, :],
-        y_ptr,
-        stride_ym,
-        bias_ptr,
-        partial_ptr,
-        counter_ptr,
-        M,
-        N,
-        HAS_BIAS,
-        IS_PARTIAL,
-    )
-
-
 def choose_gemv_config(
     num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int, block_n: int = 64
 ) -> dict:
@@ -1447,6 +1330,8 @@ def launch_awq_gemv(
     # on sm_90+: start while the kernel before runs, the weights on their way into L2 (kernels/pdl.py)
     launch_options.update(launch_prefetch(x.device, (qweight, scales, qzeros), math.prod(grid)))
     is_lanes = config.get("unpack") == "lanes" and not is_row_tiled
+    if is_lanes and num_rows > 1:
+        raise ValueError('the lane form ("unpack": "lanes") runs one row; several take the interleaving kernel')
     is_rows = config.get("unpack") == "rows" and num_rows == 1 and not is_row_tiled
     if is_rows and block_k != group_size:
         raise ValueError('the K-in-thread form ("unpack": "rows") takes whole groups (block_k = group size)')
@@ -1489,7 +1374,7 @@ def launch_awq_gemv(
             **lora_flags,
             **launch_options,
         )
-    elif is_lanes and num_rows == 1:
+    elif is_lanes:
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         lora_t = x.new_empty((split_k, lora_flags["BLOCK_R"]), dtype=torch.float32) if is_lora_once else partials
         if rope_kv is not None:
@@ -1547,32 +1432,6 @@ def launch_awq_gemv(
             LORA_AT_END=has_lora and config.get("lora_reduce", "block") == "end",
             ROPE_KV=rope_kv is not None,
             **store_flags,
-            **lora_flags,
-            **launch_options,
-        )
-    elif is_lanes:
-        _awq_gemv_lanes_dot_kernel[grid](
-            x,
-            qweight,
-            qzeros,
-            scales,
-            *outputs,
-            *lora,
-            num_rows,
-            num_outputs,
-            num_outputs // 8,
-            x.stride(0),
-            x.stride(1),
-            y.stride(0),
-            k_blocks_per_split,
-            num_k_blocks,
-            GROUP_SIZE=group_size,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            EVEN_N=num_outputs % block_n == 0,
-            HAS_BIAS=has_bias,
-            IS_PARTIAL=is_partial,
             **lora_flags,
             **launch_options,
         )

@@ -88,10 +88,21 @@ ROW_FORMS = [
 ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block", "lanes-lora-end"]
 
 
+def forms_for(num_rows):
+    """The decode forms for a row count: every form for one row; the interleaving kernel for more."""
+    return ROW_FORMS if num_rows == 1 else ROW_FORMS[:1]
+
+
+def rows_and_forms(several):
+    """(num_rows, form) pairs: one row in every form, `several` rows in the interleaving kernel."""
+    return [pytest.param(1, form, id=f"1-{name}") for form, name in zip(ROW_FORMS, ROW_FORM_IDS)] + [
+        pytest.param(several, ROW_FORMS[0], id=f"{several}-interleave")
+    ]
+
+
 @needs_triton
-@pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 2, 4])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
+@pytest.mark.parametrize("num_rows,form", rows_and_forms(5))
 def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
     # N = 200 leaves a partial column block; every output starts as NaN so a skipped store shows
     qweight, qzeros, scales, bias = random_awq(256, 200, 64, seed=split_k)
@@ -106,10 +117,19 @@ def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
 
 
 @needs_triton
+def test_the_lane_form_refuses_several_rows():
+    qweight, qzeros, scales, _ = random_awq(256, 64, 64, seed=3)
+    x = random_x(2, 256, seed=4)
+    y = torch.empty((2, 64), dtype=x.dtype, device=DEVICE)
+    config = {"block_n": 64, "block_k": 32, "split_k": 1, "num_warps": 4, **ROW_FORMS[1]}
+    with pytest.raises(ValueError, match="lane form.*one row"):
+        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, None, y, config)
+
+
+@needs_triton
 @pytest.mark.parametrize("rank", [16, 12])
-@pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
+@pytest.mark.parametrize("num_rows,form", rows_and_forms(5))
 def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
     # Each split adds its share t_s Bt of the rank-R term; the split reduction must give the
     # whole (x A^T) Bt. R = 12 is padded to 16 by masks; N = 200 leaves a partial column block.
@@ -273,9 +293,8 @@ def split_partials(x, qweight, qzeros, scales, group_size, config):
 
 
 @needs_triton
-@pytest.mark.parametrize("num_rows", [1, 5])
 @pytest.mark.parametrize("split_k", [1, 3, 8])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
+@pytest.mark.parametrize("num_rows,form", rows_and_forms(5))
 def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
     # The split programs reduce themselves: whichever arrives last, y must be exactly
     # (((0 + p_0) + p_1) + ... + p_{S-1}) + bias in float32, as the separate summing kernel
@@ -522,17 +541,14 @@ def test_float32_activations_are_refused_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [1, 8])
 @pytest.mark.parametrize("form", ROW_FORMS[1:], ids=ROW_FORM_IDS[1:])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
-    num_inputs, num_outputs = shape
+def test_lane_kernel_at_real_shapes_on_gpu(shape, form):
+    num_inputs, num_outputs, num_rows = *shape, 1
     qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=num_inputs + 3)
     x = random_x(num_rows, num_inputs, seed=11)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
-    blocks = (
-        ((128, 64, 1), (256, 128, 6), (64, 32, 16)) if num_rows == 1 else ((128, 64, 1), (64, 128, 6), (64, 32, 16))
-    )
+    blocks = ((128, 64, 1), (256, 128, 6), (64, 32, 16))
     for block_n, block_k, split_k in blocks:
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         config = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, **form}
@@ -543,8 +559,7 @@ def test_lane_kernel_at_real_shapes_on_gpu(shape, form, num_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", [1, 8])
-@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
+@pytest.mark.parametrize("num_rows,form", rows_and_forms(8))
 @pytest.mark.parametrize("shape", [(8960, 1536), (1536, 8960)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
     # Inside a decode graph the last-arriving program sums the splits; many waves of programs
@@ -605,7 +620,7 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
     for config in (
         default,
-        *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in ROW_FORMS),
+        *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in forms_for(num_rows)),
     ):
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config, lora_a, lora_bt)

@@ -299,15 +299,6 @@ def gemv_candidates(rows: int, n: int, k: int, group_size: int, num_sms: int) ->
                         "unroll": unroll,
                     }
                 )
-    else:  # the lane unpacking feeding tl.dot
-        found += [
-            {"block_n": bn, "block_k": bk, "split_k": sk, "num_warps": w, "unpack": "lanes"}
-            for bn in (64, 128)
-            for bk in (32, 64, 128)
-            if bk <= group_size
-            for w in (4, 8)
-            for sk in splits(bn, bk)
-        ]
     return found
 
 
