@@ -191,7 +191,7 @@ class Meter:
         row = {
             "pool_device_bytes": pool.device_bytes,
             "pool_host_bytes": pool.host_bytes,
-            "num_live_blocks_on_host": self.engine.runner.num_kv_blocks_on_host(),
+            "num_live_blocks_on_host": self.engine.num_kv_blocks_on_host(),
             "torch_allocated_bytes": allocated,
             "torch_peak_allocated_bytes": peak_allocated,
             "peak_pool_device_bytes": self.peak_pool_bytes,
@@ -234,7 +234,7 @@ def _decode(engine, meter: Meter, num_warmup: int, num_timed: int) -> dict:
     return {
         "step_ms": round(step_s * 1e3, 3),
         "tokens_per_s": round(1 / step_s, 1),
-        "num_blocks_on_host": engine.runner.num_kv_blocks_on_host(),
+        "num_blocks_on_host": engine.num_kv_blocks_on_host(),
     }
 
 

@@ -158,3 +158,14 @@ def test_the_blocker_blocks_torch():
 def test_each_core_module_imports_without_torch(module):
     result = run_without_torch(f"import {module}")
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_model_runner_sees_pages_only_through_the_scheduled_batch():
+    """The runner gets block tables, live tables and free pages in ScheduledBatch; it never
+    imports or holds the block manager."""
+    from lowvram.engine.model_runner import ModelRunner
+
+    assert "lowvram.core.block_manager" not in import_graph()["lowvram.engine.model_runner"]
+    source = (ROOT / "lowvram" / "engine" / "model_runner.py").read_text()
+    assert "block_manager" not in source
+    assert "block_manager" not in ModelRunner.__init__.__code__.co_varnames

@@ -49,7 +49,7 @@ def _um_engine(model_dir, **controller) -> LLMEngine:
     engine.kv_pool = pool
     engine.block_manager = BlockManager(pool.num_blocks, pool.block_size, enable_prefix_caching=True)
     engine.scheduler = Scheduler(engine.block_manager, profile.max_num_seqs, profile.max_num_batched_tokens)
-    engine.runner = ModelRunner(engine.model, engine.block_manager, pool)
+    engine.runner = ModelRunner(engine.model, pool)
     return engine
 
 
@@ -66,9 +66,9 @@ def test_live_pages_waiting_on_the_host_count_as_pressure_but_not_as_device_memo
     engine = _um_engine(tiny_qwen2_dir, is_enabled=False)
     outside_kv = engine.memory_in_use_bytes()  # weights and workspace, no pages yet
     _add_requests(engine)
-    while engine.runner.num_kv_blocks_on_host() == 0:
+    while engine.num_kv_blocks_on_host() == 0:
         engine.step()
-    on_host = engine.runner.num_kv_blocks_on_host()
+    on_host = engine.num_kv_blocks_on_host()
     in_use = engine.memory_in_use_bytes()
     assert in_use - outside_kv <= NUM_DEVICE_PAGES * _page_bytes(engine)  # the device holds its share at most
     assert engine.memory_pressure_bytes() - in_use == on_host * _page_bytes(engine)

@@ -31,7 +31,7 @@ def _use_pool(engine: LLMEngine, pool) -> None:
     engine.scheduler = Scheduler(
         engine.block_manager, engine.profile.max_num_seqs, engine.profile.max_num_batched_tokens
     )
-    engine.runner = ModelRunner(engine.model, engine.block_manager, pool)
+    engine.runner = ModelRunner(engine.model, pool)
 
 
 def _shape(engine: LLMEngine) -> KVShape:

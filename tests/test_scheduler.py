@@ -179,3 +179,22 @@ def test_equal_looking_sequences_are_different_requests():
     sched.add(twin)
     sched.finish(twin)
     assert list(sched.waiting) == [a] and sched.waiting[0] is a and a != twin
+
+
+def test_a_batch_carries_the_pages_the_runner_needs():
+    """Block tables of the scheduled sequences (after allocation, in order), every live table,
+    and the free pages: what the model runner reads instead of the block manager."""
+    manager = BlockManager(16, 4, enable_prefix_caching=False)
+    a, b, c = _seq(0, 5), _seq(1, 3), _seq(2, 6)
+    sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)
+    for seq in (a, b, c):
+        sched.add(seq)
+    batch = sched.schedule()  # a (5 tokens) and b (3) fill the budget; c waits
+    assert [s.seq_id for s in batch.seqs] == [0, 1]
+    assert batch.block_tables == [[0, 1], [2]]
+    assert dict(batch.live_tables) == {0: [0, 1], 1: [2]}
+    assert sorted(batch.free_block_ids) == list(range(3, 16))
+    _finish_step(batch)
+    batch = sched.schedule()  # c's prefill alone: the decoding ones keep their pages
+    assert [s.seq_id for s in batch.seqs] == [2] and batch.block_tables == [[3, 4]]
+    assert dict(batch.live_tables) == {0: [0, 1], 1: [2], 2: [3, 4]}

@@ -13,6 +13,7 @@ free again (recompute is cheap next to the page traffic of swapping at these siz
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from lowvram.core.block_manager import BlockManager
@@ -21,13 +22,23 @@ from lowvram.core.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """The interface between scheduler and model runner."""
+    """The interface between scheduler and model runner: the runner sees the pages through
+    this, never the block manager.
+
+    block_tables: each scheduled sequence's pages, in order (the block manager's lists).
+    live_tables: every sequence that holds pages, scheduled or not, by sequence id; the
+        runner asks for their pages next when its pool spills.
+    free_block_ids: pages nobody holds, which a spilling pool evicts first.
+    """
 
     is_prefill: bool
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy before the step
+    block_tables: list[list[int]] = field(default_factory=list)
+    live_tables: Mapping[int, list[int]] = field(default_factory=dict)
+    free_block_ids: Collection[int] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -75,6 +86,14 @@ class Scheduler:
             self.preempt(victim)
             batch = self.schedule()
             batch.preempted.insert(0, victim)
+        return self.with_pages(batch)
+
+    def with_pages(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """`batch` with the pages its sequences hold, once they are allocated (see ScheduledBatch)."""
+        block_manager = self.block_manager
+        batch.block_tables = [block_manager.block_table(seq.seq_id) for seq in batch.seqs]
+        batch.live_tables = block_manager.tables
+        batch.free_block_ids = block_manager.free_blocks
         return batch
 
     def _schedule_prefill(self) -> ScheduledBatch:

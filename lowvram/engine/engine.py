@@ -212,7 +212,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.profile.max_num_seqs, self.profile.max_num_batched_tokens)
         self.runner = ModelRunner(
             self.model,
-            self.block_manager,
             self.kv_pool,
             max_num_seqs=self.profile.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -317,7 +316,8 @@ class LLMEngine:
             while seq.num_uncomputed_tokens:
                 num_new = min(seq.num_uncomputed_tokens, self.profile.max_num_batched_tokens)
                 self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
-                logits = self.runner.run(ScheduledBatch(True, [seq], [num_new]), is_all_rows=True)  # [num_new, V]
+                batch = self.scheduler.with_pages(ScheduledBatch(True, [seq], [num_new]))
+                logits = self.runner.run(batch, is_all_rows=True)  # [num_new, V]
                 start = seq.num_computed_tokens
                 targets = token_ids[start + 1 : start + num_new + 1]
                 rows = torch.log_softmax(logits[: len(targets)], dim=-1)
@@ -550,12 +550,18 @@ class LLMEngine:
             self._drained += self._finish(launched)
 
     # -- the feedback controller --------------------------------------------------
+    def num_kv_blocks_on_host(self) -> int:
+        """Pages in use whose data lives on the host."""
+        if not self.kv_pool.can_spill:
+            return 0
+        return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())
+
     def kv_bytes_in_use(self, num_blocks_on_host: int | None = None) -> int:
         """Device bytes of pages that hold live sequences' KV (cached-but-unused pages are
         reclaimable and not counted; pages spilled to the host are not on the device).
-        `num_blocks_on_host`: runner.num_kv_blocks_on_host() when the caller has it."""
+        `num_blocks_on_host`: num_kv_blocks_on_host() when the caller has it."""
         if num_blocks_on_host is None:
-            num_blocks_on_host = self.runner.num_kv_blocks_on_host()
+            num_blocks_on_host = self.num_kv_blocks_on_host()
         # Pages nobody holds are on the free list or cached: used = the rest (no per-page scan per step).
         num_live = self.block_manager.num_used_blocks - num_blocks_on_host
         return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision) + self.kv_pool.window_bytes()
@@ -620,7 +626,7 @@ class LLMEngine:
         holds it). Compressing the KV or shrinking the batch lowers this number.
         """
         if num_blocks_on_host is None:
-            num_blocks_on_host = self.runner.num_kv_blocks_on_host()
+            num_blocks_on_host = self.num_kv_blocks_on_host()
         if memory_in_use_bytes is None:
             memory_in_use_bytes = self.memory_in_use_bytes(num_blocks_on_host)
         on_host = num_blocks_on_host * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
@@ -638,7 +644,7 @@ class LLMEngine:
         the allocator (_allocated_bytes)."""
         if not self.profile.controller.is_enabled and not self.timeline_path:
             return  # nobody reads the observation: skip gathering it
-        on_host = self.runner.num_kv_blocks_on_host()  # a scan of the pages: once per step
+        on_host = self.num_kv_blocks_on_host()  # a scan of the pages: once per step
         in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=is_plain_decode))
         obs = Observation(
             self.stats.num_steps,
@@ -780,7 +786,7 @@ class LLMEngine:
             memory_budget_bytes=self.memory_budget_bytes,
             num_kv_blocks=self.block_manager.num_blocks,
             num_kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
-            num_kv_blocks_on_host=self.runner.num_kv_blocks_on_host(),
+            num_kv_blocks_on_host=self.num_kv_blocks_on_host(),
             kv_block_size=self.block_manager.block_size,
             kv_precision=self.kv_precision,
             num_running=len(self.scheduler.running),

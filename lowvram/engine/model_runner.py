@@ -12,13 +12,13 @@ next part's.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
-from lowvram.core.block_manager import BlockManager
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
-from lowvram.errors import KernelError
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
@@ -41,7 +41,6 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        block_manager: BlockManager,
         kv_pool: KVPool,
         *,
         max_num_seqs: int = 1,
@@ -49,16 +48,10 @@ class ModelRunner:
         use_cuda_graphs: bool = False,
         max_prefill_graph_tokens: int = 0,
     ):
-        if kv_pool.block_size != block_manager.block_size or kv_pool.num_blocks < block_manager.num_blocks:
-            raise KernelError(
-                f"the KV pool ({kv_pool.num_blocks} pages of {kv_pool.block_size} tokens) does not cover the block "
-                f"manager's {block_manager.num_blocks} pages of {block_manager.block_size} tokens"
-            )
         self.model = model
-        self.block_manager = block_manager
         self.kv_pool = kv_pool
         self.device = kv_pool.device
-        self.block_size = block_manager.block_size
+        self.block_size = kv_pool.block_size
         self.graphs = None
         self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
@@ -108,9 +101,9 @@ class ModelRunner:
         slots: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+        for seq, num_new, block_table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            table = self.kv_pool.device_table(self.block_manager.block_table(seq.seq_id))
+            table = self.kv_pool.device_table(block_table)
             input_ids.extend(seq.token_ids_between(start, end))
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
@@ -164,16 +157,16 @@ class ModelRunner:
         pool = self.kv_pool
         if not pool.can_spill:
             return self._forward(batch, is_all_rows, input_ids)
-        tables = {seq.seq_id: self.block_manager.block_table(seq.seq_id) for seq in batch.seqs}
-        pool.record_step(tables, live_seq_ids=self.block_manager.tables.keys())
+        tables = {seq.seq_id: table for seq, table in zip(batch.seqs, batch.block_tables)}
+        pool.record_step(tables, live_seq_ids=batch.live_tables.keys())
         parts = self._split(batch, tables)
-        free = self.block_manager.free_blocks
+        free = batch.free_block_ids
         logits = []
         first_row = 0
         for i, (part, blocks) in enumerate(parts):
             pool.ensure_resident(blocks, free_block_ids=free)
             # Issued before this part's kernels are queued, so the copies overlap them.
-            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(tables)
+            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(batch.live_tables, tables)
             if upcoming:
                 pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
             part_ids = None if input_ids is None else input_ids[first_row : first_row + len(part.seqs)]
@@ -183,10 +176,10 @@ class ModelRunner:
             logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    def _pages_of_others(self, tables: dict[int, list[int]]) -> list[int]:
+    @staticmethod
+    def _pages_of_others(live: Mapping[int, list[int]], tables: dict[int, list[int]]) -> list[int]:
         """Pages of sequences that hold pages but are not in this step (the decoding ones
         during a prefill step, say): the likeliest readers of the next step."""
-        live = self.block_manager.tables
         if len(live) <= len(tables):
             return []
         return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
@@ -207,8 +200,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
 
     def _replay(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        # The bucket first, from the block manager's tables: a batch no graph holds is gathered once, eagerly.
-        widest = max(len(self.block_manager.block_table(seq.seq_id)) for seq in batch.seqs)
+        # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
+        widest = max(len(table) for table in batch.block_tables)
         key = self.graphs.bucket(len(batch.seqs), widest)
         if key is None:
             return None
@@ -226,8 +219,7 @@ class ModelRunner:
         )
 
     def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        table = self.block_manager.block_table(batch.seqs[0].seq_id)
-        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(table))
+        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
         if key is None:
             return None
         input_ids, positions, slots, context_lens, tables = self.gather(batch)
@@ -272,31 +264,23 @@ class ModelRunner:
             return [(batch, every)]
         budget = max(1, limit // 2)
         parts: list[tuple[ScheduledBatch, list[int]]] = []
-        seqs, counts, blocks = [], [], {}
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            table = tables[seq.seq_id]
+        seqs, counts, part_tables, blocks = [], [], [], {}
+
+        def part() -> tuple[ScheduledBatch, list[int]]:
+            return replace(batch, seqs=seqs, num_new_tokens=counts, block_tables=part_tables, copies=[]), list(blocks)
+
+        for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             if seqs and len(blocks.keys() | set(table)) > budget:
-                parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
-                seqs, counts, blocks = [], [], {}
+                parts.append(part())
+                seqs, counts, part_tables, blocks = [], [], [], {}
             seqs.append(seq)
             counts.append(num_new)
+            part_tables.append(table)
             blocks.update(dict.fromkeys(table))
-        parts.append((ScheduledBatch(batch.is_prefill, seqs, counts), list(blocks)))
+        parts.append(part())
         return parts
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared pages: (src, dst) block ids, before the step reads dst."""
         for src, dst in copies:
             self.kv_pool.copy_block(src, dst)
-
-    def set_kv_precision(self, precision: str) -> int:
-        """Re-quantize every page that holds data; returns the device bytes freed."""
-        free = set(self.block_manager.free_blocks)
-        used = [b for b in range(self.block_manager.num_blocks) if b not in free]
-        return self.kv_pool.set_precision(precision, used)
-
-    def num_kv_blocks_on_host(self) -> int:
-        """Pages in use whose data lives on the host."""
-        if not self.kv_pool.can_spill:
-            return 0
-        return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())

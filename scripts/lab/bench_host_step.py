@@ -113,7 +113,6 @@ def build_engine(model_dir: Path, kv_backend: str, max_model_len: int) -> LLMEng
         engine.scheduler = Scheduler(engine.block_manager, profile.max_num_seqs, profile.max_num_batched_tokens)
         engine.runner = ModelRunner(
             engine.model,
-            engine.block_manager,
             pool,
             max_num_seqs=profile.max_num_seqs,
             max_model_len=engine.max_model_len,
