@@ -1336,7 +1336,7 @@ def launch_awq_gemv(
     if is_rows and block_k != group_size:
         raise ValueError('the K-in-thread form ("unpack": "rows") takes whole groups (block_k = group size)')
     has_prologue = norm is not None or is_gated
-    if has_prologue and not ((is_lanes or is_rows) and num_rows == 1):
+    if has_prologue and not (is_lanes or is_rows):  # both run one row only (checked above)
         raise ValueError("the norm and gate prologues run in the one-row kernels only")
     if norm is not None:
         prologue, has_residual = PROLOGUE_RMS_NORM, norm.residual is not None

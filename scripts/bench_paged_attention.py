@@ -595,7 +595,9 @@ def main() -> int:
 def lab_sm_slice():
     """scripts/lab/sm_slice.py: --sms runs on a CUDA green context, an experiment kept out of
     the package."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
+    lab = str(Path(__file__).resolve().parent / "lab")
+    if lab not in sys.path:  # asked for twice in a --sms run
+        sys.path.insert(0, lab)
     import sm_slice
 
     return sm_slice

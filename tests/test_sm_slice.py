@@ -11,6 +11,7 @@ from lowvram.kernels import paged_attention, w4a16
 from lowvram.kernels.dispatch import num_sms, set_sm_limit, sm_limit
 from lowvram.kernels.kv_quant import allocate_pages
 
+LAB = load_script("sm_slice")  # scripts/lab/sm_slice.py
 SLICE_SMS = 16  # an RTX 3050 laptop GPU's count, and a whole number of Hopper's groups of 8
 
 
@@ -43,8 +44,7 @@ def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
 def test_a_slice_without_a_gpu_says_so():
-    lab = load_script("sm_slice")
-    open_sm_slice, sm_ids = lab.open_sm_slice, lab.sm_ids
+    open_sm_slice, sm_ids = LAB.open_sm_slice, LAB.sm_ids
 
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         open_sm_slice(SLICE_SMS)
@@ -80,7 +80,7 @@ class _IdleStream:
 def test_a_slice_that_fails_to_close_names_the_call_and_still_frees_its_context(monkeypatch):
     """A failure while closing names the call and the error, not a driver without green
     contexts (the slice was made, so the driver has them), and the context is destroyed anyway."""
-    sm_slice = load_script("sm_slice")
+    sm_slice = LAB
 
     driver = _DriverFailingStreamDestroy()
     monkeypatch.setattr(sm_slice, "_driver", lambda: driver)
@@ -103,7 +103,7 @@ def test_the_bench_refuses_a_slice_of_no_sms(capsys, monkeypatch):
 
 def _open(num_sms):
     pytest.importorskip("cuda.bindings")
-    return load_script("sm_slice").sm_slice(num_sms)
+    return LAB.sm_slice(num_sms)
 
 
 @pytest.mark.gpu
@@ -111,7 +111,7 @@ def test_a_slice_reaches_only_its_sms():
     """Programs launched on the slice's stream, eagerly and from a CUDA graph captured there,
     run on at most its SMs; on the default stream the same launch spreads over more of them
     (so the check can fail). Inside the slice the kernels size their grids for it."""
-    sm_ids = load_script("sm_slice").sm_ids
+    sm_ids = LAB.sm_ids
 
     full_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if full_sms < 2 * SLICE_SMS:
