@@ -37,17 +37,14 @@ import torch
 from lowvram.config import Profile
 from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
-from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
 from lowvram.kv.pool import (
     GIB,
     DeviceKVPool,
     KVPool,
-    KVPoolStats,
     KVShape,
-    _check_precision,
     _convert_pages,
-    _log_once,
     _pages_like,
     _release_cached,
     _tensors,
@@ -56,6 +53,13 @@ from lowvram.kv.pool import (
 )
 
 HOT_WINDOW_BLOCKS = 2
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -147,22 +151,6 @@ class _TieredKVPool(KVPool):
 
     def is_resident(self, block_id: int) -> bool:
         return bool(self._is_resident[block_id // self.unit_size])
-
-    def stats(self) -> KVPoolStats:
-        return KVPoolStats(
-            self.backend,
-            self.precision,
-            self.num_blocks,
-            self.max_device_units * self.unit_size,
-            self.num_blocks_on_host(),
-            self.device_bytes,
-            self.host_bytes,
-            self.num_page_hits,
-            self.num_page_misses,
-            self.spilled_bytes,
-            self.fetched_bytes,
-            len(self.window_block_ids),
-        )
 
     # -- residency ---------------------------------------------------------------
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
@@ -359,7 +347,7 @@ class ManagedKVPool(_TieredKVPool):
         resident = [u < self.max_device_units for u in range(self.num_units)]
         self.pages, self._flats = [], []
         for _ in range(shape.num_layers):
-            pages, flat = self._allocate(precision, resident)
+            pages, flat = self._allocate_layer(precision, resident)
             self.pages.append(pages)
             self._flats.append(flat)
         self._mark([u for u in range(self.num_units) if resident[u]], True)
@@ -377,7 +365,7 @@ class ManagedKVPool(_TieredKVPool):
     def _managed_bytes(self, precision: str) -> int:
         return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
 
-    def _allocate(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
+    def _allocate_layer(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
         """One layer's pages: codes in a new managed allocation advised per unit, scales on the device."""
         num_alloc = self._num_alloc_blocks(precision)
         template = self.shape.template(precision, num_alloc)
@@ -438,21 +426,14 @@ class ManagedKVPool(_TieredKVPool):
         self.spilled_bytes += len(victims) * self._unit_bytes()
         self.fetched_bytes += len(incoming) * self._unit_bytes()
 
-    def set_precision(
-        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
-    ) -> int:
-        _check_precision(precision)
-        if precision == self.precision:
-            return 0
-        old_unit = self.unit_size
-        new_unit = self._unit_size_for(precision)
-        new_num_units = -(-self.num_blocks // new_unit)
-        new_max_units = max(1, self.max_device_blocks // new_unit)
-        new_device_bytes = self._scale_bytes(
-            precision
-        ) + new_max_units * self.shape.num_layers * 2 * new_unit * self.shape.code_block_bytes(precision)
-        window = self._choose_window(precision, fp16_block_ids, new_device_bytes)
-        self._check_device_budget(precision, new_device_bytes + self.window_bytes(len(window)))
+    def _device_codes_bytes(self, precision: str) -> int:
+        """Scales and zeros plus the codes of as many units as may be resident at `precision`."""
+        unit = self._unit_size_for(precision)
+        max_units = max(1, self.max_device_blocks // unit)
+        code_bytes = self.shape.num_layers * 2 * unit * self.shape.code_block_bytes(precision)
+        return self._scale_bytes(precision) + max_units * code_bytes
+
+    def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
         free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
         check_managed_size(
@@ -461,6 +442,9 @@ class ManagedKVPool(_TieredKVPool):
             self.budget_bytes,
             allow_oversubscription=self.allow_oversubscription,
         )
+        old_unit, new_unit = self.unit_size, self._unit_size_for(precision)
+        new_num_units = -(-self.num_blocks // new_unit)
+        new_max_units = max(1, self.max_device_blocks // new_unit)
         # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
         resident = [
             any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit, self.num_blocks)))
@@ -470,25 +454,17 @@ class ManagedKVPool(_TieredKVPool):
         for u, is_resident in enumerate(resident):
             kept += is_resident
             resident[u] = is_resident and kept <= new_max_units
-        self.synchronize()
-        before = self.device_bytes
-        rows = sorted(set(range(self.num_blocks) if block_ids is None else block_ids))
         window_row = self._window_rows(window, lambda b: b, self._num_alloc_blocks(precision))
         for layer in range(len(self.pages)):
-            pages, flat = self._allocate(precision, resident)
+            pages, flat = self._allocate_layer(precision, resident)
             pages = self._with_window(pages, window_row, len(window))
             _convert_pages(self.pages[layer], pages, rows, rows)
             # Dropping the last views frees the old allocation (cudaFree synchronizes first).
             self.pages[layer], self._flats[layer] = pages, flat
-        self.precision = precision
-        self.window_block_ids = window
-        self.pages_version += 1
         self._set_units(new_unit)
         self.max_device_units = new_max_units
         self._mark([u for u in range(new_num_units) if resident[u]], True)
         self.policy.clear()  # unit ids changed meaning
-        _release_cached(self.device)
-        return before - self.device_bytes
 
 
 # ---------------------------------------------------------------- pinned: device slots + pinned host tier
@@ -516,7 +492,7 @@ class PinnedKVPool(_TieredKVPool):
         )
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
-        self.pages = [self._allocate_device(precision, self.num_slots) for _ in range(shape.num_layers)]
+        self.pages = [self._allocate(precision, self.num_slots) for _ in range(shape.num_layers)]
         self.host_pages = [self._allocate_host(precision) for _ in range(shape.num_layers)]
         self._slot_of = list(range(self.num_slots)) + [-1] * (num_blocks - self.num_slots)
         self._block_in_slot = list(range(self.num_slots))
@@ -527,10 +503,6 @@ class PinnedKVPool(_TieredKVPool):
         self._window_index: dict[int, int] = {}  # block id -> its row in the FP16 window
         self._mark(range(self.num_slots), True)
         self.max_device_bytes = self.device_bytes
-
-    def _allocate_device(self, precision: str, num_slots: int) -> KVPages:
-        s = self.shape
-        return allocate_pages(num_slots, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device)
 
     def _allocate_host(self, precision: str) -> KVPages:
         template = self.shape.template(precision, max(1, self.num_host_slots))
@@ -547,10 +519,8 @@ class PinnedKVPool(_TieredKVPool):
     def _unit_bytes(self) -> int:
         return self.shape.block_bytes(self.precision)
 
-    @property
-    def device_bytes(self) -> int:
-        """The device slots, used or not (they are allocated up front), and the FP16 window."""
-        return self.num_slots * self.shape.block_bytes(self.precision) + self.window_bytes()
+    def _device_codes_bytes(self, precision: str) -> int:
+        return self.num_slots * self.shape.block_bytes(precision)  # used or not: allocated up front
 
     @property
     def host_bytes(self) -> int:
@@ -711,7 +681,7 @@ class PinnedKVPool(_TieredKVPool):
             window_row = torch.full((self.max_device_units,), -1, dtype=torch.int32, device=self.device)
         for layer in range(len(self.pages)):
             old = self.pages[layer]
-            new = self._allocate_device(self.precision, self.max_device_units)
+            new = self._allocate(self.precision, self.max_device_units)
             for (_, new_t), (_, old_t) in zip(_tensors(new), _tensors(old)):
                 new_t[: len(resident)] = old_t.index_select(0, old_slots)
             if window_row is not None:
@@ -727,35 +697,21 @@ class PinnedKVPool(_TieredKVPool):
         self.pages_version += 1
         _release_cached(self.device)
 
-    def set_precision(
-        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
-    ) -> int:
-        _check_precision(precision)
-        if precision == self.precision:
-            return 0
-        slots_bytes = self.num_slots * self.shape.block_bytes(precision)
-        # The window lives on the device: only pages in a device slot now can join it.
-        window = self._choose_window(precision, [b for b in fp16_block_ids if self._slot_of[b] >= 0], slots_bytes)
-        self._check_device_budget(precision, slots_bytes + self.window_bytes(len(window)))
-        self.synchronize()
-        before = self.device_bytes
-        ids = range(self.num_blocks) if block_ids is None else sorted(set(block_ids))
-        slot_rows = [self._slot_of[b] for b in ids if self._slot_of[b] >= 0]
-        host_rows = [self._host_slot_of[b] for b in ids if self._host_slot_of[b] >= 0]
+    def _can_hold_window(self, block_id: int) -> bool:
+        return self._slot_of[block_id] >= 0  # the window lives on the device: only pages in a slot join
+
+    def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
+        slot_rows = [self._slot_of[b] for b in rows if self._slot_of[b] >= 0]
+        host_rows = [self._host_slot_of[b] for b in rows if self._host_slot_of[b] >= 0]
         window_row = self._window_rows(window, lambda b: self._slot_of[b], self.num_slots)
         for layer in range(len(self.pages)):
-            new = self._with_window(self._allocate_device(precision, self.num_slots), window_row, len(window))
+            new = self._with_window(self._allocate(precision, self.num_slots), window_row, len(window))
             _convert_pages(self.pages[layer], new, slot_rows, slot_rows)
             self.pages[layer] = new
             host = self._allocate_host(precision)
             _convert_pages(self.host_pages[layer], host, host_rows, host_rows)
             self.host_pages[layer] = host
-        self.precision = precision
-        self.window_block_ids = window
         self._window_index = {b: i for i, b in enumerate(window)}
-        self.pages_version += 1
-        _release_cached(self.device)
-        return before - self.device_bytes
 
 
 def create_kv_pool(
