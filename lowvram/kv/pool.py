@@ -38,11 +38,9 @@ import torch
 
 from lowvram.errors import ConfigError, OutOfMemoryError
 from lowvram.kernels.kv_quant import PRECISIONS, KVPages, allocate_pages, copy_page, gather_kv, store_kv
-from lowvram.kv.managed_memory import INSTALL_HINT, check_managed_size
 
 log = logging.getLogger("lowvram")
 GIB = 2**30
-BACKENDS = ("um", "pinned", "device")
 # Re-quantization works through float32 copies of this many bytes at a time.
 CONVERT_CHUNK_BYTES = 32 * 2**20
 
@@ -152,90 +150,6 @@ def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: 
         pages[i] for i in range(max(map(len, newest_first), default=0)) for pages in newest_first if i < len(pages)
     ]
     return list(dict.fromkeys(order))  # a shared prefix page once
-
-
-# ---------------------------------------------------------------- choosing a backend
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """What `create_kv_pool` builds: the backend and its sizes, in pages."""
-
-    backend: str
-    num_blocks: int  # pages the block manager hands out
-    num_device_blocks: int  # most pages resident on the device at once
-    num_host_blocks: int  # pages beyond the device share (um) / pinned host slots (pinned)
-    block_bytes: int  # one page of every layer
-    reason: str
-
-
-def plan_pool(
-    *,
-    backend: str,
-    device_type: str,
-    num_device_blocks: int,
-    max_num_blocks: int,
-    block_bytes: int,
-    host_spill_bytes: int,
-    allow_oversubscription: bool,
-    has_runtime: bool,
-    is_concurrent: bool | None,
-    free_bytes: int | None,
-) -> PoolPlan:
-    """Pick the backend and size it. Pure: every probe of the machine is an argument.
-
-    `num_device_blocks` is the device share the memory plan left for KV; the host
-    share (`host_spill_bytes`) adds pages up to `max_num_blocks` (every sequence at
-    full length). `auto` takes `um` where concurrent managed access works and the
-    managed pool fits the free device memory (or oversubscription is allowed), else
-    `pinned`. An explicit `um` that cannot work is an error with the numbers.
-    """
-    if backend not in BACKENDS + ("auto",):
-        raise ConfigError(f"kv_backend = {backend!r} is not allowed; use one of: {', '.join(BACKENDS + ('auto',))}")
-    n = num_device_blocks
-    if device_type != "cuda":
-        note = "" if backend in ("auto", "device") else f" (kv_backend {backend!r} needs CUDA)"
-        return PoolPlan("device", n, n, 0, block_bytes, f"CPU: KV pages live in host memory{note}")
-    if backend == "device":
-        return PoolPlan("device", n, n, 0, block_bytes, "kv_backend 'device': pages stay on the GPU, no spill")
-    host_blocks = int(host_spill_bytes // block_bytes)
-    num_blocks = max(n, min(n + host_blocks, max_num_blocks))
-    managed_bytes = num_blocks * block_bytes
-    reason = f"kv_backend {backend!r}"
-    if backend == "auto":
-        if not has_runtime:
-            backend, why = "pinned", "cuda-bindings is not installed or not usable"
-        elif not is_concurrent:
-            backend, why = (
-                "pinned",
-                (
-                    "this GPU cannot share managed memory with the host while kernels run "
-                    "(concurrentManagedAccess = 0, as on Windows and WSL2)"
-                ),
-            )
-        elif free_bytes is not None and managed_bytes > free_bytes and not allow_oversubscription:
-            backend, why = (
-                "pinned",
-                (
-                    f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the {free_bytes / GIB:.2f} GiB free on the GPU"
-                ),
-            )
-        else:
-            backend, why = "um", "concurrent managed access works"
-        reason = f"kv_backend auto -> {backend}: {why}"
-    if backend == "pinned":
-        return PoolPlan("pinned", num_blocks, n, min(host_blocks, num_blocks), block_bytes, reason)
-    if not has_runtime:
-        raise ConfigError(INSTALL_HINT)
-    if not is_concurrent:
-        raise ConfigError(
-            "kv_backend 'um' needs concurrent managed access, which this GPU/OS does not offer "
-            "(concurrentManagedAccess = 0, as on Windows and WSL2); use kv_backend 'pinned' or 'auto'"
-        )
-    budget_bytes = n * block_bytes + int(host_spill_bytes)
-    free = managed_bytes if free_bytes is None else free_bytes
-    check_managed_size(managed_bytes, free, budget_bytes, allow_oversubscription=allow_oversubscription)
-    return PoolPlan("um", num_blocks, n, num_blocks - n, block_bytes, reason)
 
 
 # ---------------------------------------------------------------- the interface and the device backend

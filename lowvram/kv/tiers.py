@@ -1,30 +1,23 @@
 """The tiered KV pools: pages that live on the device or in host memory and move between them.
 
-- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory (cuda-bindings). A page
-  is spilled by advising its range to the host and migrating it there, which frees
-  its device memory; it is brought back by advising the GPU and prefetching it. The
-  GPU keeps a mapping to every page, so a page left on the host is still read
-  correctly (over the bus): a context longer than the device share keeps its
-  oldest pages there. Scales and zeros of INT8/INT4 pages (about 3% of the bytes)
-  and the FP16 window stay in ordinary device memory. Migration works on OS pages,
-  so pages move in units of as many KV pages as fill whole OS pages (one unit = one
-  KV page for the 1.5B shape in FP16 and INT8).
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by
+  advising its range to the host and migrating it there, which frees its device
+  memory; it comes back by advising the GPU and prefetching. The GPU keeps a mapping
+  to every page, so a page left on the host is still read correctly (over the bus): a
+  context longer than the device share keeps its oldest pages there. Scales, zeros
+  and the FP16 window stay in ordinary device memory. Migration works on OS pages, so
+  pages move in units of as many KV pages as fill whole OS pages.
 - `pinned` (`PinnedKVPool`): a fixed set of device slots plus a pinned-host tier;
-  pages move with explicit asynchronous copies on a side stream, and block ids are
-  translated to device slots (`device_table`). For platforms where managed memory
-  cannot oversubscribe (`cudaDevAttrConcurrentManagedAccess` = 0: Windows, WSL2).
-  The FP16 window stays on the device; its tags follow the pages from slot to slot.
+  pages move with asynchronous copies on a side stream, and block ids are translated
+  to device slots (`device_table`). For platforms where managed memory cannot
+  oversubscribe (concurrentManagedAccess = 0: Windows, WSL2).
 
 Residency: at most `max_device_blocks` pages are resident. Before a step the runner
 calls `ensure_resident` with the step's pages: missing pages come back on the side
-stream and the compute stream waits for them on the GPU, not on the CPU. When there
-is no room, victims are chosen by `SpillPolicy` (cold and LRU first, the hot window
-near each decode position last, never the step's own pages). `prefetch` does the
-same without the wait, so copies overlap the compute already queued (the runner uses
-it for the next part of a batch that does not fit at once).
-
-`create_kv_pool` builds the backend the profile and `plan_pool` choose. The interface, the
-`device` backend and the FP16 window are described in `lowvram.kv.pool`.
+stream and the compute stream waits for them on the GPU, not on the CPU. Victims are
+chosen by `SpillPolicy` (cold and LRU first, the hot window near each decode position
+last, never the step's own pages). `prefetch` does the same without the wait, so
+copies overlap the compute already queued.
 """
 
 from __future__ import annotations
@@ -34,32 +27,21 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from lowvram.config import Profile
 from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kernels.kv_quant import KVPages
-from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
+from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
 from lowvram.kv.pool import (
     GIB,
-    DeviceKVPool,
     KVPool,
     KVShape,
     _convert_pages,
     _pages_like,
     _release_cached,
     _tensors,
-    log,
-    plan_pool,
 )
 
 HOT_WINDOW_BLOCKS = 2
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -93,14 +75,13 @@ class _TieredKVPool(KVPool):
         device: torch.device | str,
         *,
         max_device_blocks: int,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
         super().__init__(shape, num_blocks, precision, device)
         if max_device_blocks < 1:
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
-        self.policy = SpillPolicy(num_hot_blocks)
+        self.policy = SpillPolicy(HOT_WINDOW_BLOCKS)
         self.num_page_hits = 0
         self.num_page_misses = 0
         self.spilled_bytes = 0
@@ -329,11 +310,8 @@ class ManagedKVPool(_TieredKVPool):
         memory: ManagedMemory,
         budget_bytes: int,
         allow_oversubscription: bool = False,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
-        super().__init__(
-            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
-        )
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
         self.memory = memory
         self.budget_bytes = budget_bytes
         self.allow_oversubscription = allow_oversubscription
@@ -485,11 +463,8 @@ class PinnedKVPool(_TieredKVPool):
         *,
         max_device_blocks: int,
         num_host_blocks: int,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
-        super().__init__(
-            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
-        )
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
         self.pages = [self._allocate(precision, self.num_slots) for _ in range(shape.num_layers)]
@@ -712,86 +687,3 @@ class PinnedKVPool(_TieredKVPool):
             _convert_pages(self.host_pages[layer], host, host_rows, host_rows)
             self.host_pages[layer] = host
         self._window_index = {b: i for i, b in enumerate(window)}
-
-
-def create_kv_pool(
-    config,
-    profile: Profile,
-    num_device_blocks: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    *,
-    max_model_len: int,
-    memory: ManagedMemory | None = None,
-) -> KVPool:
-    """The pool the profile asks for, sized from the memory plan's device share.
-
-    config: the model's ModelConfig (layers, KV heads, head size) or DeepseekV2Config.
-    num_device_blocks: pages the memory plan fits on the device (`KVPlan.num_blocks`).
-    dtype: element type of fp16 pages (the compute dtype).
-    memory: managed-memory access for the `um` backend (default: cuda-bindings on `device`).
-    """
-    # MLA (DeepSeek-V2) keeps one latent row per token and layer, so two layers share a pool
-    # layer's K and V (model_deepseek_v2.layer_kv_pages); dense models have no num_kv_layers.
-    num_kv_layers = getattr(config, "num_kv_layers", config.num_layers)
-    shape = KVShape(num_kv_layers, profile.kv_block_size, config.num_kv_heads, config.head_dim, dtype)
-    blocks_per_seq = -(-max_model_len // profile.kv_block_size)
-    is_concurrent, free_bytes = None, None
-    if device.type == "cuda" and profile.kv_backend != "device":
-        try:
-            memory = memory or ManagedMemory(device)
-            is_concurrent = memory.is_concurrent()
-            free_bytes = memory.free_bytes()
-        except (ConfigError, KernelError) as exc:  # not installed, or built for another driver
-            if profile.kv_backend == "um":
-                raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
-            _log_once(f"cuda-bindings is not usable ({exc}); KV pages cannot use unified memory")
-            memory = None
-            free_bytes = torch.cuda.mem_get_info(device)[0]
-    plan = plan_pool(
-        backend=profile.kv_backend,
-        device_type=device.type,
-        num_device_blocks=num_device_blocks,
-        max_num_blocks=max(num_device_blocks, profile.max_num_seqs * blocks_per_seq),
-        block_bytes=shape.block_bytes(precision),
-        host_spill_bytes=int(profile.host_spill_gib * GIB),
-        allow_oversubscription=profile.allow_oversubscription,
-        has_runtime=memory is not None,
-        is_concurrent=is_concurrent,
-        free_bytes=free_bytes,
-    )
-    _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
-    if plan.backend == "um":
-        budget = plan.num_device_blocks * plan.block_bytes + int(profile.host_spill_gib * GIB)
-        pool: KVPool = ManagedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=plan.num_device_blocks,
-            memory=memory,
-            budget_bytes=budget,
-            allow_oversubscription=profile.allow_oversubscription,
-        )
-    elif plan.backend == "pinned":
-        pool = PinnedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=plan.num_device_blocks,
-            num_host_blocks=plan.num_host_blocks,
-        )
-    else:
-        pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
-    log.info(
-        "KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
-        pool.backend,
-        pool.num_blocks,
-        shape.block_size,
-        plan.num_device_blocks,
-        pool.device_bytes / 2**20,
-        pool.host_bytes / 2**20,
-    )
-    return pool

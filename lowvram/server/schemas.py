@@ -11,10 +11,11 @@ accepted as in vLLM, so the same request body runs on both.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lowvram.errors import RequestError
 
@@ -264,136 +265,67 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
 
 
 # -- responses -----------------------------------------------------------------
+# Plain dicts in OpenAI's field order; `json_bytes` writes them as pydantic would.
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-        )
+def json_bytes(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
 
 
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        # OpenAI's deltas carry only what changed: the last one is {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "lowvram"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+def model_card(model: str, created: int, max_model_len: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "lowvram", "max_model_len": max_model_len}
 
 
 class CompletionShape:
-    """The response objects of one /v1/completions request: 'text_completion', streamed or whole."""
+    """The response objects of one /v1/completions request: 'text_completion', streamed or whole.
+    Streamed chunks carry `"usage": null` until the last, which the stream drops unless asked for."""
 
     id_prefix = "cmpl-"
 
     def __init__(self, request_id: str, model: str):
         self.request_id, self.model, self.created = request_id, model, int(time.time())
 
-    def first(self) -> BaseModel | None:
+    def _body(self, object: str, choices: list[dict], usage: dict | None = None) -> dict:
+        return {
+            "id": self.request_id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("text_completion", [choice])
+
+    def first(self) -> dict | None:
         """What a stream starts with before any token, if anything."""
         return None
 
-    def _chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None, *, has_choice: bool = True):
-        choices = [CompletionChoice(text=text, finish_reason=finish_reason)] if has_choice else []
-        return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def delta(self, text: str) -> BaseModel:
+    def delta(self, text: str) -> dict:
         return self._chunk(text, None)
 
-    def finish(self, finish_reason: str) -> BaseModel:
+    def finish(self, finish_reason: str) -> dict:
         return self._chunk("", finish_reason)
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk("", None, usage, has_choice=False)
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._body("text_completion", [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
-        return self._chunk(text, finish_reason, usage)
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return {**self._chunk(text, finish_reason), "usage": usage}
 
 
 class ChatShape(CompletionShape):
@@ -401,29 +333,24 @@ class ChatShape(CompletionShape):
 
     id_prefix = "chatcmpl-"
 
-    def _chunk(self, delta: ChatDelta | None, finish_reason: str | None = None, usage: Usage | None = None):
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if delta is not None else []
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        # OpenAI's deltas carry only what changed: the last one is {}.
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("chat.completion.chunk", [choice])
 
-    def first(self) -> BaseModel:
-        return self._chunk(ChatDelta(role="assistant", content=""))
+    def first(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
 
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(ChatDelta(content=text))
+    def delta(self, text: str) -> dict:
+        return self._chunk({"content": text})
 
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._chunk(ChatDelta(), finish_reason)
+    def finish(self, finish_reason: str) -> dict:
+        return self._chunk({}, finish_reason)
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk(None, None, usage)
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._body("chat.completion.chunk", [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
-        return ChatCompletion(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            usage=usage,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
-        )
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("chat.completion", [choice], usage)
