@@ -22,6 +22,7 @@ copies overlap the compute already queued.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
@@ -563,78 +564,66 @@ class PinnedKVPool(_TieredKVPool):
         self.fetched_bytes += len(fetch) * self._unit_bytes()
 
     def _device_index(self, values: list[int]) -> torch.Tensor:
+        index = torch.tensor(values, dtype=torch.long)
         # From pinned memory the copy is asynchronous; from pageable memory torch would
         # block the CPU until the side stream (and so all queued compute) had finished.
-        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        return index.pin_memory().to(self.device, non_blocking=True) if self._side is not None else index
+
+    def _on_side(self):
+        """Where copies are enqueued: the side stream, after the compute stream's queued work."""
+        if self._side is None:
+            return contextlib.nullcontext()
+        self._start_transfers()
+        return torch.cuda.stream(self._side)
 
     def _read_host(self, host_slots: list[int]) -> list[torch.Tensor]:
         """Host rows of every layer and tensor, gathered into (pinned) staging on the CPU."""
         index = torch.tensor(host_slots, dtype=torch.long)
-        is_pinned = self.device.type == "cuda"
         staged = []
         for pages in self.host_pages:
             for _, tensor in _tensors(pages):
-                rows = torch.empty((len(host_slots), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=is_pinned)
-                torch.index_select(tensor, 0, index, out=rows)
-                staged.append(rows)
+                shape = (len(host_slots), *tensor.shape[1:])
+                rows = torch.empty(shape, dtype=tensor.dtype, pin_memory=self._side is not None)
+                staged.append(torch.index_select(tensor, 0, index, out=rows))
         return staged
 
     def _load_slots(self, slots: list[int], staged: list[torch.Tensor]) -> None:
         """Staged host rows -> device slots, on the side stream."""
-        device_tensors = [t for pages in self.pages for _, t in _tensors(pages)]
-        if self._side is None:
-            index = torch.tensor(slots, dtype=torch.long)
-            for tensor, rows in zip(device_tensors, staged):
-                tensor.index_copy_(0, index, rows)
-            return
-        self._start_transfers()
-        with torch.cuda.stream(self._side):
+        with self._on_side():
             index = self._device_index(slots)
-            for tensor, rows in zip(device_tensors, staged):
+            for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
                 # The pinned source stays reserved by torch's host allocator until this copy ran.
                 tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
 
     def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
         """Device slots -> host slots: gathered and copied on the side stream now, scattered
         into the host tier once the copy finished (`_complete_spills`)."""
-        host_index = torch.tensor(host_slots, dtype=torch.long)
-        pairs = [
-            (host_t, dev_t)
-            for host_pages, pages in zip(self.host_pages, self.pages)
-            for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages))
-        ]
-        if self._side is None:
-            index = torch.tensor(slots, dtype=torch.long)
-            for host_t, dev_t in pairs:
-                host_t.index_copy_(0, host_index, dev_t.index_select(0, index))
-            return
-        self._start_transfers()
         entries = []
-        with torch.cuda.stream(self._side):
+        with self._on_side():
             index = self._device_index(slots)
-            for host_t, dev_t in pairs:
-                rows = dev_t.index_select(0, index)
-                staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                staged.copy_(rows, non_blocking=True)
-                entries.append((host_t, staged))
-            event = torch.cuda.Event()
-            event.record(self._side)
-        self._pending.append((event, host_index, entries))
+            for host_pages, pages in zip(self.host_pages, self.pages):
+                for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages)):
+                    rows = dev_t.index_select(0, index)
+                    if self._side is not None:
+                        staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                        rows = staged.copy_(rows, non_blocking=True)
+                    entries.append((host_t, rows))
+            event = None if self._side is None else torch.cuda.Event()
+            if event is not None:
+                event.record()
+        self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
 
     def _tag_window(self) -> None:
         """Point every slot's window tag at its page's FP16 row: tags are indexed by slot, and
         the window stays on the device while its pages move. Written on the compute stream,
         so steps already queued read the tags they were queued with."""
-        window_row = self.pages[0].window_row
         tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
-        if self.device.type == "cuda":
-            window_row.copy_(tags.pin_memory(), non_blocking=True)
-        else:
-            window_row.copy_(tags)
+        self.pages[0].window_row.copy_(tags.pin_memory() if self._side is not None else tags, non_blocking=True)
 
     def _complete_spills(self) -> None:
         for event, host_index, entries in self._pending:
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
             for host_t, staged in entries:
                 host_t.index_copy_(0, host_index, staged)
         self._pending.clear()

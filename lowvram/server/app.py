@@ -500,11 +500,10 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
 
 def _parse(model: type[CompletionRequest] | type[ChatCompletionRequest], data: dict):
     try:
-        request = model.model_validate(data)
+        request = model.model_validate(model.without_noop_params(data))
     except ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise ApiError(400, message, param=param) from None
-    request.check_supported()
     if request.stream_options is not None and not request.is_stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return request

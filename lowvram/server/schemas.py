@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -79,6 +79,11 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
 }
 
 
+_CHAT_ONLY = frozenset(
+    {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
+)
+
+
 class _GenerationRequest(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -99,18 +104,7 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
     ignore_eos: bool | None = None
     # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
+    noop_params: ClassVar[frozenset[str]] = frozenset()
 
     @field_validator("temperature")
     @classmethod
@@ -122,18 +116,18 @@ class _GenerationRequest(_Strict):
             )
         return value
 
-    def check_supported(self) -> None:
-        """Raise UnsupportedParameter for the first parameter that asks for something unsupported."""
-        for name in type(self).model_fields:
-            if name not in _NOOP_VALUES:
-                continue
-            value = getattr(self, name)
+    @classmethod
+    def without_noop_params(cls, data: dict) -> dict:
+        """`data` less the parameters that ask for nothing; UnsupportedParameter for the first
+        that asks for something this server does not do."""
+        for name in (name for name in _NOOP_VALUES if name in cls.noop_params):
+            value = data.get(name)
             allowed, reason = _NOOP_VALUES[name]
             # `True == 1` in Python; a JSON true for n must not pass as 1.
             if not any(value == ok and type(value) is type(ok) for ok in allowed):
-                shown = repr(value)
-                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
                 raise UnsupportedParameter(f"'{name}' = {shown} is not supported by this server: {reason}", name)
+        return {key: value for key, value in data.items() if key not in cls.noop_params}
 
     @property
     def is_stream(self) -> bool:
@@ -170,8 +164,7 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    echo: Any = None
-    suffix: Any = None
+    noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt, as text or token ids; batched prompts are refused."""
@@ -211,13 +204,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
+    noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
 
     def requested_max_tokens(self) -> int | None:
         if (
