@@ -103,23 +103,21 @@ def _check_precision(precision: str) -> None:
         raise ConfigError(f"KV precision {precision!r} is not allowed; use one of: {', '.join(PRECISIONS)}")
 
 
-def _convert_pages(old: KVPages, new: KVPages, src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
-    """Copy pages `src_rows` of `old` into pages `dst_rows` of `new`, re-quantizing to
+def _convert_pages(old: KVPages, new: KVPages, rows: Sequence[int]) -> None:
+    """Copy pages `rows` of `old` into the same pages of `new`, re-quantizing to
     `new.precision` (each side's FP16 window is read and written as its pages say).
     Works through bounded float32 chunks."""
-    if not src_rows:
+    if not rows:
         return
     block_size = old.block_size
     per_block = 2 * block_size * old.num_kv_heads * old.head_dim * 4  # float32 K and V
     chunk = max(1, CONVERT_CHUNK_BYTES // per_block)
-    src_offsets = torch.arange(block_size, device=old.device)
-    dst_offsets = torch.arange(block_size, device=new.device)
-    for i in range(0, len(src_rows), chunk):
-        src = torch.tensor(src_rows[i : i + chunk], dtype=torch.long, device=old.device)
-        dst = torch.tensor(dst_rows[i : i + chunk], dtype=torch.long, device=new.device)
-        k, v = gather_kv(old, (src[:, None] * block_size + src_offsets).flatten())  # [n * B, Hkv, D] float32
-        k, v = k.to(new.device), v.to(new.device)
-        slots = (dst[:, None] * block_size + dst_offsets).flatten()
+    offsets = torch.arange(block_size, device=old.device)
+    for i in range(0, len(rows), chunk):
+        pages = torch.tensor(rows[i : i + chunk], dtype=torch.long, device=old.device)
+        slots = (pages[:, None] * block_size + offsets).flatten()  # [n * B]
+        k, v = gather_kv(old, slots)  # [n * B, Hkv, D] float32
+        k, v, slots = k.to(new.device), v.to(new.device), slots.to(new.device)
         if new.device.type == "cuda":
             from lowvram.kernels.kv_write import write_kv
 
@@ -292,7 +290,7 @@ class KVPool:
         window_row = self._window_rows(window, lambda b: b, self.num_blocks)
         for layer in range(len(self.pages)):
             new = self._with_window(self._allocate(precision, self.num_blocks), window_row, len(window))
-            _convert_pages(self.pages[layer], new, rows, rows)
+            _convert_pages(self.pages[layer], new, rows)
             self.pages[layer] = new  # the old layer is freed here, before the next one is allocated
 
     def _allocate(self, precision: str, num_blocks: int) -> KVPages:

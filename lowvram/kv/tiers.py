@@ -42,8 +42,6 @@ from lowvram.kv.pool import (
     _tensors,
 )
 
-HOT_WINDOW_BLOCKS = 2
-
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted ids merged into [start, end) runs."""
@@ -82,7 +80,7 @@ class _TieredKVPool(KVPool):
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
-        self.policy = SpillPolicy(HOT_WINDOW_BLOCKS)
+        self.policy = SpillPolicy()  # the last 2 pages of each sequence are hot
         self.num_page_hits = 0
         self.num_page_misses = 0
         self.spilled_bytes = 0
@@ -437,7 +435,7 @@ class ManagedKVPool(_TieredKVPool):
         for layer in range(len(self.pages)):
             pages, flat = self._allocate_layer(precision, resident)
             pages = self._with_window(pages, window_row, len(window))
-            _convert_pages(self.pages[layer], pages, rows, rows)
+            _convert_pages(self.pages[layer], pages, rows)
             # Dropping the last views frees the old allocation (cudaFree synchronizes first).
             self.pages[layer], self._flats[layer] = pages, flat
         self._set_units(new_unit)
@@ -670,9 +668,9 @@ class PinnedKVPool(_TieredKVPool):
         window_row = self._window_rows(window, lambda b: self._slot_of[b], self.num_slots)
         for layer in range(len(self.pages)):
             new = self._with_window(self._allocate(precision, self.num_slots), window_row, len(window))
-            _convert_pages(self.pages[layer], new, slot_rows, slot_rows)
+            _convert_pages(self.pages[layer], new, slot_rows)
             self.pages[layer] = new
             host = self._allocate_host(precision)
-            _convert_pages(self.host_pages[layer], host, host_rows, host_rows)
+            _convert_pages(self.host_pages[layer], host, host_rows)
             self.host_pages[layer] = host
         self._window_index = {b: i for i, b in enumerate(window)}

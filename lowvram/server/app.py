@@ -152,10 +152,7 @@ class _Generation:
         """The next output; raises _Ended if the server ended the request, or the engine's error."""
         item = await self._items.get()
         if isinstance(item, BaseException):
-            if isinstance(item, _Ended):
-                self.finish_reason = self.finish_reason or item.reason
-            else:
-                self.finish_reason = self.finish_reason or "error"
+            self.finish_reason = self.finish_reason or (item.reason if isinstance(item, _Ended) else "error")
             raise item
         now = time.perf_counter()
         metrics = self.state.metrics
