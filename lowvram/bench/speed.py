@@ -73,18 +73,16 @@ def prepare_checkpoint(model: str | None, shape: str | None, work_dir: Path) -> 
     model_dir = check_source(model, shape)
     if model_dir is not None:
         return model_dir, str(model)
-    shape = shape or DEFAULT_SHAPE
-    if shape == TINY_SHAPE:
-        from lowvram.testing import make_tiny_model
-
-        make_tiny_model(work_dir / "model", "qwen2", num_layers=2)
-        return work_dir / "model", f"{shape} (random weights)"
     from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
+    from lowvram.testing import make_tiny_model
 
-    # Shared with other benchmarks of this session where the checkpoint cache is set.
-    return cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir), (
-        f"{shape} (random weights)"
-    )
+    shape = shape or DEFAULT_SHAPE
+    out_dir = work_dir / "model"
+    if shape == TINY_SHAPE:
+        make_tiny_model(out_dir, "qwen2", num_layers=2)
+    else:  # shared with other benchmarks of this session where the checkpoint cache is set
+        out_dir = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
+    return out_dir, f"{shape} (random weights)"
 
 
 def largest_group_size(config) -> int:
