@@ -157,20 +157,15 @@ def _int_list(text: str) -> list[int]:
 
 @report_cuda_oom
 def cmd_bench_speed(args) -> int:
-    from lowvram.bench.speed import plot, require_matplotlib, run_speed_bench, write_markdown
+    from lowvram.bench.speed import run_speed_bench, write_markdown
 
-    if args.plot:
-        require_matplotlib()
     command = (
         "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
     )
     result = run_speed_bench(
         args.model,
         shape=args.shape,
-        num_layers=args.num_layers,
         quantize=args.quantize,
-        quantize_head=args.quantize_head,
-        calib_samples=args.calib_samples,
         fp16_budget_mib=args.fp16_budget_mib,
         rank=args.rank,
         profile=args.profile,
@@ -179,19 +174,11 @@ def cmd_bench_speed(args) -> int:
         batch_sizes=args.batch_sizes,
         context_lens=args.context_lens,
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        vs_hf=args.vs_hf,
         cuda_graphs=args.cuda_graphs,
-        prefill_graphs=args.prefill_graphs,
-        batch_invariant=args.batch_invariant,
-        pipelined_decode=args.pipelined_decode,
         command=command,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
-    if args.plot:
-        plot(result, args.plot)
     return 0
 
 
@@ -244,18 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
         "r1-distill-qwen-7b, or tiny (a CPU run in seconds)",
     )
-    speed.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random-weight model")
     speed.add_argument(
         "--quantize",
         action="store_true",
         help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank",
-    )
-    speed.add_argument("--calib-samples", type=int, default=8, help="calibration blocks for --quantize (default 8)")
-    speed.add_argument(
-        "--quantize-head",
-        action="store_true",
-        help="with --quantize, make lm_head INT4 too (as `lowvram quantize --quantize-head`: less "
-        "memory and faster decode; vLLM and transformers cannot load such a checkpoint)",
     )
     speed.add_argument(
         "--fp16-budget-mib",
@@ -284,44 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
     speed.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="decode requests sample at this temperature, each from its own seed (default 0: greedy)",
-    )
-    speed.add_argument("--top-p", type=float, default=1.0, help="with --temperature, the requests' top-p (default 1)")
-    speed.add_argument(
-        "--vs-hf", action="store_true", help="also time transformers generate on the same checkpoint (FP16, batch 1)"
-    )
-    speed.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="replay decode steps from CUDA graphs (default: as the profile says)",
     )
-    speed.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)",
-    )
-    speed.add_argument(
-        "--pipelined-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="queue each greedy decode step before the host reads the last (default: as the profile says)",
-    )
-    speed.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the same results for a request alone or batched (default: as the profile says)",
-    )
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
-    speed.add_argument(
-        "--plot", default=None, metavar="PATH", help="draw decode speed and GB/s to a PNG (needs matplotlib)"
-    )
     speed.set_defaults(func=cmd_bench_speed)
 
     prof = sub.add_parser("profiles", help="list the built-in profiles")

@@ -483,12 +483,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.slow_steps is not None and not 0 < args.slow_steps <= room:
         parser.error(f"--slow-steps = {args.slow_steps} must be between 1 and half of --slow-every ({room})")
     if args.plot:  # before the runs, not after them
-        from lowvram.bench.speed import require_matplotlib
+        import importlib.util
 
-        try:
-            require_matplotlib()
-        except LowvramError as exc:
-            parser.error(f"--plot: {exc}")
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib, which lowvram does not depend on: pip install matplotlib")
     return args
 
 

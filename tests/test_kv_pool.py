@@ -7,7 +7,8 @@ import torch
 
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kernels.kv_quant import gather_kv, store_kv
-from lowvram.kv.pool import DeviceKVPool, KVShape, plan_pool
+from lowvram.kv.backend import plan_pool
+from lowvram.kv.pool import DeviceKVPool, KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
 
 GIB = 2**30

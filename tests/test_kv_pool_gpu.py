@@ -9,8 +9,9 @@ from lowvram.config import load_profile
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
 from lowvram.kernels.kv_quant import gather_kv, store_kv
+from lowvram.kv.backend import create_kv_pool
 from lowvram.kv.pool import KVShape
-from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool, create_kv_pool
+from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
 from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu

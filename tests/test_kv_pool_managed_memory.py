@@ -14,7 +14,6 @@ def test_missing_cuda_bindings_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(ConfigError, match="pip install cuda-bindings"):
         managed_memory.load_runtime()
-    assert not managed_memory.has_runtime()
 
 
 def test_the_two_api_generations_are_told_apart_by_signature():
@@ -31,7 +30,7 @@ def test_the_two_api_generations_are_told_apart_by_signature():
 def test_locations_take_the_installed_form():
     rt = pytest.importorskip("cuda.bindings.runtime")
     host = managed_memory._location_args(rt, managed_memory.HOST)
-    gpu = managed_memory._location_args(rt, managed_memory.Location(3))
+    gpu = managed_memory._location_args(rt, 3)
     if managed_memory.uses_mem_location(rt.cudaMemPrefetchAsync):
         assert host.type == rt.cudaMemLocationType.cudaMemLocationTypeHost
         assert (gpu.type, gpu.id) == (rt.cudaMemLocationType.cudaMemLocationTypeDevice, 3)

@@ -81,7 +81,7 @@ def test_window_brings_attention_closer_to_fp16_and_frees_fewer_bytes():
         freed[num_window_tokens] = pool.set_precision("int4", table, fp16_block_ids=window)
         out = paged_decode_attention(q, pool.pages[0], block_tables, context_lens, 0.25)
         errors[num_window_tokens] = ((out - expected).norm() / expected.norm()).item()
-        assert pool.window_block_ids == window and pool.stats().num_window_blocks == len(window)
+        assert pool.window_block_ids == window
     print(f"relative attention error after INT4: {errors[0]:.4f} without the window, {errors[8]:.4f} with it")
     assert errors[8] < 0.5 * errors[0]
     assert freed[0] == 10 * (SHAPE.block_bytes("fp16") - SHAPE.block_bytes("int4"))

@@ -102,52 +102,46 @@ def builtin_variants(model: str | None, device: str, calib_samples: int = 32) ->
 
     profile = load_profile("cpu" if device == "cpu" else "4gb")
 
-    def with_kv(precision: str) -> Callable[[], LLM]:
-        return lambda: LLM(model, profile.replace(kv_precision=precision), device=device)
+    def with_kv(name: str, description: str, precision: str) -> Variant:
+        return Variant(name, description, lambda: LLM(model, profile.replace(kv_precision=precision), device=device))
 
-    def quantized(name: str, **options) -> Callable[[], LLM]:
+    def quantized(name: str, description: str, **options) -> Variant:
         def build() -> LLM:
             from lowvram.models.loader import resolve_model_path
             from lowvram.quant.quantize import quantize_model
 
-            out = Path(tempfile.mkdtemp(prefix=f"lowvram-quality-{name}-"))
-            quantize_model(
-                resolve_model_path(model), out / "model", device=device, num_samples=calib_samples, **options
-            )
-            return LLM(str(out / "model"), profile.replace(kv_precision="fp16"), device=device)
+            out = Path(tempfile.mkdtemp(prefix=f"lowvram-quality-{name}-")) / "model"
+            quantize_model(resolve_model_path(model), out, device=device, num_samples=calib_samples, **options)
+            return LLM(str(out), profile.replace(kv_precision="fp16"), device=device)
 
-        return build
+        return Variant(name, description, build)
 
-    fp16_mib = 1.0  # the demo model's layers are small; about 10% of its INT4 weight bytes
+    mib = 1.0  # FP16-kept layers: the demo model's are small; about 10% of its INT4 weight bytes
+    comp = dict(method="awq", rank=16, bias_correction=True)
+    comp_text = "residual compensation (rank 16 low-rank term + bias correction)"
     return [
-        Variant("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", with_kv("fp16")),
-        Variant("rtn-int4", "round-to-nearest INT4, group 128 (AutoAWQ layout)", quantized("rtn", method="rtn")),
-        Variant("awq-int4", "AWQ INT4, group 128 (scale and clipping search)", quantized("awq", method="awq")),
-        Variant(
+        with_kv("fp16", "checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", "fp16"),
+        quantized("rtn-int4", "round-to-nearest INT4, group 128 (AutoAWQ layout)", method="rtn"),
+        quantized("awq-int4", "AWQ INT4, group 128 (scale and clipping search)", method="awq"),
+        quantized(
             "awq-fp16",
-            f"AWQ INT4 with the most sensitive layers kept in FP16 ({fp16_mib:g} MiB budget)",
-            quantized("awq-fp16", method="awq", fp16_budget_mib=fp16_mib),
+            f"AWQ INT4 with the most sensitive layers kept in FP16 ({mib:g} MiB budget)",
+            method="awq",
+            fp16_budget_mib=mib,
         ),
-        Variant(
-            "awq-fp16-comp",
-            f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation "
-            "(rank 16 low-rank term + bias correction)",
-            quantized("awq-fp16-comp", method="awq", fp16_budget_mib=fp16_mib, rank=16, bias_correction=True),
+        quantized(
+            "awq-fp16-comp", f"AWQ INT4, FP16-kept layers ({mib:g} MiB) and {comp_text}", fp16_budget_mib=mib, **comp
         ),
         # The two corrections apart, and half the rank: what each buys against what it costs in
         # decode speed (every compensated INT4 matmul does the rank's products too).
-        Variant(
-            "awq-comp",
-            "AWQ INT4 and residual compensation (rank 16 + bias correction), no FP16-kept layers",
-            quantized("awq-comp", method="awq", rank=16, bias_correction=True),
-        ),
-        Variant(
+        quantized("awq-comp", f"AWQ INT4 and {comp_text}, no FP16-kept layers", **comp),
+        quantized(
             "awq-fp16-comp-r8",
-            f"AWQ INT4, FP16-kept layers ({fp16_mib:g} MiB) and residual compensation of rank 8 (+ bias correction)",
-            quantized("awq-fp16-comp-r8", method="awq", fp16_budget_mib=fp16_mib, rank=8, bias_correction=True),
+            f"AWQ INT4, FP16-kept layers ({mib:g} MiB) and residual compensation of rank 8 (+ bias correction)",
+            **{**comp, "rank": 8, "fp16_budget_mib": mib},
         ),
-        Variant("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", with_kv("int8")),
-        Variant("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", with_kv("int4")),
+        with_kv("kv-int8", "FP16 weights, INT8 KV pages (asymmetric per token and head)", "int8"),
+        with_kv("kv-int4", "FP16 weights, INT4 KV pages (asymmetric per token and head)", "int4"),
     ]
 
 

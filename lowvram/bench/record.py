@@ -19,9 +19,6 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_COPY_BYTES = 2 * 2**30
-NUM_COPY_WARMUPS = 2
-NUM_COPY_REPEATS = 10
 # GPU clock cycles (25-100 µs) a stream is kept busy before a timed launch (hold_stream).
 HOLD_CYCLES = 100_000
 
@@ -39,46 +36,22 @@ def git_commit(short: bool = False) -> str:
     return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
 
 
-def gpu_name(device: torch.device | str | int | None = None) -> str | None:
-    """The CUDA card's name, or None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_name(device)
-
-
-def utc_now() -> str:
-    """The current time in UTC, ISO 8601 to the second."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _package_version(name: str) -> str | None:
+def _version(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of what decides speed: Python, torch and its CUDA, Triton, transformers."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _package_version("triton"),
-        "transformers": _package_version("transformers"),
-    }
-
-
 def hold_stream() -> None:
     """Keep the current CUDA stream busy for HOLD_CYCLES, so that a start event recorded after it
     is reached only once the host has submitted the work that follows: the time between the
-    events is then the GPU's alone, without the host's submission of a kernel or a CUDA graph
-    (several microseconds, which a graph of one call would count in full)."""
+    events is then the GPU's alone, without the host's submission of a kernel or a CUDA graph."""
     torch.cuda._sleep(HOLD_CYCLES)
 
 
 def measure_copy_bandwidth_gbps(
-    num_bytes: int = DEFAULT_COPY_BYTES, device: torch.device | str | None = None, num_repeats: int = NUM_COPY_REPEATS
+    num_bytes: int = 2 * 2**30, device: torch.device | str | None = None, num_repeats: int = 10
 ) -> float:
     """Bytes read plus bytes written per second (in GB/s, 1e9) by one copy of `num_bytes`.
 
@@ -89,12 +62,11 @@ def measure_copy_bandwidth_gbps(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(NUM_COPY_WARMUPS):
+    for _ in range(2):  # warm-up
         dst.copy_(src)
     times_s = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(num_repeats):
+    for _ in range(num_repeats):
+        if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             hold_stream()
             start.record()
@@ -102,8 +74,7 @@ def measure_copy_bandwidth_gbps(
             end.record()
             end.synchronize()
             times_s.append(start.elapsed_time(end) / 1000)
-    else:
-        for _ in range(num_repeats):
+        else:
             start_s = time.perf_counter()
             dst.copy_(src)
             times_s.append(time.perf_counter() - start_s)
@@ -114,12 +85,19 @@ def measure_copy_bandwidth_gbps(
 
 
 def run_metadata(command: str) -> dict:
-    """The fields every record starts with: command, date, commit, GPU (None on the CPU), versions."""
+    """The fields every record starts with: command, date (UTC), commit, GPU (None on the CPU),
+    and the versions of what decides speed."""
     return {
         "command": command,
-        "date": utc_now(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
-        "gpu": gpu_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": f"{platform.machine()} {platform.system()}",
-        "versions": versions(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "triton": _version("triton"),
+            "transformers": _version("transformers"),
+        },
     }

@@ -22,7 +22,7 @@ from lowvram.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
 from lowvram.engine.tokenizer import Detokenizer, Tokenizer
 from lowvram.errors import ConfigError, OutOfMemoryError, RequestError
-from lowvram.kv.tiers import create_kv_pool
+from lowvram.kv.backend import create_kv_pool
 from lowvram.memory.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.memory.plan import host_kv_blocks, plan_kv
 from lowvram.models.batch_invariance import make_batch_invariant

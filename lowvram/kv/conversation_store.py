@@ -75,23 +75,17 @@ def _expected_metadata(engine) -> dict[str, str]:
     }
 
 
-def _ensure_cached(engine, token_ids: list[int]):
-    """Compute whatever part of the conversation is not cached yet; returns the page list."""
-    bm = engine.block_manager
-    match = bm.match_prefix(token_ids + [0])  # +1: match_prefix always leaves one token to compute
-    if match.num_tokens < len(token_ids):
-        engine.score(token_ids)  # prefill through the cache: the pages are committed and stay cached
-        match = bm.match_prefix(token_ids + [0])
-    return match
-
-
 def save_conversation(engine, token_ids: list[int], path: str | Path | None = None) -> Path:
     """Write the KV pages of `token_ids` (computing them if needed) to `path`."""
     from safetensors.torch import save_file
 
     if len(token_ids) < 2:
         raise RequestError("a conversation needs at least 2 tokens to save")
-    match = _ensure_cached(engine, token_ids)
+    bm = engine.block_manager
+    match = bm.match_prefix(token_ids + [0])  # +1: match_prefix always leaves one token to compute
+    if match.num_tokens < len(token_ids):
+        engine.score(token_ids)  # prefill through the cache: the pages are committed and stay cached
+        match = bm.match_prefix(token_ids + [0])
     blocks = list(match.block_ids) + ([match.copy_from] if match.copy_from is not None else [])
     if match.num_tokens != len(token_ids):
         raise RequestError(

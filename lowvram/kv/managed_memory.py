@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import mmap
-from dataclasses import dataclass
 
 import torch
 
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 
-log = logging.getLogger("lowvram")
 GIB = 2**30
+HOST = None  # a location: the host, or a GPU's index
 
 INSTALL_HINT = (
     "kv_backend 'um' needs the cuda-bindings package (pip install cuda-bindings, the version matching "
@@ -51,14 +49,6 @@ def load_runtime():
     return runtime
 
 
-def has_runtime() -> bool:
-    try:
-        load_runtime()
-    except ConfigError:
-        return False
-    return True
-
-
 @functools.cache
 def uses_mem_location(function) -> bool:
     """True when `function` (cudaMemAdvise / cudaMemPrefetchAsync) takes a cudaMemLocation
@@ -76,55 +66,21 @@ def check(result, what: str):
     rt = load_runtime()
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != rt.cudaError_t.cudaSuccess:
-        name = getattr(err, "name", str(err))
-        raise KernelError(f"{what} failed: {name}")
+        raise KernelError(f"{what} failed: {getattr(err, 'name', err)}")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def concurrent_managed_access(device_index: int) -> bool:
-    """Whether the GPU and the host may touch managed memory at once (and pages can
-    oversubscribe and be prefetched to the GPU): 0 on Windows and WSL2."""
-    rt = load_runtime()
-    attr = rt.cudaDeviceAttr.cudaDevAttrConcurrentManagedAccess
-    return bool(check(rt.cudaDeviceGetAttribute(attr, device_index), "cudaDeviceGetAttribute"))
-
-
-def mem_get_info(device_index: int) -> tuple[int, int]:
-    """(free, total) device bytes as the driver reports them; managed pages resident
-    on the GPU count as used, unlike in torch's allocator statistics."""
-    rt = load_runtime()
-    check(rt.cudaSetDevice(device_index), "cudaSetDevice")
-    free_bytes, total_bytes = check(rt.cudaMemGetInfo(), "cudaMemGetInfo")
-    return int(free_bytes), int(total_bytes)
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a managed range should live: the GPU `device_index`, or the host (None)."""
-
-    device_index: int | None
-
-    @property
-    def is_host(self) -> bool:
-        return self.device_index is None
-
-
-HOST = Location(None)
-
-
-def _location_args(rt, location: Location):
-    """The location argument in the form this cuda-bindings takes it."""
+def _location_args(rt, device_index: int | None):
+    """A location (a GPU's index, or HOST) in the form this cuda-bindings takes it."""
     if not uses_mem_location(rt.cudaMemPrefetchAsync):
-        return rt.cudaCpuDeviceId if location.is_host else location.device_index
+        return rt.cudaCpuDeviceId if device_index is HOST else device_index
     loc = rt.cudaMemLocation()
-    if location.is_host:
-        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
-        loc.id = 0
+    if device_index is HOST:
+        loc.type, loc.id = rt.cudaMemLocationType.cudaMemLocationTypeHost, 0
     else:
-        loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
-        loc.id = location.device_index
+        loc.type, loc.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, device_index
     return loc
 
 
@@ -138,13 +94,9 @@ class ManagedBuffer:
     def __init__(self, num_bytes: int, device_index: int):
         rt = load_runtime()
         check(rt.cudaSetDevice(device_index), "cudaSetDevice")
-        self.num_bytes = num_bytes
-        self.device_index = device_index
-        self.ptr = int(
-            check(
-                rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal), f"cudaMallocManaged({num_bytes} bytes)"
-            )
-        )
+        self.ptr = 0
+        result = rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal)
+        self.ptr = int(check(result, f"cudaMallocManaged({num_bytes} bytes)"))
         self.__cuda_array_interface__ = {
             "shape": (num_bytes,),
             "typestr": "|u1",
@@ -155,13 +107,11 @@ class ManagedBuffer:
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if not ptr:
-            return
-        try:
-            rt = load_runtime()
-            rt.cudaFree(ptr)  # synchronizes the device, so no kernel still reads the range
-        except Exception:  # interpreter shutdown: the CUDA context may already be gone
-            pass
+        if ptr:
+            try:
+                load_runtime().cudaFree(ptr)  # synchronizes the device, so no kernel still reads the range
+            except Exception:  # interpreter shutdown: the CUDA context may already be gone
+                pass
 
 
 class ManagedMemory:
@@ -176,13 +126,18 @@ class ManagedMemory:
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", self.device_index)
         self.page_bytes = mmap.PAGESIZE  # migration and advice work on whole OS pages
-        self._gpu = Location(self.device_index)
 
     def free_bytes(self) -> int:
-        return mem_get_info(self.device_index)[0]
+        """Free device bytes as the driver reports them: managed pages resident on the GPU
+        count as used, unlike in torch's allocator statistics."""
+        check(self.rt.cudaSetDevice(self.device_index), "cudaSetDevice")
+        return int(check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")[0])
 
     def is_concurrent(self) -> bool:
-        return concurrent_managed_access(self.device_index)
+        """Whether the GPU and the host may touch managed memory at once (and pages can
+        oversubscribe and be prefetched to the GPU): 0 on Windows and WSL2."""
+        attr = self.rt.cudaDeviceAttr.cudaDevAttrConcurrentManagedAccess
+        return bool(check(self.rt.cudaDeviceGetAttribute(attr, self.device_index), "cudaDeviceGetAttribute"))
 
     def allocate(self, num_bytes: int) -> torch.Tensor:
         """A flat uint8 CUDA tensor over a new managed allocation. The GPU keeps a
@@ -198,7 +153,7 @@ class ManagedMemory:
             ) from None
         if flat.data_ptr() != buffer.ptr:  # a silent copy would leave the pool outside managed memory
             raise KernelError("torch copied the managed allocation instead of viewing it")
-        self._advise(buffer.ptr, num_bytes, "cudaMemAdviseSetAccessedBy", self._gpu)
+        self._advise(buffer.ptr, num_bytes, "cudaMemAdviseSetAccessedBy", self.device_index)
         return flat
 
     def place(
@@ -209,39 +164,30 @@ class ManagedMemory:
         if num_bytes <= 0:
             return
         ptr = tensor.data_ptr() + start_bytes
-        location = HOST if on_host else self._gpu
-        self._advise(ptr, num_bytes, "cudaMemAdviseSetPreferredLocation", location)
-        rt = self.rt
-        where = _location_args(rt, location)
-        if uses_mem_location(rt.cudaMemPrefetchAsync):
-            result = rt.cudaMemPrefetchAsync(ptr, num_bytes, where, 0, stream.cuda_stream)
+        self.advise_preferred(tensor, start_bytes, num_bytes, on_host=on_host)
+        where = _location_args(self.rt, HOST if on_host else self.device_index)
+        if uses_mem_location(self.rt.cudaMemPrefetchAsync):
+            result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, 0, stream.cuda_stream)
         else:
-            result = rt.cudaMemPrefetchAsync(ptr, num_bytes, where, stream.cuda_stream)
+            result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, stream.cuda_stream)
         check(result, f"cudaMemPrefetchAsync({num_bytes} bytes to {'host' if on_host else 'GPU'})")
 
     def advise_preferred(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool) -> None:
         """Set where a range should live without migrating it (for pages never touched yet)."""
         if num_bytes > 0:
-            self._advise(
-                tensor.data_ptr() + start_bytes,
-                num_bytes,
-                "cudaMemAdviseSetPreferredLocation",
-                HOST if on_host else self._gpu,
-            )
+            location = HOST if on_host else self.device_index
+            self._advise(tensor.data_ptr() + start_bytes, num_bytes, "cudaMemAdviseSetPreferredLocation", location)
 
     def last_prefetch_is_host(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int) -> bool:
         """Whether the range was last prefetched to the host (for tests and diagnostics)."""
-        rt = self.rt
-        attr = rt.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation
-        value = check(
-            rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes), "cudaMemRangeGetAttribute"
-        )
-        return int(value) == int(rt.cudaCpuDeviceId)
+        attr = self.rt.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation
+        result = self.rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes)
+        return int(check(result, "cudaMemRangeGetAttribute")) == int(self.rt.cudaCpuDeviceId)
 
-    def _advise(self, ptr: int, num_bytes: int, advice_name: str, location: Location) -> None:
-        rt = self.rt
-        advice = getattr(rt.cudaMemoryAdvise, advice_name)
-        check(rt.cudaMemAdvise(ptr, num_bytes, advice, _location_args(rt, location)), f"cudaMemAdvise({advice_name})")
+    def _advise(self, ptr: int, num_bytes: int, advice_name: str, location: int | None) -> None:
+        advice = getattr(self.rt.cudaMemoryAdvise, advice_name)
+        result = self.rt.cudaMemAdvise(ptr, num_bytes, advice, _location_args(self.rt, location))
+        check(result, f"cudaMemAdvise({advice_name})")
 
 
 def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, *, allow_oversubscription: bool) -> None:

@@ -1,61 +1,46 @@
 """The tiered KV pools: pages that live on the device or in host memory and move between them.
 
-- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory (cuda-bindings). A page
-  is spilled by advising its range to the host and migrating it there, which frees
-  its device memory; it is brought back by advising the GPU and prefetching it. The
-  GPU keeps a mapping to every page, so a page left on the host is still read
-  correctly (over the bus): a context longer than the device share keeps its
-  oldest pages there. Scales and zeros of INT8/INT4 pages (about 3% of the bytes)
-  and the FP16 window stay in ordinary device memory. Migration works on OS pages,
-  so pages move in units of as many KV pages as fill whole OS pages (one unit = one
-  KV page for the 1.5B shape in FP16 and INT8).
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by
+  advising its range to the host and migrating it there, which frees its device
+  memory; it comes back by advising the GPU and prefetching. The GPU keeps a mapping
+  to every page, so a page left on the host is still read correctly (over the bus): a
+  context longer than the device share keeps its oldest pages there. Scales, zeros
+  and the FP16 window stay in ordinary device memory. Migration works on OS pages, so
+  pages move in units of as many KV pages as fill whole OS pages.
 - `pinned` (`PinnedKVPool`): a fixed set of device slots plus a pinned-host tier;
-  pages move with explicit asynchronous copies on a side stream, and block ids are
-  translated to device slots (`device_table`). For platforms where managed memory
-  cannot oversubscribe (`cudaDevAttrConcurrentManagedAccess` = 0: Windows, WSL2).
-  The FP16 window stays on the device; its tags follow the pages from slot to slot.
+  pages move with asynchronous copies on a side stream, and block ids are translated
+  to device slots (`device_table`). For platforms where managed memory cannot
+  oversubscribe (concurrentManagedAccess = 0: Windows, WSL2).
 
 Residency: at most `max_device_blocks` pages are resident. Before a step the runner
 calls `ensure_resident` with the step's pages: missing pages come back on the side
-stream and the compute stream waits for them on the GPU, not on the CPU. When there
-is no room, victims are chosen by `SpillPolicy` (cold and LRU first, the hot window
-near each decode position last, never the step's own pages). `prefetch` does the
-same without the wait, so copies overlap the compute already queued (the runner uses
-it for the next part of a batch that does not fit at once).
-
-`create_kv_pool` builds the backend the profile and `plan_pool` choose. The interface, the
-`device` backend and the FP16 window are described in `lowvram.kv.pool`.
+stream and the compute stream waits for them on the GPU, not on the CPU. Victims are
+chosen by `SpillPolicy` (cold and LRU first, the hot window near each decode position
+last, never the step's own pages). `prefetch` does the same without the wait, so
+copies overlap the compute already queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import torch
 
-from lowvram.config import Profile
 from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
-from lowvram.kernels.kv_quant import KVPages, allocate_pages
-from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
+from lowvram.kernels.kv_quant import KVPages
+from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
 from lowvram.kv.pool import (
     GIB,
-    DeviceKVPool,
     KVPool,
-    KVPoolStats,
     KVShape,
-    _check_precision,
     _convert_pages,
-    _log_once,
     _pages_like,
     _release_cached,
     _tensors,
-    log,
-    plan_pool,
 )
-
-HOT_WINDOW_BLOCKS = 2
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -89,14 +74,13 @@ class _TieredKVPool(KVPool):
         device: torch.device | str,
         *,
         max_device_blocks: int,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
         super().__init__(shape, num_blocks, precision, device)
         if max_device_blocks < 1:
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
-        self.policy = SpillPolicy(num_hot_blocks)
+        self.policy = SpillPolicy()  # the last 2 pages of each sequence are hot
         self.num_page_hits = 0
         self.num_page_misses = 0
         self.spilled_bytes = 0
@@ -147,22 +131,6 @@ class _TieredKVPool(KVPool):
 
     def is_resident(self, block_id: int) -> bool:
         return bool(self._is_resident[block_id // self.unit_size])
-
-    def stats(self) -> KVPoolStats:
-        return KVPoolStats(
-            self.backend,
-            self.precision,
-            self.num_blocks,
-            self.max_device_units * self.unit_size,
-            self.num_blocks_on_host(),
-            self.device_bytes,
-            self.host_bytes,
-            self.num_page_hits,
-            self.num_page_misses,
-            self.spilled_bytes,
-            self.fetched_bytes,
-            len(self.window_block_ids),
-        )
 
     # -- residency ---------------------------------------------------------------
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
@@ -341,11 +309,8 @@ class ManagedKVPool(_TieredKVPool):
         memory: ManagedMemory,
         budget_bytes: int,
         allow_oversubscription: bool = False,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
-        super().__init__(
-            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
-        )
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
         self.memory = memory
         self.budget_bytes = budget_bytes
         self.allow_oversubscription = allow_oversubscription
@@ -359,7 +324,7 @@ class ManagedKVPool(_TieredKVPool):
         resident = [u < self.max_device_units for u in range(self.num_units)]
         self.pages, self._flats = [], []
         for _ in range(shape.num_layers):
-            pages, flat = self._allocate(precision, resident)
+            pages, flat = self._allocate_layer(precision, resident)
             self.pages.append(pages)
             self._flats.append(flat)
         self._mark([u for u in range(self.num_units) if resident[u]], True)
@@ -377,7 +342,7 @@ class ManagedKVPool(_TieredKVPool):
     def _managed_bytes(self, precision: str) -> int:
         return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
 
-    def _allocate(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
+    def _allocate_layer(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
         """One layer's pages: codes in a new managed allocation advised per unit, scales on the device."""
         num_alloc = self._num_alloc_blocks(precision)
         template = self.shape.template(precision, num_alloc)
@@ -438,21 +403,14 @@ class ManagedKVPool(_TieredKVPool):
         self.spilled_bytes += len(victims) * self._unit_bytes()
         self.fetched_bytes += len(incoming) * self._unit_bytes()
 
-    def set_precision(
-        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
-    ) -> int:
-        _check_precision(precision)
-        if precision == self.precision:
-            return 0
-        old_unit = self.unit_size
-        new_unit = self._unit_size_for(precision)
-        new_num_units = -(-self.num_blocks // new_unit)
-        new_max_units = max(1, self.max_device_blocks // new_unit)
-        new_device_bytes = self._scale_bytes(
-            precision
-        ) + new_max_units * self.shape.num_layers * 2 * new_unit * self.shape.code_block_bytes(precision)
-        window = self._choose_window(precision, fp16_block_ids, new_device_bytes)
-        self._check_device_budget(precision, new_device_bytes + self.window_bytes(len(window)))
+    def _device_codes_bytes(self, precision: str) -> int:
+        """Scales and zeros plus the codes of as many units as may be resident at `precision`."""
+        unit = self._unit_size_for(precision)
+        max_units = max(1, self.max_device_blocks // unit)
+        code_bytes = self.shape.num_layers * 2 * unit * self.shape.code_block_bytes(precision)
+        return self._scale_bytes(precision) + max_units * code_bytes
+
+    def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
         free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
         check_managed_size(
@@ -461,6 +419,9 @@ class ManagedKVPool(_TieredKVPool):
             self.budget_bytes,
             allow_oversubscription=self.allow_oversubscription,
         )
+        old_unit, new_unit = self.unit_size, self._unit_size_for(precision)
+        new_num_units = -(-self.num_blocks // new_unit)
+        new_max_units = max(1, self.max_device_blocks // new_unit)
         # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
         resident = [
             any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit, self.num_blocks)))
@@ -470,25 +431,17 @@ class ManagedKVPool(_TieredKVPool):
         for u, is_resident in enumerate(resident):
             kept += is_resident
             resident[u] = is_resident and kept <= new_max_units
-        self.synchronize()
-        before = self.device_bytes
-        rows = sorted(set(range(self.num_blocks) if block_ids is None else block_ids))
         window_row = self._window_rows(window, lambda b: b, self._num_alloc_blocks(precision))
         for layer in range(len(self.pages)):
-            pages, flat = self._allocate(precision, resident)
+            pages, flat = self._allocate_layer(precision, resident)
             pages = self._with_window(pages, window_row, len(window))
-            _convert_pages(self.pages[layer], pages, rows, rows)
+            _convert_pages(self.pages[layer], pages, rows)
             # Dropping the last views frees the old allocation (cudaFree synchronizes first).
             self.pages[layer], self._flats[layer] = pages, flat
-        self.precision = precision
-        self.window_block_ids = window
-        self.pages_version += 1
         self._set_units(new_unit)
         self.max_device_units = new_max_units
         self._mark([u for u in range(new_num_units) if resident[u]], True)
         self.policy.clear()  # unit ids changed meaning
-        _release_cached(self.device)
-        return before - self.device_bytes
 
 
 # ---------------------------------------------------------------- pinned: device slots + pinned host tier
@@ -509,14 +462,11 @@ class PinnedKVPool(_TieredKVPool):
         *,
         max_device_blocks: int,
         num_host_blocks: int,
-        num_hot_blocks: int = HOT_WINDOW_BLOCKS,
     ):
-        super().__init__(
-            shape, num_blocks, precision, device, max_device_blocks=max_device_blocks, num_hot_blocks=num_hot_blocks
-        )
+        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
-        self.pages = [self._allocate_device(precision, self.num_slots) for _ in range(shape.num_layers)]
+        self.pages = [self._allocate(precision, self.num_slots) for _ in range(shape.num_layers)]
         self.host_pages = [self._allocate_host(precision) for _ in range(shape.num_layers)]
         self._slot_of = list(range(self.num_slots)) + [-1] * (num_blocks - self.num_slots)
         self._block_in_slot = list(range(self.num_slots))
@@ -527,10 +477,6 @@ class PinnedKVPool(_TieredKVPool):
         self._window_index: dict[int, int] = {}  # block id -> its row in the FP16 window
         self._mark(range(self.num_slots), True)
         self.max_device_bytes = self.device_bytes
-
-    def _allocate_device(self, precision: str, num_slots: int) -> KVPages:
-        s = self.shape
-        return allocate_pages(num_slots, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device)
 
     def _allocate_host(self, precision: str) -> KVPages:
         template = self.shape.template(precision, max(1, self.num_host_slots))
@@ -547,10 +493,8 @@ class PinnedKVPool(_TieredKVPool):
     def _unit_bytes(self) -> int:
         return self.shape.block_bytes(self.precision)
 
-    @property
-    def device_bytes(self) -> int:
-        """The device slots, used or not (they are allocated up front), and the FP16 window."""
-        return self.num_slots * self.shape.block_bytes(self.precision) + self.window_bytes()
+    def _device_codes_bytes(self, precision: str) -> int:
+        return self.num_slots * self.shape.block_bytes(precision)  # used or not: allocated up front
 
     @property
     def host_bytes(self) -> int:
@@ -618,78 +562,66 @@ class PinnedKVPool(_TieredKVPool):
         self.fetched_bytes += len(fetch) * self._unit_bytes()
 
     def _device_index(self, values: list[int]) -> torch.Tensor:
+        index = torch.tensor(values, dtype=torch.long)
         # From pinned memory the copy is asynchronous; from pageable memory torch would
         # block the CPU until the side stream (and so all queued compute) had finished.
-        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        return index.pin_memory().to(self.device, non_blocking=True) if self._side is not None else index
+
+    def _on_side(self):
+        """Where copies are enqueued: the side stream, after the compute stream's queued work."""
+        if self._side is None:
+            return contextlib.nullcontext()
+        self._start_transfers()
+        return torch.cuda.stream(self._side)
 
     def _read_host(self, host_slots: list[int]) -> list[torch.Tensor]:
         """Host rows of every layer and tensor, gathered into (pinned) staging on the CPU."""
         index = torch.tensor(host_slots, dtype=torch.long)
-        is_pinned = self.device.type == "cuda"
         staged = []
         for pages in self.host_pages:
             for _, tensor in _tensors(pages):
-                rows = torch.empty((len(host_slots), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=is_pinned)
-                torch.index_select(tensor, 0, index, out=rows)
-                staged.append(rows)
+                shape = (len(host_slots), *tensor.shape[1:])
+                rows = torch.empty(shape, dtype=tensor.dtype, pin_memory=self._side is not None)
+                staged.append(torch.index_select(tensor, 0, index, out=rows))
         return staged
 
     def _load_slots(self, slots: list[int], staged: list[torch.Tensor]) -> None:
         """Staged host rows -> device slots, on the side stream."""
-        device_tensors = [t for pages in self.pages for _, t in _tensors(pages)]
-        if self._side is None:
-            index = torch.tensor(slots, dtype=torch.long)
-            for tensor, rows in zip(device_tensors, staged):
-                tensor.index_copy_(0, index, rows)
-            return
-        self._start_transfers()
-        with torch.cuda.stream(self._side):
+        with self._on_side():
             index = self._device_index(slots)
-            for tensor, rows in zip(device_tensors, staged):
+            for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
                 # The pinned source stays reserved by torch's host allocator until this copy ran.
                 tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
 
     def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
         """Device slots -> host slots: gathered and copied on the side stream now, scattered
         into the host tier once the copy finished (`_complete_spills`)."""
-        host_index = torch.tensor(host_slots, dtype=torch.long)
-        pairs = [
-            (host_t, dev_t)
-            for host_pages, pages in zip(self.host_pages, self.pages)
-            for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages))
-        ]
-        if self._side is None:
-            index = torch.tensor(slots, dtype=torch.long)
-            for host_t, dev_t in pairs:
-                host_t.index_copy_(0, host_index, dev_t.index_select(0, index))
-            return
-        self._start_transfers()
         entries = []
-        with torch.cuda.stream(self._side):
+        with self._on_side():
             index = self._device_index(slots)
-            for host_t, dev_t in pairs:
-                rows = dev_t.index_select(0, index)
-                staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                staged.copy_(rows, non_blocking=True)
-                entries.append((host_t, staged))
-            event = torch.cuda.Event()
-            event.record(self._side)
-        self._pending.append((event, host_index, entries))
+            for host_pages, pages in zip(self.host_pages, self.pages):
+                for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages)):
+                    rows = dev_t.index_select(0, index)
+                    if self._side is not None:
+                        staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                        rows = staged.copy_(rows, non_blocking=True)
+                    entries.append((host_t, rows))
+            event = None if self._side is None else torch.cuda.Event()
+            if event is not None:
+                event.record()
+        self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
 
     def _tag_window(self) -> None:
         """Point every slot's window tag at its page's FP16 row: tags are indexed by slot, and
         the window stays on the device while its pages move. Written on the compute stream,
         so steps already queued read the tags they were queued with."""
-        window_row = self.pages[0].window_row
         tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
-        if self.device.type == "cuda":
-            window_row.copy_(tags.pin_memory(), non_blocking=True)
-        else:
-            window_row.copy_(tags)
+        self.pages[0].window_row.copy_(tags.pin_memory() if self._side is not None else tags, non_blocking=True)
 
     def _complete_spills(self) -> None:
         for event, host_index, entries in self._pending:
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
             for host_t, staged in entries:
                 host_t.index_copy_(0, host_index, staged)
         self._pending.clear()
@@ -711,7 +643,7 @@ class PinnedKVPool(_TieredKVPool):
             window_row = torch.full((self.max_device_units,), -1, dtype=torch.int32, device=self.device)
         for layer in range(len(self.pages)):
             old = self.pages[layer]
-            new = self._allocate_device(self.precision, self.max_device_units)
+            new = self._allocate(self.precision, self.max_device_units)
             for (_, new_t), (_, old_t) in zip(_tensors(new), _tensors(old)):
                 new_t[: len(resident)] = old_t.index_select(0, old_slots)
             if window_row is not None:
@@ -727,115 +659,18 @@ class PinnedKVPool(_TieredKVPool):
         self.pages_version += 1
         _release_cached(self.device)
 
-    def set_precision(
-        self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
-    ) -> int:
-        _check_precision(precision)
-        if precision == self.precision:
-            return 0
-        slots_bytes = self.num_slots * self.shape.block_bytes(precision)
-        # The window lives on the device: only pages in a device slot now can join it.
-        window = self._choose_window(precision, [b for b in fp16_block_ids if self._slot_of[b] >= 0], slots_bytes)
-        self._check_device_budget(precision, slots_bytes + self.window_bytes(len(window)))
-        self.synchronize()
-        before = self.device_bytes
-        ids = range(self.num_blocks) if block_ids is None else sorted(set(block_ids))
-        slot_rows = [self._slot_of[b] for b in ids if self._slot_of[b] >= 0]
-        host_rows = [self._host_slot_of[b] for b in ids if self._host_slot_of[b] >= 0]
+    def _can_hold_window(self, block_id: int) -> bool:
+        return self._slot_of[block_id] >= 0  # the window lives on the device: only pages in a slot join
+
+    def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
+        slot_rows = [self._slot_of[b] for b in rows if self._slot_of[b] >= 0]
+        host_rows = [self._host_slot_of[b] for b in rows if self._host_slot_of[b] >= 0]
         window_row = self._window_rows(window, lambda b: self._slot_of[b], self.num_slots)
         for layer in range(len(self.pages)):
-            new = self._with_window(self._allocate_device(precision, self.num_slots), window_row, len(window))
-            _convert_pages(self.pages[layer], new, slot_rows, slot_rows)
+            new = self._with_window(self._allocate(precision, self.num_slots), window_row, len(window))
+            _convert_pages(self.pages[layer], new, slot_rows)
             self.pages[layer] = new
             host = self._allocate_host(precision)
-            _convert_pages(self.host_pages[layer], host, host_rows, host_rows)
+            _convert_pages(self.host_pages[layer], host, host_rows)
             self.host_pages[layer] = host
-        self.precision = precision
-        self.window_block_ids = window
         self._window_index = {b: i for i, b in enumerate(window)}
-        self.pages_version += 1
-        _release_cached(self.device)
-        return before - self.device_bytes
-
-
-def create_kv_pool(
-    config,
-    profile: Profile,
-    num_device_blocks: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    *,
-    max_model_len: int,
-    memory: ManagedMemory | None = None,
-) -> KVPool:
-    """The pool the profile asks for, sized from the memory plan's device share.
-
-    config: the model's ModelConfig (layers, KV heads, head size) or DeepseekV2Config.
-    num_device_blocks: pages the memory plan fits on the device (`KVPlan.num_blocks`).
-    dtype: element type of fp16 pages (the compute dtype).
-    memory: managed-memory access for the `um` backend (default: cuda-bindings on `device`).
-    """
-    # MLA (DeepSeek-V2) keeps one latent row per token and layer, so two layers share a pool
-    # layer's K and V (model_deepseek_v2.layer_kv_pages); dense models have no num_kv_layers.
-    num_kv_layers = getattr(config, "num_kv_layers", config.num_layers)
-    shape = KVShape(num_kv_layers, profile.kv_block_size, config.num_kv_heads, config.head_dim, dtype)
-    blocks_per_seq = -(-max_model_len // profile.kv_block_size)
-    is_concurrent, free_bytes = None, None
-    if device.type == "cuda" and profile.kv_backend != "device":
-        try:
-            memory = memory or ManagedMemory(device)
-            is_concurrent = memory.is_concurrent()
-            free_bytes = memory.free_bytes()
-        except (ConfigError, KernelError) as exc:  # not installed, or built for another driver
-            if profile.kv_backend == "um":
-                raise ConfigError(f"{INSTALL_HINT} ({exc})") from None
-            _log_once(f"cuda-bindings is not usable ({exc}); KV pages cannot use unified memory")
-            memory = None
-            free_bytes = torch.cuda.mem_get_info(device)[0]
-    plan = plan_pool(
-        backend=profile.kv_backend,
-        device_type=device.type,
-        num_device_blocks=num_device_blocks,
-        max_num_blocks=max(num_device_blocks, profile.max_num_seqs * blocks_per_seq),
-        block_bytes=shape.block_bytes(precision),
-        host_spill_bytes=int(profile.host_spill_gib * GIB),
-        allow_oversubscription=profile.allow_oversubscription,
-        has_runtime=memory is not None,
-        is_concurrent=is_concurrent,
-        free_bytes=free_bytes,
-    )
-    _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
-    if plan.backend == "um":
-        budget = plan.num_device_blocks * plan.block_bytes + int(profile.host_spill_gib * GIB)
-        pool: KVPool = ManagedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=plan.num_device_blocks,
-            memory=memory,
-            budget_bytes=budget,
-            allow_oversubscription=profile.allow_oversubscription,
-        )
-    elif plan.backend == "pinned":
-        pool = PinnedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=plan.num_device_blocks,
-            num_host_blocks=plan.num_host_blocks,
-        )
-    else:
-        pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
-    log.info(
-        "KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
-        pool.backend,
-        pool.num_blocks,
-        shape.block_size,
-        plan.num_device_blocks,
-        pool.device_bytes / 2**20,
-        pool.host_bytes / 2**20,
-    )
-    return pool

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -51,12 +51,11 @@ from lowvram.server.schemas import (
     ChatShape,
     CompletionRequest,
     CompletionShape,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    Usage,
     describe_validation_error,
+    error_body,
+    json_bytes,
+    model_card,
+    usage,
 )
 
 log = logging.getLogger("lowvram")
@@ -64,6 +63,18 @@ log = logging.getLogger("lowvram")
 RETRY_AFTER_FULL_S = 1
 RETRY_AFTER_SHUTDOWN_S = 5
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+def _printable(text: str | None, max_chars: int = 300) -> str | None:
+    # Error text can quote request keys, which may hold unpaired surrogates that UTF-8 cannot carry.
+    if text is None:
+        return None
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def _json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json_bytes(body), status_code=status, headers=headers, media_type="application/json")
 
 
 class ApiError(Exception):
@@ -83,41 +94,11 @@ class ApiError(Exception):
         self.status, self.type, self.param, self.code = status, type, param, code
         self.headers = headers or {}
 
+    def body(self) -> dict:
+        return error_body(_printable(str(self), 2000), type=self.type, param=_printable(self.param), code=self.code)
+
     def response(self) -> Response:
-        return error_response(
-            self.status, str(self), type=self.type, param=self.param, code=self.code, headers=self.headers
-        )
-
-
-def _printable(text: str | None, max_chars: int = 300) -> str | None:
-    # Error text can quote request keys, which may hold unpaired surrogates that UTF-8 cannot carry.
-    if text is None:
-        return None
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
-
-
-def _error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
-    return ErrorResponse(
-        error=ErrorInfo(message=_printable(message, 2000), type=type, param=_printable(param), code=code)
-    )
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    body = _error_body(message, type=type, param=param, code=code).model_dump_json()
-    return Response(body, status_code=status, headers=headers, media_type="application/json")
-
-
-def _json_response(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+        return _json_response(self.body(), self.status, self.headers)
 
 
 class _Ended(Exception):
@@ -171,10 +152,7 @@ class _Generation:
         """The next output; raises _Ended if the server ended the request, or the engine's error."""
         item = await self._items.get()
         if isinstance(item, BaseException):
-            if isinstance(item, _Ended):
-                self.finish_reason = self.finish_reason or item.reason
-            else:
-                self.finish_reason = self.finish_reason or "error"
+            self.finish_reason = self.finish_reason or (item.reason if isinstance(item, _Ended) else "error")
             raise item
         now = time.perf_counter()
         metrics = self.state.metrics
@@ -200,8 +178,8 @@ class _Generation:
         self.state.release()
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
-    def usage(self) -> Usage:
-        return Usage.of(self.num_prompt_tokens, self.num_output_tokens)
+    def usage(self) -> dict:
+        return usage(self.num_prompt_tokens, self.num_output_tokens)
 
 
 async def _watch_disconnect(receive, generation: _Generation) -> None:
@@ -367,27 +345,29 @@ class ServerState:
 
 # -- streaming -------------------------------------------------------------------
 
-
-def _sse(payload: BaseModel | str) -> bytes:
-    text = payload.model_dump_json() if isinstance(payload, BaseModel) else payload
-    return b"data: " + text.encode("utf-8") + b"\n\n"
-
-
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _describe_failure(exc: BaseException) -> tuple[int, ErrorResponse]:
-    """Status and error object for a generation that failed or was ended by the server."""
+def _sse(body: dict) -> bytes:
+    return b"data: " + json_bytes(body) + b"\n\n"
+
+
+def _failure(exc: BaseException) -> ApiError:
+    """The error answer for a generation that failed or was ended by the server."""
     if isinstance(exc, _Ended):
-        return 503, _error_body(
-            "the server is shutting down; the response was cut short", type="server_error", code="server_shutting_down"
+        return ApiError(
+            503,
+            "the server is shutting down; the response was cut short",
+            type="server_error",
+            code="server_shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
         )
     if isinstance(exc, RequestError):
-        return 400, _error_body(str(exc), type="invalid_request_error")
+        return ApiError(400, str(exc))
     if isinstance(exc, LowvramError):
-        return 503, _error_body(str(exc), type="server_error")
+        return ApiError(503, str(exc), type="server_error")
     log.error("generation failed: %r", exc)
-    return 500, _error_body(f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
 class _EventStream(Response):
@@ -417,23 +397,20 @@ class _EventStream(Response):
                 if out.finished:
                     yield self._chunk(self.shape.finish(out.outputs[0].finish_reason))
                     break
-        except _Ended as ended:
-            if ended.reason == "disconnect":
-                return  # nobody is listening
-            yield _sse(_describe_failure(ended)[1])
-            yield SSE_DONE
-            return
         except Exception as exc:  # the headers are gone: report in-band, as OpenAI does
-            yield _sse(_describe_failure(exc)[1])
-            yield SSE_DONE
+            if not (isinstance(exc, _Ended) and exc.reason == "disconnect"):  # else nobody is listening
+                yield _sse(_failure(exc).body())
+                yield SSE_DONE
             return
         if self.include_usage:
             yield self._chunk(self.shape.usage_chunk(self.generation.usage()))
         yield SSE_DONE
 
-    def _chunk(self, chunk: BaseModel) -> bytes:
+    def _chunk(self, chunk: dict) -> bytes:
         # OpenAI sends `"usage": null` on every chunk only when usage was asked for.
-        return _sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+        if not self.include_usage:
+            del chunk["usage"]
+        return _sse(chunk)
 
     async def __call__(self, scope, receive, send) -> None:
         watcher = asyncio.create_task(_watch_disconnect(receive, self.generation))
@@ -467,10 +444,12 @@ def _answer_errors(handler):
         except ApiError as exc:
             return exc.response()
         except RequestError as exc:
-            return error_response(400, str(exc), param=getattr(exc, "param", None))
+            return ApiError(400, str(exc), param=getattr(exc, "param", None)).response()
         except Exception:
             log.exception("error while answering %s %s", request.method, request.url.path)
-            return error_response(500, "internal server error; the server log has the details", type="server_error")
+            return ApiError(
+                500, "internal server error; the server log has the details", type="server_error"
+            ).response()
 
     route.__name__ = handler.__name__
     return route
@@ -518,11 +497,10 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
 
 def _parse(model: type[CompletionRequest] | type[ChatCompletionRequest], data: dict):
     try:
-        request = model.model_validate(data)
+        request = model.model_validate(model.without_noop_params(data))
     except ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise ApiError(400, message, param=param) from None
-    request.check_supported()
     if request.stream_options is not None and not request.is_stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     return request
@@ -549,19 +527,10 @@ async def _generate(request: Request, request_model, shape_type: type[Completion
     try:
         while not (out := await generation.next_output()).finished:
             pass
-    except _Ended as ended:
-        if ended.reason == "disconnect":
-            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        status, error = _describe_failure(ended)
-        return Response(
-            error.model_dump_json(),
-            status_code=status,
-            media_type="application/json",
-            headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
-        )
     except Exception as exc:
-        status, error = _describe_failure(exc)
-        return Response(error.model_dump_json(), status_code=status, media_type="application/json")
+        if isinstance(exc, _Ended) and exc.reason == "disconnect":
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return _failure(exc).response()
     finally:
         watcher.cancel()
         generation.close()
@@ -579,15 +548,15 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, ChatShape)
 
 
-def _model_card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.max_model_len)
+def _model_card(state: ServerState) -> dict:
+    return model_card(state.model_name, state.created, state.max_model_len)
 
 
 @_answer_errors
 async def list_models(request: Request) -> Response:
     state = _state(request)
     state.check_auth(request)
-    return _json_response(ModelList(data=[_model_card(state)]))
+    return _json_response({"object": "list", "data": [_model_card(state)]})
 
 
 @_answer_errors
@@ -602,8 +571,8 @@ async def retrieve_model(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state = _state(request)
     status = "draining" if state.is_draining else "ok"
-    body = json.dumps({"status": status, "model": state.model_name, "requests_in_flight": state.num_in_flight})
-    return Response(body, status_code=503 if state.is_draining else 200, media_type="application/json")
+    body = {"status": status, "model": state.model_name, "requests_in_flight": state.num_in_flight}
+    return _json_response(body, 503 if state.is_draining else 200)
 
 
 @_answer_errors
@@ -619,15 +588,11 @@ async def metrics(request: Request) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         message = f"no such endpoint: {request.method} {request.url.path}; this server has " + ", ".join(ENDPOINTS)
-        return error_response(404, message, code="not_found")
+        return ApiError(404, message, code="not_found").response()
     if exc.status_code == 405:
-        return error_response(
-            405,
-            f"{request.method} is not allowed on {request.url.path}",
-            code="method_not_allowed",
-            headers=exc.headers,
-        )
-    return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return ApiError(405, message, code="method_not_allowed", headers=exc.headers).response()
+    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
 class _CountResponses:

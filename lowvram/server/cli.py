@@ -19,6 +19,12 @@ import sys
 import threading
 
 from lowvram.errors import ConfigError
+from lowvram.server.defaults import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_GRACE_S,
+)
 
 API_KEY_ENV = "LOWVRAM_API_KEY"
 
@@ -152,7 +158,6 @@ class BackgroundServer:
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `lowvram` command's subparsers."""
     from lowvram.engine.args import add_engine_args
-    from lowvram.server import defaults
 
     p = subparsers.add_parser(
         "serve",
@@ -188,29 +193,29 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-queue",
         type=int,
-        default=defaults.DEFAULT_MAX_QUEUE,
+        default=DEFAULT_MAX_QUEUE,
         help="most requests held at once, running or waiting; more get 429 with Retry-After "
-        f"(default {defaults.DEFAULT_MAX_QUEUE})",
+        f"(default {DEFAULT_MAX_QUEUE})",
     )
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=defaults.DEFAULT_MAX_BODY_BYTES,
-        help=f"larger request bodies get 413 (default {defaults.DEFAULT_MAX_BODY_BYTES})",
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
     p.add_argument(
         "--default-max-tokens",
         type=int,
-        default=defaults.DEFAULT_MAX_TOKENS,
+        default=DEFAULT_MAX_TOKENS,
         help="completion length when a request gives no max_tokens, at most the context left "
-        f"(default {defaults.DEFAULT_MAX_TOKENS})",
+        f"(default {DEFAULT_MAX_TOKENS})",
     )
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
-        default=defaults.DEFAULT_SHUTDOWN_GRACE_S,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
         help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are ended "
-        f"(default {defaults.DEFAULT_SHUTDOWN_GRACE_S:g})",
+        f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})",
     )
     p.set_defaults(func=cmd_serve)
     return p

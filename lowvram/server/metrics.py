@@ -23,10 +23,8 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    if not names:
-        return ""
-    return "{" + ",".join(f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)) + "}"
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{n}="{_escape(str(v))}"' for n, v in labels.items()) + "}" if labels else ""
 
 
 def _number(value: float) -> str:
@@ -51,7 +49,8 @@ class Counter:
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} counter"]
-        lines += [f"{self.name}{_labels(self.label_names, key)} {_number(v)}" for key, v in sorted(self.values.items())]
+        for key, value in sorted(self.values.items()):
+            lines.append(f"{self.name}{_labels(dict(zip(self.label_names, key)))} {_number(value)}")
         return lines
 
 
@@ -79,11 +78,8 @@ class Histogram:
         return lines
 
 
-def _gauge(name: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-    for labels, value in samples:
-        lines.append(f"{name}{_labels(tuple(labels), tuple(labels.values()))} {_number(value)}")
-    return lines
+def _gauge(name: str, help_text: str, value: float, **labels: str) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name}{_labels(labels)} {_number(value)}"]
 
 
 class ServerMetrics:
@@ -132,54 +128,35 @@ class ServerMetrics:
 
     def render(self, snapshot: EngineSnapshot, *, num_in_flight: int, max_queue: int) -> str:
         self.observe_snapshot(snapshot)
-        num_used = snapshot.num_kv_blocks_used
-        num_on_host = snapshot.num_kv_blocks_on_host
-        lines: list[str] = []
-        lines += _gauge(
-            "lowvram_model_info", "The served model (value is always 1).", [({"model": self.model_name}, 1)]
-        )
+        s = snapshot
+        num_on_host = s.num_kv_blocks_on_host
+        lines = _gauge("lowvram_model_info", "The served model (value is always 1).", 1, model=self.model_name)
         for metric in (self.requests, self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
             lines += metric.render()
         lines += self.ttft.render() + self.token_latency.render()
         lines += _gauge(
-            "lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.", [({}, num_in_flight)]
+            "lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.", num_in_flight
         )
+        lines += _gauge("lowvram_queue_capacity", "Most requests the server holds at once; more get 429.", max_queue)
         lines += _gauge(
-            "lowvram_queue_capacity", "Most requests the server holds at once; more get 429.", [({}, max_queue)]
+            "lowvram_queue_depth", "Requests waiting in the engine's scheduler for a batch slot.", s.num_waiting
         )
-        lines += _gauge(
-            "lowvram_queue_depth",
-            "Requests waiting in the engine's scheduler for a batch slot.",
-            [({}, snapshot.num_waiting)],
-        )
-        lines += _gauge("lowvram_batch_size", "Requests in the running batch.", [({}, snapshot.num_running)])
+        lines += _gauge("lowvram_batch_size", "Requests in the running batch.", s.num_running)
         lines += _gauge(
             "lowvram_decode_tokens_per_second",
             "Decode speed over the last steps, all requests together.",
-            [({}, snapshot.decode_tokens_per_s)],
+            s.decode_tokens_per_s,
         )
-        lines += _gauge(
-            "lowvram_kv_pages",
-            "KV cache pages in use, by where they live.",
-            [({"location": "device"}, num_used - num_on_host), ({"location": "host"}, num_on_host)],
-        )
-        lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", [({}, snapshot.num_kv_blocks)])
-        lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", [({}, snapshot.kv_block_size)])
-        lines += _gauge(
-            "lowvram_kv_precision_info",
-            "KV cache precision in use (value is always 1).",
-            [({"precision": snapshot.kv_precision}, 1)],
-        )
-        lines += _gauge(
-            "lowvram_controller_mode_info",
-            "Memory/latency controller mode (value is always 1).",
-            [({"mode": snapshot.controller_mode}, 1)],
-        )
+        pages = "KV cache pages in use, by where they live."
+        lines += _gauge("lowvram_kv_pages", pages, s.num_kv_blocks_used - num_on_host, location="device")
+        lines.append(f'lowvram_kv_pages{{location="host"}} {_number(num_on_host)}')
+        lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", s.num_kv_blocks)
+        lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", s.kv_block_size)
+        info = "KV cache precision in use (value is always 1)."
+        lines += _gauge("lowvram_kv_precision_info", info, 1, precision=s.kv_precision)
+        mode = "Memory/latency controller mode (value is always 1)."
+        lines += _gauge("lowvram_controller_mode_info", mode, 1, mode=s.controller_mode)
         lines += self.controller_events.render()
-        lines += _gauge(
-            "lowvram_memory_used_bytes", "Memory held by weights and KV cache.", [({}, snapshot.memory_used_bytes)]
-        )
-        lines += _gauge(
-            "lowvram_memory_budget_bytes", "Memory budget of the profile.", [({}, snapshot.memory_budget_bytes)]
-        )
+        lines += _gauge("lowvram_memory_used_bytes", "Memory held by weights and KV cache.", s.memory_used_bytes)
+        lines += _gauge("lowvram_memory_budget_bytes", "Memory budget of the profile.", s.memory_budget_bytes)
         return "\n".join(lines) + "\n"

@@ -11,10 +11,11 @@ accepted as in vLLM, so the same request body runs on both.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lowvram.errors import RequestError
 
@@ -78,6 +79,11 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
 }
 
 
+_CHAT_ONLY = frozenset(
+    {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
+)
+
+
 class _GenerationRequest(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -98,18 +104,7 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
     ignore_eos: bool | None = None
     # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
-    n: Any = None
-    best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    service_tier: Any = None
-    store: Any = None
-    metadata: Any = None
+    noop_params: ClassVar[frozenset[str]] = frozenset()
 
     @field_validator("temperature")
     @classmethod
@@ -121,18 +116,18 @@ class _GenerationRequest(_Strict):
             )
         return value
 
-    def check_supported(self) -> None:
-        """Raise UnsupportedParameter for the first parameter that asks for something unsupported."""
-        for name in type(self).model_fields:
-            if name not in _NOOP_VALUES:
-                continue
-            value = getattr(self, name)
+    @classmethod
+    def without_noop_params(cls, data: dict) -> dict:
+        """`data` less the parameters that ask for nothing; UnsupportedParameter for the first
+        that asks for something this server does not do."""
+        for name in (name for name in _NOOP_VALUES if name in cls.noop_params):
+            value = data.get(name)
             allowed, reason = _NOOP_VALUES[name]
             # `True == 1` in Python; a JSON true for n must not pass as 1.
             if not any(value == ok and type(value) is type(ok) for ok in allowed):
-                shown = repr(value)
-                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
                 raise UnsupportedParameter(f"'{name}' = {shown} is not supported by this server: {reason}", name)
+        return {key: value for key, value in data.items() if key not in cls.noop_params}
 
     @property
     def is_stream(self) -> bool:
@@ -169,8 +164,7 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
-    echo: Any = None
-    suffix: Any = None
+    noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt, as text or token ids; batched prompts are refused."""
@@ -210,13 +204,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
+    noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
 
     def requested_max_tokens(self) -> int | None:
         if (
@@ -264,136 +252,67 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
 
 
 # -- responses -----------------------------------------------------------------
+# Plain dicts in OpenAI's field order; `json_bytes` writes them as pydantic would.
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-        )
+def json_bytes(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
 
 
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler):
-        # OpenAI's deltas carry only what changed: the last one is {}.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "lowvram"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+def model_card(model: str, created: int, max_model_len: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "lowvram", "max_model_len": max_model_len}
 
 
 class CompletionShape:
-    """The response objects of one /v1/completions request: 'text_completion', streamed or whole."""
+    """The response objects of one /v1/completions request: 'text_completion', streamed or whole.
+    Streamed chunks carry `"usage": null` until the last, which the stream drops unless asked for."""
 
     id_prefix = "cmpl-"
 
     def __init__(self, request_id: str, model: str):
         self.request_id, self.model, self.created = request_id, model, int(time.time())
 
-    def first(self) -> BaseModel | None:
+    def _body(self, object: str, choices: list[dict], usage: dict | None = None) -> dict:
+        return {
+            "id": self.request_id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("text_completion", [choice])
+
+    def first(self) -> dict | None:
         """What a stream starts with before any token, if anything."""
         return None
 
-    def _chunk(self, text: str, finish_reason: str | None, usage: Usage | None = None, *, has_choice: bool = True):
-        choices = [CompletionChoice(text=text, finish_reason=finish_reason)] if has_choice else []
-        return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-    def delta(self, text: str) -> BaseModel:
+    def delta(self, text: str) -> dict:
         return self._chunk(text, None)
 
-    def finish(self, finish_reason: str) -> BaseModel:
+    def finish(self, finish_reason: str) -> dict:
         return self._chunk("", finish_reason)
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk("", None, usage, has_choice=False)
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._body("text_completion", [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
-        return self._chunk(text, finish_reason, usage)
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        return {**self._chunk(text, finish_reason), "usage": usage}
 
 
 class ChatShape(CompletionShape):
@@ -401,29 +320,24 @@ class ChatShape(CompletionShape):
 
     id_prefix = "chatcmpl-"
 
-    def _chunk(self, delta: ChatDelta | None, finish_reason: str | None = None, usage: Usage | None = None):
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if delta is not None else []
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+    def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        # OpenAI's deltas carry only what changed: the last one is {}.
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("chat.completion.chunk", [choice])
 
-    def first(self) -> BaseModel:
-        return self._chunk(ChatDelta(role="assistant", content=""))
+    def first(self) -> dict:
+        return self._chunk({"role": "assistant", "content": ""})
 
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(ChatDelta(content=text))
+    def delta(self, text: str) -> dict:
+        return self._chunk({"content": text})
 
-    def finish(self, finish_reason: str) -> BaseModel:
-        return self._chunk(ChatDelta(), finish_reason)
+    def finish(self, finish_reason: str) -> dict:
+        return self._chunk({}, finish_reason)
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
-        return self._chunk(None, None, usage)
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._body("chat.completion.chunk", [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> BaseModel:
-        return ChatCompletion(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            usage=usage,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
-        )
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+        return self._body("chat.completion", [choice], usage)
