@@ -1,38 +1,23 @@
 """DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) as a plain nn.Module over paged KV.
 
-Multi-head latent attention keeps per token and layer only the normalized KV latent
-(`kv_lora_rank`) and the one RoPE key shared by all heads (`qk_rope_head_dim`), as a
-single "KV head" of `kv_lora_rank + qk_rope_head_dim` values (576 for V2-Lite). The
-up-projection `kv_b_proj` is never applied to the cache; it is absorbed instead:
+Multi-head latent attention caches per token and layer only the normed KV latent
+(`kv_lora_rank`) and the one RoPE key all heads share (`qk_rope_head_dim`): one "KV head"
+of 576 values for V2-Lite. `kv_b_proj` is absorbed instead of applied to the cache:
 
     score_h = q_nope_h . (W_uk_h c) + q_pe_h . k_pe = [W_uk_h^T q_nope_h | q_pe_h] . [c | k_pe]
     out_h   = sum_t p_t W_uv_h c_t = W_uv_h (sum_t p_t c_t)
 
-so attention is ordinary multi-query attention with one KV head of the latent size,
-where values are the first `kv_lora_rank` entries of the keys. The paged attention
-runs it unchanged when the V pages are the K pages themselves (same tensor): a
-layer's cache costs one row per token, not two.
+so attention is multi-query attention with one KV head whose values are the first
+`kv_lora_rank` entries of the keys; the paged attention runs it with the V pages being the K
+pages (one row per token, not two). The pool gives each pool layer a K and a V tensor, so two
+model layers share one (`num_kv_layers` = ceil(layers / 2)): layer 2j keeps its rows in pool
+layer j's K pages, layer 2j+1 in its V pages (`layer_kv_pages`).
 
-KV pool layout: the pool gives every pool layer a K and a V tensor of one KV head
-each, so two model layers share one pool layer (`num_kv_layers` = ceil(layers / 2)):
-layer 2j keeps its latent rows in pool layer j's K pages, layer 2j+1 in its V pages,
-and `layer_kv_pages` hands each layer a view whose K and V are that one tensor. The
-pool's spill, copy-on-write and precision changes work on it unchanged; an odd layer
-count leaves one half of the last pool layer unused.
-
-AWQ INT4 checkpoints (AutoAWQ GEMM names): every Linear of the decoder layers is INT4
-unless `modules_to_not_convert` names it, as AutoAWQ's DeepSeek-V2 recipe quantizes
-them (scale groups: input_layernorm -> q_proj (or q_a_proj) and kv_a_proj_with_mqa;
-q_a_layernorm -> q_b_proj; kv_a_layernorm -> kv_b_proj; post_attention_layernorm ->
-every expert's and the shared experts' gate_proj and up_proj; each up_proj -> its
-down_proj). The router (`mlp.gate`) is never quantized and is kept in float32.
+AWQ INT4 checkpoints (AutoAWQ GEMM names) quantize every Linear of the decoder layers that
+`modules_to_not_convert` does not name; the router (`mlp.gate`) stays float32, and
 `kv_b_proj` is dequantized once at load, since absorption needs its weight as a matrix.
-
 Routed experts may live in host memory with a device cache per layer
-(`lowvram.models.expert_offload`); see `DeepseekV2ForCausalLM.offload_experts`.
-
-Parameter names equal the checkpoint names (routed experts one Linear each, as
-published), so a checkpoint loads by name.
+(`lowvram.models.expert_offload`). Parameter names equal the checkpoint names.
 """
 
 from __future__ import annotations
@@ -52,58 +37,10 @@ from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.config import AwqConfig, awq_config_from_dict
 from lowvram.models.dense import MLP, CausalLM, RMSNorm
 from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
-from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear
+from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear, swap_awq_linears
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"
-
-# The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
-# 2.4B active per token), for benchmarks and plans at the real size.
-DEEPSEEK_V2_LITE_CONFIG = {
-    "architectures": [ARCHITECTURE],
-    "model_type": MODEL_TYPE,
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "num_experts_per_tok": 6,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "q_lora_rank": None,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "torch_dtype": "bfloat16",
-}
 
 
 def is_deepseek_v2(raw: dict) -> bool:
@@ -622,30 +559,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.weight_bytes = report.total_bytes
 
 
-def _swap_awq_linears(model: DeepseekV2ForCausalLM, quant: AwqConfig, is_head_quantized: bool) -> None:
-    """Replace the Linears an AWQ checkpoint quantizes by AwqLinear (model on the meta device)."""
-    names = [
-        name
-        for name, module in model.model.layers.named_modules(prefix="model.layers")
-        if isinstance(module, nn.Linear) and not quant.is_skipped(name)
-    ]
-    if is_head_quantized:
-        names.append("lm_head")
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, child)
-        try:
-            with torch.device("meta"):
-                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
-        except ValueError as exc:
-            raise ModelLoadError(
-                f"{name} cannot be AWQ INT4 with group_size {quant.group_size}: {exc}; list it in "
-                "quantization_config.modules_to_not_convert if the checkpoint keeps it in FP16"
-            ) from None
-        setattr(parent, child, awq)
-
-
 def _dequantize_up_projections(model: DeepseekV2ForCausalLM, dtype: torch.dtype) -> None:
     """Absorption multiplies by kv_b_proj's weight as a matrix: dequantize INT4 ones once."""
     from lowvram.kernels.awq_format import dequantize_awq
@@ -695,7 +608,7 @@ def load_deepseek_v2(
     with torch.device("meta"):
         model = DeepseekV2ForCausalLM(config)
     if config.quantization is not None:
-        _swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
+        swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
     is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
     expert_device = torch.device("cpu") if is_offloaded else device
     expected = dict(model.named_parameters()) | dict(model.named_buffers())
