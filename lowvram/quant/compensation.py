@@ -12,16 +12,11 @@ Two published corrections, chosen per layer on the calibration set:
 The calibration tokens are split by sample into a fit half (factors and c are computed on
 it) and an evaluation half (the choice is made on it), so a correction that only fits noise
 is not kept. Candidates: rank 0, R/4, R/2 and R (R = the rank asked for), a scale gamma in
-0.25..1 on the low-rank term, and (when bias correction is enabled) with and without the
-bias. Every candidate's held-out
-error is computed in closed form from the evaluation half's first and second moments, no
-forward pass needed. The smallest rank that reaches 90% of the best error reduction wins
-(a rank costs r * (N + K) FP16 values per layer); nothing is kept when nothing helps.
-
-Measured on the demo model (AWQ g128, 32 x 512 calibration tokens, held-out Python
-perplexity, FP16 89.97): AWQ 91.43, + rank 16 91.20, + rank 16 and bias 91.16, + bias
-only 91.73. The bias fits the calibration mix's mean input, which held-out text need not
-share, so it is off unless asked for.
+0.25..1 on the low-rank term, with and without the bias (when asked for); each one's
+held-out error is computed in closed form from the evaluation half's moments. The smallest
+rank that reaches 90% of the best error reduction wins (a rank costs r * (N + K) FP16
+values per layer); nothing is kept when nothing helps. The bias fits the calibration mix's
+mean input, which other text need not share, so it is off unless asked for.
 """
 
 from __future__ import annotations
@@ -139,12 +134,6 @@ def _low_rank_factors(error: torch.Tensor, chol: torch.Tensor, max_rank: int) ->
     return lora_b, lora_a
 
 
-def candidate_ranks(max_rank: int) -> list[int]:
-    if max_rank <= 0:
-        return [0]
-    return sorted({0, max(1, max_rank // 4), max(1, max_rank // 2), max_rank})
-
-
 def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_bias: bool) -> Compensation | None:
     """Choose and fit the correction of one Linear, or None when no candidate lowers the held-out error.
 
@@ -162,7 +151,7 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
     base = float((error * error_eval).sum())
     error_mean_eval, error_mean_fit = error @ mean_eval, error @ mean_fit
 
-    ranks = candidate_ranks(max_rank)
+    ranks = sorted({0, max(1, max_rank // 4), max(1, max_rank // 2), max_rank}) if max_rank > 0 else [0]
     chol = stats.fit_cholesky(is_centered=use_bias) if ranks[-1] > 0 else None
     if chol is None:
         ranks = [0]
