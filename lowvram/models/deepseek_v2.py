@@ -36,7 +36,7 @@ from lowvram.kernels.kv_quant import KVPages, allocate_pages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.config import AwqConfig, awq_config_from_dict
 from lowvram.models.dense import MLP, CausalLM, RMSNorm
-from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
 from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear, swap_awq_linears
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
@@ -457,11 +457,8 @@ class MoE(nn.Module):
             token_rows, sorted_weights, starts = group_by_expert(ids, weights, counts)
             for expert_id, count in enumerate(counts):
                 if count:
-                    rows = token_rows[starts[expert_id] : starts[expert_id] + count]
-                    y = self.experts[expert_id](x.index_select(0, rows))
-                    out.index_add_(
-                        0, rows, y * sorted_weights[starts[expert_id] : starts[expert_id] + count, None].to(x.dtype)
-                    )
+                    span = slice(starts[expert_id], starts[expert_id] + count)
+                    add_expert_output(out, self.experts[expert_id], x, token_rows[span], sorted_weights[span])
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out

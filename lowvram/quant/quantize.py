@@ -611,6 +611,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+# quantize_model's arguments that the command line passes as they are
+CLI_OPTIONS = ("method", "group_size", "fp16_budget_mib", "rank", "bias_correction", "quantize_head")
+CLI_OPTIONS += ("num_samples", "seq_len", "device", "emulate_vram_gib", "force")
+
+
 def cmd_quantize(args) -> int:
     if args.quantize_head:
         print(
@@ -618,22 +623,7 @@ def cmd_quantize(args) -> int:
             "checkpoint; lowvram will",
             file=sys.stderr,
         )
-    report = quantize_model(
-        args.model,
-        args.out,
-        method=args.method,
-        group_size=args.group_size,
-        fp16_budget_mib=args.fp16_budget_mib,
-        rank=args.rank,
-        bias_correction=args.bias_correction,
-        quantize_head=args.quantize_head,
-        calib_path=args.calib,
-        num_samples=args.num_samples,
-        seq_len=args.seq_len,
-        device=args.device,
-        emulate_vram_gib=args.emulate_vram_gib,
-        force=args.force,
-        show_progress=True,
-    )
+    options = {name: getattr(args, name) for name in CLI_OPTIONS}
+    report = quantize_model(args.model, args.out, calib_path=args.calib, show_progress=True, **options)
     print(report.summary())
     return 0
