@@ -34,6 +34,7 @@ from torch import nn
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
 from lowvram.kernels.kv_quant import KVPages, allocate_pages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
+from lowvram.models.checkpoint import tensor_names, weight_files, weight_report
 from lowvram.models.config import AwqConfig, awq_config_from_dict
 from lowvram.models.dense import MLP, CausalLM, RMSNorm
 from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
@@ -419,8 +420,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts)
         )
-        if config.num_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+        shared_size = config.moe_intermediate_size * config.num_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared_size) if shared_size else None
         self.cache: ExpertCache | None = None
         self.next_layer: tuple[RMSNorm, MoE] | None = None
 
@@ -459,7 +460,7 @@ class MoE(nn.Module):
                 if count:
                     span = slice(starts[expert_id], starts[expert_id] + count)
                     add_expert_output(out, self.experts[expert_id], x, token_rows[span], sorted_weights[span])
-        if hasattr(self, "shared_experts"):
+        if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
@@ -528,8 +529,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         """Move the routed experts to host memory, keeping `max_cached_experts` per layer
         on the device (or change that number when they are already offloaded)."""
         device = self.model.embed_tokens.weight.device
-        moes = self.moe_layers
-        for moe in moes:
+        for moe in self.moe_layers:
             if moe.cache is None:
                 moe.cache = ExpertCache(list(moe.experts), max_cached_experts, device, self.expert_stats)
                 moe.experts = None
@@ -538,14 +538,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         for layer, following in itertools.pairwise(self.model.layers):
             if isinstance(layer.mlp, MoE) and isinstance(following.mlp, MoE):
                 layer.mlp.next_layer = (following.post_attention_layernorm, following.mlp)
-        if hasattr(self, "weight_report"):
-            self.count_weights()
+        self.count_weights()
 
     def count_weights(self) -> None:
         """Set `weight_report` (checkpoint.WeightReport) and `weight_bytes`: device bytes of the
         weights, cached experts included, host-held experts not."""
-        from lowvram.models.checkpoint import weight_report
-
         report = weight_report(self)
         cache_bytes = sum(moe.cache.device_bytes for moe in self.moe_layers if moe.cache is not None)
         if self.config.quantization is not None:
@@ -590,8 +587,6 @@ def load_deepseek_v2(
     rounded scores flips expert choices between near-tied experts.
     """
     from safetensors import SafetensorError, safe_open
-
-    from lowvram.models.checkpoint import tensor_names, weight_files
 
     model_dir, device = Path(model_dir), torch.device(device)
     try:
@@ -646,9 +641,10 @@ def load_deepseek_v2(
             "incomplete or does not match config.json"
         )
     _dequantize_up_projections(model, dtype)
-    if is_offloaded:
-        model.offload_experts(max_cached_experts)
     model.dtype = dtype
-    model.count_weights()
+    if is_offloaded:
+        model.offload_experts(max_cached_experts)  # counts the weights too
+    else:
+        model.count_weights()
     model.eval()
     return model, raw
