@@ -135,7 +135,7 @@ class LayerRunner:
             return self.mlp(weights, x)
         return self.linear(weights, "mlp.down_proj", x)
 
-    def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor, kinds) -> dict[str, torch.Tensor]:
+    def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor | None, kinds) -> dict[str, torch.Tensor]:
         """The Linears' inputs of `kinds` (values of INPUT_OF), given the layer's input h and
         its attention output attn (which the MLP's inputs depend on)."""
         found = {"attn_in": self.rms_norm(h, weights["input_layernorm.weight"])}

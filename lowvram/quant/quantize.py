@@ -189,8 +189,10 @@ class Quantizer:
 
     def _inputs(self, compute: dict, hs: list, attn_ref: list, kinds: list[str]):
         """Per chunk, the inputs of `kinds` as the layer, folded so far, computes them."""
+        needs_attn = "mlp_in" in kinds or "down_in" in kinds  # the MLP reads h + attention
         for chunk, attn in zip(hs, attn_ref):
-            yield self.runner.inputs(compute, self.store.load(chunk), self.store.load(attn), kinds)
+            attn = self.store.load(attn) if needs_attn else None
+            yield self.runner.inputs(compute, self.store.load(chunk), attn, kinds)
 
     def _quantize_linears(self, weights: dict, samples: dict) -> tuple[dict, dict]:
         """Clip (AWQ) and quantize every Linear: (dequantized float32 weights on the device, packed on the host)."""
