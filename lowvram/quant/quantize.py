@@ -596,17 +596,53 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer)")
     add("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
-    add("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES, help="inputs per scale and zero point")
-    add("--calib", metavar="FILE", help=".jsonl ({'text'} or {'messages'} records) or plain text; default: shipped")
+    add(
+        "--group-size",
+        type=int,
+        default=128,
+        choices=SUPPORTED_GROUP_SIZES,
+        help="inputs sharing one scale and zero point (default 128)",
+    )
+    add(
+        "--calib",
+        metavar="FILE",
+        help="calibration text: .jsonl ({'text'} or {'messages'} records) or plain text; default: the corpus shipped with lowvram",
+    )
     add("--num-samples", type=int, default=128, help="calibration blocks (default 128)")
     add("--seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
-    add("--fp16-budget-mib", type=float, default=0.0, help="extra MiB the most sensitive layers may use to stay FP16")
+    add(
+        "--fp16-budget-mib",
+        type=float,
+        default=0.0,
+        help="extra MiB the most sensitive layers may use to stay FP16 (default 0: none)",
+    )
     head = parser.add_mutually_exclusive_group()
-    head.add_argument("--keep-head", dest="quantize_head", action="store_false", help="keep lm_head FP16 (default)")
-    head.add_argument("--quantize-head", action="store_true", help="quantize lm_head too (only lowvram loads it)")
-    add("--rank", type=int, default=0, help="largest rank of the low-rank INT4 error correction (default 0: off)")
-    add("--bias-correction", action="store_true", help="also correct each layer's mean INT4 error with a bias")
-    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to compute (the model stays on host)")
+    head.add_argument(
+        "--keep-head",
+        dest="quantize_head",
+        action="store_false",
+        help="keep lm_head in FP16 (default; what vLLM and transformers expect)",
+    )
+    head.add_argument(
+        "--quantize-head", action="store_true", help="quantize lm_head too (smaller, but only lowvram loads the result)"
+    )
+    add(
+        "--rank",
+        type=int,
+        default=0,
+        help="largest rank of the per-layer low-rank INT4 error correction (default 0: off)",
+    )
+    add(
+        "--bias-correction",
+        action="store_true",
+        help="also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text's mean input, which other text may not share)",
+    )
+    add(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to compute (the model itself stays in host memory)",
+    )
     add("--emulate-vram-gib", type=float, help="behave like a card with this much memory")
     add("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(func=cmd_quantize, quantize_head=False)
