@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.checkpoint import tensor_names, weight_files, weight_report
 from lowvram.models.config import AwqConfig, awq_config_from_dict
@@ -316,21 +316,6 @@ def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
         window_v=window,
         window_row=pages.window_row,
     )
-
-
-def allocate_latent_pages(
-    config: DeepseekV2Config,
-    num_blocks: int,
-    block_size: int,
-    precision: str,
-    dtype: torch.dtype = torch.float16,
-    device: torch.device | str = "cpu",
-) -> list[KVPages]:
-    """Every layer's cache in the pool layout: `num_kv_layers` KVPages of one `kv_head_dim` head."""
-    return [
-        allocate_pages(num_blocks, block_size, 1, config.kv_head_dim, precision, dtype, device)
-        for _ in range(config.num_kv_layers)
-    ]
 
 
 class LatentAttention(nn.Module):

@@ -112,10 +112,6 @@ class Compensation:
         """Share of the INT4 output error removed on the held-out half (0..1)."""
         return 1.0 - self.error_after / self.error_before if self.error_before > 0 else 0.0
 
-    def num_bytes(self, element_bytes: int = 2) -> int:
-        tensors = (self.lora_a, self.lora_b, self.bias_correction)
-        return sum(t.numel() for t in tensors if t is not None) * element_bytes
-
 
 def _low_rank_factors(error: torch.Tensor, chol: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """B [N, R], A [R, K] minimising ||(E - B A) L||_F, i.e. tr((E - B A) H (E - B A)^T), H = L L^T."""
