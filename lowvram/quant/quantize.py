@@ -385,19 +385,25 @@ def _check_output(model_dir: Path, out_dir: Path, is_forced: bool) -> None:
         raise ConfigError(f"OUT {out_dir} already exists and is not empty; pass --force to replace it")
 
 
-def _device_cap_bytes(device: torch.device, emulate_vram_gib: float | None) -> int | None:
+def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[torch.device, int | None]:
+    """The device to compute on and the bytes it may use (None on the CPU), capped as emulated."""
+    from lowvram.memory.device import pick_device
+
+    device = pick_device(requested)
     if device.type != "cuda":
-        return None
+        return device, None
+    if device.index is None:  # set_per_process_memory_fraction insists on an explicit index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if emulate_vram_gib is None:
-        return total
+        return device, total
     fraction = emulate_vram_gib * GIB / total
     if not 0 < fraction <= 1:
         raise ConfigError(
             f"--emulate-vram-gib {emulate_vram_gib} must be positive and at most this card's {total / GIB:.1f} GiB"
         )
     torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return int(emulate_vram_gib * GIB)
+    return device, int(emulate_vram_gib * GIB)
 
 
 def _peak_host_bytes() -> int | None:
@@ -407,16 +413,6 @@ def _peak_host_bytes() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _pick_device(requested: str) -> torch.device:
-    from lowvram.memory.device import pick_device
-
-    device = pick_device(requested)
-    if device.type == "cuda" and device.index is None:
-        # some torch.cuda calls (set_per_process_memory_fraction) insist on an explicit index
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 # -- the entry point ------------------------------------------------------------------------------
@@ -492,8 +488,7 @@ def quantize_model(
             f"needs about {needed_bytes / MIB:.0f} MiB; free some space or choose another OUT"
         )
 
-    compute_device = _pick_device(device)
-    cap_bytes = _device_cap_bytes(compute_device, emulate_vram_gib)
+    compute_device, cap_bytes = _compute_device(device, emulate_vram_gib)
     if compute_device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(compute_device)
 
