@@ -40,7 +40,56 @@ from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError, OutOfMemoryError
 from lowvram.kernels.awq_format import pack_awq
 from lowvram.memory.plan import deepseek_v2_linears
-from lowvram.models.deepseek_v2 import DEEPSEEK_V2_LITE_CONFIG, DeepseekV2Config
+from lowvram.models.deepseek_v2 import ARCHITECTURE, MODEL_TYPE, DeepseekV2Config
+
+# The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
+# 2.4B active per token), for benchmarks and plans at the real size.
+DEEPSEEK_V2_LITE_CONFIG = {
+    "architectures": [ARCHITECTURE],
+    "model_type": MODEL_TYPE,
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+
 
 # The weight spread of N(0, 0.02): codes minus zero points have a std of about 4.6.
 SCALE = 0.02 / 4.6

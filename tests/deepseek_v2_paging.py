@@ -2,8 +2,8 @@
 
 import torch
 
+from lowvram.kernels.kv_quant import allocate_pages
 from lowvram.kv.attention import AttentionMetadata
-from lowvram.models.deepseek_v2 import allocate_latent_pages
 
 BLOCK_SIZE = 4
 NUM_DECODE_STEPS = 16
@@ -46,7 +46,12 @@ def greedy_through_pages(
     device = model.lm_head.weight.device
     num_tokens = len(prompt) + num_steps
     num_blocks = -(-num_tokens // BLOCK_SIZE) + 1
-    pages = allocate_latent_pages(model.config, num_blocks, BLOCK_SIZE, "fp16", dtype=model.dtype, device=device)
+    # the pool layout (deepseek_v2.layer_kv_pages): num_kv_layers layers of one kv_head_dim head
+    c = model.config
+    pages = [
+        allocate_pages(num_blocks, BLOCK_SIZE, 1, c.kv_head_dim, "fp16", model.dtype, device)
+        for _ in range(c.num_kv_layers)
+    ]
     # Scattered, descending block ids: a model that ignores the block table reads the wrong rows.
     block_table = list(range(num_blocks - 1, 0, -1))
     meta, positions = _metadata(block_table, 0, len(prompt), device)

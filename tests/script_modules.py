@@ -14,6 +14,8 @@ def load_script(name: str):
     path = SCRIPTS / f"{name}.py"
     if not path.is_file():
         path = SCRIPTS / "lab" / f"{name}.py"
+    if str(path.parent) not in sys.path:  # its siblings import by name, as when it runs directly
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -11,16 +11,13 @@ import json
 import pytest
 import torch
 from deepseek_v2_paging import transformers_reference
+from script_modules import load_script
 
 from lowvram import LLM, SamplingParams
 from lowvram.config import load_profile
 from lowvram.errors import OutOfMemoryError
 from lowvram.memory import plan as mp
-from lowvram.models.deepseek_v2 import (
-    DEEPSEEK_V2_LITE_CONFIG,
-    DeepseekV2Config,
-    layer_kv_pages,
-)
+from lowvram.models.deepseek_v2 import DeepseekV2Config, layer_kv_pages
 
 NUM_TOKENS = 12
 PROMPTS = ["The scheduler reads the next token", "def add(a, b):"]
@@ -91,7 +88,7 @@ def test_kv_pool_holds_one_latent_row_per_token_and_layer(llm):
 
 
 def _v2_lite_awq() -> tuple[DeepseekV2Config, dict]:
-    raw = copy.deepcopy(DEEPSEEK_V2_LITE_CONFIG)
+    raw = copy.deepcopy(load_script("bench_deepseek_v2").DEEPSEEK_V2_LITE_CONFIG)
     raw["quantization_config"] = {
         "quant_method": "awq",
         "bits": 4,

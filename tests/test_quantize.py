@@ -243,13 +243,13 @@ def test_already_quantized_input_is_refused(quantized, tmp_path):
 
 
 def test_disk_full_leaves_no_output(tiny_qwen2_dir, tmp_path, monkeypatch):
-    import lowvram.quant.quantize
+    import lowvram.quant.writer
 
     def full_disk(tensors, path):
         Path(path).write_bytes(b"\0" * 1024)  # a partial file, as a real failed write leaves
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(lowvram.quant.quantize, "write_tensors", full_disk)
+    monkeypatch.setattr(lowvram.quant.writer, "write_tensors", full_disk)
     with pytest.raises(ConfigError, match="no space left on the disk.*Nothing was written"):
         quantize_model(tiny_qwen2_dir, tmp_path / "out", **FAST)
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -68,8 +68,11 @@ def test_cached_checkpoints_are_made_once_per_key(tmp_path, monkeypatch):
 
 
 def test_random_awq_tensors_have_the_layout_the_kernels_take():
+    from script_modules import load_script
+
     from lowvram.kernels.awq_format import dequantize_awq
-    from lowvram.models.shapes import random_awq_tensors
+
+    random_awq_tensors = load_script("lab_shapes").random_awq_tensors
 
     generator = torch.Generator().manual_seed(0)
     qweight, qzeros, scales = random_awq_tensors(256, 64, 128, generator=generator)

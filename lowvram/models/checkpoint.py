@@ -84,14 +84,7 @@ class WeightReport:
 
     @property
     def total_bytes(self) -> int:
-        return (
-            self.int4_layer_bytes
-            + self.fp16_layer_bytes
-            + self.compensation_bytes
-            + self.embedding_bytes
-            + self.head_bytes
-            + self.other_bytes
-        )
+        return sum(value for name, value in asdict(self).items() if name.endswith("_bytes"))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total_bytes": self.total_bytes}

@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowvram.errors import ModelLoadError, UnsupportedModelError
+from lowvram.kernels.awq_format import SUPPORTED_GROUP_SIZES
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "deepseek-coder, deepseek-llm",
     "Qwen2ForCausalLM": "DeepSeek-R1-Distill-Qwen",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
-SUPPORTED_AWQ_GROUP_SIZES = (32, 64, 128)
 LEGACY_QUANT_CONFIG = "quant_config.json"
 _SUPPORTED_QUANT = (
     "AWQ INT4 in the AutoAWQ GEMM layout (quant_method 'awq', version 'gemm', bits 4, zero_point true, "
-    f"group_size {'/'.join(map(str, SUPPORTED_AWQ_GROUP_SIZES))}), or unquantized FP16/BF16/FP32 weights"
+    f"group_size {'/'.join(map(str, SUPPORTED_GROUP_SIZES))}), or unquantized FP16/BF16/FP32 weights"
 )
 
 
@@ -142,7 +142,7 @@ def awq_config_from_dict(raw: dict, source: str) -> AwqConfig:
     if bits != 4:
         raise UnsupportedModelError(f"{source}: AWQ with {bits} bits is not supported. Supported: {_SUPPORTED_QUANT}")
     group_size = raw.get("group_size", raw.get("q_group_size", 128))
-    if group_size not in SUPPORTED_AWQ_GROUP_SIZES:
+    if group_size not in SUPPORTED_GROUP_SIZES:
         raise UnsupportedModelError(
             f"{source}: AWQ group_size {group_size} is not supported. Supported: {_SUPPORTED_QUANT}"
         )

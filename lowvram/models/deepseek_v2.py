@@ -1,38 +1,23 @@
 """DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) as a plain nn.Module over paged KV.
 
-Multi-head latent attention keeps per token and layer only the normalized KV latent
-(`kv_lora_rank`) and the one RoPE key shared by all heads (`qk_rope_head_dim`), as a
-single "KV head" of `kv_lora_rank + qk_rope_head_dim` values (576 for V2-Lite). The
-up-projection `kv_b_proj` is never applied to the cache; it is absorbed instead:
+Multi-head latent attention caches per token and layer only the normed KV latent
+(`kv_lora_rank`) and the one RoPE key all heads share (`qk_rope_head_dim`): one "KV head"
+of 576 values for V2-Lite. `kv_b_proj` is absorbed instead of applied to the cache:
 
     score_h = q_nope_h . (W_uk_h c) + q_pe_h . k_pe = [W_uk_h^T q_nope_h | q_pe_h] . [c | k_pe]
     out_h   = sum_t p_t W_uv_h c_t = W_uv_h (sum_t p_t c_t)
 
-so attention is ordinary multi-query attention with one KV head of the latent size,
-where values are the first `kv_lora_rank` entries of the keys. The paged attention
-runs it unchanged when the V pages are the K pages themselves (same tensor): a
-layer's cache costs one row per token, not two.
+so attention is multi-query attention with one KV head whose values are the first
+`kv_lora_rank` entries of the keys; the paged attention runs it with the V pages being the K
+pages (one row per token, not two). The pool gives each pool layer a K and a V tensor, so two
+model layers share one (`num_kv_layers` = ceil(layers / 2)): layer 2j keeps its rows in pool
+layer j's K pages, layer 2j+1 in its V pages (`layer_kv_pages`).
 
-KV pool layout: the pool gives every pool layer a K and a V tensor of one KV head
-each, so two model layers share one pool layer (`num_kv_layers` = ceil(layers / 2)):
-layer 2j keeps its latent rows in pool layer j's K pages, layer 2j+1 in its V pages,
-and `layer_kv_pages` hands each layer a view whose K and V are that one tensor. The
-pool's spill, copy-on-write and precision changes work on it unchanged; an odd layer
-count leaves one half of the last pool layer unused.
-
-AWQ INT4 checkpoints (AutoAWQ GEMM names): every Linear of the decoder layers is INT4
-unless `modules_to_not_convert` names it, as AutoAWQ's DeepSeek-V2 recipe quantizes
-them (scale groups: input_layernorm -> q_proj (or q_a_proj) and kv_a_proj_with_mqa;
-q_a_layernorm -> q_b_proj; kv_a_layernorm -> kv_b_proj; post_attention_layernorm ->
-every expert's and the shared experts' gate_proj and up_proj; each up_proj -> its
-down_proj). The router (`mlp.gate`) is never quantized and is kept in float32.
+AWQ INT4 checkpoints (AutoAWQ GEMM names) quantize every Linear of the decoder layers that
+`modules_to_not_convert` does not name; the router (`mlp.gate`) stays float32, and
 `kv_b_proj` is dequantized once at load, since absorption needs its weight as a matrix.
-
 Routed experts may live in host memory with a device cache per layer
-(`lowvram.models.expert_offload`); see `DeepseekV2ForCausalLM.offload_experts`.
-
-Parameter names equal the checkpoint names (routed experts one Linear each, as
-published), so a checkpoint loads by name.
+(`lowvram.models.expert_offload`). Parameter names equal the checkpoint names.
 """
 
 from __future__ import annotations
@@ -47,63 +32,16 @@ import torch
 from torch import nn
 
 from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
-from lowvram.kernels.kv_quant import KVPages, allocate_pages
+from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
+from lowvram.models.checkpoint import tensor_names, weight_files, weight_report
 from lowvram.models.config import AwqConfig, awq_config_from_dict
 from lowvram.models.dense import MLP, CausalLM, RMSNorm
-from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, group_by_expert
-from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
+from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear, swap_awq_linears
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"
-
-# The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
-# 2.4B active per token), for benchmarks and plans at the real size.
-DEEPSEEK_V2_LITE_CONFIG = {
-    "architectures": [ARCHITECTURE],
-    "model_type": MODEL_TYPE,
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "num_experts_per_tok": 6,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "q_lora_rank": None,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "torch_dtype": "bfloat16",
-}
 
 
 def is_deepseek_v2(raw: dict) -> bool:
@@ -380,21 +318,6 @@ def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
     )
 
 
-def allocate_latent_pages(
-    config: DeepseekV2Config,
-    num_blocks: int,
-    block_size: int,
-    precision: str,
-    dtype: torch.dtype = torch.float16,
-    device: torch.device | str = "cpu",
-) -> list[KVPages]:
-    """Every layer's cache in the pool layout: `num_kv_layers` KVPages of one `kv_head_dim` head."""
-    return [
-        allocate_pages(num_blocks, block_size, 1, config.kv_head_dim, precision, dtype, device)
-        for _ in range(config.num_kv_layers)
-    ]
-
-
 class LatentAttention(nn.Module):
     def __init__(self, config: DeepseekV2Config, rotary: InterleavedRotary):
         super().__init__()
@@ -482,8 +405,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.num_routed_experts)
         )
-        if config.num_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+        shared_size = config.moe_intermediate_size * config.num_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared_size) if shared_size else None
         self.cache: ExpertCache | None = None
         self.next_layer: tuple[RMSNorm, MoE] | None = None
 
@@ -520,12 +443,9 @@ class MoE(nn.Module):
             token_rows, sorted_weights, starts = group_by_expert(ids, weights, counts)
             for expert_id, count in enumerate(counts):
                 if count:
-                    rows = token_rows[starts[expert_id] : starts[expert_id] + count]
-                    y = self.experts[expert_id](x.index_select(0, rows))
-                    out.index_add_(
-                        0, rows, y * sorted_weights[starts[expert_id] : starts[expert_id] + count, None].to(x.dtype)
-                    )
-        if hasattr(self, "shared_experts"):
+                    span = slice(starts[expert_id], starts[expert_id] + count)
+                    add_expert_output(out, self.experts[expert_id], x, token_rows[span], sorted_weights[span])
+        if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
@@ -594,8 +514,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         """Move the routed experts to host memory, keeping `max_cached_experts` per layer
         on the device (or change that number when they are already offloaded)."""
         device = self.model.embed_tokens.weight.device
-        moes = self.moe_layers
-        for moe in moes:
+        for moe in self.moe_layers:
             if moe.cache is None:
                 moe.cache = ExpertCache(list(moe.experts), max_cached_experts, device, self.expert_stats)
                 moe.experts = None
@@ -604,14 +523,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         for layer, following in itertools.pairwise(self.model.layers):
             if isinstance(layer.mlp, MoE) and isinstance(following.mlp, MoE):
                 layer.mlp.next_layer = (following.post_attention_layernorm, following.mlp)
-        if hasattr(self, "weight_report"):
-            self.count_weights()
+        self.count_weights()
 
     def count_weights(self) -> None:
         """Set `weight_report` (checkpoint.WeightReport) and `weight_bytes`: device bytes of the
         weights, cached experts included, host-held experts not."""
-        from lowvram.models.checkpoint import weight_report
-
         report = weight_report(self)
         cache_bytes = sum(moe.cache.device_bytes for moe in self.moe_layers if moe.cache is not None)
         if self.config.quantization is not None:
@@ -620,30 +536,6 @@ class DeepseekV2ForCausalLM(CausalLM):
             report.fp16_layer_bytes += cache_bytes
         self.weight_report = report
         self.weight_bytes = report.total_bytes
-
-
-def _swap_awq_linears(model: DeepseekV2ForCausalLM, quant: AwqConfig, is_head_quantized: bool) -> None:
-    """Replace the Linears an AWQ checkpoint quantizes by AwqLinear (model on the meta device)."""
-    names = [
-        name
-        for name, module in model.model.layers.named_modules(prefix="model.layers")
-        if isinstance(module, nn.Linear) and not quant.is_skipped(name)
-    ]
-    if is_head_quantized:
-        names.append("lm_head")
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, child)
-        try:
-            with torch.device("meta"):
-                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
-        except ValueError as exc:
-            raise ModelLoadError(
-                f"{name} cannot be AWQ INT4 with group_size {quant.group_size}: {exc}; list it in "
-                "quantization_config.modules_to_not_convert if the checkpoint keeps it in FP16"
-            ) from None
-        setattr(parent, child, awq)
 
 
 def _dequantize_up_projections(model: DeepseekV2ForCausalLM, dtype: torch.dtype) -> None:
@@ -681,8 +573,6 @@ def load_deepseek_v2(
     """
     from safetensors import SafetensorError, safe_open
 
-    from lowvram.models.checkpoint import tensor_names, weight_files
-
     model_dir, device = Path(model_dir), torch.device(device)
     try:
         raw = json.loads((model_dir / "config.json").read_text())
@@ -695,7 +585,7 @@ def load_deepseek_v2(
     with torch.device("meta"):
         model = DeepseekV2ForCausalLM(config)
     if config.quantization is not None:
-        _swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
+        swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
     is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
     expert_device = torch.device("cpu") if is_offloaded else device
     expected = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -736,9 +626,10 @@ def load_deepseek_v2(
             "incomplete or does not match config.json"
         )
     _dequantize_up_projections(model, dtype)
-    if is_offloaded:
-        model.offload_experts(max_cached_experts)
     model.dtype = dtype
-    model.count_weights()
+    if is_offloaded:
+        model.offload_experts(max_cached_experts)  # counts the weights too
+    else:
+        model.count_weights()
     model.eval()
     return model, raw

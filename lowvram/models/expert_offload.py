@@ -13,7 +13,7 @@ count per expert). What moves when: see `ExpertCache.run` and `ExpertCache.prefe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ class ExpertCacheStats:
         return self.num_prefetch_hits / self.num_prefetches if self.num_prefetches else 0.0
 
     def copy(self) -> ExpertCacheStats:
-        return ExpertCacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return replace(self)
 
     def since(self, earlier: ExpertCacheStats) -> ExpertCacheStats:
         """The counts accumulated after `earlier` (a copy taken before)."""
@@ -59,7 +59,7 @@ class ExpertCacheStats:
 
     def as_dict(self) -> dict:
         return {
-            **{f.name: getattr(self, f.name) for f in fields(self)},
+            **asdict(self),
             "hit_rate": self.hit_rate,
             "bytes_per_token": self.bytes_per_token,
             "prefetch_accuracy": self.prefetch_accuracy,
@@ -80,6 +80,13 @@ def group_by_expert(
     for e in range(1, len(counts)):
         starts[e] = starts[e - 1] + counts[e - 1]
     return order // ids.shape[1], weights.flatten()[order], starts
+
+
+def add_expert_output(
+    out: torch.Tensor, expert: nn.Module, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
+) -> None:
+    """out[rows] += weights * expert(x[rows]); rows [n] token rows, weights [n] their routing weights."""
+    out.index_add_(0, rows, expert(x.index_select(0, rows)) * weights[:, None].to(x.dtype))
 
 
 @dataclass(frozen=True)
@@ -268,13 +275,11 @@ class ExpertCache:
 
         def compute(expert: int) -> int:
             slot = self.slot_of[expert]
-            rows = token_rows[starts[expert] : starts[expert] + counts[expert]]
             if self._is_copy_pending[slot]:
                 torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
                 self._is_copy_pending[slot] = False
-            y = self.modules[slot](x.index_select(0, rows))
-            y = y * sorted_weights[starts[expert] : starts[expert] + counts[expert], None].to(x.dtype)
-            out.index_add_(0, rows, y)
+            span = slice(starts[expert], starts[expert] + counts[expert])
+            add_expert_output(out, self.modules[slot], x, token_rows[span], sorted_weights[span])
             if self._stream is not None:
                 self._used[slot].record(torch.cuda.current_stream(self.device))
                 self._has_use[slot] = True

@@ -25,10 +25,10 @@ from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
 from lowvram.memory.plan import plan_expert_cache
 from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files, weight_report
-from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
+from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.models.deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
 from lowvram.models.dense import CausalLM
-from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
+from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear, swap_awq_linears
 
 log = logging.getLogger("lowvram")
 
@@ -188,31 +188,6 @@ def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
                 "it quantized)"
             )
     return ""
-
-
-def swap_awq_linears(model: CausalLM, quant: AwqConfig, is_head_quantized: bool = False) -> list[str]:
-    """Replace the Linears an AWQ checkpoint quantizes by AwqLinear; returns their names.
-
-    Works on a model built on the meta device, before any weight is assigned.
-    """
-    names = [f"model.layers.{i}.{suffix}" for i in range(len(model.model.layers)) for suffix in QUANTIZABLE_LINEARS]
-    names = [name for name in names if not quant.is_skipped(name)]
-    if is_head_quantized:
-        names.append("lm_head")
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, child)
-        try:
-            with torch.device("meta"):
-                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
-        except ValueError as exc:
-            raise ModelLoadError(
-                f"{name} cannot be AWQ INT4 with quantization_config group_size {quant.group_size}: {exc}; the "
-                "checkpoint does not match its config.json"
-            ) from None
-        setattr(parent, child, awq)
-    return names
 
 
 def load_model(

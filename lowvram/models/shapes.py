@@ -3,9 +3,9 @@
 Benchmarks measure speed and memory at the shapes users run without needing the
 real weights (which cannot be downloaded everywhere): `write_random_checkpoint`
 writes a complete Hugging Face directory (config.json from the published config's
-shape fields, BF16 safetensors, a small tokenizer and a chat template). Weights are
-drawn directly (N(0, 0.02), norms at 1), on the GPU when there is one, so a 1.5B
-checkpoint takes seconds, not the minutes a transformers init would.
+shape fields, BF16 safetensors of the tensors the model declares, a small tokenizer and a
+chat template). Weights are drawn directly (N(0, 0.02), norms at 1), on the GPU when
+there is one, so a 1.5B checkpoint takes seconds, not the minutes a transformers init would.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from lowvram.errors import ConfigError
+from lowvram.models.config import model_config_from_dict
+from lowvram.models.dense import CausalLM
 
 SHAPES: dict[str, dict] = {
     "r1-distill-qwen-1.5b": dict(
@@ -32,8 +34,6 @@ SHAPES: dict[str, dict] = {
         vocab_size=151936,
         max_position_embeddings=131072,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
     ),
     "r1-distill-qwen-7b": dict(
         architectures=["Qwen2ForCausalLM"],
@@ -46,8 +46,6 @@ SHAPES: dict[str, dict] = {
         vocab_size=152064,
         max_position_embeddings=131072,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
     ),
     "deepseek-coder-1.3b": dict(
         architectures=["LlamaForCausalLM"],
@@ -61,8 +59,6 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=16384,
         rope_theta=100000.0,
         rope_scaling={"type": "linear", "factor": 4.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
     ),
 }
 
@@ -70,95 +66,18 @@ SHAPES: dict[str, dict] = {
 def shape_config(name: str, num_layers: int | None = None) -> dict:
     if name not in SHAPES:
         raise ConfigError(f"unknown shape {name!r}; known shapes: {', '.join(SHAPES)}")
-    config = dict(SHAPES[name], torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, hidden_act="silu")
+    config = dict(
+        SHAPES[name],
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=1,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
     return config
-
-
-# A decoder layer's projections, q/k/v and gate/up fused as the engine loads them.
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-
-
-def layer_projection_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int) -> dict[str, tuple[int, int]]:
-    """(K, N) of each of PROJECTIONS."""
-    shapes = ((hidden, q_size + 2 * kv_size), (q_size, hidden), (hidden, 2 * intermediate), (intermediate, hidden))
-    return dict(zip(PROJECTIONS, shapes))
-
-
-def fused_projection_parts(intermediate: int, q_size: int, kv_size: int) -> dict[str, tuple[int, ...]]:
-    """The output sizes of the parts lowvram.models.fusion joins into each fused projection, in order."""
-    return {"qkv": (q_size, kv_size, kv_size), "gate_up": (intermediate, intermediate)}
-
-
-def attention_sizes(c: dict) -> tuple[int, int]:
-    """(q_size, kv_size) of a shape's config (shape_config)."""
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-
-
-def projection_shapes(name: str) -> dict[str, tuple[int, int]]:
-    """layer_projection_shapes of a named shape."""
-    c = shape_config(name)
-    return layer_projection_shapes(c["hidden_size"], c["intermediate_size"], *attention_sizes(c))
-
-
-def random_awq_tensors(
-    num_inputs: int,
-    num_outputs: int,
-    group_size: int,
-    *,
-    device: str | torch.device = "cpu",
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(qweight [K, N/8], qzeros [K/G, N/8], float16 scales [K/G, N]) of one AWQ layer with
-    uniformly random codes and zeros and small positive scales: what the kernel benchmarks
-    time and check against the reference."""
-    qweight = torch.randint(
-        -(2**31), 2**31 - 1, (num_inputs, num_outputs // 8), dtype=torch.int32, device=device, generator=generator
-    )
-    qzeros = torch.randint(
-        -(2**31),
-        2**31 - 1,
-        (num_inputs // group_size, num_outputs // 8),
-        dtype=torch.int32,
-        device=device,
-        generator=generator,
-    )
-    scales = torch.rand(num_inputs // group_size, num_outputs, device=device, generator=generator) * 0.02 + 1e-3
-    return qweight, qzeros, scales.half()
-
-
-def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    head_dim = h // c["num_attention_heads"]
-    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    has_bias = c["model_type"] == "qwen2"
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-            }
-        )
-        if has_bias:
-            shapes.update(
-                {
-                    p + "self_attn.q_proj.bias": (q,),
-                    p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,),
-                }
-            )
-    return shapes
 
 
 def write_random_checkpoint(
@@ -176,11 +95,13 @@ def write_random_checkpoint(
     train_tiny_tokenizer(out_dir, extra_special_tokens=extra)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    with torch.device("meta"):
+        model = CausalLM(model_config_from_dict(config))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for name, dims in _tensor_shapes(config).items():
+    for name, dims in ((name, p.shape) for name, p in model.named_parameters()):
         if name.endswith("norm.weight"):
             tensor = torch.ones(dims, dtype=torch.bfloat16)
         else:

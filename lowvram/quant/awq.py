@@ -93,11 +93,10 @@ def fake_quantize(weight: torch.Tensor, group_size: int, max_abs: torch.Tensor |
     `dequantize_awq(*quantize_rtn(clipped weight))` transposed, element for element.
     """
     num_outputs, num_inputs = weight.shape
-    # grouped: [N, K/G, G]
-    grouped = weight.to(torch.float32).reshape(num_outputs, num_inputs // group_size, group_size)
+    weight = weight.to(torch.float32)
     if max_abs is not None:
-        limit = max_abs.to(torch.float32)[..., None]
-        grouped = torch.minimum(torch.maximum(grouped, -limit), limit)
+        weight = clip_weight(weight, group_size, max_abs)
+    grouped = weight.reshape(num_outputs, num_inputs // group_size, group_size)  # [N, K/G, G]
     max_val = grouped.amax(dim=-1).clamp(min=0)
     min_val = grouped.amin(dim=-1).clamp(max=0)
     scales = _round_up_to_float16((max_val - min_val).clamp(min=1e-5) / MAX_QUANT_VALUE)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowvram.errors import ModelLoadError
 from lowvram.kernels.awq_format import PACK_FACTOR
 from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, can_fuse_one_row
 
@@ -178,3 +179,26 @@ class AwqLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={self.bias is not None}{extras}"
         )
+
+
+def swap_awq_linears(model: nn.Module, quant, is_head_quantized: bool = False) -> None:
+    """Replace every Linear of the decoder layers that `quant` (models.config.AwqConfig) does
+    not skip, and lm_head when quantized, by an empty AwqLinear; the model is on the meta device."""
+    names = [
+        name
+        for name, module in model.model.layers.named_modules(prefix="model.layers")
+        if isinstance(module, nn.Linear) and not quant.is_skipped(name)
+    ]
+    for name in names + (["lm_head"] if is_head_quantized else []):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        try:
+            with torch.device("meta"):
+                awq = AwqLinear(linear.in_features, linear.out_features, quant.group_size, linear.bias is not None)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"{name} cannot be AWQ INT4 with quantization_config group_size {quant.group_size}: {exc}; the "
+                "checkpoint does not match its config.json (or misses the layer in modules_to_not_convert)"
+            ) from None
+        setattr(parent, child, awq)

@@ -2,7 +2,7 @@
 
 The shipped corpus (`lowvram/data/calibration.jsonl`, about 250 KB) is one JSON record per
 line: `{"text": ...}` for Python source or `{"messages": [...]}` for a chat conversation. It
-is built by `python -m lowvram.quant.calibration` from the standard library's own sources (only the
+is built by `scripts/build_calibration_corpus.py` from the standard library's own sources (only the
 files the demo model trains on, never its held-out ones) and from the synthetic chat tasks of
 `lowvram.demo.tasks` (training keys only), so no third-party text is copied and the held-out
 measurements stay unseen. Code and chat are what the DeepSeek models lowvram targets are
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -28,11 +26,6 @@ from lowvram.errors import ConfigError
 log = logging.getLogger("lowvram")
 
 CALIBRATION_PATH = Path(__file__).resolve().parent.parent / "data" / "calibration.jsonl"
-CORPUS_SEED = 20250301
-NUM_PYTHON_EXCERPTS = 64
-PYTHON_EXCERPT_CHARS = 2800
-NUM_CONVERSATIONS = 160
-TURNS_PER_CONVERSATION = 6
 PLAIN_TEXT_PIECE_CHARS = 2000
 
 
@@ -131,35 +124,3 @@ def calibration_blocks(hf_tokenizer, records: list[dict], num_samples: int, seq_
         )
     # blocks: [num_blocks, seq_len]
     return torch.tensor(ids[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
-
-
-def build_calibration_corpus() -> list[dict]:
-    """The shipped corpus, rebuilt: Python excerpts and multi-turn task conversations, shuffled."""
-    from lowvram.demo import corpus, tasks
-
-    rng = random.Random(CORPUS_SEED)
-    root = corpus.stdlib_dir()
-    available = [name for name in corpus.TRAINING_FILES if (root / name).is_file()]
-    if not available:
-        raise FileNotFoundError(f"no standard-library sources under {root}; the corpus needs them")
-    records = []
-    for name in rng.sample(available, min(NUM_PYTHON_EXCERPTS, len(available))):
-        source = (root / name).read_text(encoding="utf-8")
-        start = rng.randrange(max(1, len(source) - PYTHON_EXCERPT_CHARS))
-        start = source.rfind("\n", 0, start) + 1  # whole lines only
-        records.append({"text": source[start : start + PYTHON_EXCERPT_CHARS].rsplit("\n", 1)[0] + "\n"})
-    stream = tasks.training_tasks(seed=CORPUS_SEED)
-    for _ in range(NUM_CONVERSATIONS):
-        messages = []
-        for task in islice(stream, TURNS_PER_CONVERSATION):
-            messages += [*task.messages, {"role": "assistant", "content": task.answer}]
-        records.append({"messages": messages})
-    rng.shuffle(records)
-    return records
-
-
-if __name__ == "__main__":
-    CALIBRATION_PATH.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(record, ensure_ascii=False) for record in build_calibration_corpus()]
-    CALIBRATION_PATH.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {CALIBRATION_PATH} ({CALIBRATION_PATH.stat().st_size} bytes, {len(lines)} records)")

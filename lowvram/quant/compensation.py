@@ -12,16 +12,11 @@ Two published corrections, chosen per layer on the calibration set:
 The calibration tokens are split by sample into a fit half (factors and c are computed on
 it) and an evaluation half (the choice is made on it), so a correction that only fits noise
 is not kept. Candidates: rank 0, R/4, R/2 and R (R = the rank asked for), a scale gamma in
-0.25..1 on the low-rank term, and (when bias correction is enabled) with and without the
-bias. Every candidate's held-out
-error is computed in closed form from the evaluation half's first and second moments, no
-forward pass needed. The smallest rank that reaches 90% of the best error reduction wins
-(a rank costs r * (N + K) FP16 values per layer); nothing is kept when nothing helps.
-
-Measured on the demo model (AWQ g128, 32 x 512 calibration tokens, held-out Python
-perplexity, FP16 89.97): AWQ 91.43, + rank 16 91.20, + rank 16 and bias 91.16, + bias
-only 91.73. The bias fits the calibration mix's mean input, which held-out text need not
-share, so it is off unless asked for.
+0.25..1 on the low-rank term, with and without the bias (when asked for); each one's
+held-out error is computed in closed form from the evaluation half's moments. The smallest
+rank that reaches 90% of the best error reduction wins (a rank costs r * (N + K) FP16
+values per layer); nothing is kept when nothing helps. The bias fits the calibration mix's
+mean input, which other text need not share, so it is off unless asked for.
 """
 
 from __future__ import annotations
@@ -117,10 +112,6 @@ class Compensation:
         """Share of the INT4 output error removed on the held-out half (0..1)."""
         return 1.0 - self.error_after / self.error_before if self.error_before > 0 else 0.0
 
-    def num_bytes(self, element_bytes: int = 2) -> int:
-        tensors = (self.lora_a, self.lora_b, self.bias_correction)
-        return sum(t.numel() for t in tensors if t is not None) * element_bytes
-
 
 def _low_rank_factors(error: torch.Tensor, chol: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """B [N, R], A [R, K] minimising ||(E - B A) L||_F, i.e. tr((E - B A) H (E - B A)^T), H = L L^T."""
@@ -137,12 +128,6 @@ def _low_rank_factors(error: torch.Tensor, chol: torch.Tensor, max_rank: int) ->
     # A L = sqrt(S) V^T  ->  A = sqrt(S) V^T L^-1
     lora_a = torch.linalg.solve_triangular(chol, root[:, None] * vt, upper=False, left=False)  # [R, K]
     return lora_b, lora_a
-
-
-def candidate_ranks(max_rank: int) -> list[int]:
-    if max_rank <= 0:
-        return [0]
-    return sorted({0, max(1, max_rank // 4), max(1, max_rank // 2), max_rank})
 
 
 def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_bias: bool) -> Compensation | None:
@@ -162,7 +147,7 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
     base = float((error * error_eval).sum())
     error_mean_eval, error_mean_fit = error @ mean_eval, error @ mean_fit
 
-    ranks = candidate_ranks(max_rank)
+    ranks = sorted({0, max(1, max_rank // 4), max(1, max_rank // 2), max_rank}) if max_rank > 0 else [0]
     chol = stats.fit_cholesky(is_centered=use_bias) if ranks[-1] > 0 else None
     if chol is None:
         ranks = [0]

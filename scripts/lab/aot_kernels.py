@@ -166,8 +166,9 @@ def attention(args) -> None:
 
 
 def gemv(args) -> None:
+    from lab_shapes import projection_shapes
+
     from lowvram.kernels import w4a16_gemv as g
-    from lowvram.models.shapes import projection_shapes
 
     pointer_types = {
         "qweight_ptr": "*i32",

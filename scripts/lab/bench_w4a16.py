@@ -18,13 +18,13 @@ import sys
 
 import torch
 import triton
+from lab_shapes import random_awq_tensors
 from triton.testing import do_bench
 
 from lowvram.bench.record import git_commit, measure_copy_bandwidth_gbps
 from lowvram.kernels import w4a16
 from lowvram.kernels.w4a16_gemm import choose_gemm_config, launch_awq_dequant, launch_awq_gemm
 from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
-from lowvram.models.shapes import random_awq_tensors
 
 GROUP_SIZE = 128
 # (K, N): R1-Distill-Qwen-1.5B q/o, gate/up, down, k/v; deepseek-coder-1.3b gate/up

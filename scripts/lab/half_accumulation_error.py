@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import torch
+from lab_shapes import projection_shapes, random_awq_tensors
 
 from lowvram.bench.record import run_metadata
 from lowvram.kernels.awq_format import dequantize_awq
-from lowvram.models.shapes import projection_shapes, random_awq_tensors
 
 GROUP_SIZE = 128
 SPANS = (4, 8, 16, 32)

@@ -29,10 +29,10 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=128)
     args = parser.parse_args()
+    from lab_shapes import projection_shapes, random_awq_tensors
     from probe_gemv_floor import MODES, _read_tiles_kernel
 
     from lowvram.kernels.w4a16_gemv import choose_gemv_config, launch_awq_gemv
-    from lowvram.models.shapes import projection_shapes, random_awq_tensors
 
     shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

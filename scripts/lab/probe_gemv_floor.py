@@ -131,7 +131,7 @@ def main() -> int:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from lowvram.models.shapes import projection_shapes
+    from lab_shapes import projection_shapes
 
     shapes = projection_shapes(args.shape)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

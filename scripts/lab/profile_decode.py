@@ -24,20 +24,20 @@ import time
 from pathlib import Path
 
 import torch
-
-from lowvram.bench.record import run_metadata
-from lowvram.config import load_profile
-from lowvram.core.sampling_params import SamplingParams
-from lowvram.engine.engine import LLMEngine
-from lowvram.models.shapes import (
+from lab_shapes import (
     PROJECTIONS,
     attention_sizes,
     fused_projection_parts,
     layer_projection_shapes,
     projection_shapes,
     random_awq_tensors,
-    shape_config,
 )
+
+from lowvram.bench.record import run_metadata
+from lowvram.config import load_profile
+from lowvram.core.sampling_params import SamplingParams
+from lowvram.engine.engine import LLMEngine
+from lowvram.models.shapes import shape_config
 
 
 def start_decoding(engine: LLMEngine, batch_size: int, context: int, num_tokens: int) -> None:
@@ -333,7 +333,7 @@ def sweep_gemv(
     parts: dict[str, tuple[int, ...]] | None = None,
 ) -> list[dict]:
     """Times W4A16 decode kernel configurations on projection shapes (name -> (K, N),
-    lowvram.models.shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
+    lab_shapes.layer_projection_shapes), with a rank-`rank` compensation as the profile's
     quantization adds (0: none). Each timed graph runs one call over each of several copies
     of the weights (SWEEP_COLD_BYTES): from memory, not from L2. `forms` (comma-separated
     "unpack" values: interleave, lanes, rows) limits the candidates besides the default.

@@ -1,0 +1,147 @@
+"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`.
+
+The source checkpoint is read tensor by tensor (memory-mapped), so only the layer being
+quantized is on the device; cached activations beyond a budget go to pinned host memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lowvram.errors import ModelLoadError
+from lowvram.models.checkpoint import weight_files
+from lowvram.models.config import ModelConfig
+from lowvram.models.dense import Rotary
+from lowvram.models.loader import QUANTIZABLE_LINEARS
+
+# The input each Linear reads, as LayerRunner.inputs names it.
+INPUT_OF = {
+    "self_attn.q_proj": "attn_in",
+    "self_attn.k_proj": "attn_in",
+    "self_attn.v_proj": "attn_in",
+    "self_attn.o_proj": "o_in",
+    "mlp.gate_proj": "mlp_in",
+    "mlp.up_proj": "mlp_in",
+    "mlp.down_proj": "down_in",
+}
+NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+class SourceCheckpoint:
+    """The input checkpoint's tensors, read one at a time from its (memory-mapped) shards."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        self._where = {}
+        for path in weight_files(model_dir):
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error types and OSError
+                raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
+            self._where.update(dict.fromkeys(handle.keys(), handle))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelLoadError(f"the checkpoint lacks {name}; it is incomplete or does not match config.json")
+        return self._where[name].get_tensor(name)
+
+    def layer(self, config: ModelConfig, index: int, device: torch.device) -> dict:
+        """Float32 weights of one decoder layer on the device, keyed by name within the layer."""
+        names = [*NORMS, *(f"{linear}.weight" for linear in QUANTIZABLE_LINEARS)]
+        if config.has_qkv_bias:
+            names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        return {name: self.get(f"model.layers.{index}.{name}").to(device, torch.float32) for name in names}
+
+
+class ActivationStore:
+    """Keeps activations on the device while under budget, in pinned host memory beyond it."""
+
+    def __init__(self, device: torch.device, max_resident_bytes: int | None):
+        self.device = device
+        self.max_resident_bytes = max_resident_bytes
+
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda" or torch.cuda.memory_allocated(self.device) <= self.max_resident_bytes:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)
+        return host
+
+    def load(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+
+class LayerRunner:
+    """One decoder layer's forward over calibration samples [b, L, hidden], without a KV cache.
+
+    Weights come in as a dict (name within the layer -> tensor in the compute dtype), so a
+    search can swap in trial weights without touching the model.
+    """
+
+    def __init__(self, config: ModelConfig, seq_len: int, device: torch.device):
+        self.config = config
+        self.rotary = Rotary(config)
+        self.positions = torch.arange(seq_len, device=device)
+
+    @staticmethod
+    def linear(weights: dict, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weights[f"{name}.weight"], weights.get(f"{name}.bias"))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def attention_context(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        """x [b, L, hidden] (normed) -> context before o_proj [b, L, heads * head_dim]."""
+        batch, length, _ = x.shape
+        num_heads, num_kv_heads, head_dim = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        q = self.linear(weights, "self_attn.q_proj", x).reshape(batch * length, num_heads, head_dim)
+        k = self.linear(weights, "self_attn.k_proj", x).reshape(batch * length, num_kv_heads, head_dim)
+        v = self.linear(weights, "self_attn.v_proj", x)
+        q, k = self.rotary(self.positions[:length].repeat(batch), q, k)
+        group = num_heads // num_kv_heads
+        # q: [b, H, L, D]; k, v: [b, Hkv, L, D] repeated to [b, H, L, D]
+        q = q.reshape(batch, length, num_heads, head_dim).transpose(1, 2)
+        k = k.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim**-0.5)
+        return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)  # [b, H, L, D] -> [b, L, H*D]
+
+    def attention(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(weights, "self_attn.o_proj", self.attention_context(weights, x))
+
+    def mlp_hidden(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.linear(weights, "mlp.gate_proj", x)) * self.linear(weights, "mlp.up_proj", x)
+
+    def mlp(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(weights, "mlp.down_proj", self.mlp_hidden(weights, x))
+
+    def layer(self, weights: dict, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(weights, self.rms_norm(h, weights["input_layernorm.weight"]))
+        return h + self.mlp(weights, self.rms_norm(h, weights["post_attention_layernorm.weight"]))
+
+    def block(self, target: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        """The output a scale group is scored on (awq.ScaleGroup.target), from that group's input x."""
+        if target == "attn":
+            return self.attention(weights, x)
+        if target == "o":
+            return self.linear(weights, "self_attn.o_proj", x)
+        if target == "mlp":
+            return self.mlp(weights, x)
+        return self.linear(weights, "mlp.down_proj", x)
+
+    def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor | None, kinds) -> dict[str, torch.Tensor]:
+        """The Linears' inputs of `kinds` (values of INPUT_OF), given the layer's input h and
+        its attention output attn (which the MLP's inputs depend on)."""
+        found = {"attn_in": self.rms_norm(h, weights["input_layernorm.weight"])}
+        if "o_in" in kinds:
+            found["o_in"] = self.attention_context(weights, found["attn_in"])
+        if "mlp_in" in kinds or "down_in" in kinds:
+            found["mlp_in"] = self.rms_norm(h + attn, weights["post_attention_layernorm.weight"])
+            found["down_in"] = self.mlp_hidden(weights, found["mlp_in"]) if "down_in" in kinds else None
+        return {kind: found[kind] for kind in kinds}

@@ -1,0 +1,306 @@
+"""What `lowvram quantize` writes: the FP16-kept groups, the AutoAWQ GEMM checkpoint and its report.
+
+The output directory is the AutoAWQ GEMM layout exactly (`model.safetensors` with
+`*.qweight` int32 [K, N/8], `*.qzeros` int32 [K/G, N/8], `*.scales` float16 [K/G, N], FP16
+everything else; `quantization_config` in config.json), plus the tokenizer files, the
+compensation tensors in `lowvram_compensation.st` (a file vLLM and transformers never
+read) and `lowvram_quantize.json` (what was chosen and why). It is written into
+OUT.partial-XXXX and renamed into place at the end; on any error that directory is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowvram.errors import ConfigError, UnsupportedModelError
+from lowvram.kernels.awq_format import AwqTensors
+from lowvram.models.checkpoint import COMPENSATION_FILE
+from lowvram.models.config import AwqConfig, ModelConfig
+from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
+from lowvram.quant.compensation import Compensation
+
+MIB = 2**20
+GIB = 2**30
+WEIGHTS_FILE = "model.safetensors"
+REPORT_FILE = "lowvram_quantize.json"
+# Files of the input directory that are not copied: weights, and configs that are rewritten.
+SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".st")
+SKIPPED_FILES = ("config.json", "quant_config.json", "model.safetensors.index.json", REPORT_FILE)
+
+# Linears that vLLM fuses into one module must share a precision: one INT4/FP16 decision
+# covers the whole group. Named as vLLM names the module -> its checkpoint Linears.
+FUSED_GROUPS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+@dataclass
+class QuantizeReport:
+    """What `quantize_model` did; also written to OUT/lowvram_quantize.json."""
+
+    model_dir: str
+    out_dir: str
+    method: str
+    group_size: int
+    device: str
+    num_samples: int
+    seq_len: int
+    rank: int
+    has_bias_correction: bool
+    fp16_budget_mib: float
+    is_head_quantized: bool
+    num_int4_linears: int = 0
+    fp16_groups: list[dict] = field(default_factory=list)  # {"name", "score", "extra_mib"}, most sensitive first
+    sensitivity: dict[str, float] = field(default_factory=dict)  # fused group -> relative error it adds to h
+    compensation: dict[str, dict] = field(default_factory=dict)  # linear -> {"rank", "scale", "bias", ...}
+    awq_alphas: dict[str, float | None] = field(default_factory=dict)  # scale group -> alpha (None: RTN won)
+    int4_bytes: int = 0
+    fp16_layer_bytes: int = 0
+    compensation_bytes: int = 0
+    other_bytes: int = 0
+    seconds: float = 0.0
+    peak_device_bytes: int | None = None
+    peak_host_bytes: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.int4_bytes + self.fp16_layer_bytes + self.compensation_bytes + self.other_bytes
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+    def summary(self) -> str:
+        lines = [
+            f"quantized {self.model_dir} -> {self.out_dir} ({self.method.upper()} INT4, group size "
+            f"{self.group_size}, {self.num_samples} x {self.seq_len} calibration tokens, on {self.device})",
+            f"  weights {self.total_bytes / MIB:.1f} MiB: INT4 {self.int4_bytes / MIB:.1f} "
+            f"({self.num_int4_linears} linears), FP16 layers {self.fp16_layer_bytes / MIB:.1f}, "
+            f"compensation {self.compensation_bytes / MIB:.1f}, embeddings/head/norms {self.other_bytes / MIB:.1f}",
+        ]
+        if self.fp16_groups:
+            lines.append(f"  kept in FP16 (most sensitive first, within {self.fp16_budget_mib:g} MiB):")
+            lines += [
+                f"    {g['name']:<40} score {g['score']:.3e}  +{g['extra_mib']:.2f} MiB" for g in self.fp16_groups
+            ]
+        elif self.fp16_budget_mib > 0:
+            lines.append(f"  no layer fits the FP16 budget of {self.fp16_budget_mib:g} MiB")
+        if self.compensation:
+            ranks = [c["rank"] for c in self.compensation.values()]
+            reductions = [c["error_reduction"] for c in self.compensation.values()]
+            lines.append(
+                f"  compensation on {len(ranks)} linears: mean rank {sum(ranks) / len(ranks):.1f}, "
+                f"held-out INT4 error reduced by {100 * sum(reductions) / len(reductions):.0f}% on average"
+            )
+        time = f"  time {self.seconds:.1f} s"
+        if self.peak_device_bytes is not None:
+            time += f", peak device memory {self.peak_device_bytes / GIB:.2f} GiB"
+        if self.peak_host_bytes:
+            time += f", peak host memory {self.peak_host_bytes / GIB:.2f} GiB"
+        return "\n".join([*lines, time])
+
+
+# -- choosing the FP16 groups -----------------------------------------------------------------
+
+
+def group_bytes(config: ModelConfig, group_size: int, members: tuple[str, ...]) -> tuple[int, int]:
+    """(FP16 bytes, INT4 bytes) of a fused group's weights."""
+    shapes = {  # [N, K]
+        "self_attn.q_proj": (config.q_size, config.hidden_size),
+        "self_attn.k_proj": (config.kv_size, config.hidden_size),
+        "self_attn.v_proj": (config.kv_size, config.hidden_size),
+        "self_attn.o_proj": (config.hidden_size, config.q_size),
+        "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
+        "mlp.up_proj": (config.intermediate_size, config.hidden_size),
+        "mlp.down_proj": (config.hidden_size, config.intermediate_size),
+    }
+    fp16 = int4 = 0
+    for name in members:
+        num_outputs, num_inputs = shapes[name]
+        num_groups = num_inputs // group_size
+        fp16 += num_outputs * num_inputs * 2
+        # packed codes, packed zeros, float16 scales
+        int4 += num_inputs * num_outputs // 2 + num_groups * num_outputs // 2 + num_groups * num_outputs * 2
+    return fp16, int4
+
+
+def choose_fp16_groups(
+    scores: dict[tuple[int, str], float], config: ModelConfig, group_size: int, budget_bytes: int
+) -> list[tuple[int, str, float, int]]:
+    """The most sensitive fused groups whose extra bytes (FP16 minus INT4) fit the budget.
+
+    Greedy by score: a group that does not fit is skipped and smaller ones are still tried.
+    Returns (layer, group, score, extra_bytes), most sensitive first.
+    """
+    chosen, used = [], 0
+    for (layer, group), score in sorted(scores.items(), key=lambda item: -item[1]):
+        fp16, int4 = group_bytes(config, group_size, FUSED_GROUPS[group])
+        if used + fp16 - int4 <= budget_bytes:
+            chosen.append((layer, group, score, fp16 - int4))
+            used += fp16 - int4
+    return chosen
+
+
+def modules_to_not_convert(chosen: list[tuple[int, str, float, int]]) -> list[str]:
+    """The kept Linears' checkpoint names, plus the fused names vLLM matches against."""
+    names = []
+    for layer, group, _, _ in sorted(chosen, key=lambda c: (c[0], list(FUSED_GROUPS).index(c[1]))):
+        members = FUSED_GROUPS[group]
+        names += [f"model.layers.{layer}.{name}" for name in members]
+        if group not in members:
+            names.append(f"model.layers.{layer}.{group}")
+    return names
+
+
+# -- assembling and writing --------------------------------------------------------------------
+
+
+@dataclass
+class LinearResult:
+    packed: AwqTensors  # on the host
+    bias: torch.Tensor | None  # float16, folded
+    input_scales: torch.Tensor | None  # [K] AWQ scale applied to the weight's columns
+    output_scales: torch.Tensor | None  # [N] divisor folded into the weight's rows (prev of a later group)
+    compensation: Compensation | None = None
+
+
+@dataclass
+class LayerResult:
+    norms: dict[str, torch.Tensor]  # folded, float16
+    linears: dict[str, LinearResult]
+    scores: dict[str, float]  # fused group -> sensitivity
+
+
+def float16(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """The tensor as float16 on the host; UnsupportedModelError where float16 cannot hold it."""
+    half = tensor.detach().to(device="cpu", dtype=torch.float16).contiguous()
+    if not torch.isfinite(half).all() and torch.isfinite(tensor).all():
+        raise UnsupportedModelError(
+            f"{name} has values beyond float16's range (max |x| {tensor.abs().max().item():.3g}); AWQ checkpoints "
+            "are float16, so this model cannot be written in the AutoAWQ layout"
+        )
+    return half
+
+
+def assemble(source, config: ModelConfig, layers: list[LayerResult], fp16_names: set[str], head, report):
+    """(output tensors under AutoAWQ names, compensation tensors); fills the report's byte counts.
+
+    A Linear in `fp16_names` is re-read from `source` (a layer.SourceCheckpoint) with its AWQ
+    scales folded in; `head` is (packed lm_head, folded final norm) or None.
+    """
+    tensors, extras = {}, {}
+
+    def add(name: str, tensor: torch.Tensor, kind: str) -> None:
+        tensors[name] = tensor
+        setattr(report, kind, getattr(report, kind) + tensor.numel() * tensor.element_size())
+
+    def original(name: str) -> torch.Tensor:
+        return float16(source.get(name), name)
+
+    add("model.embed_tokens.weight", original("model.embed_tokens.weight"), "other_bytes")
+    for index, layer in enumerate(layers):
+        for name, tensor in layer.norms.items():
+            add(f"model.layers.{index}.{name}", tensor, "other_bytes")
+        for name, result in layer.linears.items():
+            prefix = f"model.layers.{index}.{name}"
+            kind = "fp16_layer_bytes" if prefix in fp16_names else "int4_bytes"
+            if prefix in fp16_names:
+                weight = source.get(f"{prefix}.weight").to(torch.float32)
+                if result.input_scales is not None:
+                    weight = weight * result.input_scales
+                if result.output_scales is not None:
+                    weight = weight / result.output_scales[:, None]
+                add(f"{prefix}.weight", float16(weight, f"{prefix}.weight"), kind)
+            else:
+                report.num_int4_linears += 1
+                for attr in ("qweight", "qzeros", "scales"):
+                    add(f"{prefix}.{attr}", getattr(result.packed, attr), kind)
+            if result.bias is not None:
+                add(f"{prefix}.bias", result.bias, kind)
+            comp = result.compensation
+            if comp is None or prefix in fp16_names:
+                continue
+            for attr, tensor in ((LORA_A, comp.lora_a), (LORA_B, comp.lora_b), (BIAS_CORRECTION, comp.bias_correction)):
+                if tensor is not None:
+                    extras[f"{prefix}.{attr}"] = tensor
+                    report.compensation_bytes += tensor.numel() * tensor.element_size()
+            report.compensation[prefix] = {
+                "rank": comp.rank,
+                "scale": comp.scale,
+                "bias": comp.bias_correction is not None,
+                "error_reduction": round(comp.error_reduction, 4),
+            }
+    if head is not None:
+        packed, norm = head
+        add("model.norm.weight", norm, "other_bytes")
+        for attr in ("qweight", "qzeros", "scales"):
+            add(f"lm_head.{attr}", getattr(packed, attr), "int4_bytes")
+    else:
+        add("model.norm.weight", original("model.norm.weight"), "other_bytes")
+        if not config.is_tied_head:
+            add("lm_head.weight", original("lm_head.weight"), "other_bytes")
+    return tensors, extras
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write one safetensors file (the metadata transformers expects included)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_output(
+    model_dir: Path, out_dir: Path, raw_config: dict, quant: AwqConfig, tensors: dict, extras: dict, report
+) -> None:
+    """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure."""
+    staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        config = {key: value for key, value in raw_config.items() if key != "quantization_config"}
+        config.update(quantization_config=quant.to_config_dict(), torch_dtype="float16", dtype="float16")
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_tensors(tensors, staging / WEIGHTS_FILE)
+        if extras:
+            write_tensors(extras, staging / COMPENSATION_FILE)
+        for path in sorted(model_dir.iterdir()):
+            is_skipped = (
+                path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES or path.name.startswith("lowvram_")
+            )
+            if path.is_file() and not is_skipped:
+                shutil.copy2(path, staging / path.name)
+        (staging / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+        _move_into_place(staging, out_dir)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            raise ConfigError(
+                f"no space left on the disk holding {out_dir.parent} while writing the checkpoint (about "
+                f"{report.total_bytes / MIB:.0f} MiB); free some space or choose another OUT. Nothing was written."
+            ) from None
+        raise ConfigError(f"cannot write the checkpoint under {out_dir.parent}: {exc}. Nothing was written.") from None
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.old-", dir=out_dir.parent))
+    os.replace(out_dir, old / out_dir.name)
+    try:
+        os.replace(staging, out_dir)
+    except BaseException:
+        os.replace(old / out_dir.name, out_dir)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
