@@ -157,10 +157,8 @@ def run_row(
         kv_backend="device",
         controller={"is_enabled": False},
     )
-    config, raw = load_model_config(model_dir)
-    plan = plan_memory(
-        config, raw, profile, context_len=context, num_seqs=batch, device="cuda", capacity=UNLIMITED_CAPACITY
-    )
+    config, _ = load_model_config(model_dir)
+    plan = plan_memory(config, profile, context_len=context, num_seqs=batch, device="cuda", capacity=UNLIMITED_CAPACITY)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
