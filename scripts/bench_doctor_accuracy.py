@@ -247,7 +247,8 @@ def main() -> int:
 
     from lowvram.config import load_profile
     from lowvram.errors import LowvramError
-    from lowvram.memory.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
+    from lowvram.memory.plan import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
+    from lowvram.memory.workspace import CUBLAS_WORKSPACE_BYTES
 
     started = time.perf_counter()
     context_bytes, context_source = measure_context_bytes()

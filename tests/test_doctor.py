@@ -11,6 +11,7 @@ import torch
 from lowvram.config import load_profile
 from lowvram.errors import OutOfMemoryError
 from lowvram.memory import plan as mp
+from lowvram.memory import workspace as mw
 from lowvram.memory.doctor import plan_memory
 from lowvram.memory.environment import Environment, GpuInfo, find_problems
 from lowvram.models.config import load_model_config, model_config_from_dict
@@ -220,7 +221,7 @@ def test_kv_bytes_per_token_by_hand():
 
 
 def test_workspace_on_the_kernel_path_by_hand():
-    ws = mp.step_workspace(
+    ws = mw.step_workspace(
         _config(R1_DISTILL_QWEN_1_5B),
         num_tokens=2048,
         num_seqs=8,
@@ -238,7 +239,7 @@ def test_workspace_on_the_kernel_path_by_hand():
     assert ws.peak_phase == "mlp"
     assert ws.peak_bytes == 128_974_848 + 8_388_608 + 81_920
 
-    coder = mp.step_workspace(
+    coder = mw.step_workspace(
         _config(DEEPSEEK_CODER_1_3B), num_tokens=2048, num_seqs=8, context_len=16384, element_bytes=2, uses_kernels=True
     )
     # MHA: RoPE of k (while q's fp16 result is kept) is the peak, not the MLP
@@ -248,7 +249,7 @@ def test_workspace_on_the_kernel_path_by_hand():
 
 
 def test_workspace_on_the_plain_torch_path_counts_float32_scores():
-    ws = mp.step_workspace(
+    ws = mw.step_workspace(
         _config(R1_DISTILL_QWEN_1_5B),
         num_tokens=2048,
         num_seqs=1,
@@ -266,10 +267,12 @@ def test_workspace_on_the_plain_torch_path_counts_float32_scores():
 
 def test_awq_prefill_counts_the_dequantized_weight():
     weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), 2)
-    threshold = mp.AWQ_DEQUANT_MATMUL_MIN_TOKENS
-    assert mp.int4_scratch_bytes(weights, threshold, uses_kernels=True) == 2 * 1536 * 17920  # fused gate_up
-    assert mp.int4_scratch_bytes(weights, threshold - 1, uses_kernels=True) == 0
-    assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 17920
+    threshold = mw.AWQ_DEQUANT_MATMUL_MIN_TOKENS
+    assert (
+        mw.int4_scratch_bytes(weights.max_int4_layer_elements, threshold, uses_kernels=True) == 2 * 1536 * 17920
+    )  # fused gate_up
+    assert mw.int4_scratch_bytes(weights.max_int4_layer_elements, threshold - 1, uses_kernels=True) == 0
+    assert mw.int4_scratch_bytes(weights.max_int4_layer_elements, 16, uses_kernels=False) == 20 * 1536 * 17920
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -351,9 +354,9 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
     # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
     # + the decode graphs: inputs, the float32 logits of one sequence, the capture stream's cuBLAS workspace
     # + the cuBLAS workspace of the engine's own stream
-    graphs = (28 + 1024 * 4) + 151_936 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    graphs = (28 + 1024 * 4) + 151_936 * 4 + mw.CUBLAS_WORKSPACE_BYTES
     assert graphs == 35_214_876 == plan.workspace.graph_bytes
-    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES == 34_603_008
+    assert plan.workspace.cublas_bytes == mw.CUBLAS_WORKSPACE_BYTES == 34_603_008
     assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4) + graphs + 34_603_008
     assert plan.engine_need_bytes == 3_554_176_000 + 207_234_588 + 469_762_048 == 4_231_172_636
     assert plan.budget_bytes == int(4 * 0.9 * GIB) == 3_865_470_566
@@ -376,12 +379,12 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
 
 def test_prefill_graphs_hold_a_512_token_step_by_hand():
     config = _config(R1_DISTILL_QWEN_1_5B)
-    off = mp.profile_workspace(config, PROFILE_4GB, 16384, 2, "cuda")
-    on = mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
+    off = mw.profile_workspace(config, PROFILE_4GB, 16384, 2, "cuda")
+    on = mw.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
     # The MLP phase of a 512-token step: input and running sum, the normed input, three [512, 8960]
     assert on.graph_bytes - off.graph_bytes == 2 * 512 * 1536 * 2 + 512 * 1536 * 2 + 3 * 512 * 8960 * 2 == 32_243_712
     assert (
-        mp.profile_workspace(
+        mw.profile_workspace(
             config, PROFILE_4GB.replace(enable_prefill_graphs=True, enable_cuda_graphs=False), 16384, 2, "cuda"
         ).graph_bytes
         == 0
@@ -416,9 +419,9 @@ def test_deepseek_coder_plan_by_hand():
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
     # + the decode graphs: inputs, float32 logits of 2 sequences (vocab 32,256), the cuBLAS workspace
     # + the cuBLAS workspace of the engine's stream
-    graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mw.CUBLAS_WORKSPACE_BYTES
     assert plan.workspace.peak_bytes == (
-        101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs + mp.CUBLAS_WORKSPACE_BYTES
+        101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs + mw.CUBLAS_WORKSPACE_BYTES
     )
     assert plan.engine_need_bytes == 2_692_943_872 + 173_326_392 + 1_610_612_736
     assert not plan.fits
@@ -454,7 +457,7 @@ def test_device_total_adds_context_and_fragmentation():
     plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), PROFILE_4GB, device="cuda")
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
     # The cuBLAS workspace is in the engine's own total (its workspace), which sizes the KV pool.
-    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES
+    assert plan.workspace.cublas_bytes == mw.CUBLAS_WORKSPACE_BYTES
     assert plan.device_need_bytes == plan.engine_need_bytes + fragmentation + mp.CUDA_CONTEXT_BYTES
     assert plan.device_capacity_bytes == 4 * GIB
     emulated = plan_memory(

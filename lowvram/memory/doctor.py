@@ -28,7 +28,8 @@ from lowvram.config import Profile, load_profile, profile_from_dict
 from lowvram.errors import ConfigError, LowvramError, ModelLoadError
 from lowvram.memory import oom
 from lowvram.memory import plan as mp
-from lowvram.memory.plan import GIB, MIB, WeightBytes, Workspace
+from lowvram.memory.plan import GIB, MIB, WeightBytes
+from lowvram.memory.workspace import Workspace
 from lowvram.models.config import AwqConfig, ModelConfig, model_config_from_dict
 
 EXIT_FITS = 0
@@ -446,31 +447,6 @@ def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan) -> list[Recomme
 # ---------------------------------------------------------------- OOM evidence
 
 
-@dataclass
-class OomExplanation:
-    kind: str  # "message", "crash_report" or "snapshot"
-    findings: list[oom.Finding]
-    facts: oom.OomFacts | None = None
-    snapshot: oom.SnapshotSummary | None = None
-    report: object | None = None  # crash_report.CrashReport
-    plan: MemoryPlan | None = None
-    plan_error: str | None = None
-
-    def to_json(self) -> dict:
-        data = {"kind": self.kind, "findings": [dataclasses.asdict(f) for f in self.findings]}
-        if self.facts is not None:
-            data["facts"] = dataclasses.asdict(self.facts)
-        if self.snapshot is not None:
-            data["snapshot"] = dataclasses.asdict(self.snapshot)
-        if self.report is not None:
-            data["crash_report"] = {k: v for k, v in self.report.to_json().items() if k != "model"}
-        if self.plan is not None:
-            data["plan"] = self.plan.to_json()
-        if self.plan_error:
-            data["plan_error"] = self.plan_error
-        return data
-
-
 def read_oom_source(source: str) -> tuple[bytes, str]:
     if source == "-":
         return sys.stdin.buffer.read(), "stdin"
@@ -486,20 +462,13 @@ def read_oom_source(source: str) -> tuple[bytes, str]:
         raise ConfigError(f"--oom {source}: cannot read it ({exc})") from None
 
 
-def explain_oom_input(data: bytes, source: str) -> OomExplanation:
+def explain_oom_input(data: bytes, source: str) -> oom.OomExplanation:
     """What the evidence in `data` says, and for a crash report the plan of its run."""
-    evidence = oom.read_oom_input(data, source)
-    if evidence.kind == "snapshot":
-        return OomExplanation("snapshot", oom.explain_snapshot(evidence.snapshot), snapshot=evidence.snapshot)
-    findings = oom.explain_oom(evidence.facts) if evidence.facts is not None else []
-    explanation = OomExplanation(evidence.kind, findings, facts=evidence.facts, report=evidence.report)
-    if evidence.kind == "message":
+    explanation = oom.read_oom_input(data, source)
+    if explanation.report is None:
         return explanation
-    if evidence.facts is None:
-        findings.append(oom.Finding(f"The run failed with: {evidence.report.exception_text.strip()[:300]}"))
-    findings += _report_findings(evidence.report)
     try:
-        explanation.plan = plan = _plan_from_report(evidence.report)
+        explanation.plan = plan = _plan_from_report(explanation.report)
     except LowvramError as exc:
         explanation.plan_error, plan = str(exc), None
     if plan is None:
@@ -511,48 +480,15 @@ def explain_oom_input(data: bytes, source: str) -> OomExplanation:
             f"For this profile and model the plan needs {need}; the change that frees the most is "
             f"`{top.setting}` ({oom.gib(top.freed_bytes)})."
         )
-        findings.append(oom.Finding(what, top.setting))
+        explanation.findings.append(oom.Finding(what, top.setting))
     elif plan.fits:
         what = (
             f"The plan for this profile and model fits ({need}), so the run used memory the plan does not count: "
             "other processes, fragmentation, or a path the plan misses (see above)."
         )
-        findings.append(oom.Finding(what, "the changes above; if none applies, report it with this crash report"))
+        change = "the changes above; if none applies, report it with this crash report"
+        explanation.findings.append(oom.Finding(what, change))
     return explanation
-
-
-def _report_findings(report) -> list[oom.Finding]:
-    """What a crash report's memory numbers and controller events say."""
-    memory, findings = report.memory, []
-    labels = {"weight_bytes": "weights", "kv_pool_bytes": "KV pool", "workspace_reserve_bytes": "workspace reserve"}
-    known = {key: memory[key] for key in (*labels, "budget_bytes") if isinstance(memory.get(key), int)}
-    if known:
-        parts = [f"{labels.get(key, 'budget')} {oom.gib(value)}" for key, value in known.items()]
-        findings.append(oom.Finding("The engine had planned: " + ", ".join(parts) + "."))
-    if isinstance(memory.get("kv_blocks_in_use"), int):
-        findings.append(
-            oom.Finding(
-                f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
-                f"({oom.gib(memory.get('kv_bytes_in_use', 0))}), {memory.get('kv_blocks_cached_reclaimable', 0)} "
-                "cached for reuse by later requests; cached pages are reclaimable (evicted on demand), so they "
-                "did not cause the failure."
-            )
-        )
-    planned = sum(value for key, value in known.items() if key in labels)
-    allocated = memory.get("peak_allocated_bytes")
-    if planned and isinstance(allocated, int) and allocated > planned * 1.05:
-        findings.append(
-            oom.Finding(
-                f"torch's peak allocation ({oom.gib(allocated)}) exceeded the engine's plan ({oom.gib(planned)}) by "
-                f"{oom.gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
-                "model in the process, or a workspace the plan undercounts).",
-                "report it with this crash report; meanwhile lower max_num_batched_tokens",
-            )
-        )
-    if report.controller_events:
-        last = ", ".join(json.dumps(e, sort_keys=True) for e in report.controller_events[-3:])
-        findings.append(oom.Finding(f"The controller's last actions: {last}."))
-    return findings
 
 
 def _plan_from_report(report) -> MemoryPlan | None:
@@ -717,7 +653,7 @@ def render_plan(console, plan: MemoryPlan) -> None:
         console.print("no change needed")
 
 
-def render_oom(console, explanation: OomExplanation) -> None:
+def render_oom(console, explanation: oom.OomExplanation) -> None:
     titles = {"message": "out-of-memory message", "crash_report": "lowvram crash report"}
     console.print(f"[bold]{titles.get(explanation.kind, 'torch memory snapshot')}[/bold]")
     if explanation.report is not None and explanation.report.command:

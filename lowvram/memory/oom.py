@@ -18,6 +18,7 @@ Sizes are parsed as torch prints them, binary units; MPS's "KB"/"MB"/"GB" are bi
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -482,24 +483,85 @@ def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
     return findings
 
 
-# ---------------------------------------------------------------- input sniffing
+# ---------------------------------------------------------------- crash reports and input sniffing
+
+
+def explain_report(report) -> list[Finding]:
+    """What a crash report's exception, memory numbers and controller events say (its
+    plan is added by lowvram.memory.doctor)."""
+    memory = report.memory
+    facts = parse_oom_message(report.exception_text)
+    findings = explain_oom(facts) if facts else [Finding(f"The run failed with: {report.exception_text.strip()[:300]}")]
+    labels = {"weight_bytes": "weights", "kv_pool_bytes": "KV pool", "workspace_reserve_bytes": "workspace reserve"}
+    known = {key: memory[key] for key in (*labels, "budget_bytes") if isinstance(memory.get(key), int)}
+    if known:
+        parts = [f"{labels.get(key, 'budget')} {gib(value)}" for key, value in known.items()]
+        findings.append(Finding("The engine had planned: " + ", ".join(parts) + "."))
+    if isinstance(memory.get("kv_blocks_in_use"), int):
+        findings.append(
+            Finding(
+                f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
+                f"({gib(memory.get('kv_bytes_in_use', 0))}), {memory.get('kv_blocks_cached_reclaimable', 0)} "
+                "cached for reuse by later requests; cached pages are reclaimable (evicted on demand), so they "
+                "did not cause the failure."
+            )
+        )
+    planned = sum(value for key, value in known.items() if key in labels)
+    allocated = memory.get("peak_allocated_bytes")
+    if planned and isinstance(allocated, int) and allocated > planned * 1.05:
+        findings.append(
+            Finding(
+                f"torch's peak allocation ({gib(allocated)}) exceeded the engine's plan ({gib(planned)}) by "
+                f"{gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
+                "model in the process, or a workspace the plan undercounts).",
+                "report it with this crash report; meanwhile lower max_num_batched_tokens",
+            )
+        )
+    if report.controller_events:
+        last = ", ".join(json.dumps(e, sort_keys=True) for e in report.controller_events[-3:])
+        findings.append(Finding(f"The controller's last actions: {last}."))
+    return findings
 
 
 @dataclass
-class OomInput:
+class OomExplanation:
+    """What one piece of evidence says, and what it was read from."""
+
     kind: str  # "message", "crash_report" or "snapshot"
+    findings: list[Finding]
     facts: OomFacts | None = None
-    report: object | None = None  # lowvram.memory.crash_report.CrashReport
     snapshot: SnapshotSummary | None = None
+    report: object | None = None  # lowvram.memory.crash_report.CrashReport
+    plan: object | None = None  # lowvram.memory.doctor.MemoryPlan of a crash report's run
+    plan_error: str | None = None
+
+    def to_json(self) -> dict:
+        data = {"kind": self.kind, "findings": [dataclasses.asdict(f) for f in self.findings]}
+        if self.facts is not None:
+            data["facts"] = dataclasses.asdict(self.facts)
+        if self.snapshot is not None:
+            data["snapshot"] = dataclasses.asdict(self.snapshot)
+        if self.report is not None:
+            data["crash_report"] = {k: v for k, v in self.report.to_json().items() if k != "model"}
+        if self.plan is not None:
+            data["plan"] = self.plan.to_json()
+        if self.plan_error:
+            data["plan_error"] = self.plan_error
+        return data
 
 
-def read_oom_input(data: bytes, source: str) -> OomInput:
-    """Recognise what `data` holds; ConfigError (naming `source`) when it is none of
-    an out-of-memory message, a crash report or a memory snapshot."""
+def _snapshot_explanation(snapshot: dict) -> OomExplanation:
+    summary = summarize_snapshot(snapshot)
+    return OomExplanation("snapshot", explain_snapshot(summary), snapshot=summary)
+
+
+def read_oom_input(data: bytes, source: str) -> OomExplanation:
+    """Recognise and explain what `data` holds; ConfigError (naming `source`) when it is
+    none of an out-of-memory message, a crash report or a memory snapshot."""
     from lowvram.memory.crash_report import CRASH_REPORT_FORMAT, crash_report_from_dict
 
     if data[:1] == b"\x80":  # pickle protocol 2+
-        return OomInput("snapshot", snapshot=summarize_snapshot(load_snapshot_bytes(data)))
+        return _snapshot_explanation(load_snapshot_bytes(data))
     text = data.decode("utf-8", errors="replace")
     if text.lstrip().startswith("{"):
         try:
@@ -508,9 +570,10 @@ def read_oom_input(data: bytes, source: str) -> OomInput:
             parsed = None
         if isinstance(parsed, dict) and parsed.get("format") == CRASH_REPORT_FORMAT:
             report = crash_report_from_dict(parsed, source)
-            return OomInput("crash_report", facts=parse_oom_message(report.exception_text), report=report)
+            facts = parse_oom_message(report.exception_text)
+            return OomExplanation("crash_report", explain_report(report), facts=facts, report=report)
         if isinstance(parsed, dict) and isinstance(parsed.get("segments"), list):
-            return OomInput("snapshot", snapshot=summarize_snapshot(parsed))
+            return _snapshot_explanation(parsed)
     facts = parse_oom_message(text)
     if facts is None:
         raise ConfigError(
@@ -518,4 +581,4 @@ def read_oom_input(data: bytes, source: str) -> OomInput:
             "recognises; pass the full error text (e.g. the line with 'CUDA out of memory. Tried to allocate'), "
             "a crash-*.json report, or a snapshot from torch.cuda.memory._dump_snapshot"
         )
-    return OomInput("message", facts=facts)
+    return OomExplanation("message", explain_oom(facts), facts=facts)

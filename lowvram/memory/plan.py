@@ -1,17 +1,10 @@
 """How much device memory a run needs: the one set of formulas the engine sizes its
 KV pool with and `lowvram doctor` prints, so a plan and a run cannot disagree.
 
-Three kinds of memory make up a run:
-
-- weights, counted from config.json alone by kind (INT4 layers, FP16 layers,
-  compensation terms, embeddings, head, norms), so the doctor can plan for a
-  checkpoint it has not loaded;
-- the KV pool, `kv_bytes_per_token` per token at the pool's precision;
-- the workspace of one step: the largest set of tensors alive at once while a step
-  runs, modelled phase by phase from what the running code allocates
-  (`step_workspace`). A rule of thumb misses by far: the plain-torch attention path
-  materialises float32 scores of [heads, new tokens, context].
-
+Three kinds of memory make up a run: the weights, counted from the model config alone
+by kind (INT4 layers, FP16 layers, compensation terms, embeddings, head, norms) so the
+doctor can plan for a checkpoint it has not loaded; the KV pool, `kv_bytes_per_token`
+per token at the pool's precision; and the workspace of one step (workspace.py).
 Outside torch's allocator the device also holds the CUDA context and the allocator's
 slack (`CUDA_CONTEXT_BYTES`, `FRAGMENTATION_RESERVE_FRACTION`);
 `scripts/bench_doctor_accuracy.py` measures them on a GPU.
@@ -20,49 +13,28 @@ slack (`CUDA_CONTEXT_BYTES`, `FRAGMENTATION_RESERVE_FRACTION`);
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowvram.config import Profile
-from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
 from lowvram.errors import OutOfMemoryError
-from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
+from lowvram.memory.workspace import FP16_BYTES, Workspace, is_mla, profile_workspace
 from lowvram.models.config import AwqConfig, ModelConfig
 
 GIB = 2**30
 MIB = 2**20
 
 KV_PRECISIONS = ("fp16", "int8", "int4")
-FP16_BYTES = 2
 # Quantized KV rows carry an fp16 scale and an fp16 zero per token and KV head.
 KV_SCALE_ZERO_BYTES = 4
 # The CUDA context (driver state, lazily loaded kernel images, cuBLAS handles) lives outside
 # torch's allocator: typically 300-500 MiB with lazy module loading. The doctor measures it
 # when it runs on the GPU itself (environment.measure_cuda_context_bytes).
 CUDA_CONTEXT_BYTES = 400 * MIB
-# cuBLAS and cuBLASLt workspaces, allocated through torch's allocator once per handle and stream.
-CUBLAS_WORKSPACE_BYTES = 33 * MIB
 # Memory the caching allocator holds in blocks too small for the next request, as a share of
 # the KV pool and workspace (weights are allocated once and barely fragment).
 FRAGMENTATION_RESERVE_FRACTION = 0.10
-# Rotary's float32 cos/sin tables start at this many positions and double as contexts grow.
-ROPE_MIN_POSITIONS = 2048
-# Top-p / top-k sampling keeps a few float32 [vocab] tensors and an int64 sort order per row.
-SAMPLING_BYTES_PER_VOCAB_ENTRY = 32
-# From this many rows the Triton path dequantizes an AWQ weight to fp16 and uses cuBLAS.
-AWQ_DEQUANT_MATMUL_MIN_TOKENS = DEQUANT_MATMUL_MIN_M
-# The plain-torch AWQ path dequantizes in float32 through about five [K, N] temporaries.
-AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT = 20
-# The Triton decode kernel splits a context into partitions of at least this many tokens.
-MIN_DECODE_PARTITION_TOKENS = 128
-
-
-def _is_deepseek_v2(config) -> bool:
-    from lowvram.models.deepseek_v2 import DeepseekV2Config
-
-    return isinstance(config, DeepseekV2Config)
 
 
 # ---------------------------------------------------------------- KV cache
@@ -75,7 +47,7 @@ def kv_bytes_per_token(config: ModelConfig, precision: str = "fp16", element_byt
     element and "int4" half a byte, each with an fp16 scale and zero per token and KV
     head. DeepSeek-V2 caches one latent row per layer, two layers per pool layer.
     """
-    num_layers = config.num_kv_layers if _is_deepseek_v2(config) else config.num_layers
+    num_layers = config.num_kv_layers if is_mla(config) else config.num_layers
     heads = num_layers * config.num_kv_heads
     if precision == "fp16":
         return 2 * heads * config.head_dim * element_bytes
@@ -123,7 +95,7 @@ def decoder_linears(config: ModelConfig) -> list[LinearShape]:
     DeepSeek-V2: MLA projections, a dense MLP in the first `first_k_dense_replace`
     layers, then routed and shared experts; its router is float32 and not counted here.
     """
-    h, mla, shapes = config.hidden_size, _is_deepseek_v2(config), []
+    h, mla, shapes = config.hidden_size, is_mla(config), []
     for layer in range(config.num_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
         if not mla:
@@ -289,9 +261,7 @@ FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part 
 def keeps_embeddings_on_host(config: ModelConfig, profile: Profile, device_type: str) -> bool:
     """Whether the engine leaves the embedding table in host memory: the profile asks, on
     CUDA, and the head does not share the table (a tied head needs it on the device)."""
-    return (
-        profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not _is_deepseek_v2(config)
-    )
+    return profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not is_mla(config)
 
 
 def _is_int4(awq: AwqConfig | None, linear: LinearShape) -> bool:
@@ -316,7 +286,7 @@ def weight_bytes_by_kind(
     rest in host memory (None: all on the device); its routers are float32.
     `is_embedding_on_host` (keeps_embeddings_on_host) leaves the table out of the total.
     """
-    awq, mla = config.quantization, _is_deepseek_v2(config)
+    awq, mla = config.quantization, is_mla(config)
     compensation = compensation_settings(model_dir) if awq else Compensation()
     weights = WeightBytes("awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
     weights.layer_bytes = [2 * config.hidden_size * element_bytes] * config.num_layers  # the two norms
@@ -381,165 +351,6 @@ def routed_expert_bytes(config, element_bytes: int) -> int:
     return total
 
 
-# ---------------------------------------------------------------- workspace
-
-
-def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
-    """Whether a step runs the Triton attention kernels (else the plain-torch path):
-    CUDA and head_dim >= 16 (as attention._is_kernel_path), with Triton importable."""
-    if device_type != "cuda" or head_dim < 16:
-        return False
-    try:
-        from lowvram.kernels import paged_attention
-    except Exception:  # planning must not fail where the kernels cannot even be imported
-        return False
-    return paged_attention.HAS_TRITON and not paged_attention.FORCE_REFERENCE
-
-
-def rope_table_bytes(config: ModelConfig, context_len: int) -> int:
-    """Rotary's float32 cos and sin tables once they cover `context_len` positions."""
-    positions = ROPE_MIN_POSITIONS
-    while positions < context_len:
-        positions *= 2
-    rotary_dim = config.qk_rope_head_dim if _is_deepseek_v2(config) else config.head_dim
-    return 2 * positions * (rotary_dim // 2) * 4
-
-
-def int4_scratch_bytes(weights: WeightBytes, num_tokens: int, uses_kernels: bool) -> int:
-    """Temporary dequantized weight of the largest INT4 layer during a step of `num_tokens`."""
-    if not uses_kernels:
-        return AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT * weights.max_int4_layer_elements
-    if num_tokens >= AWQ_DEQUANT_MATMUL_MIN_TOKENS:
-        return FP16_BYTES * weights.max_int4_layer_elements
-    return 0  # the Triton GEMM/GEMV kernels read INT4 directly
-
-
-@dataclass
-class Workspace:
-    """Peak bytes of each phase of a step; the step's peak is the largest phase plus
-    what stays allocated across steps (Rotary's tables, step metadata, graph buffers
-    and the cuBLAS workspace of the engine's stream)."""
-
-    phases: dict[str, int]
-    rope_bytes: int
-    metadata_bytes: int
-    num_tokens: int
-    num_seqs: int
-    context_len: int
-    uses_kernels: bool
-    graph_bytes: int = 0
-    cublas_bytes: int = 0
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get)
-
-    @property
-    def peak_bytes(self) -> int:
-        kept = self.rope_bytes + self.metadata_bytes + self.graph_bytes + self.cublas_bytes
-        return self.phases[self.peak_phase] + kept
-
-
-def step_workspace(
-    config: ModelConfig,
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    context_len: int,
-    element_bytes: int,
-    uses_kernels: bool,
-    block_size: int = 16,
-    int4_scratch: int = 0,
-) -> Workspace:
-    """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs`
-    sequences over contexts of at most `context_len` tokens.
-
-    Counted from what the model, the attention kernels and sampling allocate, phase by
-    phase. In every phase the layer's input and (after attention) its running sum stay
-    alive as [T, hidden] tensors, because the caller still holds the input.
-
-    - mlp: the normed input and three [T, intermediate] tensors (silu(gate), up, their
-      product); an INT4 layer's dequantized weight replaces one of them at most.
-    - rotary: q, k, v, and float32 copies and halves of q while RoPE runs (about 12
-      bytes per q element), or of k while q's result is kept.
-    - attention: the Triton kernels add their [T, H, D] output (decode also float32
-      partials per context partition); the plain-torch path gathers the context as
-      float32 K/V, repeats them over the query heads, and keeps two float32 score
-      tensors [H, Q, L] for the longest prefill chunk (Q = min(T, L)).
-    - logits: float32 logits of every sequence plus one sampling row.
-    """
-    e = element_bytes
-    t, s, ctx = num_tokens, min(num_seqs, num_tokens), context_len
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv, heads, d = config.q_size, config.kv_size, config.num_heads, config.head_dim
-    residual = 2 * t * hidden * e  # layer input and running sum
-    qkv = t * (q + 2 * kv) * e
-    rotary_q = 12 * t * q
-    rotary_k = t * q * e + max(4 * t * q + 4 * t * kv, 12 * t * kv)
-    if uses_kernels:
-        num_partitions = max(1, math.ceil(ctx / MIN_DECODE_PARTITION_TOKENS))
-        decode_partials = s * heads * num_partitions * (d + 1) * 4
-        attention = max(t * q * e + t * hidden * e, decode_partials)
-    else:
-        q_len = min(t, ctx)
-        gathered = 2 * ctx * kv * 4 + 2 * ctx * q * 4  # float32 K, V and their copies per query head
-        scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # two float32 [H, Q, L] plus the causal mask
-        attention = t * q * 4 + q_len * q * 4 + gathered + scores
-    phases = {
-        "mlp": residual + t * hidden * e + max(3 * t * inter * e, 2 * t * inter * e + int4_scratch),
-        "rotary": residual + qkv + 2 * t * (d // 2) * 4 + max(rotary_q, rotary_k),
-        "attention": residual + qkv + attention,
-        "logits": residual
-        + s * hidden * e
-        + s * config.vocab_size * (e + 4)
-        + SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size,
-    }
-    # input ids, positions and slots (int64 [T]) and the int32 block table [S, blocks]
-    metadata = 3 * t * 8 + s * -(-ctx // block_size) * 4
-    return Workspace(phases, rope_table_bytes(config, ctx), metadata, t, num_seqs, ctx, uses_kernels)
-
-
-def profile_workspace(
-    config: ModelConfig, profile: Profile, max_model_len: int, element_bytes: int, device_type: str
-) -> Workspace:
-    """The workspace the engine reserves for a profile: its largest possible step, the
-    cuBLAS workspace of its stream (CUDA), and what CUDA graphs keep allocated where the
-    profile replays them (CUDA, dense models)."""
-    kernels = uses_attention_kernels(device_type, config.head_dim)
-    weights = weight_bytes_by_kind(config, element_bytes) if config.quantization else WeightBytes("fp16")
-
-    def step(num_tokens: int, num_seqs: int) -> Workspace:
-        scratch = int4_scratch_bytes(weights, num_tokens, kernels)
-        return step_workspace(
-            config,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            context_len=max_model_len,
-            element_bytes=element_bytes,
-            uses_kernels=kernels,
-            block_size=profile.kv_block_size,
-            int4_scratch=scratch,
-        )
-
-    max_tokens = min(profile.max_num_batched_tokens, profile.max_num_seqs * max_model_len)
-    workspace = step(max_tokens, profile.max_num_seqs)
-    if device_type != "cuda":
-        return workspace
-    workspace.cublas_bytes = CUBLAS_WORKSPACE_BYTES
-    if profile.enable_cuda_graphs and not _is_deepseek_v2(config):
-        # Decode graphs keep their static inputs, the float32 logits of the largest batch and
-        # the cuBLAS workspace of their capture stream; a step's activations live in the
-        # graphs' pool and are reused.
-        seqs = profile.max_num_seqs
-        inputs = seqs * (3 * 8 + 4) + seqs * -(-max_model_len // profile.kv_block_size) * 4
-        workspace.graph_bytes = inputs + seqs * config.vocab_size * 4 + CUBLAS_WORKSPACE_BYTES
-        if profile.enable_prefill_graphs:
-            # The prefill graphs' pool keeps the largest bucket's activations, which eager steps cannot reuse.
-            prefill = step(min(MAX_PREFILL_GRAPH_TOKENS, max_tokens), 2)
-            workspace.graph_bytes += prefill.phases[prefill.peak_phase]
-    return workspace
-
-
 # ---------------------------------------------------------------- the pool
 
 
@@ -585,7 +396,8 @@ def size_kv_pool(
     """Pages for what is left of the budget after weights and workspace, never more
     than max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
     precision = kv_precision_for(profile)
-    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type)
+    int4 = weight_bytes_by_kind(config, element_bytes).max_int4_layer_elements if config.quantization else 0
+    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4)
     per_token = kv_bytes_per_token(config, precision, element_bytes)
     budget = memory_budget_bytes(profile, held_bytes)
     block_size = profile.kv_block_size
@@ -864,7 +676,7 @@ def plan_weight_offload(
     """
     mode = profile.weight_offload
     # MoE models leave the device by routed expert instead (lowvram.models.expert_offload).
-    if mode == "off" or (mode == "auto" and device_type != "cuda") or _is_deepseek_v2(config):
+    if mode == "off" or (mode == "auto" and device_type != "cuda") or is_mla(config):
         return None
     pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type, held_bytes)
     one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
@@ -916,7 +728,8 @@ def plan_expert_cache(
     not fit, plan_kv reports the numbers.
     """
     weights = weight_bytes_by_kind(config, element_bytes, model_dir=model_dir, max_cached_experts=0)
-    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type).peak_bytes
+    int4 = weights.max_int4_layer_elements
+    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4).peak_bytes
     kv = kv_pool_bytes(config, max_model_len, profile.kv_block_size, kv_precision_for(profile), element_bytes)
     room = memory_budget_bytes(profile, held_bytes) - weights.total_bytes - workspace - kv
     per_layer = room // (routed_expert_bytes(config, element_bytes) * config.num_moe_layers)
