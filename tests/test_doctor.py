@@ -14,6 +14,7 @@ from lowvram.memory import plan as mp
 from lowvram.memory import workspace as mw
 from lowvram.memory.doctor import plan_memory
 from lowvram.memory.environment import Environment, GpuInfo, find_problems
+from lowvram.memory.render import weight_rows
 from lowvram.models.config import load_model_config, model_config_from_dict
 
 GIB = 2**30
@@ -398,7 +399,7 @@ def test_embeddings_on_host_by_hand():
     on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB, device="cuda", capacity=HUGE_CARD)
     on_device = plan_memory(_config(R1_DISTILL_QWEN_1_5B), ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert on_host.weights.total_bytes == on_device.weights.total_bytes - table == 3_554_176_000 - 466_747_392
-    assert ("embeddings held in host memory (embeddings_on_host)", -table) in on_host.weights.rows()
+    assert ("embeddings held in host memory (embeddings_on_host)", -table) in weight_rows(on_host.weights)
     assert on_host.fits and on_host.engine_margin_bytes == -365_702_070 + table == 101_045_322
     # A tied head reads the table on the device; the CPU has no device to save.
     tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)

@@ -16,6 +16,7 @@ from lowvram.errors import ConfigError, OutOfMemoryError
 from lowvram.kernels.awq_format import quantize_rtn
 from lowvram.memory import plan as mp
 from lowvram.memory.doctor import plan_memory
+from lowvram.memory.render import weight_rows
 from lowvram.models.config import model_config_from_dict
 from lowvram.models.layer_streaming import HostComputed, HostEmbedding
 from lowvram.models.loader import QUANTIZABLE_LINEARS
@@ -226,7 +227,7 @@ def test_doctor_plans_the_7b_shape_on_4gb_with_layers_in_host_memory(tmp_path):
     offload = plan.weights.offload
     assert plan.fits and offload is not None
     assert plan.weights.total_bytes == offload.device_weight_bytes < plan.weights.all_bytes
-    labels = [label for label, _ in plan.weights.rows()]
+    labels = [label for label, _ in weight_rows(plan.weights)]
     assert f"held in host memory ({offload.num_streamed_layers} of 28 layers stream, embeddings)" in labels
     assert any(f"{offload.num_resident_layers} of 28 decoder layers on the device" in note for note in plan.notes)
     off = plan_memory(config, load_profile("4gb").replace(weight_offload="off"), context_len=16384, device="cuda")

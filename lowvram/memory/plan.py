@@ -138,41 +138,24 @@ def _routed_expert_index(linear_name: str) -> int | None:
     return int(parts[5]) if len(parts) > 6 and parts[3:5] == ["mlp", "experts"] else None
 
 
-@dataclass(frozen=True)
-class Compensation:
-    """Residual compensation stored beside INT4 layers: each layer's low-rank rank and
-    the layers that keep a bias correction."""
-
-    ranks: dict[str, int] = field(default_factory=dict)
-    bias_corrected: frozenset[str] = frozenset()
-
-    def bytes_of(self, linear: LinearShape, element_bytes: int) -> int:
-        """Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype.
-        The loader adds a correction into the layer's bias, so it costs bytes only where
-        the layer has no bias."""
-        rank = self.ranks.get(linear.name, 0)
-        is_own_tensor = linear.name in self.bias_corrected and not linear.has_bias
-        correction = linear.out_features if is_own_tensor else 0
-        return (rank * (linear.in_features + linear.out_features) + correction) * element_bytes
-
-
-def compensation_settings(model_dir: str | Path | None) -> Compensation:
-    """The compensation `lowvram quantize` stored for a checkpoint, read from the tensor
-    shapes in the header of its side file (no data is read); none without a directory."""
+def compensation_settings(model_dir: str | Path | None) -> tuple[dict[str, int], frozenset[str]]:
+    """The compensation `lowvram quantize` stored for a checkpoint: each layer's low-rank
+    rank and the layers with a bias correction, read from the tensor shapes in the header
+    of its side file (no data is read); none without a directory."""
     from lowvram.models.checkpoint import COMPENSATION_FILE
     from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A
 
     path = Path(model_dir or "") / COMPENSATION_FILE
     if model_dir is None or not path.is_file():
-        return Compensation()
+        return {}, frozenset()
     try:
         with open(path, "rb") as f:  # safetensors: an 8-byte length, then a JSON header
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     except (OSError, ValueError):
-        return Compensation()
+        return {}, frozenset()
     ranks = {name[: -len(LORA_A) - 1]: t["shape"][0] for name, t in header.items() if name.endswith("." + LORA_A)}
     corrected = frozenset(name[: -len(BIAS_CORRECTION) - 1] for name in header if name.endswith("." + BIAS_CORRECTION))
-    return Compensation(ranks, corrected)
+    return ranks, corrected
 
 
 def awq_linear_bytes(linear: LinearShape, group_size: int, bias_bytes: int = FP16_BYTES) -> int:
@@ -229,29 +212,6 @@ class WeightBytes:
             return self.offload.device_weight_bytes - self.host_expert_bytes
         return self.all_bytes - self.host_expert_bytes - self.host_embedding_bytes
 
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) for every kind present, in the order a table shows them."""
-        rows = []
-        if self.num_int4_layers:
-            rows.append((f"INT4 layers ({self.num_int4_layers})", self.int4_bytes))
-        if self.num_fp16_layers:
-            kept = "FP16-kept layers" if self.weight_format == "awq" else "linear layers"
-            rows.append((f"{kept} ({self.num_fp16_layers})", self.fp16_linear_bytes))
-        if self.compensation_bytes:
-            rows.append(("compensation terms", self.compensation_bytes))
-        rows.append(("embeddings", self.embedding_bytes))
-        if self.is_embedding_on_host and self.offload is None:
-            rows.append(("embeddings held in host memory (embeddings_on_host)", -self.embedding_bytes))
-        if self.head_bytes:
-            rows.append(("lm head", self.head_bytes))
-        rows.append(("norms", self.norm_bytes))
-        if self.offload is not None:
-            rows += self.offload.rows()
-        if self.host_expert_bytes:
-            cached = f"{self.num_cached_experts} of {self.num_routed_experts} per layer cached on the device"
-            rows.append((f"routed experts held in host memory ({cached})", -self.host_expert_bytes))
-        return rows
-
 
 # The projections lowvram.models.fusion concatenates in dense decoder layers.
 FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -287,7 +247,7 @@ def weight_bytes_by_kind(
     `is_embedding_on_host` (keeps_embeddings_on_host) leaves the table out of the total.
     """
     awq, mla = config.quantization, is_mla(config)
-    compensation = compensation_settings(model_dir) if awq else Compensation()
+    ranks, corrected = compensation_settings(model_dir) if awq else ({}, frozenset())
     weights = WeightBytes("awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
     weights.layer_bytes = [2 * config.hidden_size * element_bytes] * config.num_layers  # the two norms
     weights.layer_mlp_bytes = [0] * config.num_layers
@@ -303,7 +263,10 @@ def weight_bytes_by_kind(
             group = None if mla else FUSED_GROUP_OF.get(linear.name.rsplit(".", 1)[-1])
             if group is not None:
                 fused_int4.setdefault((layer, group), []).append(k * n)
-            extra = compensation.bytes_of(linear, element_bytes)
+            # Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype; the
+            # loader adds a correction into the layer's bias, so it costs bytes only without one.
+            correction = n if linear.name in corrected and not linear.has_bias else 0
+            extra = (ranks.get(linear.name, 0) * (k + n) + correction) * element_bytes
             weights.compensation_bytes += extra
             size += extra
         else:
@@ -371,9 +334,13 @@ class KVPlan:
     bytes_per_token: int
     budget_bytes: int
     weight_bytes: int
-    activation_bytes: int
     kv_precision: str
     workspace: Workspace
+
+    @property
+    def activation_bytes(self) -> int:
+        """The workspace the engine reserves beside weights and KV."""
+        return self.workspace.peak_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -404,7 +371,7 @@ def size_kv_pool(
     free = budget - weight_bytes - workspace.peak_bytes
     most = profile.max_num_seqs * -(-max_model_len // block_size)
     num_blocks = max(0, min(free // (per_token * block_size), most))
-    return KVPlan(num_blocks, block_size, per_token, budget, weight_bytes, workspace.peak_bytes, precision, workspace)
+    return KVPlan(num_blocks, block_size, per_token, budget, weight_bytes, precision, workspace)
 
 
 def longest_fitting(fits: Callable[[int], bool], max_len: int, block_size: int) -> int:
@@ -569,15 +536,6 @@ class OffloadPlan:
                 f"{self.num_staging_buffers} staging {buffers} of {self.staging_buffer_bytes / MIB:.1f} MiB)"
             )
         return text + ("; embeddings in host memory" if self.is_embedding_on_host else "")
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) rows that turn the weights' sizes into what the device holds."""
-        where = f"{self.num_streamed_layers} of {self.num_layers} layers stream"
-        where += ", embeddings" if self.is_embedding_on_host else ""
-        rows = [(f"held in host memory ({where})", -self.host_weight_bytes)]
-        if self.staging_bytes:
-            rows.append((f"staging buffers ({self.num_staging_buffers} x largest streamed layer)", self.staging_bytes))
-        return rows
 
     def check(self, profile_name: str) -> None:
         """Raise OutOfMemoryError with the numbers when even streaming every layer does not fit."""
