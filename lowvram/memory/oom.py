@@ -49,7 +49,8 @@ def parse_size(number: str, unit: str) -> int:
 
 
 def _sizes(pattern: str, text: str, flags: int = re.IGNORECASE) -> list[int] | None:
-    """Every size the `{SIZE}` slots of `pattern` match in `text`, in order; None if no match."""
+    """Every size the `{SIZE}` slots of `pattern` match in `text`, in order; None if no match.
+    Other groups of `pattern` must come before its sizes."""
     match = re.search(pattern.replace("{SIZE}", SIZE), text, flags)
     if match is None:
         return None
@@ -126,7 +127,7 @@ def parse_oom_message(text: str) -> OomFacts | None:
     if plan:
         names = ("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")
         numbers = {
-            "context_len": int(re.search(_PLAN.replace("{SIZE}", SIZE), flat).group(1)),
+            "context_len": int(re.search(r"(\d+)-token context does not fit", flat).group(1)),
             **dict(zip(names, plan)),
         }
         return OomFacts(
