@@ -312,7 +312,9 @@ def plan_memory(
     model_dir: the checkpoint directory, whose compensation side file adds its terms.
     """
     notes: list[str] = []
-    cuda_available = env.cuda_available if env is not None else _cuda_available()
+    import torch
+
+    cuda_available = env.cuda_available if env is not None else torch.cuda.is_available()
     device_type = _device_type(profile, device, cuda_available, notes)
     limit = config.max_position_embeddings
     requested = context_len or min(profile.max_model_len, limit)
@@ -369,12 +371,6 @@ def plan_memory(
         plan.max_context[precision] = _largest_context(setup, planned, num_seqs, limit, kv_precision=precision)
     plan.recommendations = recommend(setup, planned, plan)
     return plan
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan) -> list[Recommendation]:

@@ -39,11 +39,6 @@ class GpuInfo:
     managed_source: str = "unknown"  # "cuda-bindings", "inferred" or "unknown"
 
     @property
-    def can_oversubscribe(self) -> bool | None:
-        """Managed memory larger than the card works only with concurrent managed access."""
-        return self.concurrent_managed_access
-
-    @property
     def sm(self) -> str:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}" if self.compute_capability else "?"
 

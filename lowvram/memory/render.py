@@ -78,7 +78,8 @@ def render_environment(console, env, problems) -> None:
     for gpu in env.gpus:
         row(f"GPU {gpu.index}", f"{gpu.name}, compute capability {gpu.sm}, {gpu.num_multiprocessors or '?'} SMs")
         row("  memory", f"{format_size(gpu.total_bytes)} total, {format_size(gpu.free_bytes)} free")
-        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[gpu.can_oversubscribe]
+        # Managed memory larger than the card works only with concurrent managed access.
+        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[gpu.concurrent_managed_access]
         row(
             "  managed memory",
             f"concurrent access {answer[gpu.concurrent_managed_access]}, pageable access "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lowvram.config import Profile
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
+from lowvram.kernels import paged_attention
 from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
 from lowvram.models.config import ModelConfig
 
@@ -41,10 +42,6 @@ def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
     """Whether a step runs the Triton attention kernels (else the plain-torch path):
     CUDA and head_dim >= 16 (as attention._is_kernel_path), with Triton importable."""
     if device_type != "cuda" or head_dim < 16:
-        return False
-    try:
-        from lowvram.kernels import paged_attention
-    except Exception:  # planning must not fail where the kernels cannot even be imported
         return False
     return paged_attention.HAS_TRITON and not paged_attention.FORCE_REFERENCE
 
