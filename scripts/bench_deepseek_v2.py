@@ -39,7 +39,7 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError, OutOfMemoryError
 from lowvram.kernels.awq_format import pack_awq
-from lowvram.memory.plan import deepseek_v2_linears
+from lowvram.memory.plan import decoder_linears
 from lowvram.models.deepseek_v2 import ARCHITECTURE, MODEL_TYPE, DeepseekV2Config
 
 # The shape fields of DeepSeek-V2-Lite(-Chat)'s published config.json (16B parameters,
@@ -130,7 +130,7 @@ def checkpoint_config(is_tiny: bool, group_size: int) -> dict:
     if is_tiny:
         raw.update(copy.deepcopy(TINY_OVERRIDES))
     config = DeepseekV2Config.from_dict(raw)
-    fp16_kept = [linear.name for linear in deepseek_v2_linears(config) if linear.in_features % group_size]
+    fp16_kept = [linear.name for linear in decoder_linears(config) if linear.in_features % group_size]
     raw["quantization_config"] = {
         "quant_method": "awq",
         "bits": 4,
@@ -146,7 +146,7 @@ def _tensor_specs(config: DeepseekV2Config, fp16_kept: set[str]):
     """(name, kind, shape) of every checkpoint tensor, in file order; kind: awq (K, N), fp16, norm."""
     h = config.hidden_size
     yield "model.embed_tokens.weight", "fp16", (config.vocab_size, h)
-    linears = {linear.name: linear for linear in deepseek_v2_linears(config)}
+    linears = {linear.name: linear for linear in decoder_linears(config)}
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         yield f"{prefix}.input_layernorm.weight", "norm", (h,)

@@ -157,10 +157,8 @@ def run_row(
         kv_backend="device",
         controller={"is_enabled": False},
     )
-    config, raw = load_model_config(model_dir)
-    plan = plan_memory(
-        config, raw, profile, context_len=context, num_seqs=batch, device="cuda", capacity=UNLIMITED_CAPACITY
-    )
+    config, _ = load_model_config(model_dir)
+    plan = plan_memory(config, profile, context_len=context, num_seqs=batch, device="cuda", capacity=UNLIMITED_CAPACITY)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -249,7 +247,8 @@ def main() -> int:
 
     from lowvram.config import load_profile
     from lowvram.errors import LowvramError
-    from lowvram.memory.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
+    from lowvram.memory.plan import CUDA_CONTEXT_BYTES, FRAGMENTATION_RESERVE_FRACTION
+    from lowvram.memory.workspace import CUBLAS_WORKSPACE_BYTES
 
     started = time.perf_counter()
     context_bytes, context_source = measure_context_bytes()

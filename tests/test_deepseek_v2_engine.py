@@ -6,7 +6,6 @@ routed experts the device caches.
 """
 
 import copy
-import json
 
 import pytest
 import torch
@@ -113,9 +112,9 @@ def test_weight_bytes_count_only_the_cached_experts_on_the_device():
     config, raw = _v2_lite_awq()
     # One expert in AWQ g128: gate and up [2048 -> 1408], down [1408 -> 2048].
     expert = 2 * (2048 * 176 * 4 + 16 * 176 * 4 + 16 * 1408 * 2) + (1408 * 256 * 4 + 11 * 256 * 4 + 11 * 2048 * 2)
-    assert mp.routed_expert_bytes(config, raw, 2) == expert
-    everything = mp.weight_bytes_by_kind(config, raw, 2)
-    cached = mp.weight_bytes_by_kind(config, raw, 2, max_cached_experts=8)
+    assert mp.routed_expert_bytes(config, 2) == expert
+    everything = mp.weight_bytes_by_kind(config, 2)
+    cached = mp.weight_bytes_by_kind(config, 2, max_cached_experts=8)
     assert cached.host_expert_bytes == 26 * (64 - 8) * expert
     assert everything.total_bytes - cached.total_bytes == cached.host_expert_bytes
     assert 8.0 < everything.total_bytes / 2**30 < 8.6  # 15.7B parameters, nearly all INT4
@@ -124,10 +123,9 @@ def test_weight_bytes_count_only_the_cached_experts_on_the_device():
 def test_loaded_weight_bytes_equal_the_plan(checkpoint):
     from lowvram.models.deepseek_v2 import load_deepseek_v2
 
-    raw = json.loads((checkpoint / "config.json").read_text())
     for max_cached_experts in (None, 2):
         model, _ = load_deepseek_v2(checkpoint, "cpu", torch.float32, max_cached_experts=max_cached_experts)
-        planned = mp.weight_bytes_by_kind(model.config, raw, 4, max_cached_experts=max_cached_experts)
+        planned = mp.weight_bytes_by_kind(model.config, 4, max_cached_experts=max_cached_experts)
         assert model.weight_bytes == planned.total_bytes
 
 
@@ -137,10 +135,10 @@ def test_expert_cache_takes_what_the_4gb_card_has_left():
     max_len = min(profile.max_model_len, config.max_position_embeddings)
 
     def plan(num_cached: int) -> mp.KVPlan:
-        weights = mp.weight_bytes_by_kind(config, raw, 2, max_cached_experts=num_cached)
+        weights = mp.weight_bytes_by_kind(config, 2, max_cached_experts=num_cached)
         return mp.plan_kv(config, profile, weights.total_bytes, 2, max_len, device_type="cuda")
 
-    num_cached = mp.plan_expert_cache(config, profile, 2, max_len, device_type="cuda", raw_config=raw)
+    num_cached = mp.plan_expert_cache(config, profile, 2, max_len, device_type="cuda")
     assert mp.MIN_CACHED_EXPERTS <= num_cached < config.num_routed_experts
     assert plan(num_cached).max_tokens >= max_len  # one full-length sequence still fits
     with pytest.raises(OutOfMemoryError):

@@ -11,8 +11,10 @@ import torch
 from lowvram.config import load_profile
 from lowvram.errors import OutOfMemoryError
 from lowvram.memory import plan as mp
+from lowvram.memory import workspace as mw
 from lowvram.memory.doctor import plan_memory
 from lowvram.memory.environment import Environment, GpuInfo, find_problems
+from lowvram.memory.render import weight_rows
 from lowvram.models.config import load_model_config, model_config_from_dict
 
 GIB = 2**30
@@ -74,7 +76,7 @@ def _config(raw):
 
 
 def test_fp16_weights_of_r1_distill_1_5b_by_hand():
-    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, element_bytes=2)
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B), element_bytes=2)
     # per layer: q 1536x1536 + k, v 1536x256 + o 1536x1536 = 5,505,024; q/k/v bias 2,048;
     # MLP 3 x 1536x8960 = 41,287,680  ->  46,794,752 linear params; x 28 layers x 2 bytes
     assert weights.fp16_linear_bytes == 28 * 46_794_752 * 2 == 2_620_506_112
@@ -85,7 +87,7 @@ def test_fp16_weights_of_r1_distill_1_5b_by_hand():
 
 
 def test_awq_g128_weights_of_r1_distill_1_5b_by_hand():
-    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, element_bytes=2)
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), element_bytes=2)
     # K -> N: qweight K*N/2, qzeros (K/128)*(N/8)*4, scales (K/128)*N*2, bias N*2
     q = 1_179_648 + 9_216 + 36_864 + 3_072  # 1536 -> 1536, with bias
     kv = 196_608 + 1_536 + 6_144 + 512  # 1536 -> 256, with bias
@@ -127,18 +129,18 @@ def test_fp16_kept_layers_and_compensation_terms(tmp_path):
             "model.layers.5.mlp.gate_proj": (8, 1536, 8960, False),
         },
     )
-    weights = mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2, model_dir=tmp_path)
+    weights = mp.weight_bytes_by_kind(_config(raw), element_bytes=2, model_dir=tmp_path)
     assert weights.num_fp16_layers == 28 and weights.num_int4_layers == 168
     assert weights.fp16_linear_bytes == 28 * 8960 * 1536 * 2
     assert weights.int4_bytes == 28 * (24_314_368 - 7_150_080)
     # low-rank A [r, K] + B [N, r], in the compute dtype; q_proj's bias correction is added
     # into its bias at load and takes no bytes of its own
     assert weights.compensation_bytes == 32 * (1536 + 1536) * 2 + 8 * (1536 + 8960) * 2
-    assert mp.weight_bytes_by_kind(_config(raw), raw, element_bytes=2).compensation_bytes == 0
+    assert mp.weight_bytes_by_kind(_config(raw), element_bytes=2).compensation_bytes == 0
 
 
 def test_fp16_weights_of_deepseek_coder_1_3b_by_hand():
-    weights = mp.weight_bytes_by_kind(_config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, element_bytes=2)
+    weights = mp.weight_bytes_by_kind(_config(DEEPSEEK_CODER_1_3B), element_bytes=2)
     # per layer 4 x 2048^2 + 3 x 2048x5504 = 50,593,792 linear params, no bias
     assert weights.fp16_linear_bytes == 24 * 50_593_792 * 2
     assert weights.total_bytes == 2_692_943_872  # 1,346,471,936 parameters
@@ -196,10 +198,10 @@ def test_from_config_weights_equal_what_the_loader_loads(
         for dtype in (torch.float32, torch.bfloat16):
             model, _ = load_model(model_dir, torch.device("cpu"), dtype)
             element_bytes = torch.finfo(dtype).bits // 8
-            planned = mp.weight_bytes_by_kind(config, raw, element_bytes, model_dir=model_dir)
+            planned = mp.weight_bytes_by_kind(config, element_bytes, model_dir=model_dir)
             assert planned.total_bytes == model.weight_bytes, (model_dir, dtype)
     report = load_model(awq_dir, torch.device("cpu"), torch.float32)[0].weight_report
-    planned = mp.weight_bytes_by_kind(*load_model_config(awq_dir), 4, model_dir=awq_dir)
+    planned = mp.weight_bytes_by_kind(load_model_config(awq_dir)[0], 4, model_dir=awq_dir)
     assert (planned.int4_bytes, planned.compensation_bytes) == (report.int4_layer_bytes, report.compensation_bytes)
     assert planned.num_int4_layers == report.num_int4_layers == 13 and planned.num_fp16_layers == 1
 
@@ -220,7 +222,7 @@ def test_kv_bytes_per_token_by_hand():
 
 
 def test_workspace_on_the_kernel_path_by_hand():
-    ws = mp.step_workspace(
+    ws = mw.step_workspace(
         _config(R1_DISTILL_QWEN_1_5B),
         num_tokens=2048,
         num_seqs=8,
@@ -238,7 +240,7 @@ def test_workspace_on_the_kernel_path_by_hand():
     assert ws.peak_phase == "mlp"
     assert ws.peak_bytes == 128_974_848 + 8_388_608 + 81_920
 
-    coder = mp.step_workspace(
+    coder = mw.step_workspace(
         _config(DEEPSEEK_CODER_1_3B), num_tokens=2048, num_seqs=8, context_len=16384, element_bytes=2, uses_kernels=True
     )
     # MHA: RoPE of k (while q's fp16 result is kept) is the peak, not the MLP
@@ -248,7 +250,7 @@ def test_workspace_on_the_kernel_path_by_hand():
 
 
 def test_workspace_on_the_plain_torch_path_counts_float32_scores():
-    ws = mp.step_workspace(
+    ws = mw.step_workspace(
         _config(R1_DISTILL_QWEN_1_5B),
         num_tokens=2048,
         num_seqs=1,
@@ -265,11 +267,13 @@ def test_workspace_on_the_plain_torch_path_counts_float32_scores():
 
 
 def test_awq_prefill_counts_the_dequantized_weight():
-    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, 2)
-    threshold = mp.AWQ_DEQUANT_MATMUL_MIN_TOKENS
-    assert mp.int4_scratch_bytes(weights, threshold, uses_kernels=True) == 2 * 1536 * 17920  # fused gate_up
-    assert mp.int4_scratch_bytes(weights, threshold - 1, uses_kernels=True) == 0
-    assert mp.int4_scratch_bytes(weights, 16, uses_kernels=False) == 20 * 1536 * 17920
+    weights = mp.weight_bytes_by_kind(_config(R1_DISTILL_QWEN_1_5B_AWQ), 2)
+    threshold = mw.AWQ_DEQUANT_MATMUL_MIN_TOKENS
+    assert (
+        mw.int4_scratch_bytes(weights.max_int4_layer_elements, threshold, uses_kernels=True) == 2 * 1536 * 17920
+    )  # fused gate_up
+    assert mw.int4_scratch_bytes(weights.max_int4_layer_elements, threshold - 1, uses_kernels=True) == 0
+    assert mw.int4_scratch_bytes(weights.max_int4_layer_elements, 16, uses_kernels=False) == 20 * 1536 * 17920
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -345,17 +349,15 @@ ON_DEVICE_4GB = PROFILE_4GB.replace(embeddings_on_host=False)
 
 
 def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
-    plan = plan_memory(
-        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
-    )
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert plan.context_len == 16384 and plan.num_seqs == 1 and plan.kv_precision == "fp16"
     assert plan.kv_bytes == 1024 * 16 * 28_672 == 469_762_048
     # MLP peak of a 2048-token step + RoPE tables for 16384 positions + metadata for one sequence
     # + the decode graphs: inputs, the float32 logits of one sequence, the capture stream's cuBLAS workspace
     # + the cuBLAS workspace of the engine's own stream
-    graphs = (28 + 1024 * 4) + 151_936 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    graphs = (28 + 1024 * 4) + 151_936 * 4 + mw.CUBLAS_WORKSPACE_BYTES
     assert graphs == 35_214_876 == plan.workspace.graph_bytes
-    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES == 34_603_008
+    assert plan.workspace.cublas_bytes == mw.CUBLAS_WORKSPACE_BYTES == 34_603_008
     assert plan.workspace.peak_bytes == 128_974_848 + 8_388_608 + (3 * 2048 * 8 + 1024 * 4) + graphs + 34_603_008
     assert plan.engine_need_bytes == 3_554_176_000 + 207_234_588 + 469_762_048 == 4_231_172_636
     assert plan.budget_bytes == int(4 * 0.9 * GIB) == 3_865_470_566
@@ -367,9 +369,7 @@ def test_r1_distill_fp16_on_the_4gb_profile_does_not_fit_by_hand():
 
 
 def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
-    plan = plan_memory(
-        _config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
-    )
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     # a 2048-token AWQ step dequantizes the fused 1536 x 17920 gate_up weight (55,050,240 B) beside
     # gate_up's [T, 17920] output: residual 12,582,912 + normed 6,291,456 + 73,400,320 + 55,050,240
     assert plan.workspace.phases["mlp"] == 147_324_928
@@ -379,13 +379,13 @@ def test_r1_distill_awq_on_the_4gb_profile_fits_by_hand():
 
 
 def test_prefill_graphs_hold_a_512_token_step_by_hand():
-    config = _config(R1_DISTILL_QWEN_1_5B_AWQ)
-    off = mp.profile_workspace(config, PROFILE_4GB, 16384, 2, "cuda")
-    on = mp.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
+    config = _config(R1_DISTILL_QWEN_1_5B)
+    off = mw.profile_workspace(config, PROFILE_4GB, 16384, 2, "cuda")
+    on = mw.profile_workspace(config, PROFILE_4GB.replace(enable_prefill_graphs=True), 16384, 2, "cuda")
     # The MLP phase of a 512-token step: input and running sum, the normed input, three [512, 8960]
     assert on.graph_bytes - off.graph_bytes == 2 * 512 * 1536 * 2 + 512 * 1536 * 2 + 3 * 512 * 8960 * 2 == 32_243_712
     assert (
-        mp.profile_workspace(
+        mw.profile_workspace(
             config, PROFILE_4GB.replace(enable_prefill_graphs=True, enable_cuda_graphs=False), 16384, 2, "cuda"
         ).graph_bytes
         == 0
@@ -396,27 +396,20 @@ def test_embeddings_on_host_by_hand():
     # The 4gb profile keeps the untied embedding table (151,936 x 1536 FP16) in host memory: FP16
     # weights at a 16K context now fit, by what the table took.
     table = 151_936 * 1536 * 2
-    on_host = plan_memory(
-        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cuda", capacity=HUGE_CARD
-    )
-    on_device = plan_memory(
-        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
-    )
+    on_host = plan_memory(_config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB, device="cuda", capacity=HUGE_CARD)
+    on_device = plan_memory(_config(R1_DISTILL_QWEN_1_5B), ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert on_host.weights.total_bytes == on_device.weights.total_bytes - table == 3_554_176_000 - 466_747_392
-    assert ("embeddings held in host memory (embeddings_on_host)", -table) in on_host.weights.rows()
+    assert ("embeddings held in host memory (embeddings_on_host)", -table) in weight_rows(on_host.weights)
     assert on_host.fits and on_host.engine_margin_bytes == -365_702_070 + table == 101_045_322
     # A tied head reads the table on the device; the CPU has no device to save.
     tied = dict(R1_DISTILL_QWEN_1_5B, tie_word_embeddings=True)
-    assert not plan_memory(_config(tied), tied, PROFILE_4GB, device="cuda").weights.is_embedding_on_host
-    assert not plan_memory(
-        _config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, PROFILE_4GB, device="cpu"
-    ).weights.is_embedding_on_host
+    assert not plan_memory(_config(tied), PROFILE_4GB, device="cuda").weights.is_embedding_on_host
+    assert not plan_memory(_config(R1_DISTILL_QWEN_1_5B), PROFILE_4GB, device="cpu").weights.is_embedding_on_host
 
 
 def test_deepseek_coder_plan_by_hand():
     plan = plan_memory(
         _config(DEEPSEEK_CODER_1_3B),
-        DEEPSEEK_CODER_1_3B,
         ON_DEVICE_4GB,
         device="cuda",
         context_len=4096,
@@ -427,15 +420,13 @@ def test_deepseek_coder_plan_by_hand():
     # RoPE of k is the peak for MHA; tables for 4096 positions; metadata for 2 x 256 pages
     # + the decode graphs: inputs, float32 logits of 2 sequences (vocab 32,256), the cuBLAS workspace
     # + the cuBLAS workspace of the engine's stream
-    graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mp.CUBLAS_WORKSPACE_BYTES
+    graphs = 2 * 28 + 2 * 256 * 4 + 2 * 32_256 * 4 + mw.CUBLAS_WORKSPACE_BYTES
     assert plan.workspace.peak_bytes == (
-        101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs + mp.CUBLAS_WORKSPACE_BYTES
+        101_711_872 + 2 * 4096 * 64 * 4 + 3 * 2048 * 8 + 2 * 256 * 4 + graphs + mw.CUBLAS_WORKSPACE_BYTES
     )
     assert plan.engine_need_bytes == 2_692_943_872 + 173_326_392 + 1_610_612_736
     assert not plan.fits
-    longest = plan_memory(
-        _config(DEEPSEEK_CODER_1_3B), DEEPSEEK_CODER_1_3B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD
-    ).max_context
+    longest = plan_memory(_config(DEEPSEEK_CODER_1_3B), ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD).max_context
     # fp16: (3,865,470,566 - 2,692,943,872 - 175,292,932 workspace at 5072 tokens) // 196,608 = 5072
     assert longest["fp16"] == 5072
     # int4: 16384 x 52,224 B of KV fits beside the weights: the model's whole window
@@ -444,19 +435,17 @@ def test_deepseek_coder_plan_by_hand():
 
 def test_largest_context_is_the_edge_of_fitting():
     profile = PROFILE_4GB
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), R1_DISTILL_QWEN_1_5B, profile, device="cuda")
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B), profile, device="cuda")
     for precision, longest in plan.max_context.items():
         assert longest > 0
         at = plan_memory(
             _config(R1_DISTILL_QWEN_1_5B),
-            R1_DISTILL_QWEN_1_5B,
             profile.replace(kv_precision=precision),
             device="cuda",
             context_len=longest,
         )
         past = plan_memory(
             _config(R1_DISTILL_QWEN_1_5B),
-            R1_DISTILL_QWEN_1_5B,
             profile.replace(kv_precision=precision),
             device="cuda",
             context_len=longest + 16,
@@ -466,15 +455,14 @@ def test_largest_context_is_the_edge_of_fitting():
 
 
 def test_device_total_adds_context_and_fragmentation():
-    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), R1_DISTILL_QWEN_1_5B_AWQ, PROFILE_4GB, device="cuda")
+    plan = plan_memory(_config(R1_DISTILL_QWEN_1_5B_AWQ), PROFILE_4GB, device="cuda")
     fragmentation = int(mp.FRAGMENTATION_RESERVE_FRACTION * (plan.kv_bytes + plan.workspace.peak_bytes))
     # The cuBLAS workspace is in the engine's own total (its workspace), which sizes the KV pool.
-    assert plan.workspace.cublas_bytes == mp.CUBLAS_WORKSPACE_BYTES
+    assert plan.workspace.cublas_bytes == mw.CUBLAS_WORKSPACE_BYTES
     assert plan.device_need_bytes == plan.engine_need_bytes + fragmentation + mp.CUDA_CONTEXT_BYTES
     assert plan.device_capacity_bytes == 4 * GIB
     emulated = plan_memory(
         _config(R1_DISTILL_QWEN_1_5B_AWQ),
-        R1_DISTILL_QWEN_1_5B_AWQ,
         PROFILE_4GB.replace(emulate_vram_gib=3.0),
         device="cuda",
     )
@@ -486,7 +474,7 @@ def test_device_total_adds_context_and_fragmentation():
 def test_recommendations_are_ranked_and_their_verdicts_hold():
     profile = ON_DEVICE_4GB
     config = _config(R1_DISTILL_QWEN_1_5B)
-    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, profile, device="cuda")
+    plan = plan_memory(config, profile, device="cuda")
     assert not plan.fits
     freed = [r.freed_bytes for r in plan.recommendations]
     assert freed == sorted(freed, reverse=True) and freed[-1] > 0
@@ -498,7 +486,7 @@ def test_recommendations_are_ranked_and_their_verdicts_hold():
             continue  # needs another checkpoint, checked above
         changed = profile.replace(**{rec.field: rec.value})
         context = rec.value if rec.field == "max_model_len" else None
-        again = plan_memory(config, R1_DISTILL_QWEN_1_5B, changed, device="cuda", context_len=context)
+        again = plan_memory(config, changed, device="cuda", context_len=context)
         assert again.fits == rec.is_sufficient, rec.setting
 
 
@@ -509,7 +497,6 @@ def test_plan_kv_and_the_doctor_agree_with_the_engine(tiny_qwen2_dir):
     config, raw = load_model_config(tiny_qwen2_dir)
     plan = plan_memory(
         config,
-        raw,
         engine.profile,
         context_len=engine.max_model_len,
         num_seqs=engine.profile.max_num_seqs,
@@ -574,12 +561,10 @@ def test_a_unified_memory_pool_may_hold_a_sequence_longer_than_its_device_share(
     assert mp.host_kv_blocks(config, profile.replace(kv_backend="device"), 2, "cuda") == 0
     assert mp.host_kv_blocks(config, profile, 4, "cpu") == 0
     # The doctor's verdict stays device-only, and says the engine runs it with unified memory.
-    plan = plan_memory(config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
+    plan = plan_memory(config, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD)
     assert not plan.fits
     assert any("the engine still runs a 16384-token context" in note for note in plan.notes)
-    short = plan_memory(
-        config, R1_DISTILL_QWEN_1_5B, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD, context_len=1024
-    )
+    short = plan_memory(config, ON_DEVICE_4GB, device="cuda", capacity=HUGE_CARD, context_len=1024)
     assert short.fits and not any("the engine still runs" in note for note in short.notes)
 
 

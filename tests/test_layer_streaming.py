@@ -16,6 +16,7 @@ from lowvram.errors import ConfigError, OutOfMemoryError
 from lowvram.kernels.awq_format import quantize_rtn
 from lowvram.memory import plan as mp
 from lowvram.memory.doctor import plan_memory
+from lowvram.memory.render import weight_rows
 from lowvram.models.config import model_config_from_dict
 from lowvram.models.layer_streaming import HostComputed, HostEmbedding
 from lowvram.models.loader import QUANTIZABLE_LINEARS
@@ -179,19 +180,19 @@ def test_plan_keeps_as_many_leading_layers_as_fit_beside_kv_and_workspace():
 
 def _seven_b(tmp_path):
     raw = dict(shape_config("r1-distill-qwen-7b"), quantization_config={**AWQ_CONFIG, "group_size": 128})
-    return model_config_from_dict(raw), raw
+    return model_config_from_dict(raw)
 
 
 def test_the_7b_shape_in_awq_streams_on_the_4gb_profile_and_as_many_layers_as_fit_stay(tmp_path):
-    config, raw = _seven_b(tmp_path)
+    config = _seven_b(tmp_path)
     profile = load_profile("4gb")
-    weights = mp.weight_bytes_by_kind(config, raw, 2)
+    weights = mp.weight_bytes_by_kind(config, 2)
     assert (
         len(weights.layer_bytes) == 28
         and sum(weights.layer_bytes) + weights.embedding_bytes + weights.head_bytes + config.hidden_size * 2
         == weights.all_bytes
     )
-    plan = mp.plan_weight_offload(config, profile, weights, 2, 16384, device_type="cuda", raw_config=raw)
+    plan = mp.plan_weight_offload(config, profile, weights, 2, 16384, device_type="cuda")
     assert plan is not None and plan.strategy == mp.DEFAULT_OFFLOAD_STRATEGY and plan.fits
     assert plan.is_embedding_on_host and 0 < plan.num_resident_layers < 28
     # one more resident layer would not fit
@@ -207,32 +208,29 @@ def test_the_7b_shape_in_awq_streams_on_the_4gb_profile_and_as_many_layers_as_fi
         mp.plan_weight_offload(
             small_config,
             profile,
-            mp.weight_bytes_by_kind(small_config, small, 2),
+            mp.weight_bytes_by_kind(small_config, 2),
             2,
             16384,
             device_type="cuda",
-            raw_config=small,
         )
         is None
     )
     assert (
-        mp.plan_weight_offload(
-            config, profile.replace(weight_offload="off"), weights, 2, 16384, device_type="cuda", raw_config=raw
-        )
+        mp.plan_weight_offload(config, profile.replace(weight_offload="off"), weights, 2, 16384, device_type="cuda")
         is None
     )
 
 
 def test_doctor_plans_the_7b_shape_on_4gb_with_layers_in_host_memory(tmp_path):
-    config, raw = _seven_b(tmp_path)
-    plan = plan_memory(config, raw, load_profile("4gb"), context_len=16384, device="cuda")
+    config = _seven_b(tmp_path)
+    plan = plan_memory(config, load_profile("4gb"), context_len=16384, device="cuda")
     offload = plan.weights.offload
     assert plan.fits and offload is not None
     assert plan.weights.total_bytes == offload.device_weight_bytes < plan.weights.all_bytes
-    labels = [label for label, _ in plan.weights.rows()]
+    labels = [label for label, _ in weight_rows(plan.weights)]
     assert f"held in host memory ({offload.num_streamed_layers} of 28 layers stream, embeddings)" in labels
     assert any(f"{offload.num_resident_layers} of 28 decoder layers on the device" in note for note in plan.notes)
-    off = plan_memory(config, raw, load_profile("4gb").replace(weight_offload="off"), context_len=16384, device="cuda")
+    off = plan_memory(config, load_profile("4gb").replace(weight_offload="off"), context_len=16384, device="cuda")
     assert not off.fits and off.weights.offload is None
 
 

@@ -22,7 +22,7 @@ A graph fixes every shape and address it was captured with. So:
 - Warm-up runs and captures go on one stream per device for the whole process: torch
   keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for the life of
   the process, so a fresh stream per capture held one more workspace per graph, and
-  dropped engines left theirs behind. memory_plan.decode_graph_bytes counts what stays.
+  dropped engines left theirs behind. memory.workspace.profile_workspace counts what stays.
 
 - An embedding table in host memory is pinned and read by the GPU through unified
   addressing (HostEmbedding.device_view), inside the graph like any other gather. Where the

@@ -185,9 +185,7 @@ class LLMEngine:
         # its pages wait in host memory and are read over the bus); other pools may not.
         host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
         plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.kv_plan = plan_kv(
-            *plan_args, device_type=self.device.type, model_dir=self.model_dir, host_blocks=host_blocks, held_bytes=held
-        )
+        self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held)
         self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
         # The lowest precision the controller may compress to. Batch-invariant mode keeps the
         # starting one: compressed pages change what a request reads, so it would not decode
@@ -203,9 +201,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         if host_blocks and not self.kv_pool.can_read_host:
-            plan_kv(
-                *plan_args, device_type=self.device.type, model_dir=self.model_dir, held_bytes=held
-            )  # the error, if it is one
+            plan_kv(*plan_args, device_type=self.device.type, held_bytes=held)  # the error, if it is one
         self.block_manager = BlockManager(
             self.kv_pool.num_blocks, self.kv_plan.block_size, enable_prefix_caching=self.profile.enable_prefix_caching
         )

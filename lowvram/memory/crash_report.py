@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from lowvram.errors import ConfigError
+from lowvram.errors import ConfigError, LowvramError
 from lowvram.paths import user_data_dir
 
 CRASH_REPORT_FORMAT = "lowvram-crash-report"
@@ -55,22 +55,12 @@ class CrashReport:
     created_utc: str = ""
     lowvram_version: str = ""
     torch_version: str | None = None
-    path: Path | None = None
+    path: Path | None = None  # where it was read from; not part of the file
 
     def to_json(self) -> dict:
-        return {
-            "format": CRASH_REPORT_FORMAT,
-            "version": CRASH_REPORT_VERSION,
-            "created_utc": self.created_utc,
-            "lowvram_version": self.lowvram_version,
-            "torch_version": self.torch_version,
-            "command": self.command,
-            "profile": self.profile,
-            "model": self.model,
-            "memory": self.memory,
-            "controller_events": self.controller_events,
-            "exception_text": self.exception_text,
-        }
+        data = {"format": CRASH_REPORT_FORMAT, "version": CRASH_REPORT_VERSION} | dataclasses.asdict(self)
+        del data["path"]
+        return data
 
 
 def default_crash_report_dir() -> Path:
@@ -78,15 +68,13 @@ def default_crash_report_dir() -> Path:
 
 
 def _profile_dict(profile: Any) -> dict:
-    if profile is None:
-        return {}
+    """A Profile, its dict or a profile name, as the report stores it."""
+    from lowvram.config import load_profile
+
+    if profile is None or isinstance(profile, dict):
+        return dict(profile or {})
     if dataclasses.is_dataclass(profile):
         return dataclasses.asdict(profile)
-    if isinstance(profile, dict):
-        return dict(profile)
-    from lowvram.config import load_profile
-    from lowvram.errors import LowvramError
-
     try:
         return dataclasses.asdict(load_profile(str(profile)))
     except LowvramError:
@@ -94,16 +82,16 @@ def _profile_dict(profile: Any) -> dict:
 
 
 def _model_dict(model: Any) -> dict:
-    if model is None:
-        from lowvram.demo import DEMO_MODEL_DIR
-
-        model = DEMO_MODEL_DIR if (DEMO_MODEL_DIR / "config.json").is_file() else None
-    if model is None or isinstance(model, dict):
-        return dict(model or {"path": None, "config": None})
+    """A model directory (its config.json is copied in), a {"path", "config"} dict, or
+    None for the bundled demo model."""
+    from lowvram.demo import DEMO_MODEL_DIR
     from lowvram.models.checkpoint import read_raw_config
 
-    path = Path(str(model)).expanduser()
-    return {"path": str(model), "config": read_raw_config(path) if path.is_dir() else None}
+    if model is None and (DEMO_MODEL_DIR / "config.json").is_file():
+        model = DEMO_MODEL_DIR
+    if model is None or isinstance(model, dict):
+        return dict(model or {"path": None, "config": None})
+    return {"path": str(model), "config": read_raw_config(Path(str(model)).expanduser())}
 
 
 def _json_safe(value: Any) -> Any:
@@ -128,14 +116,10 @@ def write_crash_report(
     {"path", "config"}, or None for the bundled demo model. memory: numbers in
     bytes (keys ending in `_bytes`) and short facts (device name, KV precision).
     """
+    import torch
+
     import lowvram
 
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch_version = None
     now = datetime.now(timezone.utc)
     report = CrashReport(
         exception_text=str(exception_text),
@@ -146,7 +130,7 @@ def write_crash_report(
         command=command,
         created_utc=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         lowvram_version=lowvram.__version__,
-        torch_version=torch_version,
+        torch_version=torch.__version__,
     )
     target = Path(path).expanduser() if path is not None else default_crash_report_dir()
     if path is None or target.is_dir():
@@ -173,11 +157,7 @@ def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashRepo
                 f"{source}: field {key!r} must be a JSON {kind.__name__}, got {type(data.get(key)).__name__}"
             )
     return CrashReport(
-        exception_text=data["exception_text"],
-        profile=data["profile"],
-        model=data["model"],
-        memory=data["memory"],
-        controller_events=data["controller_events"],
+        **{key: data[key] for key in kinds},
         command=data.get("command"),
         created_utc=str(data.get("created_utc", "")),
         lowvram_version=str(data.get("lowvram_version", "")),
@@ -201,34 +181,30 @@ def read_crash_report(path: str | os.PathLike) -> CrashReport:
 
 # ---------------------------------------------------------------- what a run knew
 
+_CUDA_STATS = {
+    "allocated_bytes.all.current": "allocated_bytes",
+    "allocated_bytes.all.peak": "peak_allocated_bytes",
+    "reserved_bytes.all.current": "reserved_bytes",
+    "reserved_bytes.all.peak": "peak_reserved_bytes",
+    "num_ooms": "num_ooms",
+    "num_alloc_retries": "num_alloc_retries",
+}
 
-def collect_cuda_memory(device: int | None = None) -> dict:
+
+def collect_cuda_memory() -> dict:
     """torch's view of device memory now: totals, peaks and the largest live blocks."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return {}
+    import torch
+
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {}
-    device = torch.cuda.current_device() if device is None else device
+    device = torch.cuda.current_device()
     memory: dict[str, Any] = {"device_name": torch.cuda.get_device_name(device)}
+    stats = torch.cuda.memory_stats(device)
+    memory |= {name: int(stats[key]) for key, name in _CUDA_STATS.items() if key in stats}
+    # The card may be too full even to answer these; the report is written without them.
     try:
         free, total = torch.cuda.mem_get_info(device)
         memory.update(device_free_bytes=int(free), device_total_bytes=int(total))
-    except Exception:
-        pass
-    stats = torch.cuda.memory_stats(device)
-    for key, name in (
-        ("allocated_bytes.all.current", "allocated_bytes"),
-        ("allocated_bytes.all.peak", "peak_allocated_bytes"),
-        ("reserved_bytes.all.current", "reserved_bytes"),
-        ("reserved_bytes.all.peak", "peak_reserved_bytes"),
-        ("num_ooms", "num_ooms"),
-        ("num_alloc_retries", "num_alloc_retries"),
-    ):
-        if key in stats:
-            memory[name] = int(stats[key])
-    try:
         blocks = [
             block["size"]
             for segment in torch.cuda.memory_snapshot()
@@ -242,52 +218,39 @@ def collect_cuda_memory(device: int | None = None) -> dict:
 
 
 def engine_memory(engine: Any) -> dict:
-    """What an LLMEngine planned: weights, KV pool, workspace reserve, budget."""
-    memory: dict[str, Any] = {}
-    plan = getattr(engine, "kv_plan", None)
-    model = getattr(engine, "model", None)
-    if model is not None and hasattr(model, "weight_bytes"):
-        memory["weight_bytes"] = int(model.weight_bytes)
-    if plan is not None:
-        memory.update(
-            kv_pool_bytes=int(plan.kv_bytes),
-            kv_num_blocks=int(plan.num_blocks),
-            kv_block_size=int(plan.block_size),
-            kv_bytes_per_token=int(plan.bytes_per_token),
-            workspace_reserve_bytes=int(plan.activation_bytes),
-            budget_bytes=int(plan.budget_bytes),
-            kv_precision=getattr(plan, "kv_precision", None),
-        )
-    for name in ("max_model_len", "kv_precision"):
-        if hasattr(engine, name):
-            memory[name] = getattr(engine, name)
-    bm = getattr(engine, "block_manager", None)
-    if bm is not None and hasattr(engine, "kv_bytes_in_use"):
+    """What an LLMEngine planned (weights, KV pool, workspace reserve, budget) and, once
+    its pages exist, how many were in use."""
+    plan = engine.kv_plan
+    memory = {
+        "weight_bytes": engine.model.weight_bytes,
+        "kv_pool_bytes": plan.kv_bytes,
+        "kv_num_blocks": plan.num_blocks,
+        "kv_block_size": plan.block_size,
+        "kv_bytes_per_token": plan.bytes_per_token,
+        "workspace_reserve_bytes": plan.activation_bytes,
+        "budget_bytes": plan.budget_bytes,
+        "max_model_len": engine.max_model_len,
+        "kv_precision": engine.kv_precision,
+        "device_type": engine.device.type,
+    }
+    if hasattr(engine, "block_manager"):  # an out-of-memory while the pool was allocated leaves none
         # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
         memory.update(
-            kv_bytes_in_use=int(engine.kv_bytes_in_use()),
-            kv_blocks_in_use=int(bm.num_used_blocks),
-            kv_blocks_cached_reclaimable=int(bm.num_cached_blocks),
+            kv_bytes_in_use=engine.kv_bytes_in_use(),
+            kv_blocks_in_use=engine.block_manager.num_used_blocks,
+            kv_blocks_cached_reclaimable=engine.block_manager.num_cached_blocks,
         )
-    device = getattr(engine, "device", None)
-    if device is not None:
-        memory["device_type"] = str(getattr(device, "type", device))
     return memory
 
 
 def is_cuda_oom(exc: BaseException) -> bool:
     """A device out-of-memory from torch, the CUDA runtime or cuBLAS."""
-    try:
-        import torch
+    import torch
 
-        if isinstance(exc, torch.cuda.OutOfMemoryError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
-    )
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    markers = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in markers)
 
 
 def write_oom_crash_report(
@@ -304,11 +267,7 @@ def write_oom_crash_report(
     memory = collect_cuda_memory()
     if engine is not None:
         memory.update(engine_memory(engine))
-        profile = getattr(engine, "profile", profile)
-        model = getattr(engine, "model_dir", model)
-        if not controller_events:
-            controller_events = list(getattr(getattr(engine, "controller", None), "events", None) or [])
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        profile, model = engine.profile, engine.model_dir
     if command is None and sys.argv:
         command = "lowvram " + shlex.join(sys.argv[1:])
     return write_crash_report(
@@ -317,7 +276,7 @@ def write_oom_crash_report(
         model=model,
         memory=memory,
         controller_events=controller_events,
-        exception_text=text,
+        exception_text="".join(traceback.format_exception_only(type(exc), exc)).strip(),
         command=command,
     )
 
@@ -344,34 +303,30 @@ def engine_in_traceback(exc: BaseException) -> Any:
     return None
 
 
-def _profile_from_args(args: Any) -> Any:
-    from lowvram.config import load_profile
-    from lowvram.errors import LowvramError
-
-    overrides = {name: getattr(args, name, None) for name in ("device", "dtype", "emulate_vram_gib", "max_model_len")}
-    try:
-        return load_profile(getattr(args, "profile", None)).replace(**overrides)
-    except LowvramError:
-        return getattr(args, "profile", None)
-
-
 def report_cuda_oom(command: Callable[[Any], int]) -> Callable[[Any], int]:
-    """Decorate a CLI command: a CUDA out-of-memory error becomes a crash report,
-    the doctor command on stderr, and exit status 3 instead of a traceback.
-    The engine is found in the traceback; the command's argparse namespace
-    supplies `profile` and `model` when the engine was not built yet."""
+    """Decorate a CLI command: a CUDA out-of-memory error becomes a crash report, the
+    doctor command on stderr, and exit status 3 instead of a traceback. The engine is
+    found in the traceback; the command's argparse namespace supplies `profile` and
+    `model` when the engine was not built yet."""
 
     @functools.wraps(command)
     def run(args) -> int:
+        from lowvram.config import load_profile
+
         try:
             return command(args)
         except Exception as exc:
             if not is_cuda_oom(exc):
                 raise
+            overrides = {
+                name: getattr(args, name, None) for name in ("device", "dtype", "emulate_vram_gib", "max_model_len")
+            }
+            try:
+                profile = load_profile(getattr(args, "profile", None)).replace(**overrides)
+            except LowvramError:
+                profile = getattr(args, "profile", None)
             engine = engine_in_traceback(exc)
-            path = write_oom_crash_report(
-                exc, profile=_profile_from_args(args), model=getattr(args, "model", None), engine=engine
-            )
+            path = write_oom_crash_report(exc, profile=profile, model=getattr(args, "model", None), engine=engine)
             print(format_doctor_hint(path), file=sys.stderr)
             return EXIT_OUT_OF_MEMORY
 

@@ -1,10 +1,9 @@
 """What this machine offers lowvram: GPU, driver, Triton, managed memory, host RAM.
 
-`probe_environment` gathers facts and never raises: every probe is optional
-(pynvml, cuda-bindings, psutil may be missing; a driver may be broken) and a
-failed probe leaves its field None with a note. `find_problems` turns facts plus
-a profile into problems, each with a concrete fix; it is pure, so tests feed it
-hand-made environments.
+`probe_environment` gathers facts and never raises: every probe is optional (pynvml,
+cuda-bindings, psutil may be missing; a driver may be broken) and a failed probe
+leaves its field None with a note. `find_problems` turns facts plus a profile into
+problems, each with a concrete fix; it is pure, so tests feed it hand-made environments.
 """
 
 from __future__ import annotations
@@ -38,11 +37,6 @@ class GpuInfo:
     concurrent_managed_access: bool | None = None
     pageable_memory_access: bool | None = None
     managed_source: str = "unknown"  # "cuda-bindings", "inferred" or "unknown"
-
-    @property
-    def can_oversubscribe(self) -> bool | None:
-        """Managed memory larger than the card works only with concurrent managed access."""
-        return self.concurrent_managed_access
 
     @property
     def sm(self) -> str:
@@ -91,8 +85,8 @@ class Problem:
 # ---------------------------------------------------------------- probes
 
 
-def _probe_nvml(env: Environment) -> list[dict]:
-    """Driver facts and per-GPU memory from NVML (no CUDA context needed)."""
+def _probe_nvml(env: Environment) -> list[int]:
+    """Driver facts from NVML (no CUDA context needed); each GPU's free bytes."""
     try:
         import pynvml
     except ImportError:
@@ -103,7 +97,7 @@ def _probe_nvml(env: Environment) -> list[dict]:
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         env.notes.append(f"NVML unavailable ({type(exc).__name__})")
         return []
-    devices = []
+    free = []
     try:
         version = pynvml.nvmlSystemGetDriverVersion()
         env.driver_version = version.decode() if isinstance(version, bytes) else str(version)
@@ -111,17 +105,7 @@ def _probe_nvml(env: Environment) -> list[dict]:
         env.driver_cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}"
         env.num_nvml_gpus = pynvml.nvmlDeviceGetCount()
         for index in range(env.num_nvml_gpus):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            devices.append(
-                {
-                    "name": name.decode() if isinstance(name, bytes) else str(name),
-                    "total": int(memory.total),
-                    "free": int(memory.free),
-                    "used": int(memory.used),
-                }
-            )
+            free.append(int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free))
     except Exception as exc:
         env.notes.append(f"NVML query failed ({type(exc).__name__}: {exc})")
     finally:
@@ -129,7 +113,7 @@ def _probe_nvml(env: Environment) -> list[dict]:
             pynvml.nvmlShutdown()
         except Exception:
             pass
-    return devices
+    return free
 
 
 def _probe_managed(gpu: GpuInfo, env: Environment) -> None:
@@ -144,27 +128,28 @@ def _probe_managed(gpu: GpuInfo, env: Environment) -> None:
             err, concurrent = rt.cudaDeviceGetAttribute(attr.cudaDevAttrConcurrentManagedAccess, gpu.index)
             err2, pageable = rt.cudaDeviceGetAttribute(attr.cudaDevAttrPageableMemoryAccess, gpu.index)
             if int(err) == 0 and int(err2) == 0:
-                gpu.concurrent_managed_access = bool(concurrent)
-                gpu.pageable_memory_access = bool(pageable)
+                gpu.concurrent_managed_access, gpu.pageable_memory_access = bool(concurrent), bool(pageable)
                 gpu.managed_source = "cuda-bindings"
                 return
         except Exception as exc:
             env.notes.append(f"cuda-bindings attribute query failed ({type(exc).__name__}: {exc})")
-    # Without the runtime query: Linux drivers give Pascal+ GPUs concurrent managed
-    # access; Windows and WSL2 never do.
+    # Without the runtime query: Linux drivers give Pascal+ GPUs concurrent managed access;
+    # Windows and WSL2 never do.
     if gpu.compute_capability is not None:
         gpu.concurrent_managed_access = not (env.is_windows or env.is_wsl) and gpu.compute_capability >= (6, 0)
         gpu.managed_source = "inferred"
 
 
-def _probe_triton(env: Environment) -> None:
+def _probe_triton(env: Environment, test_kernels: bool) -> None:
     try:
         import triton
     except Exception:
         env.triton_status = "missing"
         return
-    env.triton_version = getattr(triton, "__version__", "?")
+    env.triton_version = triton.__version__
     gpu = env.gpu
+    if not test_kernels:
+        return
     if not env.cuda_available or gpu is None:
         env.triton_status = "not tested (no CUDA GPU)"
         return
@@ -204,9 +189,8 @@ def _probe_host(env: Environment) -> None:
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        infinity = resource.RLIM_INFINITY
-        env.memlock_soft_bytes = None if soft == infinity else int(soft)
-        env.memlock_hard_bytes = None if hard == infinity else int(hard)
+        env.memlock_soft_bytes = None if soft == resource.RLIM_INFINITY else int(soft)
+        env.memlock_hard_bytes = None if hard == resource.RLIM_INFINITY else int(hard)
         env.memlock_known = True
     except (ImportError, OSError, ValueError, AttributeError):
         pass  # Windows has no RLIMIT_MEMLOCK
@@ -216,9 +200,8 @@ def measure_cuda_context_bytes(device: int = 0) -> int | None:
     """Device memory this process holds outside torch's allocator (the CUDA context).
 
     Must run before this process touches CUDA: it reads the card's used memory from
-    NVML, creates the context, and subtracts what torch reserved. Returns None when
-    NVML is missing or CUDA was already initialised. On a card shared with busy
-    processes the number is noisy.
+    NVML, creates the context, and subtracts what torch reserved. None when NVML is
+    missing or CUDA was already initialised; noisy on a card shared with busy processes.
     """
     import torch
 
@@ -228,16 +211,14 @@ def measure_cuda_context_bytes(device: int = 0) -> int | None:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device)
-        used_before = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        used_before = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(device)).used)
     except Exception:
         return None
     try:
         torch.empty(1, device=f"cuda:{device}")
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
-        used_after = int(total - free)
-        return max(0, used_after - used_before - int(torch.cuda.memory_reserved(device)))
+        return max(0, int(total - free) - used_before - int(torch.cuda.memory_reserved(device)))
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -254,13 +235,13 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
         platform=f"{uname.system} {uname.release} {uname.machine}",
         python_version=platform.python_version(),
         torch_version=torch.__version__,
-        torch_cuda_version=getattr(torch.version, "cuda", None),
-        torch_hip_version=getattr(torch.version, "hip", None),
+        torch_cuda_version=torch.version.cuda,
+        torch_hip_version=torch.version.hip,
         is_wsl="microsoft" in uname.release.lower(),
         is_windows=sys.platform.startswith("win"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
-    nvml_devices = _probe_nvml(env)
+    nvml_free = _probe_nvml(env)
     if measure_context:
         try:
             env.cuda_context_bytes = measure_cuda_context_bytes()
@@ -270,32 +251,17 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
         env.cuda_available = torch.cuda.is_available()
         for index in range(torch.cuda.device_count() if env.cuda_available else 0):
             props = torch.cuda.get_device_properties(index)
-            gpu = GpuInfo(
-                index,
-                props.name,
-                (props.major, props.minor),
-                int(props.total_memory),
-                num_multiprocessors=props.multi_processor_count,
-            )
+            capability = (props.major, props.minor)
+            gpu = GpuInfo(index, props.name, capability, props.total_memory, None, props.multi_processor_count)
             try:
-                free, _ = torch.cuda.mem_get_info(index)
-                gpu.free_bytes = int(free)
+                gpu.free_bytes = int(torch.cuda.mem_get_info(index)[0])
             except Exception:
-                if index < len(nvml_devices):
-                    gpu.free_bytes = nvml_devices[index]["free"]
+                gpu.free_bytes = nvml_free[index] if index < len(nvml_free) else None
             _probe_managed(gpu, env)
             env.gpus.append(gpu)
     except Exception as exc:
         env.notes.append(f"CUDA query failed ({type(exc).__name__}: {exc})")
-    if test_triton:
-        _probe_triton(env)
-    else:
-        try:
-            import triton
-
-            env.triton_version = getattr(triton, "__version__", "?")
-        except Exception:
-            env.triton_status = "missing"
+    _probe_triton(env, test_kernels=test_triton)
     _probe_host(env)
     return env
 
@@ -314,156 +280,122 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
 
 
+def _fitting_budget(free_bytes: float) -> str:
+    """A memory_budget_gib that leaves 5% of `free_bytes` spare."""
+    return f"memory_budget_gib: {max(0.25, free_bytes / GIB * 0.95):.1f}"
+
+
 def find_problems(env: Environment, profile: Profile, device_type: str) -> list[Problem]:
     """Everything on this machine that will stop or slow a run with `profile` on
     `device_type`, each with a concrete fix; errors first."""
     problems: list[Problem] = []
-    wants_cuda = device_type == "cuda"
-    gpu = env.gpu
+    wants_cuda, gpu = device_type == "cuda", env.gpu
+
+    def add(severity: str, message: str, fix: str) -> None:
+        problems.append(Problem(severity, message, fix))
 
     if not env.cuda_available:
         sees_gpu = bool(env.num_nvml_gpus)
+        hidden = env.cuda_visible_devices is not None and env.cuda_visible_devices.strip() in ("", "-1")
         if env.torch_cuda_version is None and env.torch_hip_version is None and sees_gpu:
-            problems.append(
-                Problem(
-                    "error" if wants_cuda else "warning",
-                    f"torch {env.torch_version} is a CPU-only build, but the driver sees {env.num_nvml_gpus} NVIDIA GPU(s)",
-                    "install a CUDA build of torch: pip install torch --index-url https://download.pytorch.org/whl/cu126 "
-                    f"(the driver supports CUDA {env.driver_cuda_version or '?'}; pick a wheel at or below it)",
-                )
+            add(
+                "error" if wants_cuda else "warning",
+                f"torch {env.torch_version} is a CPU-only build, but the driver sees {env.num_nvml_gpus} NVIDIA GPU(s)",
+                "install a CUDA build of torch: pip install torch --index-url https://download.pytorch.org/whl/cu126 "
+                f"(the driver supports CUDA {env.driver_cuda_version or '?'}; pick a wheel at or below it)",
             )
-        elif env.cuda_visible_devices is not None and env.cuda_visible_devices.strip() in ("", "-1"):
-            problems.append(
-                Problem(
-                    "error" if wants_cuda else "info",
-                    f"CUDA_VISIBLE_DEVICES={env.cuda_visible_devices!r} hides every GPU",
-                    "unset CUDA_VISIBLE_DEVICES or set it to a GPU index (e.g. 0)",
-                )
+        elif hidden:
+            add(
+                "error" if wants_cuda else "info",
+                f"CUDA_VISIBLE_DEVICES={env.cuda_visible_devices!r} hides every GPU",
+                "unset CUDA_VISIBLE_DEVICES or set it to a GPU index (e.g. 0)",
             )
         elif env.torch_cuda_version is not None and not sees_gpu:
-            problems.append(
-                Problem(
-                    "error" if wants_cuda else "info",
-                    "torch has CUDA support but no GPU or NVIDIA driver was found",
-                    "install the NVIDIA driver (nvidia-smi must list the GPU), or run on the CPU: --profile cpu",
-                )
+            add(
+                "error" if wants_cuda else "info",
+                "torch has CUDA support but no GPU or NVIDIA driver was found",
+                "install the NVIDIA driver (nvidia-smi must list the GPU), or run on the CPU: --profile cpu",
             )
         elif wants_cuda:
-            problems.append(
-                Problem("error", "no CUDA GPU is visible to torch", "run on the CPU: --profile cpu (or --device cpu)")
-            )
+            add("error", "no CUDA GPU is visible to torch", "run on the CPU: --profile cpu (or --device cpu)")
 
-    driver = _version_tuple(env.driver_cuda_version)
-    runtime = _version_tuple(env.torch_cuda_version)
+    driver, runtime = _version_tuple(env.driver_cuda_version), _version_tuple(env.torch_cuda_version)
     if driver and runtime and driver[0] < runtime[0]:
-        problems.append(
-            Problem(
-                "error",
-                f"the NVIDIA driver {env.driver_version} supports CUDA {env.driver_cuda_version}, older than torch's "
-                f"CUDA {env.torch_cuda_version}",
-                f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver[0]}.x",
-            )
+        add(
+            "error",
+            f"the NVIDIA driver {env.driver_version} supports CUDA {env.driver_cuda_version}, older than torch's "
+            f"CUDA {env.torch_cuda_version}",
+            f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver[0]}.x",
         )
 
     if gpu is not None and wants_cuda:
         if env.triton_status == "missing":
-            problems.append(
-                Problem(
-                    "warning",
-                    "Triton is not installed: attention and INT4 layers use the slower plain-torch paths, "
-                    "whose attention workspace grows with the context (the plan counts it)",
-                    "pip install triton-windows" if env.is_windows else "pip install triton",
-                )
+            add(
+                "warning",
+                "Triton is not installed: attention and INT4 layers use the slower plain-torch paths, "
+                "whose attention workspace grows with the context (the plan counts it)",
+                "pip install triton-windows" if env.is_windows else "pip install triton",
             )
         elif env.triton_status.startswith("fails"):
-            problems.append(
-                Problem(
-                    "error",
-                    f"Triton kernels do not run on {gpu.name} ({env.triton_status[len('fails: ') :]})",
-                    "use a GPU of compute capability 7.5 or newer, or update triton and the driver; "
-                    "on the CPU: --profile cpu",
-                )
+            add(
+                "error",
+                f"Triton kernels do not run on {gpu.name} ({env.triton_status.removeprefix('fails: ')})",
+                "use a GPU of compute capability 7.5 or newer, or update triton and the driver; "
+                "on the CPU: --profile cpu",
             )
-        card_bytes = int(profile.memory_budget_gib * GIB)
+        card_bytes = profile.memory_budget_gib * GIB
         if profile.emulate_vram_gib is None and gpu.total_bytes is not None and gpu.total_bytes < card_bytes * 0.97:
-            fitting = max(0.25, gpu.total_bytes / GIB * 0.95)
-            problems.append(
-                Problem(
-                    "error",
-                    f"profile {profile.name!r} plans for a {profile.memory_budget_gib:g} GiB card but "
-                    f"{gpu.name} has {_gib(gpu.total_bytes)}",
-                    f"pick a smaller profile (e.g. --profile {_smaller_profile(gpu.total_bytes)}) or set "
-                    f"memory_budget_gib: {fitting:.1f}",
-                )
+            smaller = next(
+                (n for n, g in (("8gb", 8), ("6gb", 6), ("4gb", 4)) if gpu.total_bytes >= g * GIB * 0.97), "2gb"
+            )
+            add(
+                "error",
+                f"profile {profile.name!r} plans for a {profile.memory_budget_gib:g} GiB card but "
+                f"{gpu.name} has {_gib(gpu.total_bytes)}",
+                f"pick a smaller profile (e.g. --profile {smaller}) or set {_fitting_budget(gpu.total_bytes)}",
             )
         elif gpu.free_bytes is not None and gpu.total_bytes is not None:
             budget = profile.emulate_vram_gib or profile.memory_budget_gib
             busy = gpu.total_bytes - gpu.free_bytes - (env.cuda_context_bytes or 0)
             if gpu.free_bytes < budget * GIB and busy > OTHER_PROCESSES_SHARE * gpu.total_bytes:
-                problems.append(
-                    Problem(
-                        "warning",
-                        f"other processes use {_gib(busy)} of {gpu.name}; only {_gib(gpu.free_bytes)} is free "
-                        f"for a {budget:g} GiB plan",
-                        f"close them (nvidia-smi lists them) or plan for less: memory_budget_gib: "
-                        f"{max(0.25, gpu.free_bytes / GIB * 0.95):.1f}",
-                    )
+                add(
+                    "warning",
+                    f"other processes use {_gib(busy)} of {gpu.name}; only {_gib(gpu.free_bytes)} is free "
+                    f"for a {budget:g} GiB plan",
+                    f"close them (nvidia-smi lists them) or plan for less: {_fitting_budget(gpu.free_bytes)}",
                 )
-        wants_um = profile.kv_backend in ("um", "auto")
-        if gpu.concurrent_managed_access is False and wants_um:
+        if gpu.concurrent_managed_access is False and profile.kv_backend in ("um", "auto"):
             where = "Windows" if env.is_windows else "WSL2" if env.is_wsl else "this GPU"
-            problems.append(
-                Problem(
-                    "error" if profile.allow_oversubscription else "warning",
-                    f"unified memory cannot oversubscribe the card on {where} (no concurrent managed access): "
-                    "KV pages cannot spill to host RAM through managed memory",
-                    "kv_backend: pinned"
-                    + ("  and  allow_oversubscription: false" if profile.allow_oversubscription else ""),
-                )
+            also = "  and  allow_oversubscription: false" if profile.allow_oversubscription else ""
+            add(
+                "error" if profile.allow_oversubscription else "warning",
+                f"unified memory cannot oversubscribe the card on {where} (no concurrent managed access): "
+                "KV pages cannot spill to host RAM through managed memory",
+                "kv_backend: pinned" + also,
             )
         if not env.has_cuda_bindings and profile.kv_backend == "um":
-            problems.append(
-                Problem(
-                    "warning",
-                    "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
-                    "pip install 'lowvram[um]'  (or kv_backend: pinned)",
-                )
+            add(
+                "warning",
+                "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
+                "pip install 'lowvram[um]'  (or kv_backend: pinned)",
             )
 
-    if (
-        env.host_available_bytes is not None
-        and profile.host_spill_gib > 0
-        and env.host_available_bytes < profile.host_spill_gib * GIB
-    ):
-        problems.append(
-            Problem(
-                "warning",
-                f"the profile may spill {profile.host_spill_gib:g} GiB of KV to host RAM but only "
-                f"{_gib(env.host_available_bytes)} is available",
-                f"host_spill_gib: {max(0.0, env.host_available_bytes / GIB * 0.5):.1f}",
-            )
+    available = env.host_available_bytes
+    if available is not None and 0 < profile.host_spill_gib and available < profile.host_spill_gib * GIB:
+        add(
+            "warning",
+            f"the profile may spill {profile.host_spill_gib:g} GiB of KV to host RAM but only "
+            f"{_gib(available)} is available",
+            f"host_spill_gib: {max(0.0, available / GIB * 0.5):.1f}",
         )
-    if (
-        wants_cuda
-        and env.memlock_known
-        and env.memlock_soft_bytes is not None
-        and env.memlock_soft_bytes < MIN_COMFORTABLE_MEMLOCK_BYTES
-        and profile.kv_backend in ("pinned", "auto")
-    ):
-        problems.append(
-            Problem(
+    memlock = env.memlock_soft_bytes if env.memlock_known else None
+    if wants_cuda and memlock is not None and memlock < MIN_COMFORTABLE_MEMLOCK_BYTES:
+        if profile.kv_backend in ("pinned", "auto"):
+            add(
                 "info",
-                f"the locked-memory limit (ulimit -l) is {env.memlock_soft_bytes // 1024} KiB; some container "
-                "runtimes apply it to pinned host buffers",
+                f"the locked-memory limit (ulimit -l) is {memlock // 1024} KiB; some container runtimes apply it "
+                "to pinned host buffers",
                 "if pinned allocations fail: ulimit -l unlimited (docker: --ulimit memlock=-1)",
             )
-        )
     order = {"error": 0, "warning": 1, "info": 2}
     return sorted(problems, key=lambda p: order[p.severity])
-
-
-def _smaller_profile(total_bytes: int) -> str:
-    for name, gib in (("8gb", 8), ("6gb", 6), ("4gb", 4)):
-        if total_bytes >= gib * GIB * 0.97:
-            return name
-    return "2gb"

@@ -2,28 +2,23 @@
 
 Three kinds of input:
 
-- a PyTorch out-of-memory message, in any torch version's wording:
-  torch 1.x "Tried to allocate X (GPU 0; Y total capacity; Z already allocated;
-  W free; [A allowed;] V reserved in total by PyTorch)" (older: "V cached"),
-  torch 2.1+ "Tried to allocate X. GPU 0 has a total capacity of Y of which Z is
-  free. [Including non-PyTorch memory, this process has P memory in use. |
-  Process N has P memory in use.] Of the allocated memory A is allocated by
-  PyTorch, [with Q allocated in private pools (e.g., CUDA Graphs),] and B is
-  reserved by PyTorch but unallocated." (2.1 spelled it "capacty"), the same
-  for HIP and XPU, the MPS wording, driver-level "CUDA error: out of memory",
-  and lowvram's own "context does not fit" planning error; lines may be wrapped
-  and prefixed by a traceback or the exception type;
+- a PyTorch out-of-memory message, in any torch version's wording: torch 1.x
+  "Tried to allocate X (GPU 0; Y total capacity; Z already allocated; W free;
+  [A allowed;] V reserved in total by PyTorch)" (older: "V cached"), torch 2.1+
+  "Tried to allocate X. GPU 0 has a total capacity of Y of which Z is free. ..."
+  (2.1 spelled it "capacty"), the same for HIP and XPU, the MPS wording,
+  driver-level "CUDA error: out of memory", and lowvram's own "context does not fit"
+  planning error; lines may be wrapped and prefixed by a traceback;
 - a lowvram crash report (JSON, see lowvram.memory.crash_report);
-- a torch memory snapshot (`torch.cuda.memory._snapshot()` pickled by
-  `torch.cuda.memory._dump_snapshot`): segments with blocks, their sizes,
-  states and the Python frames that allocated them.
+- a torch memory snapshot (`torch.cuda.memory._dump_snapshot`): segments with
+  blocks, their sizes, states and the Python frames that allocated them.
 
-Sizes are parsed as torch prints them: "bytes", "KiB", "MiB", "GiB" (binary);
-"KB"/"MB"/"GB" (MPS) are read as binary units too.
+Sizes are parsed as torch prints them, binary units; MPS's "KB"/"MB"/"GB" are binary too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -35,18 +30,8 @@ from lowvram.errors import ConfigError
 GIB = 2**30
 MIB = 2**20
 
-_UNITS = {
-    "b": 1,
-    "byte": 1,
-    "bytes": 1,
-    "kib": 2**10,
-    "kb": 2**10,
-    "mib": 2**20,
-    "mb": 2**20,
-    "gib": 2**30,
-    "gb": 2**30,
-    "tib": 2**40,
-    "tb": 2**40,
+_UNITS = {"b": 1, "byte": 1, "bytes": 1} | {
+    prefix + suffix: 2 ** (10 * power) for power, prefix in enumerate("kmgt", 1) for suffix in ("ib", "b")
 }
 SIZE = r"(\d+(?:\.\d+)?)\s*(bytes|byte|B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\b"
 _SIZE_RE = re.compile(SIZE, re.IGNORECASE)
@@ -63,14 +48,21 @@ def parse_size(number: str, unit: str) -> int:
     return int(round(float(number) * _UNITS[unit.lower()]))
 
 
-def _size_after(pattern: str, text: str) -> int | None:
-    match = re.search(pattern + r"\s*" + SIZE, text, re.IGNORECASE)
-    return parse_size(match.group(match.lastindex - 1), match.group(match.lastindex)) if match else None
+def _sizes(pattern: str, text: str, flags: int = re.IGNORECASE) -> list[int] | None:
+    """Every size the `{SIZE}` slots of `pattern` match in `text`, in order; None if no match.
+    Other groups of `pattern` must come before its sizes."""
+    match = re.search(pattern.replace("{SIZE}", SIZE), text, flags)
+    if match is None:
+        return None
+    groups = match.groups()
+    return [
+        parse_size(groups[i], groups[i + 1]) for i in range(len(groups) - 2 * pattern.count("{SIZE}"), len(groups), 2)
+    ]
 
 
-def _size_before(pattern: str, text: str) -> int | None:
-    match = re.search(SIZE + r"\s*" + pattern, text, re.IGNORECASE)
-    return parse_size(match.group(1), match.group(2)) if match else None
+def _size(pattern: str, text: str) -> int | None:
+    sizes = _sizes(pattern, text)
+    return sizes[0] if sizes else None
 
 
 @dataclass
@@ -114,62 +106,36 @@ class OomFacts:
         return None
 
 
-def _normalise(text: str) -> str:
-    return re.sub(r"\s+", " ", text.replace("\r", " ")).strip()
-
-
-def _exception_type(text: str) -> str | None:
-    match = re.search(r"((?:torch\.(?:cuda\.)?)?OutOfMemoryError|RuntimeError|lowvram: error)\s*:", text)
-    return match.group(1) if match else None
+_PLAN = (
+    r"an? (\d+)-token context does not fit: weights {SIZE} \+ workspace {SIZE} \+ KV {SIZE} = {SIZE} > budget {SIZE}"
+)
+_MPS = r"MPS backend out of memory \(MPS allocated: {SIZE}, other allocations: {SIZE}, max allowed: {SIZE}\)\. Tried to allocate {SIZE}"
+_DRIVER = (
+    r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
+    r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|CUDA out of memory)"
+)
 
 
 def parse_oom_message(text: str) -> OomFacts | None:
     """Facts from an out-of-memory message (any torch version, or lowvram's plan
     error); None if the text holds none."""
-    flat = _normalise(text)
-    exc_type = _exception_type(flat)
+    flat = re.sub(r"\s+", " ", text.replace("\r", " ")).strip()
+    exc_type = re.search(r"((?:torch\.(?:cuda\.)?)?OutOfMemoryError|RuntimeError|lowvram: error)\s*:", flat)
+    exc_type = exc_type.group(1) if exc_type else None
 
-    plan = re.search(
-        r"an? (\d+)-token context does not fit: weights "
-        + SIZE
-        + r" \+ workspace "
-        + SIZE
-        + r" \+ KV "
-        + SIZE
-        + r" = "
-        + SIZE
-        + r" > budget "
-        + SIZE,
-        flat,
-    )
+    plan = _sizes(_PLAN, flat, 0)
     if plan:
-        g = plan.groups()
-        numbers = {"context_len": int(g[0])}
-        for i, name in enumerate(("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")):
-            numbers[name] = parse_size(g[1 + 2 * i], g[2 + 2 * i])
+        names = ("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")
+        numbers = {
+            "context_len": int(re.search(r"(\d+)-token context does not fit", flat).group(1)),
+            **dict(zip(names, plan)),
+        }
         return OomFacts(
-            "lowvram-plan",
-            exception_type=exc_type,
-            plan=numbers,
-            requested_bytes=numbers["need_bytes"],
-            total_bytes=numbers["budget_bytes"],
+            "lowvram-plan", exception_type=exc_type, plan=numbers, requested_bytes=plan[3], total_bytes=plan[4]
         )
-
-    mps = re.search(
-        r"MPS backend out of memory \(MPS allocated: "
-        + SIZE
-        + r", other allocations: "
-        + SIZE
-        + r", max allowed: "
-        + SIZE
-        + r"\)\. Tried to allocate "
-        + SIZE,
-        flat,
-        re.IGNORECASE,
-    )
+    mps = _sizes(_MPS, flat)
     if mps:
-        g = mps.groups()
-        allocated, other, allowed, requested = (parse_size(g[i], g[i + 1]) for i in (0, 2, 4, 6))
+        allocated, other, allowed, requested = mps
         return OomFacts(
             "mps",
             "MPS",
@@ -181,12 +147,10 @@ def parse_oom_message(text: str) -> OomFacts | None:
             process_bytes=allocated + other,
             reserved_unallocated_bytes=0,
         )
-
-    head = re.search(r"\b(CUDA|HIP|XPU)\b out of memory\. Tried to allocate " + SIZE, flat, re.IGNORECASE)
+    head = re.search(rf"\b(CUDA|HIP|XPU)\b out of memory\. Tried to allocate {SIZE}", flat, re.IGNORECASE)
     if head:
-        facts = OomFacts(
-            "torch>=2.1", head.group(1).upper(), exc_type, requested_bytes=parse_size(head.group(2), head.group(3))
-        )
+        requested = parse_size(head.group(2), head.group(3))
+        facts = OomFacts("torch>=2.1", head.group(1).upper(), exc_type, requested_bytes=requested)
         rest = flat[head.end() :]
         old = re.match(r"\s*\(GPU (\d+); ([^)]*)\)", rest)
         if old:
@@ -194,14 +158,7 @@ def parse_oom_message(text: str) -> OomFacts | None:
         else:
             _parse_v2(facts, rest)
         return facts
-
-    driver = re.search(
-        r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
-        r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|"
-        r"CUDA out of memory)",
-        flat,
-        re.IGNORECASE,
-    )
+    driver = re.search(_DRIVER, flat, re.IGNORECASE)
     if driver:
         return OomFacts("driver", "HIP" if "hip" in driver.group(1).lower() else "CUDA", exc_type)
     return None
@@ -210,15 +167,12 @@ def parse_oom_message(text: str) -> OomFacts | None:
 def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
     """torch 1.x: '3.82 GiB total capacity; 2.71 GiB already allocated; 13.31 MiB free;
     [2.00 GiB allowed;] 2.84 GiB reserved in total by PyTorch' (or '... cached')."""
-    facts.source = "torch<2.1"
-    facts.device_index = device
-    reserved = None
+    facts.source, facts.device_index, reserved = "torch<2.1", device, None
     for piece in inside.split(";"):
         size = _SIZE_RE.search(piece)
         if not size:
             continue
-        value = parse_size(size.group(1), size.group(2))
-        label = piece[size.end() :].strip().lower()
+        value, label = parse_size(size.group(1), size.group(2)), piece[size.end() :].strip().lower()
         if label.startswith("total capacity"):
             facts.total_bytes = value
         elif label.startswith("already allocated"):
@@ -227,36 +181,31 @@ def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
             facts.free_bytes = value
         elif label.startswith("allowed"):
             facts.allowed_bytes = value
-        elif label.startswith("reserved") or label.startswith("cached"):
+        elif label.startswith(("reserved", "cached")):
             reserved = value
     if reserved is not None and facts.allocated_bytes is not None:
         facts.reserved_unallocated_bytes = max(0, reserved - facts.allocated_bytes)
 
 
 def _parse_v2(facts: OomFacts, rest: str) -> None:
-    capacity = re.search(
-        r"GPU (\d+) has a total capac\w* of " + SIZE + r" of which " + SIZE + r" is free", rest, re.IGNORECASE
-    )
+    capacity = re.search(rf"GPU (\d+) has a total capac\w* of {SIZE} of which {SIZE} is free", rest, re.IGNORECASE)
     if capacity:
         facts.device_index = int(capacity.group(1))
         facts.total_bytes = parse_size(capacity.group(2), capacity.group(3))
         facts.free_bytes = parse_size(capacity.group(4), capacity.group(5))
-    facts.process_bytes = _size_after(r"this process has", rest)
-    facts.allowed_bytes = _size_before(r"allowed;", rest)
-    facts.allocated_bytes = _size_after(r"Of the allocated memory", rest)
-    pools = re.search(r"with " + SIZE + r" allocated in private pools", rest, re.IGNORECASE)
-    facts.private_pool_bytes = parse_size(pools.group(1), pools.group(2)) if pools else None
-    facts.reserved_unallocated_bytes = _size_before(r"is reserved by PyTorch but unallocated", rest)
-    for pid, number, unit in re.findall(r"Process (\d+) has " + SIZE + r" memory in use", rest, re.IGNORECASE):
+    facts.process_bytes = _size(r"this process has\s*{SIZE}", rest)
+    facts.allowed_bytes = _size(r"{SIZE}\s*allowed;", rest)
+    facts.allocated_bytes = _size(r"Of the allocated memory\s*{SIZE}", rest)
+    facts.private_pool_bytes = _size(r"with {SIZE} allocated in private pools", rest)
+    facts.reserved_unallocated_bytes = _size(r"{SIZE}\s*is reserved by PyTorch but unallocated", rest)
+    for pid, number, unit in re.findall(rf"Process (\d+) has {SIZE} memory in use", rest, re.IGNORECASE):
         facts.other_processes.append((int(pid), parse_size(number, unit)))
     if facts.process_bytes is None and len(facts.other_processes) == 1 and facts.reserved_bytes is not None:
-        # In a container NVML reports host PIDs, so torch cannot tell its own process
-        # apart and prints "Process N"; one process holding at least what torch
-        # reserved is this one.
+        # In a container NVML reports host PIDs, so torch cannot tell its own process apart and
+        # prints "Process N"; one process holding at least what torch reserved is this one.
         pid, size = facts.other_processes[0]
         if size >= facts.reserved_bytes:
-            facts.process_bytes = size
-            facts.other_processes = []
+            facts.process_bytes, facts.other_processes = size, []
 
 
 # ---------------------------------------------------------------- explanation
@@ -273,16 +222,12 @@ class Finding:
 def gib(num_bytes: float | None) -> str:
     if num_bytes is None:
         return "?"
-    if abs(num_bytes) < GIB:
-        return f"{num_bytes / MIB:.0f} MiB"
-    return f"{num_bytes / GIB:.2f} GiB"
+    return f"{num_bytes / MIB:.0f} MiB" if abs(num_bytes) < GIB else f"{num_bytes / GIB:.2f} GiB"
 
 
 def explain_oom(facts: OomFacts) -> list[Finding]:
-    """What held the memory and what to change, from a message's numbers alone.
-
-    A crash report or a plan adds concrete profile values on top (lowvram.memory.doctor).
-    """
+    """What held the memory and what to change, from a message's numbers alone
+    (a crash report adds the plan of its run: lowvram.memory.doctor)."""
     if facts.source == "lowvram-plan":
         p = facts.plan
         return [
@@ -298,46 +243,42 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
             ),
         ]
     if facts.source == "driver":
-        return [
-            Finding(
-                f"The {facts.backend} driver or a library (cuBLAS) could not allocate memory outside PyTorch's "
-                "allocator; the message carries no numbers. This happens when the CUDA context or cuBLAS "
-                "workspace is created on a card that is already full, or when unified-memory pages oversubscribe "
-                "a card that cannot page.",
-                "free device memory before the run (other processes: nvidia-smi), lower max_num_batched_tokens, "
-                "or set kv_backend: pinned",
-            )
-        ]
-
-    findings: list[Finding] = []
-    requested, total = facts.requested_bytes, facts.total_bytes
-    limit = facts.allowed_bytes or total
-    where = f"GPU {facts.device_index}" if facts.device_index is not None else "the device"
-    free = f"; only {gib(facts.free_bytes)} was free of {gib(total)}" if facts.free_bytes is not None else ""
-    cap = f" (this process was capped at {gib(facts.allowed_bytes)})" if facts.allowed_bytes else ""
-    findings.append(Finding(f"PyTorch asked for {gib(requested)} more on {where}{free}{cap}."))
-
-    held = []
-    if facts.allocated_bytes is not None:
-        held.append(f"live PyTorch tensors {gib(facts.allocated_bytes)}")
-    if facts.private_pool_bytes:
-        held.append(f"of which CUDA-graph pools {gib(facts.private_pool_bytes)}")
-    if facts.reserved_unallocated_bytes is not None:
-        held.append(f"cached by PyTorch but unused {gib(facts.reserved_unallocated_bytes)}")
-    if facts.non_torch_bytes is not None:
-        held.append(
-            f"outside PyTorch in this process {gib(facts.non_torch_bytes)} (CUDA context, cuBLAS, unified-memory pages)"
+        what = (
+            f"The {facts.backend} driver or a library (cuBLAS) could not allocate memory outside PyTorch's "
+            "allocator; the message carries no numbers. This happens when the CUDA context or cuBLAS workspace "
+            "is created on a card that is already full, or when unified-memory pages oversubscribe a card that "
+            "cannot page."
         )
-    others = facts.other_process_bytes
-    if others is not None:
-        held.append(f"other processes {gib(others)}")
+        change = (
+            "free device memory before the run (other processes: nvidia-smi), lower max_num_batched_tokens, "
+            "or set kv_backend: pinned"
+        )
+        return [Finding(what, change)]
+
+    requested, total, free, allowed = facts.requested_bytes, facts.total_bytes, facts.free_bytes, facts.allowed_bytes
+    where = f"GPU {facts.device_index}" if facts.device_index is not None else "the device"
+    of_total = f"; only {gib(free)} was free of {gib(total)}" if free is not None else ""
+    cap = f" (this process was capped at {gib(allowed)})" if allowed else ""
+    findings = [Finding(f"PyTorch asked for {gib(requested)} more on {where}{of_total}{cap}.")]
+    others, outside = facts.other_process_bytes, facts.non_torch_bytes
+    held = [
+        text.format(gib(value))
+        for value, text in (
+            (facts.allocated_bytes, "live PyTorch tensors {}"),
+            (facts.private_pool_bytes or None, "of which CUDA-graph pools {}"),
+            (facts.reserved_unallocated_bytes, "cached by PyTorch but unused {}"),
+            (outside, "outside PyTorch in this process {} (CUDA context, cuBLAS, unified-memory pages)"),
+            (others, "other processes {}"),
+        )
+        if value is not None
+    ]
     if held:
         findings.append(Finding("Memory was held by: " + "; ".join(held) + "."))
 
-    alloc_conf = "PYTORCH_HIP_ALLOC_CONF" if facts.backend == "HIP" else "PYTORCH_CUDA_ALLOC_CONF"
-    cause_found = False
+    causes = []
+    limit = allowed or total
     if requested is not None and limit is not None and requested > limit:
-        findings.append(
+        causes.append(
             Finding(
                 f"This single allocation ({gib(requested)}) is larger than everything the process may use "
                 f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink.",
@@ -345,76 +286,62 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
                 "a prefill chunk allocates float32 scores of heads x chunk x context",
             )
         )
-        cause_found = True
-    is_capped = (
-        facts.allowed_bytes is not None
-        and facts.free_bytes is not None
-        and requested is not None
-        and facts.source != "mps"
-        and facts.free_bytes > requested
-    )
-    if is_capped and not cause_found:
-        findings.append(
+    elif None not in (allowed, free, requested) and facts.source != "mps" and free > requested:
+        causes.append(
             Finding(
-                f"The card still had {gib(facts.free_bytes)} free: the process's own cap of {gib(facts.allowed_bytes)} "
+                f"The card still had {gib(free)} free: the process's own cap of {gib(allowed)} "
                 "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it.",
                 f"plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
-                f"above {facts.allowed_bytes / GIB:.1f}",
+                f"above {allowed / GIB:.1f}",
             )
         )
-        cause_found = True
-    unallocated = facts.reserved_unallocated_bytes
-    reserved = facts.reserved_bytes
+    unallocated, reserved = facts.reserved_unallocated_bytes, facts.reserved_bytes
     if (
-        unallocated is not None
+        None not in (unallocated, requested)
         and reserved
-        and requested is not None
-        and unallocated >= requested
-        and unallocated >= FRAGMENTATION_SHARE * reserved
+        and unallocated >= max(requested, FRAGMENTATION_SHARE * reserved)
     ):
-        findings.append(
+        alloc_conf = "PYTORCH_HIP_ALLOC_CONF" if facts.backend == "HIP" else "PYTORCH_CUDA_ALLOC_CONF"
+        causes.append(
             Finding(
                 f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
                 "into pieces too small for it.",
                 f"export {alloc_conf}=expandable_segments:True",
             )
         )
-        cause_found = True
     if others is not None and total and others >= OTHER_PROCESS_SHARE * total:
-        findings.append(
+        causes.append(
             Finding(
                 f"Other processes held {gib(others)} of the card.",
                 f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: "
                 f"{max(0.25, (total - others) / GIB * 0.95):.1f}",
             )
         )
-        cause_found = True
-    if facts.non_torch_bytes is not None and facts.non_torch_bytes > TYPICAL_NON_TORCH_BYTES:
-        findings.append(
+    if outside is not None and outside > TYPICAL_NON_TORCH_BYTES:
+        causes.append(
             Finding(
-                f"This process held {gib(facts.non_torch_bytes)} outside PyTorch's allocator, more than a CUDA "
-                "context needs: unified-memory KV pages or another library's buffers.",
+                f"This process held {gib(outside)} outside PyTorch's allocator, more than a CUDA context needs: "
+                "unified-memory KV pages or another library's buffers.",
                 "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself",
             )
         )
-        cause_found = True
-    if not cause_found:
-        findings.append(
+    return findings + (
+        causes
+        or [
             Finding(
                 "Live tensors filled the card: the run needs more memory than the card has.",
                 "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
                 "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values",
             )
-        )
-    return findings
+        ]
+    )
 
 
 # ---------------------------------------------------------------- memory snapshots
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Snapshots are plain dicts and lists: refuse every class, so a hostile
-    pickle cannot run code."""
+    """Snapshots are plain dicts and lists: refuse every class, so a hostile pickle cannot run code."""
 
     def find_class(self, module, name):
         if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
@@ -435,25 +362,15 @@ def load_snapshot_bytes(data: bytes) -> dict:
     return snapshot
 
 
-# (what the frame's function or file tells, category); snapshots from before lowvram's files
-# moved into packages name kv_pool.py, sampling.py and model.py
-_CATEGORIES = (
-    ("load_weights", "weights"),
-    ("loader.py", "weights"),
-    ("allocate_pages", "KV pages"),
-    ("pool.py", "KV pages"),
-    ("tiers.py", "KV pages"),
-    ("kv_pool.py", "KV pages"),
-    ("managed_memory.py", "KV pages"),
-    ("compute_logits", "logits and sampling"),
-    ("sampler.py", "logits and sampling"),
-    ("sampling.py", "logits and sampling"),
-    ("paged_attention", "attention workspace"),
-    ("attention.py", "attention workspace"),
-    ("_attend", "attention workspace"),
-    ("dense.py", "layer activations"),
-    ("model.py", "layer activations"),
-)
+# What a frame's function or file name tells about a block; older snapshots name the files
+# lowvram had before its packages (kv_pool.py, sampling.py, model.py).
+_CATEGORIES = {
+    "weights": ("load_weights", "loader.py"),
+    "KV pages": ("allocate_pages", "pool.py", "tiers.py", "kv_pool.py", "managed_memory.py"),
+    "logits and sampling": ("compute_logits", "sampler.py", "sampling.py"),
+    "attention workspace": ("paged_attention", "attention.py", "_attend"),
+    "layer activations": ("dense.py", "model.py"),
+}
 CATEGORY_ADVICE = {
     "weights": "weight_format: awq (INT4 weights take about a quarter of FP16)",
     "KV pages": "kv_precision: int8 (half the KV bytes) or a smaller max_model_len / max_num_seqs",
@@ -486,34 +403,28 @@ class SnapshotSummary:
         return self.reserved_bytes - self.allocated_bytes
 
 
-def _block_frames(block: dict) -> list[dict]:
-    frames = block.get("frames")
-    if frames:
-        return frames
-    history = block.get("history") or []  # torch 2.0 kept frames per allocation event
-    return (history[-1].get("frames") or []) if history else []
+def _file_name(frame: dict) -> str:
+    return str(frame.get("filename", "")).replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def _user_frame(frames: list[dict]) -> dict | None:
-    """The innermost Python frame outside torch itself (frames run innermost first)."""
+def _where(frames: list[dict]) -> str:
+    """The innermost Python frame outside torch and Triton (frames run innermost first)."""
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    for frame in python:
-        filename = str(frame.get("filename", "")).replace("\\", "/")
-        if "/torch/" not in filename and "/site-packages/triton/" not in filename:
-            return frame
-    return python[0] if python else None
+    outside = [
+        f for f in python if not re.search(r"/torch/|/site-packages/triton/", str(f["filename"]).replace("\\", "/"))
+    ]
+    frame = (outside or python or [None])[0]
+    return (
+        f"{_file_name(frame)}:{frame.get('line', '?')} in {frame.get('name', '?')}" if frame else "(no stack recorded)"
+    )
 
 
 def _category(frames: list[dict]) -> str:
     tokens = set()
     for frame in frames:
-        filename = str(frame.get("filename", "")).replace("\\", "/").rsplit("/", 1)[-1]
-        name = str(frame.get("name", ""))
+        name, filename = str(frame.get("name", "")), _file_name(frame)
         tokens.update((name, filename, f"{filename}:{name}"))
-    for marker, category in _CATEGORIES:
-        if marker in tokens:
-            return category
-    return "other"
+    return next((category for category, markers in _CATEGORIES.items() if tokens.intersection(markers)), "other")
 
 
 def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummary:
@@ -527,37 +438,23 @@ def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummar
         allocated += int(segment.get("allocated_size", 0))
         for block in segment.get("blocks", []):
             size = int(block.get("size", 0))
+            if block.get("state") == "inactive":
+                largest_free = max(largest_free, size)
             if block.get("state") != "active_allocated":
-                if block.get("state") == "inactive":
-                    largest_free = max(largest_free, size)
                 continue
-            frames = _block_frames(block)
-            frame = _user_frame(frames)
-            where = (
-                (
-                    f"{str(frame.get('filename', '?')).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.get('line', '?')}"
-                    f" in {frame.get('name', '?')}"
-                )
-                if frame
-                else "(no stack recorded)"
-            )
-            category = _category(frames)
+            # torch 2.0 kept the frames per allocation event, in "history"
+            frames = block.get("frames") or ((block.get("history") or [{}])[-1].get("frames") or [])
+            where, category = _where(frames), _category(frames)
             blocks.append((size, where))
             site = sites.setdefault(where, SnapshotSite(where, category, 0, 0))
             site.num_bytes += size
             site.num_blocks += 1
             categories[category] = categories.get(category, 0) + size
-    blocks.sort(key=lambda item: -item[0])
     ranked_sites = sorted(sites.values(), key=lambda s: -s.num_bytes)[:max_sites]
-    return SnapshotSummary(
-        len(snapshot.get("segments", [])),
-        reserved,
-        allocated,
-        largest_free,
-        blocks[:10],
-        ranked_sites,
-        dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-    )
+    ranked_categories = dict(sorted(categories.items(), key=lambda kv: -kv[1]))
+    largest = sorted(blocks, key=lambda item: -item[0])[:10]
+    num_segments = len(snapshot.get("segments", []))
+    return SnapshotSummary(num_segments, reserved, allocated, largest_free, largest, ranked_sites, ranked_categories)
 
 
 def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
@@ -573,11 +470,9 @@ def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
         findings.append(Finding("Live memory by kind: " + "; ".join(parts) + "."))
         top, top_bytes = next(iter(summary.categories.items()))
         if top in CATEGORY_ADVICE and summary.allocated_bytes:
+            share = top_bytes / summary.allocated_bytes
             findings.append(
-                Finding(
-                    f"{top.capitalize()} held the most ({top_bytes / summary.allocated_bytes:.0%} of live memory).",
-                    CATEGORY_ADVICE[top],
-                )
+                Finding(f"{top.capitalize()} held the most ({share:.0%} of live memory).", CATEGORY_ADVICE[top])
             )
     if summary.reserved_bytes and summary.unallocated_bytes >= FRAGMENTATION_SHARE * summary.reserved_bytes:
         findings.append(
@@ -589,36 +484,97 @@ def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
     return findings
 
 
-# ---------------------------------------------------------------- input sniffing
+# ---------------------------------------------------------------- crash reports and input sniffing
+
+
+def explain_report(report) -> list[Finding]:
+    """What a crash report's exception, memory numbers and controller events say (its
+    plan is added by lowvram.memory.doctor)."""
+    memory = report.memory
+    facts = parse_oom_message(report.exception_text)
+    findings = explain_oom(facts) if facts else [Finding(f"The run failed with: {report.exception_text.strip()[:300]}")]
+    labels = {"weight_bytes": "weights", "kv_pool_bytes": "KV pool", "workspace_reserve_bytes": "workspace reserve"}
+    known = {key: memory[key] for key in (*labels, "budget_bytes") if isinstance(memory.get(key), int)}
+    if known:
+        parts = [f"{labels.get(key, 'budget')} {gib(value)}" for key, value in known.items()]
+        findings.append(Finding("The engine had planned: " + ", ".join(parts) + "."))
+    if isinstance(memory.get("kv_blocks_in_use"), int):
+        findings.append(
+            Finding(
+                f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
+                f"({gib(memory.get('kv_bytes_in_use', 0))}), {memory.get('kv_blocks_cached_reclaimable', 0)} "
+                "cached for reuse by later requests; cached pages are reclaimable (evicted on demand), so they "
+                "did not cause the failure."
+            )
+        )
+    planned = sum(value for key, value in known.items() if key in labels)
+    allocated = memory.get("peak_allocated_bytes")
+    if planned and isinstance(allocated, int) and allocated > planned * 1.05:
+        findings.append(
+            Finding(
+                f"torch's peak allocation ({gib(allocated)}) exceeded the engine's plan ({gib(planned)}) by "
+                f"{gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
+                "model in the process, or a workspace the plan undercounts).",
+                "report it with this crash report; meanwhile lower max_num_batched_tokens",
+            )
+        )
+    if report.controller_events:
+        last = ", ".join(json.dumps(e, sort_keys=True) for e in report.controller_events[-3:])
+        findings.append(Finding(f"The controller's last actions: {last}."))
+    return findings
 
 
 @dataclass
-class OomInput:
+class OomExplanation:
+    """What one piece of evidence says, and what it was read from."""
+
     kind: str  # "message", "crash_report" or "snapshot"
+    findings: list[Finding]
     facts: OomFacts | None = None
-    report: object | None = None  # lowvram.memory.crash_report.CrashReport
     snapshot: SnapshotSummary | None = None
+    report: object | None = None  # lowvram.memory.crash_report.CrashReport
+    plan: object | None = None  # lowvram.memory.doctor.MemoryPlan of a crash report's run
+    plan_error: str | None = None
+
+    def to_json(self) -> dict:
+        data = {"kind": self.kind, "findings": [dataclasses.asdict(f) for f in self.findings]}
+        if self.facts is not None:
+            data["facts"] = dataclasses.asdict(self.facts)
+        if self.snapshot is not None:
+            data["snapshot"] = dataclasses.asdict(self.snapshot)
+        if self.report is not None:
+            data["crash_report"] = {k: v for k, v in self.report.to_json().items() if k != "model"}
+        if self.plan is not None:
+            data["plan"] = self.plan.to_json()
+        if self.plan_error:
+            data["plan_error"] = self.plan_error
+        return data
 
 
-def read_oom_input(data: bytes, source: str) -> OomInput:
-    """Recognise what `data` holds; ConfigError (naming `source`) when it is none of
-    an out-of-memory message, a crash report or a memory snapshot."""
+def _snapshot_explanation(snapshot: dict) -> OomExplanation:
+    summary = summarize_snapshot(snapshot)
+    return OomExplanation("snapshot", explain_snapshot(summary), snapshot=summary)
+
+
+def read_oom_input(data: bytes, source: str) -> OomExplanation:
+    """Recognise and explain what `data` holds; ConfigError (naming `source`) when it is
+    none of an out-of-memory message, a crash report or a memory snapshot."""
     from lowvram.memory.crash_report import CRASH_REPORT_FORMAT, crash_report_from_dict
 
     if data[:1] == b"\x80":  # pickle protocol 2+
-        return OomInput("snapshot", snapshot=summarize_snapshot(load_snapshot_bytes(data)))
+        return _snapshot_explanation(load_snapshot_bytes(data))
     text = data.decode("utf-8", errors="replace")
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
+    if text.lstrip().startswith("{"):
         try:
-            parsed = json.loads(stripped)
+            parsed = json.loads(text)
         except json.JSONDecodeError:
             parsed = None
         if isinstance(parsed, dict) and parsed.get("format") == CRASH_REPORT_FORMAT:
             report = crash_report_from_dict(parsed, source)
-            return OomInput("crash_report", facts=parse_oom_message(report.exception_text), report=report)
+            facts = parse_oom_message(report.exception_text)
+            return OomExplanation("crash_report", explain_report(report), facts=facts, report=report)
         if isinstance(parsed, dict) and isinstance(parsed.get("segments"), list):
-            return OomInput("snapshot", snapshot=summarize_snapshot(parsed))
+            return _snapshot_explanation(parsed)
     facts = parse_oom_message(text)
     if facts is None:
         raise ConfigError(
@@ -626,4 +582,4 @@ def read_oom_input(data: bytes, source: str) -> OomInput:
             "recognises; pass the full error text (e.g. the line with 'CUDA out of memory. Tried to allocate'), "
             "a crash-*.json report, or a snapshot from torch.cuda.memory._dump_snapshot"
         )
-    return OomInput("message", facts=facts)
+    return OomExplanation("message", explain_oom(facts), facts=facts)

@@ -1,76 +1,40 @@
 """How much device memory a run needs: the one set of formulas the engine sizes its
 KV pool with and `lowvram doctor` prints, so a plan and a run cannot disagree.
 
-Three kinds of memory make up a run:
-
-- weights, counted from config.json alone by kind (INT4 layers, FP16 layers,
-  compensation terms, embeddings, head, norms) so the doctor can plan for a
-  checkpoint it has not loaded;
-- the KV pool, `kv_bytes_per_token` per token at the pool's precision;
-- the workspace of one step: the largest set of tensors alive at once while a
-  step runs. It is modelled phase by phase from what the running code really
-  allocates (see `step_workspace`), because a rule of thumb misses by far: the
-  plain-torch attention path materialises float32 scores of
-  `[heads, new tokens, context]`, which dwarfs everything else at long contexts.
-
-Outside torch's allocator the device also holds the CUDA context and the
-allocator's own slack; `CUDA_CONTEXT_BYTES` and
-`FRAGMENTATION_RESERVE_FRACTION` carry those (`CUBLAS_WORKSPACE_BYTES`, which torch allocates, is in the workspace), and
+Three kinds of memory make up a run: the weights, counted from the model config alone
+by kind (INT4 layers, FP16 layers, compensation terms, embeddings, head, norms) so the
+doctor can plan for a checkpoint it has not loaded; the KV pool, `kv_bytes_per_token`
+per token at the pool's precision; and the workspace of one step (workspace.py).
+Outside torch's allocator the device also holds the CUDA context and the allocator's
+slack (`CUDA_CONTEXT_BYTES`, `FRAGMENTATION_RESERVE_FRACTION`);
 `scripts/bench_doctor_accuracy.py` measures them on a GPU.
 """
 
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowvram.config import Profile
-from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS
 from lowvram.errors import OutOfMemoryError
-from lowvram.kernels.w4a16 import DEQUANT_MATMUL_MIN_M
-from lowvram.models.checkpoint import read_raw_config
-from lowvram.models.config import ModelConfig
+from lowvram.memory.workspace import FP16_BYTES, Workspace, is_mla, profile_workspace
+from lowvram.models.config import AwqConfig, ModelConfig
 
 GIB = 2**30
 MIB = 2**20
 
 KV_PRECISIONS = ("fp16", "int8", "int4")
-FP16_BYTES = 2
 # Quantized KV rows carry an fp16 scale and an fp16 zero per token and KV head.
 KV_SCALE_ZERO_BYTES = 4
-
-# The CUDA context (driver state, the kernel images torch loads lazily, cuBLAS
-# handles) lives outside torch's allocator. With lazy module loading (CUDA 11.7+,
-# torch's default) it is typically 300-500 MiB; a measured value replaces this
-# constant whenever the doctor runs on the GPU itself (environment.measure_cuda_context_bytes).
+# The CUDA context (driver state, lazily loaded kernel images, cuBLAS handles) lives outside
+# torch's allocator: typically 300-500 MiB with lazy module loading. The doctor measures it
+# when it runs on the GPU itself (environment.measure_cuda_context_bytes).
 CUDA_CONTEXT_BYTES = 400 * MIB
-# cuBLAS and cuBLASLt workspaces, which torch allocates through its caching
-# allocator once per handle and stream: 8 MiB by torch's default
-# CUBLAS_WORKSPACE_CONFIG, 32 MiB on Hopper, plus the Lt workspace.
-CUBLAS_WORKSPACE_BYTES = 33 * MIB
-# Memory the caching allocator holds in blocks too small for the next request,
-# as a fraction of the KV pool and workspace (weights are allocated once and
-# barely fragment). Calibrate with scripts/bench_doctor_accuracy.py (it prints
-# reserved - allocated at the peak).
+# Memory the caching allocator holds in blocks too small for the next request, as a share of
+# the KV pool and workspace (weights are allocated once and barely fragment).
 FRAGMENTATION_RESERVE_FRACTION = 0.10
-
-# Rotary keeps float32 cos and sin tables of [positions, head_dim / 2]; they start
-# at this many positions and double when a longer context arrives (model.Rotary).
-ROPE_MIN_POSITIONS = 2048
-# A top-p / top-k sampling step keeps a few float32 [vocab] tensors plus an int64
-# sort order alive per row (sampling.filter_logits); rows are sampled one at a time.
-SAMPLING_BYTES_PER_VOCAB_ENTRY = 32
-# AWQ layers on the Triton path dequantize the whole weight to fp16 and use cuBLAS
-# at this many rows or more.
-AWQ_DEQUANT_MATMUL_MIN_TOKENS = DEQUANT_MATMUL_MIN_M
-# The plain-torch AWQ path (no Triton) dequantizes in float32 through about five
-# [K, N] temporaries (awq_format.dequantize_awq).
-AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT = 20
-# The Triton decode kernel splits a context into partitions of at least this many
-# tokens, each writing a float32 partial output (kernels/paged_attention).
-MIN_DECODE_PARTITION_TOKENS = 128
 
 
 # ---------------------------------------------------------------- KV cache
@@ -79,12 +43,12 @@ MIN_DECODE_PARTITION_TOKENS = 128
 def kv_bytes_per_token(config: ModelConfig, precision: str = "fp16", element_bytes: int = FP16_BYTES) -> int:
     """K and V of every layer for one token at a KV precision.
 
-    "fp16" pages hold the compute dtype (`element_bytes`: 2, or 4 for float32 on
-    the CPU); "int8" holds one byte per element and "int4" half a byte, each with
-    an fp16 scale and zero per token and KV head (kv_quant.KVPages). DeepSeek-V2
-    caches one latent row per layer, two layers per pool layer (`num_kv_layers`).
+    "fp16" pages hold the compute dtype (`element_bytes`); "int8" holds one byte per
+    element and "int4" half a byte, each with an fp16 scale and zero per token and KV
+    head. DeepSeek-V2 caches one latent row per layer, two layers per pool layer.
     """
-    heads = getattr(config, "num_kv_layers", config.num_layers) * config.num_kv_heads
+    num_layers = config.num_kv_layers if is_mla(config) else config.num_layers
+    heads = num_layers * config.num_kv_heads
     if precision == "fp16":
         return 2 * heads * config.head_dim * element_bytes
     if precision == "int8":
@@ -101,8 +65,7 @@ def kv_precision_for(profile: Profile) -> str:
 
 def kv_pool_bytes(config: ModelConfig, num_tokens: int, block_size: int, precision: str, element_bytes: int) -> int:
     """Bytes of whole pages holding `num_tokens` tokens."""
-    num_blocks = -(-num_tokens // block_size)
-    return num_blocks * block_size * kv_bytes_per_token(config, precision, element_bytes)
+    return -(-num_tokens // block_size) * block_size * kv_bytes_per_token(config, precision, element_bytes)
 
 
 # ---------------------------------------------------------------- weights
@@ -115,69 +78,57 @@ class LinearShape:
     name: str
     in_features: int
     out_features: int
-    has_bias: bool
+    has_bias: bool = False
+
+
+def _mlp_linears(prefix: str, hidden: int, inter: int) -> list[LinearShape]:
+    return [
+        LinearShape(f"{prefix}.gate_proj", hidden, inter),
+        LinearShape(f"{prefix}.up_proj", hidden, inter),
+        LinearShape(f"{prefix}.down_proj", inter, hidden),
+    ]
 
 
 def decoder_linears(config: ModelConfig) -> list[LinearShape]:
-    """Every Linear inside the decoder layers (the ones AWQ quantizes)."""
-    if _is_deepseek_v2(config):
-        return deepseek_v2_linears(config)
-    h, i = config.hidden_size, config.intermediate_size
-    bias = config.has_qkv_bias
-    shapes = []
+    """Every Linear inside the decoder layers (the ones AWQ quantizes).
+
+    DeepSeek-V2: MLA projections, a dense MLP in the first `first_k_dense_replace`
+    layers, then routed and shared experts; its router is float32 and not counted here.
+    """
+    h, mla, shapes = config.hidden_size, is_mla(config), []
     for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}"
-        shapes += [
-            LinearShape(f"{prefix}.self_attn.q_proj", h, config.q_size, bias),
-            LinearShape(f"{prefix}.self_attn.k_proj", h, config.kv_size, bias),
-            LinearShape(f"{prefix}.self_attn.v_proj", h, config.kv_size, bias),
-            LinearShape(f"{prefix}.self_attn.o_proj", config.q_size, h, False),
-            LinearShape(f"{prefix}.mlp.gate_proj", h, i, False),
-            LinearShape(f"{prefix}.mlp.up_proj", h, i, False),
-            LinearShape(f"{prefix}.mlp.down_proj", i, h, False),
-        ]
-    return shapes
-
-
-def _is_deepseek_v2(config) -> bool:
-    from lowvram.models.deepseek_v2 import DeepseekV2Config
-
-    return isinstance(config, DeepseekV2Config)
-
-
-def deepseek_v2_linears(config) -> list[LinearShape]:
-    """DeepSeek-V2's decoder Linears (a DeepseekV2Config): MLA projections, a dense MLP in
-    the first `first_k_dense_replace` layers, then shared and routed experts. The router
-    is not a Linear of the checkpoint's kind (see `router_bytes`)."""
-    h, heads, rank = config.hidden_size, config.num_heads, config.kv_lora_rank
-    shapes = []
-    for layer in range(config.num_layers):
-        attn = f"model.layers.{layer}.self_attn"
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        if not mla:
+            bias = config.has_qkv_bias
+            shapes += [
+                LinearShape(f"{attn}.q_proj", h, config.q_size, bias),
+                LinearShape(f"{attn}.k_proj", h, config.kv_size, bias),
+                LinearShape(f"{attn}.v_proj", h, config.kv_size, bias),
+                LinearShape(f"{attn}.o_proj", config.q_size, h),
+                *_mlp_linears(mlp, h, config.intermediate_size),
+            ]
+            continue
+        heads, q_out = config.num_heads, config.num_heads * config.qk_head_dim
         if config.q_lora_rank is None:
-            shapes.append(LinearShape(f"{attn}.q_proj", h, heads * config.qk_head_dim, False))
+            shapes.append(LinearShape(f"{attn}.q_proj", h, q_out))
         else:
-            shapes += [
-                LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank, False),
-                LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, heads * config.qk_head_dim, False),
-            ]
+            shapes.append(LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank))
+            shapes.append(LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, q_out))
         shapes += [
-            LinearShape(f"{attn}.kv_a_proj_with_mqa", h, config.kv_head_dim, False),
-            LinearShape(f"{attn}.kv_b_proj", rank, heads * (config.qk_nope_head_dim + config.v_head_dim), False),
-            LinearShape(f"{attn}.o_proj", heads * config.v_head_dim, h, False),
+            LinearShape(f"{attn}.kv_a_proj_with_mqa", h, config.kv_head_dim),
+            LinearShape(
+                f"{attn}.kv_b_proj", config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim)
+            ),
+            LinearShape(f"{attn}.o_proj", heads * config.v_head_dim, h),
         ]
-        mlp = f"model.layers.{layer}.mlp"
         if not config.is_moe_layer(layer):
-            blocks = [(mlp, config.intermediate_size)]
-        else:
-            blocks = [(f"{mlp}.experts.{e}", config.moe_intermediate_size) for e in range(config.num_routed_experts)]
-            if config.num_shared_experts:
-                blocks.append((f"{mlp}.shared_experts", config.moe_intermediate_size * config.num_shared_experts))
-        for prefix, inter in blocks:
-            shapes += [
-                LinearShape(f"{prefix}.gate_proj", h, inter, False),
-                LinearShape(f"{prefix}.up_proj", h, inter, False),
-                LinearShape(f"{prefix}.down_proj", inter, h, False),
-            ]
+            shapes += _mlp_linears(mlp, h, config.intermediate_size)
+            continue
+        for e in range(config.num_routed_experts):
+            shapes += _mlp_linears(f"{mlp}.experts.{e}", h, config.moe_intermediate_size)
+        if config.num_shared_experts:
+            shared = config.moe_intermediate_size * config.num_shared_experts
+            shapes += _mlp_linears(f"{mlp}.shared_experts", h, shared)
     return shapes
 
 
@@ -187,81 +138,24 @@ def _routed_expert_index(linear_name: str) -> int | None:
     return int(parts[5]) if len(parts) > 6 and parts[3:5] == ["mlp", "experts"] else None
 
 
-@dataclass(frozen=True)
-class AwqSettings:
-    """The parts of an AWQ quantization config that decide tensor sizes."""
-
-    bits: int
-    group_size: int
-    modules_to_not_convert: tuple[str, ...]
-
-    def is_quantized(self, linear_name: str) -> bool:
-        # AutoAWQ's rule: a layer stays FP16 when any listed fragment occurs in its name.
-        return not any(fragment in linear_name for fragment in self.modules_to_not_convert)
-
-
-def awq_settings(raw_config: dict | None, config: ModelConfig | None = None) -> AwqSettings | None:
-    """AWQ settings of a checkpoint: the ModelConfig's parsed quantization (which also
-    reads a legacy quant_config.json) when present, else config.json's
-    `quantization_config`; None for an unquantized checkpoint."""
-    parsed = getattr(config, "quantization", None)
-    if parsed is not None:
-        return AwqSettings(int(parsed.bits), int(parsed.group_size), tuple(parsed.modules_to_not_convert))
-    quant = (raw_config or {}).get("quantization_config")
-    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "awq":
-        return None
-    return AwqSettings(
-        bits=int(quant.get("bits", quant.get("w_bit", 4))),
-        group_size=int(quant.get("group_size", quant.get("q_group_size", 128))),
-        modules_to_not_convert=tuple(quant.get("modules_to_not_convert") or ()),
-    )
-
-
-@dataclass(frozen=True)
-class Compensation:
-    """Residual compensation stored beside INT4 layers: the low-rank rank of each
-    layer and the layers that keep a bias correction."""
-
-    ranks: dict[str, int] = field(default_factory=dict)
-    bias_corrected: frozenset[str] = frozenset()
-
-    def bytes_of(self, linear: LinearShape, element_bytes: int) -> int:
-        """Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype
-        (the loader converts them like every floating tensor). The loader adds a correction
-        into the layer's bias, so it costs bytes only where the layer has no bias."""
-        rank = self.ranks.get(linear.name, 0)
-        is_own_tensor = linear.name in self.bias_corrected and not linear.has_bias
-        correction = linear.out_features if is_own_tensor else 0
-        return (rank * (linear.in_features + linear.out_features) + correction) * element_bytes
-
-
-def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor shapes from a safetensors header (8-byte length, then JSON), without reading data."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    return {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
-
-
-def compensation_settings(model_dir: str | Path | None) -> Compensation:
-    """The compensation `lowvram quantize` stored for a checkpoint: per-layer ranks and
-    bias corrections, read from the shapes in its side file (checkpoint.COMPENSATION_FILE).
-    A config.json alone (a plan without the directory) has none."""
-    if model_dir is None:
-        return Compensation()
+def compensation_settings(model_dir: str | Path | None) -> tuple[dict[str, int], frozenset[str]]:
+    """The compensation `lowvram quantize` stored for a checkpoint: each layer's low-rank
+    rank and the layers with a bias correction, read from the tensor shapes in the header
+    of its side file (no data is read); none without a directory."""
     from lowvram.models.checkpoint import COMPENSATION_FILE
     from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A
 
-    path = Path(model_dir) / COMPENSATION_FILE
-    if not path.is_file():
-        return Compensation()
+    path = Path(model_dir or "") / COMPENSATION_FILE
+    if model_dir is None or not path.is_file():
+        return {}, frozenset()
     try:
-        shapes = _safetensors_shapes(path)
+        with open(path, "rb") as f:  # safetensors: an 8-byte length, then a JSON header
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     except (OSError, ValueError):
-        return Compensation()
-    ranks = {name[: -len(LORA_A) - 1]: shape[0] for name, shape in shapes.items() if name.endswith("." + LORA_A)}
-    corrected = frozenset(name[: -len(BIAS_CORRECTION) - 1] for name in shapes if name.endswith("." + BIAS_CORRECTION))
-    return Compensation(ranks, corrected)
+        return {}, frozenset()
+    ranks = {name[: -len(LORA_A) - 1]: t["shape"][0] for name, t in header.items() if name.endswith("." + LORA_A)}
+    corrected = frozenset(name[: -len(BIAS_CORRECTION) - 1] for name in header if name.endswith("." + BIAS_CORRECTION))
+    return ranks, corrected
 
 
 def awq_linear_bytes(linear: LinearShape, group_size: int, bias_bytes: int = FP16_BYTES) -> int:
@@ -269,11 +163,8 @@ def awq_linear_bytes(linear: LinearShape, group_size: int, bias_bytes: int = FP1
     qzeros int32 [K/G, N/8], scales fp16 [K/G, N], bias [N] if any."""
     k, n = linear.in_features, linear.out_features
     num_groups = k // group_size
-    qweight = k * (n // 8) * 4
-    qzeros = num_groups * (n // 8) * 4
-    scales = num_groups * n * FP16_BYTES
     bias = n * bias_bytes if linear.has_bias else 0
-    return qweight + qzeros + scales + bias
+    return k * (n // 8) * 4 + num_groups * (n // 8) * 4 + num_groups * n * FP16_BYTES + bias
 
 
 @dataclass
@@ -295,11 +186,9 @@ class WeightBytes:
     # Each decoder layer's bytes (norms and compensation included), and its MLP's share.
     layer_bytes: list[int] = field(default_factory=list)
     layer_mlp_bytes: list[int] = field(default_factory=list)
-    # Set when some weights live in host memory (plan_weight_offload); total_bytes then
-    # counts only what the device holds.
+    # Set when some layers live in host memory (plan_weight_offload).
     offload: OffloadPlan | None = None
-    # MoE models: routed experts kept in host memory (counted in the kinds above, not on
-    # the device), and how many of each layer's experts the device caches.
+    # MoE models: routed experts kept in host memory, and how many per layer the device caches.
     host_expert_bytes: int = 0
     num_cached_experts: int = 0
     num_routed_experts: int = 0
@@ -313,14 +202,8 @@ class WeightBytes:
     @property
     def all_bytes(self) -> int:
         """Every weight, wherever it lives."""
-        return (
-            self.int4_bytes
-            + self.fp16_linear_bytes
-            + self.compensation_bytes
-            + self.embedding_bytes
-            + self.head_bytes
-            + self.norm_bytes
-        )
+        kinds = (self.int4_bytes, self.fp16_linear_bytes, self.compensation_bytes, self.embedding_bytes)
+        return sum(kinds) + self.head_bytes + self.norm_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -328,34 +211,6 @@ class WeightBytes:
         if self.offload is not None:
             return self.offload.device_weight_bytes - self.host_expert_bytes
         return self.all_bytes - self.host_expert_bytes - self.host_embedding_bytes
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) for every kind present, in the order a table shows them."""
-        rows = []
-        if self.num_int4_layers:
-            rows.append((f"INT4 layers ({self.num_int4_layers})", self.int4_bytes))
-        if self.num_fp16_layers:
-            kept = "FP16-kept layers" if self.weight_format == "awq" else "linear layers"
-            rows.append((f"{kept} ({self.num_fp16_layers})", self.fp16_linear_bytes))
-        if self.compensation_bytes:
-            rows.append(("compensation terms", self.compensation_bytes))
-        rows.append(("embeddings", self.embedding_bytes))
-        if self.is_embedding_on_host and self.offload is None:
-            rows.append(("embeddings held in host memory (embeddings_on_host)", -self.embedding_bytes))
-        if self.head_bytes:
-            rows.append(("lm head", self.head_bytes))
-        rows.append(("norms", self.norm_bytes))
-        if self.offload is not None:
-            rows += self.offload.rows()
-        if self.host_expert_bytes:
-            rows.append(
-                (
-                    f"routed experts held in host memory ({self.num_cached_experts} of "
-                    f"{self.num_routed_experts} per layer cached on the device)",
-                    -self.host_expert_bytes,
-                )
-            )
-        return rows
 
 
 # The projections lowvram.models.fusion concatenates in dense decoder layers.
@@ -366,343 +221,106 @@ FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part 
 def keeps_embeddings_on_host(config: ModelConfig, profile: Profile, device_type: str) -> bool:
     """Whether the engine leaves the embedding table in host memory: the profile asks, on
     CUDA, and the head does not share the table (a tied head needs it on the device)."""
-    return (
-        profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not _is_deepseek_v2(config)
-    )
+    return profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not is_mla(config)
+
+
+def _is_int4(awq: AwqConfig | None, linear: LinearShape) -> bool:
+    # DeepSeek-V2's kv_b_proj is dequantized at load (the model absorbs it into attention).
+    return awq is not None and not awq.is_skipped(linear.name) and not linear.name.endswith("kv_b_proj")
 
 
 def weight_bytes_by_kind(
     config: ModelConfig,
-    raw_config: dict | None,
     element_bytes: int,
     *,
     model_dir: str | Path | None = None,
     max_cached_experts: int | None = None,
     is_embedding_on_host: bool = False,
 ) -> WeightBytes:
-    """Weights on the device, from config.json (and, given the directory, the shapes
+    """Weights on the device, from the model config (and, given the directory, the shapes
     in the compensation side file).
 
-    Floating tensors take `element_bytes` (the compute dtype: 2 on CUDA, 4 for
-    float32 on the CPU); AWQ qweight/qzeros stay int32 and scales stay fp16, as the
-    loader keeps them. A tied head shares the embedding and costs nothing.
+    Floating tensors take `element_bytes` (the compute dtype); AWQ qweight/qzeros stay
+    int32 and scales fp16, as the loader keeps them. A tied head shares the embedding.
     DeepSeek-V2: `max_cached_experts` routed experts per MoE layer on the device, the
-    rest in host memory (None: all on the device); kv_b_proj is dequantized at load
-    and the routers are float32. `is_embedding_on_host` (keeps_embeddings_on_host) leaves
-    the embedding table out of the device total.
+    rest in host memory (None: all on the device); its routers are float32.
+    `is_embedding_on_host` (keeps_embeddings_on_host) leaves the table out of the total.
     """
-    awq = awq_settings(raw_config, config)
-    compensation = compensation_settings(model_dir) if awq else Compensation()
-    weights = WeightBytes(weight_format="awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
+    awq, mla = config.quantization, is_mla(config)
+    ranks, corrected = compensation_settings(model_dir) if awq else ({}, frozenset())
+    weights = WeightBytes("awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
     weights.layer_bytes = [2 * config.hidden_size * element_bytes] * config.num_layers  # the two norms
     weights.layer_mlp_bytes = [0] * config.num_layers
-    is_mla = _is_deepseek_v2(config)
     fused_int4: dict[tuple[int, str], list[int]] = {}  # (layer, group) -> K * N of its INT4 parts
     for linear in decoder_linears(config):
         k, n = linear.in_features, linear.out_features
-        is_dequantized = is_mla and linear.name.endswith("kv_b_proj")
-        if awq is not None and awq.is_quantized(linear.name) and not is_dequantized:
+        layer = int(linear.name.split(".")[2])  # model.layers.{i}.<module>
+        if _is_int4(awq, linear):
             size = awq_linear_bytes(linear, awq.group_size, element_bytes)
             weights.int4_bytes += size
             weights.num_int4_layers += 1
             weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, k * n)
-            group = None if is_mla else FUSED_GROUP_OF.get(linear.name.rsplit(".", 1)[-1])
+            group = None if mla else FUSED_GROUP_OF.get(linear.name.rsplit(".", 1)[-1])
             if group is not None:
-                fused_int4.setdefault((int(linear.name.split(".")[2]), group), []).append(k * n)
-            extra = compensation.bytes_of(linear, element_bytes)
+                fused_int4.setdefault((layer, group), []).append(k * n)
+            # Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype; the
+            # loader adds a correction into the layer's bias, so it costs bytes only without one.
+            correction = n if linear.name in corrected and not linear.has_bias else 0
+            extra = (ranks.get(linear.name, 0) * (k + n) + correction) * element_bytes
             weights.compensation_bytes += extra
             size += extra
         else:
             size = (k * n + (n if linear.has_bias else 0)) * element_bytes
             weights.fp16_linear_bytes += size
             weights.num_fp16_layers += 1
-        layer = int(linear.name.split(".")[2])  # model.layers.{i}.<module>
         weights.layer_bytes[layer] += size
         if ".mlp." in linear.name:
             weights.layer_mlp_bytes[layer] += size
-        expert = _routed_expert_index(linear.name) if is_mla else None
+        expert = _routed_expert_index(linear.name) if mla else None
         if expert is not None and max_cached_experts is not None and expert >= max_cached_experts:
             weights.host_expert_bytes += size
-    # Dense layers run q/k/v and gate/up as one fused INT4 linear each (lowvram.models.fusion) when
-    # every part is INT4: the dequantization scratch is the fused weight's.
+    # Dense layers run q/k/v and gate/up as one fused INT4 linear each (lowvram.models.fusion)
+    # when every part is INT4: the dequantization scratch is then the fused weight's.
     for (_, group), parts in fused_int4.items():
         if len(parts) == len(FUSED_GROUPS[group]):
             weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, sum(parts))
-    table = config.vocab_size * config.hidden_size * element_bytes
-    weights.embedding_bytes = table
-    weights.head_bytes = 0 if config.is_tied_head else table
-    weights.is_embedding_on_host = is_embedding_on_host and not config.is_tied_head and not is_mla
+    weights.embedding_bytes = config.vocab_size * config.hidden_size * element_bytes
+    weights.head_bytes = 0 if config.is_tied_head else weights.embedding_bytes
+    weights.is_embedding_on_host = is_embedding_on_host and not config.is_tied_head and not mla
     weights.norm_bytes = (2 * config.num_layers + 1) * config.hidden_size * element_bytes
-    if is_mla:
-        _add_deepseek_v2_extras(weights, config, element_bytes, max_cached_experts)
+    if mla:
+        num_moe = config.num_moe_layers
+        weights.fp16_linear_bytes += num_moe * config.num_routed_experts * config.hidden_size * 4  # routers
+        weights.num_fp16_layers += num_moe
+        weights.norm_bytes += config.num_layers * (config.kv_lora_rank + (config.q_lora_rank or 0)) * element_bytes
+        weights.num_routed_experts = num_routed = config.num_routed_experts
+        weights.num_cached_experts = (
+            min(max_cached_experts, num_routed) if max_cached_experts is not None else num_routed
+        )
     return weights
 
 
-def router_bytes(config) -> int:
-    """One MoE layer's router: float32 [experts, hidden], as the model keeps it."""
-    return config.num_routed_experts * config.hidden_size * 4
-
-
-def _add_deepseek_v2_extras(weights: WeightBytes, config, element_bytes: int, max_cached_experts: int | None) -> None:
-    num_moe = config.num_moe_layers
-    weights.fp16_linear_bytes += num_moe * router_bytes(config)
-    weights.num_fp16_layers += num_moe
-    q_norm = config.q_lora_rank or 0
-    weights.norm_bytes += config.num_layers * (config.kv_lora_rank + q_norm) * element_bytes
-    weights.num_routed_experts = config.num_routed_experts
-    weights.num_cached_experts = (
-        config.num_routed_experts if max_cached_experts is None else min(max_cached_experts, config.num_routed_experts)
-    )
-
-
-def routed_expert_bytes(config, raw_config: dict | None, element_bytes: int) -> int:
+def routed_expert_bytes(config, element_bytes: int) -> int:
     """Device bytes of one routed expert (DeepSeek-V2): what one expert-cache slot holds."""
-    awq = awq_settings(raw_config, config)
-    h, m = config.hidden_size, config.moe_intermediate_size
-    prefix = f"model.layers.{_first_moe_layer(config)}.mlp.experts.0"
+    first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
     total = 0
-    for linear in (
-        LinearShape(f"{prefix}.gate_proj", h, m, False),
-        LinearShape(f"{prefix}.up_proj", h, m, False),
-        LinearShape(f"{prefix}.down_proj", m, h, False),
+    for linear in _mlp_linears(
+        f"model.layers.{first_moe}.mlp.experts.0", config.hidden_size, config.moe_intermediate_size
     ):
-        if awq is not None and awq.is_quantized(linear.name):
-            total += awq_linear_bytes(linear, awq.group_size, element_bytes)
+        if _is_int4(config.quantization, linear):
+            total += awq_linear_bytes(linear, config.quantization.group_size, element_bytes)
         else:
             total += linear.in_features * linear.out_features * element_bytes
     return total
-
-
-def _first_moe_layer(config) -> int:
-    return next(i for i in range(config.num_layers) if config.is_moe_layer(i))
-
-
-# ---------------------------------------------------------------- workspace
-
-
-def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
-    """Whether a step runs the Triton attention kernels (else the plain-torch path).
-
-    Mirrors attention._is_kernel_path: CUDA and head_dim >= 16, with Triton
-    importable and not forced off.
-    """
-    if device_type != "cuda" or head_dim < 16:
-        return False
-    try:
-        from lowvram.kernels import paged_attention
-    except Exception:  # planning must not fail where the kernels cannot even be imported
-        return False
-    return bool(getattr(paged_attention, "HAS_TRITON", False)) and not getattr(
-        paged_attention, "FORCE_REFERENCE", False
-    )
-
-
-def rope_table_bytes(config: ModelConfig, context_len: int) -> int:
-    """Rotary's float32 cos and sin tables once they cover `context_len` positions."""
-    positions = ROPE_MIN_POSITIONS
-    while positions < context_len:
-        positions *= 2
-    rotary_dim = config.qk_rope_head_dim if _is_deepseek_v2(config) else config.head_dim
-    return 2 * positions * (rotary_dim // 2) * 4
-
-
-def int4_scratch_bytes(weights: WeightBytes | None, num_tokens: int, uses_kernels: bool) -> int:
-    """Temporary dequantized weight of the largest INT4 layer during a step of `num_tokens`."""
-    if weights is None or not weights.max_int4_layer_elements:
-        return 0
-    if not uses_kernels:
-        return AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT * weights.max_int4_layer_elements
-    if num_tokens >= AWQ_DEQUANT_MATMUL_MIN_TOKENS:
-        return FP16_BYTES * weights.max_int4_layer_elements
-    return 0  # the Triton GEMM/GEMV kernels read INT4 directly
-
-
-@dataclass
-class Workspace:
-    """Peak bytes of each phase of a step; the step's peak is the largest phase
-    plus what stays allocated across steps (Rotary's tables, step metadata)."""
-
-    phases: dict[str, int]
-    rope_bytes: int
-    metadata_bytes: int
-    num_tokens: int
-    num_seqs: int
-    context_len: int
-    uses_kernels: bool
-    graph_bytes: int = 0  # what the decode CUDA graphs keep allocated (decode_graph_bytes)
-    # The cuBLAS workspace of the engine's own stream: its first matmul allocates it through
-    # torch's allocator and it stays for the life of the process (CUDA only).
-    cublas_bytes: int = 0
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get)
-
-    @property
-    def peak_bytes(self) -> int:
-        return (
-            self.phases[self.peak_phase] + self.rope_bytes + self.metadata_bytes + self.graph_bytes + self.cublas_bytes
-        )
-
-
-def step_workspace(
-    config: ModelConfig,
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    context_len: int,
-    element_bytes: int,
-    uses_kernels: bool,
-    block_size: int = 16,
-    int4_scratch: int = 0,
-) -> Workspace:
-    """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs`
-    sequences over contexts of at most `context_len` tokens.
-
-    Counted from what model.py, kernels/paged_attention.py and sampling.py
-    allocate, phase by phase. In every phase of a layer the layer's input and
-    (after attention) its running sum stay alive as [T, hidden] tensors,
-    because the caller still holds the input while the layer runs.
-
-    - mlp: the normed input and three [T, intermediate] tensors at once
-      (silu(gate), up, and their product); with INT4 layers the dequantized
-      weight of the layer being computed replaces one of them at most.
-    - rotary: q, k, v, and float32 copies and halves of q while RoPE runs
-      (about 12 bytes per q element), or of k while q's result is kept.
-    - attention: the Triton kernels add only their [T, H, D] output (decode
-      also float32 partials per context partition); the plain-torch path
-      gathers the context as float32 K/V, repeats them over the query heads,
-      and keeps two float32 score tensors [H, Q, L] for the longest prefill
-      chunk (Q = min(T, L)), sequence by sequence.
-    - logits: float32 logits of every sequence plus one sampling row.
-    """
-    e = element_bytes
-    t, s, ctx = num_tokens, min(num_seqs, num_tokens), context_len
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv, heads, d = config.q_size, config.kv_size, config.num_heads, config.head_dim
-    residual = 2 * t * hidden * e  # layer input and running sum
-    phases: dict[str, int] = {}
-
-    phases["mlp"] = residual + t * hidden * e + max(3 * t * inter * e, 2 * t * inter * e + int4_scratch)
-
-    qkv = t * (q + 2 * kv) * e
-    cos_sin = 2 * t * (d // 2) * 4
-    rotary_q = 12 * t * q
-    rotary_k = t * q * e + max(4 * t * q + 4 * t * kv, 12 * t * kv)
-    phases["rotary"] = residual + qkv + cos_sin + max(rotary_q, rotary_k)
-
-    if uses_kernels:
-        num_partitions = max(1, math.ceil(ctx / MIN_DECODE_PARTITION_TOKENS))
-        decode_partials = s * heads * num_partitions * (d + 1) * 4
-        phases["attention"] = residual + qkv + max(t * q * e + t * hidden * e, decode_partials)
-    else:
-        q_len = min(t, ctx)
-        gathered = 2 * ctx * kv * 4 + 2 * ctx * q * 4  # float32 K, V and their copies per query head
-        scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # two float32 [H, Q, L] plus the causal mask
-        phases["attention"] = residual + qkv + t * q * 4 + q_len * q * 4 + gathered + scores
-
-    phases["logits"] = (
-        residual + s * hidden * e + s * config.vocab_size * (e + 4) + SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size
-    )
-
-    # input ids, positions and slots (int64 [T]) and the int32 block table [S, blocks]
-    metadata = 3 * t * 8 + s * -(-ctx // block_size) * 4
-    return Workspace(phases, rope_table_bytes(config, ctx), metadata, t, num_seqs, ctx, uses_kernels)
-
-
-def step_tokens(profile: Profile, max_model_len: int) -> int:
-    """The most tokens one step can hold: the token budget, or every sequence at full length."""
-    return min(profile.max_num_batched_tokens, profile.max_num_seqs * max_model_len)
-
-
-def decode_graph_bytes(config: ModelConfig, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-    """What the decode CUDA graphs (lowvram.engine.cuda_graphs) keep allocated between steps: the
-    static inputs and the float32 logits of the largest batch, which every graph writes,
-    and the cuBLAS workspace of the one stream graphs are captured on. The activations of
-    a captured step live in the graphs' own pool and are reused, so they are not counted."""
-    max_blocks = -(-max_model_len // block_size)
-    inputs = max_num_seqs * (3 * 8 + 4) + max_num_seqs * max_blocks * 4
-    return inputs + max_num_seqs * config.vocab_size * 4 + CUBLAS_WORKSPACE_BYTES
-
-
-def profile_workspace(
-    config: ModelConfig,
-    profile: Profile,
-    max_model_len: int,
-    element_bytes: int,
-    device_type: str,
-    weights: WeightBytes | None = None,
-) -> Workspace:
-    """The workspace the engine reserves for a profile: its largest possible step, the
-    cuBLAS workspace of its stream (CUDA), and the decode graphs' buffers where the profile
-    replays graphs (CUDA, dense models)."""
-    num_tokens = step_tokens(profile, max_model_len)
-    kernels = uses_attention_kernels(device_type, config.head_dim)
-    workspace = step_workspace(
-        config,
-        num_tokens=num_tokens,
-        num_seqs=profile.max_num_seqs,
-        context_len=max_model_len,
-        element_bytes=element_bytes,
-        uses_kernels=kernels,
-        block_size=profile.kv_block_size,
-        int4_scratch=int4_scratch_bytes(weights, num_tokens, kernels),
-    )
-    if device_type == "cuda":
-        workspace.cublas_bytes = CUBLAS_WORKSPACE_BYTES
-    if device_type == "cuda" and profile.enable_cuda_graphs and not _is_deepseek_v2(config):
-        workspace.graph_bytes = decode_graph_bytes(config, profile.max_num_seqs, max_model_len, profile.kv_block_size)
-        if profile.enable_prefill_graphs:
-            workspace.graph_bytes += prefill_graph_bytes(
-                config, profile, max_model_len, element_bytes, kernels, weights
-            )
-    return workspace
-
-
-def prefill_graph_bytes(
-    config: ModelConfig,
-    profile: Profile,
-    max_model_len: int,
-    element_bytes: int,
-    uses_kernels: bool,
-    weights: WeightBytes | None = None,
-) -> int:
-    """What prefill graphs (lowvram.engine.cuda_graphs.PrefillGraphs) hold for good: their pool keeps
-    the activations of the largest bucket's step, which eager steps cannot reuse."""
-    tokens = min(MAX_PREFILL_GRAPH_TOKENS, step_tokens(profile, max_model_len))
-    step = step_workspace(
-        config,
-        num_tokens=tokens,
-        num_seqs=2,
-        context_len=max_model_len,
-        element_bytes=element_bytes,
-        uses_kernels=uses_kernels,
-        block_size=profile.kv_block_size,
-        int4_scratch=int4_scratch_bytes(weights, tokens, uses_kernels),
-    )
-    return step.phases[step.peak_phase]
-
-
-def activation_bytes(
-    config: ModelConfig,
-    profile: Profile,
-    element_bytes: int,
-    max_model_len: int | None = None,
-    device_type: str = "cuda",
-) -> int:
-    """Peak workspace of one step at the profile's token budget."""
-    max_model_len = max_model_len or profile.max_model_len
-    return profile_workspace(config, profile, max_model_len, element_bytes, device_type).peak_bytes
 
 
 # ---------------------------------------------------------------- the pool
 
 
 def memory_budget_bytes(profile: Profile, held_bytes: int = 0) -> int:
-    """What weights, KV and workspace may use together: the profile's budget times
-    its utilisation, capped by an emulated card, less `held_bytes` that this process
-    already holds on the device before the engine loads (another engine's leftovers,
-    the caller's own tensors): the budget is the process's, not one engine's."""
+    """What weights, KV and workspace may use together: the profile's budget times its
+    utilisation, capped by an emulated card, less `held_bytes` this process already held
+    on the device before the engine loads: the budget is the process's, not one engine's."""
     budget = profile.memory_budget_bytes
     if profile.emulate_vram_gib is not None:
         budget = min(budget, int(profile.emulate_vram_gib * profile.memory_utilization * GIB))
@@ -716,9 +334,13 @@ class KVPlan:
     bytes_per_token: int
     budget_bytes: int
     weight_bytes: int
-    activation_bytes: int
-    kv_precision: str = "fp16"
-    workspace: Workspace | None = None
+    kv_precision: str
+    workspace: Workspace
+
+    @property
+    def activation_bytes(self) -> int:
+        """The workspace the engine reserves beside weights and KV."""
+        return self.workspace.peak_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -728,11 +350,6 @@ class KVPlan:
     def max_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    @property
-    def free_bytes(self) -> int:
-        """Budget left for KV after weights and workspace (negative: over budget)."""
-        return self.budget_bytes - self.weight_bytes - self.activation_bytes
-
 
 def size_kv_pool(
     config: ModelConfig,
@@ -740,70 +357,38 @@ def size_kv_pool(
     weight_bytes: int,
     element_bytes: int,
     max_model_len: int,
-    *,
     device_type: str = "cuda",
-    raw_config: dict | None = None,
     held_bytes: int = 0,
 ) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace, never more
     than max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
     precision = kv_precision_for(profile)
-    weights = weight_bytes_by_kind(config, raw_config, element_bytes) if raw_config else None
-    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, weights)
+    int4 = weight_bytes_by_kind(config, element_bytes).max_int4_layer_elements if config.quantization else 0
+    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4)
     per_token = kv_bytes_per_token(config, precision, element_bytes)
-    block_size = profile.kv_block_size
     budget = memory_budget_bytes(profile, held_bytes)
-    free = budget - weight_bytes - workspace.peak_bytes
-    blocks_per_seq = -(-max_model_len // block_size)
-    num_blocks = max(0, min(free // (per_token * block_size), profile.max_num_seqs * blocks_per_seq))
-    return KVPlan(
-        int(num_blocks), block_size, per_token, budget, weight_bytes, workspace.peak_bytes, precision, workspace
-    )
-
-
-def largest_fitting_context(
-    config: ModelConfig,
-    profile: Profile,
-    weight_bytes: int,
-    element_bytes: int,
-    max_len: int,
-    *,
-    device_type: str = "cuda",
-    raw_config: dict | None = None,
-    held_bytes: int = 0,
-) -> int:
-    """The longest max_model_len (whole pages, at most `max_len`) for which the pool
-    holds one full-length sequence; 0 if none does."""
     block_size = profile.kv_block_size
+    free = budget - weight_bytes - workspace.peak_bytes
+    most = profile.max_num_seqs * -(-max_model_len // block_size)
+    num_blocks = max(0, min(free // (per_token * block_size), most))
+    return KVPlan(num_blocks, block_size, per_token, budget, weight_bytes, precision, workspace)
 
-    def fits(num_blocks: int) -> bool:
-        length = num_blocks * block_size
-        changed = profile.replace(max_model_len=max(16, length))
-        pool = size_kv_pool(
-            config,
-            changed,
-            weight_bytes,
-            element_bytes,
-            length,
-            device_type=device_type,
-            raw_config=raw_config,
-            held_bytes=held_bytes,
-        )
-        return pool.num_blocks >= num_blocks
 
+def longest_fitting(fits: Callable[[int], bool], max_len: int, block_size: int) -> int:
+    """The longest whole-page length, at most `max_len`, for which `fits(length)`
+    holds (fitting shrinks as length grows); 0 if none does."""
     low, high = 0, max(1, max_len // block_size)
-    if fits(high):
+    if fits(high * block_size):
         return high * block_size
-    while high - low > 1:
+    while high - low > 1:  # fits(low) or low == 0; not fits(high)
         mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
+        low, high = (mid, high) if fits(mid * block_size) else (low, mid)
     return low * block_size
 
 
 def host_kv_blocks(config: ModelConfig, profile: Profile, element_bytes: int, device_type: str) -> int:
     """Pages a KV pool in CUDA unified memory can keep beyond its device share: the
-    profile's host spill budget, where the backend may be `um` (kernels read such pages
-    over the bus; a pinned or device pool cannot)."""
+    profile's host spill, where the backend may be `um` (a pinned or device pool cannot)."""
     if device_type != "cuda" or profile.kv_backend not in ("um", "auto") or profile.host_spill_gib <= 0:
         return 0
     per_token = kv_bytes_per_token(config, kv_precision_for(profile), element_bytes)
@@ -818,77 +403,62 @@ def plan_kv(
     max_model_len: int,
     *,
     device_type: str = "cuda",
-    model_dir: str | Path | None = None,
     host_blocks: int = 0,
     held_bytes: int = 0,
 ) -> KVPlan:
     """Pages for what is left of the budget after weights and workspace.
 
     Never more than max_num_seqs full-length sequences need; never fewer than one
-    full-length sequence needs (that is an OutOfMemoryError with the numbers), counting
-    `host_blocks` pages the pool can keep in host memory beyond its device share
-    (host_kv_blocks: a unified-memory pool). `device_type` decides which attention path
-    the workspace is counted for; `model_dir` lets INT4 dequantization scratch be counted
-    from config.json; `held_bytes` is device memory the process held before loading
-    (memory_budget_bytes).
+    full-length sequence needs (an OutOfMemoryError with the numbers), counting
+    `host_blocks` pages a unified-memory pool keeps in host memory beyond its device
+    share (host_kv_blocks). `device_type` decides the attention path the workspace is
+    counted for; `held_bytes` is device memory the process held before loading.
     """
-    raw_config = read_raw_config(model_dir)
-    plan = size_kv_pool(
-        config,
-        profile,
-        weight_bytes,
-        element_bytes,
-        max_model_len,
-        device_type=device_type,
-        raw_config=raw_config,
-        held_bytes=held_bytes,
-    )
+
+    def pool(profile: Profile, length: int) -> KVPlan:
+        return size_kv_pool(config, profile, weight_bytes, element_bytes, length, device_type, held_bytes)
+
+    plan = pool(profile, max_model_len)
     blocks_per_seq = -(-max_model_len // plan.block_size)
-    if plan.num_blocks + host_blocks < blocks_per_seq:
-        kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
-        need = weight_bytes + plan.activation_bytes + kv
-        fitting = largest_fitting_context(
-            config,
-            profile,
-            weight_bytes,
-            element_bytes,
-            max_model_len - 1,
-            device_type=device_type,
-            raw_config=raw_config,
-            held_bytes=held_bytes,
-        )
-        raise OutOfMemoryError(
-            f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
-            f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
-            f"> budget {plan.budget_bytes / GIB:.2f} GiB"
-            + (f" (after {held_bytes / GIB:.2f} GiB this process already held)" if held_bytes else "")
-            + (
-                f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
-                f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. "
-                if host_blocks
-                else ". "
-            )
-            + (
-                f"Lower max_model_len (e.g. --max-model-len {fitting}), "
-                if fitting
-                else "Even the shortest context does not fit beside the weights and workspace: "
-            )
-            + "lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, "
-            + (
-                "weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
-                if profile.weight_offload in ("off", "auto")
-                else ""
-            )
-            + "or a larger profile; "
-            f"run `lowvram doctor --profile {profile.name} --context {max_model_len}` (with --model) for a plan"
-        )
-    return plan
+    if plan.num_blocks + host_blocks >= blocks_per_seq:
+        return plan
+    kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
+    need = weight_bytes + plan.activation_bytes + kv
+    fitting = longest_fitting(
+        lambda n: pool(profile.replace(max_model_len=max(16, n)), n).max_tokens >= n,
+        max_model_len - 1,
+        plan.block_size,
+    )
+    held = f" (after {held_bytes / GIB:.2f} GiB this process already held)" if held_bytes else ""
+    spill = (
+        f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
+        f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. "
+        if host_blocks
+        else ". "
+    )
+    shorter = (
+        f"Lower max_model_len (e.g. --max-model-len {fitting}), "
+        if fitting
+        else "Even the shortest context does not fit beside the weights and workspace: "
+    )
+    offload = (
+        "weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
+        if profile.weight_offload in ("off", "auto")
+        else ""
+    )
+    raise OutOfMemoryError(
+        f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
+        f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
+        f"> budget {plan.budget_bytes / GIB:.2f} GiB{held}{spill}{shorter}"
+        f"lower max_num_batched_tokens, use kv_precision int8, INT4 (AWQ) weights, {offload}or a larger profile; "
+        f"run `lowvram doctor --profile {profile.name} --context {max_model_len}` (with --model) for a plan"
+    )
 
 
 # ---------------------------------------------------------------- weight offload
 
 OFFLOAD_STRATEGIES = ("stream", "cpu")
-# What weight_offload "auto" uses; the measured winner (see lowvram/layer_streaming.py).
+# What weight_offload "auto" uses: the measured winner.
 DEFAULT_OFFLOAD_STRATEGY = "stream"
 # One streamed layer computes from one buffer while the next one's copy fills the other.
 NUM_STAGING_BUFFERS = 2
@@ -902,9 +472,9 @@ class OffloadPlan:
     in host memory and pass through `num_staging_buffers` device buffers of
     `staging_buffer_bytes` (the largest streamed layer) in every forward pass. The head
     and the norms stay; an untied embedding table moves to host memory. With strategy
-    "cpu" a streamed layer's MLP runs on the CPU and only the rest of the layer is
-    copied. Sizes in bytes; budget, workspace and KV are what the split was planned
-    against (KV: `max_model_len` tokens of every planned sequence).
+    "cpu" a streamed layer's MLP runs on the CPU and only the rest is copied. Budget,
+    workspace and KV (`max_model_len` tokens of every planned sequence) are what the
+    split was planned against.
     """
 
     strategy: str
@@ -945,8 +515,13 @@ class OffloadPlan:
         return self.host_embedding_bytes > 0
 
     @property
+    def room_bytes(self) -> int:
+        """What the budget leaves the weights after workspace, KV and slack."""
+        return self.budget_bytes - self.workspace_bytes - self.kv_bytes - self.reserve_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.device_weight_bytes + self.workspace_bytes + self.kv_bytes + self.reserve_bytes <= self.budget_bytes
+        return self.device_weight_bytes <= self.room_bytes
 
     def summary(self) -> str:
         mlp = " (their MLPs run on the CPU)" if self.strategy == "cpu" and self.num_streamed_layers else ""
@@ -960,25 +535,12 @@ class OffloadPlan:
                 f" ({self.copied_bytes_per_pass / MIB:.1f} MiB copied per forward pass, through "
                 f"{self.num_staging_buffers} staging {buffers} of {self.staging_buffer_bytes / MIB:.1f} MiB)"
             )
-        if self.is_embedding_on_host:
-            text += "; embeddings in host memory"
-        return text
-
-    def rows(self) -> list[tuple[str, int]]:
-        """(label, bytes) rows that turn the weights' sizes into what the device holds."""
-        where = f"{self.num_streamed_layers} of {self.num_layers} layers stream"
-        if self.is_embedding_on_host:
-            where += ", embeddings"
-        rows = [(f"held in host memory ({where})", -self.host_weight_bytes)]
-        if self.staging_bytes:
-            rows.append((f"staging buffers ({self.num_staging_buffers} x largest streamed layer)", self.staging_bytes))
-        return rows
+        return text + ("; embeddings in host memory" if self.is_embedding_on_host else "")
 
     def check(self, profile_name: str) -> None:
         """Raise OutOfMemoryError with the numbers when even streaming every layer does not fit."""
         if self.fits:
             return
-        room = self.budget_bytes - self.workspace_bytes - self.kv_bytes - self.reserve_bytes
         tied = ", embeddings" if not self.is_embedding_on_host else ""
         hint = (
             "weight_offload cpu (only the attention part of a layer is staged), " if self.strategy == "stream" else ""
@@ -987,10 +549,11 @@ class OffloadPlan:
             f"the model does not fit even with every decoder layer streamed from host memory: head, norms{tied} "
             f"{self.fixed_bytes / GIB:.2f} GiB + {self.num_staging_buffers} staging buffers of "
             f"{self.staging_buffer_bytes / MIB:.0f} MiB (one layer each) = {self.device_weight_bytes / GIB:.2f} GiB, "
-            f"but the budget {self.budget_bytes / GIB:.2f} GiB leaves {room / GIB:.2f} GiB after the workspace "
-            f"{self.workspace_bytes / GIB:.2f} GiB, KV {self.kv_bytes / GIB:.2f} GiB for a {self.max_model_len}-token "
-            f"context and allocator slack {self.reserve_bytes / GIB:.2f} GiB. Lower max_model_len, use kv_precision int8, lower max_num_batched_tokens, {hint}or use a "
-            f"larger profile; run `lowvram doctor --profile {profile_name} --context {self.max_model_len}` "
+            f"but the budget {self.budget_bytes / GIB:.2f} GiB leaves {self.room_bytes / GIB:.2f} GiB after the "
+            f"workspace {self.workspace_bytes / GIB:.2f} GiB, KV {self.kv_bytes / GIB:.2f} GiB for a "
+            f"{self.max_model_len}-token context and allocator slack {self.reserve_bytes / GIB:.2f} GiB. "
+            f"Lower max_model_len, use kv_precision int8, lower max_num_batched_tokens, {hint}or use a larger "
+            f"profile; run `lowvram doctor --profile {profile_name} --context {self.max_model_len}` "
             "(with --model) for a plan"
         )
 
@@ -1014,10 +577,9 @@ def plan_offload(
     allocator slack; the rest stream.
 
     `layer_bytes[i]`: layer i as the device holds it; `staged_bytes[i]`: what a forward
-    pass copies in when it streams (all of it; without its MLP for "cpu"). Which layers
-    stream does not change the bytes copied per pass, and the last ones streaming lets
-    the first two copies overlap the resident layers' compute. When not even every
-    layer streaming fits, the plan keeps none and its `fits` is False.
+    pass copies in when it streams (without its MLP for "cpu"). Streaming the last
+    layers lets the first copies overlap the resident layers' compute. When not even
+    every layer streaming fits, the plan keeps none and its `fits` is False.
     """
     if strategy not in OFFLOAD_STRATEGIES:
         raise ValueError(f"unknown offload strategy {strategy!r}; expected one of {OFFLOAD_STRATEGIES}")
@@ -1057,49 +619,34 @@ def plan_weight_offload(
     max_model_len: int,
     *,
     device_type: str = "cuda",
-    raw_config: dict | None = None,
     num_seqs: int = 1,
     held_bytes: int = 0,
 ) -> OffloadPlan | None:
-    """The split the engine makes under the profile's `weight_offload`, from config.json's
+    """The split the engine makes under the profile's `weight_offload`, from the config's
     sizes (`weights`); None when every weight stays on the device.
 
     "auto" offloads only on CUDA and only when the weights do not fit beside the
-    workspace and one KV page per sequence: a model that fits but leaves too little
-    room for its context gets plan_kv's error (lower max_model_len) rather than a
-    silent slowdown. Offloaded, the split leaves room for `num_seqs` sequences of
-    `max_model_len` tokens and for the allocator slack the doctor counts (cuBLAS
-    workspaces, the fragmentation reserve), since resident layers would otherwise fill
-    the budget to the last byte.
+    workspace and one KV page per sequence: a model that fits but leaves too little room
+    for its context gets plan_kv's error rather than a silent slowdown. Offloaded, the
+    split leaves room for `num_seqs` sequences of `max_model_len` tokens and for the
+    allocator slack the doctor counts, since resident layers would otherwise fill the
+    budget to the last byte.
     """
     mode = profile.weight_offload
     # MoE models leave the device by routed expert instead (lowvram.models.expert_offload).
-    if mode == "off" or (mode == "auto" and device_type != "cuda") or _is_deepseek_v2(config):
+    if mode == "off" or (mode == "auto" and device_type != "cuda") or is_mla(config):
         return None
-    pool = size_kv_pool(
-        config,
-        profile,
-        0,
-        element_bytes,
-        max_model_len,
-        device_type=device_type,
-        raw_config=raw_config,
-        held_bytes=held_bytes,
-    )
+    pool = size_kv_pool(config, profile, 0, element_bytes, max_model_len, device_type, held_bytes)
     one_page_each = num_seqs * profile.kv_block_size * pool.bytes_per_token
-    if mode == "auto" and (
-        weights.all_bytes - weights.host_embedding_bytes + pool.activation_bytes + one_page_each <= pool.budget_bytes
-    ):
+    on_device = weights.all_bytes - weights.host_embedding_bytes
+    if mode == "auto" and on_device + pool.activation_bytes + one_page_each <= pool.budget_bytes:
         return None
     strategy = DEFAULT_OFFLOAD_STRATEGY if mode == "auto" else mode
-    staged = (
-        weights.layer_bytes
-        if strategy == "stream"
-        else [layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
-    )
+    staged = weights.layer_bytes
+    if strategy == "cpu":
+        staged = [layer - mlp for layer, mlp in zip(weights.layer_bytes, weights.layer_mlp_bytes)]
     host_embedding = 0 if config.is_tied_head else weights.embedding_bytes
     kv = num_seqs * kv_pool_bytes(config, max_model_len, profile.kv_block_size, pool.kv_precision, element_bytes)
-    reserve = int(FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes))
     return plan_offload(
         weights.layer_bytes,
         staged,
@@ -1108,7 +655,7 @@ def plan_weight_offload(
         budget_bytes=pool.budget_bytes,
         workspace_bytes=pool.activation_bytes,
         kv_bytes=kv,
-        reserve_bytes=reserve,
+        reserve_bytes=int(FRAGMENTATION_RESERVE_FRACTION * (kv + pool.activation_bytes)),
         strategy=strategy,
         max_resident_layers=profile.max_resident_layers,
         max_model_len=max_model_len,
@@ -1128,20 +675,20 @@ def plan_expert_cache(
     max_model_len: int,
     *,
     device_type: str = "cuda",
-    raw_config: dict | None = None,
     model_dir: str | Path | None = None,
     held_bytes: int = 0,
 ) -> int:
-    """Routed experts per MoE layer to keep on the device (DeepSeek-V2; lowvram.models.expert_offload):
-    all of them when they fit, else as many as fit beside the other weights, the
-    workspace and the KV of one full-length sequence (the least plan_kv accepts; pages
-    beyond it spill to the host). Decode moves every missing expert over the bus, so the
-    cache takes the room a larger KV pool would otherwise get. At least
-    MIN_CACHED_EXPERTS: when even those do not fit, plan_kv reports the numbers.
+    """Routed experts per MoE layer to keep on the device (DeepSeek-V2): all of them when
+    they fit, else as many as fit beside the other weights, the workspace and the KV of
+    one full-length sequence (the least plan_kv accepts; pages beyond it spill to the
+    host). Decode moves every missing expert over the bus, so the cache takes the room a
+    larger KV pool would otherwise get. At least MIN_CACHED_EXPERTS: when even those do
+    not fit, plan_kv reports the numbers.
     """
-    weights = weight_bytes_by_kind(config, raw_config, element_bytes, model_dir=model_dir, max_cached_experts=0)
-    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, weights).peak_bytes
+    weights = weight_bytes_by_kind(config, element_bytes, model_dir=model_dir, max_cached_experts=0)
+    int4 = weights.max_int4_layer_elements
+    workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4).peak_bytes
     kv = kv_pool_bytes(config, max_model_len, profile.kv_block_size, kv_precision_for(profile), element_bytes)
     room = memory_budget_bytes(profile, held_bytes) - weights.total_bytes - workspace - kv
-    per_layer = room // (routed_expert_bytes(config, raw_config, element_bytes) * config.num_moe_layers)
+    per_layer = room // (routed_expert_bytes(config, element_bytes) * config.num_moe_layers)
     return int(max(MIN_CACHED_EXPERTS, min(config.num_routed_experts, per_layer)))

@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         With a residual both results are written over the inputs (x gets the norm, residual
         the sum), as vLLM's fused_add_rms_norm does: the caller still holds both inputs
         while a layer runs, so new tensors would keep two more [T, hidden] alive than the
-        memory plan (lowvram.memory.plan.step_workspace) counts.
+        memory plan (lowvram.memory.workspace.step_workspace) counts.
         """
         if residual is None:
             return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x

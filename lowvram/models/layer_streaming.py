@@ -585,14 +585,14 @@ def load_model_for_profile(
     """
     model_dir, device = Path(model_dir), torch.device(device)
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
-    config, raw = load_model_config(model_dir)
+    config, _ = load_model_config(model_dir)
     element_bytes = torch.finfo(dtype).bits // 8
     max_model_len = min(profile.max_model_len, config.max_position_embeddings)
     predicted = None
     is_embedding_on_host = keeps_embeddings_on_host(config, profile, device.type)
     if profile.weight_offload != "off":
         weights = weight_bytes_by_kind(
-            config, raw, element_bytes, model_dir=model_dir, is_embedding_on_host=is_embedding_on_host
+            config, element_bytes, model_dir=model_dir, is_embedding_on_host=is_embedding_on_host
         )
         predicted = plan_weight_offload(
             config,
@@ -601,7 +601,6 @@ def load_model_for_profile(
             element_bytes,
             max_model_len,
             device_type=device.type,
-            raw_config=raw,
             held_bytes=held_bytes,
         )
     # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on

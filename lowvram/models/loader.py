@@ -263,7 +263,6 @@ def _load_deepseek_v2(
             torch.finfo(dtype).bits // 8,
             max_model_len,
             device_type=device.type,
-            raw_config=raw,
             model_dir=model_dir,
             held_bytes=held_bytes,
         )
