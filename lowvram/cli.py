@@ -110,21 +110,23 @@ def cmd_profiles(args) -> int:
 def cmd_bench_quality(args) -> int:
     from lowvram.bench.quality import run_quality_bench, to_markdown
 
-    command = (
-        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
-    )
     report = run_quality_bench(
         args.model,
         variant_names=args.variants.split(",") if args.variants else None,
         device=args.device,
         num_per_kind=args.limit,
         max_chars=args.max_chars,
-        command=command,
+        command=_command_line("lowvram bench quality"),
         calib_samples=args.calib_samples,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
     return 0
+
+
+def _command_line(default: str) -> str:
+    """The command as typed, for the benchmark record."""
+    return "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else default
 
 
 def _write_bench_outputs(args, record: dict, markdown: str) -> None:
@@ -155,38 +157,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+# `bench speed` options passed on to run_speed_bench under their own names.
+SPEED_OPTIONS = (
+    "shape num_layers quantize quantize_head calib_samples fp16_budget_mib rank profile device emulate_vram_gib "
+    "batch_sizes context_lens max_tokens temperature top_p vs_hf cuda_graphs prefill_graphs batch_invariant "
+    "pipelined_decode"
+).split()
+
+
 @report_cuda_oom
 def cmd_bench_speed(args) -> int:
     from lowvram.bench.speed import plot, require_matplotlib, run_speed_bench, write_markdown
 
     if args.plot:
         require_matplotlib()
-    command = (
-        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
-    )
     result = run_speed_bench(
         args.model,
-        shape=args.shape,
-        num_layers=args.num_layers,
-        quantize=args.quantize,
-        quantize_head=args.quantize_head,
-        calib_samples=args.calib_samples,
-        fp16_budget_mib=args.fp16_budget_mib,
-        rank=args.rank,
-        profile=args.profile,
-        device=args.device,
-        emulate_vram_gib=args.emulate_vram_gib,
-        batch_sizes=args.batch_sizes,
-        context_lens=args.context_lens,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        vs_hf=args.vs_hf,
-        cuda_graphs=args.cuda_graphs,
-        prefill_graphs=args.prefill_graphs,
-        batch_invariant=args.batch_invariant,
-        pipelined_decode=args.pipelined_decode,
-        command=command,
+        **{name: getattr(args, name) for name in SPEED_OPTIONS},
+        command=_command_line("lowvram bench speed"),
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))
@@ -293,30 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument(
         "--vs-hf", action="store_true", help="also time transformers generate on the same checkpoint (FP16, batch 1)"
     )
-    speed.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay decode steps from CUDA graphs (default: as the profile says)",
-    )
-    speed.add_argument(
-        "--prefill-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also replay short prompts' prefill from CUDA graphs (default: as the profile says)",
-    )
-    speed.add_argument(
-        "--pipelined-decode",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="queue each greedy decode step before the host reads the last (default: as the profile says)",
-    )
-    speed.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the same results for a request alone or batched (default: as the profile says)",
-    )
+    for flag, help_text in (
+        ("--cuda-graphs", "replay decode steps from CUDA graphs"),
+        ("--prefill-graphs", "also replay short prompts' prefill from CUDA graphs"),
+        ("--pipelined-decode", "queue each greedy decode step before the host reads the last"),
+        ("--batch-invariant", "the same results for a request alone or batched"),
+    ):
+        speed.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=help_text + " (default: as the profile says)",
+        )
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
     speed.add_argument(
