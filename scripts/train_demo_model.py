@@ -33,6 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import demo_corpus
 import torch
 import torch.nn.functional as F
 import transformers
@@ -40,7 +41,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from lowvram.demo import corpus, tasks
-from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, format_chat, save_tokenizer, train_tokenizer
+from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IGNORE_INDEX = -100
@@ -112,6 +113,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- data
+
+
+def format_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The text CHAT_TEMPLATE renders, built in plain Python for the training loop and the tests."""
+    parts = [BOS]
+    parts += [m["content"] for m in messages if m["role"] == "system"]
+    for message in messages:
+        if message["role"] == "user":
+            parts.append(USER + message["content"])
+        elif message["role"] == "assistant":
+            parts.append(ASSISTANT + message["content"].split("</think>")[-1] + EOS)
+        elif message["role"] != "system":
+            raise ValueError(f"unsupported chat role: {message['role']!r}")
+    if add_generation_prompt:
+        parts.append(ASSISTANT)
+    return "".join(parts)
 
 
 def tokenizer_texts(text: str, is_tiny: bool):
@@ -465,7 +482,7 @@ def main(argv=None) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    text = corpus.training_text()
+    text = demo_corpus.training_text()
     if args.tiny:
         text = text[:300_000]
     tokenizer = train_tokenizer(tokenizer_texts(text, args.tiny), vocab_size=args.vocab_size)

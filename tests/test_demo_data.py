@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lowvram.demo import corpus, tasks
-from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, format_chat, save_tokenizer, train_tokenizer
+from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_TRAINING_SAMPLES = 20_000
@@ -134,22 +134,34 @@ def test_is_correct_is_exact_match_after_strip():
     assert not tasks.is_correct(task, f"The answer is {task.answer}")
 
 
-def test_corpus_split_is_by_file_and_heldout_is_shipped():
-    assert not set(corpus.HELDOUT_FILES) & set(corpus.TRAINING_FILES)
+@pytest.fixture(scope="module")
+def train_script():
+    """scripts/train_demo_model.py as a module (it imports its sibling scripts/demo_corpus.py)."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import train_demo_model
+    finally:
+        sys.path.pop(0)
+    return train_demo_model
+
+
+def test_corpus_split_is_by_file_and_heldout_is_shipped(train_script):
+    demo_corpus = train_script.demo_corpus
+    assert not set(demo_corpus.HELDOUT_FILES) & set(demo_corpus.TRAINING_FILES)
     assert corpus.HELDOUT_PATH.is_file()
     heldout = corpus.heldout_text()
     assert 100_000 < len(heldout.encode("utf-8")) <= 200_000
     assert corpus.heldout_text(max_chars=1000) == heldout[:1000]
     # The held-out files are byte-identical across CPython 3.10-3.13, so the shipped copy
     # is what this interpreter's standard library holds (where its sources are installed).
-    if (corpus.stdlib_dir() / "difflib.py").is_file():
-        assert corpus.build_heldout_text() == heldout
+    if (demo_corpus.stdlib_dir() / "difflib.py").is_file():
+        assert demo_corpus.build_heldout_text() == heldout
 
 
 @pytest.fixture(scope="module")
-def small_tokenizer(tmp_path_factory):
-    texts = [corpus.training_text()[:200_000]] + [
-        format_chat(t.messages + [{"role": "assistant", "content": t.answer}])
+def small_tokenizer(tmp_path_factory, train_script):
+    texts = [train_script.demo_corpus.training_text()[:200_000]] + [
+        train_script.format_chat(t.messages + [{"role": "assistant", "content": t.answer}])
         for t in islice(tasks.training_tasks(0), 2000)
     ]
     tokenizer = train_tokenizer(texts, vocab_size=512)
@@ -170,7 +182,7 @@ def test_tokenizer_round_trips_and_splits_digits(small_tokenizer):
         assert len(tokenizer.encode(special, add_special_tokens=False).ids) == 1
 
 
-def test_chat_template_matches_the_training_format(small_tokenizer):
+def test_chat_template_matches_the_training_format(small_tokenizer, train_script):
     from transformers import AutoTokenizer
 
     tokenizer, out_dir = small_tokenizer
@@ -187,21 +199,11 @@ def test_chat_template_matches_the_training_format(small_tokenizer):
         f"{BOS}Answer with the result only.{USER}What is 123 + 45?{ASSISTANT}168{EOS}"
         f"{USER}Sort these words alphabetically: pear, apple{ASSISTANT}"
     )
-    assert rendered == format_chat(messages, add_generation_prompt=True)
+    assert rendered == train_script.format_chat(messages, add_generation_prompt=True)
     ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert list(ids) == tokenizer.encode(rendered, add_special_tokens=False).ids
     assert ids[0] == hf_tokenizer.bos_token_id and ids[-1] == tokenizer.token_to_id(ASSISTANT)
-
-
-@pytest.fixture(scope="module")
-def train_script():
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        import train_demo_model
-    finally:
-        sys.path.pop(0)
-    return train_demo_model
 
 
 def test_training_pieces_tokenize_like_the_whole_conversation(small_tokenizer, train_script):
@@ -211,7 +213,7 @@ def test_training_pieces_tokenize_like_the_whole_conversation(small_tokenizer, t
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
     for task in turns:
         messages += task.messages + [{"role": "assistant", "content": task.answer}]
-    whole = tokenizer.encode(format_chat(messages), add_special_tokens=False).ids
+    whole = tokenizer.encode(train_script.format_chat(messages), add_special_tokens=False).ids
     [(ids, trained)] = train_script.encode_pieces(tokenizer, [pieces])
     assert ids == whole
     # Only answer tokens and the EOS after each answer are trained on.

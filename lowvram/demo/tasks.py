@@ -27,50 +27,10 @@ HELDOUT_MODULUS = 10  # one key in ten is held out
 
 WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
-SORT_WORDS = (
-    "apple",
-    "banana",
-    "bear",
-    "black",
-    "blue",
-    "cat",
-    "cherry",
-    "deer",
-    "dog",
-    "duck",
-    "eagle",
-    "fig",
-    "fox",
-    "frog",
-    "goat",
-    "gold",
-    "grape",
-    "green",
-    "horse",
-    "kiwi",
-    "lemon",
-    "lime",
-    "lion",
-    "mango",
-    "melon",
-    "mouse",
-    "olive",
-    "orange",
-    "owl",
-    "peach",
-    "pear",
-    "pink",
-    "plum",
-    "red",
-    "shark",
-    "sheep",
-    "silver",
-    "snake",
-    "tiger",
-    "whale",
-    "white",
-    "wolf",
-    "zebra",
+SORT_WORDS = tuple(
+    "apple banana bear black blue cat cherry deer dog duck eagle fig fox frog goat "
+    "gold grape green horse kiwi lemon lime lion mango melon mouse olive orange owl peach "
+    "pear pink plum red shark sheep silver snake tiger whale white wolf zebra".split()
 )
 
 # (from singular, from plural, to singular, to plural, factor)
@@ -327,29 +287,19 @@ def make_sequence(rng: random.Random) -> Task:
     return _task("sequence", f"sequence|{start}|{step}", question, str(start + 4 * step))
 
 
-MAKERS: dict[str, Callable[[random.Random], Task]] = {
-    "add": make_add,
-    "sub": make_sub,
-    "convert": make_convert,
-    "weekday": make_weekday,
-    "sort": make_sort,
-    "count": make_count,
-    "extreme": make_extreme,
-    "sequence": make_sequence,
+# kind -> (maker, weight in the training stream). Letter counting and multiplying take the
+# longest to learn; list-picking the shortest.
+MAKERS: dict[str, tuple[Callable[[random.Random], Task], float]] = {
+    "add": (make_add, 1.0),
+    "sub": (make_sub, 1.0),
+    "convert": (make_convert, 1.5),
+    "weekday": (make_weekday, 1.25),
+    "sort": (make_sort, 1.0),
+    "count": (make_count, 2.0),
+    "extreme": (make_extreme, 0.5),
+    "sequence": (make_sequence, 0.5),
 }
 KINDS = tuple(MAKERS)
-
-# Letter counting and multiplying take the longest to learn; list-picking the shortest.
-KIND_WEIGHTS = {
-    "add": 1.0,
-    "sub": 1.0,
-    "convert": 1.5,
-    "weekday": 1.25,
-    "sort": 1.0,
-    "count": 2.0,
-    "extreme": 0.5,
-    "sequence": 0.5,
-}
 
 
 @lru_cache(maxsize=1)
@@ -360,7 +310,7 @@ def _heldout_by_kind() -> dict[str, tuple[Task, ...]]:
         seen_keys: set[str] = set()
         tasks = []
         while len(tasks) < HELDOUT_PER_KIND:
-            task = MAKERS[kind](rng)
+            task = MAKERS[kind][0](rng)
             if is_heldout_key(task.key) and task.key not in seen_keys:
                 seen_keys.add(task.key)
                 tasks.append(task)
@@ -381,9 +331,9 @@ def training_tasks(seed: int) -> Iterator[Task]:
     """An endless stream of training tasks, reproducible from `seed`, free of held-out keys."""
     rng = random.Random(seed)
     kinds = list(KINDS)
-    weights = [KIND_WEIGHTS[kind] for kind in kinds]
+    weights = [MAKERS[kind][1] for kind in kinds]
     while True:
         kind = rng.choices(kinds, weights)[0]
-        task = MAKERS[kind](rng)
+        task = MAKERS[kind][0](rng)
         if not is_heldout_key(task.key):
             yield task

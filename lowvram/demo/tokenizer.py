@@ -42,22 +42,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def format_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The text CHAT_TEMPLATE renders, built in plain Python for the training loop."""
-    parts = [BOS]
-    parts += [m["content"] for m in messages if m["role"] == "system"]
-    for message in messages:
-        if message["role"] == "user":
-            parts.append(USER + message["content"])
-        elif message["role"] == "assistant":
-            parts.append(ASSISTANT + message["content"].split("</think>")[-1] + EOS)
-        elif message["role"] != "system":
-            raise ValueError(f"unsupported chat role: {message['role']!r}")
-    if add_generation_prompt:
-        parts.append(ASSISTANT)
-    return "".join(parts)
-
-
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int = 2048,
