@@ -34,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import demo_corpus
+import demo_tasks
 import torch
 import torch.nn.functional as F
 import transformers
@@ -136,7 +137,7 @@ def tokenizer_texts(text: str, is_tiny: bool):
     num_tasks = 2_000 if is_tiny else NUM_TOKENIZER_TASKS
     for start in range(0, len(text), 4096):
         yield text[start : start + 4096]
-    for task in islice(tasks.training_tasks(seed=-1), num_tasks):
+    for task in islice(demo_tasks.training_tasks(seed=-1), num_tasks):
         yield format_chat(task.messages + [{"role": "assistant", "content": task.answer}])
 
 
@@ -265,7 +266,7 @@ class TaskRows(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker_id = 0 if info is None else info.id
         tokenizer = Tokenizer.from_str(self.tokenizer_json)
-        stream = tasks.training_tasks(seed=self.seed * 1000 + worker_id)
+        stream = demo_tasks.training_tasks(seed=self.seed * 1000 + worker_id)
         rng = random.Random(self.seed * 1000 + worker_id + 500)
         conversations = self._conversations(tokenizer, stream, rng)
         while True:
@@ -355,8 +356,8 @@ def greedy_replies(
 
 
 def accuracy_by_kind(heldout: list[tasks.Task], replies: list[str]) -> tuple[dict[str, float], float, list[dict]]:
-    num_correct = {kind: 0 for kind in tasks.KINDS}
-    num_total = {kind: 0 for kind in tasks.KINDS}
+    num_correct = {kind: 0 for kind in demo_tasks.KINDS}
+    num_total = {kind: 0 for kind in demo_tasks.KINDS}
     failures = []
     for task, reply in zip(heldout, replies):
         num_total[task.kind] += 1
@@ -366,7 +367,7 @@ def accuracy_by_kind(heldout: list[tasks.Task], replies: list[str]) -> tuple[dic
             failures.append(
                 {"kind": task.kind, "question": task.messages[-1]["content"], "answer": task.answer, "reply": reply}
             )
-    accuracy = {kind: num_correct[kind] / num_total[kind] for kind in tasks.KINDS if num_total[kind]}
+    accuracy = {kind: num_correct[kind] / num_total[kind] for kind in demo_tasks.KINDS if num_total[kind]}
     overall = sum(num_correct.values()) / max(sum(num_total.values()), 1)
     return accuracy, overall, failures
 
