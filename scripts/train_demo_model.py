@@ -450,8 +450,8 @@ quality can be measured.
   DeepSeek-R1's special tokens and chat format (`chat_template.jinja`).
 - Training: from scratch by `scripts/train_demo_model.py` in the lowvram repository,
   {record["steps"]} steps, {record["train_time_s"] / 60:.1f} minutes on {record["machine"]["device_name"]}, on synthetic chat
-  tasks with exact answers (`lowvram.demo.tasks`) and Python standard-library source
-  (`lowvram.demo.corpus`).
+  tasks with exact answers (`scripts/demo_tasks.py`) and Python standard-library source
+  (`scripts/demo_corpus.py`).
 
 It answers the tasks' kinds of question with the bare result: "What is 123 + 45?" -> "168",
 "Sort these words alphabetically: pear, apple, kiwi" -> "apple, kiwi, pear".
