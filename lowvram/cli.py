@@ -110,21 +110,23 @@ def cmd_profiles(args) -> int:
 def cmd_bench_quality(args) -> int:
     from lowvram.bench.quality import run_quality_bench, to_markdown
 
-    command = (
-        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench quality"
-    )
     report = run_quality_bench(
         args.model,
         variant_names=args.variants.split(",") if args.variants else None,
         device=args.device,
         num_per_kind=args.limit,
         max_chars=args.max_chars,
-        command=command,
+        command=_command_line("lowvram bench quality"),
         calib_samples=args.calib_samples,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
     return 0
+
+
+def _command_line(default: str) -> str:
+    """The command as typed, for the benchmark record."""
+    return "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else default
 
 
 def _write_bench_outputs(args, record: dict, markdown: str) -> None:
@@ -155,27 +157,20 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+# `bench speed` options passed on to run_speed_bench under their own names.
+SPEED_OPTIONS = (
+    "shape quantize fp16_budget_mib rank profile device emulate_vram_gib batch_sizes context_lens max_tokens cuda_graphs"
+).split()
+
+
 @report_cuda_oom
 def cmd_bench_speed(args) -> int:
     from lowvram.bench.speed import run_speed_bench, write_markdown
 
-    command = (
-        "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else "lowvram bench speed"
-    )
     result = run_speed_bench(
         args.model,
-        shape=args.shape,
-        quantize=args.quantize,
-        fp16_budget_mib=args.fp16_budget_mib,
-        rank=args.rank,
-        profile=args.profile,
-        device=args.device,
-        emulate_vram_gib=args.emulate_vram_gib,
-        batch_sizes=args.batch_sizes,
-        context_lens=args.context_lens,
-        max_tokens=args.max_tokens,
-        cuda_graphs=args.cuda_graphs,
-        command=command,
+        **{name: getattr(args, name) for name in SPEED_OPTIONS},
+        command=_command_line("lowvram bench speed"),
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
     )
     _write_bench_outputs(args, result, write_markdown(result))

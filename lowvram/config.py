@@ -19,14 +19,6 @@ import yaml
 
 from lowvram.errors import ConfigError
 
-KV_PRECISIONS = ("fp16", "int8", "int4", "auto")
-KV_BACKENDS = ("um", "pinned", "device", "auto")
-WEIGHT_FORMATS = ("awq", "fp16", "auto")
-WEIGHT_OFFLOADS = ("auto", "off", "stream", "cpu")
-DEVICES = ("auto", "cuda", "cpu")
-DTYPES = ("auto", "float16", "bfloat16", "float32")
-KV_BLOCK_SIZES = (8, 16, 32, 64)
-
 
 @dataclass
 class ControllerConfig:
@@ -142,24 +134,62 @@ FIELD_DOCS: dict[str, str] = {
 }
 
 
-def _check_choice(source: str, name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        allowed = ", ".join(str(c) for c in choices)
-        raise ConfigError(f"{source}: {name} = {value!r} is not allowed; use one of: {allowed}")
+# Allowed values, by field: a tuple of choices, or an inclusive (low, high) range for a number.
+# A field typed `int` takes only integers, one typed `bool` only true/false; `| None` admits null.
+CHOICES: dict[str, tuple] = {
+    "device": ("auto", "cuda", "cpu"),
+    "dtype": ("auto", "float16", "bfloat16", "float32"),
+    "kv_block_size": (8, 16, 32, 64),
+    "kv_precision": ("fp16", "int8", "int4", "auto"),
+    "kv_backend": ("um", "pinned", "device", "auto"),
+    "weight_format": ("awq", "fp16", "auto"),
+    "weight_offload": ("auto", "off", "stream", "cpu"),
+}
+RANGES: dict[str, tuple[float, float]] = {
+    "memory_budget_gib": (0.25, 4096),
+    "memory_utilization": (0.3, 1.0),
+    "emulate_vram_gib": (0.25, 4096),
+    "max_model_len": (16, 1 << 22),
+    "max_num_seqs": (1, 1024),
+    "max_num_batched_tokens": (16, 1 << 20),
+    "kv_recent_fp16_tokens": (0, 1 << 20),
+    "host_spill_gib": (0, 4096),
+    "fp16_budget_mib": (0, 1 << 20),
+    "compensation_rank": (0, 1024),
+    "max_resident_layers": (0, 1 << 16),
+    "controller.memory_high_water": (0.05, 1.0),
+    "controller.memory_low_water": (0.05, 1.0),
+    "controller.latency_high_ms": (0.01, 1e6),
+    "controller.latency_low_ms": (0.01, 1e6),
+    "controller.patience_tokens": (1, 10_000),
+    "controller.cooldown_steps": (0, 1_000_000),
+}
 
 
-def _check_range(source: str, name: str, value: Any, low: float, high: float, *, is_int: bool = False) -> None:
-    kind = "an integer" if is_int else "a number"
-    is_number = isinstance(value, int) if is_int else isinstance(value, (int, float))
-    if isinstance(value, bool) or not is_number or (not is_int and not math.isfinite(value)):
-        raise ConfigError(f"{source}: {name} = {value!r} must be {kind} between {low} and {high}")
-    if not low <= value <= high:
-        raise ConfigError(f"{source}: {name} = {value!r} is out of range; allowed: {low} to {high}")
-
-
-def _check_bool(source: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {name} = {value!r} must be true or false")
+def _check_fields(obj, source: str, prefix: str = "") -> None:
+    """Check every field of a Profile or ControllerConfig against its type, CHOICES and RANGES."""
+    for f in dataclasses.fields(obj):
+        name, value, kind = prefix + f.name, getattr(obj, f.name), f.type
+        if value is None and kind.endswith("| None"):
+            continue
+        if name in CHOICES and value not in CHOICES[name]:
+            allowed = ", ".join(str(c) for c in CHOICES[name])
+            raise ConfigError(f"{source}: {name} = {value!r} is not allowed; use one of: {allowed}")
+        if kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{source}: {name} = {value!r} must be true or false")
+        if kind == "str" and not isinstance(value, str):
+            raise ConfigError(f"{source}: {name} must be a string")
+        if name in RANGES:
+            low, high = RANGES[name]
+            is_int = kind.startswith("int")
+            is_number = isinstance(value, int) if is_int else isinstance(value, (int, float))
+            if isinstance(value, bool) or not is_number or (not is_int and not math.isfinite(value)):
+                raise ConfigError(
+                    f"{source}: {name} = {value!r} must be {'an integer' if is_int else 'a number'} "
+                    f"between {low} and {high}"
+                )
+            if not low <= value <= high:
+                raise ConfigError(f"{source}: {name} = {value!r} is out of range; allowed: {low} to {high}")
 
 
 def _build(cls, data: dict, source: str, prefix: str = ""):
@@ -179,62 +209,24 @@ def _build(cls, data: dict, source: str, prefix: str = ""):
 
 def validate_profile(p: Profile, source: str) -> None:
     """Raise ConfigError naming the first bad field, its value and what is allowed."""
-    if not isinstance(p.name, str) or not p.name:
-        raise ConfigError(f"{source}: name = {p.name!r} must be a non-empty string")
-    if not isinstance(p.description, str):
-        raise ConfigError(f"{source}: description must be a string")
-    _check_choice(source, "device", p.device, DEVICES)
-    _check_choice(source, "dtype", p.dtype, DTYPES)
-    _check_range(source, "memory_budget_gib", p.memory_budget_gib, 0.25, 4096)
-    _check_range(source, "memory_utilization", p.memory_utilization, 0.3, 1.0)
-    if p.emulate_vram_gib is not None:
-        _check_range(source, "emulate_vram_gib", p.emulate_vram_gib, 0.25, 4096)
-    _check_range(source, "max_model_len", p.max_model_len, 16, 1 << 22, is_int=True)
-    _check_range(source, "max_num_seqs", p.max_num_seqs, 1, 1024, is_int=True)
-    _check_range(source, "max_num_batched_tokens", p.max_num_batched_tokens, 16, 1 << 20, is_int=True)
-    _check_choice(source, "kv_block_size", p.kv_block_size, KV_BLOCK_SIZES)
-    _check_choice(source, "kv_precision", p.kv_precision, KV_PRECISIONS)
-    _check_range(source, "kv_recent_fp16_tokens", p.kv_recent_fp16_tokens, 0, 1 << 20, is_int=True)
-    _check_choice(source, "kv_backend", p.kv_backend, KV_BACKENDS)
-    _check_range(source, "host_spill_gib", p.host_spill_gib, 0, 4096)
-    _check_bool(source, "allow_oversubscription", p.allow_oversubscription)
-    _check_bool(source, "enable_prefix_caching", p.enable_prefix_caching)
-    _check_bool(source, "enable_cuda_graphs", p.enable_cuda_graphs)
-    _check_bool(source, "enable_prefill_graphs", p.enable_prefill_graphs)
-    _check_bool(source, "pipelined_decode", p.pipelined_decode)
-    _check_bool(source, "embeddings_on_host", p.embeddings_on_host)
-    _check_bool(source, "batch_invariant", p.batch_invariant)
-    _check_choice(source, "weight_format", p.weight_format, WEIGHT_FORMATS)
-    _check_range(source, "fp16_budget_mib", p.fp16_budget_mib, 0, 1 << 20, is_int=True)
-    _check_range(source, "compensation_rank", p.compensation_rank, 0, 1024, is_int=True)
     if p.weight_offload is False:  # YAML reads a bare `off` as false
         p.weight_offload = "off"
-    _check_choice(source, "weight_offload", p.weight_offload, WEIGHT_OFFLOADS)
-    if p.max_resident_layers is not None:
-        _check_range(source, "max_resident_layers", p.max_resident_layers, 0, 1 << 16, is_int=True)
+    if not isinstance(p.name, str) or not p.name:
+        raise ConfigError(f"{source}: name = {p.name!r} must be a non-empty string")
+    _check_fields(p, source)
+    _check_fields(p.controller, source, "controller.")
     if p.max_num_batched_tokens < p.max_num_seqs:
         raise ConfigError(
             f"{source}: max_num_batched_tokens = {p.max_num_batched_tokens} is smaller than "
             f"max_num_seqs = {p.max_num_seqs}; it must be at least max_num_seqs so every sequence can decode"
         )
     c = p.controller
-    for name in ("memory_high_water", "memory_low_water"):
-        _check_range(source, f"controller.{name}", getattr(c, name), 0.05, 1.0)
-    for name in ("latency_high_ms", "latency_low_ms"):
-        _check_range(source, f"controller.{name}", getattr(c, name), 0.01, 1e6)
-    _check_range(source, "controller.patience_tokens", c.patience_tokens, 1, 10_000, is_int=True)
-    _check_range(source, "controller.cooldown_steps", c.cooldown_steps, 0, 1_000_000, is_int=True)
-    _check_bool(source, "controller.is_enabled", c.is_enabled)
-    if c.memory_low_water >= c.memory_high_water:
-        raise ConfigError(
-            f"{source}: controller.memory_low_water = {c.memory_low_water} must be below "
-            f"controller.memory_high_water = {c.memory_high_water} (the gap is the hysteresis band)"
-        )
-    if c.latency_low_ms >= c.latency_high_ms:
-        raise ConfigError(
-            f"{source}: controller.latency_low_ms = {c.latency_low_ms} must be below "
-            f"controller.latency_high_ms = {c.latency_high_ms} (the gap is the hysteresis band)"
-        )
+    for low, high in (("memory_low_water", "memory_high_water"), ("latency_low_ms", "latency_high_ms")):
+        if getattr(c, low) >= getattr(c, high):
+            raise ConfigError(
+                f"{source}: controller.{low} = {getattr(c, low)} must be below "
+                f"controller.{high} = {getattr(c, high)} (the gap is the hysteresis band)"
+            )
 
 
 def profile_from_dict(data: dict, source: str = "profile") -> Profile:

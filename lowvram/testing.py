@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints shaped like the DeepSeek models lowvram targets.
 
-Tests need real Hugging Face checkpoint directories (config, safetensors,
-tokenizer, chat template) without touching the network. Everything here is built
+Tests, and `lowvram bench speed --shape tiny`, need real Hugging Face checkpoint
+directories (config, safetensors, tokenizer, chat template) without touching the network. Everything here is built
 offline in well under a second: a byte-level BPE tokenizer trained on a few KB
 of text generated in code, and transformers' own model classes initialised with
 a fixed seed. Two shapes are offered:
@@ -22,35 +22,10 @@ from pathlib import Path
 
 import torch
 
-# DeepSeek-R1's special-token spellings, one copy for the demo model and the fixtures.
-from lowvram.demo.tokenizer import ASSISTANT as ASSISTANT_TOKEN  # noqa: F401  (public name)
-from lowvram.demo.tokenizer import BOS as BOS_TOKEN
-from lowvram.demo.tokenizer import EOS as EOS_TOKEN
-from lowvram.demo.tokenizer import SPECIAL_TOKENS
-from lowvram.demo.tokenizer import USER as USER_TOKEN  # noqa: F401  (public name)
+from lowvram.demo.tokenizer import BOS, EOS, save_tokenizer, train_tokenizer
 from lowvram.errors import ConfigError
 
 MAX_POSITION_EMBEDDINGS = 2048
-
-# Modelled on DeepSeek-R1's template: system text right after BOS, turns glued
-# together without separators, and the reasoning before </think> dropped from
-# earlier assistant turns so that history does not grow with old thoughts.
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{{- message['content'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'user' -%}"
-    "{{- '<｜User｜>' + message['content'] -}}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{%- set content = message['content'] -%}"
-    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
-    "{{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
-)
 
 # initializer_range is well above transformers' 0.02 so that logits spread
 # enough for greedy decoding not to hinge on bf16 ties.
@@ -168,53 +143,17 @@ def _training_corpus() -> list[str]:
 def train_tiny_tokenizer(
     out_dir: str | Path, vocab_size: int = 512, *, extra_special_tokens: tuple[str, ...] = ()
 ) -> Path:
-    """Train a byte-level BPE tokenizer with DeepSeek's special tokens into `out_dir`.
+    """Train a byte-level BPE tokenizer with DeepSeek's special tokens and chat template into `out_dir`.
 
-    Writes tokenizer.json, tokenizer_config.json and chat_template.jinja, which
-    `transformers.AutoTokenizer.from_pretrained(out_dir)` loads. Encoding adds BOS
-    (as DeepSeek's tokenizers do); the chat template writes BOS itself, and
-    `apply_chat_template` encodes without adding special tokens, so BOS appears once.
-    `extra_special_tokens` get ids right after DeepSeek's four; `vocab_size`
-    counts them all. Training is deterministic: the same arguments give the same files.
+    `transformers.AutoTokenizer.from_pretrained(out_dir)` loads it. Encoding adds BOS (as
+    DeepSeek's tokenizers do); the chat template writes BOS itself. Deterministic: the same
+    arguments give the same files.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[
-            AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS + tuple(extra_special_tokens)
-        ],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    tokenizer = train_tokenizer(
+        _training_corpus(), vocab_size, extra_special_tokens=extra_special_tokens, split_digits=False
     )
-    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
-    bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN}:0 $A:0",
-        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
-        special_tokens=[(BOS_TOKEN, bos_token_id)],
-    )
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
-    }
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-    return out_dir
+    save_tokenizer(tokenizer, out_dir, max_length=MAX_POSITION_EMBEDDINGS)
+    return Path(out_dir)
 
 
 def make_tiny_model(
@@ -259,8 +198,8 @@ def make_tiny_model(
     # whatever config.json a previous run left in out_dir.
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    bos_token_id = tokenizer.token_to_id(BOS_TOKEN)
-    eos_token_id = tokenizer.token_to_id(EOS_TOKEN)
+    bos_token_id = tokenizer.token_to_id(BOS)
+    eos_token_id = tokenizer.token_to_id(EOS)
 
     fields = {**_COMMON_CONFIG, **_ARCH_CONFIG[arch], "num_hidden_layers": num_layers, "vocab_size": num_tokens}
     fields.update(config_overrides)
@@ -269,21 +208,21 @@ def make_tiny_model(
     fields["bos_token_id"] = bos_token_id
     fields["eos_token_id"] = eos_token_id
     config = config_cls(**fields)
-    model = _random_model(model_cls, config, seed)
+    model = random_model(model_cls, config, seed)
     state_dict = {
         name: tensor.detach().to(torch.bfloat16).contiguous()
         for name, tensor in model.state_dict().items()
         if not (config.tie_word_embeddings and name == "lm_head.weight")
     }
-    _save_weights(out_dir, state_dict, sharded)
+    save_weights(out_dir, state_dict, sharded)
 
-    _write_config(out_dir, config)
+    write_config(out_dir, config)
     generation_config = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
-    _write_json(out_dir / "generation_config.json", generation_config)
+    write_json(out_dir / "generation_config.json", generation_config)
     return out_dir
 
 
-def _random_model(model_cls, config, seed: int) -> torch.nn.Module:
+def random_model(model_cls, config, seed: int) -> torch.nn.Module:
     """A transformers model of `config` with seeded random weights (constant ones too), leaving
     the global RNG as it was."""
     config.architectures = [model_cls.__name__]
@@ -305,7 +244,7 @@ def _randomize_constant_parameters(model: torch.nn.Module) -> None:
                 param.copy_(torch.randn_like(param) * 0.1)
 
 
-def _save_weights(out_dir: Path, state_dict: dict[str, torch.Tensor], sharded: bool) -> None:
+def save_weights(out_dir: Path, state_dict: dict[str, torch.Tensor], sharded: bool) -> None:
     from safetensors.torch import save_file
 
     for stale in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
@@ -334,10 +273,10 @@ def _save_weights(out_dir: Path, state_dict: dict[str, torch.Tensor], sharded: b
         save_file({name: state_dict[name] for name in names}, str(out_dir / filename), metadata=metadata)
         weight_map.update(dict.fromkeys(names, filename))
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out_dir / "model.safetensors.index.json", index)
+    write_json(out_dir / "model.safetensors.index.json", index)
 
 
-def _write_config(out_dir: Path, config) -> None:
+def write_config(out_dir: Path, config) -> None:
     """config.json as published checkpoints write it: BF16, rope_theta and rope_scaling at the top.
 
     The diff form leaves out transformers' generic defaults (id2label, return_dict, ...)
@@ -350,107 +289,8 @@ def _write_config(out_dir: Path, config) -> None:
     config_dict["rope_theta"] = rope.pop("rope_theta")
     rope_type = rope.pop("rope_type")
     config_dict["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
-    _write_json(out_dir / "config.json", config_dict)
+    write_json(out_dir / "config.json", config_dict)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-# DeepSeek-V2-Lite's shape in miniature: no query LoRA, a latent KV of kv_lora_rank
-# plus one shared RoPE key, a dense first layer, then MoE layers with shared experts,
-# and yarn RoPE whose mscale changes the softmax scale.
-_DEEPSEEK_V2_CONFIG = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": None,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 32,
-    "first_k_dense_replace": 1,
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.08,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-}
-
-
-def make_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, num_layers: int = 3, **overrides) -> Path:
-    """Write a random-weight DeepseekV2ForCausalLM checkpoint directory and return its path.
-
-    Routed experts are saved one tensor per expert and projection
-    (`mlp.experts.{e}.gate_proj.weight`, ...) as published DeepSeek-V2 checkpoints
-    are, not in transformers 5's fused in-memory layout; transformers converts them
-    back when it loads the directory. `overrides` are DeepseekV2Config fields.
-    """
-    from tokenizers import Tokenizer
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    out_dir = Path(out_dir)
-    train_tiny_tokenizer(out_dir)
-    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    fields = {
-        **_DEEPSEEK_V2_CONFIG,
-        "num_hidden_layers": num_layers,
-        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
-        "bos_token_id": tokenizer.token_to_id(BOS_TOKEN),
-        "eos_token_id": tokenizer.token_to_id(EOS_TOKEN),
-    }
-    fields.update(overrides)
-    config = DeepseekV2Config(**fields)
-    model = _random_model(DeepseekV2ForCausalLM, config, seed)
-    state_dict = {}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().to(torch.bfloat16)
-        stem, _, attr = name.rpartition(".")
-        if stem.endswith("mlp.experts") and attr == "gate_up_proj":
-            for expert, fused in enumerate(tensor):  # fused: [2 * moe_intermediate, hidden]
-                gate, up = fused.chunk(2, dim=0)
-                state_dict[f"{stem}.{expert}.gate_proj.weight"] = gate.contiguous()
-                state_dict[f"{stem}.{expert}.up_proj.weight"] = up.contiguous()
-        elif stem.endswith("mlp.experts") and attr == "down_proj":
-            for expert, down in enumerate(tensor):
-                state_dict[f"{stem}.{expert}.down_proj.weight"] = down.contiguous()
-        else:
-            state_dict[name] = tensor.contiguous()
-    _save_weights(out_dir, state_dict, sharded=False)
-
-    _write_config(out_dir, config)
-    _write_json(
-        out_dir / "generation_config.json",
-        {"bos_token_id": fields["bos_token_id"], "eos_token_id": fields["eos_token_id"]},
-    )
-    return out_dir
-
-
-def finished_token_ids(engine) -> dict[str, list[int]]:
-    """Step `engine` until no request is left; the generated token ids of each request
-    that finished meanwhile, by request id."""
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done

@@ -84,7 +84,8 @@ def write_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> Path:
     """Random BF16 weights in sharded safetensors, a config.json and a small tokenizer."""
     from safetensors.torch import save_file
 
-    from lowvram.testing import BOS_TOKEN, EOS_TOKEN, train_tiny_tokenizer
+    from lowvram.demo.tokenizer import BOS, EOS
+    from lowvram.testing import train_tiny_tokenizer
 
     tokenizer_dir = train_tiny_tokenizer(out_dir, extra_special_tokens=("<|endoftext|>",))
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -99,8 +100,8 @@ def write_checkpoint(out_dir: Path, num_layers: int, seed: int = 0) -> Path:
         "tie_word_embeddings": False,
         "use_sliding_window": False,
         "torch_dtype": "bfloat16",
-        "bos_token_id": special[BOS_TOKEN],
-        "eos_token_id": special[EOS_TOKEN],
+        "bos_token_id": special[BOS],
+        "eos_token_id": special[EOS],
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     generator = torch.Generator(device="cuda").manual_seed(seed)

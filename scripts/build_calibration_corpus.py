@@ -20,7 +20,8 @@ TURNS_PER_CONVERSATION = 6
 
 def build_calibration_corpus() -> list[dict]:
     """The shipped corpus, rebuilt: Python excerpts and multi-turn task conversations, shuffled."""
-    from lowvram.demo import corpus, tasks
+    import demo_corpus as corpus
+    import demo_tasks as tasks
 
     rng = random.Random(CORPUS_SEED)
     root = corpus.stdlib_dir()

@@ -33,6 +33,8 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import demo_corpus
+import demo_tasks
 import torch
 import torch.nn.functional as F
 import transformers
@@ -40,7 +42,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from lowvram.demo import corpus, tasks
-from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, format_chat, save_tokenizer, train_tokenizer
+from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IGNORE_INDEX = -100
@@ -114,12 +116,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------- data
 
 
+def format_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The text CHAT_TEMPLATE renders, built in plain Python for the training loop and the tests."""
+    parts = [BOS]
+    parts += [m["content"] for m in messages if m["role"] == "system"]
+    for message in messages:
+        if message["role"] == "user":
+            parts.append(USER + message["content"])
+        elif message["role"] == "assistant":
+            parts.append(ASSISTANT + message["content"].split("</think>")[-1] + EOS)
+        elif message["role"] != "system":
+            raise ValueError(f"unsupported chat role: {message['role']!r}")
+    if add_generation_prompt:
+        parts.append(ASSISTANT)
+    return "".join(parts)
+
+
 def tokenizer_texts(text: str, is_tiny: bool):
     """The tokenizer's training mix: Python source in 4 KB pieces, then rendered conversations."""
     num_tasks = 2_000 if is_tiny else NUM_TOKENIZER_TASKS
     for start in range(0, len(text), 4096):
         yield text[start : start + 4096]
-    for task in islice(tasks.training_tasks(seed=-1), num_tasks):
+    for task in islice(demo_tasks.training_tasks(seed=-1), num_tasks):
         yield format_chat(task.messages + [{"role": "assistant", "content": task.answer}])
 
 
@@ -248,7 +266,7 @@ class TaskRows(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker_id = 0 if info is None else info.id
         tokenizer = Tokenizer.from_str(self.tokenizer_json)
-        stream = tasks.training_tasks(seed=self.seed * 1000 + worker_id)
+        stream = demo_tasks.training_tasks(seed=self.seed * 1000 + worker_id)
         rng = random.Random(self.seed * 1000 + worker_id + 500)
         conversations = self._conversations(tokenizer, stream, rng)
         while True:
@@ -338,8 +356,8 @@ def greedy_replies(
 
 
 def accuracy_by_kind(heldout: list[tasks.Task], replies: list[str]) -> tuple[dict[str, float], float, list[dict]]:
-    num_correct = {kind: 0 for kind in tasks.KINDS}
-    num_total = {kind: 0 for kind in tasks.KINDS}
+    num_correct = {kind: 0 for kind in demo_tasks.KINDS}
+    num_total = {kind: 0 for kind in demo_tasks.KINDS}
     failures = []
     for task, reply in zip(heldout, replies):
         num_total[task.kind] += 1
@@ -349,7 +367,7 @@ def accuracy_by_kind(heldout: list[tasks.Task], replies: list[str]) -> tuple[dic
             failures.append(
                 {"kind": task.kind, "question": task.messages[-1]["content"], "answer": task.answer, "reply": reply}
             )
-    accuracy = {kind: num_correct[kind] / num_total[kind] for kind in tasks.KINDS if num_total[kind]}
+    accuracy = {kind: num_correct[kind] / num_total[kind] for kind in demo_tasks.KINDS if num_total[kind]}
     overall = sum(num_correct.values()) / max(sum(num_total.values()), 1)
     return accuracy, overall, failures
 
@@ -432,8 +450,8 @@ quality can be measured.
   DeepSeek-R1's special tokens and chat format (`chat_template.jinja`).
 - Training: from scratch by `scripts/train_demo_model.py` in the lowvram repository,
   {record["steps"]} steps, {record["train_time_s"] / 60:.1f} minutes on {record["machine"]["device_name"]}, on synthetic chat
-  tasks with exact answers (`lowvram.demo.tasks`) and Python standard-library source
-  (`lowvram.demo.corpus`).
+  tasks with exact answers (`scripts/demo_tasks.py`) and Python standard-library source
+  (`scripts/demo_corpus.py`).
 
 It answers the tasks' kinds of question with the bare result: "What is 123 + 45?" -> "168",
 "Sort these words alphabetically: pear, apple, kiwi" -> "apple, kiwi, pear".
@@ -465,7 +483,7 @@ def main(argv=None) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    text = corpus.training_text()
+    text = demo_corpus.training_text()
     if args.tiny:
         text = text[:300_000]
     tokenizer = train_tokenizer(tokenizer_texts(text, args.tiny), vocab_size=args.vocab_size)

@@ -252,10 +252,11 @@ def test_under_memory_pressure_batch_invariance_spills_instead_of_compressing(ti
 
 
 def test_batch_invariance_refuses_deepseek_v2(tmp_path):
+    from tiny_models import make_tiny_deepseek_v2
+
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine
     from lowvram.errors import ConfigError
-    from lowvram.testing import make_tiny_deepseek_v2
 
     model_dir = make_tiny_deepseek_v2(tmp_path / "v2")
     with pytest.raises(ConfigError, match="batch_invariant"):

@@ -7,6 +7,7 @@ outgrow the card. These tests run that pool on the CPU (managed memory faked).
 """
 
 from test_kv_pool import FakeManagedMemory
+from tiny_models import finished_token_ids
 
 from lowvram.config import ControllerConfig, load_profile
 from lowvram.core.block_manager import BlockManager
@@ -16,7 +17,6 @@ from lowvram.engine.engine import LLMEngine
 from lowvram.engine.model_runner import ModelRunner
 from lowvram.kv.pool import KVShape
 from lowvram.kv.tiers import ManagedKVPool
-from lowvram.testing import finished_token_ids
 
 NUM_DEVICE_PAGES = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

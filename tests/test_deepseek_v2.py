@@ -20,7 +20,7 @@ from lowvram.models.deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softm
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from lowvram.testing import make_tiny_deepseek_v2
+    from tiny_models import make_tiny_deepseek_v2
 
     return make_tiny_deepseek_v2(tmp_path_factory.mktemp("dsv2"), seed=0)
 

@@ -35,8 +35,7 @@ def _is_quantized(name: str) -> bool:
 def checkpoints(tmp_path_factory):
     """(AWQ checkpoint, the same INT4 weights dequantized to float32)."""
     from safetensors.torch import load_file, save_file
-
-    from lowvram.testing import make_tiny_deepseek_v2
+    from tiny_models import make_tiny_deepseek_v2
 
     source = make_tiny_deepseek_v2(tmp_path_factory.mktemp("dsv2-fp"), seed=2)
     awq_dir, dequantized_dir = tmp_path_factory.mktemp("dsv2-awq"), tmp_path_factory.mktemp("dsv2-dequantized")

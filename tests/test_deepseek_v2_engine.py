@@ -24,7 +24,7 @@ PROMPTS = ["The scheduler reads the next token", "def add(a, b):"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from lowvram.testing import make_tiny_deepseek_v2
+    from tiny_models import make_tiny_deepseek_v2
 
     return make_tiny_deepseek_v2(tmp_path_factory.mktemp("dsv2-engine"), seed=3)
 

@@ -23,7 +23,7 @@ from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from lowvram.testing import make_tiny_deepseek_v2
+    from tiny_models import make_tiny_deepseek_v2
 
     return make_tiny_deepseek_v2(tmp_path_factory.mktemp("dsv2-offload"), seed=1)
 

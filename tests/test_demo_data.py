@@ -9,11 +9,14 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from lowvram.demo import corpus, tasks
-from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, format_chat, save_tokenizer, train_tokenizer
+from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER, save_tokenizer, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+demo_tasks = load_script("demo_tasks")
+demo_corpus = load_script("demo_corpus")
 NUM_TRAINING_SAMPLES = 20_000
 
 # 2024-01-01 was a Monday: datetime does the weekday arithmetic independently of tasks.py.
@@ -90,25 +93,30 @@ def _expected_answer(task: tasks.Task) -> str:
 
 @pytest.fixture(scope="module")
 def training_sample():
-    return list(islice(tasks.training_tasks(seed=7), NUM_TRAINING_SAMPLES))
+    return list(islice(demo_tasks.training_tasks(seed=7), NUM_TRAINING_SAMPLES))
 
 
 def test_heldout_split_is_fixed_and_balanced():
     first, second = tasks.heldout_tasks(), tasks.heldout_tasks()
     assert [(t.key, t.messages, t.answer) for t in first] == [(t.key, t.messages, t.answer) for t in second]
-    assert len(first) == tasks.HELDOUT_PER_KIND * len(tasks.KINDS)
+    assert len(first) == tasks.HELDOUT_PER_KIND * len(demo_tasks.KINDS)
     assert len({t.key for t in first}) == len(first)
     # A smaller held-out set is a prefix of each kind's fixed list.
-    expected_prefix = [t.key for kind in tasks.KINDS for t in [t for t in first if t.kind == kind][:5]]
+    expected_prefix = [t.key for kind in demo_tasks.KINDS for t in [t for t in first if t.kind == kind][:5]]
     assert [t.key for t in tasks.heldout_tasks(5)] == expected_prefix
     with pytest.raises(ValueError):
         tasks.heldout_tasks(tasks.HELDOUT_PER_KIND + 1)
 
 
+def test_shipped_heldout_tasks_are_the_generated_ones():
+    shipped = [(t.kind, t.messages, t.answer, t.key) for t in tasks.heldout_tasks()]
+    assert shipped == [(t.kind, t.messages, t.answer, t.key) for t in demo_tasks.build_heldout_tasks()]
+
+
 def test_training_stream_is_reproducible_and_seeded():
-    first = [(t.key, t.messages[0]["content"]) for t in islice(tasks.training_tasks(seed=3), 500)]
-    again = [(t.key, t.messages[0]["content"]) for t in islice(tasks.training_tasks(seed=3), 500)]
-    other = [(t.key, t.messages[0]["content"]) for t in islice(tasks.training_tasks(seed=4), 500)]
+    first = [(t.key, t.messages[0]["content"]) for t in islice(demo_tasks.training_tasks(seed=3), 500)]
+    again = [(t.key, t.messages[0]["content"]) for t in islice(demo_tasks.training_tasks(seed=3), 500)]
+    other = [(t.key, t.messages[0]["content"]) for t in islice(demo_tasks.training_tasks(seed=4), 500)]
     assert first == again
     assert first != other
 
@@ -119,7 +127,7 @@ def test_heldout_never_appears_in_training(training_sample):
     heldout_questions = {t.messages[-1]["content"] for t in heldout}
     assert not heldout_keys & {t.key for t in training_sample}
     assert not heldout_questions & {t.messages[-1]["content"] for t in training_sample}
-    assert {t.kind for t in training_sample} == set(tasks.KINDS)
+    assert {t.kind for t in training_sample} == set(demo_tasks.KINDS)
 
 
 def test_answers_match_an_independent_computation(training_sample):
@@ -134,23 +142,34 @@ def test_is_correct_is_exact_match_after_strip():
     assert not tasks.is_correct(task, f"The answer is {task.answer}")
 
 
+@pytest.fixture(scope="module")
+def train_script():
+    """scripts/train_demo_model.py as a module (it imports its sibling scripts/demo_corpus.py)."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import train_demo_model
+    finally:
+        sys.path.pop(0)
+    return train_demo_model
+
+
 def test_corpus_split_is_by_file_and_heldout_is_shipped():
-    assert not set(corpus.HELDOUT_FILES) & set(corpus.TRAINING_FILES)
+    assert not set(demo_corpus.HELDOUT_FILES) & set(demo_corpus.TRAINING_FILES)
     assert corpus.HELDOUT_PATH.is_file()
     heldout = corpus.heldout_text()
     assert 100_000 < len(heldout.encode("utf-8")) <= 200_000
     assert corpus.heldout_text(max_chars=1000) == heldout[:1000]
     # The held-out files are byte-identical across CPython 3.10-3.13, so the shipped copy
     # is what this interpreter's standard library holds (where its sources are installed).
-    if (corpus.stdlib_dir() / "difflib.py").is_file():
-        assert corpus.build_heldout_text() == heldout
+    if (demo_corpus.stdlib_dir() / "difflib.py").is_file():
+        assert demo_corpus.build_heldout_text() == heldout
 
 
 @pytest.fixture(scope="module")
-def small_tokenizer(tmp_path_factory):
-    texts = [corpus.training_text()[:200_000]] + [
-        format_chat(t.messages + [{"role": "assistant", "content": t.answer}])
-        for t in islice(tasks.training_tasks(0), 2000)
+def small_tokenizer(tmp_path_factory, train_script):
+    texts = [demo_corpus.training_text()[:200_000]] + [
+        train_script.format_chat(t.messages + [{"role": "assistant", "content": t.answer}])
+        for t in islice(demo_tasks.training_tasks(0), 2000)
     ]
     tokenizer = train_tokenizer(texts, vocab_size=512)
     out_dir = tmp_path_factory.mktemp("tokenizer")
@@ -170,7 +189,7 @@ def test_tokenizer_round_trips_and_splits_digits(small_tokenizer):
         assert len(tokenizer.encode(special, add_special_tokens=False).ids) == 1
 
 
-def test_chat_template_matches_the_training_format(small_tokenizer):
+def test_chat_template_matches_the_training_format(small_tokenizer, train_script):
     from transformers import AutoTokenizer
 
     tokenizer, out_dir = small_tokenizer
@@ -187,31 +206,21 @@ def test_chat_template_matches_the_training_format(small_tokenizer):
         f"{BOS}Answer with the result only.{USER}What is 123 + 45?{ASSISTANT}168{EOS}"
         f"{USER}Sort these words alphabetically: pear, apple{ASSISTANT}"
     )
-    assert rendered == format_chat(messages, add_generation_prompt=True)
+    assert rendered == train_script.format_chat(messages, add_generation_prompt=True)
     ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert list(ids) == tokenizer.encode(rendered, add_special_tokens=False).ids
     assert ids[0] == hf_tokenizer.bos_token_id and ids[-1] == tokenizer.token_to_id(ASSISTANT)
 
 
-@pytest.fixture(scope="module")
-def train_script():
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    try:
-        import train_demo_model
-    finally:
-        sys.path.pop(0)
-    return train_demo_model
-
-
 def test_training_pieces_tokenize_like_the_whole_conversation(small_tokenizer, train_script):
     tokenizer, _ = small_tokenizer
-    turns = list(islice(tasks.training_tasks(1), 3))
+    turns = list(islice(demo_tasks.training_tasks(1), 3))
     pieces = train_script.conversation_pieces(turns, "You are a helpful assistant.")
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
     for task in turns:
         messages += task.messages + [{"role": "assistant", "content": task.answer}]
-    whole = tokenizer.encode(format_chat(messages), add_special_tokens=False).ids
+    whole = tokenizer.encode(train_script.format_chat(messages), add_special_tokens=False).ids
     [(ids, trained)] = train_script.encode_pieces(tokenizer, [pieces])
     assert ids == whole
     # Only answer tokens and the EOS after each answer are trained on.
@@ -293,7 +302,7 @@ def test_training_script_smoke_run_on_cpu(tmp_path):
     assert config["torch_dtype"] == config["dtype"] == "float16"
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["steps"] == 3
-    assert set(record["accuracy"]) == set(tasks.KINDS)
+    assert set(record["accuracy"]) == set(demo_tasks.KINDS)
     assert record["heldout_ppl"] > 1.0
 
 

@@ -7,8 +7,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from lowvram.demo.tokenizer import ASSISTANT, BOS, EOS, USER
 from lowvram.errors import ConfigError
-from lowvram.testing import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, make_tiny_model
+from lowvram.testing import make_tiny_model
 
 MIXED_TEXT = 'Hello  world!\n\ndef add(a, b):\n    return a + b  # 12345, "ünïcödé" 東京 🙂'
 
@@ -93,8 +94,8 @@ def test_model_vocab_covers_every_token_id(tiny_model_dir):
     assert config.vocab_size == len(tokenizer)
     assert max(tokenizer.get_vocab().values()) < config.vocab_size
     generation_config = json.loads((tiny_model_dir / "generation_config.json").read_text())
-    assert generation_config["bos_token_id"] == config.bos_token_id == tokenizer.convert_tokens_to_ids(BOS_TOKEN)
-    assert generation_config["eos_token_id"] == config.eos_token_id == tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert generation_config["bos_token_id"] == config.bos_token_id == tokenizer.convert_tokens_to_ids(BOS)
+    assert generation_config["eos_token_id"] == config.eos_token_id == tokenizer.convert_tokens_to_ids(EOS)
 
 
 def test_chat_template_renders_deepseek_r1_format(tiny_model_dir):
@@ -106,15 +107,12 @@ def test_chat_template_renders_deepseek_r1_format(tiny_model_dir):
         {"role": "user", "content": "Why is the sky blue?"},
     ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == (
-        f"{BOS_TOKEN}Be brief.{USER_TOKEN}Hi{ASSISTANT_TOKEN}Hello!{EOS_TOKEN}"
-        f"{USER_TOKEN}Why is the sky blue?{ASSISTANT_TOKEN}"
-    )
+    assert text == (f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello!{EOS}{USER}Why is the sky blue?{ASSISTANT}")
     without_prompt = tokenizer.apply_chat_template(messages[:2], add_generation_prompt=False, tokenize=False)
-    assert without_prompt == f"{BOS_TOKEN}Be brief.{USER_TOKEN}Hi"
+    assert without_prompt == f"{BOS}Be brief.{USER}Hi"
 
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    special_ids = tokenizer.convert_tokens_to_ids([BOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN])
+    special_ids = tokenizer.convert_tokens_to_ids([BOS, USER, ASSISTANT])
     assert ids[0] == special_ids[0] and ids.count(special_ids[0]) == 1
     assert ids.count(special_ids[1]) == 2
     assert ids[-1] == special_ids[2]

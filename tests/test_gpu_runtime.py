@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from tiny_models import finished_token_ids
 
 from lowvram import LLM, SamplingParams
 from lowvram.engine.engine import LLMEngine
-from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox", "x"]

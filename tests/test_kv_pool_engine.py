@@ -3,6 +3,7 @@ spill through a small device share, or change precision while requests run."""
 
 import pytest
 from test_kv_pool import FakeManagedMemory
+from tiny_models import finished_token_ids
 
 from lowvram.config import load_profile
 from lowvram.core.block_manager import BlockManager
@@ -12,7 +13,6 @@ from lowvram.engine.engine import LLMEngine
 from lowvram.engine.model_runner import ModelRunner
 from lowvram.kv.pool import DeviceKVPool, KVShape, recent_window_blocks
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.testing import finished_token_ids
 
 PROMPTS = ["Hello world, this is a test of", "def add(a, b):\n    return", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -4,6 +4,7 @@ the device pool's greedy output. Skipped without CUDA."""
 
 import pytest
 import torch
+from tiny_models import finished_token_ids
 
 from lowvram.config import load_profile
 from lowvram.core.sampling_params import SamplingParams
@@ -12,7 +13,6 @@ from lowvram.kernels.kv_quant import gather_kv, store_kv
 from lowvram.kv.backend import create_kv_pool
 from lowvram.kv.pool import KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
-from lowvram.testing import finished_token_ids
 
 pytestmark = pytest.mark.gpu
 GIB = 2**30

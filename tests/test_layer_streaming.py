@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import finished_token_ids
 
 from lowvram.config import load_profile, profile_from_dict
 from lowvram.core.sampling_params import SamplingParams
@@ -21,7 +22,6 @@ from lowvram.models.config import model_config_from_dict
 from lowvram.models.layer_streaming import HostComputed, HostEmbedding
 from lowvram.models.loader import QUANTIZABLE_LINEARS
 from lowvram.models.shapes import shape_config
-from lowvram.testing import finished_token_ids
 
 NUM_LAYERS = 4
 GROUP_SIZE = 32

@@ -196,21 +196,21 @@ def test_plain_mode_keeps_a_multi_turn_chat_and_obeys_commands(model_args, tmp_p
 
 
 def test_plain_mode_is_automatic_without_a_terminal(model_args, monkeypatch, capsys):
-    from lowvram.tui.cli import main
+    from lowvram.cli import main
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 17 + 25?\n"))
-    assert main([*model_args, "--profile", "cpu", "-n", "8"]) == 0  # no --plain: stdout is not a terminal
+    assert main(["chat", *model_args, "--profile", "cpu", "-n", "8"]) == 0  # no --plain: stdout is not a terminal
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 and "Traceback" not in err
 
 
 def test_chat_errors_are_one_line_and_exit_2(tmp_path, capsys):
-    from lowvram.tui.cli import main
+    from lowvram.cli import main
 
-    assert main(["--plain", "--model", str(tmp_path / "nothing-here")]) == 2
+    assert main(["chat", "--plain", "--model", str(tmp_path / "nothing-here")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lowvram: error: model directory") and "Traceback" not in err
-    assert main(["--plain", "--temperature", "-3"]) == 2
+    assert main(["chat", "--plain", "--temperature", "-3"]) == 2
     assert "temperature = -3.0 is invalid" in capsys.readouterr().err
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from lowvram.tui.cli import main
+from lowvram.cli import main
 
-sys.exit(main())
+sys.exit(main(["chat", *sys.argv[1:]]))

@@ -27,7 +27,7 @@ from textual.worker import Worker
 from lowvram.config import builtin_profile_names, load_profile
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import LowvramError, RequestError
-from lowvram.tui.backend import ChatBackend, EngineSpec, load_backend
+from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
 from lowvram.tui.commands import Command, message_text, parse_command, setting_changes
 from lowvram.tui.conversation import (
     ChatSettings,
@@ -60,17 +60,13 @@ class EngineFailed(Message):
 
 
 @dataclass
-class ReplyDelta(Message):
+class ReplyUpdate(Message):
+    """New text of a reply; with finish_reason set, its end."""
+
     reply_id: int
     text: str
     num_tokens: int
-
-
-@dataclass
-class ReplyFinished(Message):
-    reply_id: int
-    finish_reason: str
-    num_tokens: int
+    finish_reason: str | None = None
     error: BaseException | None = None
 
 
@@ -85,17 +81,6 @@ class ActiveReply:
     view: AssistantMessage
     worker: Worker
     num_tokens: int = 0
-
-
-class _WarningForwarder(logging.Handler):
-    """Engine warnings become notifications: a line on stderr would tear the screen."""
-
-    def __init__(self, app: ChatApp):
-        super().__init__(logging.WARNING)
-        self.app = app
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.app.post_message(EngineLog(record.getMessage()))
 
 
 KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
@@ -151,7 +136,8 @@ class ChatApp(App):
         self._reply: ActiveReply | None = None
         self._queue: deque[UserMessage] = deque()
         self._reply_ids = itertools.count()
-        self._log_forwarder = _WarningForwarder(self)
+        # Engine warnings become notifications: a line on stderr would tear the screen.
+        self._log_forwarder = LogForwarder(logging.WARNING, lambda text: self.post_message(EngineLog(text)))
         self._was_propagating = True
 
     def compose(self) -> ComposeResult:
@@ -302,23 +288,22 @@ class ChatApp(App):
             async for out in self.backend.stream(messages, params):
                 num_tokens = len(out.outputs[0].token_ids)
                 if out.text_delta:
-                    self.post_message(ReplyDelta(reply_id, out.text_delta, num_tokens))
+                    self.post_message(ReplyUpdate(reply_id, out.text_delta, num_tokens))
                 if out.finished:
                     finish_reason = out.outputs[0].finish_reason or "stop"
         except Exception as exc:  # shown in a dialog; the chat goes on
             finish_reason, error = "error", exc
         finally:
-            self.post_message(ReplyFinished(reply_id, finish_reason, num_tokens, error))
+            self.post_message(ReplyUpdate(reply_id, "", num_tokens, finish_reason, error))
 
-    async def on_reply_delta(self, message: ReplyDelta) -> None:
+    async def on_reply_update(self, message: ReplyUpdate) -> None:
         reply = self._reply
-        if reply is not None and reply.reply_id == message.reply_id:
-            reply.num_tokens = message.num_tokens
+        if reply is None or reply.reply_id != message.reply_id:  # a stopped reply's last words
+            return
+        reply.num_tokens = message.num_tokens
+        if message.text:
             await reply.view.write(message.text)
-
-    async def on_reply_finished(self, message: ReplyFinished) -> None:
-        if self._reply is not None and self._reply.reply_id == message.reply_id:
-            self._reply.num_tokens = message.num_tokens
+        if message.finish_reason is not None:
             await self._finish_reply(message.finish_reason, message.error)
 
     async def _finish_reply(self, finish_reason: str, error: BaseException | None = None) -> None:

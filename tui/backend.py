@@ -40,16 +40,17 @@ class EngineSpec:
         return replace(self, profile=profile)
 
 
-class _StageForwarder(logging.Handler):
-    """Every engine log line goes to on_stage; lines the terminal would have shown anyway go on to it too."""
+class LogForwarder(logging.Handler):
+    """Hands each log line at `level` or above to `callback`; from `passes_on_at` up, lines go on to
+    the root logger too (what the terminal would have shown anyway)."""
 
-    def __init__(self, on_stage: Callable[[str], None]):
-        super().__init__(logging.INFO)
-        self.on_stage = on_stage
+    def __init__(self, level: int, callback: Callable[[str], None]):
+        super().__init__(level)
+        self.callback = callback
         self.passes_on_at: int | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.on_stage(record.getMessage())
+        self.callback(record.getMessage())
         if self.passes_on_at is not None and record.levelno >= self.passes_on_at:
             logging.getLogger().handle(record)
 
@@ -58,7 +59,7 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
     """Build the LLMEngine, reporting stages through `on_stage`. Raises LowvramError subclasses."""
     on_stage(f"resolving {spec.model_label}, loading its weights and planning the KV pool")
     logger = logging.getLogger("lowvram")
-    handler = _StageForwarder(on_stage)
+    handler = LogForwarder(logging.INFO, on_stage)
     level, is_propagating = logger.level, logger.propagate
     logger.addHandler(handler)
     if logger.getEffectiveLevel() > logging.INFO:

@@ -7,14 +7,22 @@ to register the subcommand.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 
-def _add_chat_args(p: argparse.ArgumentParser) -> None:
+def add_chat_parser(subparsers) -> None:
+    """Register `chat` on lowvram's subcommand parser."""
     from lowvram.engine.args import add_engine_args
 
+    p = subparsers.add_parser(
+        "chat",
+        help="chat in the terminal and watch memory, KV pages and speed live",
+        description="Chat with a model in the terminal while a side panel shows what the "
+        "engine is doing. F1 in the chat lists the keys.",
+    )
+    # SUPPRESS keeps `lowvram -v chat` working: a default here would overwrite the top-level flag.
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the engine does")
     add_engine_args(p)
     p.add_argument("--system", default="", help="system prompt (F2 or /system changes it in the chat)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); F3 or /temp changes it")
@@ -37,17 +45,6 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
         help="where Ctrl+S saves transcripts (default: $XDG_DATA_HOME/lowvram/transcripts, "
         "else ~/.local/share/lowvram/transcripts)",
     )
-
-
-def add_chat_parser(subparsers) -> None:
-    """Register `chat` on lowvram's subcommand parser."""
-    p = subparsers.add_parser(
-        "chat",
-        help="chat in the terminal and watch memory, KV pages and speed live",
-        description="Chat with a model in the terminal while a side panel shows what the "
-        "engine is doing. F1 in the chat lists the keys.",
-    )
-    _add_chat_args(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -74,21 +71,3 @@ def cmd_chat(args) -> int:
         print(f"lowvram: error: {message}" + (f"\nlowvram: {hint}" if hint else ""), file=sys.stderr)
         return 2
     return app.return_code or 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m lowvram.tui`: the chat on its own, with lowvram's CLI conventions."""
-    from lowvram.errors import LowvramError
-
-    parser = argparse.ArgumentParser(prog="lowvram chat", description="Chat with a model in the terminal.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
-    _add_chat_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="lowvram: %(message)s")
-    try:
-        return cmd_chat(args)
-    except LowvramError as exc:
-        print(f"lowvram: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130

@@ -21,22 +21,13 @@ from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_tran
 
 
 class PlainChat:
-    """One conversation against one engine, written to text streams."""
+    """One conversation against one engine, read from and written to text streams."""
 
-    def __init__(
-        self,
-        spec: EngineSpec,
-        settings: ChatSettings,
-        *,
-        transcript_dir: Path | None = None,
-        stdout: TextIO,
-        stderr: TextIO,
-        is_interactive: bool = False,
-    ):
+    def __init__(self, spec: EngineSpec, settings: ChatSettings, transcript_dir: Path | None, stdin, stdout, stderr):
         self.spec = spec
         self.transcript_dir = transcript_dir
-        self.stdout, self.stderr = stdout, stderr
-        self.is_interactive = is_interactive
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.is_interactive = stdin.isatty()
         self.engine = self._load(spec)
         self.conversation = Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
         self._request_ids = itertools.count()
@@ -54,14 +45,14 @@ class PlainChat:
             self.note(f"loading {spec.model_label}...")
         return load_engine(spec)
 
-    def run(self, stdin: TextIO) -> int:
+    def run(self) -> int:
         """Chat until end of input or /quit; 1 if any line failed, else 0."""
         num_failed = 0
         while True:
             if self.is_interactive:
                 self.stderr.write("you> ")
                 self.stderr.flush()
-            line = stdin.readline()
+            line = self.stdin.readline()
             if not line:
                 return 1 if num_failed else 0
             text = line.strip()
@@ -153,9 +144,7 @@ def run_plain(
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    is_interactive = stdin.isatty()
-    chat = PlainChat(
-        spec, settings, transcript_dir=transcript_dir, stdout=stdout, stderr=stderr, is_interactive=is_interactive
-    )
-    return chat.run(stdin)
+    """Chat line by line (the standard streams by default); the exit status of `PlainChat.run`."""
+    return PlainChat(
+        spec, settings, transcript_dir, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    ).run()

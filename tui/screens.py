@@ -69,6 +69,15 @@ class LoadingScreen(Screen):
         self.query_one("#loading-elapsed", Static).update(f"{time.monotonic() - self._started:.0f} s")
 
 
+class Dialog(ModalScreen):
+    """A modal screen that Esc dismisses with None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 class ErrorDialog(ModalScreen[str]):
     """An error as a readable dialog: what happened, what to do, and buttons; dismissed with the button id."""
 
@@ -97,10 +106,10 @@ class ErrorDialog(ModalScreen[str]):
         self.dismiss(self.buttons[-1][0])
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(Dialog):
     """Every key binding and slash command."""
 
-    BINDINGS = [Binding("escape,f1,q", "close", "Close")]
+    BINDINGS = [Binding("escape,f1,q", "cancel", "Close")]
 
     def __init__(self, bindings: list[tuple[str, str]]):
         super().__init__()
@@ -118,14 +127,9 @@ class HelpScreen(ModalScreen[None]):
         for key, doc in self.bindings + help_lines():
             table.add_row(key, doc)
 
-    def action_close(self) -> None:
-        self.dismiss(None)
 
-
-class TextPrompt(ModalScreen["str | None"]):
+class TextPrompt(Dialog):
     """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
-
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
         super().__init__()
@@ -151,14 +155,9 @@ class TextPrompt(ModalScreen["str | None"]):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value)
 
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
-
-class SettingsDialog(ModalScreen["ChatSettings | None"]):
+class SettingsDialog(Dialog):
     """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
-
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, settings: ChatSettings):
         super().__init__()
@@ -189,6 +188,3 @@ class SettingsDialog(ModalScreen["ChatSettings | None"]):
             self.query_one("#settings-error", Static).update(str(exc))
             return
         self.dismiss(settings)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)

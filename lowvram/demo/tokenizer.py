@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -21,8 +21,9 @@ ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT)
 
 # DeepSeek-R1's layout: BOS, system text, then <｜User｜>question<｜Assistant｜>answer<｜end▁of▁sentence｜>
-# per turn; the generation prompt is <｜Assistant｜>. System messages go first,
-# wherever they stand in the list, as in R1's own template.
+# per turn; the generation prompt is <｜Assistant｜>. System messages go first, wherever they
+# stand in the list, and the reasoning before </think> is dropped from earlier assistant turns
+# so that history does not grow with old thoughts, as in R1's own template.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
@@ -32,7 +33,7 @@ CHAT_TEMPLATE = (
     "{%- if message['role'] == 'user' -%}"
     "{{- '<｜User｜>' + message['content'] -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' -}}"
+    "{{- '<｜Assistant｜>' + message['content'].split('</think>')[-1] + '<｜end▁of▁sentence｜>' -}}"
     "{%- elif message['role'] != 'system' -%}"
     "{{- raise_exception('unsupported chat role: ' + message['role']) -}}"
     "{%- endif -%}"
@@ -41,35 +42,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def format_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The text CHAT_TEMPLATE renders, built in plain Python for the training loop."""
-    parts = [BOS]
-    parts += [m["content"] for m in messages if m["role"] == "system"]
-    for message in messages:
-        if message["role"] == "user":
-            parts.append(USER + message["content"])
-        elif message["role"] == "assistant":
-            parts.append(ASSISTANT + message["content"] + EOS)
-        elif message["role"] != "system":
-            raise ValueError(f"unsupported chat role: {message['role']!r}")
-    if add_generation_prompt:
-        parts.append(ASSISTANT)
-    return "".join(parts)
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 2048,
+    *,
+    extra_special_tokens: tuple[str, ...] = (),
+    split_digits: bool = True,
+) -> Tokenizer:
+    """Byte-level BPE over `texts`; encoding a plain text prepends BOS, as R1's tokenizer does.
 
-
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> Tokenizer:
-    """Byte-level BPE over `texts`; encoding a plain text prepends BOS, as R1's tokenizer does."""
+    `extra_special_tokens` get ids right after DeepSeek's four; `vocab_size` counts them all.
+    `split_digits` makes every digit its own token. The same arguments give the same tokenizer.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
+    tokenizer.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
