@@ -1,68 +1,36 @@
 """Attention over paged K/V caches (FP16, INT8 and INT4 pages): decode and prefill.
 
-Decode (one new token per sequence) is memory bound: each program owns one
-sequence, one KV head and one partition of the context, and processes all the
-query heads of that KV head's group together (GQA), so every K/V byte is read
-once. A group of up to 8 heads is one 8-wide tensor-core tile with the token
-tile first (scores as K q^T, [tokens, 8]), rather than 8 or fewer rows padded to
-the 16 a first operand needs; wider groups (MLA's 16) take the rows. Long
-contexts are split into partitions that run in parallel (flash-decoding) and the
-partial results are merged through their log-sum-exp. By default the number of
-partitions is chosen so that the grid fills the GPU, bounded by a minimum
-partition length. With few partitions of the default partitioning the decode
-kernel can merge them itself: each partition program counts itself in on an int32
-counter of its (sequence, KV head), and the last to arrive adds up all of them
-(the pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
-layer; otherwise a second kernel merges them with a program per head, or per 32
-columns of one for long merges, as the last arrival alone would take too long.
-`DecodeConfig.max_fused_splits` draws the line (0 for the 1- and 2-warp defaults, whose
-programs merge slower than the merge kernel).
+Decode (one new token per sequence) is memory bound: each program owns one sequence, one KV
+head and one partition of the context, and processes all the query heads of that KV head's
+group together (GQA), so every K/V byte is read once. The token tile is the dots' first
+operand (scores as K q^T, [tokens, group]), so a group of up to 8 heads is one 8-wide
+tensor-core tile rather than rows padded to 16. Long contexts are split into partitions that
+run in parallel (flash-decoding), enough to fill the GPU, and a merge kernel adds the partial
+results through their log-sum-exps.
 
-Batch invariance. The default partitioning depends on the batch (its size and its
-longest context), so a sequence's sum can be cut differently when other sequences
-join it. With `partition_tokens=` (`INVARIANT_PARTITION_TOKENS`, say)
-partitions start at fixed absolute positions, a sequence always goes through the
-merge kernel (never the decode kernel's own merge), which adds exactly the sequence's own
-partitions in an order fixed by their number alone (partition s into lane s %
-MERGE_KERNEL_LANES, then the lanes pairwise); partitions past a sequence's context are
-neither computed nor read.
-Nothing a sequence's result is made of then depends on its neighbours, the block
-table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
-option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
-meets the same tiles whatever chunk of the prompt, and whatever batch, it comes in.
-
-Prefill (a batch of new tokens, possibly after a cached prefix) is compute
-bound and follows flash-attention 2: one program per (query tile, sequence,
-query head), online softmax over K/V tiles up to the causal limit.
+Prefill (a batch of new tokens, possibly after a cached prefix) is compute bound and follows
+flash-attention 2: one program per (query tile, sequence, query head), online softmax over K/V
+tiles up to the causal limit. Query and K/V tiles sit at absolute positions, so a prompt token
+meets the same tiles, bit for bit, whatever chunk of the prompt and whatever batch it comes in
+(the batch-invariant mode sends its decode rows here too).
 
 Both kernels gather K/V through the block table one token row at a time
-(`block_table[seq, p // B] * B + p % B`) and accumulate in float32. Scores use
-exp2 with the softmax scale folded into log2(e). INT8/INT4 codes go into the
-dots as they are (integers up to 255 are exact in float16) and each token's
-scale and zero are applied to the dots' results, per token rather than per
-element: `q . k_j = s_j (q . c_j) - s_j z_j sum(q)` for K and
-`sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V. Dequantizing
-every element first made the quantized pages slower to read than FP16 ones of
-twice their size. A code becomes a float without an integer-to-float conversion
-instruction (those run at a quarter of the float rate or less): its bits, alone
-in a float16, are the subnormal code * 2**-24, exact, and the tensor cores'
-float32 products and sums of them are exact to float32 rounding; the token's
-scale carries the 2**24 back.
-Quantized heads are read as 16-bit words and split into planes so that no code
-moves between columns: INT8's low and high bytes (elements 2i and 2i + 1, two
-planes of half the head) and INT4's four nibbles (elements 4i to 4i + 3, four
-planes of a quarter). Tiles of whole 16-bit elements move through shared memory
-into the dots' operand layouts as FP16 tiles do; read as bytes, each operand was
-gathered a byte at a time and the compiled loop ran 35% (INT8) and 26% (INT4)
-more instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
-(`KVPages.window_row`, see `lowvram.kernels.kv_quant`) are read from the FP16 copy
-instead of their codes, with scale 1 and zero 0: by the decode kernel in a pass
-of its own over the tiles that hold them, after its main loop over the codes,
-so that the main loop keeps the registers of pages without a window.
+(`block_table[seq, p // B] * B + p % B`) and accumulate in float32; scores use exp2 with the
+softmax scale folded into log2(e). INT8/INT4 codes go into the dots as they are and each
+token's scale and zero are applied to the dots' results: `q . k_j = s_j (q . c_j) - s_j z_j
+sum(q)` for K and `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V, which is
+faster than dequantizing every element. A code becomes a float16 without an int-to-float
+instruction (a quarter of the float rate): its bits alone are the subnormal code * 2**-24,
+exact, and the token's scale carries the 2**24 back. Quantized heads are read as 16-bit words
+split into planes so that no code moves between columns: INT8's low and high bytes (elements
+2i and 2i + 1) and INT4's four nibbles (elements 4i to 4i + 3). Tokens of pages kept in FP16
+beside the codes (`KVPages.window_row`, see `lowvram.kernels.kv_quant`) are read from the FP16
+copy with scale 1 and zero 0; the decode kernel reads them in a pass of its own after its
+main loop, so that the main loop keeps the registers of pages without a window.
 
-The public wrappers check shapes, dtypes and strides, then run the Triton
-kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
-float32 plain-torch reference (`*_ref`) otherwise.
+The public wrappers check shapes, dtypes and strides, then run the Triton kernel on CUDA
+tensors (or on CPU tensors when TRITON_INTERPRET=1) and the float32 plain-torch reference
+(`*_ref`) otherwise.
 """
 
 from __future__ import annotations
@@ -75,15 +43,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from lowvram.errors import KernelError
-from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels.dispatch import num_sms, use_triton
 from lowvram.kernels.kv_quant import KVPages, gather_kv
 
 try:
     import triton
     import triton.language as tl
-
-    from lowvram.kernels.pdl import await_inputs, dependent_launch, prefetch_l2_lines
 
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
@@ -96,100 +61,54 @@ FORCE_REFERENCE = False
 # Decode partitions shorter than this cost more in the merge than they win in parallelism.
 MIN_PARTITION_TOKENS = 128
 TARGET_WAVES = 4
-# The partition length for batch-invariant decoding (`partition_tokens=`): every sequence is cut
-# at the same absolute positions whatever else is in the batch. 256 is a multiple of every token
-# tile the kernel uses (16 to 256). It is short enough that one 8K sequence of the 1.5B shape
-# (2 KV heads) still spreads over 64 programs, and long enough that the partial results written
-# and merged (a float32 row per query head: 3 KB for 6 heads of 128) stay small beside the K/V
-# bytes a partition reads (128 KB at FP16, 35 KB at INT4).
-INVARIANT_PARTITION_TOKENS = 256
 # The decode kernel's query rows per program at the least: one 8-wide tensor-core tile.
 DECODE_MIN_GROUP = 8
-# Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async (see
-# default_decode_config); INVARIANT_PARTITION_TOKENS is a multiple of each.
+# Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async.
 ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
-# The merges add partial results in lanes (_merge_slice): one load brings a partial for each
-# lane. The merge kernel runs a program per MERGE_SLICE_D columns of a head with
-# MERGE_KERNEL_LANES lanes, so a merge of 256 partitions (one sequence at 32K-128K) waits on
-# memory twice, where one partition at a time waited once for each one or two; with the default
-# partitioning, up to WHOLE_HEAD_MERGE_SPLITS partitions take a program per whole head
-# (_merge_kernel_shape). The decode kernel's own merge (at most max_fused_splits partitions)
-# takes whole heads, in fewer lanes.
+# The merge kernel adds partials in lanes (one load brings a partial for each lane): a program
+# per MERGE_SLICE_D columns with MERGE_KERNEL_LANES lanes, or up to WHOLE_HEAD_MERGE_SPLITS
+# partitions a whole head per program (a quarter of the programs, a shorter tree of lanes).
 MERGE_SLICE_D = 32
 MERGE_KERNEL_LANES = 128
 WHOLE_HEAD_MERGE_SPLITS = 64
-FUSED_MERGE_FLOATS = 4096
-# 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
-MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
-
-# One counter per (sequence, KV head) for the merge inside the decode kernel; see
-# kernels/arrival_counters.py.
-MERGE_COUNTERS = ArrivalCounters("paged_decode_attention's merge", MIN_MERGE_COUNTERS)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning knobs of the decode kernel; benchmarks sweep them through `paged_decode_attention(_config=)`.
+    """Tuning of the decode kernel; benchmarks sweep it through `paged_decode_attention(_config=)`.
 
     block_n: tokens per K/V tile, a power of two >= 16 (partitions are whole tiles).
     num_warps, num_stages: Triton's launch options (stages of the tile loads' pipeline).
-    max_fused_splits: with at most this many partitions of the default partitioning, the
-    decode kernel merges them itself (the last partition of a sequence's KV head to finish
-    adds them up), saving the merge kernel's launch but leaving the merge to one program per
-    KV head; with more, or with fixed partitions, the merge kernel runs programs per head.
-
-    `default_decode_config` depends on the device and head size only, and is what fixed
-    partitions (`partition_tokens=`) run with: a tile that followed the batch would change
-    how a sequence's tokens are summed whenever its neighbours changed. The default
-    partitioning follows the batch anyway, and `decode_config` fits the tile to its grid.
     """
 
     block_n: int
     num_warps: int
     num_stages: int
-    max_fused_splits: int
 
 
-# decode_config's choices for grids of few programs and for short partitions.
-LATENCY_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2, max_fused_splits=0)
+# decode_config's choice for grids of no more programs than SMs: 128-token tiles over 4 warps
+# issue a partition's loads at once.
+LATENCY_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 MIN_TILES_PER_PARTITION = 2
 MIN_FITTED_TILE_TOKENS = 64
 
 
 @functools.cache
 def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -> DecodeConfig:
-    """The decode kernel's configuration for pages of `bits` (16, 8 or 4) unless a benchmark
-    passes another."""
+    """The decode kernel's configuration for pages of `bits` (16, 8 or 4) on `device`."""
     block_d = _block_d(head_dim)
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
-    # Merging up to 16 partial rows per head in the last program costs less than a second
-    # launch, with 4 or 8 warps to do it.
-    max_fused_splits = 16
     if _has_async_copies(device):
         if block_d <= 128:
-            # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md),
-            # the token-by-token tiles of groups up to 8 query heads: 2 warps, whose reductions
-            # over a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages
-            # in 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20%
-            # slower at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
-            # FP16 tiles over one warp: no barrier for the reductions and 15.7 instructions a
-            # token against 27.8 over two; in the best configuration of 7 of the 9 rows of an
-            # H200 sweep (by up to 2%), and 19-25% faster than two warps on a 16-SM slice, where
-            # the SMs' issue rate, not memory, bounded them. INT8 and INT4 over one warp were slower.
+            # Measured (scripts/bench_paged_attention.py --sweep): FP16 pages in 32-token tiles
+            # over one warp (no barrier for the reductions over a tile's tokens), INT8 codes in
+            # 64-token tiles and INT4 in 128-token ones over two warps, three pipeline stages.
             block_n = ASYNC_DECODE_TILE_TOKENS[bits]
             num_warps = 1 if bits == 16 else 2
-            # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took
-            # 7.6 µs merged in the decode kernel against 5.9, at 2K x 8 15.3 against 9.4.
-            max_fused_splits = 0
         elif bits == 16:
             num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
-    return DecodeConfig(
-        block_n=_tile_rows(block_d, block_n),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        max_fused_splits=max_fused_splits,
-    )
+    return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages)
 
 
 def decode_config(
@@ -202,19 +121,9 @@ def decode_config(
     *,
     is_partitioning_fixed: bool = False,
 ) -> DecodeConfig:
-    """The configuration `paged_decode_attention` takes for a call: with fixed partitions or a
-    forced partition count (`is_partitioning_fixed`) `default_decode_config`'s; with the default
-    partitioning that one fitted to the call's grid where that was measured (GPUs with cp.async,
-    heads up to 128).
-
-    - A grid of no more programs than SMs (one sequence to 8K, eight to 1K) is a matter of
-      latency: LATENCY_DECODE_CONFIG's 128-token tiles over 4 warps issue a partition's loads
-      at once. H200 sweeps: INT8 at 8K x 1 7.5 µs against 9.0, FP16 at 512 x 1 4.9 against 5.9.
-    - Otherwise a partition shorter than MIN_TILES_PER_PARTITION of the default's tiles takes
-      tiles half as long, down to MIN_FITTED_TILE_TOKENS: INT4's 128-token tiles become 64
-      for partitions under 256 tokens. INT4 at 4K x 8: 11.9 µs against 15.6; at 8K x 4, 11.1
-      against 12.7; at 32K x 4 (partitions of 497 tokens) 128 tokens stay faster.
-    """
+    """The configuration `paged_decode_attention` takes for a call: `default_decode_config`'s,
+    fitted to the call's grid (`fit_decode_config`) on GPUs with cp.async for heads up to 128,
+    unless the caller forced the partition count (`is_partitioning_fixed`)."""
     config = default_decode_config(device, head_dim, bits)
     if is_partitioning_fixed or not _has_async_copies(device) or _block_d(head_dim) > 128:
         return config
@@ -224,8 +133,12 @@ def decode_config(
 def fit_decode_config(
     config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int
 ) -> DecodeConfig:
-    """`config` fitted to the grid of the default partitioning on a GPU of `sm_count` SMs (see
-    decode_config)."""
+    """`config` fitted to the default partitioning's grid on a GPU of `sm_count` SMs.
+
+    A grid of no more programs than SMs is a matter of latency: LATENCY_DECODE_CONFIG.
+    Otherwise a partition shorter than MIN_TILES_PER_PARTITION tiles takes tiles half as long,
+    down to MIN_FITTED_TILE_TOKENS (INT4's 128-token tiles become 64 under 256 tokens).
+    """
     num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count)
     if num_seqs * num_kv_heads * num_splits <= sm_count:
         return LATENCY_DECODE_CONFIG
@@ -239,15 +152,16 @@ def fit_decode_config(
 def _has_async_copies(device: torch.device) -> bool:
     # Ampere and later pipeline tile loads through shared memory (cp.async) and have the
     # shared memory for two stages of 128-token INT8 tiles; Turing keeps the first tiles.
-    return device.type == "cuda" and not _is_interpreted(device) and torch.cuda.get_device_capability(device)[0] >= 8
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
     return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE)
 
 
-def _is_interpreted(device: torch.device) -> bool:
-    return device.type == "cpu"
+def _decode_block_n(device: torch.device) -> int:
+    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
+    return 16 if device.type == "cpu" else 64
 
 
 # ---------------------------------------------------------------- references
@@ -440,39 +354,17 @@ def plan_decode_partitions(
     device: torch.device,
     num_splits: int | None = None,
     *,
-    partition_tokens: int | None = None,
     block_n: int | None = None,
 ) -> tuple[int, int]:
     """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole
-    tiles of `block_n` tokens (by default 64).
-
-    With `partition_tokens` every partition has that many tokens (a positive multiple of the
-    kernel's token tile, else KernelError) and num_splits covers `max_context_len`.
-    """
+    tiles of `block_n` tokens (by default 64, 16 in the interpreter)."""
     if block_n is None:
         block_n = _decode_block_n(device)
     max_context_len = max(1, max_context_len)
-    if partition_tokens is not None:
-        if num_splits is not None:
-            raise KernelError(
-                f"plan_decode_partitions: pass num_splits ({num_splits}) or partition_tokens "
-                f"({partition_tokens}), not both"
-            )
-        if not isinstance(partition_tokens, int) or partition_tokens <= 0 or partition_tokens % block_n:
-            raise KernelError(
-                f"partition_tokens={partition_tokens!r} must be a positive multiple of the decode "
-                f"kernel's {block_n}-token tile"
-            )
-        return math.ceil(max_context_len / partition_tokens), partition_tokens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(device))
     partition_tokens = math.ceil(math.ceil(max_context_len / max(1, num_splits)) / block_n) * block_n
     return math.ceil(max_context_len / partition_tokens), partition_tokens
-
-
-def _decode_block_n(device: torch.device) -> int:
-    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
-    return 16 if _is_interpreted(device) else 64
 
 
 def _check_config(name: str, config: DecodeConfig) -> None:
@@ -485,30 +377,6 @@ def _check_config(name: str, config: DecodeConfig) -> None:
         )
 
 
-def merges_in_decode_kernel(config: DecodeConfig, num_splits: int, is_invariant: bool) -> bool:
-    """Whether a call split into `num_splits` partitions merges them in the decode kernel rather
-    than the merge kernel: at most `config.max_fused_splits` of the default partitioning; fixed
-    partitions (`is_invariant`) never."""
-    return not is_invariant and num_splits <= config.max_fused_splits
-
-
-def _merge_kernel_shape(block_d: int, num_splits: int, is_invariant: bool) -> tuple[int, int]:
-    """(columns per program, lanes) of the merge kernel. Fixed partitions always take
-    MERGE_SLICE_D columns in MERGE_KERNEL_LANES lanes, which fixes the order their partials are
-    added in. The default partitioning, which follows the batch anyway, merges up to
-    WHOLE_HEAD_MERGE_SPLITS partitions a whole head per program in one chunk of lanes: a
-    quarter of the programs, and a shorter tree of lanes."""
-    if is_invariant or num_splits > WHOLE_HEAD_MERGE_SPLITS or block_d > 128:
-        return MERGE_SLICE_D, MERGE_KERNEL_LANES
-    return block_d, max(2, triton.next_power_of_2(num_splits))
-
-
-def fused_merge_lanes(block_d: int) -> int:
-    """Lanes of the decode kernel's own merge for heads of `block_d` columns: partials one load
-    brings in, about FUSED_MERGE_FLOATS floats."""
-    return max(2, min(32, FUSED_MERGE_FLOATS // block_d))
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     pages: KVPages,
@@ -517,7 +385,6 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
-    partition_tokens: int | None = None,
     max_context_len: int | None = None,
     use_reference: bool = False,
     _config: DecodeConfig | None = None,
@@ -534,13 +401,6 @@ def paged_decode_attention(
     block table's capacity (`max_blocks * block_size`) so no device sync is
     needed. Pass the true maximum when the table is padded far beyond it; it
     must not be below any `context_lens` entry (tokens past it are not read).
-
-    `partition_tokens` (instead of `num_splits`) fixes the partition length, a positive
-    multiple of the kernel's token tile (`INVARIANT_PARTITION_TOKENS` is one). A sequence's
-    output then depends only on its own q, context and pages, bit for bit, not on the other
-    sequences of the batch, `max_context_len` or the block table's width: what a batched
-    server needs for greedy outputs that match the request run alone.
-
     `_config` overrides the kernel's tuning (`DecodeConfig`), for benchmarks.
     """
     name = "paged_decode_attention"
@@ -551,7 +411,6 @@ def paged_decode_attention(
     num_kv_heads = pages.num_kv_heads
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
-    is_invariant = partition_tokens is not None
     config = _config or decode_config(
         q.device,
         head_dim,
@@ -559,17 +418,11 @@ def paged_decode_attention(
         num_seqs,
         num_kv_heads,
         max_context_len,
-        is_partitioning_fixed=is_invariant or num_splits is not None,
+        is_partitioning_fixed=num_splits is not None,
     )
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
-        num_seqs,
-        num_kv_heads,
-        max_context_len,
-        q.device,
-        num_splits,
-        partition_tokens=partition_tokens,
-        block_n=config.block_n,
+        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, block_n=config.block_n
     )
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -577,11 +430,7 @@ def paged_decode_attention(
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
     _check_kernel_head_dim(name, head_dim, pages.bits)
     group_size = num_heads // num_kv_heads
-    block_d = _block_d(head_dim)
-    # Fixed partitions always go through the merge kernel, even as one split, so that a sequence
-    # takes the same path whether or not a longer one shares its batch.
-    is_split = num_splits > 1 or is_invariant
-    is_fused = is_split and merges_in_decode_kernel(config, num_splits, is_invariant)
+    is_split = num_splits > 1
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
         # From the graph's pool under CUDA-graph capture, like every per-step buffer.
@@ -589,23 +438,17 @@ def paged_decode_attention(
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
-    counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
-    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         pages.k,
         pages.v,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
+        *_scale_pointers(pages),
         *_window_pointers(pages),
         block_tables,
         context_lens,
         out,
         partial_out,
         partial_lse,
-        counters,
         scale * _LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -621,100 +464,31 @@ def paged_decode_attention(
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n,
         IS_SPLIT=is_split,
-        IS_FUSED=is_fused,
         HAS_WINDOW=pages.has_window,
-        BLOCK_D=block_d,
-        MERGE_LANES=fused_merge_lanes(block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **dependent_launch(q.device),
     )
-    if is_split and not is_fused:
-        _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
+    if is_split:
+        # Up to WHOLE_HEAD_MERGE_SPLITS partitions of heads up to 128 wide: a whole head per
+        # program in one chunk of lanes; otherwise MERGE_SLICE_D columns in MERGE_KERNEL_LANES.
+        block_d = _block_d(head_dim)
+        slice_d, lanes = MERGE_SLICE_D, MERGE_KERNEL_LANES
+        if num_splits <= WHOLE_HEAD_MERGE_SPLITS and block_d <= 128:
+            slice_d, lanes = block_d, max(2, triton.next_power_of_2(num_splits))
+        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
+            partial_out,
+            partial_lse,
+            out,
+            context_lens,
+            partition_tokens,
+            num_splits,
+            HEAD_DIM=head_dim,
+            SLICE_D=slice_d,
+            LANES=lanes,
+            num_warps=4,
+        )
     return out
-
-
-def merge_partitions(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-    *,
-    is_invariant: bool = False,
-) -> None:
-    """Launch the merge kernel: `out [num_seqs, num_heads, head_dim]` from each sequence's
-    partial results `partial_out [num_seqs, num_heads, num_splits, head_dim]` (float32) and their
-    base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
-    ceil(context_len / partition_tokens) of them. `is_invariant`: fixed partitions, whose
-    lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape). Checks the buffers first;
-    `paged_decode_attention` builds its own and launches through `_launch_merge`."""
-    _check_merge_buffers(partial_out, partial_lse, out, context_lens, partition_tokens)
-    _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
-
-
-def _launch_merge(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-    is_invariant: bool,
-) -> None:
-    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
-    _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-        partial_out,
-        partial_lse,
-        out,
-        context_lens,
-        partition_tokens,
-        num_splits,
-        HEAD_DIM=head_dim,
-        SLICE_D=slice_d,
-        LANES=lanes,
-        num_warps=4,
-        **dependent_launch(out.device),
-    )
-
-
-def _check_merge_buffers(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-) -> None:
-    name = "merge_partitions"
-    if partial_out.dim() != 4 or partial_out.dtype != torch.float32 or not partial_out.is_contiguous():
-        raise KernelError(
-            f"{name}: partial_out is {tuple(partial_out.shape)} {partial_out.dtype}; expected "
-            "contiguous float32 [num_seqs, num_heads, num_splits, head_dim]"
-        )
-    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    if (
-        tuple(partial_lse.shape) != (num_seqs, num_heads, num_splits)
-        or partial_lse.dtype != torch.float32
-        or not partial_lse.is_contiguous()
-    ):
-        raise KernelError(
-            f"{name}: partial_lse is {tuple(partial_lse.shape)} {partial_lse.dtype}; expected "
-            f"contiguous float32 [{num_seqs}, {num_heads}, {num_splits}]"
-        )
-    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
-        raise KernelError(
-            f"{name}: out is {tuple(out.shape)}; expected contiguous [{num_seqs}, {num_heads}, {head_dim}]"
-        )
-    if tuple(context_lens.shape) != (num_seqs,) or context_lens.dtype != torch.int32:
-        raise KernelError(
-            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected int32 [{num_seqs}]"
-        )
-    if partition_tokens <= 0:
-        raise KernelError(f"{name}: partition_tokens must be positive, got {partition_tokens}")
-    for tensor_name, tensor in (("partial_lse", partial_lse), ("out", out), ("context_lens", context_lens)):
-        if tensor.device != partial_out.device:
-            raise KernelError(f"{name}: {tensor_name} is on {tensor.device} but partial_out is on {partial_out.device}")
 
 
 def paged_prefill_attention(
@@ -756,11 +530,10 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    is_interpreted = _is_interpreted(q.device)
+    is_interpreted = q.device.type == "cpu"
     block_m = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     # One more query tile than the longest chunk needs: a chunk after a cached prefix may start
     # inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
@@ -768,10 +541,7 @@ def paged_prefill_attention(
         q,
         pages.k,
         pages.v,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
+        *_scale_pointers(pages),
         *_window_pointers(pages),
         block_tables,
         cu_seqlens_q,
@@ -1007,23 +777,6 @@ if HAS_TRITON:
             v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
             v_zero = tl.load(v_zero_ptr + rows, mask=mask_n, other=0.0)
         return k_scale, k_zero, v_scale, v_zero
-
-    @triton.jit
-    def _prefetch_rows(
-        k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr
-    ):
-        # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
-        # rows of HEAD_DIM * BITS / 8 bytes), each line of them. Tokens of pages kept in FP16 are
-        # not asked for: their window rows are few. LINES spans the padded row (a plane's
-        # BLOCK_C columns are a power of two of 16-bit elements, as arange needs); lines past
-        # the row (MLA's 576-wide heads) ask for its last line again.
-        ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
-        SPAN: tl.constexpr = BLOCK_C * 2
-        LINES: tl.constexpr = SPAN // 128 if SPAN > 128 else 1
-        line_starts = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
-        starts = rows.to(tl.int64)[:, None] * ROW_BYTES + line_starts[None, :]  # [BLOCK_N, LINES]
-        prefetch_l2_lines(k_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
-        prefetch_l2_lines(v_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
 
     @triton.jit
     def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
@@ -1528,119 +1281,6 @@ if HAS_TRITON:
                 acc3 = _accumulate_by_token(acc3, alpha, w, v3, odd_zero_term, odd_v_max)
         return m_new, l_i, acc0, acc1, acc2, acc3
 
-    @triton.jit
-    def _decode_tile(
-        q0,
-        q1,
-        q2,
-        q3,
-        q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        is_visible,
-        scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
-        BY_TOKEN: tl.constexpr,
-        ODD_X16: tl.constexpr,
-    ):
-        # One tile of the decode kernel's online softmax, the tokens is_visible [BLOCK_N] seen by
-        # every query row: by token (q and accumulators turned over) or by query row.
-        if BY_TOKEN:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible,
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                WINDOW,
-                ODD_X16,
-            )
-        else:
-            tl.static_assert(not ODD_X16)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible[None, :],
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                WINDOW,
-            )
-        return m_i, l_i, acc0, acc1, acc2, acc3
-
     # Neither the table's width nor the batch's partition count picks a compiled variant.
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
     def _decode_kernel(
@@ -1659,7 +1299,6 @@ if HAS_TRITON:
         out_ptr,
         partial_out_ptr,
         partial_lse_ptr,
-        counter_ptr,
         scale_log2,
         stride_qs,
         stride_qh,
@@ -1677,19 +1316,12 @@ if HAS_TRITON:
         BLOCK_G: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IS_SPLIT: tl.constexpr,
-        IS_FUSED: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        MERGE_LANES: tl.constexpr,
         WIDE_OFFSETS: tl.constexpr,
-        PDL: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        # The context length and block table are written before a step's first kernel, so
-        # under PDL they are read while the kernel before (the q/k/v projection) still runs;
-        # q, the scales and this token's K/V only after await_inputs (kernels/pdl.py).
         context_len = tl.load(context_lens_ptr + seq)
         # Partitions past this sequence's context (the batch's longest sets num_splits) do
         # nothing: the merge reads only the sequence's own. An empty context still has one.
@@ -1703,9 +1335,6 @@ if HAS_TRITON:
         mask_n, rows, window_page, window_rows = _token_rows(
             table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
         )
-        if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
-            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, BLOCK_C, BITS)
-        await_inputs(PDL)
 
         offs_g = tl.arange(0, BLOCK_G)
         mask_g = offs_g < group_size
@@ -1713,21 +1342,17 @@ if HAS_TRITON:
         # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
         q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
-        # Groups of up to 8 query heads attend token by token (_attend_tile_by_token): q and
-        # the accumulators turned over, [BLOCK_C, BLOCK_G].
-        BY_TOKEN: tl.constexpr = BLOCK_G <= 8
         # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
         # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
         # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
         # values and q as it is.
-        ODD_X16: tl.constexpr = BY_TOKEN and BITS == 4 and q_ptr.dtype.element_ty == tl.float16
+        ODD_X16: tl.constexpr = BITS == 4 and q_ptr.dtype.element_ty == tl.float16
         if ODD_X16:
             q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
-        if BY_TOKEN:
-            q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
-            acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
-        else:
-            acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+        # The query rows attend token by token (_attend_tile_by_token): q and the accumulators
+        # turned over, [BLOCK_C, BLOCK_G].
+        q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+        acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -1773,7 +1398,7 @@ if HAS_TRITON:
                 is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
                 first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
                 last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
                 q0,
                 q1,
                 q2,
@@ -1806,7 +1431,6 @@ if HAS_TRITON:
                 BITS,
                 HAS_WINDOW,
                 _CODES_ONLY,
-                BY_TOKEN,
                 ODD_X16,
             )
             mask_n, rows, window_page = next_mask, next_rows, next_window_page
@@ -1834,7 +1458,7 @@ if HAS_TRITON:
                     HAS_WINDOW,
                     WIDE_OFFSETS,
                 )
-                m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
+                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
                     q0,
                     q1,
                     q2,
@@ -1867,14 +1491,12 @@ if HAS_TRITON:
                     BITS,
                     HAS_WINDOW,
                     _KEPT_ONLY,
-                    BY_TOKEN,
                     False,
                 )
 
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
-        if BY_TOKEN:
-            acc0, acc1, acc2, acc3 = tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3)
+        acc0, acc1, acc2, acc3 = tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3)
         result0 = acc0 / denominator
         result1 = acc1 / denominator
         result2 = acc2 / denominator
@@ -1896,32 +1518,6 @@ if HAS_TRITON:
                 NUM_PLANES,
                 BLOCK_C,
             )
-            if IS_FUSED:
-                # The last of the sequence's partitions of this KV head to finish merges them.
-                # The CTA barrier puts every thread's partial stores before the count, whose
-                # release (acq_rel, GPU scope) publishes them; the acquire of the last count
-                # makes every partition's partials visible to the last program, which reads
-                # them from L2 (".cg": L1 is not coherent across SMs). The last program resets
-                # the counter for the next launch or replay. The merge is the merge kernel's,
-                # for the group's heads one after another.
-                tl.debug_barrier()
-                counter = counter_ptr + seq * num_kv_heads + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
-                    first_row = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size
-                    for head in range(group_size):
-                        _merge_slice(
-                            partial_out_ptr,
-                            partial_lse_ptr,
-                            out_ptr,
-                            first_row + head,
-                            0,
-                            num_splits,
-                            num_parts,
-                            HEAD_DIM,
-                            BLOCK_D,
-                            MERGE_LANES,
-                        )
-                    tl.store(counter, 0)
         else:
             _store_planes(
                 out_ptr + head_rows[:, None] * HEAD_DIM,
@@ -2015,14 +1611,11 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         SLICE_D: tl.constexpr,
         LANES: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        # One program per (sequence, head, SLICE_D columns). The context lengths are written
-        # before a step's first kernel, so under PDL they load while the decode kernel runs.
+        # One program per (sequence, head, SLICE_D columns).
         seq = tl.program_id(0)
         row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
-        await_inputs(PDL)
         _merge_slice(
             partial_out_ptr,
             partial_lse_ptr,
