@@ -278,7 +278,7 @@ def _check_kernel_head_dim(name: str, head_dim: int, bits: int) -> None:
             f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
             "pass use_reference=True to use the plain-torch path"
         )
-    num_planes = plane_layout(bits, head_dim)["NUM_PLANES"]
+    num_planes = 16 // bits
     if head_dim % num_planes:
         raise KernelError(
             f"{name}: the Triton kernel reads INT{bits} heads in {num_planes} planes, so head_dim must be a "
@@ -294,13 +294,11 @@ def _block_d(head_dim: int) -> int:
 
 
 def plane_layout(bits: int, head_dim: int) -> dict:
-    """How the kernels split a head's columns: quantized heads are read as 16-bit words, INT8's
-    split into two planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into
-    four (their nibbles: elements 4i to 4i + 3); FP16 heads are one plane."""
-    num_planes = {16: 1, 8: 2, 4: 4}[bits]
-    plane_dim = head_dim // num_planes
-    # tl.dot needs at least 16 columns: small heads pad their planes.
-    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, _block_d(plane_dim))}
+    """The kernels' plane width: quantized heads are read as 16-bit words, INT8's split into two
+    planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into four (their
+    nibbles: elements 4i to 4i + 3); FP16 heads are one plane. tl.dot needs at least 16
+    columns, so small heads pad their planes."""
+    return {"BLOCK_C": max(16, _block_d(head_dim // (16 // bits)))}
 
 
 def _tile_rows(block_d: int, rows: int) -> int:
@@ -569,6 +567,13 @@ def paged_prefill_attention(
 
 
 # ---------------------------------------------------------------- Triton kernels
+#
+# A head is read in planes (plane_layout): one for FP16, INT8's low and high bytes, INT4's four
+# nibbles. Query rows, K/V tiles and accumulators travel as 4-tuples of planes; planes past
+# NUM_PLANES = 16 // BITS repeat the first ones and are never used. A tile's tokens travel as
+# (rows, window_page, window_rows, mask_n): rows = slot * num_kv_heads + kv_head in the page
+# arrays, window_page the page's row in the FP16 window arrays (-1: not kept there),
+# window_rows the token's row in them, mask_n the tokens that exist.
 
 if HAS_TRITON:
     # Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
@@ -586,33 +591,44 @@ if HAS_TRITON:
     _KEPT_ONLY = tl.constexpr(2)
 
     @triton.jit
-    def _wide(index, WIDE_OFFSETS: tl.constexpr):
-        # Page offsets in int64 only where a page array's elements do not all have int32
-        # offsets (see _needs_wide_offsets): the 64-bit address arithmetic of every token row
-        # is a large share of the quantized pages' instructions.
-        if WIDE_OFFSETS:
-            index = index.to(tl.int64)
-        return index
+    def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
+        # The pages of the tokens at `positions` (0 past `end`), as the block table holds them.
+        return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
 
     @triton.jit
-    def _window_rows(
-        window_row_ptr,
-        block,
+    def _block_tokens(
+        blocks,
         positions,
+        end,
         kv_head,
         num_kv_heads,
-        mask_n,
+        window_row_ptr,
         PAGE_SIZE: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        WIDE_OFFSETS: tl.constexpr,
     ):
-        # Each token's page row in the FP16 window arrays (-1: the page is not kept in FP16),
-        # and the token's row there: [BLOCK_N] each.
+        # The tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks). Offsets
+        # are int64 only where a page array needs them (_needs_wide_offsets): 64-bit address
+        # arithmetic is a large share of the quantized pages' instructions.
+        mask_n = positions < end
+        block = blocks
+        if WIDE_OFFSETS:
+            block = block.to(tl.int64)
+        rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
         if HAS_WINDOW:
             window_page = tl.load(window_row_ptr + block, mask=mask_n, other=-1).to(block.dtype)
         else:
             window_page = tl.zeros_like(block) - 1
-        rows = (tl.maximum(window_page, 0) * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-        return window_page, rows
+        window_rows = (tl.maximum(window_page, 0) * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
+        return rows, window_page, window_rows, mask_n
+
+    @triton.jit
+    def _tokens(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS):
+        # _block_tokens, their pages read from the table now.
+        blocks = _table_blocks(table_row, positions, end, PAGE_SIZE)
+        return _block_tokens(
+            blocks, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
+        )
 
     @triton.jit
     def _load_rows(
@@ -644,13 +660,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
-        # Codes 0..255 (any integer type) as exact DOT_DTYPE values without I2F instructions (a
-        # quarter of the float rate or less on NVIDIA GPUs). With SUBNORMAL (float16 only) a
-        # code's bits alone are the subnormal code * 2**-24 (CODE_UNIT), exact, with no
-        # instruction at all; the dots' float32 results come back to codes through the
-        # scales (see _load_operands). Otherwise a code OR-ed into the low mantissa bits of
-        # 1024 (float16, ten mantissa bits) or of 2**23 (float32) makes that power of two plus
-        # the code, exactly, and a subtraction removes the power of two.
+        # Codes 0..255 as exact DOT_DTYPE values without int-to-float instructions. With
+        # SUBNORMAL (float16 only) a code's bits alone are the subnormal code * CODE_UNIT, with
+        # no instruction at all; otherwise a code OR-ed into the low mantissa bits of 1024
+        # (float16) or of 2**23 (float32) makes that power of two plus the code, exactly, and a
+        # subtraction removes the power of two.
         if SUBNORMAL:
             return codes.to(tl.int16).to(tl.float16, bitcast=True)
         elif DOT_DTYPE == tl.float16:
@@ -713,10 +727,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
-        # uint16 pairs of uint8 codes as two float16 planes (see _code_values), the low bytes
-        # and the high ones, two pairs at a time: one PRMT per plane puts bytes 0 and 2 (1 and
-        # 3) over zero bytes (SUBNORMAL) or under 0x64, the high byte of 1024.0, which one
-        # float16-pair subtraction per plane then removes.
+        # uint16 pairs of uint8 codes as two float16 planes, the low bytes and the high ones.
         return tl.inline_asm_elementwise(
             asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET,
             constraints="=r,=r,r",
@@ -728,12 +739,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False):
-        # uint16 words of four INT4 codes as four float16 planes (see _code_values), nibble p
-        # of each word in plane p, two words at a time: with SUBNORMAL a shift and a mask per
-        # plane, or with ODD_X16 nibbles 1 and 3 left in place (16 * code) and one shift for
-        # two planes; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
-        # a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a logic op
-        # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
+        # uint16 words of four INT4 codes as four float16 planes, nibble p of each word in
+        # plane p; with ODD_X16 nibbles 1 and 3 stay in place (16 * code), one shift for two planes.
         return tl.inline_asm_elementwise(
             asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
             constraints="=r,=r,=r,=r,r",
@@ -742,11 +749,6 @@ if HAS_TRITON:
             is_pure=True,
             pack=2,
         )
-
-    @triton.jit
-    def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
-        # The element of the head each column of a plane holds (see _load_operands).
-        return offs_c * NUM_PLANES + PLANE
 
     @triton.jit
     def _code_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
@@ -763,105 +765,36 @@ if HAS_TRITON:
         return mask_n & False
 
     @triton.jit
-    def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS: tl.constexpr):
-        # The scales and zeros of a tile's tokens [BLOCK_N] each, as stored: (k_scale, k_zero,
-        # v_scale, v_zero), 0 for masked tokens; unused float32 zeros for FP16 pages. Tokens of
-        # pages kept in FP16 get their codes' scales, which _load_operands replaces. _attend_tile
-        # takes them to float32, so that the loads have a tile's time to arrive.
+    def _tile_scales(scale_ptrs, rows, mask_n, BITS: tl.constexpr):
+        # (k_scale, k_zero, v_scale, v_zero) of a tile's tokens [BLOCK_N] as stored, 0 for masked
+        # tokens; float32 zeros for FP16 pages. _attend_tile takes them to float32 so that the
+        # loads have a tile's time to arrive.
         if BITS == 16:
             k_scale = tl.zeros(mask_n.shape, tl.float32)
             k_zero, v_scale, v_zero = k_scale, k_scale, k_scale
         else:
-            k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0)
-            k_zero = tl.load(k_zero_ptr + rows, mask=mask_n, other=0.0)
-            v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-            v_zero = tl.load(v_zero_ptr + rows, mask=mask_n, other=0.0)
+            k_scale = tl.load(scale_ptrs[0] + rows, mask=mask_n, other=0.0)
+            k_zero = tl.load(scale_ptrs[1] + rows, mask=mask_n, other=0.0)
+            v_scale = tl.load(scale_ptrs[2] + rows, mask=mask_n, other=0.0)
+            v_zero = tl.load(scale_ptrs[3] + rows, mask=mask_n, other=0.0)
         return k_scale, k_zero, v_scale, v_zero
 
     @triton.jit
-    def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
-        # The pages of the tokens at `positions` (0 past `end`), as the block table holds them.
-        return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
-
-    @triton.jit
-    def _block_rows(
-        blocks,
-        positions,
-        end,
-        kv_head,
-        num_kv_heads,
-        window_row_ptr,
-        PAGE_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-    ):
-        # Where the tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks)
-        # live: (mask, rows, window_page, window_rows), rows = slot * num_kv_heads + kv_head in
-        # the page arrays (see _window_rows for the FP16 window).
-        mask_n = positions < end
-        block = _wide(blocks, WIDE_OFFSETS)
-        rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-        window_page, window_rows = _window_rows(
-            window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n, PAGE_SIZE, HAS_WINDOW
-        )
-        return mask_n, rows, window_page, window_rows
-
-    @triton.jit
-    def _token_rows(
-        table_row,
-        positions,
-        end,
-        kv_head,
-        num_kv_heads,
-        window_row_ptr,
-        PAGE_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-    ):
-        # _block_rows of the tokens at `positions`, their pages read from the table now.
-        return _block_rows(
-            _table_blocks(table_row, positions, end, PAGE_SIZE),
-            positions,
-            end,
-            kv_head,
-            num_kv_heads,
-            window_row_ptr,
-            PAGE_SIZE,
-            HAS_WINDOW,
-            WIDE_OFFSETS,
-        )
-
-    @triton.jit
-    def _window_plane(
-        plane,
-        window_ptr,
-        window_rows,
-        is_window,
-        offs_c,
-        PLANE: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
+    def _window_plane(plane, window_ptr, window_rows, is_window, PLANE: tl.constexpr, HEAD_DIM, BITS, BLOCK_C):
         # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
-        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
+        NUM_PLANES: tl.constexpr = 16 // BITS
+        cols = tl.arange(0, BLOCK_C) * NUM_PLANES + PLANE
+        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, HEAD_DIM // NUM_PLANES, BLOCK_C)
         return tl.where(is_window[:, None], kept.to(plane.dtype), plane)
 
     @triton.jit
     def _load_operands(
         cache_ptr,
+        window_ptr,
         scale,
         zero,
-        window_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
+        tokens,
         HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BITS: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
@@ -870,27 +803,24 @@ if HAS_TRITON:
         TRANSPOSED: tl.constexpr = False,
         ODD_X16: tl.constexpr = False,
     ):
-        # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
-        # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
-        # the first ones) and the float32 scale and zero [BLOCK_N] (the tile's as _tile_scales
-        # loads them, window tokens set to 1 and 0) such that a value is (plane - zero) * scale.
-        # rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
-        # FP16 pages: one plane of values (scale and zero are not used). INT8 and INT4: codes
-        # (exact in float16) read as 16-bit words, a plane per byte or nibble of the word, so no
-        # code moves between columns and the tiles move through shared memory into the dots'
-        # operand layouts a word at a time (read as bytes, they were gathered a byte at a time).
-        # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0 (WINDOW:
-        # _MIXED), or only the others from their codes (_CODES_ONLY: the window's come back as
-        # 0), or only the window's (_KEPT_ONLY: the others come back as 0). Masked rows come
-        # back as 0. With TRANSPOSED the planes are [BLOCK_C, BLOCK_N], loaded so (not _MIXED).
-        # With ODD_X16 (INT4 codes as subnormals only) planes 1 and 3 hold 16 * code * CODE_UNIT.
+        # One K or V tile as the dots take it: (planes, scale, zero), planes [BLOCK_N, BLOCK_C] in
+        # DOT_DTYPE ([BLOCK_C, BLOCK_N] with TRANSPOSED, not _MIXED) and the float32 scale and
+        # zero [BLOCK_N] such that a value is (plane - zero) * scale. Codes are read as 16-bit
+        # words, a plane per byte or nibble, so that no code moves between columns and the tiles
+        # move through shared memory into the dots' layouts a word at a time. Tokens of pages
+        # kept in FP16 come from the window with scale 1 and zero 0 (WINDOW _MIXED), or only the
+        # others from their codes (_CODES_ONLY), or only the window's (_KEPT_ONLY); the tokens
+        # not read, like masked ones, come back as 0. With ODD_X16 (INT4 codes as subnormals
+        # only) planes 1 and 3 hold 16 * code * CODE_UNIT.
         tl.static_assert(not TRANSPOSED or WINDOW != _MIXED)
+        NUM_PLANES: tl.constexpr = 16 // BITS
+        PLANE_DIM: tl.constexpr = HEAD_DIM // NUM_PLANES
+        rows, window_page, window_rows, mask_n = tokens
         offs_c = tl.arange(0, BLOCK_C)
         mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
         if BITS == 16:
-            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED).to(
-                DOT_DTYPE
-            )
+            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED)
+            plane0 = plane0.to(DOT_DTYPE)
             plane1 = plane0
             plane2 = plane0
             plane3 = plane0
@@ -915,9 +845,9 @@ if HAS_TRITON:
             scale = tl.full(mask_n.shape, 1.0, tl.float32)
             zero = tl.zeros(mask_n.shape, tl.float32)
         else:
-            # Float16 codes as subnormals (_code_values) unless window tokens share the tile's
-            # dots (_MIXED): their scale 1 beside the codes' 2**24 would take the row's V scale
-            # and leave the window's weights below float16's range.
+            # Float16 codes as subnormals unless window tokens share the tile's dots (_MIXED):
+            # their scale 1 beside the codes' 2**24 would leave the window's weights below
+            # float16's range.
             SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
             words = _load_rows(
                 cache_ptr.to(tl.pointer_type(tl.uint16)),
@@ -957,82 +887,52 @@ if HAS_TRITON:
             # read the window; the others skip its loads.
             is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
-                plane0 = _window_plane(
-                    plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                )
-                plane1 = _window_plane(
-                    plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                )
+                plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, 0, HEAD_DIM, BITS, BLOCK_C)
+                plane1 = _window_plane(plane1, window_ptr, window_rows, is_window, 1, HEAD_DIM, BITS, BLOCK_C)
                 if NUM_PLANES == 4:
-                    plane2 = _window_plane(
-                        plane2, window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                    )
-                    plane3 = _window_plane(
-                        plane3, window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                    )
+                    plane2 = _window_plane(plane2, window_ptr, window_rows, is_window, 2, HEAD_DIM, BITS, BLOCK_C)
+                    plane3 = _window_plane(plane3, window_ptr, window_rows, is_window, 3, HEAD_DIM, BITS, BLOCK_C)
                 scale = tl.where(is_window, 1.0, scale)
                 zero = tl.where(is_window, 0.0, zero)
             if BITS == 8:
                 plane2 = plane0
                 plane3 = plane1
-        return plane0, plane1, plane2, plane3, scale, zero
+        return (plane0, plane1, plane2, plane3), scale, zero
 
     @triton.jit
-    def _load_query_planes(
-        row_ptrs,
-        mask_rows,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes (q0 to
-        # q3; those past NUM_PLANES repeat q0), and their float32 sums over all columns [R].
+    def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes, and their
+        # float32 sums over all columns [R].
+        NUM_PLANES: tl.constexpr = 16 // BITS
         offs_c = tl.arange(0, BLOCK_C)
-        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        q0 = tl.load(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :], mask=mask, other=0.0)
+        mask = mask_rows[:, None] & (offs_c < HEAD_DIM // NUM_PLANES)[None, :]
+        q0 = tl.load(row_ptrs + (offs_c * NUM_PLANES)[None, :], mask=mask, other=0.0)
         q_sum = tl.sum(q0.to(tl.float32), axis=1)
         q1 = q0
         q2 = q0
         q3 = q0
         if NUM_PLANES >= 2:
-            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, NUM_PLANES)[None, :], mask=mask, other=0.0)
+            q1 = tl.load(row_ptrs + (offs_c * NUM_PLANES + 1)[None, :], mask=mask, other=0.0)
             q_sum += tl.sum(q1.to(tl.float32), axis=1)
         if NUM_PLANES == 4:
-            q2 = tl.load(row_ptrs + _plane_channels(offs_c, 2, NUM_PLANES)[None, :], mask=mask, other=0.0)
-            q3 = tl.load(row_ptrs + _plane_channels(offs_c, 3, NUM_PLANES)[None, :], mask=mask, other=0.0)
+            q2 = tl.load(row_ptrs + (offs_c * NUM_PLANES + 2)[None, :], mask=mask, other=0.0)
+            q3 = tl.load(row_ptrs + (offs_c * NUM_PLANES + 3)[None, :], mask=mask, other=0.0)
             q_sum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
-        return q0, q1, q2, q3, q_sum
+        return (q0, q1, q2, q3), q_sum
 
     @triton.jit
-    def _store_plane(row_ptrs, result, mask, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
-        tl.store(
-            row_ptrs + _plane_channels(offs_c, PLANE, NUM_PLANES)[None, :],
-            result.to(row_ptrs.dtype.element_ty),
-            mask=mask,
-        )
-
-    @triton.jit
-    def _store_planes(
-        row_ptrs,
-        result0,
-        result1,
-        result2,
-        result3,
-        mask_rows,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
+    def _store_planes(row_ptrs, results, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr):
         # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
+        NUM_PLANES: tl.constexpr = 16 // BITS
         offs_c = tl.arange(0, BLOCK_C)
-        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        _store_plane(row_ptrs, result0, mask, offs_c, 0, NUM_PLANES)
+        mask = mask_rows[:, None] & (offs_c < HEAD_DIM // NUM_PLANES)[None, :]
+        dtype = row_ptrs.dtype.element_ty
+        tl.store(row_ptrs + (offs_c * NUM_PLANES)[None, :], results[0].to(dtype), mask=mask)
         if NUM_PLANES >= 2:
-            _store_plane(row_ptrs, result1, mask, offs_c, 1, NUM_PLANES)
+            tl.store(row_ptrs + (offs_c * NUM_PLANES + 1)[None, :], results[1].to(dtype), mask=mask)
         if NUM_PLANES == 4:
-            _store_plane(row_ptrs, result2, mask, offs_c, 2, NUM_PLANES)
-            _store_plane(row_ptrs, result3, mask, offs_c, 3, NUM_PLANES)
+            tl.store(row_ptrs + (offs_c * NUM_PLANES + 2)[None, :], results[2].to(dtype), mask=mask)
+            tl.store(row_ptrs + (offs_c * NUM_PLANES + 3)[None, :], results[3].to(dtype), mask=mask)
 
     @triton.jit
     def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
@@ -1047,92 +947,63 @@ if HAS_TRITON:
         return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=TOKEN_AXIS)
 
     @triton.jit
-    def _accumulate(acc, alpha, w, v, zero_term, v_max):
-        # acc rescaled for a new row maximum, plus w . (codes - zero) * v_max (see _attend_tile).
-        return acc * alpha[:, None] + (tl.dot(w, v, input_precision="ieee") - zero_term) * v_max
+    def _load_kv(kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, DOT_DTYPE, WINDOW, BY_TOKEN, ODD_X16):
+        # A tile's K and V operands (_load_operands), V's loads issued before any dot so that both
+        # tiles are in flight together; by token, V's planes come turned over, [BLOCK_C, BLOCK_N].
+        k_ptr, window_k_ptr, v_ptr, window_v_ptr = kv_ptrs
+        k_scale, k_zero = scales[0].to(tl.float32), scales[1].to(tl.float32)
+        v_scale, v_zero = scales[2].to(tl.float32), scales[3].to(tl.float32)
+        k = _load_operands(
+            k_ptr,
+            window_k_ptr,
+            k_scale,
+            k_zero,
+            tokens,
+            HEAD_DIM,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            DOT_DTYPE,
+            WINDOW,
+            False,
+            ODD_X16,
+        )
+        v = _load_operands(
+            v_ptr,
+            window_v_ptr,
+            v_scale,
+            v_zero,
+            tokens,
+            HEAD_DIM,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            DOT_DTYPE,
+            WINDOW,
+            BY_TOKEN,
+            ODD_X16,
+        )
+        return k, v
 
     @triton.jit
     def _attend_tile(
-        q0,
-        q1,
-        q2,
-        q3,
-        q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        is_visible,
-        scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
+        q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
     ):
-        # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
-        # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
-        # V's loads are issued before the QK dot so that both tiles are in flight together.
-        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
-        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
-        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr,
-            k_scale,
-            k_zero,
-            window_k_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
+        # The prefill kernel's tile: query rows q (planes [R, BLOCK_C], q_sum [R] their float32
+        # sums) over one K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+        NUM_PLANES: tl.constexpr = 16 // BITS
+        m_i, l_i, acc = state
+        k_tile, v_tile = _load_kv(
+            kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
         )
-        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr,
-            v_scale,
-            v_zero,
-            window_v_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-        )
-        qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
+        k, k_scale, k_zero = k_tile
+        v, v_scale, v_zero = v_tile
+        qk = tl.dot(q[0], tl.trans(k[0]), input_precision="ieee")  # [R, BLOCK_N]
         if NUM_PLANES >= 2:
-            qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
+            qk = tl.dot(q[1], tl.trans(k[1]), qk, input_precision="ieee")
         if NUM_PLANES == 4:
-            qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-            qk = tl.dot(q3, tl.trans(k3), qk, input_precision="ieee")
+            qk = tl.dot(q[2], tl.trans(k[2]), qk, input_precision="ieee")
+            qk = tl.dot(q[3], tl.trans(k[3]), qk, input_precision="ieee")
         if BITS == 16:
             scores = qk * scale_log2
         else:
@@ -1140,8 +1011,9 @@ if HAS_TRITON:
             scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
         scores = tl.where(is_visible, scores, float("-inf"))
         m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 1)
+        acc0, acc1, acc2, acc3 = acc
         if BITS == 16:
-            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q0.dtype), v0, input_precision="ieee")
+            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q[0].dtype), v[0], input_precision="ieee")
         else:
             # p . (codes - zero) * scale = v_max * (w . codes - w . zero) with w = p * scale / v_max,
             # v_max a row's largest scale among the tokens it sees (not the tile's: which other
@@ -1150,136 +1022,78 @@ if HAS_TRITON:
             # float32 and w's rounding weighs on (codes - zero), as p's did on the values.
             v_max = tl.max(tl.where(is_visible, v_scale[None, :], 0.0), axis=1)
             v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
-            w = (p * v_scale[None, :] / v_max).to(q0.dtype)
+            w = (p * v_scale[None, :] / v_max).to(q[0].dtype)
             zero_term = tl.sum(w.to(tl.float32) * v_zero[None, :], axis=1)[:, None]
-            acc0 = _accumulate(acc0, alpha, w, v0, zero_term, v_max)
-            acc1 = _accumulate(acc1, alpha, w, v1, zero_term, v_max)
+            acc0 = acc0 * alpha[:, None] + (tl.dot(w, v[0], input_precision="ieee") - zero_term) * v_max
+            acc1 = acc1 * alpha[:, None] + (tl.dot(w, v[1], input_precision="ieee") - zero_term) * v_max
             if NUM_PLANES == 4:
-                acc2 = _accumulate(acc2, alpha, w, v2, zero_term, v_max)
-                acc3 = _accumulate(acc3, alpha, w, v3, zero_term, v_max)
-        return m_new, l_i, acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _accumulate_by_token(acc, alpha, w, v, zero_term, v_max):
-        # _accumulate turned over: acc [BLOCK_C, R], v [BLOCK_C, BLOCK_N], w [BLOCK_N, R].
-        return acc * alpha[None, :] + (tl.dot(v, w, input_precision="ieee") - zero_term) * v_max
+                acc2 = acc2 * alpha[:, None] + (tl.dot(w, v[2], input_precision="ieee") - zero_term) * v_max
+                acc3 = acc3 * alpha[:, None] + (tl.dot(w, v[3], input_precision="ieee") - zero_term) * v_max
+        return m_new, l_i, (acc0, acc1, acc2, acc3)
 
     @triton.jit
     def _attend_tile_by_token(
-        q0,
-        q1,
-        q2,
-        q3,
+        q,
         q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
+        state,
         is_visible,
         scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
-        ODD_X16: tl.constexpr,
+        kv_ptrs,
+        scales,
+        tokens,
+        HEAD_DIM,
+        BLOCK_C,
+        BITS,
+        HAS_WINDOW,
+        WINDOW,
+        ODD_X16,
     ):
         # _attend_tile for the decode kernel, whose query rows all see the same tokens
-        # (is_visible [BLOCK_N]), turned over: q0 to q3 are planes [BLOCK_C, R] and acc0 to acc3
-        # [BLOCK_C, R], the scores [BLOCK_N, R]. A token tile is the dots' first operand, so a
-        # group of up to 8 query rows is one 8-wide tensor-core tile rather than 6 rows of 16,
-        # and the softmax's per-score arithmetic covers half the elements. With ODD_X16 the INT4
-        # planes 1 and 3 hold 16 * code (_nibble_halves): q1 and q3 come divided by 16, and V's
-        # planes 1 and 3 take the 16 back in their zero term and v_max.
-        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
-        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
-        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr,
-            k_scale,
-            k_zero,
-            window_k_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-            False,
-            ODD_X16,
+        # (is_visible [BLOCK_N]), turned over: q and acc are planes [BLOCK_C, R], the scores
+        # [BLOCK_N, R]. A token tile is the dots' first operand, so a group of up to 8 query rows
+        # is one 8-wide tensor-core tile rather than rows of 16, and the softmax's per-score
+        # arithmetic covers half the elements. With ODD_X16 the INT4 planes 1 and 3 hold
+        # 16 * code (_nibble_halves): q's planes 1 and 3 come divided by 16, and V's planes 1
+        # and 3 take the 16 back in their zero term and v_max.
+        NUM_PLANES: tl.constexpr = 16 // BITS
+        m_i, l_i, acc = state
+        k_tile, v_tile = _load_kv(
+            kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
         )
-        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr,
-            v_scale,
-            v_zero,
-            window_v_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-            True,
-            ODD_X16,
-        )
-        qk = tl.dot(k0, q0, input_precision="ieee")  # [BLOCK_N, R]
+        k, k_scale, k_zero = k_tile
+        v, v_scale, v_zero = v_tile
+        qk = tl.dot(k[0], q[0], input_precision="ieee")  # [BLOCK_N, R]
         if NUM_PLANES >= 2:
-            qk = tl.dot(k1, q1, qk, input_precision="ieee")
+            qk = tl.dot(k[1], q[1], qk, input_precision="ieee")
         if NUM_PLANES == 4:
-            qk = tl.dot(k2, q2, qk, input_precision="ieee")
-            qk = tl.dot(k3, q3, qk, input_precision="ieee")
+            qk = tl.dot(k[2], q[2], qk, input_precision="ieee")
+            qk = tl.dot(k[3], q[3], qk, input_precision="ieee")
         if BITS == 16:
             scores = qk * scale_log2
         else:
             scores = (qk - k_zero[:, None] * q_sum[None, :]) * (k_scale * scale_log2)[:, None]
         scores = tl.where(is_visible[:, None], scores, float("-inf"))
         m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 0)
+        acc0, acc1, acc2, acc3 = acc
         if BITS == 16:
-            acc0 = acc0 * alpha[None, :] + tl.dot(v0, p.to(q0.dtype), input_precision="ieee")
+            acc0 = acc0 * alpha[None, :] + tl.dot(v[0], p.to(q[0].dtype), input_precision="ieee")
         else:
             # As in _attend_tile, with v_max the largest scale among the tile's visible tokens
             # (every row sees the same ones).
             v_max = tl.max(tl.where(is_visible, v_scale, 0.0), axis=0)
             v_max = tl.where(v_max > 0.0, v_max, 1.0)
-            w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q0.dtype)
+            w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q[0].dtype)
             zero_term = tl.sum(w.to(tl.float32) * v_zero[:, None], axis=0)[None, :]
             if ODD_X16:
                 odd_zero_term, odd_v_max = zero_term * 16.0, v_max * (1.0 / 16.0)
             else:
                 odd_zero_term, odd_v_max = zero_term, v_max
-            acc0 = _accumulate_by_token(acc0, alpha, w, v0, zero_term, v_max)
-            acc1 = _accumulate_by_token(acc1, alpha, w, v1, odd_zero_term, odd_v_max)
+            acc0 = acc0 * alpha[None, :] + (tl.dot(v[0], w, input_precision="ieee") - zero_term) * v_max
+            acc1 = acc1 * alpha[None, :] + (tl.dot(v[1], w, input_precision="ieee") - odd_zero_term) * odd_v_max
             if NUM_PLANES == 4:
-                acc2 = _accumulate_by_token(acc2, alpha, w, v2, zero_term, v_max)
-                acc3 = _accumulate_by_token(acc3, alpha, w, v3, odd_zero_term, odd_v_max)
-        return m_new, l_i, acc0, acc1, acc2, acc3
+                acc2 = acc2 * alpha[None, :] + (tl.dot(v[2], w, input_precision="ieee") - zero_term) * v_max
+                acc3 = acc3 * alpha[None, :] + (tl.dot(v[3], w, input_precision="ieee") - odd_zero_term) * odd_v_max
+        return m_new, l_i, (acc0, acc1, acc2, acc3)
 
     # Neither the table's width nor the batch's partition count picks a compiled variant.
     @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -1309,8 +1123,6 @@ if HAS_TRITON:
         num_splits,
         PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BITS: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -1319,6 +1131,8 @@ if HAS_TRITON:
         HAS_WINDOW: tl.constexpr,
         WIDE_OFFSETS: tl.constexpr,
     ):
+        # One program per (sequence, KV head, partition): the group's query heads over the
+        # partition's tokens.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -1332,7 +1146,9 @@ if HAS_TRITON:
         end = tl.minimum(start + partition_tokens, context_len)
         offs_n = tl.arange(0, BLOCK_N)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        mask_n, rows, window_page, window_rows = _token_rows(
+        kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
+        scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+        rows, window_page, _, mask_n = _tokens(
             table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
         )
 
@@ -1341,44 +1157,38 @@ if HAS_TRITON:
         heads = kv_head * group_size + offs_g
         # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
         q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
-        q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
+        q, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, BITS, BLOCK_C)
         # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
         # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
         # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
         # values and q as it is.
         ODD_X16: tl.constexpr = BITS == 4 and q_ptr.dtype.element_ty == tl.float16
+        q0, q1, q2, q3 = q
         if ODD_X16:
             q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
-        # The query rows attend token by token (_attend_tile_by_token): q and the accumulators
-        # turned over, [BLOCK_C, BLOCK_G].
-        q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+        # Token by token (_attend_tile_by_token): q and the accumulators turned over, [BLOCK_C, BLOCK_G].
+        q = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3))
         acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
-
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc1 = acc0  # planes past NUM_PLANES are unused
-        acc2 = acc0
-        acc3 = acc0
-        # The loads that address a tile run ahead of it, each a tile before the loads that
-        # need it: its page numbers two tiles ahead, its scales and the window's tags one tile
-        # ahead (at two bytes per token the scales are too narrow for the compiler to
-        # pipeline). Used in the tile that loaded them, they left the programs waiting on
-        # memory every tile.
+        state = (
+            tl.full([BLOCK_G], float("-inf"), tl.float32),
+            tl.zeros([BLOCK_G], tl.float32),
+            (acc0, acc0, acc0, acc0),
+        )
+        # The loads that address a tile run ahead of it, each a tile before the loads that need
+        # it: its page numbers two tiles ahead, its scales and the window's tags one tile ahead
+        # (at two bytes per token the scales are too narrow for the compiler to pipeline).
         # With an FP16 window, this loop reads every token's codes but the window's, and notes
         # the first and last tile holding window tokens (per lane, reduced once after it); a
-        # second pass reads the window's tokens of those tiles (as a rule a sequence's last
-        # one or two). Keeping the window's loads out of the main loop keeps its registers
-        # and instructions those of pages without a window.
-        k_scale, k_zero, v_scale, v_zero = _tile_scales(
-            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
-        )
+        # second pass reads the window's tokens of those tiles (as a rule a sequence's last one
+        # or two), which keeps the main loop's registers those of pages without a window.
+        scales = _tile_scales(scale_ptrs, rows, mask_n, BITS)
         next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
         # Bounds that leave the window's pass empty and cannot overflow in the compiler's
         # pipelined loop (it steps past them): `end` and the tile before `start`.
         first_kept = tl.zeros([BLOCK_N], tl.int32) + end
         last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
         for tile_start in range(start, end, BLOCK_N):
-            next_mask, next_rows, next_window_page, _ = _block_rows(
+            next_rows, next_window_page, _, next_mask = _block_tokens(
                 next_blocks,
                 tile_start + BLOCK_N + offs_n,
                 end,
@@ -1389,65 +1199,45 @@ if HAS_TRITON:
                 HAS_WINDOW,
                 WIDE_OFFSETS,
             )
-            next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS
-            )
+            next_scales = _tile_scales(scale_ptrs, next_rows, next_mask, BITS)
             next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
             is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
             if HAS_WINDOW:
                 is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
                 first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
                 last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
-                q0,
-                q1,
-                q2,
-                q3,
+            tokens = (rows, window_page, rows, mask_n)
+            state = _attend_tile_by_token(
+                q,
                 q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
+                state,
                 is_visible,
                 scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
+                kv_ptrs,
+                scales,
+                tokens,
                 HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
                 BLOCK_C,
                 BITS,
                 HAS_WINDOW,
                 _CODES_ONLY,
                 ODD_X16,
             )
-            mask_n, rows, window_page = next_mask, next_rows, next_window_page
-            k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
+            mask_n, rows, window_page, scales = next_mask, next_rows, next_window_page, next_scales
         if HAS_WINDOW:
             if ODD_X16:
-                q1, q3 = q1 * 16.0, q3 * 16.0
+                q = (q[0], q[1] * 16.0, q[2], q[3] * 16.0)
             # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
             # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
             # rows of the main loop's 128-token INT4 tiles would take every register.
             WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
             offs_w = tl.arange(0, WINDOW_N)
             unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
+            unused_scales = (unused_scale, unused_scale, unused_scale, unused_scale)
             for tile_start in tl.range(
                 tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
             ):
-                mask_w, rows_w, window_page_w, window_rows_w = _token_rows(
+                tokens_w = _tokens(
                     table_row,
                     tile_start + offs_w,
                     end,
@@ -1458,35 +1248,17 @@ if HAS_TRITON:
                     HAS_WINDOW,
                     WIDE_OFFSETS,
                 )
-                m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
-                    q0,
-                    q1,
-                    q2,
-                    q3,
+                is_kept = _kept_mask(tokens_w[3], tokens_w[1], HAS_WINDOW)
+                state = _attend_tile_by_token(
+                    q,
                     q_sum,
-                    m_i,
-                    l_i,
-                    acc0,
-                    acc1,
-                    acc2,
-                    acc3,
-                    _kept_mask(mask_w, window_page_w, HAS_WINDOW),
+                    state,
+                    is_kept,
                     scale_log2,
-                    k_cache_ptr,
-                    window_k_ptr,
-                    v_cache_ptr,
-                    window_v_ptr,
-                    rows_w,
-                    window_page_w,
-                    window_rows_w,
-                    mask_w,
-                    unused_scale,
-                    unused_scale,
-                    unused_scale,
-                    unused_scale,
+                    kv_ptrs,
+                    unused_scales,
+                    tokens_w,
                     HEAD_DIM,
-                    PLANE_DIM,
-                    NUM_PLANES,
                     BLOCK_C,
                     BITS,
                     HAS_WINDOW,
@@ -1494,42 +1266,24 @@ if HAS_TRITON:
                     False,
                 )
 
+        m_i, l_i, acc = state
         has_tokens = l_i > 0.0
         denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
-        acc0, acc1, acc2, acc3 = tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3)
-        result0 = acc0 / denominator
-        result1 = acc1 / denominator
-        result2 = acc2 / denominator
-        result3 = acc3 / denominator
+        result = (
+            tl.trans(acc[0]) / denominator,
+            tl.trans(acc[1]) / denominator,
+            tl.trans(acc[2]) / denominator,
+            tl.trans(acc[3]) / denominator,
+        )
         head_rows = seq.to(tl.int64) * num_kv_heads * group_size + heads  # [BLOCK_G]
         if IS_SPLIT:
             # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
             lse_offs = head_rows * num_splits + split
             lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
             tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
-            _store_planes(
-                partial_out_ptr + lse_offs[:, None] * HEAD_DIM,
-                result0,
-                result1,
-                result2,
-                result3,
-                mask_g,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-            )
+            _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result, mask_g, HEAD_DIM, BITS, BLOCK_C)
         else:
-            _store_planes(
-                out_ptr + head_rows[:, None] * HEAD_DIM,
-                result0,
-                result1,
-                result2,
-                result3,
-                mask_g,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-            )
+            _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result, mask_g, HEAD_DIM, BITS, BLOCK_C)
 
     @triton.jit
     def _num_partitions(context_len, partition_tokens, num_splits):
@@ -1538,28 +1292,37 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
 
     @triton.jit
-    def _merge_slice(
+    def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
+        # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
+        # Moving values between threads, never adding them in the layout's order, so the sum
+        # is the same for any layout.
+        for level in tl.static_range(1, LANES.bit_length()):
+            x = tl.reshape(x, [ROWS, LANES >> level, 2])
+            even, odd = tl.split(x)
+            x = even + odd
+        return tl.reshape(x, [ROWS])
+
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _merge_partitions_kernel(
         partial_out_ptr,
         partial_lse_ptr,
         out_ptr,
-        row,
-        first_column,
+        context_lens_ptr,
+        partition_tokens,
         num_splits,
-        num_parts,
         HEAD_DIM: tl.constexpr,
         SLICE_D: tl.constexpr,
         LANES: tl.constexpr,
     ):
-        # Columns first_column ... + SLICE_D of output row `row` (sequence * num_heads + head)
-        # from the row's first num_parts partials, each weighted by exp2(lse - max lse), in one
-        # pass: a chunk of LANES partitions at a time, the sums so far rescaled when a chunk
-        # raises the maximum (online softmax, as over a tile's tokens). Partition s goes into
-        # lane s % LANES, in split order; then the lanes are added pairwise, (0 + 1) + (2 + 3)
-        # and so on up a tree (_sum_lanes). Every output element is so one computation fixed by
-        # num_parts and LANES, whatever num_splits, the slice or the number of warps, and splits
-        # past num_parts are never read. The log-sum-exps and partials of a chunk load
-        # together, LANES of each in flight: up to LANES partitions wait on memory once.
-        offs_d = first_column + tl.arange(0, SLICE_D)
+        # One program per (sequence, head, SLICE_D columns): the row's first num_parts partials,
+        # each weighted by exp2(lse - max lse), in one pass: a chunk of LANES partitions at a
+        # time (their loads in flight together), the sums so far rescaled when a chunk raises
+        # the maximum. Partition s goes into lane s % LANES, then the lanes are added pairwise
+        # (_sum_lanes); splits past num_parts are never read.
+        seq = tl.program_id(0)
+        row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
+        offs_d = tl.program_id(2) * SLICE_D + tl.arange(0, SLICE_D)
         offs_l = tl.arange(0, LANES)
         mask_d = offs_d < HEAD_DIM
         lse_row = partial_lse_ptr + row * num_splits
@@ -1590,46 +1353,6 @@ if HAS_TRITON:
         tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
 
     @triton.jit
-    def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
-        # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
-        # Moving values between threads, never adding them in the layout's order, so the sum
-        # is the same for any layout.
-        for level in tl.static_range(1, LANES.bit_length()):
-            x = tl.reshape(x, [ROWS, LANES >> level, 2])
-            even, odd = tl.split(x)
-            x = even + odd
-        return tl.reshape(x, [ROWS])
-
-    @triton.jit(do_not_specialize=["num_splits"])
-    def _merge_partitions_kernel(
-        partial_out_ptr,
-        partial_lse_ptr,
-        out_ptr,
-        context_lens_ptr,
-        partition_tokens,
-        num_splits,
-        HEAD_DIM: tl.constexpr,
-        SLICE_D: tl.constexpr,
-        LANES: tl.constexpr,
-    ):
-        # One program per (sequence, head, SLICE_D columns).
-        seq = tl.program_id(0)
-        row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
-        _merge_slice(
-            partial_out_ptr,
-            partial_lse_ptr,
-            out_ptr,
-            row,
-            tl.program_id(2) * SLICE_D,
-            num_splits,
-            num_parts,
-            HEAD_DIM,
-            SLICE_D,
-            LANES,
-        )
-
-    @triton.jit
     def _prefill_kernel(
         q_ptr,
         k_cache_ptr,
@@ -1655,8 +1378,6 @@ if HAS_TRITON:
         group_size,
         PAGE_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -1680,75 +1401,38 @@ if HAS_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = (q_positions >= num_cached) & (q_positions < context_len)
         token_rows = (q_start + q_positions - num_cached).to(tl.int64)
-        q0, q1, q2, q3, q_sum = _load_query_planes(
-            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C
+        q, q_sum = _load_query_planes(
+            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, BITS, BLOCK_C
         )
 
         # K/V up to the last query of this tile (causal); none when the tile has no new token.
         end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
         end = tl.where((q_tile * BLOCK_M < context_len) & (q_len > 0), end, 0)
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
-        acc2 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        state = (
+            tl.full([BLOCK_M], float("-inf"), tl.float32),
+            tl.zeros([BLOCK_M], tl.float32),
+            (acc0, acc0, acc0, acc0),
+        )
+        kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
+        scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
         for tile_start in range(0, end, BLOCK_N):
             positions = tile_start + offs_n
-            mask_n, rows, window_page, window_rows = _token_rows(
+            tokens = _tokens(
                 table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
             )
-            k_scale, k_zero, v_scale, v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
-            )
-            is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible,
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                _MIXED,
+            scales = _tile_scales(scale_ptrs, tokens[0], tokens[3], BITS)
+            is_visible = tokens[3][None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
+            state = _attend_tile(
+                q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
             )
 
+        _, l_i, acc = state
         denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        result = (acc[0] / denominator, acc[1] / denominator, acc[2] / denominator, acc[3] / denominator)
         _store_planes(
-            out_ptr + token_rows[:, None] * stride_ot + head * stride_oh,
-            acc0 / denominator,
-            acc1 / denominator,
-            acc2 / denominator,
-            acc3 / denominator,
-            mask_m,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
+            out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, result, mask_m, HEAD_DIM, BITS, BLOCK_C
         )
