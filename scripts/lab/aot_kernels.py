@@ -113,6 +113,7 @@ def usage(kernel) -> dict:
 
 def attention(args) -> None:
     from lowvram.kernels import paged_attention as pa
+    from lowvram.kernels import paged_attention_kernels
 
     for bits in (int(b) for b in args.bits.split(",")):
         block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
@@ -141,7 +142,7 @@ def attention(args) -> None:
         }
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(
-            pa._decode_kernel,
+            paged_attention_kernels._decode_kernel,
             pointer_types,
             constexprs,
             args.arch,
