@@ -290,6 +290,24 @@ if HAS_TRITON:
         return row * PAGE_SIZE + tl.maximum(slot, 0) % PAGE_SIZE
 
     @triton.jit
+    def _store_window_row(x_ptr, stride_xh, window_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D):
+        # The row as FP16 values at its slot in the window arrays (the scale pointers unused).
+        _store_row(
+            x_ptr,
+            stride_xh,
+            window_ptr,
+            window_ptr,
+            window_ptr,
+            window_slot,
+            num_kv_heads,
+            head_dim,
+            16,
+            0,
+            BLOCK_H,
+            BLOCK_D,
+        )
+
+    @triton.jit
     def _rotate_heads(
         x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
     ):
@@ -348,8 +366,8 @@ if HAS_TRITON:
         # One program per token, all KV heads (the row min/max is a reduction over head_dim):
         # with ROTATE its q and k heads rotated first, then its k and v rows stored.
         token = tl.program_id(0)
-        k_row = k_ptr + token.to(tl.int64) * stride_kt
-        v_row = v_ptr + token.to(tl.int64) * stride_vt
+        k_in = k_ptr + token.to(tl.int64) * stride_kt
+        v_in = v_ptr + token.to(tl.int64) * stride_vt
         if ROTATE:
             position = tl.load(positions_ptr + token).to(tl.int64)
             offs = tl.arange(0, BLOCK_HALF)
@@ -357,12 +375,12 @@ if HAS_TRITON:
             sin = tl.load(sin_ptr + position * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
             q_row = q_ptr + token.to(tl.int64) * stride_qt
             _rotate_heads(q_row, stride_qh, num_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF)
-            _rotate_heads(k_row, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+            _rotate_heads(k_in, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
             # The store loads k in another layout, so other threads read what these wrote.
             tl.debug_barrier()
         slot = tl.load(slot_ptr + token).to(tl.int64)
         _store_row(
-            k_row,
+            k_in,
             stride_kh,
             k_cache_ptr,
             k_scale_ptr,
@@ -376,7 +394,7 @@ if HAS_TRITON:
             BLOCK_C,
         )
         _store_row(
-            v_row,
+            v_in,
             stride_vh,
             v_cache_ptr,
             v_scale_ptr,
@@ -392,31 +410,5 @@ if HAS_TRITON:
         if HAS_WINDOW:
             # Pages kept in FP16 (see lowvram.kernels.kv_quant) get the row unquantized as well.
             window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
-            _store_row(
-                k_row,
-                stride_kh,
-                window_k_ptr,
-                window_k_ptr,
-                window_k_ptr,
-                window_slot,
-                num_kv_heads,
-                head_dim,
-                16,
-                0,
-                BLOCK_H,
-                BLOCK_D,
-            )
-            _store_row(
-                v_row,
-                stride_vh,
-                window_v_ptr,
-                window_v_ptr,
-                window_v_ptr,
-                window_slot,
-                num_kv_heads,
-                head_dim,
-                16,
-                0,
-                BLOCK_H,
-                BLOCK_D,
-            )
+            _store_window_row(k_in, stride_kh, window_k_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
+            _store_window_row(v_in, stride_vh, window_v_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
