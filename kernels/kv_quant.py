@@ -99,6 +99,18 @@ class KVPages:
         """The FP16 copies of the window's pages as pages of their own (rows = window rows)."""
         return KVPages(k=self.window_k, v=self.window_v)
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The arrays the Triton kernels take, in their order: k, v, k_scale, k_zero, v_scale,
+        v_zero, window_k, window_v, window_row. Slots a kernel never reads for these pages (the
+        scales of FP16 pages, the window of pages without one) get the code arrays."""
+        scales = (
+            (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+            if self.is_quantized
+            else (self.k, self.k, self.v, self.v)
+        )
+        window = (self.window_k, self.window_v, self.window_row) if self.has_window else (self.k, self.v, self.k)
+        return (self.k, self.v, *scales, *window)
+
     def validate(self) -> None:
         """Raise KernelError unless the tensors match the layout above."""
         if self.precision not in PRECISIONS:

@@ -130,7 +130,7 @@ def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: 
         cos,
         sin,
         slot_mapping,
-        *_cache_pointers(pages),
+        *pages.kernel_tensors(),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -151,16 +151,8 @@ def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: 
     )
 
 
-def _cache_pointers(pages: KVPages) -> tuple[torch.Tensor, ...]:
-    """The cache arguments of the write kernel, in its order."""
-    # Unused pointer slots get the code tensor: the kernel never reads them for fp16 pages.
-    k_scale = pages.k_scale if pages.is_quantized else pages.k
-    k_zero = pages.k_zero if pages.is_quantized else pages.k
-    v_scale = pages.v_scale if pages.is_quantized else pages.v
-    v_zero = pages.v_zero if pages.is_quantized else pages.v
-    # Without a window the kernel never reads these either.
-    window = (pages.window_k, pages.window_v, pages.window_row) if pages.has_window else (pages.k, pages.v, pages.k)
-    return (pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *window)
+# The write kernel's cache arguments (w4a16_gemv's fused store takes them too).
+_cache_pointers = KVPages.kernel_tensors
 
 
 def _store_constants(pages: KVPages) -> dict[str, int | bool]:

@@ -19,14 +19,10 @@ Both kernels gather K/V through the block table one token row at a time
 softmax scale folded into log2(e). INT8/INT4 codes go into the dots as they are and each
 token's scale and zero are applied to the dots' results: `q . k_j = s_j (q . c_j) - s_j z_j
 sum(q)` for K and `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V, which is
-faster than dequantizing every element. A code becomes a float16 without an int-to-float
-instruction (a quarter of the float rate): its bits alone are the subnormal code * 2**-24,
-exact, and the token's scale carries the 2**24 back. Quantized heads are read as 16-bit words
-split into planes so that no code moves between columns: INT8's low and high bytes (elements
-2i and 2i + 1) and INT4's four nibbles (elements 4i to 4i + 3). Tokens of pages kept in FP16
-beside the codes (`KVPages.window_row`, see `lowvram.kernels.kv_quant`) are read from the FP16
-copy with scale 1 and zero 0; the decode kernel reads them in a pass of its own after its
-main loop, so that the main loop keeps the registers of pages without a window.
+faster than dequantizing every element (how codes are read: `paged_kv_tiles`). Tokens of
+pages kept in FP16 beside the codes (`KVPages.window_row`) are read from the FP16 copy with
+scale 1 and zero 0; the decode kernel reads them in a pass of its own after its main loop, so
+that the main loop keeps the registers of pages without a window.
 
 The public wrappers here check shapes, dtypes and strides, then run the Triton kernels
 (`paged_attention_kernels`, reading K/V through `paged_kv_tiles`) on CUDA tensors (or on CPU
@@ -309,29 +305,10 @@ def _tile_rows(block_d: int, rows: int) -> int:
     return min(rows, 32) if block_d > 256 else rows
 
 
-def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # FP16 pages have no scales; the kernel never reads these slots then.
-    if pages.is_quantized:
-        return pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
-    return pages.k, pages.k, pages.v, pages.v
-
-
 def _needs_wide_offsets(pages: KVPages) -> bool:
     """Whether some element of a page array (codes, scales, the FP16 window) lies 2**31 or
     more elements past its first: the kernels then compute page offsets in int64."""
-    arrays = [pages.k, pages.v]
-    if pages.is_quantized:
-        arrays += [pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero]
-    if pages.has_window:
-        arrays += [pages.window_k, pages.window_v]
-    return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in arrays)
-
-
-def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Without a window the kernel never reads these slots.
-    if pages.has_window:
-        return pages.window_k, pages.window_v, pages.window_row
-    return pages.k, pages.v, pages.k
+    return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in pages.kernel_tensors())
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
@@ -438,10 +415,7 @@ def paged_decode_attention(
         partial_out, partial_lse = out, out  # unused without splitting
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
-        pages.k,
-        pages.v,
-        *_scale_pointers(pages),
-        *_window_pointers(pages),
+        *pages.kernel_tensors(),
         block_tables,
         context_lens,
         out,
@@ -537,10 +511,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
-        pages.k,
-        pages.v,
-        *_scale_pointers(pages),
-        *_window_pointers(pages),
+        *pages.kernel_tensors(),
         block_tables,
         cu_seqlens_q,
         context_lens,
