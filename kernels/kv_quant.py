@@ -99,34 +99,37 @@ class KVPages:
         """The FP16 copies of the window's pages as pages of their own (rows = window rows)."""
         return KVPages(k=self.window_k, v=self.window_v)
 
-    def bytes_per_token(self) -> int:
-        """Bytes of K and V (codes plus scales and zeros) that one token occupies."""
-        code_bytes = self.k.shape[3] * self.k.element_size()
-        scale_bytes = 2 * 2 if self.is_quantized else 0  # fp16 scale + fp16 zero
-        return 2 * self.num_kv_heads * (code_bytes + scale_bytes)
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The arrays the Triton kernels take, in their order: k, v, k_scale, k_zero, v_scale,
+        v_zero, window_k, window_v, window_row. Slots a kernel never reads for these pages (the
+        scales of FP16 pages, the window of pages without one) get the code arrays."""
+        scales = (
+            (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+            if self.is_quantized
+            else (self.k, self.k, self.v, self.v)
+        )
+        window = (self.window_k, self.window_v, self.window_row) if self.has_window else (self.k, self.v, self.k)
+        return (self.k, self.v, *scales, *window)
 
     def validate(self) -> None:
         """Raise KernelError unless the tensors match the layout above."""
         if self.precision not in PRECISIONS:
             raise KernelError(f"KVPages.precision is {self.precision!r}; expected one of {PRECISIONS}")
-        for name in ("k", "v"):
-            pages = getattr(self, name)
-            if pages.dim() != 4:
-                raise KernelError(
-                    f"KVPages.{name} has shape {tuple(pages.shape)}; expected 4 dims "
-                    "[num_blocks, block_size, num_kv_heads, head_dim (or head_dim // 2 for int4)]"
-                )
-            if not pages.is_contiguous():
-                raise KernelError(f"KVPages.{name} must be contiguous (strides {pages.stride()})")
+        if self.k.dim() != 4 or not self.k.is_contiguous() or not self.v.is_contiguous():
+            raise KernelError(
+                f"KVPages.k and v must be contiguous [num_blocks, block_size, num_kv_heads, head_dim (head_dim // 2 "
+                f"for int4)]; k is {tuple(self.k.shape)} with strides {self.k.stride()}"
+            )
         if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype or self.v.device != self.k.device:
             raise KernelError(
                 f"KVPages.v ({tuple(self.v.shape)}, {self.v.dtype}, {self.v.device}) must match "
                 f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
             )
+        floats = (torch.float16, torch.float32, torch.bfloat16)
         if not self.is_quantized:
             if self.has_window or self.window_k is not None:
                 raise KernelError("fp16 KVPages cannot keep an FP16 window: every page already is FP16")
-            if self.k.dtype not in (torch.float16, torch.float32, torch.bfloat16):
+            if self.k.dtype not in floats:
                 raise KernelError(
                     f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)"
                 )
@@ -135,40 +138,31 @@ class KVPages:
             raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")
         scale_shape = tuple(self.k.shape[:3])
         for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-            tensor = getattr(self, name)
-            if tensor is None:
-                raise KernelError(f"{self.precision} KVPages.{name} is missing")
-            if tuple(tensor.shape) != scale_shape or tensor.dtype != torch.float16:
-                raise KernelError(
-                    f"KVPages.{name} is {tuple(tensor.shape)} {tensor.dtype}; expected float16 {scale_shape}"
-                )
-            if not tensor.is_contiguous() or tensor.device != self.k.device:
-                raise KernelError(f"KVPages.{name} must be contiguous and on {self.k.device}")
-        if self.has_window or self.window_k is not None or self.window_v is not None:
-            self._validate_window()
-
-    def _validate_window(self) -> None:
-        if self.window_k is None or self.window_v is None or self.window_row is None:
+            t = getattr(self, name)
+            if t is None or tuple(t.shape) != scale_shape or t.dtype != torch.float16 or not t.is_contiguous():
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise KernelError(f"KVPages.{name} is {got}; expected contiguous float16 {scale_shape}")
+            if t.device != self.k.device:
+                raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
+        window = (self.window_k, self.window_v, self.window_row)
+        if all(t is None for t in window):
+            return
+        if any(t is None for t in window):
             raise KernelError("KVPages.window_k, window_v and window_row go together; some are missing")
         expected = (self.block_size, self.num_kv_heads, self.head_dim)
         for name in ("window_k", "window_v"):
-            tensor = getattr(self, name)
-            if tensor.dim() != 4 or tuple(tensor.shape[1:]) != expected or tensor.shape != self.window_k.shape:
+            t = getattr(self, name)
+            if t.dim() != 4 or tuple(t.shape[1:]) != expected or t.shape != self.window_k.shape:
                 raise KernelError(
-                    f"KVPages.{name} has shape {tuple(tensor.shape)}; "
-                    f"expected [num_window_pages, {', '.join(map(str, expected))}]"
+                    f"KVPages.{name} has shape {tuple(t.shape)}; expected [num_window_pages, {', '.join(map(str, expected))}]"
                 )
-            if (
-                tensor.dtype not in (torch.float16, torch.float32, torch.bfloat16)
-                or not tensor.is_contiguous()
-                or tensor.dtype != self.window_k.dtype
-            ):
+            if t.dtype not in floats or t.dtype != self.window_k.dtype or not t.is_contiguous():
                 raise KernelError(
-                    f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), "
-                    f"like window_k; got {tensor.dtype}"
+                    f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), like window_k; "
+                    f"got {t.dtype}"
                 )
-            if tensor.device != self.k.device:
-                raise KernelError(f"KVPages.{name} is on {tensor.device}; expected {self.k.device}")
+            if t.device != self.k.device:
+                raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
         row = self.window_row
         if (
             row.shape != (self.num_blocks,)

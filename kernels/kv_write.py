@@ -1,10 +1,17 @@
-"""Store new K/V rows into paged caches, quantizing on the way for INT8/INT4 pages.
+"""Store new K/V rows into paged caches, quantizing on the way for INT8/INT4 pages, and
+optionally rotate q and k (RoPE) first in the same launch.
 
-`write_kv` runs the Triton kernel on CUDA tensors (or on CPU tensors when
-TRITON_INTERPRET=1) and `write_kv_ref` otherwise. Both follow the quantization
-of `lowvram.kernels.kv_quant.quantize_kv` step for step: the same float32 operations in
-the same order, IEEE division and FP16-rounded scale/zero, so the stored bytes
+`write_kv` and `rotary_write_kv` run the Triton kernel on CUDA tensors (or on CPU tensors
+when TRITON_INTERPRET=1) and their plain-torch references otherwise. Both follow the
+quantization of `lowvram.kernels.kv_quant.quantize_kv` step for step: the same float32
+operations in the same order, IEEE division and FP16-rounded scale/zero, so the stored bytes
 are identical.
+
+At batch 1 a decode step is launch-bound, and RoPE (rotary.py) followed by the KV store is two
+launches per layer for a few kilobytes of work: `rotary_write_kv` is one. Each program rotates
+its token's q and k heads in place (float32, `rotary._rotate_half`), then stores k and v,
+reading the rotated k back after a barrier, so q, k and the pages come out bit for bit as
+`apply_rotary` then `write_kv`.
 """
 
 from __future__ import annotations
@@ -19,25 +26,37 @@ try:
     import triton
     import triton.language as tl
 
-    from lowvram.kernels.pdl import await_inputs, dependent_launch
+    from lowvram.kernels.rotary import _check_rotary_args, _rotate_half, apply_rotary_ref
 
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
 
 
-# Set to True to run the plain-torch reference everywhere (debugging, A/B checks).
+# Set to True to run the plain-torch references everywhere (debugging, A/B checks).
 FORCE_REFERENCE = False
-
-
-def _use_triton(device: torch.device, use_reference: bool) -> bool:
-    return use_triton("write_kv", device, use_reference or FORCE_REFERENCE)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:
     """Plain-torch `write_kv`: rows with slot -1 are skipped."""
     is_written = slot_mapping >= 0
     store_kv(pages, slot_mapping[is_written], k[is_written], v[is_written])
+
+
+def rotary_write_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pages: KVPages,
+) -> None:
+    """Plain-torch `rotary_write_kv`: apply_rotary_ref on q and k, then write_kv_ref."""
+    q.copy_(apply_rotary_ref(q, positions, cos, sin))
+    k.copy_(apply_rotary_ref(k, positions, cos, sin))
+    write_kv_ref(k, v, slot_mapping, pages)
 
 
 def write_kv(
@@ -59,42 +78,85 @@ def write_kv(
     _check_write_args(k, v, slot_mapping, pages)
     if k.shape[0] == 0:
         return
-    if not _use_triton(k.device, use_reference):
+    if not use_triton("write_kv", k.device, use_reference or FORCE_REFERENCE):
         write_kv_ref(k, v, slot_mapping, pages)
         return
+    # No rotation: q, positions, cos and sin are never read, so k and the slots stand in.
+    _launch(k, k, v, slot_mapping, k, k, slot_mapping, pages, rotate=False)
+
+
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    pages: KVPages,
+    *,
+    use_reference: bool = False,
+) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by each token's position, then store k
+    and v [T, Hkv, D] into `pages` at `slot_mapping` [T] (-1 = skip): `apply_rotary` then
+    `write_kv`, in one launch.
+
+    positions: [T]; cos, sin: float32 [P, D/2] with P > every position. q, k and v may be
+    strided views of a fused QKV output as long as their last dim is contiguous.
+    """
+    _check_rotary_args(q, k, positions, cos, sin, "rotary_write_kv")
+    _check_write_args(k, v, slot_mapping, pages, "rotary_write_kv")
+    if q.dtype != k.dtype:
+        raise KernelError(f"rotary_write_kv: q is {q.dtype} and k {k.dtype}; they must match")
+    if q.shape[0] == 0:
+        return
+    # BF16 takes the reference, as apply_rotary does.
+    is_reference = use_reference or FORCE_REFERENCE or q.dtype == torch.bfloat16
+    if not use_triton("rotary_write_kv", q.device, is_reference):
+        rotary_write_kv_ref(q, k, v, positions, cos, sin, slot_mapping, pages)
+        return
+    _launch(q, k, v, positions, cos, sin, slot_mapping, pages, rotate=True)
+
+
+def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: bool) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
+    num_heads = q.shape[1] if rotate else 0
+    half = head_dim // 2
     _write_kv_kernel[(num_tokens,)](
+        q,
         k,
         v,
+        positions,
+        cos,
+        sin,
         slot_mapping,
-        *_cache_pointers(pages),
+        *pages.kernel_tensors(),
+        q.stride(0),
+        q.stride(1),
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        cos.stride(0),
+        num_heads,
         num_kv_heads,
         pages.k.shape[3],
         head_dim,
+        ROTATE=rotate,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QH=triton.next_power_of_2(max(1, num_heads)),
         **_store_constants(pages),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-        **dependent_launch(k.device),
+        num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 1024 else 1,
     )
 
 
-def _cache_pointers(pages: KVPages) -> tuple[torch.Tensor, ...]:
-    """The cache arguments of `_write_token`, in its order."""
-    # Unused pointer slots get the code tensor: the kernel never reads them for fp16 pages.
-    k_scale = pages.k_scale if pages.is_quantized else pages.k
-    k_zero = pages.k_zero if pages.is_quantized else pages.k
-    v_scale = pages.v_scale if pages.is_quantized else pages.v
-    v_zero = pages.v_zero if pages.is_quantized else pages.v
-    # Without a window the kernel never reads these either.
-    window = (pages.window_k, pages.window_v, pages.window_row) if pages.has_window else (pages.k, pages.v, pages.k)
-    return (pages.k, pages.v, k_scale, k_zero, v_scale, v_zero, *window)
+# The write kernel's cache arguments (w4a16_gemv's fused store takes them too).
+_cache_pointers = KVPages.kernel_tensors
 
 
 def _store_constants(pages: KVPages) -> dict[str, int | bool]:
-    """The constexpr arguments of `_write_token` for these pages."""
+    """The constexpr arguments of the write kernel for these pages."""
     return {
         "BITS": pages.bits,
         "QMAX": (1 << pages.bits) - 1 if pages.is_quantized else 0,
@@ -163,6 +225,7 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
+        # One token's row of every KV head, from x_ptr [heads, D] into the cache at `slot`.
         heads = tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_C)
         # slot -1 (padding) masks the whole row; a vector compare keeps the mask a plain bool block.
@@ -219,10 +282,46 @@ if HAS_TRITON:
         return row * PAGE_SIZE + tl.maximum(slot, 0) % PAGE_SIZE
 
     @triton.jit
-    def _write_token(
-        token,
+    def _store_window_row(x_ptr, stride_xh, window_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D):
+        # The row as FP16 values at its slot in the window arrays (the scale pointers unused).
+        _store_row(
+            x_ptr,
+            stride_xh,
+            window_ptr,
+            window_ptr,
+            window_ptr,
+            window_slot,
+            num_kv_heads,
+            head_dim,
+            16,
+            0,
+            BLOCK_H,
+            BLOCK_D,
+        )
+
+    @triton.jit
+    def _rotate_heads(
+        x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
+    ):
+        # One token's heads of q or k, rotated in place; cos, sin: float32 [1, BLOCK_HALF].
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        offs = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (heads < num_heads) & (offs < HALF)
+        first = x_ptr + heads * stride_h + offs  # [BLOCK_H, BLOCK_HALF]: the first half of each head
+        x1 = tl.load(first, mask=mask, other=0.0)
+        x2 = tl.load(first + HALF, mask=mask, other=0.0)
+        out1, out2 = _rotate_half(x1, x2, cos, sin)
+        tl.store(first, out1, mask=mask)
+        tl.store(first + HALF, out2, mask=mask)
+
+    @triton.jit
+    def _write_kv_kernel(
+        q_ptr,
         k_ptr,
         v_ptr,
+        positions_ptr,
+        cos_ptr,
+        sin_ptr,
         slot_ptr,
         k_cache_ptr,
         v_cache_ptr,
@@ -233,13 +332,21 @@ if HAS_TRITON:
         window_k_ptr,
         window_v_ptr,
         window_row_ptr,
+        stride_qt,
+        stride_qh,
         stride_kt,
         stride_kh,
         stride_vt,
         stride_vh,
+        stride_cos,
+        num_heads,
         num_kv_heads,
         code_dim,
         head_dim,
+        ROTATE: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_QH: tl.constexpr,
         BITS: tl.constexpr,
         QMAX: tl.constexpr,
         BLOCK_H: tl.constexpr,
@@ -248,11 +355,24 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # Store one token's k and v rows (every KV head) at its slot; also the body of the
-        # fused RoPE + KV-write kernel (rotary_kv_write.py).
+        # One program per token, all KV heads (the row min/max is a reduction over head_dim):
+        # with ROTATE its q and k heads rotated first, then its k and v rows stored.
+        token = tl.program_id(0)
+        k_in = k_ptr + token.to(tl.int64) * stride_kt
+        v_in = v_ptr + token.to(tl.int64) * stride_vt
+        if ROTATE:
+            position = tl.load(positions_ptr + token).to(tl.int64)
+            offs = tl.arange(0, BLOCK_HALF)
+            cos = tl.load(cos_ptr + position * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
+            sin = tl.load(sin_ptr + position * stride_cos + offs, mask=offs < HALF, other=0.0)[None, :]
+            q_row = q_ptr + token.to(tl.int64) * stride_qt
+            _rotate_heads(q_row, stride_qh, num_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF)
+            _rotate_heads(k_in, stride_kh, num_kv_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+            # The store loads k in another layout, so other threads read what these wrote.
+            tl.debug_barrier()
         slot = tl.load(slot_ptr + token).to(tl.int64)
         _store_row(
-            k_ptr + token.to(tl.int64) * stride_kt,
+            k_in,
             stride_kh,
             k_cache_ptr,
             k_scale_ptr,
@@ -266,7 +386,7 @@ if HAS_TRITON:
             BLOCK_C,
         )
         _store_row(
-            v_ptr + token.to(tl.int64) * stride_vt,
+            v_in,
             stride_vh,
             v_cache_ptr,
             v_scale_ptr,
@@ -282,93 +402,5 @@ if HAS_TRITON:
         if HAS_WINDOW:
             # Pages kept in FP16 (see lowvram.kernels.kv_quant) get the row unquantized as well.
             window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
-            _store_row(
-                k_ptr + token.to(tl.int64) * stride_kt,
-                stride_kh,
-                window_k_ptr,
-                window_k_ptr,
-                window_k_ptr,
-                window_slot,
-                num_kv_heads,
-                head_dim,
-                16,
-                0,
-                BLOCK_H,
-                BLOCK_D,
-            )
-            _store_row(
-                v_ptr + token.to(tl.int64) * stride_vt,
-                stride_vh,
-                window_v_ptr,
-                window_v_ptr,
-                window_v_ptr,
-                window_slot,
-                num_kv_heads,
-                head_dim,
-                16,
-                0,
-                BLOCK_H,
-                BLOCK_D,
-            )
-
-    @triton.jit
-    def _write_kv_kernel(
-        k_ptr,
-        v_ptr,
-        slot_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        k_zero_ptr,
-        v_scale_ptr,
-        v_zero_ptr,
-        window_k_ptr,
-        window_v_ptr,
-        window_row_ptr,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        num_kv_heads,
-        code_dim,
-        head_dim,
-        BITS: tl.constexpr,
-        QMAX: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        await_inputs(PDL)  # k and v come from the kernel before (kernels/pdl.py)
-        # One program per token, all KV heads: the row min/max is a reduction over head_dim.
-        _write_token(
-            tl.program_id(0),
-            k_ptr,
-            v_ptr,
-            slot_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            v_scale_ptr,
-            v_zero_ptr,
-            window_k_ptr,
-            window_v_ptr,
-            window_row_ptr,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            num_kv_heads,
-            code_dim,
-            head_dim,
-            BITS,
-            QMAX,
-            BLOCK_H,
-            BLOCK_C,
-            HAS_WINDOW,
-            PAGE_SIZE,
-            BLOCK_D,
-        )
+            _store_window_row(k_in, stride_kh, window_k_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
+            _store_window_row(v_in, stride_vh, window_v_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)

@@ -1,89 +1,50 @@
 """Attention over paged K/V caches (FP16, INT8 and INT4 pages): decode and prefill.
 
-Decode (one new token per sequence) is memory bound: each program owns one
-sequence, one KV head and one partition of the context, and processes all the
-query heads of that KV head's group together (GQA), so every K/V byte is read
-once. A group of up to 8 heads is one 8-wide tensor-core tile with the token
-tile first (scores as K q^T, [tokens, 8]), rather than 8 or fewer rows padded to
-the 16 a first operand needs; wider groups (MLA's 16) take the rows. Long
-contexts are split into partitions that run in parallel (flash-decoding) and the
-partial results are merged through their log-sum-exp. By default the number of
-partitions is chosen so that the grid fills the GPU, bounded by a minimum
-partition length. With few partitions of the default partitioning the decode
-kernel can merge them itself: each partition program counts itself in on an int32
-counter of its (sequence, KV head), and the last to arrive adds up all of them
-(the pattern of `lowvram.kernels.w4a16_gemv.awq_gemv_store`), saving a launch per
-layer; otherwise a second kernel merges them with a program per head, or per 32
-columns of one for long merges, as the last arrival alone would take too long.
-`DecodeConfig.max_fused_splits` draws the line (0 for the 1- and 2-warp defaults, whose
-programs merge slower than the merge kernel).
+Decode (one new token per sequence) is memory bound: each program owns one sequence, one KV
+head and one partition of the context, and processes all the query heads of that KV head's
+group together (GQA), so every K/V byte is read once. The token tile is the dots' first
+operand (scores as K q^T, [tokens, group]), so a group of up to 8 heads is one 8-wide
+tensor-core tile rather than rows padded to 16. Long contexts are split into partitions that
+run in parallel (flash-decoding), enough to fill the GPU, and a merge kernel adds the partial
+results through their log-sum-exps.
 
-Batch invariance. The default partitioning depends on the batch (its size and its
-longest context), so a sequence's sum can be cut differently when other sequences
-join it. With `partition_tokens=` (`INVARIANT_PARTITION_TOKENS`, say)
-partitions start at fixed absolute positions, a sequence always goes through the
-merge kernel (never the decode kernel's own merge), which adds exactly the sequence's own
-partitions in an order fixed by their number alone (partition s into lane s %
-MERGE_KERNEL_LANES, then the lanes pairwise); partitions past a sequence's context are
-neither computed nor read.
-Nothing a sequence's result is made of then depends on its neighbours, the block
-table's width or `max_context_len`, so it is the same bit for bit. Prefill needs no
-option: K/V tiles and query tiles both sit at absolute positions, so a prompt token
-meets the same tiles whatever chunk of the prompt, and whatever batch, it comes in.
-
-Prefill (a batch of new tokens, possibly after a cached prefix) is compute
-bound and follows flash-attention 2: one program per (query tile, sequence,
-query head), online softmax over K/V tiles up to the causal limit.
+Prefill (a batch of new tokens, possibly after a cached prefix) is compute bound and follows
+flash-attention 2: one program per (query tile, sequence, query head), online softmax over K/V
+tiles up to the causal limit. Query and K/V tiles sit at absolute positions, so a prompt token
+meets the same tiles, bit for bit, whatever chunk of the prompt and whatever batch it comes in
+(the batch-invariant mode sends its decode rows here too).
 
 Both kernels gather K/V through the block table one token row at a time
-(`block_table[seq, p // B] * B + p % B`) and accumulate in float32. Scores use
-exp2 with the softmax scale folded into log2(e). INT8/INT4 codes go into the
-dots as they are (integers up to 255 are exact in float16) and each token's
-scale and zero are applied to the dots' results, per token rather than per
-element: `q . k_j = s_j (q . c_j) - s_j z_j sum(q)` for K and
-`sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V. Dequantizing
-every element first made the quantized pages slower to read than FP16 ones of
-twice their size. A code becomes a float without an integer-to-float conversion
-instruction (those run at a quarter of the float rate or less): its bits, alone
-in a float16, are the subnormal code * 2**-24, exact, and the tensor cores'
-float32 products and sums of them are exact to float32 rounding; the token's
-scale carries the 2**24 back.
-Quantized heads are read as 16-bit words and split into planes so that no code
-moves between columns: INT8's low and high bytes (elements 2i and 2i + 1, two
-planes of half the head) and INT4's four nibbles (elements 4i to 4i + 3, four
-planes of a quarter). Tiles of whole 16-bit elements move through shared memory
-into the dots' operand layouts as FP16 tiles do; read as bytes, each operand was
-gathered a byte at a time and the compiled loop ran 35% (INT8) and 26% (INT4)
-more instructions (docs/performance.md). Tokens of pages kept in FP16 beside INT8/INT4 ones
-(`KVPages.window_row`, see `lowvram.kernels.kv_quant`) are read from the FP16 copy
-instead of their codes, with scale 1 and zero 0: by the decode kernel in a pass
-of its own over the tiles that hold them, after its main loop over the codes,
-so that the main loop keeps the registers of pages without a window.
+(`block_table[seq, p // B] * B + p % B`) and accumulate in float32; scores use exp2 with the
+softmax scale folded into log2(e). INT8/INT4 codes go into the dots as they are and each
+token's scale and zero are applied to the dots' results: `q . k_j = s_j (q . c_j) - s_j z_j
+sum(q)` for K and `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V, which is
+faster than dequantizing every element (how codes are read: `paged_kv_tiles`). Tokens of
+pages kept in FP16 beside the codes (`KVPages.window_row`) are read from the FP16 copy with
+scale 1 and zero 0; the decode kernel reads them in a pass of its own after its main loop, so
+that the main loop keeps the registers of pages without a window.
 
-The public wrappers check shapes, dtypes and strides, then run the Triton
-kernel on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1) and the
-float32 plain-torch reference (`*_ref`) otherwise.
+The public wrappers here check shapes, dtypes and strides, then run the Triton kernels
+(`paged_attention_kernels`, reading K/V through `paged_kv_tiles`) on CUDA tensors (or on CPU
+tensors when TRITON_INTERPRET=1) and the float32 plain-torch references (`*_ref`) otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from lowvram.errors import KernelError
-from lowvram.kernels.arrival_counters import ArrivalCounters
 from lowvram.kernels.dispatch import num_sms, use_triton
 from lowvram.kernels.kv_quant import KVPages, gather_kv
 
 try:
     import triton
-    import triton.language as tl
 
-    from lowvram.kernels.pdl import await_inputs, dependent_launch, prefetch_l2_lines
+    from lowvram.kernels.paged_attention_kernels import _decode_kernel, _merge_partitions_kernel, _prefill_kernel
 
     HAS_TRITON = True
 except ImportError:  # Windows and macOS wheels of torch ship without Triton
@@ -96,100 +57,54 @@ FORCE_REFERENCE = False
 # Decode partitions shorter than this cost more in the merge than they win in parallelism.
 MIN_PARTITION_TOKENS = 128
 TARGET_WAVES = 4
-# The partition length for batch-invariant decoding (`partition_tokens=`): every sequence is cut
-# at the same absolute positions whatever else is in the batch. 256 is a multiple of every token
-# tile the kernel uses (16 to 256). It is short enough that one 8K sequence of the 1.5B shape
-# (2 KV heads) still spreads over 64 programs, and long enough that the partial results written
-# and merged (a float32 row per query head: 3 KB for 6 heads of 128) stay small beside the K/V
-# bytes a partition reads (128 KB at FP16, 35 KB at INT4).
-INVARIANT_PARTITION_TOKENS = 256
 # The decode kernel's query rows per program at the least: one 8-wide tensor-core tile.
 DECODE_MIN_GROUP = 8
-# Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async (see
-# default_decode_config); INVARIANT_PARTITION_TOKENS is a multiple of each.
+# Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async.
 ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
-# The merges add partial results in lanes (_merge_slice): one load brings a partial for each
-# lane. The merge kernel runs a program per MERGE_SLICE_D columns of a head with
-# MERGE_KERNEL_LANES lanes, so a merge of 256 partitions (one sequence at 32K-128K) waits on
-# memory twice, where one partition at a time waited once for each one or two; with the default
-# partitioning, up to WHOLE_HEAD_MERGE_SPLITS partitions take a program per whole head
-# (_merge_kernel_shape). The decode kernel's own merge (at most max_fused_splits partitions)
-# takes whole heads, in fewer lanes.
+# The merge kernel adds partials in lanes (one load brings a partial for each lane): a program
+# per MERGE_SLICE_D columns with MERGE_KERNEL_LANES lanes, or up to WHOLE_HEAD_MERGE_SPLITS
+# partitions a whole head per program (a quarter of the programs, a shorter tree of lanes).
 MERGE_SLICE_D = 32
 MERGE_KERNEL_LANES = 128
 WHOLE_HEAD_MERGE_SPLITS = 64
-FUSED_MERGE_FLOATS = 4096
-# 4096 sequences of 2 KV heads; the counters grow past that only outside CUDA-graph capture.
-MIN_MERGE_COUNTERS = 8192
 _LOG2_E = 1.4426950408889634
-
-# One counter per (sequence, KV head) for the merge inside the decode kernel; see
-# kernels/arrival_counters.py.
-MERGE_COUNTERS = ArrivalCounters("paged_decode_attention's merge", MIN_MERGE_COUNTERS)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning knobs of the decode kernel; benchmarks sweep them through `paged_decode_attention(_config=)`.
+    """Tuning of the decode kernel; benchmarks sweep it through `paged_decode_attention(_config=)`.
 
     block_n: tokens per K/V tile, a power of two >= 16 (partitions are whole tiles).
     num_warps, num_stages: Triton's launch options (stages of the tile loads' pipeline).
-    max_fused_splits: with at most this many partitions of the default partitioning, the
-    decode kernel merges them itself (the last partition of a sequence's KV head to finish
-    adds them up), saving the merge kernel's launch but leaving the merge to one program per
-    KV head; with more, or with fixed partitions, the merge kernel runs programs per head.
-
-    `default_decode_config` depends on the device and head size only, and is what fixed
-    partitions (`partition_tokens=`) run with: a tile that followed the batch would change
-    how a sequence's tokens are summed whenever its neighbours changed. The default
-    partitioning follows the batch anyway, and `decode_config` fits the tile to its grid.
     """
 
     block_n: int
     num_warps: int
     num_stages: int
-    max_fused_splits: int
 
 
-# decode_config's choices for grids of few programs and for short partitions.
-LATENCY_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2, max_fused_splits=0)
+# decode_config's choice for grids of no more programs than SMs: 128-token tiles over 4 warps
+# issue a partition's loads at once.
+LATENCY_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 MIN_TILES_PER_PARTITION = 2
 MIN_FITTED_TILE_TOKENS = 64
 
 
 @functools.cache
 def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -> DecodeConfig:
-    """The decode kernel's configuration for pages of `bits` (16, 8 or 4) unless a benchmark
-    passes another."""
+    """The decode kernel's configuration for pages of `bits` (16, 8 or 4) on `device`."""
     block_d = _block_d(head_dim)
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
-    # Merging up to 16 partial rows per head in the last program costs less than a second
-    # launch, with 4 or 8 warps to do it.
-    max_fused_splits = 16
     if _has_async_copies(device):
         if block_d <= 128:
-            # Measured on an H200 (scripts/bench_paged_attention.py --sweep, docs/performance.md),
-            # the token-by-token tiles of groups up to 8 query heads: 2 warps, whose reductions
-            # over a tile's tokens cross one warp boundary, with three pipeline stages; FP16 pages
-            # in 32-token tiles (over 4 warps the compiler picks Hopper's warpgroup dots, 20%
-            # slower at 128K x 8), INT8 codes in 64-token tiles, INT4 codes in 128-token ones.
-            # FP16 tiles over one warp: no barrier for the reductions and 15.7 instructions a
-            # token against 27.8 over two; in the best configuration of 7 of the 9 rows of an
-            # H200 sweep (by up to 2%), and 19-25% faster than two warps on a 16-SM slice, where
-            # the SMs' issue rate, not memory, bounded them. INT8 and INT4 over one warp were slower.
+            # Measured (scripts/bench_paged_attention.py --sweep): FP16 pages in 32-token tiles
+            # over one warp (no barrier for the reductions over a tile's tokens), INT8 codes in
+            # 64-token tiles and INT4 in 128-token ones over two warps, three pipeline stages.
             block_n = ASYNC_DECODE_TILE_TOKENS[bits]
             num_warps = 1 if bits == 16 else 2
-            # Two warps merge slower than the merge kernel: FP16 pages at 512 tokens x 1 took
-            # 7.6 µs merged in the decode kernel against 5.9, at 2K x 8 15.3 against 9.4.
-            max_fused_splits = 0
         elif bits == 16:
             num_stages = 2  # wider heads' FP16 pages (MLA's 576: 16-row tiles over 8 warps)
-    return DecodeConfig(
-        block_n=_tile_rows(block_d, block_n),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        max_fused_splits=max_fused_splits,
-    )
+    return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages)
 
 
 def decode_config(
@@ -202,19 +117,9 @@ def decode_config(
     *,
     is_partitioning_fixed: bool = False,
 ) -> DecodeConfig:
-    """The configuration `paged_decode_attention` takes for a call: with fixed partitions or a
-    forced partition count (`is_partitioning_fixed`) `default_decode_config`'s; with the default
-    partitioning that one fitted to the call's grid where that was measured (GPUs with cp.async,
-    heads up to 128).
-
-    - A grid of no more programs than SMs (one sequence to 8K, eight to 1K) is a matter of
-      latency: LATENCY_DECODE_CONFIG's 128-token tiles over 4 warps issue a partition's loads
-      at once. H200 sweeps: INT8 at 8K x 1 7.5 µs against 9.0, FP16 at 512 x 1 4.9 against 5.9.
-    - Otherwise a partition shorter than MIN_TILES_PER_PARTITION of the default's tiles takes
-      tiles half as long, down to MIN_FITTED_TILE_TOKENS: INT4's 128-token tiles become 64
-      for partitions under 256 tokens. INT4 at 4K x 8: 11.9 µs against 15.6; at 8K x 4, 11.1
-      against 12.7; at 32K x 4 (partitions of 497 tokens) 128 tokens stay faster.
-    """
+    """The configuration `paged_decode_attention` takes for a call: `default_decode_config`'s,
+    fitted to the call's grid (`fit_decode_config`) on GPUs with cp.async for heads up to 128,
+    unless the caller forced the partition count (`is_partitioning_fixed`)."""
     config = default_decode_config(device, head_dim, bits)
     if is_partitioning_fixed or not _has_async_copies(device) or _block_d(head_dim) > 128:
         return config
@@ -224,8 +129,12 @@ def decode_config(
 def fit_decode_config(
     config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int
 ) -> DecodeConfig:
-    """`config` fitted to the grid of the default partitioning on a GPU of `sm_count` SMs (see
-    decode_config)."""
+    """`config` fitted to the default partitioning's grid on a GPU of `sm_count` SMs.
+
+    A grid of no more programs than SMs is a matter of latency: LATENCY_DECODE_CONFIG.
+    Otherwise a partition shorter than MIN_TILES_PER_PARTITION tiles takes tiles half as long,
+    down to MIN_FITTED_TILE_TOKENS (INT4's 128-token tiles become 64 under 256 tokens).
+    """
     num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count)
     if num_seqs * num_kv_heads * num_splits <= sm_count:
         return LATENCY_DECODE_CONFIG
@@ -239,15 +148,16 @@ def fit_decode_config(
 def _has_async_copies(device: torch.device) -> bool:
     # Ampere and later pipeline tile loads through shared memory (cp.async) and have the
     # shared memory for two stages of 128-token INT8 tiles; Turing keeps the first tiles.
-    return device.type == "cuda" and not _is_interpreted(device) and torch.cuda.get_device_capability(device)[0] >= 8
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
     return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE)
 
 
-def _is_interpreted(device: torch.device) -> bool:
-    return device.type == "cpu"
+def _decode_block_n(device: torch.device) -> int:
+    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
+    return 16 if device.type == "cpu" else 64
 
 
 # ---------------------------------------------------------------- references
@@ -364,7 +274,7 @@ def _check_kernel_head_dim(name: str, head_dim: int, bits: int) -> None:
             f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
             "pass use_reference=True to use the plain-torch path"
         )
-    num_planes = plane_layout(bits, head_dim)["NUM_PLANES"]
+    num_planes = 16 // bits
     if head_dim % num_planes:
         raise KernelError(
             f"{name}: the Triton kernel reads INT{bits} heads in {num_planes} planes, so head_dim must be a "
@@ -380,13 +290,11 @@ def _block_d(head_dim: int) -> int:
 
 
 def plane_layout(bits: int, head_dim: int) -> dict:
-    """How the kernels split a head's columns: quantized heads are read as 16-bit words, INT8's
-    split into two planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into
-    four (their nibbles: elements 4i to 4i + 3); FP16 heads are one plane."""
-    num_planes = {16: 1, 8: 2, 4: 4}[bits]
-    plane_dim = head_dim // num_planes
-    # tl.dot needs at least 16 columns: small heads pad their planes.
-    return {"PLANE_DIM": plane_dim, "NUM_PLANES": num_planes, "BLOCK_C": max(16, _block_d(plane_dim))}
+    """The kernels' plane width: quantized heads are read as 16-bit words, INT8's split into two
+    planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into four (their
+    nibbles: elements 4i to 4i + 3); FP16 heads are one plane. tl.dot needs at least 16
+    columns, so small heads pad their planes."""
+    return {"BLOCK_C": max(16, _block_d(head_dim // (16 // bits)))}
 
 
 def _tile_rows(block_d: int, rows: int) -> int:
@@ -397,29 +305,10 @@ def _tile_rows(block_d: int, rows: int) -> int:
     return min(rows, 32) if block_d > 256 else rows
 
 
-def _scale_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # FP16 pages have no scales; the kernel never reads these slots then.
-    if pages.is_quantized:
-        return pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero
-    return pages.k, pages.k, pages.v, pages.v
-
-
 def _needs_wide_offsets(pages: KVPages) -> bool:
     """Whether some element of a page array (codes, scales, the FP16 window) lies 2**31 or
     more elements past its first: the kernels then compute page offsets in int64."""
-    arrays = [pages.k, pages.v]
-    if pages.is_quantized:
-        arrays += [pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero]
-    if pages.has_window:
-        arrays += [pages.window_k, pages.window_v]
-    return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in arrays)
-
-
-def _window_pointers(pages: KVPages) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Without a window the kernel never reads these slots.
-    if pages.has_window:
-        return pages.window_k, pages.window_v, pages.window_row
-    return pages.k, pages.v, pages.k
+    return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in pages.kernel_tensors())
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
@@ -440,39 +329,17 @@ def plan_decode_partitions(
     device: torch.device,
     num_splits: int | None = None,
     *,
-    partition_tokens: int | None = None,
     block_n: int | None = None,
 ) -> tuple[int, int]:
     """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole
-    tiles of `block_n` tokens (by default 64).
-
-    With `partition_tokens` every partition has that many tokens (a positive multiple of the
-    kernel's token tile, else KernelError) and num_splits covers `max_context_len`.
-    """
+    tiles of `block_n` tokens (by default 64, 16 in the interpreter)."""
     if block_n is None:
         block_n = _decode_block_n(device)
     max_context_len = max(1, max_context_len)
-    if partition_tokens is not None:
-        if num_splits is not None:
-            raise KernelError(
-                f"plan_decode_partitions: pass num_splits ({num_splits}) or partition_tokens "
-                f"({partition_tokens}), not both"
-            )
-        if not isinstance(partition_tokens, int) or partition_tokens <= 0 or partition_tokens % block_n:
-            raise KernelError(
-                f"partition_tokens={partition_tokens!r} must be a positive multiple of the decode "
-                f"kernel's {block_n}-token tile"
-            )
-        return math.ceil(max_context_len / partition_tokens), partition_tokens
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, num_sms(device))
     partition_tokens = math.ceil(math.ceil(max_context_len / max(1, num_splits)) / block_n) * block_n
     return math.ceil(max_context_len / partition_tokens), partition_tokens
-
-
-def _decode_block_n(device: torch.device) -> int:
-    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
-    return 16 if _is_interpreted(device) else 64
 
 
 def _check_config(name: str, config: DecodeConfig) -> None:
@@ -485,30 +352,6 @@ def _check_config(name: str, config: DecodeConfig) -> None:
         )
 
 
-def merges_in_decode_kernel(config: DecodeConfig, num_splits: int, is_invariant: bool) -> bool:
-    """Whether a call split into `num_splits` partitions merges them in the decode kernel rather
-    than the merge kernel: at most `config.max_fused_splits` of the default partitioning; fixed
-    partitions (`is_invariant`) never."""
-    return not is_invariant and num_splits <= config.max_fused_splits
-
-
-def _merge_kernel_shape(block_d: int, num_splits: int, is_invariant: bool) -> tuple[int, int]:
-    """(columns per program, lanes) of the merge kernel. Fixed partitions always take
-    MERGE_SLICE_D columns in MERGE_KERNEL_LANES lanes, which fixes the order their partials are
-    added in. The default partitioning, which follows the batch anyway, merges up to
-    WHOLE_HEAD_MERGE_SPLITS partitions a whole head per program in one chunk of lanes: a
-    quarter of the programs, and a shorter tree of lanes."""
-    if is_invariant or num_splits > WHOLE_HEAD_MERGE_SPLITS or block_d > 128:
-        return MERGE_SLICE_D, MERGE_KERNEL_LANES
-    return block_d, max(2, triton.next_power_of_2(num_splits))
-
-
-def fused_merge_lanes(block_d: int) -> int:
-    """Lanes of the decode kernel's own merge for heads of `block_d` columns: partials one load
-    brings in, about FUSED_MERGE_FLOATS floats."""
-    return max(2, min(32, FUSED_MERGE_FLOATS // block_d))
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     pages: KVPages,
@@ -517,7 +360,6 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
-    partition_tokens: int | None = None,
     max_context_len: int | None = None,
     use_reference: bool = False,
     _config: DecodeConfig | None = None,
@@ -534,13 +376,6 @@ def paged_decode_attention(
     block table's capacity (`max_blocks * block_size`) so no device sync is
     needed. Pass the true maximum when the table is padded far beyond it; it
     must not be below any `context_lens` entry (tokens past it are not read).
-
-    `partition_tokens` (instead of `num_splits`) fixes the partition length, a positive
-    multiple of the kernel's token tile (`INVARIANT_PARTITION_TOKENS` is one). A sequence's
-    output then depends only on its own q, context and pages, bit for bit, not on the other
-    sequences of the batch, `max_context_len` or the block table's width: what a batched
-    server needs for greedy outputs that match the request run alone.
-
     `_config` overrides the kernel's tuning (`DecodeConfig`), for benchmarks.
     """
     name = "paged_decode_attention"
@@ -551,7 +386,6 @@ def paged_decode_attention(
     num_kv_heads = pages.num_kv_heads
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
-    is_invariant = partition_tokens is not None
     config = _config or decode_config(
         q.device,
         head_dim,
@@ -559,17 +393,11 @@ def paged_decode_attention(
         num_seqs,
         num_kv_heads,
         max_context_len,
-        is_partitioning_fixed=is_invariant or num_splits is not None,
+        is_partitioning_fixed=num_splits is not None,
     )
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
-        num_seqs,
-        num_kv_heads,
-        max_context_len,
-        q.device,
-        num_splits,
-        partition_tokens=partition_tokens,
-        block_n=config.block_n,
+        num_seqs, num_kv_heads, max_context_len, q.device, num_splits, block_n=config.block_n
     )
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -577,11 +405,7 @@ def paged_decode_attention(
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
     _check_kernel_head_dim(name, head_dim, pages.bits)
     group_size = num_heads // num_kv_heads
-    block_d = _block_d(head_dim)
-    # Fixed partitions always go through the merge kernel, even as one split, so that a sequence
-    # takes the same path whether or not a longer one shares its batch.
-    is_split = num_splits > 1 or is_invariant
-    is_fused = is_split and merges_in_decode_kernel(config, num_splits, is_invariant)
+    is_split = num_splits > 1
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
         # From the graph's pool under CUDA-graph capture, like every per-step buffer.
@@ -589,23 +413,14 @@ def paged_decode_attention(
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
-    counters = MERGE_COUNTERS.get(q.device, num_seqs * num_kv_heads) if is_fused else context_lens  # else unused
-    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
-        pages.k,
-        pages.v,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        *_window_pointers(pages),
+        *pages.kernel_tensors(),
         block_tables,
         context_lens,
         out,
         partial_out,
         partial_lse,
-        counters,
         scale * _LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -621,100 +436,31 @@ def paged_decode_attention(
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n,
         IS_SPLIT=is_split,
-        IS_FUSED=is_fused,
         HAS_WINDOW=pages.has_window,
-        BLOCK_D=block_d,
-        MERGE_LANES=fused_merge_lanes(block_d),
         WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **dependent_launch(q.device),
     )
-    if is_split and not is_fused:
-        _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
+    if is_split:
+        # Up to WHOLE_HEAD_MERGE_SPLITS partitions of heads up to 128 wide: a whole head per
+        # program in one chunk of lanes; otherwise MERGE_SLICE_D columns in MERGE_KERNEL_LANES.
+        block_d = _block_d(head_dim)
+        slice_d, lanes = MERGE_SLICE_D, MERGE_KERNEL_LANES
+        if num_splits <= WHOLE_HEAD_MERGE_SPLITS and block_d <= 128:
+            slice_d, lanes = block_d, max(2, triton.next_power_of_2(num_splits))
+        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
+            partial_out,
+            partial_lse,
+            out,
+            context_lens,
+            partition_tokens,
+            num_splits,
+            HEAD_DIM=head_dim,
+            SLICE_D=slice_d,
+            LANES=lanes,
+            num_warps=4,
+        )
     return out
-
-
-def merge_partitions(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-    *,
-    is_invariant: bool = False,
-) -> None:
-    """Launch the merge kernel: `out [num_seqs, num_heads, head_dim]` from each sequence's
-    partial results `partial_out [num_seqs, num_heads, num_splits, head_dim]` (float32) and their
-    base-2 log-sum-exps `partial_lse [num_seqs, num_heads, num_splits]`, the first
-    ceil(context_len / partition_tokens) of them. `is_invariant`: fixed partitions, whose
-    lanes are always MERGE_KERNEL_LANES (_merge_kernel_shape). Checks the buffers first;
-    `paged_decode_attention` builds its own and launches through `_launch_merge`."""
-    _check_merge_buffers(partial_out, partial_lse, out, context_lens, partition_tokens)
-    _launch_merge(partial_out, partial_lse, out, context_lens, partition_tokens, is_invariant)
-
-
-def _launch_merge(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-    is_invariant: bool,
-) -> None:
-    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    slice_d, lanes = _merge_kernel_shape(_block_d(head_dim), num_splits, is_invariant)
-    _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-        partial_out,
-        partial_lse,
-        out,
-        context_lens,
-        partition_tokens,
-        num_splits,
-        HEAD_DIM=head_dim,
-        SLICE_D=slice_d,
-        LANES=lanes,
-        num_warps=4,
-        **dependent_launch(out.device),
-    )
-
-
-def _check_merge_buffers(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    context_lens: torch.Tensor,
-    partition_tokens: int,
-) -> None:
-    name = "merge_partitions"
-    if partial_out.dim() != 4 or partial_out.dtype != torch.float32 or not partial_out.is_contiguous():
-        raise KernelError(
-            f"{name}: partial_out is {tuple(partial_out.shape)} {partial_out.dtype}; expected "
-            "contiguous float32 [num_seqs, num_heads, num_splits, head_dim]"
-        )
-    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    if (
-        tuple(partial_lse.shape) != (num_seqs, num_heads, num_splits)
-        or partial_lse.dtype != torch.float32
-        or not partial_lse.is_contiguous()
-    ):
-        raise KernelError(
-            f"{name}: partial_lse is {tuple(partial_lse.shape)} {partial_lse.dtype}; expected "
-            f"contiguous float32 [{num_seqs}, {num_heads}, {num_splits}]"
-        )
-    if tuple(out.shape) != (num_seqs, num_heads, head_dim) or not out.is_contiguous():
-        raise KernelError(
-            f"{name}: out is {tuple(out.shape)}; expected contiguous [{num_seqs}, {num_heads}, {head_dim}]"
-        )
-    if tuple(context_lens.shape) != (num_seqs,) or context_lens.dtype != torch.int32:
-        raise KernelError(
-            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected int32 [{num_seqs}]"
-        )
-    if partition_tokens <= 0:
-        raise KernelError(f"{name}: partition_tokens must be positive, got {partition_tokens}")
-    for tensor_name, tensor in (("partial_lse", partial_lse), ("out", out), ("context_lens", context_lens)):
-        if tensor.device != partial_out.device:
-            raise KernelError(f"{name}: {tensor_name} is on {tensor.device} but partial_out is on {partial_out.device}")
 
 
 def paged_prefill_attention(
@@ -756,23 +502,16 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    is_interpreted = _is_interpreted(q.device)
+    is_interpreted = q.device.type == "cpu"
     block_m = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    k_scale, k_zero, v_scale, v_zero = _scale_pointers(pages)
     # One more query tile than the longest chunk needs: a chunk after a cached prefix may start
     # inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
-        pages.k,
-        pages.v,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        *_window_pointers(pages),
+        *pages.kernel_tensors(),
         block_tables,
         cu_seqlens_q,
         context_lens,
@@ -796,1366 +535,3 @@ def paged_prefill_attention(
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out
-
-
-# ---------------------------------------------------------------- Triton kernels
-
-if HAS_TRITON:
-    # Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
-    # interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
-    _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-    # What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
-    CODE_UNIT = tl.constexpr(2.0**-24)
-    # The most tokens a tile of the decode kernel's pass over the FP16 window holds.
-    WINDOW_TILE_TOKENS = tl.constexpr(64)
-    # Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
-    # its codes or its window row (prefill), only those from codes (the decode kernel's main
-    # loop), or only those from the window (its pass over the window's tiles).
-    _MIXED = tl.constexpr(0)
-    _CODES_ONLY = tl.constexpr(1)
-    _KEPT_ONLY = tl.constexpr(2)
-
-    @triton.jit
-    def _wide(index, WIDE_OFFSETS: tl.constexpr):
-        # Page offsets in int64 only where a page array's elements do not all have int32
-        # offsets (see _needs_wide_offsets): the 64-bit address arithmetic of every token row
-        # is a large share of the quantized pages' instructions.
-        if WIDE_OFFSETS:
-            index = index.to(tl.int64)
-        return index
-
-    @triton.jit
-    def _window_rows(
-        window_row_ptr,
-        block,
-        positions,
-        kv_head,
-        num_kv_heads,
-        mask_n,
-        PAGE_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-    ):
-        # Each token's page row in the FP16 window arrays (-1: the page is not kept in FP16),
-        # and the token's row there: [BLOCK_N] each.
-        if HAS_WINDOW:
-            window_page = tl.load(window_row_ptr + block, mask=mask_n, other=-1).to(block.dtype)
-        else:
-            window_page = tl.zeros_like(block) - 1
-        rows = (tl.maximum(window_page, 0) * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-        return window_page, rows
-
-    @triton.jit
-    def _load_rows(
-        ptr,
-        rows,
-        mask_rows,
-        cols,
-        ROW_LEN: tl.constexpr,
-        NUM_COLS: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        TRANSPOSED: tl.constexpr = False,
-    ):
-        # [len(rows), BLOCK_C]: elements `cols` of rows `rows` ([BLOCK_C, len(rows)] with
-        # TRANSPOSED). Masked rows read nothing (unwritten slots may hold NaN) and, like columns
-        # past NUM_COLS, come back as 0.
-        if TRANSPOSED:
-            if BLOCK_C == NUM_COLS:
-                mask = mask_rows[None, :]
-            else:
-                mask = mask_rows[None, :] & (tl.arange(0, BLOCK_C) < NUM_COLS)[:, None]
-            ptrs = ptr + rows[None, :] * ROW_LEN + cols[:, None]
-        else:
-            if BLOCK_C == NUM_COLS:
-                mask = mask_rows[:, None]
-            else:
-                mask = mask_rows[:, None] & (tl.arange(0, BLOCK_C) < NUM_COLS)[None, :]
-            ptrs = ptr + rows[:, None] * ROW_LEN + cols[None, :]
-        return tl.load(ptrs, mask=mask, other=0)
-
-    @triton.jit
-    def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
-        # Codes 0..255 (any integer type) as exact DOT_DTYPE values without I2F instructions (a
-        # quarter of the float rate or less on NVIDIA GPUs). With SUBNORMAL (float16 only) a
-        # code's bits alone are the subnormal code * 2**-24 (CODE_UNIT), exact, with no
-        # instruction at all; the dots' float32 results come back to codes through the
-        # scales (see _load_operands). Otherwise a code OR-ed into the low mantissa bits of
-        # 1024 (float16, ten mantissa bits) or of 2**23 (float32) makes that power of two plus
-        # the code, exactly, and a subtraction removes the power of two.
-        if SUBNORMAL:
-            return codes.to(tl.int16).to(tl.float16, bitcast=True)
-        elif DOT_DTYPE == tl.float16:
-            return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-        else:
-            return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-    # The conversions' PTX, two 16-bit words a register: INT8 pairs and INT4 nibbles as float16
-    # subnormals (over zero bytes; a shift and a mask per nibble) or as 1024 + code (under 0x64,
-    # the high byte of 1024.0, less 1024 in float16 pairs).
-    _PAIRS_SUBNORMAL = tl.constexpr("""{
-        .reg .b32 z;
-        mov.b32 z, 0;
-        prmt.b32 $0, $2, z, 0x4240;
-        prmt.b32 $1, $2, z, 0x4341;
-        }""")
-    _PAIRS_OFFSET = tl.constexpr("""{
-        .reg .b32 lo, hi, k;
-        mov.b32 k, 0x64006400;
-        prmt.b32 lo, $2, k, 0x7250;
-        prmt.b32 hi, $2, k, 0x7351;
-        sub.f16x2 $0, lo, k;
-        sub.f16x2 $1, hi, k;
-        }""")
-    _NIBBLES_SUBNORMAL = tl.constexpr("""{
-        .reg .b32 t;
-        and.b32 $0, $4, 0x000F000F;
-        shr.b32 t, $4, 4;
-        and.b32 $1, t, 0x000F000F;
-        shr.b32 t, $4, 8;
-        and.b32 $2, t, 0x000F000F;
-        shr.b32 t, $4, 12;
-        and.b32 $3, t, 0x000F000F;
-        }""")
-    # Nibbles 1 and 3 left in place: subnormals of 16 * code, a shift and two masks per pair.
-    _NIBBLES_SUBNORMAL_ODD_X16 = tl.constexpr("""{
-        .reg .b32 t;
-        and.b32 $0, $4, 0x000F000F;
-        and.b32 $1, $4, 0x00F000F0;
-        shr.b32 t, $4, 8;
-        and.b32 $2, t, 0x000F000F;
-        and.b32 $3, t, 0x00F000F0;
-        }""")
-    _NIBBLES_OFFSET = tl.constexpr("""{
-        .reg .b32 a, b, k;
-        mov.b32 k, 0x64006400;
-        prmt.b32 a, $4, k, 0x7250;
-        prmt.b32 b, $4, k, 0x7351;
-        and.b32 $0, a, 0xFF0FFF0F;
-        and.b32 $2, b, 0xFF0FFF0F;
-        shr.b32 a, a, 4;
-        shr.b32 b, b, 4;
-        lop3.b32 $1, a, 0x000F000F, k, 0xEA;
-        lop3.b32 $3, b, 0x000F000F, k, 0xEA;
-        sub.f16x2 $0, $0, k;
-        sub.f16x2 $1, $1, k;
-        sub.f16x2 $2, $2, k;
-        sub.f16x2 $3, $3, k;
-        }""")
-
-    @triton.jit
-    def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
-        # uint16 pairs of uint8 codes as two float16 planes (see _code_values), the low bytes
-        # and the high ones, two pairs at a time: one PRMT per plane puts bytes 0 and 2 (1 and
-        # 3) over zero bytes (SUBNORMAL) or under 0x64, the high byte of 1024.0, which one
-        # float16-pair subtraction per plane then removes.
-        return tl.inline_asm_elementwise(
-            asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET,
-            constraints="=r,=r,r",
-            args=[pairs],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
-
-    @triton.jit
-    def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False):
-        # uint16 words of four INT4 codes as four float16 planes (see _code_values), nibble p
-        # of each word in plane p, two words at a time: with SUBNORMAL a shift and a mask per
-        # plane, or with ODD_X16 nibbles 1 and 3 left in place (16 * code) and one shift for
-        # two planes; otherwise PRMT spreads the words' low bytes (then high bytes) over two halves,
-        # a mask keeps a nibble under 0x64 (the high byte of 1024.0), a shift and a logic op
-        # bring the high nibble down under it, and float16-pair subtractions remove the 1024s.
-        return tl.inline_asm_elementwise(
-            asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
-            constraints="=r,=r,=r,=r,r",
-            args=[words],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
-
-    @triton.jit
-    def _plane_channels(offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
-        # The element of the head each column of a plane holds (see _load_operands).
-        return offs_c * NUM_PLANES + PLANE
-
-    @triton.jit
-    def _code_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
-        # The tokens read from their codes: unmasked ones outside the pages kept in FP16.
-        if HAS_WINDOW:
-            return mask_n & (window_page < 0)
-        return mask_n
-
-    @triton.jit
-    def _kept_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
-        # The tokens read from the window: unmasked ones of pages kept in FP16 (none without one).
-        if HAS_WINDOW:
-            return mask_n & (window_page >= 0)
-        return mask_n & False
-
-    @triton.jit
-    def _tile_scales(k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS: tl.constexpr):
-        # The scales and zeros of a tile's tokens [BLOCK_N] each, as stored: (k_scale, k_zero,
-        # v_scale, v_zero), 0 for masked tokens; unused float32 zeros for FP16 pages. Tokens of
-        # pages kept in FP16 get their codes' scales, which _load_operands replaces. _attend_tile
-        # takes them to float32, so that the loads have a tile's time to arrive.
-        if BITS == 16:
-            k_scale = tl.zeros(mask_n.shape, tl.float32)
-            k_zero, v_scale, v_zero = k_scale, k_scale, k_scale
-        else:
-            k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0)
-            k_zero = tl.load(k_zero_ptr + rows, mask=mask_n, other=0.0)
-            v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-            v_zero = tl.load(v_zero_ptr + rows, mask=mask_n, other=0.0)
-        return k_scale, k_zero, v_scale, v_zero
-
-    @triton.jit
-    def _prefetch_rows(
-        k_cache_ptr, v_cache_ptr, rows, HEAD_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BITS: tl.constexpr
-    ):
-        # Ask L2 for the K and V page rows `rows` [BLOCK_N] (as _load_operands addresses them:
-        # rows of HEAD_DIM * BITS / 8 bytes), each line of them. Tokens of pages kept in FP16 are
-        # not asked for: their window rows are few. LINES spans the padded row (a plane's
-        # BLOCK_C columns are a power of two of 16-bit elements, as arange needs); lines past
-        # the row (MLA's 576-wide heads) ask for its last line again.
-        ROW_BYTES: tl.constexpr = HEAD_DIM * BITS // 8
-        SPAN: tl.constexpr = BLOCK_C * 2
-        LINES: tl.constexpr = SPAN // 128 if SPAN > 128 else 1
-        line_starts = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
-        starts = rows.to(tl.int64)[:, None] * ROW_BYTES + line_starts[None, :]  # [BLOCK_N, LINES]
-        prefetch_l2_lines(k_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
-        prefetch_l2_lines(v_cache_ptr.to(tl.pointer_type(tl.int8)) + starts)
-
-    @triton.jit
-    def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
-        # The pages of the tokens at `positions` (0 past `end`), as the block table holds them.
-        return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
-
-    @triton.jit
-    def _block_rows(
-        blocks,
-        positions,
-        end,
-        kv_head,
-        num_kv_heads,
-        window_row_ptr,
-        PAGE_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-    ):
-        # Where the tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks)
-        # live: (mask, rows, window_page, window_rows), rows = slot * num_kv_heads + kv_head in
-        # the page arrays (see _window_rows for the FP16 window).
-        mask_n = positions < end
-        block = _wide(blocks, WIDE_OFFSETS)
-        rows = (block * PAGE_SIZE + positions % PAGE_SIZE) * num_kv_heads + kv_head
-        window_page, window_rows = _window_rows(
-            window_row_ptr, block, positions, kv_head, num_kv_heads, mask_n, PAGE_SIZE, HAS_WINDOW
-        )
-        return mask_n, rows, window_page, window_rows
-
-    @triton.jit
-    def _token_rows(
-        table_row,
-        positions,
-        end,
-        kv_head,
-        num_kv_heads,
-        window_row_ptr,
-        PAGE_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-    ):
-        # _block_rows of the tokens at `positions`, their pages read from the table now.
-        return _block_rows(
-            _table_blocks(table_row, positions, end, PAGE_SIZE),
-            positions,
-            end,
-            kv_head,
-            num_kv_heads,
-            window_row_ptr,
-            PAGE_SIZE,
-            HAS_WINDOW,
-            WIDE_OFFSETS,
-        )
-
-    @triton.jit
-    def _window_plane(
-        plane,
-        window_ptr,
-        window_rows,
-        is_window,
-        offs_c,
-        PLANE: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
-        cols = _plane_channels(offs_c, PLANE, NUM_PLANES)
-        kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, PLANE_DIM, BLOCK_C)
-        return tl.where(is_window[:, None], kept.to(plane.dtype), plane)
-
-    @triton.jit
-    def _load_operands(
-        cache_ptr,
-        scale,
-        zero,
-        window_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        DOT_DTYPE: tl.constexpr,
-        WINDOW: tl.constexpr,
-        TRANSPOSED: tl.constexpr = False,
-        ODD_X16: tl.constexpr = False,
-    ):
-        # One K or V tile as the dots take it: (plane0, plane1, plane2, plane3, scale, zero), the
-        # planes [BLOCK_N, BLOCK_C] in DOT_DTYPE (see plane_layout; planes past NUM_PLANES repeat
-        # the first ones) and the float32 scale and zero [BLOCK_N] (the tile's as _tile_scales
-        # loads them, window tokens set to 1 and 0) such that a value is (plane - zero) * scale.
-        # rows: [BLOCK_N] = slot * num_kv_heads + kv_head (int64 with WIDE_OFFSETS).
-        # FP16 pages: one plane of values (scale and zero are not used). INT8 and INT4: codes
-        # (exact in float16) read as 16-bit words, a plane per byte or nibble of the word, so no
-        # code moves between columns and the tiles move through shared memory into the dots'
-        # operand layouts a word at a time (read as bytes, they were gathered a byte at a time).
-        # Tokens of pages kept in FP16 come from the window with scale 1 and zero 0 (WINDOW:
-        # _MIXED), or only the others from their codes (_CODES_ONLY: the window's come back as
-        # 0), or only the window's (_KEPT_ONLY: the others come back as 0). Masked rows come
-        # back as 0. With TRANSPOSED the planes are [BLOCK_C, BLOCK_N], loaded so (not _MIXED).
-        # With ODD_X16 (INT4 codes as subnormals only) planes 1 and 3 hold 16 * code * CODE_UNIT.
-        tl.static_assert(not TRANSPOSED or WINDOW != _MIXED)
-        offs_c = tl.arange(0, BLOCK_C)
-        mask_codes = _code_mask(mask_n, window_page, HAS_WINDOW)
-        if BITS == 16:
-            plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED).to(
-                DOT_DTYPE
-            )
-            plane1 = plane0
-            plane2 = plane0
-            plane3 = plane0
-        elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
-            # Whole FP16 rows in one load, split into the planes in registers: element
-            # c * NUM_PLANES + p is plane p's column c, and the row's elements past HEAD_DIM
-            # (padded planes) are exactly those columns past PLANE_DIM.
-            is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
-            cols = tl.arange(0, NUM_PLANES * BLOCK_C)
-            row = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, HEAD_DIM, NUM_PLANES * BLOCK_C)
-            row = row.to(DOT_DTYPE)
-            if NUM_PLANES == 2:
-                plane0, plane1 = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2]))
-                plane2 = plane0
-                plane3 = plane1
-            else:
-                even, odd = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2, 2]))
-                plane0, plane2 = tl.split(even)
-                plane1, plane3 = tl.split(odd)
-            if TRANSPOSED:
-                plane0, plane1, plane2, plane3 = tl.trans(plane0), tl.trans(plane1), tl.trans(plane2), tl.trans(plane3)
-            scale = tl.full(mask_n.shape, 1.0, tl.float32)
-            zero = tl.zeros(mask_n.shape, tl.float32)
-        else:
-            # Float16 codes as subnormals (_code_values) unless window tokens share the tile's
-            # dots (_MIXED): their scale 1 beside the codes' 2**24 would take the row's V scale
-            # and leave the window's weights below float16's range.
-            SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
-            words = _load_rows(
-                cache_ptr.to(tl.pointer_type(tl.uint16)),
-                rows,
-                mask_codes,
-                offs_c,
-                PLANE_DIM,
-                PLANE_DIM,
-                BLOCK_C,
-                TRANSPOSED,
-            )
-            if BITS == 8:
-                if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1 = _pair_halves(words, SUBNORMAL)
-                else:
-                    plane0 = _code_values(words & 255, DOT_DTYPE, SUBNORMAL)
-                    plane1 = _code_values(words >> 8, DOT_DTYPE, SUBNORMAL)
-            else:
-                if _PTX_CODES and DOT_DTYPE == tl.float16:
-                    plane0, plane1, plane2, plane3 = _nibble_halves(words, SUBNORMAL, ODD_X16)
-                elif ODD_X16:
-                    tl.static_assert(SUBNORMAL)
-                    plane0 = _code_values(words & 15, DOT_DTYPE, SUBNORMAL)
-                    plane1 = _code_values(words & 0xF0, DOT_DTYPE, SUBNORMAL)
-                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE, SUBNORMAL)
-                    plane3 = _code_values((words >> 8) & 0xF0, DOT_DTYPE, SUBNORMAL)
-                else:
-                    plane0 = _code_values(words & 15, DOT_DTYPE, SUBNORMAL)
-                    plane1 = _code_values((words >> 4) & 15, DOT_DTYPE, SUBNORMAL)
-                    plane2 = _code_values((words >> 8) & 15, DOT_DTYPE, SUBNORMAL)
-                    plane3 = _code_values(words >> 12, DOT_DTYPE, SUBNORMAL)
-            if SUBNORMAL:
-                # The planes hold code * CODE_UNIT: (plane - zero * CODE_UNIT) * scale / CODE_UNIT.
-                scale = scale * (1.0 / CODE_UNIT)
-                zero = zero * CODE_UNIT
-            # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
-            # read the window; the others skip its loads.
-            is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
-            if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
-                plane0 = _window_plane(
-                    plane0, window_ptr, window_rows, is_window, offs_c, 0, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                )
-                plane1 = _window_plane(
-                    plane1, window_ptr, window_rows, is_window, offs_c, 1, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                )
-                if NUM_PLANES == 4:
-                    plane2 = _window_plane(
-                        plane2, window_ptr, window_rows, is_window, offs_c, 2, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                    )
-                    plane3 = _window_plane(
-                        plane3, window_ptr, window_rows, is_window, offs_c, 3, NUM_PLANES, HEAD_DIM, PLANE_DIM, BLOCK_C
-                    )
-                scale = tl.where(is_window, 1.0, scale)
-                zero = tl.where(is_window, 0.0, zero)
-            if BITS == 8:
-                plane2 = plane0
-                plane3 = plane1
-        return plane0, plane1, plane2, plane3, scale, zero
-
-    @triton.jit
-    def _load_query_planes(
-        row_ptrs,
-        mask_rows,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # Query rows (row_ptrs [R, 1] to their first element) split like the K planes (q0 to
-        # q3; those past NUM_PLANES repeat q0), and their float32 sums over all columns [R].
-        offs_c = tl.arange(0, BLOCK_C)
-        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        q0 = tl.load(row_ptrs + _plane_channels(offs_c, 0, NUM_PLANES)[None, :], mask=mask, other=0.0)
-        q_sum = tl.sum(q0.to(tl.float32), axis=1)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-        if NUM_PLANES >= 2:
-            q1 = tl.load(row_ptrs + _plane_channels(offs_c, 1, NUM_PLANES)[None, :], mask=mask, other=0.0)
-            q_sum += tl.sum(q1.to(tl.float32), axis=1)
-        if NUM_PLANES == 4:
-            q2 = tl.load(row_ptrs + _plane_channels(offs_c, 2, NUM_PLANES)[None, :], mask=mask, other=0.0)
-            q3 = tl.load(row_ptrs + _plane_channels(offs_c, 3, NUM_PLANES)[None, :], mask=mask, other=0.0)
-            q_sum += tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
-        return q0, q1, q2, q3, q_sum
-
-    @triton.jit
-    def _store_plane(row_ptrs, result, mask, offs_c, PLANE: tl.constexpr, NUM_PLANES: tl.constexpr):
-        tl.store(
-            row_ptrs + _plane_channels(offs_c, PLANE, NUM_PLANES)[None, :],
-            result.to(row_ptrs.dtype.element_ty),
-            mask=mask,
-        )
-
-    @triton.jit
-    def _store_planes(
-        row_ptrs,
-        result0,
-        result1,
-        result2,
-        result3,
-        mask_rows,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
-        offs_c = tl.arange(0, BLOCK_C)
-        mask = mask_rows[:, None] & (offs_c < PLANE_DIM)[None, :]
-        _store_plane(row_ptrs, result0, mask, offs_c, 0, NUM_PLANES)
-        if NUM_PLANES >= 2:
-            _store_plane(row_ptrs, result1, mask, offs_c, 1, NUM_PLANES)
-        if NUM_PLANES == 4:
-            _store_plane(row_ptrs, result2, mask, offs_c, 2, NUM_PLANES)
-            _store_plane(row_ptrs, result3, mask, offs_c, 3, NUM_PLANES)
-
-    @triton.jit
-    def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
-        # The online softmax over one tile of base-2 `scores`, tokens along TOKEN_AXIS: the rows'
-        # new maxima, the factor that rescales what they summed before, the tile's weights p and
-        # the new sums. A row that has seen no token yet (a tile of only window tokens in the
-        # codes' pass, or the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
-        m_new = tl.maximum(m_i, tl.max(scores, axis=TOKEN_AXIS))
-        m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_seen)
-        p = tl.exp2(scores - tl.expand_dims(m_seen, TOKEN_AXIS))
-        return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=TOKEN_AXIS)
-
-    @triton.jit
-    def _accumulate(acc, alpha, w, v, zero_term, v_max):
-        # acc rescaled for a new row maximum, plus w . (codes - zero) * v_max (see _attend_tile).
-        return acc * alpha[:, None] + (tl.dot(w, v, input_precision="ieee") - zero_term) * v_max
-
-    @triton.jit
-    def _attend_tile(
-        q0,
-        q1,
-        q2,
-        q3,
-        q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        is_visible,
-        scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
-    ):
-        # One K/V tile of the online softmax of query rows q0 to q3 (planes [R, BLOCK_C], q_sum
-        # [R] their float32 sums) where is_visible [R, BLOCK_N]: the new (m_i, l_i, acc0 to acc3).
-        # V's loads are issued before the QK dot so that both tiles are in flight together.
-        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
-        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
-        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr,
-            k_scale,
-            k_zero,
-            window_k_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-        )
-        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr,
-            v_scale,
-            v_zero,
-            window_v_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-        )
-        qk = tl.dot(q0, tl.trans(k0), input_precision="ieee")  # [R, BLOCK_N]
-        if NUM_PLANES >= 2:
-            qk = tl.dot(q1, tl.trans(k1), qk, input_precision="ieee")
-        if NUM_PLANES == 4:
-            qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-            qk = tl.dot(q3, tl.trans(k3), qk, input_precision="ieee")
-        if BITS == 16:
-            scores = qk * scale_log2
-        else:
-            # q . (codes - zero) * scale = (q . codes - zero * sum(q)) * scale
-            scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
-        scores = tl.where(is_visible, scores, float("-inf"))
-        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 1)
-        if BITS == 16:
-            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q0.dtype), v0, input_precision="ieee")
-        else:
-            # p . (codes - zero) * scale = v_max * (w . codes - w . zero) with w = p * scale / v_max,
-            # v_max a row's largest scale among the tokens it sees (not the tile's: which other
-            # tokens a tile holds depends on the chunk). It keeps w in [0, 1] and out of float16's
-            # subnormals. The zero term uses w as rounded for the dot, so the two terms cancel in
-            # float32 and w's rounding weighs on (codes - zero), as p's did on the values.
-            v_max = tl.max(tl.where(is_visible, v_scale[None, :], 0.0), axis=1)
-            v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
-            w = (p * v_scale[None, :] / v_max).to(q0.dtype)
-            zero_term = tl.sum(w.to(tl.float32) * v_zero[None, :], axis=1)[:, None]
-            acc0 = _accumulate(acc0, alpha, w, v0, zero_term, v_max)
-            acc1 = _accumulate(acc1, alpha, w, v1, zero_term, v_max)
-            if NUM_PLANES == 4:
-                acc2 = _accumulate(acc2, alpha, w, v2, zero_term, v_max)
-                acc3 = _accumulate(acc3, alpha, w, v3, zero_term, v_max)
-        return m_new, l_i, acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _accumulate_by_token(acc, alpha, w, v, zero_term, v_max):
-        # _accumulate turned over: acc [BLOCK_C, R], v [BLOCK_C, BLOCK_N], w [BLOCK_N, R].
-        return acc * alpha[None, :] + (tl.dot(v, w, input_precision="ieee") - zero_term) * v_max
-
-    @triton.jit
-    def _attend_tile_by_token(
-        q0,
-        q1,
-        q2,
-        q3,
-        q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        is_visible,
-        scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
-        ODD_X16: tl.constexpr,
-    ):
-        # _attend_tile for the decode kernel, whose query rows all see the same tokens
-        # (is_visible [BLOCK_N]), turned over: q0 to q3 are planes [BLOCK_C, R] and acc0 to acc3
-        # [BLOCK_C, R], the scores [BLOCK_N, R]. A token tile is the dots' first operand, so a
-        # group of up to 8 query rows is one 8-wide tensor-core tile rather than 6 rows of 16,
-        # and the softmax's per-score arithmetic covers half the elements. With ODD_X16 the INT4
-        # planes 1 and 3 hold 16 * code (_nibble_halves): q1 and q3 come divided by 16, and V's
-        # planes 1 and 3 take the 16 back in their zero term and v_max.
-        k_scale, k_zero = k_scale.to(tl.float32), k_zero.to(tl.float32)
-        v_scale, v_zero = v_scale.to(tl.float32), v_zero.to(tl.float32)
-        k0, k1, k2, k3, k_scale, k_zero = _load_operands(
-            k_cache_ptr,
-            k_scale,
-            k_zero,
-            window_k_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-            False,
-            ODD_X16,
-        )
-        v0, v1, v2, v3, v_scale, v_zero = _load_operands(
-            v_cache_ptr,
-            v_scale,
-            v_zero,
-            window_v_ptr,
-            rows,
-            window_page,
-            window_rows,
-            mask_n,
-            HEAD_DIM,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            q0.dtype,
-            WINDOW,
-            True,
-            ODD_X16,
-        )
-        qk = tl.dot(k0, q0, input_precision="ieee")  # [BLOCK_N, R]
-        if NUM_PLANES >= 2:
-            qk = tl.dot(k1, q1, qk, input_precision="ieee")
-        if NUM_PLANES == 4:
-            qk = tl.dot(k2, q2, qk, input_precision="ieee")
-            qk = tl.dot(k3, q3, qk, input_precision="ieee")
-        if BITS == 16:
-            scores = qk * scale_log2
-        else:
-            scores = (qk - k_zero[:, None] * q_sum[None, :]) * (k_scale * scale_log2)[:, None]
-        scores = tl.where(is_visible[:, None], scores, float("-inf"))
-        m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 0)
-        if BITS == 16:
-            acc0 = acc0 * alpha[None, :] + tl.dot(v0, p.to(q0.dtype), input_precision="ieee")
-        else:
-            # As in _attend_tile, with v_max the largest scale among the tile's visible tokens
-            # (every row sees the same ones).
-            v_max = tl.max(tl.where(is_visible, v_scale, 0.0), axis=0)
-            v_max = tl.where(v_max > 0.0, v_max, 1.0)
-            w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q0.dtype)
-            zero_term = tl.sum(w.to(tl.float32) * v_zero[:, None], axis=0)[None, :]
-            if ODD_X16:
-                odd_zero_term, odd_v_max = zero_term * 16.0, v_max * (1.0 / 16.0)
-            else:
-                odd_zero_term, odd_v_max = zero_term, v_max
-            acc0 = _accumulate_by_token(acc0, alpha, w, v0, zero_term, v_max)
-            acc1 = _accumulate_by_token(acc1, alpha, w, v1, odd_zero_term, odd_v_max)
-            if NUM_PLANES == 4:
-                acc2 = _accumulate_by_token(acc2, alpha, w, v2, zero_term, v_max)
-                acc3 = _accumulate_by_token(acc3, alpha, w, v3, odd_zero_term, odd_v_max)
-        return m_new, l_i, acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _decode_tile(
-        q0,
-        q1,
-        q2,
-        q3,
-        q_sum,
-        m_i,
-        l_i,
-        acc0,
-        acc1,
-        acc2,
-        acc3,
-        is_visible,
-        scale_log2,
-        k_cache_ptr,
-        window_k_ptr,
-        v_cache_ptr,
-        window_v_ptr,
-        rows,
-        window_page,
-        window_rows,
-        mask_n,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WINDOW: tl.constexpr,
-        BY_TOKEN: tl.constexpr,
-        ODD_X16: tl.constexpr,
-    ):
-        # One tile of the decode kernel's online softmax, the tokens is_visible [BLOCK_N] seen by
-        # every query row: by token (q and accumulators turned over) or by query row.
-        if BY_TOKEN:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile_by_token(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible,
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                WINDOW,
-                ODD_X16,
-            )
-        else:
-            tl.static_assert(not ODD_X16)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible[None, :],
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                WINDOW,
-            )
-        return m_i, l_i, acc0, acc1, acc2, acc3
-
-    # Neither the table's width nor the batch's partition count picks a compiled variant.
-    @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
-    def _decode_kernel(
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        k_zero_ptr,
-        v_scale_ptr,
-        v_zero_ptr,
-        window_k_ptr,
-        window_v_ptr,
-        window_row_ptr,
-        block_tables_ptr,
-        context_lens_ptr,
-        out_ptr,
-        partial_out_ptr,
-        partial_lse_ptr,
-        counter_ptr,
-        scale_log2,
-        stride_qs,
-        stride_qh,
-        stride_bt,
-        num_kv_heads,
-        group_size,
-        partition_tokens,
-        num_splits,
-        PAGE_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        IS_SPLIT: tl.constexpr,
-        IS_FUSED: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        MERGE_LANES: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        # The context length and block table are written before a step's first kernel, so
-        # under PDL they are read while the kernel before (the q/k/v projection) still runs;
-        # q, the scales and this token's K/V only after await_inputs (kernels/pdl.py).
-        context_len = tl.load(context_lens_ptr + seq)
-        # Partitions past this sequence's context (the batch's longest sets num_splits) do
-        # nothing: the merge reads only the sequence's own. An empty context still has one.
-        num_parts = _num_partitions(context_len, partition_tokens, num_splits)
-        if split >= num_parts:
-            return
-        start = split * partition_tokens
-        end = tl.minimum(start + partition_tokens, context_len)
-        offs_n = tl.arange(0, BLOCK_N)
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        mask_n, rows, window_page, window_rows = _token_rows(
-            table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-        )
-        if PDL:  # the first tile's K and V rows on their way into L2 meanwhile
-            _prefetch_rows(k_cache_ptr, v_cache_ptr, rows, HEAD_DIM, BLOCK_C, BITS)
-        await_inputs(PDL)
-
-        offs_g = tl.arange(0, BLOCK_G)
-        mask_g = offs_g < group_size
-        heads = kv_head * group_size + offs_g
-        # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
-        q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
-        q0, q1, q2, q3, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C)
-        # Groups of up to 8 query heads attend token by token (_attend_tile_by_token): q and
-        # the accumulators turned over, [BLOCK_C, BLOCK_G].
-        BY_TOKEN: tl.constexpr = BLOCK_G <= 8
-        # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
-        # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
-        # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
-        # values and q as it is.
-        ODD_X16: tl.constexpr = BY_TOKEN and BITS == 4 and q_ptr.dtype.element_ty == tl.float16
-        if ODD_X16:
-            q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
-        if BY_TOKEN:
-            q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
-            acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
-        else:
-            acc0 = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc1 = acc0  # planes past NUM_PLANES are unused
-        acc2 = acc0
-        acc3 = acc0
-        # The loads that address a tile run ahead of it, each a tile before the loads that
-        # need it: its page numbers two tiles ahead, its scales and the window's tags one tile
-        # ahead (at two bytes per token the scales are too narrow for the compiler to
-        # pipeline). Used in the tile that loaded them, they left the programs waiting on
-        # memory every tile.
-        # With an FP16 window, this loop reads every token's codes but the window's, and notes
-        # the first and last tile holding window tokens (per lane, reduced once after it); a
-        # second pass reads the window's tokens of those tiles (as a rule a sequence's last
-        # one or two). Keeping the window's loads out of the main loop keeps its registers
-        # and instructions those of pages without a window.
-        k_scale, k_zero, v_scale, v_zero = _tile_scales(
-            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
-        )
-        next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
-        # Bounds that leave the window's pass empty and cannot overflow in the compiler's
-        # pipelined loop (it steps past them): `end` and the tile before `start`.
-        first_kept = tl.zeros([BLOCK_N], tl.int32) + end
-        last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
-        for tile_start in range(start, end, BLOCK_N):
-            next_mask, next_rows, next_window_page, _ = _block_rows(
-                next_blocks,
-                tile_start + BLOCK_N + offs_n,
-                end,
-                kv_head,
-                num_kv_heads,
-                window_row_ptr,
-                PAGE_SIZE,
-                HAS_WINDOW,
-                WIDE_OFFSETS,
-            )
-            next_k_scale, next_k_zero, next_v_scale, next_v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, next_rows, next_mask, BITS
-            )
-            next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
-            is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
-            if HAS_WINDOW:
-                is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
-                first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
-                last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
-            m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible,
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                _CODES_ONLY,
-                BY_TOKEN,
-                ODD_X16,
-            )
-            mask_n, rows, window_page = next_mask, next_rows, next_window_page
-            k_scale, k_zero, v_scale, v_zero = next_k_scale, next_k_zero, next_v_scale, next_v_zero
-        if HAS_WINDOW:
-            if ODD_X16:
-                q1, q3 = q1 * 16.0, q3 * 16.0
-            # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
-            # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
-            # rows of the main loop's 128-token INT4 tiles would take every register.
-            WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
-            offs_w = tl.arange(0, WINDOW_N)
-            unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
-            for tile_start in tl.range(
-                tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
-            ):
-                mask_w, rows_w, window_page_w, window_rows_w = _token_rows(
-                    table_row,
-                    tile_start + offs_w,
-                    end,
-                    kv_head,
-                    num_kv_heads,
-                    window_row_ptr,
-                    PAGE_SIZE,
-                    HAS_WINDOW,
-                    WIDE_OFFSETS,
-                )
-                m_i, l_i, acc0, acc1, acc2, acc3 = _decode_tile(
-                    q0,
-                    q1,
-                    q2,
-                    q3,
-                    q_sum,
-                    m_i,
-                    l_i,
-                    acc0,
-                    acc1,
-                    acc2,
-                    acc3,
-                    _kept_mask(mask_w, window_page_w, HAS_WINDOW),
-                    scale_log2,
-                    k_cache_ptr,
-                    window_k_ptr,
-                    v_cache_ptr,
-                    window_v_ptr,
-                    rows_w,
-                    window_page_w,
-                    window_rows_w,
-                    mask_w,
-                    unused_scale,
-                    unused_scale,
-                    unused_scale,
-                    unused_scale,
-                    HEAD_DIM,
-                    PLANE_DIM,
-                    NUM_PLANES,
-                    BLOCK_C,
-                    BITS,
-                    HAS_WINDOW,
-                    _KEPT_ONLY,
-                    BY_TOKEN,
-                    False,
-                )
-
-        has_tokens = l_i > 0.0
-        denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
-        if BY_TOKEN:
-            acc0, acc1, acc2, acc3 = tl.trans(acc0), tl.trans(acc1), tl.trans(acc2), tl.trans(acc3)
-        result0 = acc0 / denominator
-        result1 = acc1 / denominator
-        result2 = acc2 / denominator
-        result3 = acc3 / denominator
-        head_rows = seq.to(tl.int64) * num_kv_heads * group_size + heads  # [BLOCK_G]
-        if IS_SPLIT:
-            # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
-            lse_offs = head_rows * num_splits + split
-            lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-            tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
-            _store_planes(
-                partial_out_ptr + lse_offs[:, None] * HEAD_DIM,
-                result0,
-                result1,
-                result2,
-                result3,
-                mask_g,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-            )
-            if IS_FUSED:
-                # The last of the sequence's partitions of this KV head to finish merges them.
-                # The CTA barrier puts every thread's partial stores before the count, whose
-                # release (acq_rel, GPU scope) publishes them; the acquire of the last count
-                # makes every partition's partials visible to the last program, which reads
-                # them from L2 (".cg": L1 is not coherent across SMs). The last program resets
-                # the counter for the next launch or replay. The merge is the merge kernel's,
-                # for the group's heads one after another.
-                tl.debug_barrier()
-                counter = counter_ptr + seq * num_kv_heads + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
-                    first_row = seq.to(tl.int64) * num_kv_heads * group_size + kv_head * group_size
-                    for head in range(group_size):
-                        _merge_slice(
-                            partial_out_ptr,
-                            partial_lse_ptr,
-                            out_ptr,
-                            first_row + head,
-                            0,
-                            num_splits,
-                            num_parts,
-                            HEAD_DIM,
-                            BLOCK_D,
-                            MERGE_LANES,
-                        )
-                    tl.store(counter, 0)
-        else:
-            _store_planes(
-                out_ptr + head_rows[:, None] * HEAD_DIM,
-                result0,
-                result1,
-                result2,
-                result3,
-                mask_g,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-            )
-
-    @triton.jit
-    def _num_partitions(context_len, partition_tokens, num_splits):
-        # Partitions holding this sequence's tokens: at least one (an empty context gives
-        # zeros through it), at most num_splits (max_context_len may stop short of context_len).
-        return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
-
-    @triton.jit
-    def _merge_slice(
-        partial_out_ptr,
-        partial_lse_ptr,
-        out_ptr,
-        row,
-        first_column,
-        num_splits,
-        num_parts,
-        HEAD_DIM: tl.constexpr,
-        SLICE_D: tl.constexpr,
-        LANES: tl.constexpr,
-    ):
-        # Columns first_column ... + SLICE_D of output row `row` (sequence * num_heads + head)
-        # from the row's first num_parts partials, each weighted by exp2(lse - max lse), in one
-        # pass: a chunk of LANES partitions at a time, the sums so far rescaled when a chunk
-        # raises the maximum (online softmax, as over a tile's tokens). Partition s goes into
-        # lane s % LANES, in split order; then the lanes are added pairwise, (0 + 1) + (2 + 3)
-        # and so on up a tree (_sum_lanes). Every output element is so one computation fixed by
-        # num_parts and LANES, whatever num_splits, the slice or the number of warps, and splits
-        # past num_parts are never read. The log-sum-exps and partials of a chunk load
-        # together, LANES of each in flight: up to LANES partitions wait on memory once.
-        offs_d = first_column + tl.arange(0, SLICE_D)
-        offs_l = tl.arange(0, LANES)
-        mask_d = offs_d < HEAD_DIM
-        lse_row = partial_lse_ptr + row * num_splits
-        part_row = partial_out_ptr + row * num_splits * HEAD_DIM
-        max_lse = float("-inf")
-        total = tl.zeros([1, LANES], tl.float32)
-        acc = tl.zeros([SLICE_D, LANES], tl.float32)
-        for chunk_start in range(0, num_parts, LANES):
-            splits = chunk_start + offs_l
-            is_part = splits < num_parts
-            lse = tl.load(lse_row + splits, mask=is_part, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(
-                part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
-                mask=mask_d[:, None] & is_part[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            new_max = tl.maximum(max_lse, tl.max(lse, axis=0))
-            # -inf until a partition has tokens (an empty context has none): weights 0 then.
-            reference = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp2(max_lse - reference)  # 0 on the first chunk, 1 while the max holds
-            weight = tl.exp2(lse - reference)[None, :]  # 0 past num_parts: adds exact zeros
-            total = total * rescale + weight
-            acc = acc * rescale + part * weight
-            max_lse = new_max
-        total = _sum_lanes(total, 1, LANES)
-        result = _sum_lanes(acc, SLICE_D, LANES) / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
-
-    @triton.jit
-    def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
-        # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
-        # Moving values between threads, never adding them in the layout's order, so the sum
-        # is the same for any layout.
-        for level in tl.static_range(1, LANES.bit_length()):
-            x = tl.reshape(x, [ROWS, LANES >> level, 2])
-            even, odd = tl.split(x)
-            x = even + odd
-        return tl.reshape(x, [ROWS])
-
-    @triton.jit(do_not_specialize=["num_splits"])
-    def _merge_partitions_kernel(
-        partial_out_ptr,
-        partial_lse_ptr,
-        out_ptr,
-        context_lens_ptr,
-        partition_tokens,
-        num_splits,
-        HEAD_DIM: tl.constexpr,
-        SLICE_D: tl.constexpr,
-        LANES: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        # One program per (sequence, head, SLICE_D columns). The context lengths are written
-        # before a step's first kernel, so under PDL they load while the decode kernel runs.
-        seq = tl.program_id(0)
-        row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
-        await_inputs(PDL)
-        _merge_slice(
-            partial_out_ptr,
-            partial_lse_ptr,
-            out_ptr,
-            row,
-            tl.program_id(2) * SLICE_D,
-            num_splits,
-            num_parts,
-            HEAD_DIM,
-            SLICE_D,
-            LANES,
-        )
-
-    @triton.jit
-    def _prefill_kernel(
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        k_zero_ptr,
-        v_scale_ptr,
-        v_zero_ptr,
-        window_k_ptr,
-        window_v_ptr,
-        window_row_ptr,
-        block_tables_ptr,
-        cu_seqlens_q_ptr,
-        context_lens_ptr,
-        out_ptr,
-        scale_log2,
-        stride_qt,
-        stride_qh,
-        stride_bt,
-        stride_ot,
-        stride_oh,
-        num_kv_heads,
-        group_size,
-        PAGE_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        PLANE_DIM: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        WIDE_OFFSETS: tl.constexpr,
-    ):
-        seq = tl.program_id(1)
-        head = tl.program_id(2)
-        kv_head = head // group_size
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        context_len = tl.load(context_lens_ptr + seq)
-        num_cached = context_len - q_len
-        # Query tiles, like K/V tiles, sit at absolute positions (tile t holds positions
-        # t * BLOCK_M ...), the chunk's new tokens masked in: a token meets the same tiles,
-        # in the same row, whatever chunk of the prompt it comes in.
-        q_tile = num_cached // BLOCK_M + tl.program_id(0)
-
-        q_positions = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_m = (q_positions >= num_cached) & (q_positions < context_len)
-        token_rows = (q_start + q_positions - num_cached).to(tl.int64)
-        q0, q1, q2, q3, q_sum = _load_query_planes(
-            q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, PLANE_DIM, NUM_PLANES, BLOCK_C
-        )
-
-        # K/V up to the last query of this tile (causal); none when the tile has no new token.
-        end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
-        end = tl.where((q_tile * BLOCK_M < context_len) & (q_len > 0), end, 0)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)  # planes past NUM_PLANES are unused
-        acc2 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
-        for tile_start in range(0, end, BLOCK_N):
-            positions = tile_start + offs_n
-            mask_n, rows, window_page, window_rows = _token_rows(
-                table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-            )
-            k_scale, k_zero, v_scale, v_zero = _tile_scales(
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, rows, mask_n, BITS
-            )
-            is_visible = mask_n[None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
-            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                q0,
-                q1,
-                q2,
-                q3,
-                q_sum,
-                m_i,
-                l_i,
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                is_visible,
-                scale_log2,
-                k_cache_ptr,
-                window_k_ptr,
-                v_cache_ptr,
-                window_v_ptr,
-                rows,
-                window_page,
-                window_rows,
-                mask_n,
-                k_scale,
-                k_zero,
-                v_scale,
-                v_zero,
-                HEAD_DIM,
-                PLANE_DIM,
-                NUM_PLANES,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                _MIXED,
-            )
-
-        denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        _store_planes(
-            out_ptr + token_rows[:, None] * stride_ot + head * stride_oh,
-            acc0 / denominator,
-            acc1 / denominator,
-            acc2 / denominator,
-            acc3 / denominator,
-            mask_m,
-            PLANE_DIM,
-            NUM_PLANES,
-            BLOCK_C,
-        )

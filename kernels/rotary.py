@@ -6,7 +6,7 @@ it reads the head's two halves, rotates them in float32 with the token's cos and
 and writes them back where they were. q and k may be strided views of a fused QKV output,
 so the projection's result is rotated without a copy.
 
-The dense models' attention does not launch this kernel: rotary_kv_write.py rotates q and
+The dense models' attention does not launch this kernel: kv_write.rotary_write_kv rotates q and
 k inside the KV store, with the same rotation helper (`_rotate_half`).
 
 The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
@@ -24,7 +24,7 @@ from lowvram.kernels.dispatch import use_triton
 @triton.jit
 def _rotate_half(x1, x2, cos, sin):
     # The halves rotated in float32 and rounded once to their dtype; shared with the fused
-    # RoPE + KV-write kernel (rotary_kv_write.py) so both paths round alike.
+    # RoPE + KV-write kernel (kv_write.py) so both paths round alike.
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 

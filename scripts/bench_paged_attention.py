@@ -6,15 +6,10 @@ replayed from a CUDA graph, as the decode step runs it, with pages cold in L2) a
 of a plain device-to-device copy. One layer of the R1-Distill-Qwen-1.5B shape (12 query
 heads, 2 KV heads, head_dim 128).
 
-Each (precision, context, batch) is timed twice: with the default partitioning and with the
-fixed partitions of batch-invariant decoding (INVARIANT_PARTITION_TOKENS). Beside the copy
-bandwidth of a large buffer, each row has that of a copy moving its own byte count, timed
-the same way: at small sizes that copy is latency bound too, and it is the fairer ceiling.
---sweep also times a small grid of kernel configurations per row (tile tokens, warps,
-pipeline stages; then the best of them with the merge inside the decode kernel and, with
-the default partitioning, with 8, 16 and 32 partitions, merged in the decode kernel up to
-`max_fused_splits`) and reports the best; about four minutes on an H200, most of it
-compiling.
+Beside the copy bandwidth of a large buffer, each row has that of a copy moving its own byte
+count, timed the same way: at small sizes that copy is latency bound too, and it is the fairer
+ceiling. --sweep also times a small grid of kernel configurations per row (tile tokens, warps,
+pipeline stages) and reports the best; a few minutes, most of it compiling.
 
 --precisions, --contexts and --batches (comma-separated) pick the rows. --window-tokens N
 keeps each sequence's pages holding its last N tokens in FP16 beside INT8/INT4 codes, as the
@@ -23,19 +18,13 @@ kernels then read those pages' FP16 copies instead of their codes. --splits N,M 
 row's default configuration with the default partitioning forced to N, M, ... partitions
 (those a sequence can use: at most one per tile), recorded as the row's `by_splits`.
 --config TOKENS/WARPS/STAGES (e.g. 64/2/3) times every row with that tile in place of the
-default configuration's (its merge setting kept). --kernel-times also records each row's
-kernels' device times (the profiler over eager calls), to tell the decode kernel from the merge
-and from the gaps between launches. --sms N runs everything, the copies it is compared with
+default configuration's. --sms N runs everything, the copies it is compared with
 included, on a slice of N of the GPU's SMs (scripts/lab/sm_slice.py: a card of 16 SMs, say, as an RTX
 3050 laptop GPU has), with the kernels sizing their grids for N SMs; the record notes how many
-distinct SMs a probe kernel reached there. --floor also times, for each split row of the
-default partitioning, a copy of the row's bytes launched as the decode kernel is (programmatic
-dependent launch), alone and followed by the row's merge kernel, timed the same way: what split
-attention would take if its decode kernel read at the speed of a copy, a bound on what the
-split-and-merge design can reach on the GPU.
+distinct SMs a probe kernel reached there.
 
     python scripts/bench_paged_attention.py [--sweep] [--precisions int8,int4] [--contexts 131072]
-        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--sms 16] [--floor] [--json results.json]
+        [--batches 8] [--window-tokens 64] [--splits 41,66] [--config 64/2/3] [--sms 16] [--json results.json]
 """
 
 from __future__ import annotations
@@ -49,47 +38,29 @@ import math
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
-import triton
-import triton.language as tl
 
 from lowvram.bench.record import hold_stream, measure_copy_bandwidth_gbps, run_metadata
 from lowvram.errors import ConfigError
-from lowvram.kernels import pdl
 from lowvram.kernels.kv_quant import BITS_BY_PRECISION, allocate_pages
-from lowvram.kernels.paged_attention import (
-    INVARIANT_PARTITION_TOKENS,
-    DecodeConfig,
-    decode_config,
-    merge_partitions,
-    merges_in_decode_kernel,
-    paged_decode_attention,
-    plan_decode_partitions,
-)
-from lowvram.kernels.pdl import await_inputs, dependent_launch
+from lowvram.kernels.paged_attention import DecodeConfig, decode_config, paged_decode_attention, plan_decode_partitions
 from lowvram.kv.pool import recent_window_blocks
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 2, 128, 16
 CONTEXT_LENS = (8192, 32768, 131072)
 BATCH_SIZES = (1, 4, 8)
 PRECISIONS = ("fp16", "int8", "int4")
-PARTITIONINGS = ("auto", "invariant")  # plan_decode_partitions' default, or INVARIANT_PARTITION_TOKENS
 TARGET_FRACTION = 0.60
 MAX_COPIES = 16  # calls per timed graph
 REPLAYS = 20
-PROFILED_ROUNDS = 5  # --kernel-times: eager rounds of `copies` calls under the profiler
-# --sweep: 24 tile configurations per row with the merge kernel, then the best of them with the
-# merge in the decode kernel; each is compiled once per precision, which is most of the time.
+# --sweep: 24 tile configurations per row; each is compiled once per precision, which is most
+# of the time.
 # Two warps split a tile's tokens in two, so its row reductions cross one warp boundary, not three;
 # one warp holds the whole tile and needs no barrier for them.
 SWEEP_BLOCK_N = (32, 64, 128)
 SWEEP_NUM_WARPS = (1, 2, 4, 8)
 SWEEP_NUM_STAGES = (2, 3)
-ALWAYS_FUSED = 1 << 30  # max_fused_splits above any split count
-SWEEP_NUM_SPLITS = (8, 16, 32)  # forced partition counts for the default partitioning
-COPY_BLOCK_WORDS = 4096  # --floor's copy: 32-bit words per program
 
 
 def copy_bandwidth_gbs(num_bytes: int = 2 << 30) -> float:
@@ -149,51 +120,21 @@ def replay_time_ms(run_all, calls_per_graph: int) -> float:
     return sorted(times_ms)[len(times_ms) // 2]
 
 
-def same_bytes_copy_gbs(num_bytes: int, copies: int, then=None, copy=None) -> float:
+def same_bytes_copy_gbs(num_bytes: int, copies: int) -> float:
     """Read plus written GB/s of device-to-device copies moving `num_bytes` in all (so reading
-    half of it), over `copies` distinct buffers per graph like the attention calls; `then`, if
-    given, launches more work after each copy, counted in its time. `copy(source, target)`
-    replaces torch's copy kernel."""
+    half of it), over `copies` distinct buffers per graph like the attention calls."""
     sources = [torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda") for _ in range(copies)]
     targets = [torch.empty_like(source) for source in sources]
 
     def run_all():
         for source, target in zip(sources, targets):
-            if copy is None:
-                target.copy_(source)
-            else:
-                copy(source, target)
-            if then is not None:
-                then()
+            target.copy_(source)
 
     time_ms = replay_time_ms(run_all, copies)
     sources.clear()  # the buffers go; run_all keeps only the empty lists
     targets.clear()
     torch.cuda.empty_cache()
     return 2 * (num_bytes // 2) / (time_ms * 1e-3) / 1e9
-
-
-@triton.jit
-def _dependent_copy_kernel(source_ptr, target_ptr, num_words, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # A copy launched as the decode kernel is: under PDL it lets the merge after it start at
-    # once, and waits for the kernel before it before it reads.
-    await_inputs(PDL)
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < num_words
-    tl.store(target_ptr + offsets, tl.load(source_ptr + offsets, mask=mask), mask=mask)
-
-
-def dependent_copy(source: torch.Tensor, target: torch.Tensor) -> None:
-    """Copy `source` to `target` (bytes, a multiple of 4 long) with _dependent_copy_kernel."""
-    num_words = source.numel() // 4
-    _dependent_copy_kernel[(triton.cdiv(num_words, COPY_BLOCK_WORDS),)](
-        source.view(torch.int32),
-        target.view(torch.int32),
-        num_words,
-        BLOCK=COPY_BLOCK_WORDS,
-        num_warps=4,
-        **dependent_launch(source.device),
-    )
 
 
 @dataclasses.dataclass
@@ -230,10 +171,9 @@ class Setup:
         q = torch.randn(batch_size, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=generator)
         return cls(precision, context_len, batch_size, copies, bytes_read, pages, tables, context_lens, q)
 
-    def calls(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None):
+    def calls(self, config: DecodeConfig, num_splits: int | None = None):
         """A function making one decode-attention call over each set of pages; `num_splits`
-        forces the partition count of the default partitioning."""
-        partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+        forces the partition count."""
 
         def run_all():
             for table in self.tables:
@@ -244,55 +184,15 @@ class Setup:
                     self.context_lens,
                     HEAD_DIM**-0.5,
                     max_context_len=self.context_len,
-                    partition_tokens=partition_tokens,
                     num_splits=num_splits,
                     _config=config,
                 )
 
         return run_all
 
-    def time_us(self, partitioning: str, config: DecodeConfig, num_splits: int | None = None) -> float:
+    def time_us(self, config: DecodeConfig, num_splits: int | None = None) -> float:
         """Median time of one decode-attention call (kernel, and merge kernel when there is one)."""
-        return replay_time_ms(self.calls(partitioning, config, num_splits), self.copies) * 1e3
-
-    def kernel_times_us(self, partitioning: str, config: DecodeConfig) -> dict[str, float]:
-        """Mean device time of each kernel of a call, by kernel name, from the profiler over eager
-        calls: what the graph's figure holds besides the gaps between kernels. Launched without
-        programmatic dependent launch, which would count a kernel's wait for the one before it
-        (the merge's for the decode kernel) as its own time."""
-        run_all = self.calls(partitioning, config)
-        with mock.patch.object(pdl, "uses_pdl", lambda device: False):
-            run_all()
-            synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-                for _ in range(PROFILED_ROUNDS):
-                    run_all()
-                synchronize()
-        return {
-            event.key: round(event.self_device_time_total / event.count, 2)
-            for event in profile.key_averages()
-            if event.self_device_time_total > 0
-        }
-
-
-def copy_and_merge_gbs(setup: Setup, num_splits: int, partition_tokens: int) -> tuple[float, float]:
-    """(copy GB/s, copy and merge GB/s) of the row's bytes moved by dependent_copy, a copy
-    launched as the decode kernel is, alone and followed by the row's merge kernel over partial
-    results of its shape (zeros): what attention split into `num_splits` partitions would take
-    if its decode kernel read at the speed of that copy, the merge and the hand-offs between
-    the kernels under programmatic dependent launch included."""
-    partial_out = torch.zeros((setup.batch_size, NUM_HEADS, num_splits, HEAD_DIM), device="cuda")
-    partial_lse = torch.zeros((setup.batch_size, NUM_HEADS, num_splits), device="cuda")
-    out = torch.empty((setup.batch_size, NUM_HEADS, HEAD_DIM), dtype=torch.float16, device="cuda")
-
-    def merge():
-        merge_partitions(partial_out, partial_lse, out, setup.context_lens, partition_tokens)
-
-    num_bytes = setup.bytes_read // 8 * 8  # halves of whole 32-bit words
-    return (
-        same_bytes_copy_gbs(num_bytes, setup.copies, copy=dependent_copy),
-        same_bytes_copy_gbs(num_bytes, setup.copies, then=merge, copy=dependent_copy),
-    )
+        return replay_time_ms(self.calls(config, num_splits), self.copies) * 1e3
 
 
 def _bytes_per_token(precision: str) -> int:
@@ -347,22 +247,19 @@ def fits_in_memory(precision: str, context_len: int, batch_size: int, window_tok
 
 
 def sweep_configs() -> list[DecodeConfig]:
-    """The tile grid, every configuration merging in the merge kernel."""
+    """The tile grid."""
     return [
-        DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages, max_fused_splits=0)
+        DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         for block_n, num_warps, num_stages in itertools.product(SWEEP_BLOCK_N, SWEEP_NUM_WARPS, SWEEP_NUM_STAGES)
     ]
 
 
-def _config_label(config: DecodeConfig, num_splits: int, partitioning: str) -> str:
-    merge = "fused" if merges_in_decode_kernel(config, num_splits, partitioning == "invariant") else "kernel"
-    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}/{merge}"
+def _config_label(config: DecodeConfig) -> str:
+    return f"n{config.block_n}/w{config.num_warps}/s{config.num_stages}"
 
 
-def _timed(
-    setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float, num_splits: int | None = None
-) -> dict:
-    time_us = setup.time_us(partitioning, config, num_splits)
+def _timed(setup: Setup, config: DecodeConfig, copy_gbs: float, num_splits: int | None = None) -> dict:
+    time_us = setup.time_us(config, num_splits)
     achieved_gbs = setup.bytes_read / (time_us * 1e-6) / 1e9
     return {
         "time_us": round(time_us, 2),
@@ -373,20 +270,15 @@ def _timed(
 
 def bench_row(
     setup: Setup,
-    partitioning: str,
     copy_gbs: float,
     same_copy_gbs: float,
     sweep: bool,
     forced_splits: tuple[int, ...] = (),
     tile: tuple[int, int, int] | None = None,
-    kernel_times: bool = False,
-    floor: bool = False,
 ) -> dict:
     """One row: the configuration paged_decode_attention takes for it (decode_config), or with
     `tile` (tokens, warps, stages) that one with the tile; with `sweep` every configuration of the
-    grid, with `forced_splits` the row's configuration at each of those partition counts, with
-    `kernel_times` each of its kernels' device time, and with `floor` (default partitioning, split)
-    the time of a copy of its bytes followed by its merge (copy_and_merge_gbs)."""
+    grid, with `forced_splits` the row's configuration at each of those partition counts."""
     config = decode_config(
         setup.q.device,
         HEAD_DIM,
@@ -394,26 +286,18 @@ def bench_row(
         setup.batch_size,
         NUM_KV_HEADS,
         setup.context_len,
-        is_partitioning_fixed=partitioning == "invariant",
     )
     if tile is not None:
         block_n, num_warps, num_stages = tile
-        config = dataclasses.replace(config, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+        config = DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     num_splits, partition_tokens = plan_decode_partitions(
-        setup.batch_size,
-        NUM_KV_HEADS,
-        setup.context_len,
-        setup.q.device,
-        partition_tokens=partition_tokens,
-        block_n=config.block_n,
+        setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, block_n=config.block_n
     )
-    timed = _timed(setup, partitioning, config, copy_gbs)
+    timed = _timed(setup, config, copy_gbs)
     row = {
         "precision": setup.precision,
         "context_len": setup.context_len,
         "batch_size": setup.batch_size,
-        "partitioning": partitioning,
         "num_splits": num_splits,
         "partition_tokens": partition_tokens,
         "time_us": timed["time_us"],
@@ -421,46 +305,17 @@ def bench_row(
         "achieved_gbs": timed["achieved_gbs"],
         "fraction_of_copy": timed["fraction_of_copy"],
         "calls_per_graph": setup.copies,
-        "config": _config_label(config, num_splits, partitioning),
+        "config": _config_label(config),
         "same_bytes_copy_gbs": round(same_copy_gbs, 1),
         "fraction_of_same_bytes_copy": round(timed["achieved_gbs"] / same_copy_gbs, 3),
     }
-    if kernel_times:
-        row["kernel_times_us"] = setup.kernel_times_us(partitioning, config)
-    if floor and partitioning == "auto" and num_splits > 1:
-        dependent_copy_gbs, floor_gbs = copy_and_merge_gbs(setup, num_splits, partition_tokens)
-        row["copy_and_merge"] = {
-            "copy_us": round(setup.bytes_read / dependent_copy_gbs / 1e3, 2),
-            "time_us": round(setup.bytes_read / floor_gbs / 1e3, 2),
-            "fraction_of_copy": round(floor_gbs / copy_gbs, 3),
-        }
-    if partitioning == "auto" and forced_splits:
+    if forced_splits:
         useful = math.ceil(setup.context_len / config.block_n)
         row["by_splits"] = [
-            _sweep_result(setup, partitioning, config, copy_gbs, n)
-            for n in forced_splits
-            if n != num_splits and n <= useful
+            _sweep_result(setup, config, copy_gbs, n) for n in forced_splits if n != num_splits and n <= useful
         ]
     if sweep:
-        candidates = sweep_configs()
-        results = [_sweep_result(setup, partitioning, candidate, copy_gbs) for candidate in candidates]
-        timed_tiles = [(result, candidate) for result, candidate in zip(results, candidates) if "time_us" in result]
-        if timed_tiles:
-            _, best_tiles = min(timed_tiles, key=lambda pair: pair[0]["time_us"])
-            results.append(
-                _sweep_result(
-                    setup, partitioning, dataclasses.replace(best_tiles, max_fused_splits=ALWAYS_FUSED), copy_gbs
-                )
-            )
-            if partitioning == "auto":
-                # Fewer partitions than the default: with at most max_fused_splits of them the
-                # decode kernel merges them itself (batch 1 gets 64 by default, merged by a kernel).
-                fused_tiles = dataclasses.replace(best_tiles, max_fused_splits=config.max_fused_splits)
-                results += [
-                    _sweep_result(setup, partitioning, fused_tiles, copy_gbs, num_splits)
-                    for num_splits in SWEEP_NUM_SPLITS
-                    if num_splits < row["num_splits"]
-                ]
+        results = [_sweep_result(setup, candidate, copy_gbs) for candidate in sweep_configs()]
         row["sweep"] = results
         timed_all = [result for result in results if "time_us" in result]
         if timed_all:
@@ -469,24 +324,15 @@ def bench_row(
     return row
 
 
-def _sweep_result(
-    setup: Setup, partitioning: str, config: DecodeConfig, copy_gbs: float, forced_splits: int | None = None
-) -> dict:
-    partition_tokens = INVARIANT_PARTITION_TOKENS if partitioning == "invariant" else None
+def _sweep_result(setup: Setup, config: DecodeConfig, copy_gbs: float, forced_splits: int | None = None) -> dict:
     num_splits, _ = plan_decode_partitions(
-        setup.batch_size,
-        NUM_KV_HEADS,
-        setup.context_len,
-        setup.q.device,
-        forced_splits,
-        partition_tokens=partition_tokens,
-        block_n=config.block_n,
+        setup.batch_size, NUM_KV_HEADS, setup.context_len, setup.q.device, forced_splits, block_n=config.block_n
     )
     try:
-        result = _timed(setup, partitioning, config, copy_gbs, forced_splits)
+        result = _timed(setup, config, copy_gbs, forced_splits)
     except Exception as exc:  # a configuration that does not compile or fit is reported, not fatal
         result = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"}
-    label = _config_label(config, num_splits, partitioning)
+    label = _config_label(config)
     if forced_splits is not None:
         label += f"/{num_splits}splits"
     return {"config": label, **dataclasses.asdict(config), "num_splits": num_splits, **result}
@@ -494,7 +340,7 @@ def _sweep_result(
 
 def print_row(row: dict) -> None:
     line = (
-        f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} {row['partitioning']:>9} "
+        f"{row['precision']:>9} {row['context_len']:>7} {row['batch_size']:>5} "
         f"{row['num_splits']:>6} {row['time_us']:>8.1f} {row['achieved_gbs']:>7.0f} "
         f"{row['fraction_of_copy']:>7.1%} {row['same_bytes_copy_gbs']:>7.0f} {row['fraction_of_same_bytes_copy']:>7.1%}"
     )
@@ -536,14 +382,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--splits", default="", help="comma-separated partition counts to also time each row's default configuration at"
     )
     parser.add_argument(
-        "--kernel-times",
-        action="store_true",
-        help="also record each kernel's device time per call (profiler, eager calls)",
-    )
-    parser.add_argument(
-        "--floor", action="store_true", help="also time a copy of each row's bytes followed by its merge kernel"
-    )
-    parser.add_argument(
         "--sms",
         type=int,
         default=None,
@@ -572,8 +410,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config = (block_n, num_warps, num_stages)
     else:
         args.config = None
-    if args.floor and args.window_tokens:
-        parser.error("--floor copies the bytes of pages without a window; it does not take --window-tokens")
     if args.sms is not None and args.sms < 1:
         parser.error(f"--sms takes a number of SMs of 1 or more, got {args.sms}")
     return args
@@ -640,7 +476,7 @@ def run(args: argparse.Namespace, piece) -> int:
         f"{TARGET_FRACTION:.0%} of copy at 8K+; 'same copy': a copy moving the row's bytes, timed the same way"
     )
     header = (
-        f"{'precision':>9} {'context':>7} {'batch':>5} {'partition':>9} {'splits':>6} {'time_us':>8} "
+        f"{'precision':>9} {'context':>7} {'batch':>5} {'splits':>6} {'time_us':>8} "
         f"{'GB/s':>7} {'of copy':>7} {'same cp':>7} {'of same':>7}"
     )
     if args.sweep:
@@ -654,37 +490,15 @@ def run(args: argparse.Namespace, piece) -> int:
         bytes_read = kv_bytes_read(precision, context_len, batch_size, args.window_tokens)
         same_copy_gbs = same_bytes_copy_gbs(bytes_read, _copies(bytes_read))
         setup = Setup.make(precision, context_len, batch_size, args.window_tokens)
-        for partitioning in PARTITIONINGS:
-            row = bench_row(
-                setup,
-                partitioning,
-                copy_gbs,
-                same_copy_gbs,
-                args.sweep,
-                args.splits,
-                args.config,
-                args.kernel_times,
-                args.floor,
+        row = bench_row(setup, copy_gbs, same_copy_gbs, args.sweep, args.splits, args.config)
+        rows.append(row)
+        print_row(row)
+        for forced in row.get("by_splits", []):
+            print(
+                f"{'':>9} {'':>7} {'':>5} {forced['num_splits']:>6} "
+                f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
+                f"{forced.get('fraction_of_copy', float('nan')):>7.1%}  {forced.get('error', '')}"
             )
-            rows.append(row)
-            print_row(row)
-            if "kernel_times_us" in row:
-                print(
-                    f"{'':>9} kernels: "
-                    + ", ".join(f"{name} {us:.1f} us" for name, us in row["kernel_times_us"].items())
-                )
-            if "copy_and_merge" in row:
-                floor = row["copy_and_merge"]
-                print(
-                    f"{'':>9} a dependent copy of its bytes {floor['copy_us']:.1f} us; then its merge: "
-                    f"{floor['time_us']:.1f} us, {floor['fraction_of_copy']:.1%} of copy"
-                )
-            for forced in row.get("by_splits", []):
-                print(
-                    f"{'':>9} {'':>7} {'':>5} {'':>9} {forced['num_splits']:>6} "
-                    f"{forced.get('time_us', float('nan')):>8.1f} {'':>7} "
-                    f"{forced.get('fraction_of_copy', float('nan')):>7.1%}  {forced.get('error', '')}"
-                )
         del setup
         torch.cuda.empty_cache()  # the pages and the graphs went with the setup
         if args.json:
@@ -705,7 +519,6 @@ def write_json(
         **metadata,
         "copy_bandwidth_gbs": round(copy_gbs, 1),
         "timing": "median of CUDA-graph replays; each graph holds calls over distinct pages (L2 cold)",
-        "invariant_partition_tokens": INVARIANT_PARTITION_TOKENS,
         "window_tokens": window_tokens,
         "sweep_configs": [dataclasses.asdict(config) for config in sweep_configs()] if sweep else None,
         "is_complete": is_complete,

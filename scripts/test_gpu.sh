@@ -59,7 +59,7 @@ if [ "$what" != tests ]; then
     run_bench quantize 150 python3 scripts/bench_quantize.py --num-samples 32
     run_bench doctor_accuracy 150 python3 scripts/bench_doctor_accuracy.py --contexts 1024,4096,8192 --batches 1,4 --max-seconds 100
     run_bench prefix_cache 120 python3 scripts/bench_prefix_cache.py --shape r1-distill-qwen-1.5b --device cuda --turns 10 --padding-tokens 1000 --restore-tokens 8192
-    run_bench paged_attention 150 python3 scripts/bench_paged_attention.py --kernel-times
+    run_bench paged_attention 150 python3 scripts/bench_paged_attention.py
     run_bench kv_pool 300 python3 scripts/bench_kv_pool.py
     run_bench stress 580 python3 scripts/stress_engine.py --shape r1-distill-qwen-1.5b --quantize --profile 4gb --emulate-vram-gib 4 --num-requests 64 --max-prompt-tokens 16384 --max-output-tokens 64 --seed 6 --long-share 0.25 --modes off,on,latency --check-alone 4 --plot "$results/stress_16k.png" --summary-md "$results/stress_16k.md"
     run_bench streaming_7b 240 python3 scripts/bench_7b_streaming.py

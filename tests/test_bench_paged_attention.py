@@ -69,8 +69,7 @@ def test_the_command_line_becomes_the_plan_run_takes():
     assert (args.splits, args.config, args.sms) == ((41, 66), (64, 2, 3), 16)
     defaults = bench.parse_args([])
     assert defaults.precisions == list(bench.PRECISIONS) and defaults.contexts == list(bench.CONTEXT_LENS)
-    assert (defaults.splits, defaults.config, defaults.sms, defaults.floor) == ((), None, None, False)
-    assert bench.parse_args(["--floor"]).floor
+    assert (defaults.splits, defaults.config, defaults.sms) == ((), None, None)
 
 
 @pytest.mark.parametrize(
@@ -81,10 +80,6 @@ def test_the_command_line_becomes_the_plan_run_takes():
         (["--splits", "0"], "--splits takes partition counts of 1 or more, got 0"),
         (["--config", "64/2"], "--config takes TOKENS/WARPS/STAGES, e.g. 64/2/3; got '64/2'"),
         (["--window-tokens", "-1"], "--window-tokens must be 0 or more, got -1"),
-        (
-            ["--floor", "--window-tokens", "64"],
-            "--floor copies the bytes of pages without a window; it does not take --window-tokens",
-        ),
     ],
 )
 def test_a_bad_command_line_is_named(argv, message, capsys):
@@ -92,12 +87,3 @@ def test_a_bad_command_line_is_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert message in capsys.readouterr().err
-
-
-def test_the_floors_copy_moves_every_byte():
-    """--floor's copy (the decode kernel's launch, a copy's work) copies exactly, past one program."""
-    bench = load_script("bench_paged_attention")
-    source = torch.randint(0, 256, (4 * bench.COPY_BLOCK_WORDS * 2 + 12,), dtype=torch.uint8)
-    target = torch.zeros_like(source)
-    bench.dependent_copy(source, target)
-    assert torch.equal(target, source)

@@ -284,44 +284,6 @@ def test_attention_rejects_bad_inputs():
         paged_prefill_attention(q, case.pages, case.block_tables, cu_seqlens, case.context_lens_t, 1.0)
 
 
-def _merge_buffers(num_seqs=2, num_heads=3, num_splits=5, head_dim=TINY_DIM, seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    partial_out = torch.randn(num_seqs, num_heads, num_splits, head_dim, generator=generator).to(DEVICE)
-    partial_lse = (4 * torch.randn(num_seqs, num_heads, num_splits, generator=generator)).to(DEVICE)
-    out = torch.empty(num_seqs, num_heads, head_dim, device=DEVICE)
-    return partial_out, partial_lse, out
-
-
-def test_merge_partitions_weighs_each_sequences_own_partials():
-    # Partitions of 16 tokens: the 40-token sequence has 3 of the 5, the 80-token one all 5;
-    # partials past a sequence's context hold NaN and must not be read.
-    partial_out, partial_lse, out = _merge_buffers()
-    context_lens = torch.tensor([40, 80], dtype=torch.int32, device=DEVICE)
-    partial_out[0, :, 3:] = float("nan")
-    partial_lse[0, :, 3:] = float("nan")
-    paged_attention.merge_partitions(partial_out, partial_lse, out, context_lens, 16)
-    for seq, num_parts in enumerate((3, 5)):
-        weights = torch.softmax(partial_lse[seq, :, :num_parts] * math.log(2), dim=-1)  # base-2 lse
-        expected = (weights[..., None] * partial_out[seq, :, :num_parts]).sum(dim=1)
-        assert _report(f"merge of {num_parts} partitions", out[seq], expected) <= 1e-5
-
-
-def test_merge_partitions_rejects_buffers_that_do_not_match():
-    partial_out, partial_lse, out = _merge_buffers()
-    context_lens = torch.tensor([40, 80], dtype=torch.int32, device=DEVICE)
-    merge = paged_attention.merge_partitions
-    with pytest.raises(KernelError, match="partial_out is .* float32"):
-        merge(partial_out.half(), partial_lse, out, context_lens, 16)
-    with pytest.raises(KernelError, match=r"partial_lse is \(2, 3, 4\)"):
-        merge(partial_out, partial_lse[:, :, :4].contiguous(), out, context_lens, 16)
-    with pytest.raises(KernelError, match=r"out is \(2, 2, 16\)"):
-        merge(partial_out, partial_lse, out[:, :2], context_lens, 16)
-    with pytest.raises(KernelError, match="context_lens is .*torch.int64"):
-        merge(partial_out, partial_lse, out, context_lens.long(), 16)
-    with pytest.raises(KernelError, match="partition_tokens must be positive"):
-        merge(partial_out, partial_lse, out, context_lens, 0)
-
-
 def test_int4_heads_not_a_multiple_of_four_go_to_the_reference():
     """The kernels read INT4 heads as 16-bit words of four codes: a head of 18 elements is
     refused with the way out named, and the reference path reads it."""
@@ -414,7 +376,7 @@ def test_decode_reads_kept_pages_wherever_they_sit(precision):
             for seq, n in enumerate(context_lens)
         ]
     )
-    for partitioning in ({"num_splits": 1}, {"num_splits": 3}, {"partition_tokens": 32}):
+    for partitioning in ({"num_splits": 1}, {"num_splits": 3}):
         out = paged_decode_attention(*args, **partitioning)
         assert _report(f"decode {precision} kept pages {partitioning}", out, dense) <= 1e-5
 
@@ -454,8 +416,8 @@ def test_quantized_pages_keep_float16_queries_accurate(precision):
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_codes_become_floats_exactly(precision, num_heads, num_kv_heads, head_dim, dtype):
     # Codes made floats without rounding (subnormals, or OR-ed into a float's mantissa) keep
-    # decode within float32 rounding of the reference. Groups of 3, 4 and 1 query heads (the
-    # decode kernel's token-by-token tiles) and of 12 (its 16-row tiles), contexts that end
+    # decode within float32 rounding of the reference. Groups of 3, 4 and 1 query heads (one
+    # 8-wide tile) and of 12 (a 16-wide one), contexts that end
     # inside a page, and an INT4 head of 20 whose half-head planes are padded.
     case = PagedCase(precision, dtype, 8, num_kv_heads, head_dim, [1, 13, 40, 29], seed=70, num_window_blocks=2)
     q = torch.randn(4, num_heads, head_dim, generator=torch.Generator().manual_seed(71)).to(DEVICE, dtype)
@@ -477,7 +439,7 @@ def test_decode_tiles_fit_the_grid():
     # The 2-warp defaults of a 132-SM GPU (H200) against the 1.5B shape's grids.
     fit = paged_attention.fit_decode_config
     defaults = {
-        bits: paged_attention.DecodeConfig(block_n=tokens, num_warps=2, num_stages=3, max_fused_splits=0)
+        bits: paged_attention.DecodeConfig(block_n=tokens, num_warps=2, num_stages=3)
         for bits, tokens in paged_attention.ASYNC_DECODE_TILE_TOKENS.items()
     }
     latency = paged_attention.LATENCY_DECODE_CONFIG

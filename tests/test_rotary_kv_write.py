@@ -15,9 +15,8 @@ from dense_paging import hidden_states_through_pages
 from lowvram.errors import KernelError
 from lowvram.kernels import dispatch
 from lowvram.kernels.kv_quant import allocate_pages
-from lowvram.kernels.kv_write import write_kv, write_kv_ref
+from lowvram.kernels.kv_write import rotary_write_kv, rotary_write_kv_ref, write_kv, write_kv_ref
 from lowvram.kernels.rotary import apply_rotary
-from lowvram.kernels.rotary_kv_write import rotary_write_kv, rotary_write_kv_ref
 from lowvram.kv import attention
 from lowvram.models.dense import Attention
 

@@ -31,7 +31,7 @@ def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
     num_splits, partition_tokens = paged_attention.plan_decode_partitions(1, 2, 32768, cuda0, block_n=64)
     assert (num_splits, partition_tokens) == (32, 1024)
     # One sequence of 8K tokens fills 128 programs: a latency-bound grid on 132 SMs, not on 16.
-    config = paged_attention.DecodeConfig(block_n=64, num_warps=2, num_stages=3, max_fused_splits=0)
+    config = paged_attention.DecodeConfig(block_n=64, num_warps=2, num_stages=3)
     assert paged_attention.fit_decode_config(config, 1, 2, 8192, 132) == paged_attention.LATENCY_DECODE_CONFIG
     assert paged_attention.fit_decode_config(config, 1, 2, 8192, num_sms(cuda0)) == config
     assert num_sms(torch.device("cpu")) == 4

@@ -12,7 +12,7 @@ import torch
 from test_rotary_kv_write import PAGE_NAMES, _pages, _split, _tables
 
 from lowvram.kernels import w4a16
-from lowvram.kernels.rotary_kv_write import rotary_write_kv
+from lowvram.kernels.kv_write import rotary_write_kv
 from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite
 from tests.test_w4a16 import DEVICE, needs_triton, random_awq, random_lora, random_x
 

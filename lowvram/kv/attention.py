@@ -1,6 +1,5 @@
 """Attention over paged KV: the metadata the runner builds, and the dispatch to the
-kernels (`lowvram.kernels.paged_attention`, `lowvram.kernels.kv_write`,
-`lowvram.kernels.rotary_kv_write`).
+kernels (`lowvram.kernels.paged_attention`, `lowvram.kernels.kv_write`).
 
 Pages of one layer are a `KVPages` (FP16, INT8 or INT4); the slot of the token at
 position p of a sequence is `block_table[p // block_size] * block_size + p % block_size`.
@@ -13,9 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from lowvram.kernels.kv_quant import KVPages
-from lowvram.kernels.kv_write import write_kv
+from lowvram.kernels.kv_write import rotary_write_kv, write_kv
 from lowvram.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from lowvram.kernels.rotary_kv_write import rotary_write_kv
 
 
 @dataclass

@@ -1,0 +1,494 @@
+"""The Triton kernels of paged attention: decode, its merge, and prefill.
+
+The wrappers, their checks and the plain-torch references are in `paged_attention`; the
+loading of K/V tiles as dot operands is in `paged_kv_tiles`.
+"""
+
+import triton
+import triton.language as tl
+
+from lowvram.kernels.paged_kv_tiles import (
+    _CODES_ONLY,
+    _KEPT_ONLY,
+    _MIXED,
+    _block_tokens,
+    _code_mask,
+    _kept_mask,
+    _load_kv,
+    _load_query_planes,
+    _store_planes,
+    _table_blocks,
+    _tile_scales,
+    _tokens,
+)
+
+# The most tokens a tile of the decode kernel's pass over the FP16 window holds.
+WINDOW_TILE_TOKENS = tl.constexpr(64)
+
+
+@triton.jit
+def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
+    # The online softmax over one tile of base-2 `scores`, tokens along TOKEN_AXIS: the rows'
+    # new maxima, the factor that rescales what they summed before, the tile's weights p and
+    # the new sums. A row that has seen no token yet (a tile of only window tokens in the
+    # codes' pass, or the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
+    m_new = tl.maximum(m_i, tl.max(scores, axis=TOKEN_AXIS))
+    m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_seen)
+    p = tl.exp2(scores - tl.expand_dims(m_seen, TOKEN_AXIS))
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=TOKEN_AXIS)
+
+
+@triton.jit
+def _attend_tile(q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
+    # The prefill kernel's tile: query rows q (planes [R, BLOCK_C], q_sum [R] their float32
+    # sums) over one K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+    NUM_PLANES: tl.constexpr = 16 // BITS
+    m_i, l_i, acc = state
+    k_tile, v_tile = _load_kv(
+        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
+    )
+    k, k_scale, k_zero = k_tile
+    v, v_scale, v_zero = v_tile
+    qk = tl.dot(q[0], tl.trans(k[0]), input_precision="ieee")  # [R, BLOCK_N]
+    if NUM_PLANES >= 2:
+        qk = tl.dot(q[1], tl.trans(k[1]), qk, input_precision="ieee")
+    if NUM_PLANES == 4:
+        qk = tl.dot(q[2], tl.trans(k[2]), qk, input_precision="ieee")
+        qk = tl.dot(q[3], tl.trans(k[3]), qk, input_precision="ieee")
+    if BITS == 16:
+        scores = qk * scale_log2
+    else:
+        # q . (codes - zero) * scale = (q . codes - zero * sum(q)) * scale
+        scores = (qk - q_sum[:, None] * k_zero[None, :]) * (k_scale * scale_log2)[None, :]
+    scores = tl.where(is_visible, scores, float("-inf"))
+    m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 1)
+    acc0, acc1, acc2, acc3 = acc
+    if BITS == 16:
+        acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q[0].dtype), v[0], input_precision="ieee")
+    else:
+        # p . (codes - zero) * scale = v_max * (w . codes - w . zero) with w = p * scale / v_max,
+        # v_max a row's largest scale among the tokens it sees (not the tile's: which other
+        # tokens a tile holds depends on the chunk). It keeps w in [0, 1] and out of float16's
+        # subnormals. The zero term uses w as rounded for the dot, so the two terms cancel in
+        # float32 and w's rounding weighs on (codes - zero), as p's did on the values.
+        v_max = tl.max(tl.where(is_visible, v_scale[None, :], 0.0), axis=1)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
+        w = (p * v_scale[None, :] / v_max).to(q[0].dtype)
+        zero_term = tl.sum(w.to(tl.float32) * v_zero[None, :], axis=1)[:, None]
+        acc0 = acc0 * alpha[:, None] + (tl.dot(w, v[0], input_precision="ieee") - zero_term) * v_max
+        acc1 = acc1 * alpha[:, None] + (tl.dot(w, v[1], input_precision="ieee") - zero_term) * v_max
+        if NUM_PLANES == 4:
+            acc2 = acc2 * alpha[:, None] + (tl.dot(w, v[2], input_precision="ieee") - zero_term) * v_max
+            acc3 = acc3 * alpha[:, None] + (tl.dot(w, v[3], input_precision="ieee") - zero_term) * v_max
+    return m_new, l_i, (acc0, acc1, acc2, acc3)
+
+
+@triton.jit
+def _attend_tile_by_token(
+    q,
+    q_sum,
+    state,
+    is_visible,
+    scale_log2,
+    kv_ptrs,
+    scales,
+    tokens,
+    HEAD_DIM,
+    BLOCK_C,
+    BITS,
+    HAS_WINDOW,
+    WINDOW,
+    ODD_X16,
+):
+    # _attend_tile for the decode kernel, whose query rows all see the same tokens
+    # (is_visible [BLOCK_N]), turned over: q and acc are planes [BLOCK_C, R], the scores
+    # [BLOCK_N, R]. A token tile is the dots' first operand, so a group of up to 8 query rows
+    # is one 8-wide tensor-core tile rather than rows of 16, and the softmax's per-score
+    # arithmetic covers half the elements. With ODD_X16 the INT4 planes 1 and 3 hold
+    # 16 * code (_nibble_halves): q's planes 1 and 3 come divided by 16, and V's planes 1
+    # and 3 take the 16 back in their zero term and v_max.
+    NUM_PLANES: tl.constexpr = 16 // BITS
+    m_i, l_i, acc = state
+    k_tile, v_tile = _load_kv(
+        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
+    )
+    k, k_scale, k_zero = k_tile
+    v, v_scale, v_zero = v_tile
+    qk = tl.dot(k[0], q[0], input_precision="ieee")  # [BLOCK_N, R]
+    if NUM_PLANES >= 2:
+        qk = tl.dot(k[1], q[1], qk, input_precision="ieee")
+    if NUM_PLANES == 4:
+        qk = tl.dot(k[2], q[2], qk, input_precision="ieee")
+        qk = tl.dot(k[3], q[3], qk, input_precision="ieee")
+    if BITS == 16:
+        scores = qk * scale_log2
+    else:
+        scores = (qk - k_zero[:, None] * q_sum[None, :]) * (k_scale * scale_log2)[:, None]
+    scores = tl.where(is_visible[:, None], scores, float("-inf"))
+    m_new, alpha, p, l_i = _softmax_step(scores, m_i, l_i, 0)
+    acc0, acc1, acc2, acc3 = acc
+    if BITS == 16:
+        acc0 = acc0 * alpha[None, :] + tl.dot(v[0], p.to(q[0].dtype), input_precision="ieee")
+    else:
+        # As in _attend_tile, with v_max the largest scale among the tile's visible tokens
+        # (every row sees the same ones).
+        v_max = tl.max(tl.where(is_visible, v_scale, 0.0), axis=0)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q[0].dtype)
+        zero_term = tl.sum(w.to(tl.float32) * v_zero[:, None], axis=0)[None, :]
+        if ODD_X16:
+            odd_zero_term, odd_v_max = zero_term * 16.0, v_max * (1.0 / 16.0)
+        else:
+            odd_zero_term, odd_v_max = zero_term, v_max
+        acc0 = acc0 * alpha[None, :] + (tl.dot(v[0], w, input_precision="ieee") - zero_term) * v_max
+        acc1 = acc1 * alpha[None, :] + (tl.dot(v[1], w, input_precision="ieee") - odd_zero_term) * odd_v_max
+        if NUM_PLANES == 4:
+            acc2 = acc2 * alpha[None, :] + (tl.dot(v[2], w, input_precision="ieee") - zero_term) * v_max
+            acc3 = acc3 * alpha[None, :] + (tl.dot(v[3], w, input_precision="ieee") - odd_zero_term) * odd_v_max
+    return m_new, l_i, (acc0, acc1, acc2, acc3)
+
+
+# Neither the table's width nor the batch's partition count picks a compiled variant.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    window_k_ptr,
+    window_v_ptr,
+    window_row_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    stride_qs,
+    stride_qh,
+    stride_bt,
+    num_kv_heads,
+    group_size,
+    partition_tokens,
+    num_splits,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    # One program per (sequence, KV head, partition): the group's query heads over the
+    # partition's tokens.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    # Partitions past this sequence's context (the batch's longest sets num_splits) do
+    # nothing: the merge reads only the sequence's own. An empty context still has one.
+    num_parts = _num_partitions(context_len, partition_tokens, num_splits)
+    if split >= num_parts:
+        return
+    start = split * partition_tokens
+    end = tl.minimum(start + partition_tokens, context_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
+    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+    rows, window_page, _, mask_n = _tokens(
+        table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
+    )
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < group_size
+    heads = kv_head * group_size + offs_g
+    # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
+    q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
+    q, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, BITS, BLOCK_C)
+    # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
+    # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
+    # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
+    # values and q as it is.
+    ODD_X16: tl.constexpr = BITS == 4 and q_ptr.dtype.element_ty == tl.float16
+    q0, q1, q2, q3 = q
+    if ODD_X16:
+        q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
+    # Token by token (_attend_tile_by_token): q and the accumulators turned over, [BLOCK_C, BLOCK_G].
+    q = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3))
+    acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
+    state = (
+        tl.full([BLOCK_G], float("-inf"), tl.float32),
+        tl.zeros([BLOCK_G], tl.float32),
+        (acc0, acc0, acc0, acc0),
+    )
+    # The loads that address a tile run ahead of it, each a tile before the loads that need
+    # it: its page numbers two tiles ahead, its scales and the window's tags one tile ahead
+    # (at two bytes per token the scales are too narrow for the compiler to pipeline).
+    # With an FP16 window, this loop reads every token's codes but the window's, and notes
+    # the first and last tile holding window tokens (per lane, reduced once after it); a
+    # second pass reads the window's tokens of those tiles (as a rule a sequence's last one
+    # or two), which keeps the main loop's registers those of pages without a window.
+    scales = _tile_scales(scale_ptrs, rows, mask_n, BITS)
+    next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
+    # Bounds that leave the window's pass empty and cannot overflow in the compiler's
+    # pipelined loop (it steps past them): `end` and the tile before `start`.
+    first_kept = tl.zeros([BLOCK_N], tl.int32) + end
+    last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        next_rows, next_window_page, _, next_mask = _block_tokens(
+            next_blocks,
+            tile_start + BLOCK_N + offs_n,
+            end,
+            kv_head,
+            num_kv_heads,
+            window_row_ptr,
+            PAGE_SIZE,
+            HAS_WINDOW,
+            WIDE_OFFSETS,
+        )
+        next_scales = _tile_scales(scale_ptrs, next_rows, next_mask, BITS)
+        next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
+        is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
+        if HAS_WINDOW:
+            is_kept = _kept_mask(mask_n, window_page, HAS_WINDOW)
+            first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
+            last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
+        tokens = (rows, window_page, rows, mask_n)
+        state = _attend_tile_by_token(
+            q,
+            q_sum,
+            state,
+            is_visible,
+            scale_log2,
+            kv_ptrs,
+            scales,
+            tokens,
+            HEAD_DIM,
+            BLOCK_C,
+            BITS,
+            HAS_WINDOW,
+            _CODES_ONLY,
+            ODD_X16,
+        )
+        mask_n, rows, window_page, scales = next_mask, next_rows, next_window_page, next_scales
+    if HAS_WINDOW:
+        if ODD_X16:
+            q = (q[0], q[1] * 16.0, q[2], q[3] * 16.0)
+        # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
+        # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
+        # rows of the main loop's 128-token INT4 tiles would take every register.
+        WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
+        offs_w = tl.arange(0, WINDOW_N)
+        unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
+        unused_scales = (unused_scale, unused_scale, unused_scale, unused_scale)
+        for tile_start in tl.range(
+            tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
+        ):
+            tokens_w = _tokens(
+                table_row,
+                tile_start + offs_w,
+                end,
+                kv_head,
+                num_kv_heads,
+                window_row_ptr,
+                PAGE_SIZE,
+                HAS_WINDOW,
+                WIDE_OFFSETS,
+            )
+            is_kept = _kept_mask(tokens_w[3], tokens_w[1], HAS_WINDOW)
+            state = _attend_tile_by_token(
+                q,
+                q_sum,
+                state,
+                is_kept,
+                scale_log2,
+                kv_ptrs,
+                unused_scales,
+                tokens_w,
+                HEAD_DIM,
+                BLOCK_C,
+                BITS,
+                HAS_WINDOW,
+                _KEPT_ONLY,
+                False,
+            )
+
+    m_i, l_i, acc = state
+    has_tokens = l_i > 0.0
+    denominator = tl.where(has_tokens, l_i, 1.0)[:, None]
+    result = (
+        tl.trans(acc[0]) / denominator,
+        tl.trans(acc[1]) / denominator,
+        tl.trans(acc[2]) / denominator,
+        tl.trans(acc[3]) / denominator,
+    )
+    head_rows = seq.to(tl.int64) * num_kv_heads * group_size + heads  # [BLOCK_G]
+    if IS_SPLIT:
+        # partial_out: [num_seqs, num_heads, num_splits, HEAD_DIM]; partial_lse: [num_seqs, num_heads, num_splits]
+        lse_offs = head_rows * num_splits + split
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + lse_offs, lse, mask=mask_g)
+        _store_planes(partial_out_ptr + lse_offs[:, None] * HEAD_DIM, result, mask_g, HEAD_DIM, BITS, BLOCK_C)
+    else:
+        _store_planes(out_ptr + head_rows[:, None] * HEAD_DIM, result, mask_g, HEAD_DIM, BITS, BLOCK_C)
+
+
+@triton.jit
+def _num_partitions(context_len, partition_tokens, num_splits):
+    # Partitions holding this sequence's tokens: at least one (an empty context gives
+    # zeros through it), at most num_splits (max_context_len may stop short of context_len).
+    return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
+
+
+@triton.jit
+def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
+    # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
+    # Moving values between threads, never adding them in the layout's order, so the sum
+    # is the same for any layout.
+    for level in tl.static_range(1, LANES.bit_length()):
+        x = tl.reshape(x, [ROWS, LANES >> level, 2])
+        even, odd = tl.split(x)
+        x = even + odd
+    return tl.reshape(x, [ROWS])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_partitions_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    context_lens_ptr,
+    partition_tokens,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    SLICE_D: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    # One program per (sequence, head, SLICE_D columns): the row's first num_parts partials,
+    # each weighted by exp2(lse - max lse), in one pass: a chunk of LANES partitions at a
+    # time (their loads in flight together), the sums so far rescaled when a chunk raises
+    # the maximum. Partition s goes into lane s % LANES, then the lanes are added pairwise
+    # (_sum_lanes); splits past num_parts are never read.
+    seq = tl.program_id(0)
+    row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
+    offs_d = tl.program_id(2) * SLICE_D + tl.arange(0, SLICE_D)
+    offs_l = tl.arange(0, LANES)
+    mask_d = offs_d < HEAD_DIM
+    lse_row = partial_lse_ptr + row * num_splits
+    part_row = partial_out_ptr + row * num_splits * HEAD_DIM
+    max_lse = float("-inf")
+    total = tl.zeros([1, LANES], tl.float32)
+    acc = tl.zeros([SLICE_D, LANES], tl.float32)
+    for chunk_start in range(0, num_parts, LANES):
+        splits = chunk_start + offs_l
+        is_part = splits < num_parts
+        lse = tl.load(lse_row + splits, mask=is_part, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(
+            part_row + offs_d[:, None] + splits[None, :] * HEAD_DIM,
+            mask=mask_d[:, None] & is_part[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(max_lse, tl.max(lse, axis=0))
+        # -inf until a partition has tokens (an empty context has none): weights 0 then.
+        reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(max_lse - reference)  # 0 on the first chunk, 1 while the max holds
+        weight = tl.exp2(lse - reference)[None, :]  # 0 past num_parts: adds exact zeros
+        total = total * rescale + weight
+        acc = acc * rescale + part * weight
+        max_lse = new_max
+    total = _sum_lanes(total, 1, LANES)
+    result = _sum_lanes(acc, SLICE_D, LANES) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, result.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    window_k_ptr,
+    window_v_ptr,
+    window_row_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    num_kv_heads,
+    group_size,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
+):
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // group_size
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+    num_cached = context_len - q_len
+    # Query tiles, like K/V tiles, sit at absolute positions (tile t holds positions
+    # t * BLOCK_M ...), the chunk's new tokens masked in: a token meets the same tiles,
+    # in the same row, whatever chunk of the prompt it comes in.
+    q_tile = num_cached // BLOCK_M + tl.program_id(0)
+
+    q_positions = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_m = (q_positions >= num_cached) & (q_positions < context_len)
+    token_rows = (q_start + q_positions - num_cached).to(tl.int64)
+    q, q_sum = _load_query_planes(
+        q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, BITS, BLOCK_C
+    )
+
+    # K/V up to the last query of this tile (causal); none when the tile has no new token.
+    end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
+    end = tl.where((q_tile * BLOCK_M < context_len) & (q_len > 0), end, 0)
+
+    acc0 = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    state = (
+        tl.full([BLOCK_M], float("-inf"), tl.float32),
+        tl.zeros([BLOCK_M], tl.float32),
+        (acc0, acc0, acc0, acc0),
+    )
+    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
+    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
+    for tile_start in range(0, end, BLOCK_N):
+        positions = tile_start + offs_n
+        tokens = _tokens(
+            table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
+        )
+        scales = _tile_scales(scale_ptrs, tokens[0], tokens[3], BITS)
+        is_visible = tokens[3][None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
+        state = _attend_tile(
+            q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
+        )
+
+    _, l_i, acc = state
+    denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    result = (acc[0] / denominator, acc[1] / denominator, acc[2] / denominator, acc[3] / denominator)
+    _store_planes(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh, result, mask_m, HEAD_DIM, BITS, BLOCK_C)
