@@ -18,7 +18,6 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
-from lowvram.kernels.pdl import await_inputs, dependent_launch
 
 
 @triton.jit
@@ -51,9 +50,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -142,6 +139,5 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=4 if block <= 2048 else 8,
-        **dependent_launch(x.device),
     )
     return out, total
