@@ -98,6 +98,7 @@ def awq_linear(
     sms = num_sms(x.device)
     if num_rows == 1 and not batch_invariant:
         config = w4a16_gemv.row_config(num_outputs, num_inputs, group_size, sms)
+        x2d = x2d.contiguous()  # K * 2 bytes, copied only when strided
         w4a16_gemv.launch_row(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     elif num_rows <= MAX_DECODE_M or batch_invariant:
         # the 16-row tile; batch-invariant launches of at most INVARIANT_MAX_ROWS rows bound the partials

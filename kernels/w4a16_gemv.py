@@ -1,29 +1,22 @@
 """Triton kernels for W4A16: y[M, N] = x[M, K] @ W[K, N] (+ bias + (x A^T) Bt), W in AWQ GEMM form.
 
-Two kernels cover every row count (`w4a16.awq_linear` picks the launch):
-- `_row_kernel`, one row (batch-1 decode), with the norm or SiLU-gate prologue and the RoPE +
-  KV store epilogue of the fused decoder layer;
-- `_tiled_kernel`, 16-row or larger tiles through tl.dot: decode of 2-16 rows, the prefill
-  GEMM, the batch-invariant form, and (over dense FP16 weights) `linear_invariant`.
-`_dequant_kernel` writes W in float16 for the "dequantize once, then cuBLAS" path.
+`_row_kernel` runs one row (batch-1 decode), with the norm or SiLU-gate prologue and the RoPE +
+KV store epilogue of the fused decoder layer. `_tiled_kernel` runs tl.dot tiles of 16 rows or
+more: decode of 2-16 rows, the prefill GEMM, the batch-invariant form and, over dense weights,
+`linear_invariant`. `_dequant_kernel` writes W in float16 for the dequantize-then-cuBLAS path.
 
-Decode reads every weight once per token, so the work is spread over all SMs: each program
-owns a column block and a contiguous range of K blocks (split-K). With more than one split,
-each program writes its float32 partial sums to a workspace [SPLIT_K, M, N] and counts itself
-in on the column block's counter; the last to arrive adds every split's partial in split order
-0..SPLIT_K-1, adds the bias and casts (`split_arrive`). Summing in a fixed order keeps the
-result the same from run to run whichever program arrives last (float atomics would not), and
-costs no second launch per projection.
+Decode reads every weight once per token, so the work is spread over all SMs: each program owns
+a column block and a contiguous range of K blocks (split-K). With several splits each program
+writes its float32 partials to a workspace [SPLIT_K, M, N] and counts in on its column block's
+counter; the last to arrive adds the partials in split order, adds the bias and casts
+(`split_arrive`). The fixed order keeps results the same from run to run (float atomics would
+not), and no second launch per projection is needed.
 
-Each K block lies inside one quantization group (BLOCK_K divides the group size), so one scale
-and zero row serves the whole tile and the scale is applied after the reduction:
-sum_k x[k] (q[k] - z) s = s sum_k x[k] (q[k] - z). The integers q - z are exact in float16 and
-float32, so W is never rounded: the only rounding left is the float32 accumulation.
-
-Residual compensation (y += (x A^T) Bt, rank R padded to BLOCK_R) rides along in the same
-launch: each split also accumulates t_s = x[its K range] A[:, its K range]^T and adds t_s Bt to
-its partial; the split sum makes the whole (x A^T) Bt. A fused layer's B is block diagonal
-(lowvram.models.fusion) and is read whole, zeros included.
+Each K block lies inside one quantization group, so one scale and zero row serves the tile and
+the scale is applied after the reduction: sum_k x (q - z) s = s sum_k x (q - z). The integers
+q - z are exact in float16 and float32, so W is never rounded; only the float32 sums round.
+Residual compensation (rank R padded to BLOCK_R) rides along: each split also accumulates
+t_s = x A[:, its K range]^T and adds t_s Bt, and the split sum makes the whole (x A^T) Bt.
 """
 
 import torch
@@ -146,9 +139,7 @@ def _tiled_kernel(
     N,
     K,
     num_packed_cols,
-    stride_xm,
-    stride_xk,
-    stride_ym,
+    strides,
     K_BLOCKS_PER_SPLIT,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -164,6 +155,7 @@ def _tiled_kernel(
     # Grid: (row tiles, column blocks, K splits). Row tiles go fastest, so the programs that
     # share a weight tile run side by side and read it from DRAM once. `weight` is the AWQ
     # (qweight, qzeros, scales), or with IS_DENSE a float W [N, K] as (w, stride_wn, stride_wk).
+    stride_xm, stride_xk, stride_ym = strides
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,20 +203,8 @@ def _tiled_kernel(
 
 
 @triton.jit
-def _dequant_kernel(
-    qweight_ptr,
-    qzeros_ptr,
-    scales_ptr,
-    w_ptr,
-    N,
-    num_packed_cols,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-):
+def _dequant_kernel(awq, w_ptr, N, num_packed_cols, GROUP_SIZE, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N):
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
-    awq = (qweight_ptr, qzeros_ptr, scales_ptr)
     centered, scales = awq_load_block(
         awq, pid_k * BLOCK_K, pid_n, N, num_packed_cols, GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N
     )
@@ -263,18 +243,18 @@ def awq_load_lanes(awq, k_start, offs_c, cols, N, num_packed_cols, GROUP_SIZE, B
 
 
 @triton.jit
-def row_input(x_ptr, offs_k, stride_xk, norm, inv_rms, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def row_input(x_ptr, offs_k, norm, inv_rms, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """x[offs_k] as float32 after the prologue, through the separate kernels' own arithmetic
     (kernels/rms_norm.py, kernels/activation.py) and rounded where they store, so fusing
     changes no bits of x."""
-    x = tl.load(x_ptr + offs_k * stride_xk)
+    x = tl.load(x_ptr + offs_k)
     if PROLOGUE == 1:
         residual_ptr, norm_weight_ptr, _, _ = norm
         if HAS_RESIDUAL:
             x = x + tl.load(residual_ptr + offs_k)
         x = normalize_and_scale(x, inv_rms, tl.load(norm_weight_ptr + offs_k)).to(x.dtype)
     elif PROLOGUE == 2:
-        x = silu_mul(x, tl.load(x_ptr + (K + offs_k) * stride_xk)).to(x.dtype)
+        x = silu_mul(x, tl.load(x_ptr + K + offs_k)).to(x.dtype)
     return x.to(tl.float32)
 
 
@@ -392,9 +372,7 @@ def _row_kernel(
     N,
     K,
     num_packed_cols,
-    stride_xk,
     K_BLOCKS_PER_SPLIT,
-    num_k_blocks,
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -423,7 +401,7 @@ def _row_kernel(
     cols = offs_c[:, None] * 8 + ((lanes % 4) * 2 + lanes // 4)[None, :]  # nibble j: column 8c + [0,2,4,6,1,3,5,7][j]
     mask = (offs_c < num_packed_cols)[:, None]
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, num_k_blocks)
+    kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, K // BLOCK_K)
     inv_rms = 1.0
     if PROLOGUE == 1:
         # 1 / rms of the whole row (K * 2 bytes, from L2) in every program; the first stores x + residual
@@ -446,7 +424,7 @@ def _row_kernel(
             awq, kb * BLOCK_K, offs_c, cols, N, num_packed_cols, GROUP_SIZE, BLOCK_K, EVEN_N
         )
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = row_input(x_ptr, offs_k, stride_xk, norm, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
+        x = row_input(x_ptr, offs_k, norm, inv_rms, K, PROLOGUE, HAS_RESIDUAL)
         if REDUCE_AT_END:
             acc3 += x[:, None, None] * (centered * scales[None, :, :])
         else:
@@ -518,16 +496,10 @@ def tiled_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: i
     if num_rows > MAX_DECODE_M:
         block_m = 32 if num_rows <= 32 else 64
         return {"block_m": block_m, "block_n": 128, "block_k": min(group_size, 64), "split_k": 1, "num_warps": 4}
-    block_n = 64 if num_outputs <= 2048 else 128
-    num_k_blocks = num_inputs // min(group_size, 128)
+    block_n, block_k = (64 if num_outputs <= 2048 else 128), min(group_size, 128)
+    num_k_blocks = num_inputs // block_k
     split_k = max(1, min(num_k_blocks, triton.cdiv(2 * num_sms, triton.cdiv(num_outputs, block_n))))
-    return {
-        "block_m": DOT_MIN_M,
-        "block_n": block_n,
-        "block_k": min(group_size, 128),
-        "split_k": split_k,
-        "num_warps": 4,
-    }
+    return {"block_m": DOT_MIN_M, "block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4}
 
 
 def _splits(x, y, num_k_blocks: int, config: dict, num_counters: int):
@@ -576,9 +548,7 @@ def launch_tiled(x, weight, bias, y, config, lora_a=None, lora_bt=None):
         num_outputs,
         num_inputs,
         num_outputs // 8,
-        x.stride(0),
-        x.stride(1),
-        y.stride(0),
+        (x.stride(0), x.stride(1), y.stride(0)),
         per_split,
         GROUP_SIZE=group_size,
         BLOCK_M=block_m,
@@ -612,7 +582,7 @@ def launch_row(
 ):
     """Run the one-row kernel into y [1, N]; inputs already checked by the caller.
 
-    x: [1, K] (any stride along K); `config` from row_config. lora_a [R, K] and lora_bt [R, N]
+    x: [1, K] contiguous; `config` from row_config. lora_a [R, K] and lora_bt [R, N]
     as for launch_tiled. `norm` (w4a16.InputNorm) fuses an RMSNorm before the matmul, and
     `is_gated` reads x as a fused gate/up output [1, 2K] and multiplies W by silu(gate) * up: one
     launch instead of two, whose gap inside a CUDA graph costs more than the norm or activation
@@ -627,8 +597,8 @@ def launch_row(
         raise ValueError(
             f"block_k {block_k} must divide group size {group_size} and block_n {block_n} be a multiple of 8"
         )
-    if x.shape[0] != 1:
-        raise ValueError(f"the one-row kernel takes one row, got {x.shape[0]}")
+    if x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"the one-row kernel takes one row, contiguous; got {list(x.shape)} strides {x.stride()}")
     num_k_blocks = num_inputs // block_k
     num_column_blocks = triton.cdiv(num_outputs, block_n)
     # with LORA_ONCE, two counters past the column blocks': shares ready, blocks done
@@ -678,9 +648,7 @@ def launch_row(
         num_outputs,
         num_inputs,
         num_outputs // 8,
-        x.stride(1),
         per_split,
-        num_k_blocks,
         GROUP_SIZE=group_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -707,16 +675,8 @@ def launch_dequant(qweight, qzeros, scales, group_size, dtype=torch.float16):
     weight = torch.empty((num_inputs, num_outputs), dtype=dtype, device=qweight.device)
     block_k, block_n = min(group_size, 32), 128
     grid = (num_inputs // block_k, triton.cdiv(num_outputs, block_n))
+    even_n = num_outputs % block_n == 0
     _dequant_kernel[grid](
-        qweight,
-        qzeros,
-        scales,
-        weight,
-        num_outputs,
-        num_outputs // 8,
-        group_size,
-        block_n,
-        block_k,
-        num_outputs % block_n == 0,
+        (qweight, qzeros, scales), weight, num_outputs, num_outputs // 8, group_size, block_n, block_k, even_n
     )
     return weight

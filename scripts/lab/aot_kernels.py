@@ -180,7 +180,7 @@ def gemv(args) -> None:
     norm = ("*fp16", "*fp16", "*fp16", "fp32")
     pages = ("*u8", "*fp16", "*fp16", "*fp16", "*i32")
     rope = ("*fp32", "*fp32", "i32", "*i64", "*i64", "i32", "i32", "i32", pages, pages)
-    ints = ("N", "K", "num_packed_cols", "stride_xk", "K_BLOCKS_PER_SPLIT", "num_k_blocks")
+    ints = ("N", "K", "num_packed_cols", "K_BLOCKS_PER_SPLIT")
     common = {"GROUP_SIZE": args.group_size, "HAS_BIAS": False, "HAS_LORA": bool(args.rank)}
     common |= {"BLOCK_R": g.lora_block_r(args.rank), "EVEN_N": True, "IS_PARTIAL": True}
     for name, (k, n) in projection_shapes(args.shape).items():
@@ -217,7 +217,7 @@ def gemv(args) -> None:
         config = g.tiled_config(8, n, k, args.group_size, args.sms)
         signature = {"x_ptr": "*fp16", "weight": awq, "bias_ptr": "*fp16", "y_ptr": "*fp16", "split": split}
         signature |= {"lora": lora, **dict.fromkeys(("M", "N", "K", "num_packed_cols"), "i32")}
-        signature |= dict.fromkeys(("stride_xm", "stride_xk", "stride_ym", "K_BLOCKS_PER_SPLIT"), "i32")
+        signature |= {"strides": ("i32", "i32", "i32"), "K_BLOCKS_PER_SPLIT": "i32"}
         constexprs = {**common, "BLOCK_M": 16, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"]}
         constexprs["IS_DENSE"] = False
         signature |= dict.fromkeys(constexprs, "constexpr")
