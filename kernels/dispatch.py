@@ -26,36 +26,21 @@ MIN_COMPUTE_CAPABILITY = (7, 5)
 # reductions that follow.
 INTERPRETER_NUM_SMS = 4
 _logged_paths: set[str] = set()
-# SMs the kernels size their grids for, by CUDA device index, where work runs on a slice of
-# the GPU's SMs (scripts/lab/sm_slice.py); a device not here sizes them for all of its own.
-_sm_limits: dict[int, int] = {}
-
-
-def set_sm_limit(device_index: int, num_sms: int | None) -> None:
-    """Size the kernels' grids on CUDA device `device_index` for `num_sms` SMs (None: the GPU's own count)."""
-    if num_sms is None:
-        _sm_limits.pop(device_index, None)
-    else:
-        _sm_limits[device_index] = num_sms
-
-
-def sm_limit(device: torch.device) -> int | None:
-    """The SM count set by `set_sm_limit` for `device`, None where there is none."""
-    if device.type != "cuda" or not _sm_limits:
-        return None
-    return _sm_limits.get(device.index if device.index is not None else torch.cuda.current_device())
+# SMs the kernels size their grids for, by CUDA device index, where a lab script runs work on
+# a slice of the GPU's SMs (scripts/lab/sm_slice.py); other devices use all of their own.
+sm_limits: dict[int, int] = {}
 
 
 def num_sms(device: torch.device) -> int:
-    """The SMs the kernels size their grids for on `device`: `set_sm_limit`'s count where there is
-    one, else the GPU's own (INTERPRETER_NUM_SMS off CUDA)."""
-    return sm_limit(device) or _device_sms(device.type, device.index)
+    """The SMs the kernels size their grids for on `device` (INTERPRETER_NUM_SMS off CUDA)."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sm_limits.get(index) or _device_sms(index)
 
 
 @functools.cache
-def _device_sms(device_type: str, device_index) -> int:
-    if device_type != "cuda":
-        return INTERPRETER_NUM_SMS
+def _device_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -1,15 +1,11 @@
 """RMSNorm in one kernel, optionally fused with the residual add before it.
 
-A decoder layer normalises twice; in plain torch each norm is about seven kernels (cast,
-square, mean, add, rsqrt, multiply, cast, scale), which inside a CUDA graph costs more in
-launch gaps than in arithmetic. Here one program normalises one row, in float32 like the
-reference, and the post-attention norm also adds the attention output to the residual
-stream and writes the sum back, so the add costs no extra pass over memory. A decoder
-layer has both results written over its inputs (as vLLM's fused_add_rms_norm does), so
-moving the residual add into the norm keeps no more [T, hidden] tensors alive.
-
-The reference is `rms_norm_ref`: normalise in float32, round to the input dtype, then
-multiply by the weight in that dtype, exactly as `lowvram.models.dense.RMSNorm` does on the CPU.
+In plain torch a norm is about seven kernels, whose launch gaps inside a CUDA graph cost more
+than the arithmetic. Here one program normalises one row in float32, and the post-attention
+norm also adds the attention output to the residual stream and writes the sum, both results
+over their inputs (as vLLM's fused_add_rms_norm), so no more [T, hidden] tensors stay alive.
+`rms_norm_ref` is the reference: normalise in float32, round to the input dtype, then multiply
+by the weight in that dtype, as `lowvram.models.dense.RMSNorm` does on the CPU.
 """
 
 import torch
