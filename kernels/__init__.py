@@ -1,14 +1,10 @@
 """lowvram's Triton kernels, installed as ``lowvram.kernels``.
 
-This folder sits at the repository's top level, so wherever the checkout's root is on
-``sys.path`` (``python -m pytest`` or ``python -m lowvram`` run there, a notebook started
-there) Python would also find it as a top-level ``kernels`` package, and that name belongs
-to Hugging Face's ``kernels`` package, which transformers imports. Imported under that
-name, this module hands the import on to the ``kernels`` the rest of ``sys.path`` holds.
-Where there is none, it stays what Python makes of a folder without an ``__init__.py``:
-an empty namespace module with no ``__file__``, which is how transformers tells a stray
-folder on ``sys.path`` from an installed package. Nothing of this repository is
-importable as ``kernels``.
+Run from the checkout's root, Python also finds this folder as a top-level ``kernels``, a name
+that belongs to Hugging Face's ``kernels`` package (which transformers imports). Imported under
+that name it hands the import on to the ``kernels`` elsewhere on ``sys.path``, or, where there is
+none, stays an empty namespace module without ``__file__``, as transformers expects of a stray
+folder.
 """
 
 if __name__ != "lowvram.kernels":

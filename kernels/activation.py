@@ -11,7 +11,6 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
-from lowvram.kernels.pdl import await_inputs, dependent_launch
 
 
 @triton.jit
@@ -24,8 +23,7 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
+def _silu_and_mul_kernel(x_ptr, out_ptr, num_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -59,6 +57,5 @@ def silu_and_mul(x: torch.Tensor, *, use_reference: bool = False) -> torch.Tenso
         out.stride(0),
         BLOCK=block,
         num_warps=4,
-        **dependent_launch(x.device),
     )
     return out

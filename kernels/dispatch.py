@@ -1,7 +1,8 @@
 """Which path a kernel wrapper runs: the Triton kernel or its plain-torch reference.
 
-Triton runs on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (how CI
-checks the kernels). The choice is logged once per kernel and path.
+Triton runs on CUDA GPUs of compute capability 7.5 (Turing) or newer, and on CPU tensors under
+TRITON_INTERPRET=1 (how CI checks the kernels); everything else takes the reference. The choice
+is logged once per kernel and path.
 """
 
 import functools
@@ -18,55 +19,51 @@ except ImportError:  # Windows and macOS wheels of torch ship without Triton
     HAS_TRITON = False
 
 logger = logging.getLogger("lowvram.kernels")
-_logged_paths: set[str] = set()
-# SMs the kernels size their grids for, by CUDA device index, where work runs on a slice of
-# the GPU's SMs (scripts/lab/sm_slice.py); a device not here sizes them for all of its own.
-_sm_limits: dict[int, int] = {}
-
-
-def set_sm_limit(device_index: int, num_sms: int | None) -> None:
-    """Size the kernels' grids on CUDA device `device_index` for `num_sms` SMs (None: the GPU's own count)."""
-    if num_sms is None:
-        _sm_limits.pop(device_index, None)
-    else:
-        _sm_limits[device_index] = num_sms
-
-
+IS_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+MIN_COMPUTE_CAPABILITY = (7, 5)
 # Under the interpreter there are no SMs; a small count still makes the decode kernels split
 # their work (K in the W4A16 GEMV, the context in decode attention), so CPU tests cover the
 # reductions that follow.
 INTERPRETER_NUM_SMS = 4
-
-
-def sm_limit(device: torch.device) -> int | None:
-    """The SM count set by `set_sm_limit` for `device`, None where there is none."""
-    if device.type != "cuda" or not _sm_limits:
-        return None
-    return _sm_limits.get(device.index if device.index is not None else torch.cuda.current_device())
+_logged_paths: set[str] = set()
+# SMs the kernels size their grids for, by CUDA device index, where a lab script runs work on
+# a slice of the GPU's SMs (scripts/lab/sm_slice.py); other devices use all of their own.
+sm_limits: dict[int, int] = {}
 
 
 def num_sms(device: torch.device) -> int:
-    """The SMs the kernels size their grids for on `device`: `set_sm_limit`'s count where there is
-    one, else the GPU's own (INTERPRETER_NUM_SMS off CUDA)."""
-    return sm_limit(device) or _device_sms(device.type, device.index)
+    """The SMs the kernels size their grids for on `device` (INTERPRETER_NUM_SMS off CUDA)."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sm_limits.get(index) or _device_sms(index)
 
 
 @functools.cache
-def _device_sms(device_type: str, device_index) -> int:
-    if device_type != "cuda":
-        return INTERPRETER_NUM_SMS
+def _device_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def triton_path(device_type: str, device_index) -> tuple[bool, str]:
+    """(whether the Triton kernels run on this device, why) for the log and for error messages."""
+    if not HAS_TRITON:
+        return False, "triton is not installed"
+    if device_type == "cpu":
+        return IS_INTERPRETER, "TRITON_INTERPRET=1" if IS_INTERPRETER else "CPU tensors"
+    if device_type != "cuda":
+        return False, f"no Triton kernels for {device_type} devices"
+    if IS_INTERPRETER:
+        return False, "TRITON_INTERPRET=1 would run the kernels on the host"
+    capability = torch.cuda.get_device_capability(device_index)
+    return capability >= MIN_COMPUTE_CAPABILITY, f"compute capability {capability[0]}.{capability[1]} (7.5 or newer)"
+
+
 def use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
-    if use_reference or not HAS_TRITON:
-        path = "reference"
-    elif device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        path = "triton"
-    else:
-        path = "reference"
-    key = f"{kernel_name}:{path}"
+    """Whether `kernel_name` runs its Triton kernel on `device` (never with use_reference)."""
+    is_triton, reason = (False, "reference asked for") if use_reference else triton_path(device.type, device.index)
+    key = f"{kernel_name}:{is_triton}:{device}"
     if key not in _logged_paths:
         _logged_paths.add(key)
-        logger.info("%s: using the %s path (%s tensors)", kernel_name, path, device.type)
-    return path == "triton"
+        logger.info("%s on %s: %s (%s)", kernel_name, device, "Triton kernel" if is_triton else "plain torch", reason)
+    return is_triton

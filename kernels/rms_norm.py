@@ -1,15 +1,11 @@
 """RMSNorm in one kernel, optionally fused with the residual add before it.
 
-A decoder layer normalises twice; in plain torch each norm is about seven kernels (cast,
-square, mean, add, rsqrt, multiply, cast, scale), which inside a CUDA graph costs more in
-launch gaps than in arithmetic. Here one program normalises one row, in float32 like the
-reference, and the post-attention norm also adds the attention output to the residual
-stream and writes the sum back, so the add costs no extra pass over memory. A decoder
-layer has both results written over its inputs (as vLLM's fused_add_rms_norm does), so
-moving the residual add into the norm keeps no more [T, hidden] tensors alive.
-
-The reference is `rms_norm_ref`: normalise in float32, round to the input dtype, then
-multiply by the weight in that dtype, exactly as `lowvram.models.dense.RMSNorm` does on the CPU.
+In plain torch a norm is about seven kernels, whose launch gaps inside a CUDA graph cost more
+than the arithmetic. Here one program normalises one row in float32, and the post-attention
+norm also adds the attention output to the residual stream and writes the sum, both results
+over their inputs (as vLLM's fused_add_rms_norm), so no more [T, hidden] tensors stay alive.
+`rms_norm_ref` is the reference: normalise in float32, round to the input dtype, then multiply
+by the weight in that dtype, as `lowvram.models.dense.RMSNorm` does on the CPU.
 """
 
 import torch
@@ -18,7 +14,6 @@ import triton.language as tl
 
 from lowvram.errors import KernelError
 from lowvram.kernels.dispatch import use_triton
-from lowvram.kernels.pdl import await_inputs, dependent_launch
 
 
 @triton.jit
@@ -51,9 +46,7 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    await_inputs(PDL)  # x comes from the kernel before (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -142,6 +135,5 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=4 if block <= 2048 else 8,
-        **dependent_launch(x.device),
     )
     return out, total

@@ -18,8 +18,7 @@ def _strict_interpreted_launches() -> None:
     """The interpreter drops launch keywords that the kernel does not take, where a compiled
     launch raises KeyError on them: a keyword left behind by a change to a kernel's arguments
     passes every CPU test and fails every GPU one. Make the interpreter raise as well. Besides
-    the kernel's arguments, a CUDA launch takes the CUDA backend's options (num_warps,
-    launch_pdl, ...)."""
+    the kernel's arguments, a CUDA launch takes the CUDA backend's options (num_warps, ...)."""
     import dataclasses
 
     from triton.backends.nvidia.compiler import CUDAOptions

@@ -1,5 +1,5 @@
-"""scripts/lab/aot_kernels.py: reading cuobjdump's SASS, and compiling the decode attention kernel
-for sm_90 on a machine without a GPU."""
+"""scripts/lab/aot_kernels.py: reading cuobjdump's SASS, and compiling the decode attention and
+W4A16 kernels for a GPU on a machine without one."""
 
 import os
 import re
@@ -80,10 +80,17 @@ def test_decode_attention_compiles_for_sm90_without_a_gpu():
     assert loop > 100 and hmma > 0  # a main loop whose dots run on tensor cores
 
 
-def test_decode_attention_under_pdl_compiles_for_wide_heads():
-    """The PDL variant (which the interpreter never runs) at MLA's 576-wide heads, whose rows
-    span a number of cache lines that is not a power of two, at every page precision."""
-    result = run_script(
-        "attention", "--bits", "16,8,4", "--head-dim", "576", "--block-n", "16", "--warps", "8", "--arch", "90", "--pdl"
-    )
+def test_decode_attention_compiles_for_wide_heads():
+    """MLA's 576-wide heads, whose rows span a number of cache lines that is not a power of two,
+    at every page precision."""
+    result = run_script("attention", "--bits", "16,8,4", "--head-dim", "576", "--block-n", "16", "--warps", "8")
     assert result.stdout.count("bytes spilled") == 3, result.stdout
+
+
+def test_w4a16_kernels_compile_for_turing_without_a_gpu():
+    """Every fused form of the one-row kernel (norm and gate prologues, RoPE + INT4 KV store with
+    window pages, compensation computed once or per program) and the tiled kernel compile for
+    the GTX 1650's sm_75."""
+    result = run_script("gemv", "--arch", "75")
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spilled", result.stdout)]
+    assert len(spills) == 8 and not any(spills), result.stdout

@@ -274,9 +274,9 @@ def test_generate_end_to_end_on_cpu(awq_qwen2_dir):
 
 @pytest.mark.gpu
 def test_triton_path_on_cuda_agrees_with_cpu(awq_qwen2_dir):
-    from lowvram.kernels import w4a16
+    from lowvram.kernels import dispatch
 
-    is_triton, reason = w4a16._backend_for("cuda", torch.cuda.current_device())
+    is_triton, reason = dispatch.triton_path("cuda", torch.cuda.current_device())
     assert is_triton, f"the AWQ layers would not use the Triton kernels here: {reason}"
     gpu = prefill_logits(awq_qwen2_dir, device="cuda")
     cpu = prefill_logits(awq_qwen2_dir, device="cpu")
@@ -331,9 +331,9 @@ def generated_logits(engine: LLMEngine, prompts: list[str], max_tokens: int) -> 
 def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_dir, tmp_path, monkeypatch):
     """Loaded, fused and run through the Triton kernels (interpreted), a compensated model gives
     the logits of the INT4 layers followed by the two torch matmuls and the correction add."""
-    from lowvram.kernels import w4a16
+    from lowvram.kernels import dispatch, w4a16
 
-    if w4a16.w4a16_gemv is None or not w4a16._backend_for("cpu", None)[0]:
+    if not dispatch.triton_path("cpu", None)[0]:
         pytest.skip("the Triton interpreter is not available")
     checkpoint = tmp_path / "compensated"
     shutil.copytree(awq_qwen2_dir, checkpoint)
@@ -351,14 +351,18 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
             return w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
 
         patch.setattr(lowvram.quant.awq_linear, "awq_linear", kernels_only)
-        launch, rows_with_lora = w4a16.w4a16_gemv.launch_awq_gemv, set()
+        rows_with_lora = set()
 
-        def counting_launch(x, *args, **kwargs):
-            if args[-1] is not None:  # lora_bt
-                rows_with_lora.add(x.shape[0])
-            return launch(x, *args, **kwargs)
+        def counting(launch):
+            def counted(x, *args):
+                if isinstance(args[-1], torch.Tensor):  # lora_bt, given to the kernel
+                    rows_with_lora.add(x.shape[0])
+                return launch(x, *args)
 
-        patch.setattr(w4a16.w4a16_gemv, "launch_awq_gemv", counting_launch)
+            return counted
+
+        for name in ("launch_row", "launch_tiled"):
+            patch.setattr(w4a16.w4a16_gemv, name, counting(getattr(w4a16.w4a16_gemv, name)))
         engine = LLMEngine(str(checkpoint), "cpu")
         qkv = engine.model.model.layers[0].self_attn.qkv_proj
         assert qkv is not None and qkv.lora_rank == 12 and qkv.is_bias_corrected
@@ -447,29 +451,6 @@ def test_decode_with_rope_and_the_kv_store_inside_the_qkv_kernel_matches_the_sep
         assert worst <= 1e-3
         assert torch.equal(fused.argmax(-1), separate.argmax(-1))
         taken.clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+",
-)
-@pytest.mark.parametrize("num_prompts", [1, 3])
-def test_decode_with_dependent_launch_gives_the_logits_of_plain_launches(awq_qwen2_dir, num_prompts, monkeypatch):
-    """Decode kernels that start while the one before runs (kernels/pdl.py) change no bit of
-    any step's logits, one sequence or three, eagerly and replayed from CUDA graphs."""
-    from lowvram.kernels import pdl
-
-    for use_graphs in (False, True):
-        profile = load_profile("4gb").replace(enable_cuda_graphs=use_graphs, device="cuda")
-        logits = {}
-        for is_dependent in (True, False):
-            with monkeypatch.context() as setting:
-                if not is_dependent:
-                    setting.setattr(pdl, "uses_pdl", lambda device: False)
-                engine = LLMEngine(str(awq_qwen2_dir), profile)
-                logits[is_dependent] = generated_logits(engine, PROMPTS[:num_prompts], 6)
-        assert torch.equal(logits[True], logits[False]), f"graphs={use_graphs}: PDL changed the logits"
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from script_modules import load_script
 
 from lowvram.errors import ConfigError
 from lowvram.kernels import paged_attention, w4a16
-from lowvram.kernels.dispatch import num_sms, set_sm_limit, sm_limit
+from lowvram.kernels.dispatch import num_sms, sm_limits
 from lowvram.kernels.kv_quant import allocate_pages
 
 LAB = load_script("sm_slice")  # scripts/lab/sm_slice.py
@@ -18,7 +18,7 @@ SLICE_SMS = 16  # an RTX 3050 laptop GPU's count, and a whole number of Hopper's
 @pytest.fixture
 def sm_limit_cleared():
     yield
-    set_sm_limit(0, None)
+    sm_limits.clear()
 
 
 def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
@@ -26,7 +26,7 @@ def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
     programs an SM over 2 KV heads: 32 partitions, not the 264 of 132 SMs) and the W4A16
     kernels, which take the same count, see 16; other devices and the CPU keep their own counts. No GPU is touched."""
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    set_sm_limit(0, SLICE_SMS)
+    sm_limits[0] = SLICE_SMS
     assert num_sms(cuda0) == SLICE_SMS and w4a16.num_sms(cuda0) == SLICE_SMS
     num_splits, partition_tokens = paged_attention.plan_decode_partitions(1, 2, 32768, cuda0, block_n=64)
     assert (num_splits, partition_tokens) == (32, 1024)
@@ -35,11 +35,8 @@ def test_an_sm_limit_sizes_the_kernels_grids(sm_limit_cleared):
     assert paged_attention.fit_decode_config(config, 1, 2, 8192, 132) == paged_attention.LATENCY_DECODE_CONFIG
     assert paged_attention.fit_decode_config(config, 1, 2, 8192, num_sms(cuda0)) == config
     assert num_sms(torch.device("cpu")) == 4
-    set_sm_limit(1, 8)
+    sm_limits[1] = 8
     assert num_sms(cuda1) == 8
-    set_sm_limit(1, None)
-    set_sm_limit(0, None)
-    assert sm_limit(cuda0) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")

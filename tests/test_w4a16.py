@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowvram.errors import KernelError
-from lowvram.kernels import w4a16
+from lowvram.kernels import dispatch, w4a16
 from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.kernels.w4a16 import awq_linear, awq_linear_ref
 
@@ -22,7 +22,7 @@ GPU_TOLERANCE = 2e-3
 GPU_SHAPES = [(1536, 1536), (1536, 8960), (8960, 1536), (1536, 256), (2048, 5504)]
 
 needs_triton = pytest.mark.skipif(
-    w4a16.w4a16_gemv is None or not w4a16._backend_for(torch.device(DEVICE).type, torch.device(DEVICE).index)[0],
+    not dispatch.triton_path(torch.device(DEVICE).type, None)[0],
     reason="Triton kernels unavailable here (no CUDA and TRITON_INTERPRET unset)",
 )
 
@@ -72,32 +72,26 @@ def test_awq_linear_matches_reference(num_rows, group_size):
         assert error <= SMALL_TOLERANCE
 
 
-# The one-row lane kernel makes (q - z) with a float bit trick by default ("magic"); "convert"
-# is the plain integer-to-float conversion it replaced, kept for the benchmark sweep.
-# With several splits the lane kernel computes the compensation's x A^T once per launch (in
-# the first column block's programs); "per_block" recomputes it in every column block.
-# "lora_reduce": "end" sums x A^T's products once after the K loop (the narrow projections' default).
-ROW_FORMS = [
-    {},
-    {"unpack": "lanes", "reduce": "block"},
-    {"unpack": "lanes", "reduce": "end"},
-    {"unpack": "lanes", "reduce": "block", "dequant": "convert"},
-    {"unpack": "lanes", "reduce": "end", "lora": "per_block"},
-    {"unpack": "lanes", "reduce": "end", "lora": "per_block", "lora_reduce": "end", "dequant": "convert"},
-]
-ROW_FORM_IDS = ["interleave", "lanes-block", "lanes-end", "lanes-convert", "lanes-lora-per-block", "lanes-lora-end"]
-
-
-def forms_for(num_rows):
-    """The decode forms for a row count: every form for one row; the interleaving kernel for more."""
-    return ROW_FORMS if num_rows == 1 else ROW_FORMS[:1]
+# Configurations of the two kernels: the one-row kernel reducing every K block (and, with
+# several splits, computing the compensation's x A^T once) or once after the loop; the tiled
+# kernel's 16-row tile for several rows.
+ROW_FORMS = [{"reduce_at_end": False}, {"reduce_at_end": True}]
+ROW_FORM_IDS = ["block", "end"]
 
 
 def rows_and_forms(several):
-    """(num_rows, form) pairs: one row in every form, `several` rows in the interleaving kernel."""
+    """(num_rows, config) pairs: one row in each one-row form, `several` rows in the tiled kernel."""
     return [pytest.param(1, form, id=f"1-{name}") for form, name in zip(ROW_FORMS, ROW_FORM_IDS)] + [
-        pytest.param(several, ROW_FORMS[0], id=f"{several}-interleave")
+        pytest.param(several, {"block_m": 16}, id=f"{several}-tiled")
     ]
+
+
+def launch(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a=None, lora_bt=None, **fused):
+    """The kernel a config names: the tiled one when it has block_m, else the one-row kernel."""
+    gemv = w4a16.w4a16_gemv
+    if "block_m" in config:
+        return gemv.launch_tiled(x, (qweight, qzeros, scales, group_size), bias, y, config, lora_a, lora_bt)
+    return gemv.launch_row(x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt, **fused)
 
 
 @needs_triton
@@ -110,20 +104,20 @@ def test_decode_kernel_splits_and_column_tails(num_rows, split_k, form):
     for layer_bias in (None, bias):
         y = torch.full((num_rows, 200), float("nan"), dtype=torch.float16, device=DEVICE)
         config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, **form}
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, layer_bias, y, config)
+        launch(x, qweight, qzeros, scales, 64, layer_bias, y, config)
         error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias))
         print(f"decode M={num_rows} split_k={split_k} {form} bias={layer_bias is not None}: rel err {error:.2e}")
         assert error <= SMALL_TOLERANCE
 
 
 @needs_triton
-def test_the_lane_form_refuses_several_rows():
+def test_the_row_kernel_refuses_several_rows():
     qweight, qzeros, scales, _ = random_awq(256, 64, 64, seed=3)
     x = random_x(2, 256, seed=4)
     y = torch.empty((2, 64), dtype=x.dtype, device=DEVICE)
     config = {"block_n": 64, "block_k": 32, "split_k": 1, "num_warps": 4, **ROW_FORMS[1]}
-    with pytest.raises(ValueError, match="lane form.*one row"):
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, None, y, config)
+    with pytest.raises(ValueError, match="one row"):
+        launch(x, qweight, qzeros, scales, 64, None, y, config)
 
 
 @needs_triton
@@ -141,7 +135,7 @@ def test_decode_kernel_adds_compensation(rank, num_rows, split_k, form):
         ref = awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias, lora_a=lora_a, lora_bt=lora_bt)
         without = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, layer_bias), ref)
         y = torch.full((num_rows, 200), float("nan"), dtype=torch.float32, device=DEVICE)
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 64, layer_bias, y, config, lora_a, lora_bt)
+        launch(x, qweight, qzeros, scales, 64, layer_bias, y, config, lora_a, lora_bt)
         if split_k > 1:  # every arrival counter, the compensation's included, is back to zero
             assert not w4a16.w4a16_gemv.SPLIT_COUNTERS.by_device[y.device].any()
         error = relative_error(y, ref)
@@ -173,8 +167,8 @@ def test_one_row_kernel_fuses_the_rms_norm(has_residual, split_k, reduce):
     unnormed = relative_error(awq_linear_ref(x, qweight, qzeros, scales, 64, bias, lora_a=lora_a, lora_bt=lora_bt), ref)
     sum_out = torch.full_like(x, float("nan")) if has_residual else None
     y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
-    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": reduce}
-    w4a16.w4a16_gemv.launch_awq_gemv(
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "reduce_at_end": reduce == "end"}
+    launch(
         x,
         qweight,
         qzeros,
@@ -207,8 +201,8 @@ def test_one_row_kernel_fuses_the_silu_gate(split_k):
     gate_up = random_x(1, 384, seed=71, dtype=dtype) * 3  # [1, 2K]: gate, then up
     ref = awq_linear_ref(silu_and_mul_ref(gate_up), qweight, qzeros, scales, 64, bias)
     y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
-    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "unpack": "lanes", "reduce": "end"}
-    w4a16.w4a16_gemv.launch_awq_gemv(gate_up, qweight, qzeros, scales, 64, bias, y, config, is_gated=True)
+    config = {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "reduce_at_end": True}
+    launch(gate_up, qweight, qzeros, scales, 64, bias, y, config, is_gated=True)
     error = relative_error(y, ref)
     print(f"silu-gate prologue split_k={split_k}: rel err {error:.2e}")
     assert error <= SMALL_TOLERANCE
@@ -244,7 +238,7 @@ def test_decode_kernel_reads_transposed_lora_bt(form):
     assert not strided.is_contiguous()
     y = torch.empty((1, 64), dtype=torch.float32, device=DEVICE)
     config = {"block_n": 64, "block_k": 32, "split_k": 2, "num_warps": 4, **form}
-    w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config, lora_a, strided)
+    launch(x, qweight, qzeros, scales, 32, bias, y, config, lora_a, strided)
     error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias, lora_a=lora_a, lora_bt=lora_bt))
     print(f"strided lora_bt {form}: rel err {error:.2e}")
     assert error <= SMALL_TOLERANCE
@@ -278,7 +272,7 @@ def split_partials(x, qweight, qzeros, scales, group_size, config):
         end = min(start + split_inputs, num_inputs)
         groups = slice(start // group_size, end // group_size)
         partial = torch.empty((x.shape[0], qweight.shape[1] * 8), dtype=torch.float32, device=x.device)
-        w4a16.w4a16_gemv.launch_awq_gemv(
+        launch(
             x[:, start:end],
             qweight[start:end],
             qzeros[groups],
@@ -315,7 +309,7 @@ def test_split_k_sums_in_split_order_then_adds_bias(num_rows, split_k, form):
         outputs = []
         for _ in range(3):  # the counters must be back at zero for every launch
             y = torch.full((num_rows, 200), float("nan"), dtype=torch.float32, device=DEVICE)
-            w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, group_size, layer_bias, y, config)
+            launch(x, qweight, qzeros, scales, group_size, layer_bias, y, config)
             outputs.append(y)
         error = relative_error(outputs[0], awq_linear_ref(x, qweight, qzeros, scales, group_size, layer_bias))
         largest = (outputs[0] - expected).abs().max().item()
@@ -336,12 +330,12 @@ def test_split_counters_grow_for_wider_layers(monkeypatch):
 
     gemv = w4a16.w4a16_gemv
     monkeypatch.setattr(gemv, "SPLIT_COUNTERS", ArrivalCounters("the decode GEMV's split-K", 2))
-    config = {"block_n": 64, "block_k": 32, "split_k": 4, "num_warps": 4}
+    config = {"block_n": 64, "block_k": 32, "split_k": 4, "num_warps": 4, "reduce_at_end": False}
     for num_outputs in (128, 512):  # 2 column blocks, then 8
         qweight, qzeros, scales, bias = random_awq(128, num_outputs, 32, seed=num_outputs)
         x = random_x(1, 128, seed=33)
         y = torch.full((1, num_outputs), float("nan"), dtype=torch.float16, device=DEVICE)
-        gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, bias, y, config)
+        gemv.launch_row(x, qweight, qzeros, scales, 32, bias, y, config)
         assert relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias)) <= SMALL_TOLERANCE
     counters = gemv.SPLIT_COUNTERS.by_device[y.device]
     # one counter per column block and two for the compensation's shares, rounded up to a power of two
@@ -363,8 +357,8 @@ def test_prefill_kernel_row_and_column_tails():
     qweight, qzeros, scales, bias = random_awq(128, 200, 32, seed=3)
     x = random_x(40, 128, seed=4)
     y = torch.full((40, 200), float("nan"), dtype=torch.float16, device=DEVICE)
-    config = {"block_m": 32, "block_n": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    w4a16.w4a16_gemm.launch_awq_gemm(x, qweight, qzeros, scales, 32, bias, y, config)
+    config = {"block_m": 32, "block_n": 64, "block_k": 32, "split_k": 1, "num_warps": 4}
+    launch(x, qweight, qzeros, scales, 32, bias, y, config)
     error = relative_error(y, awq_linear_ref(x, qweight, qzeros, scales, 32, bias))
     print(f"prefill M=40 N=200: rel err {error:.2e}")
     assert error <= SMALL_TOLERANCE
@@ -374,7 +368,7 @@ def test_prefill_kernel_row_and_column_tails():
 @pytest.mark.parametrize("num_outputs", [72, 256])
 def test_dequant_kernel_is_bit_exact(num_outputs):
     qweight, qzeros, scales, _ = random_awq(128, num_outputs, 64, seed=5)
-    weight = w4a16.w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, 64)
+    weight = w4a16.w4a16_gemv.launch_dequant(qweight, qzeros, scales, 64)
     assert torch.equal(weight, dequantize_awq(qweight, qzeros, scales, 64))
 
 
@@ -410,8 +404,8 @@ def test_empty_batch_gives_empty_output():
 
 
 def test_torch_path_without_triton(monkeypatch):
-    monkeypatch.setattr(w4a16, "IS_INTERPRETER", False)
-    w4a16._backend_for.cache_clear()
+    monkeypatch.setattr(dispatch, "IS_INTERPRETER", False)
+    dispatch.triton_path.cache_clear()
     try:
         qweight, qzeros, scales, bias = random_awq(128, 32, 64, seed=13, device="cpu")
         for dtype in (torch.float32, torch.bfloat16):
@@ -421,11 +415,11 @@ def test_torch_path_without_triton(monkeypatch):
             ref = awq_linear_ref(x, qweight, qzeros, scales, 64, bias)
             assert relative_error(y, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
     finally:
-        w4a16._backend_for.cache_clear()
+        dispatch.triton_path.cache_clear()
 
 
 def test_path_choice_is_logged_once(caplog):
-    w4a16._logged_choices.clear()
+    dispatch._logged_paths.clear()
     qweight, qzeros, scales, _ = random_awq(128, 16, 128, seed=15)
     x = random_x(1, 128, seed=16)
     with caplog.at_level(logging.INFO, logger="lowvram.kernels"):
@@ -433,7 +427,7 @@ def test_path_choice_is_logged_once(caplog):
         awq_linear(x, qweight, qzeros, scales, 128)
     records = [r for r in caplog.records if r.name == "lowvram.kernels"]
     assert len(records) == 1
-    assert "AWQ linear on" in records[0].getMessage()
+    assert records[0].getMessage().startswith("awq_linear on")
 
 
 @pytest.mark.parametrize(
@@ -502,12 +496,12 @@ def test_real_shapes_on_gpu(shape, num_rows):
     x = random_x(num_rows, num_inputs, seed=num_rows)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias)
     y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
-    if num_rows <= w4a16.MAX_DECODE_M:
-        config = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
+    sms = w4a16.num_sms(x.device)
+    if num_rows == 1:
+        config = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms)
     else:
-        config = w4a16.w4a16_gemm.choose_gemm_config(num_rows, 128)
-        w4a16.w4a16_gemm.launch_awq_gemm(x, qweight, qzeros, scales, 128, bias, y, config)
+        config = w4a16.w4a16_gemv.tiled_config(num_rows, num_outputs, num_inputs, 128, sms)
+    launch(x, qweight, qzeros, scales, 128, bias, y, config)
     kernel_error = relative_error(y, ref)
     wrapper_error = relative_error(awq_linear(x, qweight, qzeros, scales, 128, bias), ref)
     print(
@@ -523,7 +517,7 @@ def test_real_shapes_on_gpu(shape, num_rows):
 def test_dequant_matmul_path_on_gpu(shape):
     num_inputs, num_outputs = shape
     qweight, qzeros, scales, bias = random_awq(num_inputs, num_outputs, 128, seed=21)
-    weight = w4a16.w4a16_gemm.launch_awq_dequant(qweight, qzeros, scales, 128)
+    weight = w4a16.w4a16_gemv.launch_dequant(qweight, qzeros, scales, 128)
     assert torch.equal(weight, dequantize_awq(qweight, qzeros, scales, 128))
     x = random_x(w4a16.DEQUANT_MATMUL_MIN_M, num_inputs, seed=22)
     error = relative_error(
@@ -541,7 +535,7 @@ def test_float32_activations_are_refused_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ROW_FORMS[1:], ids=ROW_FORM_IDS[1:])
+@pytest.mark.parametrize("form", ROW_FORMS, ids=ROW_FORM_IDS)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_lane_kernel_at_real_shapes_on_gpu(shape, form):
     num_inputs, num_outputs, num_rows = *shape, 1
@@ -552,7 +546,7 @@ def test_lane_kernel_at_real_shapes_on_gpu(shape, form):
     for block_n, block_k, split_k in blocks:
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
         config = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": 4, **form}
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
+        launch(x, qweight, qzeros, scales, 128, bias, y, config)
         error = relative_error(y, ref)
         print(f"K={num_inputs} N={num_outputs} {config}: rel err {error:.2e}")
         assert error <= GPU_TOLERANCE
@@ -573,18 +567,18 @@ def test_split_k_reduction_in_cuda_graph_replays(shape, form, num_rows):
     eager = []
     for x in xs:
         y = torch.empty((num_rows, num_outputs), dtype=torch.float32, device="cuda")
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config)
+        launch(x, qweight, qzeros, scales, 128, bias, y, config)
         eager.append(y)
     static_x = xs[0].clone()
     static_y = torch.empty((num_rows, num_outputs), dtype=torch.float32, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as the engine does
-        w4a16.w4a16_gemv.launch_awq_gemv(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
+        launch(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        w4a16.w4a16_gemv.launch_awq_gemv(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
+        launch(static_x, qweight, qzeros, scales, 128, bias, static_y, config)
     num_mismatches = 0
     for replay in range(30):
         which = replay % len(xs)
@@ -617,13 +611,14 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     lora_a, lora_bt = random_lora(16, num_inputs, num_outputs, seed=60, dtype=torch.float16)
     x = random_x(num_rows, num_inputs, seed=61)
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
-    default = w4a16.w4a16_gemv.choose_gemv_config(num_rows, num_outputs, num_inputs, 128, w4a16.num_sms(x.device))
-    for config in (
-        default,
-        *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in forms_for(num_rows)),
-    ):
+    sms = w4a16.num_sms(x.device)
+    if num_rows == 1:
+        default, forms = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms), ROW_FORMS
+    else:
+        default, forms = w4a16.w4a16_gemv.tiled_config(num_rows, num_outputs, num_inputs, 128, sms), [{"block_m": 16}]
+    for config in (default, *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in forms)):
         y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 128, bias, y, config, lora_a, lora_bt)
+        launch(x, qweight, qzeros, scales, 128, bias, y, config, lora_a, lora_bt)
         error = relative_error(y, ref)
         print(f"K={num_inputs} N={num_outputs} M={num_rows} R=16 {config}: rel err {error:.2e}")
         assert error <= GPU_TOLERANCE

@@ -19,16 +19,8 @@ from tests.test_w4a16 import DEVICE, needs_triton, random_awq, random_lora, rand
 DTYPE = torch.float16 if DEVICE == "cuda" else torch.float32
 
 
-def lanes_config(split_k, **extra):
-    return {
-        "block_n": 64,
-        "block_k": 32,
-        "split_k": split_k,
-        "num_warps": 4,
-        "unpack": "lanes",
-        "reduce": "end",
-        **extra,
-    }
+def row_config(split_k, **extra):
+    return {"block_n": 64, "block_k": 32, "split_k": split_k, "num_warps": 4, "reduce_at_end": True, **extra}
 
 
 def run_both(
@@ -58,7 +50,7 @@ def run_both(
     slots = torch.tensor([slot], dtype=torch.int64, device=DEVICE)
     # one column block per head in both (the fused launch takes that block width itself), so
     # the GEMV sums alike on a GPU too
-    config = lanes_config(split_k, **{"block_n": head_dim, **(config_extra or {})})
+    config = row_config(split_k, **{"block_n": head_dim, **(config_extra or {})})
     results = []
     for fused in (True, False):
         pages = _pages(precision, 8, 4, num_kv_heads, head_dim, DTYPE, has_window)
@@ -68,7 +60,7 @@ def run_both(
             norm = InputNorm(weight.to(DEVICE), 1e-6)
         y = torch.full((1, num_outputs), float("nan"), dtype=DTYPE, device=DEVICE)
         rope_kv = RopeKVWrite(num_heads, positions, cos, sin, slots, pages) if fused else None
-        w4a16.w4a16_gemv.launch_awq_gemv(
+        w4a16.w4a16_gemv.launch_row(
             x, qweight, qzeros, scales, group_size, bias, y, config, *lora, norm=norm, rope_kv=rope_kv
         )
         if not fused:
@@ -110,20 +102,20 @@ def test_window_pages_get_the_fp16_row_too(precision):
 @needs_triton
 def test_with_the_norm_prologue_and_the_compensation():
     assert_same(*run_both(4, 2, 32, "fp16", with_norm=True, rank=8, split_k=2))
-    # x A^T computed once per launch ("lora": "once"): the other place the last program finishes
-    assert_same(*run_both(4, 2, 32, "int8", rank=8, split_k=2, config_extra={"lora": "once", "reduce": "block"}))
+    # x A^T computed once per launch (reducing every K block): the other place the last program finishes
+    assert_same(*run_both(4, 2, 32, "int8", rank=8, split_k=2, config_extra={"reduce_at_end": False}))
 
 
 @needs_triton
-def test_the_projection_refuses_rope_outside_the_one_row_lane_kernel():
+def test_the_projection_refuses_rope_for_several_rows():
     qweight, qzeros, scales, _ = random_awq(64, 128, 32, seed=5)
     x = random_x(2, 64, seed=6, dtype=DTYPE)
     cos, sin = _tables(8, 32)
     pages = _pages("fp16", 4, 4, 1, 32, DTYPE, False)
     rope_kv = RopeKVWrite(2, torch.tensor([1], device=DEVICE), cos, sin, torch.tensor([0], device=DEVICE), pages)
     y = torch.empty(2, 128, dtype=DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="one-row lane kernel"):
-        w4a16.w4a16_gemv.launch_awq_gemv(x, qweight, qzeros, scales, 32, None, y, lanes_config(1), rope_kv=rope_kv)
+    with pytest.raises(ValueError, match="one row"):
+        w4a16.w4a16_gemv.launch_row(x, qweight, qzeros, scales, 32, None, y, row_config(1), rope_kv=rope_kv)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ rows one pass covers, is what a memory-bound kernel must issue per byte. Both sh
 change's cost before any GPU run; they are a guide, not a timing.
 
     python scripts/lab/aot_kernels.py attention [--arch 90] [--bits 16,8,4] [--block-n 64] [--warps 2] [--stages 3]
-    python scripts/lab/aot_kernels.py gemv [--arch 90] [--shape r1-distill-qwen-1.5b] [--rank 16]
+    python scripts/lab/aot_kernels.py gemv [--arch 86] [--shape r1-distill-qwen-1.5b] [--rank 16] [--sms 16]
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ def usage(kernel) -> dict:
 
 def attention(args) -> None:
     from lowvram.kernels import paged_attention as pa
-    from lowvram.kernels import paged_attention_kernels
 
     for bits in (int(b) for b in args.bits.split(",")):
         block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
@@ -125,10 +124,12 @@ def attention(args) -> None:
             "context_lens_ptr": "*i32",
             "partial_out_ptr": "*fp32",
             "partial_lse_ptr": "*fp32",
+            "counter_ptr": "*i32",
             "window_row_ptr": "*i32",
             "scale_log2": "fp32",
         }
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
+        block_d = pa._block_d(args.head_dim)
         constexprs = {
             "PAGE_SIZE": 16,
             "HEAD_DIM": args.head_dim,
@@ -137,12 +138,15 @@ def attention(args) -> None:
             "BLOCK_G": args.group_width,
             "BLOCK_N": block_n,
             "IS_SPLIT": True,
+            "IS_FUSED": args.fused,
             "HAS_WINDOW": args.window,
+            "BLOCK_D": block_d,
+            "MERGE_LANES": pa.fused_merge_lanes(block_d),
             "WIDE_OFFSETS": args.wide,
         }
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(
-            paged_attention_kernels._decode_kernel,
+            pa._decode_kernel,
             pointer_types,
             constexprs,
             args.arch,
@@ -161,64 +165,65 @@ def attention(args) -> None:
 
 
 def gemv(args) -> None:
+    """The one-row W4A16 kernel at each projection of the shape (with the norm prologue where the
+    decoder layer fuses it, RoPE + KV store on q/k/v), and the tiled kernel for 8 rows."""
+    import triton
     from lab_shapes import projection_shapes
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     from lowvram.kernels import w4a16_gemv as g
 
-    pointer_types = {
-        "qweight_ptr": "*i32",
-        "qzeros_ptr": "*i32",
-        "partial_ptr": "*fp32",
-        "counter_ptr": "*i32",
-        "lora_t_ptr": "*fp32",
-        "eps": "fp32",
-    }
-    common = {
-        "GROUP_SIZE": args.group_size,
-        "HAS_BIAS": False,
-        "HAS_LORA": bool(args.rank),
-        "BLOCK_R": g.lora_block_r(args.rank) if args.rank else 16,
-        "PROLOGUE": g.PROLOGUE_NONE,
-        "HAS_RESIDUAL": False,
-        "ROW_BLOCK": 16,
-        "ROPE_KV": False,
-        "BITS": 16,
-        "QMAX": 0,
-        "BLOCK_CODE": 16,
-        "HAS_WINDOW": False,
-        "PAGE_SIZE": 16,
-        "PDL": args.pdl,
-        "PREFETCH_0": 4 * args.pdl,
-        "PREFETCH_1": args.pdl,
-        "PREFETCH_2": args.pdl,
-    }
+    awq = ("*i32", "*i32", "*fp16")
+    split = ("*fp32", "*i32")
+    lora = ("*fp16", "*fp16", "*fp32", "i32", "i32", "i32", "i32") if args.rank else ()
+    norm = ("*fp16", "*fp16", "*fp16", "fp32")
+    pages = ("*u8", "*fp16", "*fp16", "*fp16", "*i32")
+    rope = ("*fp32", "*fp32", "i32", "*i64", "*i64", "i32", "i32", "i32", pages, pages)
+    ints = ("N", "K", "num_packed_cols", "K_BLOCKS_PER_SPLIT")
+    common = {"GROUP_SIZE": args.group_size, "HAS_BIAS": False, "HAS_LORA": bool(args.rank)}
+    common |= {"BLOCK_R": g.lora_block_r(args.rank), "EVEN_N": True, "IS_PARTIAL": True}
     for name, (k, n) in projection_shapes(args.shape).items():
-        config = g.choose_gemv_config(1, n, k, args.group_size, 132)
+        is_qkv = name == "qkv"
+        config = g.row_config(n, k, args.group_size, args.sms, 128 if is_qkv else 64)
+        prologue = g.PROLOGUE_SILU_MUL if name == "down" else g.PROLOGUE_RMS_NORM if name in ("qkv", "gate_up") else 0
+        signature = {"x_ptr": "*fp16", "awq": awq, "bias_ptr": "*fp16", "y_ptr": "*fp16", "split": split, "lora": lora}
+        signature |= {
+            "norm": norm if prologue == 1 else (),
+            "rope": rope if is_qkv else (),
+            **dict.fromkeys(ints, "i32"),
+        }
         constexprs = {
             **common,
             "BLOCK_N": config["block_n"],
             "BLOCK_K": config["block_k"],
-            "EVEN_N": n % config["block_n"] == 0,
-            "IS_PARTIAL": True,
-            "REDUCE_AT_END": config.get("reduce") == "end",
-            "MAGIC_DEQUANT": True,
-            "LORA_ONCE": bool(args.rank) and config.get("lora", "once") == "once",
-            "LORA_AT_END": bool(args.rank) and config.get("lora_reduce") == "end",
+            "REDUCE_AT_END": config["reduce_at_end"],
+            "LORA_ONCE": bool(args.rank) and not config["reduce_at_end"],
+            "PROLOGUE": prologue,
+            "HAS_RESIDUAL": prologue == 1,
+            "ROW_BLOCK": triton.next_power_of_2(k),
+            "ROPE_KV": is_qkv,
+            "STORE": (4, 15, 64, True, 16) if is_qkv else (),
         }
-        kernel = compile_kernel(
-            g._awq_gemv_row_kernel,
-            pointer_types,
-            constexprs,
-            args.arch,
-            config["num_warps"],
-            config.get("num_stages", 3),
-            frozenset({"N", "K", "num_packed_cols"}),
-        )
+        signature |= dict.fromkeys(constexprs, "constexpr")
+        attrs = {(g._row_kernel.arg_names.index(i),): [["tt.divisibility", 16]] for i in ("N", "K", "num_packed_cols")}
+        source = ASTSource(fn=g._row_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
         found = usage(kernel)
         print(
             f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
             f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}"
         )
+        config = g.tiled_config(8, n, k, args.group_size, args.sms)
+        signature = {"x_ptr": "*fp16", "weight": awq, "bias_ptr": "*fp16", "y_ptr": "*fp16", "split": split}
+        signature |= {"lora": lora, **dict.fromkeys(("M", "N", "K", "num_packed_cols"), "i32")}
+        signature |= {"strides": ("i32", "i32", "i32"), "K_BLOCKS_PER_SPLIT": "i32"}
+        constexprs = {**common, "BLOCK_M": 16, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"]}
+        constexprs["IS_DENSE"] = False
+        signature |= dict.fromkeys(constexprs, "constexpr")
+        source = ASTSource(fn=g._tiled_kernel, signature=signature, constexprs=constexprs)
+        found = usage(triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4}))
+        print(f"tiled {name}, 8 rows {config}: {found['registers']} registers, {found['spill_bytes']} bytes spilled")
 
 
 def main() -> int:
@@ -244,12 +249,17 @@ def main() -> int:
         help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)",
     )
     parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="attention: with the decode kernel's own merge (the 4- and 8-warp defaults')",
+    )
+    parser.add_argument(
         "--window", action="store_true", help="attention: the variant that reads pages kept in FP16 beside the codes"
     )
     parser.add_argument("--shape", default="r1-distill-qwen-1.5b", help="gemv: model shape")
     parser.add_argument("--rank", type=int, default=16, help="gemv: compensation rank (0: none)")
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--pdl", action="store_true", help="compile for programmatic dependent launch (sm_90+)")
+    parser.add_argument("--sms", type=int, default=16, help="gemv: the GPU's SMs, which set the K splits")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     attention(args) if args.kernel == "attention" else gemv(args)

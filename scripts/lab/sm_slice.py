@@ -8,7 +8,7 @@ weigh as much as its reads; on a card of 16 SMs the same call runs ten times lon
 reads dominate. `sm_slice(16)` opens a green context holding 16 of the GPU's SMs, makes a
 stream of it the current one (kernels launched on it run on those SMs only; memory and
 compiled kernels are shared with the rest of the process) and has lowvram's kernels size
-their grids for 16 SMs (`lowvram.kernels.dispatch.set_sm_limit`). The memory is still the
+their grids for 16 SMs (`lowvram.kernels.dispatch.sm_limits`). The memory is still the
 big card's: each SM has more bandwidth to draw on than a small card's, so what a slice
 shows is what the kernels do with few SMs, not a small card's absolute speed.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from lowvram.errors import ConfigError
-from lowvram.kernels.dispatch import set_sm_limit
+from lowvram.kernels import dispatch
 
 try:
     import triton
@@ -134,14 +134,14 @@ def sm_slice(num_sms: int, device_index: int = 0) -> Iterator[SmSlice]:
     the block's work."""
     piece = open_sm_slice(num_sms, device_index)
     caller = torch.cuda.current_stream(device_index)
-    set_sm_limit(device_index, piece.num_sms)
+    dispatch.sm_limits[device_index] = piece.num_sms
     try:
         piece.stream.wait_stream(caller)
         with torch.cuda.stream(piece.stream):
             yield piece
         caller.wait_stream(piece.stream)
     finally:
-        set_sm_limit(device_index, None)
+        dispatch.sm_limits.pop(device_index, None)
         piece.close()
 
 
