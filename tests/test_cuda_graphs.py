@@ -237,7 +237,7 @@ def test_pipelined_decode_gives_the_tokens_of_steps_run_one_by_one(tiny_qwen2_di
     got = _generate(piped, prompts, [12, 18, 40, 25])
     assert got == expected
     assert steady.stats.num_pipelined_steps == 0 and piped.stats.num_pipelined_steps > 30
-    assert piped.runner.graphs.num_replays > 0 and piped._inflight is None
+    assert piped.runner.graphs.num_replays > 0
     # a stop token: the step queued after it is dropped
     stop = expected["2"][20]
     params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from lowvram.config import Profile
+from lowvram.errors import ConfigError
 from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.memory.plan import (
     NUM_STAGING_BUFFERS,
@@ -59,9 +60,10 @@ from lowvram.memory.plan import (
     plan_weight_offload,
     weight_bytes_by_kind,
 )
+from lowvram.models.batch_invariance import InvariantLinear
 from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.models.dense import CausalLM
-from lowvram.models.loader import load_model
+from lowvram.models.loader import is_deepseek_v2_checkpoint, load_model
 from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 
 log = logging.getLogger("lowvram")
@@ -353,7 +355,8 @@ def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
     if lora_a is not None and lora_b is not None:
         weight += lora_b.float().cpu() @ lora_a.float().cpu()  # [N, r] @ [r, K]: x A^T B^T = x (B A)^T
     bias = awq.bias.float().cpu() if awq.bias is not None else None
-    linear = nn.Linear(k, n, bias=bias is not None, device="meta")
+    kind = InvariantLinear if awq.is_batch_invariant else nn.Linear  # the model was built batch-invariant
+    linear = kind(k, n, bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias, requires_grad=False)
@@ -571,19 +574,26 @@ def load_model_for_profile(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
     *,
-    prepare: Callable[[nn.Module], object] | None = None,
     held_bytes: int = 0,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a checkpoint for `profile`: straight onto the device (loader.load_model), or,
-    when the profile's `weight_offload` calls for a split (memory_plan.plan_weight_offload),
-    into host memory first and then split by a LayerStreamer sized from the real tensors.
+    """Build and load a checkpoint for `profile`: projections fused, batch-invariant kernels
+    when the profile asks, and, when its `weight_offload` calls for a split
+    (memory_plan.plan_weight_offload), loaded into host memory and split by a LayerStreamer
+    sized from the real tensors. DeepSeek-V2 checkpoints size their routed experts' device
+    cache from the profile instead (loader.load_model).
 
-    `prepare` runs on the loaded model before any split (fusing projections, say), so
-    the tensors it makes are the ones that stream. `held_bytes` is device memory the process
-    already holds (memory_plan.memory_budget_bytes). Raises OutOfMemoryError with the
-    numbers when not even every layer streaming fits.
+    `held_bytes` is device memory the process already holds (memory_plan.memory_budget_bytes).
+    Raises OutOfMemoryError with the numbers when not even every layer streaming fits.
     """
     model_dir, device = Path(model_dir), torch.device(device)
+    if is_deepseek_v2_checkpoint(model_dir):
+        if profile.batch_invariant:
+            raise ConfigError(
+                f"batch_invariant: true is not available for DeepSeek-V2 models ({model_dir}): its MLA "
+                f"attention and expert routing have no batch-invariant kernels; set batch_invariant: false "
+                f"in profile '{profile.name}'"
+            )
+        return load_model(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     config, raw = load_model_config(model_dir)
     element_bytes = torch.finfo(dtype).bits // 8
@@ -604,14 +614,18 @@ def load_model_for_profile(
             raw_config=raw,
             held_bytes=held_bytes,
         )
-    # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on
-    # the device, the dropped ones would leave holes the allocator keeps (1.7 GiB for the 1.5B
-    # shape in FP16), so on CUDA the model is prepared in host memory and placed after.
-    is_prepared_on_host = prepare is not None and device.type == "cuda"
-    on_host = predicted is not None or is_prepared_on_host or is_embedding_on_host
-    model, config = load_model(model_dir, torch.device("cpu") if on_host else device, dtype)
-    if prepare is not None:
-        prepare(model)
+    # Fusing makes new tensors and drops the ones they replace. Done on the device, the dropped
+    # ones would leave holes the allocator keeps (1.7 GiB for the 1.5B shape in FP16), so on
+    # CUDA the model is built in host memory and placed after; the fused tensors are the ones
+    # that stream.
+    on_host = predicted is not None or device.type == "cuda" or is_embedding_on_host
+    model, config = load_model(
+        model_dir,
+        torch.device("cpu") if on_host else device,
+        dtype,
+        fuse=True,
+        batch_invariant=profile.batch_invariant,
+    )
     if predicted is None:
         if is_embedding_on_host:
             keep_embedding_on_host(model, device)

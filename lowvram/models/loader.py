@@ -24,10 +24,12 @@ from lowvram.config import Profile
 from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
 from lowvram.memory.plan import plan_expert_cache
+from lowvram.models.batch_invariance import make_batch_invariant
 from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files, weight_report
 from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
 from lowvram.models.deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
 from lowvram.models.dense import CausalLM
+from lowvram.models.fusion import fuse_projections
 from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear
 
 log = logging.getLogger("lowvram")
@@ -222,8 +224,14 @@ def load_model(
     *,
     profile: Profile | None = None,
     held_bytes: int = 0,
+    fuse: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model on the meta device and assign the checkpoint's tensors.
+
+    fuse: q/k/v and gate/up of each dense layer as one projection each (lowvram.models.fusion).
+    batch_invariant: every matmul and attention in its batch-invariant form
+        (lowvram.models.batch_invariance); dense models only.
 
     Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
     DeepseekV2ForCausalLM checkpoints load through lowvram.models.deepseek_v2 and return a
@@ -245,6 +253,11 @@ def load_model(
         if compensation.is_file():
             files = files + [compensation]
     load_weights(model, files, device, dtype)
+    if fuse:
+        fuse_projections(model)
+    if batch_invariant:
+        num_layers = make_batch_invariant(model)
+        log.info("batch-invariant kernels in %d layers: every request decodes as it would alone", num_layers)
     model.weight_report = weight_report(model)
     model.weight_bytes = model.weight_report.total_bytes
     model.dtype = dtype
