@@ -1,40 +1,25 @@
 """Decoder layers that do not fit the device budget run from host memory.
 
-A 7B model in AWQ INT4 (R1-Distill-Qwen-7B: 28 layers of about 122 MiB, an FP16 head and
-an FP16 embedding table of 1.02 GiB each) does not fit a 4 GB card beside its KV cache.
-The split (memory_plan.plan_offload): the head and the norms stay on the device; the
-embedding table moves to host memory, where a step looks up its rows and copies only the
-[T, hidden] activations over (llama.cpp does the same); the first decoder layers stay on
-the device as far as the budget allows after the workspace and one full-length
-sequence's KV; the remaining layers stream.
+A 7B model in AWQ INT4 does not fit a 4 GB card beside its KV cache. The split
+(memory_plan.plan_offload): the head and the norms stay on the device; the embedding
+table moves to host memory, where a step looks up its rows and copies only the
+[T, hidden] activations over; the first decoder layers stay on the device as far as the
+budget allows after the workspace and one full-length sequence's KV; the rest stream.
 
-Streaming. Each streamed layer's tensors (every parameter and buffer, whatever its name,
-so AWQ's int32/fp16 tensors and fused projections stream like plain weights) are packed
-into one pinned host buffer. Two device staging buffers, each the size of the largest
-streamed layer, take turns: while layer k computes from one, layer k+1's copy sits in or
-is arriving in the other, and layer k+2's copy starts on a side stream as soon as layer
-k's kernels are done. CUDA events order the two streams; the CPU never waits. A forward
-pre-hook points the layer's tensors at its staging buffer; a forward hook points them
-back at the host copy (so state_dict and reports always see the real weights) and queues
-the next copy. The last streamed layers queue the first ones of the next forward pass,
-so those copies run while the step samples. On the CPU "device" the same copies into
-staging buffers happen (synchronously), so CPU tests exercise the whole path.
+Streaming ("stream", the default): each streamed layer's tensors, whatever their names
+(so AWQ tensors and fused projections stream like plain weights), are packed into one
+pinned host buffer. Two device staging buffers take turns: while layer k computes from
+one, layer k+1's copy sits in the other, and layer k+2's copy starts on a side stream as
+soon as layer k's kernels are done; CUDA events order the streams and the CPU never
+waits. Forward hooks point a layer's tensors at its staging buffer and back at the host
+copy afterwards (so state_dict and reports see the real weights). The last layers queue
+the first ones of the next pass, so those copies run while the step samples. On the CPU
+the same copies happen synchronously, so CPU tests exercise the whole path.
 
-Strategy "cpu" is the alternative: the KV cache and attention stay on the GPU (attention
-weights are staged as above) and each streamed layer's MLP, 87% of its bytes, runs on the
-CPU from float32 host weights, so the bus carries [T, hidden] activations instead of
-weights. Why "stream" is the default (memory_plan.DEFAULT_OFFLOAD_STRATEGY), for the 7B
-shape on a 4 GB budget with a 16K context (about 20 of 28 layers streamed):
-- stream: a decode token copies the streamed layers, about 2.4 GB: ~50 ms at the ~50 GB/s
-  of PCIe 5 x16 pinned copies, ~100 ms on PCIe 4, a few hundred ms on a laptop's narrower
-  link, with the GPU's compute hidden under the copies; a 512-token prefill pays the same
-  copies once for all its tokens.
-- cpu: a decode token reads 18 MLPs in float32 (about 15 GB: the CPU has no INT4 kernel
-  worth using) from DRAM at tens of GB/s, hundreds of ms, while the GPU idles; a
-  512-token prefill is about 4 TFLOP of CPU matmuls, seconds. It also holds 8x the INT4
-  bytes in host RAM.
-scripts/bench_7b_streaming.py measures both on the GPU (tokens/s, bytes copied per token,
-achieved vs measured host-to-device bandwidth) and prints which wins.
+Strategy "cpu": attention stays on the GPU (its weights staged as above) and each
+streamed layer's MLP, 87% of its bytes, runs on the CPU from float32 host weights, so
+the bus carries activations instead of weights. It loses to streaming wherever the bus
+is PCIe 4 or better (scripts/bench_7b_streaming.py measures both).
 """
 
 from __future__ import annotations
@@ -478,7 +463,7 @@ class LayerStreamer:
             embedding = model.model.embed_tokens.weight if self.has_host_embedding else None
             staged = [layer.staged for layer in inventory.layers[plan.num_resident_layers :]]
             kept = {i for regs in staged for i in regs} | ({id(embedding)} if embedding is not None else set())
-            self._place(model, kept)
+            place_on_device(model, self.device, kept)
             self.layers = [
                 _PackedLayer(plan.num_resident_layers + k, regs, self.is_cuda) for k, regs in enumerate(staged)
             ]
@@ -517,9 +502,6 @@ class LayerStreamer:
     @property
     def num_streamed_layers(self) -> int:
         return len(self.layers)
-
-    def _place(self, model: nn.Module, kept: set[int]) -> None:
-        place_on_device(model, self.device, kept)
 
     # -- the copy schedule ------------------------------------------------------
     def _holding(self, k: int) -> int | None:
