@@ -89,14 +89,10 @@ class EngineControl:
 
     def _allocated_bytes(self, is_plain_decode: bool) -> int | None:
         """The allocator's bytes in use for the controller (None off CUDA), read afresh only
-        when they may have moved.
-
-        A reading builds a dict of every allocator statistic, a noticeable share of the host
-        time of a decode step replayed from a graph. Between decode steps the KV pages are
-        what grows, and the controller counts those from the block manager every step; what
-        else the allocator holds (weights, graph pools, buffers) moves with a prefill, a graph
-        capture or a controller action, after which the counters are read at once. Otherwise
-        they are read every ALLOCATOR_READ_EVERY_STEPS steps, for anything else that allocates."""
+        when they may have moved: a reading costs a noticeable share of a graph-replayed decode
+        step's host time. Between decode steps the KV pages grow, and those are counted from
+        the block manager; the rest moves with a prefill, a graph capture or a controller
+        action (read at once after them), and anything else every ALLOCATOR_READ_EVERY_STEPS."""
         if self.device.type != "cuda":
             return None
         step = self.stats.num_steps
@@ -112,17 +108,12 @@ class EngineControl:
         pages that wait on the host, plus (on CUDA) the workspace the plan reserves for
         a step. Above the budget when the running sequences outgrow the card.
 
-        The um and pinned pools hand out pages for every sequence at full length but
-        keep at most the plan's device share resident; the rest waits on the host and
-        each step reads it over the bus or swaps it in. Counting resident pages only,
-        the fraction would top out at (weights + device share) / budget, which is
-        1 - workspace / budget, and stay flat however far the live pages outgrew the
-        device share: below the high-water mark wherever the workspace is a tenth of
-        the budget, so the controller would never see the pressure it exists to
-        relieve. Live pages therefore count at their current size wherever they are,
-        and the step's planned workspace counts because a step needs it on top of
-        what stays allocated between steps (on the CPU memory_in_use_bytes already
-        holds it). Compressing the KV or shrinking the batch lowers this number.
+        The um and pinned pools keep at most the plan's device share of the pages resident:
+        counting resident pages only, the fraction would stay flat below the high-water mark
+        however far the live pages outgrew the card, and the controller would never see the
+        pressure it exists to relieve. So live pages count wherever they are, and so does the
+        workspace a step needs on top of what stays allocated (on the CPU memory_in_use_bytes
+        holds it already).
         """
         if num_blocks_on_host is None:
             num_blocks_on_host = self.num_kv_blocks_on_host()
@@ -164,18 +155,14 @@ class EngineControl:
         for event in events:
             self._apply(event)
         if self.timeline_path:
-            record = {k: v for k, v in asdict(obs).items() if k != "kv_bytes_by_precision"}
             self._write_timeline(
-                {
-                    "type": "step",
-                    **record,
-                    "device_memory_bytes": in_use,
-                    "num_kv_blocks_used": self.block_manager.num_used_blocks,
-                    "batch_limit": self.scheduler.batch_limit,
-                    "kv_precision": self.kv_precision,
-                    "mode": self.controller_state.mode,
-                    "time": time.time(),
-                }
+                "step",
+                **{k: v for k, v in asdict(obs).items() if k != "kv_bytes_by_precision"},
+                device_memory_bytes=in_use,
+                num_kv_blocks_used=self.block_manager.num_used_blocks,
+                batch_limit=self.scheduler.batch_limit,
+                kv_precision=self.kv_precision,
+                mode=self.controller_state.mode,
             )
 
     def _apply(self, event: Event) -> None:
@@ -211,15 +198,7 @@ class EngineControl:
         log.info("controller: %s", event.reason)
         if self.timeline_path:
             self._write_timeline(
-                {
-                    "type": "event",
-                    "step": event.step,
-                    "action": kind,
-                    "value": value,
-                    "reason": event.reason,
-                    "mode": event.mode,
-                    "time": time.time(),
-                }
+                "event", step=event.step, action=kind, value=value, reason=event.reason, mode=event.mode
             )
 
     def _recover_from_oom(self, batch, exc: BaseException) -> None:
@@ -251,9 +230,9 @@ class EngineControl:
         except OSError as write_error:  # a full disk must not take the engine down too
             log.warning("out of device memory in a step; the crash report could not be written: %s", write_error)
 
-    def _write_timeline(self, record: dict) -> None:
+    def _write_timeline(self, kind: str, **record) -> None:
         with open(self.timeline_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({"type": kind, **record, "time": time.time()}) + "\n")
 
     def set_kv_precision(self, precision: str) -> int:
         """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
