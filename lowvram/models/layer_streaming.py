@@ -122,13 +122,6 @@ def place_on_device(model: nn.Module, device: torch.device, kept: Collection[int
             binding.set(binding.wrap(moved))
 
 
-def _packed_bytes(registrations: Registrations) -> int:
-    total = 0
-    for tensor, _ in registrations.values():
-        total = _align(total) + _nbytes(tensor)
-    return total
-
-
 @dataclass
 class _LayerInventory:
     own: Registrations  # tensors only this layer holds
@@ -140,7 +133,11 @@ class _LayerInventory:
 
     @property
     def staged_bytes(self) -> int:
-        return _packed_bytes(self.staged)
+        """Bytes of the packed copy (_PackedLayer): the tensors at aligned offsets."""
+        total = 0
+        for tensor, _ in self.staged.values():
+            total = _align(total) + _nbytes(tensor)
+        return total
 
 
 @dataclass
@@ -174,34 +171,6 @@ def _inventory(model: CausalLM, strategy: str) -> _Inventory:
     host_embedding = _nbytes(embedding) if is_movable and id(embedding) not in shared else 0
     fixed = sum(_nbytes(t) for t, _ in {**outside, **shared}.values()) - host_embedding
     return _Inventory(inventories, fixed, host_embedding)
-
-
-def plan_for_model(
-    model: CausalLM,
-    strategy: str,
-    *,
-    budget_bytes: int,
-    workspace_bytes: int,
-    kv_bytes: int,
-    reserve_bytes: int = 0,
-    max_resident_layers: int | None = None,
-    max_model_len: int = 0,
-) -> OffloadPlan:
-    """The split of a loaded model (its real tensor sizes) against a budget; see memory_plan.plan_offload."""
-    inventory = _inventory(model, strategy)
-    return plan_offload(
-        [layer.device_bytes for layer in inventory.layers],
-        [layer.staged_bytes for layer in inventory.layers],
-        fixed_bytes=inventory.fixed_bytes,
-        host_embedding_bytes=inventory.host_embedding_bytes,
-        budget_bytes=budget_bytes,
-        workspace_bytes=workspace_bytes,
-        kv_bytes=kv_bytes,
-        reserve_bytes=reserve_bytes,
-        strategy=strategy,
-        max_resident_layers=max_resident_layers,
-        max_model_len=max_model_len,
-    )
 
 
 # ---------------------------------------------------------------- host-side modules
@@ -295,16 +264,6 @@ class HostEmbedding(nn.Module):
         out = rows.to(self.device, non_blocking=True)
         self._copied.record()
         return out
-
-
-def keep_embedding_on_host(model: CausalLM, device: torch.device) -> None:
-    """Place a host-loaded model on `device` but its (untied) embedding table, which a
-    HostEmbedding serves from host memory; `model.weight_bytes` drops by the table."""
-    embedding = model.model.embed_tokens.weight
-    place_on_device(model, device, kept={id(embedding)})
-    model.model.embed_tokens = HostEmbedding(embedding, device)
-    model.weight_bytes -= _nbytes(embedding)
-    log.info("embedding table (%.0f MiB) kept in host memory", _nbytes(embedding) / 2**20)
 
 
 class HostComputed(nn.Module):
@@ -609,18 +568,27 @@ def load_model_for_profile(
         batch_invariant=profile.batch_invariant,
     )
     if predicted is None:
-        if is_embedding_on_host:
-            keep_embedding_on_host(model, device)
+        if is_embedding_on_host:  # everything on the device but the (untied) embedding table
+            embedding = model.model.embed_tokens.weight
+            place_on_device(model, device, kept={id(embedding)})
+            model.model.embed_tokens = HostEmbedding(embedding, device)
+            model.weight_bytes -= _nbytes(embedding)
+            log.info("embedding table (%.0f MiB) kept in host memory", _nbytes(embedding) / 2**20)
         elif on_host:
             place_on_device(model, device)
         return model, config
-    plan = plan_for_model(
-        model,
-        predicted.strategy,
+    # Planned again from the loaded model's real tensor sizes.
+    inventory = _inventory(model, predicted.strategy)
+    plan = plan_offload(
+        [layer.device_bytes for layer in inventory.layers],
+        [layer.staged_bytes for layer in inventory.layers],
+        fixed_bytes=inventory.fixed_bytes,
+        host_embedding_bytes=inventory.host_embedding_bytes,
         budget_bytes=predicted.budget_bytes,
         workspace_bytes=predicted.workspace_bytes,
         kv_bytes=predicted.kv_bytes,
         reserve_bytes=predicted.reserve_bytes,
+        strategy=predicted.strategy,
         max_resident_layers=profile.max_resident_layers,
         max_model_len=max_model_len,
     )
