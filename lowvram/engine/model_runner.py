@@ -166,29 +166,6 @@ class ModelRunner:
             tables.append(table)
         return input_ids, positions, slots, context_lens, tables
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        cu_seqlens = [0]
-        for num_new in batch.num_new_tokens:
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            max_context_len=max(context_lens),
-            context_lens_cpu=context_lens,
-            query_lens_cpu=list(batch.num_new_tokens),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        last_rows = [end - 1 for end in cu_seqlens[1:]]
-        return ids, pos, meta, last_rows
-
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """Run `batch` and return each sequence's next token (None for a prompt chunk that
@@ -311,7 +288,8 @@ class ModelRunner:
 
         A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
         not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
-        self.copy_pages(batch.copies)
+        for src, dst in batch.copies:  # copy-on-write of a shared page, before the step reads dst
+            self.kv_pool.copy_block(src, dst)
         pool = self.kv_pool
         if not pool.can_spill:
             return self._forward(batch, is_all_rows, input_ids)
@@ -343,54 +321,44 @@ class ModelRunner:
         return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
 
     def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pages_version = getattr(self.kv_pool, "pages_version", None)
         if self.graphs is not None and not batch.is_prefill and not is_all_rows:
-            logits = self._replay(batch, input_ids)
-            if logits is not None:
-                return logits
+            # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
+            key = self.graphs.bucket(len(batch.seqs), max(len(table) for table in batch.block_tables))
+            if key is not None:
+                host_ids, positions, slots, context_lens, tables = self.gather(batch)
+                logits = self.graphs.run(
+                    key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages, pages_version, input_ids
+                )
+                if logits is not None:
+                    return logits
         if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
-            logits = self._replay_prefill(batch)
-            if logits is not None:
-                return logits
-        ids, pos, meta, last_rows = self.prepare(batch)
-        if input_ids is not None:  # one new token per sequence: the rows line up
-            ids = input_ids
-        hidden = self.model(ids, pos, meta, self.kv_pool.pages)
-        return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
-
-    def _replay(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
-        widest = max(len(table) for table in batch.block_tables)
-        key = self.graphs.bucket(len(batch.seqs), widest)
-        if key is None:
-            return None
+            key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
+            if key is not None:
+                host_ids, positions, slots, context_lens, tables = self.gather(batch)
+                logits = self.prefill_graphs.run(
+                    key, host_ids, positions, slots, tables[0], context_lens[0], self.kv_pool.pages, pages_version
+                )
+                if logits is not None:
+                    return logits
         host_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.graphs.run(
-            key,
-            host_ids,
-            positions,
-            slots,
-            tables,
-            context_lens,
-            self.kv_pool.pages,
-            getattr(self.kv_pool, "pages_version", None),
-            device_input_ids=input_ids,
+        cu_seqlens = list(itertools.accumulate(batch.num_new_tokens, initial=0))
+        max_blocks = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            max_context_len=max(context_lens),
+            context_lens_cpu=context_lens,
+            query_lens_cpu=list(batch.num_new_tokens),
         )
-
-    def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
-        if key is None:
-            return None
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.prefill_graphs.run(
-            key,
-            input_ids,
-            positions,
-            slots,
-            tables[0],
-            context_lens[0],
-            self.kv_pool.pages,
-            getattr(self.kv_pool, "pages_version", None),
-        )
+        # A queued step's ids are on the device already: one new token per sequence, the rows line up.
+        ids = input_ids if input_ids is not None else torch.tensor(host_ids, dtype=torch.long, device=dev)
+        hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_pool.pages)
+        return self.model.compute_logits(hidden if is_all_rows else hidden[[end - 1 for end in cu_seqlens[1:]]])
 
     def _logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: list[KVPages]
@@ -438,8 +406,3 @@ class ModelRunner:
             blocks.update(dict.fromkeys(table))
         parts.append(part())
         return parts
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of shared pages: (src, dst) block ids, before the step reads dst."""
-        for src, dst in copies:
-            self.kv_pool.copy_block(src, dst)
