@@ -231,9 +231,9 @@ class ModelRunner:
         return True
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue `batch` and its sampling. When every sampling row may sample on the device (no
-        penalties), the tokens go to pinned host memory behind an event, to be read later;
-        otherwise penalised rows sample on the host now."""
+        """Queue `batch` and its sampling. When every row samples on the device (no penalties),
+        the tokens go to pinned host memory behind an event, to be read later; otherwise they
+        are sampled and read now."""
         logits = self.run(batch, input_ids=input_ids)
         rows = [
             row
@@ -243,31 +243,22 @@ class ModelRunner:
         ]
         launched = _Launched(batch, rows)
         seqs = [batch.seqs[row] for row in rows]
-        on_device = [i for i, seq in enumerate(seqs) if self.samples_on_device and not has_penalties(seq.params)]
-        if seqs and len(on_device) == len(seqs):
-            launched.generator_states = {
-                row: generator.get_state()
-                for row, seq in zip(rows, seqs)
-                if (generator := device_generator(seq, logits.device)) is not None
-            }
-            launched.device_tokens = sample_tokens_on_device(logits, rows, seqs)
-            if launched.device_tokens.is_cuda:
-                launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
-                launched.host_tokens.copy_(launched.device_tokens, non_blocking=True)
-                launched.copied = torch.cuda.Event()
-                launched.copied.record()
-            else:
-                launched.host_tokens = launched.device_tokens
+        if not (seqs and self.samples_on_device and not any(has_penalties(seq.params) for seq in seqs)):
+            launched.tokens = sample_tokens(logits, rows, seqs, on_device=self.samples_on_device)
             return launched
-        tokens = [0] * len(seqs)
-        on_host = [i for i in range(len(seqs)) if i not in set(on_device)]
-        for i, token in zip(on_host, sample_tokens(logits, [rows[i] for i in on_host], [seqs[i] for i in on_host])):
-            tokens[i] = token
-        if on_device:
-            picked = sample_tokens_on_device(logits, [rows[i] for i in on_device], [seqs[i] for i in on_device])
-            for i, token in zip(on_device, picked.tolist()):
-                tokens[i] = token
-        launched.tokens = tokens
+        launched.generator_states = {
+            row: generator.get_state()
+            for row, seq in zip(rows, seqs)
+            if (generator := device_generator(seq, logits.device)) is not None
+        }
+        launched.device_tokens = sample_tokens_on_device(logits, rows, seqs)
+        if launched.device_tokens.is_cuda:
+            launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
+            launched.host_tokens.copy_(launched.device_tokens, non_blocking=True)
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        else:
+            launched.host_tokens = launched.device_tokens
         return launched
 
     @property
