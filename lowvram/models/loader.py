@@ -239,8 +239,13 @@ def load_model(
     `held_bytes`, device memory the process already holds: memory_plan.memory_budget_bytes).
     """
     model_dir = Path(model_dir)
-    if is_deepseek_v2_checkpoint(model_dir):
-        return _load_deepseek_v2(model_dir, read_raw_config(model_dir), device, dtype, profile, held_bytes)
+    raw = read_raw_config(model_dir)
+    if raw is not None and is_deepseek_v2(raw):
+        model, config = _load_deepseek_v2(model_dir, raw, device, dtype, profile, held_bytes)
+        cached = model.num_cached_experts
+        where = f"{cached} of {config.num_routed_experts} routed experts per layer" if cached else "every routed expert"
+        _log_loaded(model, config, model_dir, device, _target_dtype(config, device, dtype), f", {where} on the device")
+        return model, config
     config, _ = load_model_config(model_dir)
     files = weight_files(model_dir)
     dtype = _target_dtype(config, device, dtype)
@@ -262,17 +267,16 @@ def load_model(
     model.weight_bytes = model.weight_report.total_bytes
     model.dtype = dtype
     model.eval()
-    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    log.info(
-        "loaded %s (%s, %s) on %s in %s: %s",
-        model_dir,
-        config.architecture,
-        kind,
-        device,
-        dtype,
-        model.weight_report.summary(),
-    )
+    _log_loaded(model, config, model_dir, device, dtype)
     return model, config
+
+
+def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: torch.dtype, detail: str = "") -> None:
+    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
+    summary = model.weight_report.summary()
+    log.info(
+        "loaded %s (%s, %s) on %s in %s%s: %s", model_dir, config.architecture, kind, device, dtype, detail, summary
+    )
 
 
 def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
@@ -306,21 +310,4 @@ def _load_deepseek_v2(
             held_bytes=held_bytes,
         )
     model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
-    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    cached = model.num_cached_experts
-    experts = (
-        f"{cached} of {config.num_routed_experts} routed experts per layer on the device"
-        if cached
-        else "every routed expert on the device"
-    )
-    log.info(
-        "loaded %s (%s, %s) on %s in %s, %s: %s",
-        model_dir,
-        config.architecture,
-        kind,
-        device,
-        dtype,
-        experts,
-        model.weight_report.summary(),
-    )
     return model, config
