@@ -342,7 +342,7 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
     # 3 prompts: prefill through the GEMM path plus one addmm, decode at 3 rows; 1 prompt: the row kernel
     cases = [(PROMPTS, 3), (PROMPTS[:1], 3)]
 
-    import lowvram.engine.engine
+    import lowvram.models.loader
     import lowvram.quant.awq_linear
 
     with monkeypatch.context() as patch:
@@ -369,7 +369,7 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
         fused = [generated_logits(engine, prompts, max_tokens) for prompts, max_tokens in cases]
         assert {1, 3} <= rows_with_lora, rows_with_lora
 
-    monkeypatch.setattr(lowvram.engine.engine, "fuse_projections", lambda model: 0)
+    monkeypatch.setattr(lowvram.models.loader, "fuse_projections", lambda model: 0)
     engine = LLMEngine(str(awq_qwen2_dir), "cpu")
 
     def unfused(layer: AwqLinear, lora_a, lora_b, correction):

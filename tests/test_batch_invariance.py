@@ -137,12 +137,13 @@ def _record_logits(engine, monkeypatch):
     run = engine.runner.run
 
     def recording_run(batch, **kwargs):
-        # Rows that sample, keyed by the index of the token they sample: a pipelined step's
-        # sequences already hold a placeholder for the token of the step before (engine._continue).
+        # Rows that sample, keyed by the index of the token they sample: a queued step runs
+        # before the sequences hold the token of the step before it.
         logits = run(batch, **kwargs)
-        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                recorded[(seq.request_id, len(seq.output_token_ids))] = logits[row].detach().cpu().clone()
+        for row, (seq, start, num_new) in enumerate(zip(batch.seqs, batch.positions, batch.num_new_tokens)):
+            if not batch.is_prefill or start + num_new == seq.num_tokens:
+                key = (seq.request_id, start + num_new - len(seq.prompt_token_ids))
+                recorded[key] = logits[row].detach().cpu().clone()
         return logits
 
     monkeypatch.setattr(engine.runner, "run", recording_run)
@@ -179,6 +180,15 @@ def _run(engine, prompts, max_tokens, ids, preempt_at_step=None):
     return done
 
 
+def _pipelined(engine, is_pipelined):
+    """Pipelined decode on or off (None: as on the engine's device)."""
+    if is_pipelined is not None:
+        engine.pipelines_decode = engine.runner.is_pipelined = is_pipelined
+        engine.runner.samples_on_device = is_pipelined or engine.device.type == "cuda"
+        engine.scheduler.num_lookahead_tokens = int(is_pipelined)
+    return engine
+
+
 def check_requests_decode_as_alone(
     model_dir, profile, monkeypatch, lengths, max_tokens, preempt_at_step=None, is_pipelined=None
 ):
@@ -188,18 +198,14 @@ def check_requests_decode_as_alone(
     turns pipelined decode on or off in both engines (None: as on their device)."""
     from lowvram.engine.engine import LLMEngine
 
-    batched = LLMEngine(str(model_dir), profile)
-    if is_pipelined is not None:
-        batched.pipelines_decode = is_pipelined
+    batched = _pipelined(LLMEngine(str(model_dir), profile), is_pipelined)
     prompts = _prompt_ids(batched, lengths)
     ids = [f"r{i}" for i in range(len(prompts))]
     batched_logits = _record_logits(batched, monkeypatch)
     batched_tokens = _run(batched, prompts, max_tokens, ids, preempt_at_step)
     monkeypatch.undo()
 
-    alone = LLMEngine(str(model_dir), profile)
-    if is_pipelined is not None:
-        alone.pipelines_decode = is_pipelined
+    alone = _pipelined(LLMEngine(str(model_dir), profile), is_pipelined)
     alone_logits = _record_logits(alone, monkeypatch)
     alone_tokens = {}
     for request_id, prompt in zip(ids, prompts):

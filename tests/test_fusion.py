@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import lowvram.engine.engine
+import lowvram.models.loader
 from lowvram.engine.engine import LLMEngine
 from lowvram.models.fusion import fuse_projections
 from lowvram.models.loader import load_model
@@ -29,7 +29,7 @@ def checkpoints(tiny_qwen2_dir, tiny_llama_dir, tmp_path_factory):
 @pytest.mark.parametrize("name", ["fp32 qwen2", "fp32 llama", "awq qwen2", "awq + compensation llama"])
 def test_fused_model_scores_text_like_the_unfused_one(name, checkpoints, monkeypatch):
     fused = LLMEngine(str(checkpoints[name]), "cpu")
-    monkeypatch.setattr(lowvram.engine.engine, "fuse_projections", lambda model: 0)
+    monkeypatch.setattr(lowvram.models.loader, "fuse_projections", lambda model: 0)
     unfused = LLMEngine(str(checkpoints[name]), "cpu")
     layer = fused.model.model.layers[0]
     assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None

@@ -1,4 +1,4 @@
-"""The spill policy, exactly: eviction order, hit counts, hot windows."""
+"""The spill policy, exactly: eviction order, hot windows."""
 
 import pytest
 
@@ -23,7 +23,7 @@ def test_pages_of_a_sequence_not_scheduled_age_to_the_front():
     policy.record_step({2: [5, 6]})
     # 0 is cold; 1 is sequence 1's hot window, so it goes after every cold page.
     assert policy.eviction_order([0, 1, 5, 6]) == [0, 5, 1, 6]
-    policy.forget_sequence(1)  # preempted: its window is no longer hot
+    policy.record_step({2: [5, 6]}, live_seq_ids={2})  # 1 preempted: its window is no longer hot
     assert policy.eviction_order([0, 1, 5, 6]) == [0, 1, 5, 6]
 
 
@@ -40,17 +40,8 @@ def test_never_read_pages_go_first_by_id_and_protected_pages_never():
     policy = SpillPolicy()
     policy.record_step({1: [3, 4]})
     assert policy.eviction_order([9, 3, 2, 4], protected=[4]) == [2, 9, 3]
-    policy.forget_pages([3])
-    assert policy.hits(3) == 0
-    assert policy.eviction_order([3, 4]) == [3, 4]
-
-
-def test_hit_counts_count_steps_that_read_a_page():
-    policy = SpillPolicy()
-    policy.record_step({1: [0, 1], 2: [1, 2]})  # a shared page is read by two sequences in one step
-    policy.record_step({1: [0, 1]})
-    assert [policy.hits(p) for p in (0, 1, 2, 3)] == [2, 3, 1, 0]
-    assert policy.num_steps == 2
+    policy.clear()
+    assert policy.eviction_order([4, 3]) == [3, 4]
 
 
 def test_admission_order_is_the_reverse_of_eviction_order():
@@ -70,13 +61,12 @@ def test_zero_hot_window_is_pure_lru_and_negative_is_refused():
 
 
 class EveryStepPolicy:
-    """The policy's order and counts written down page by page at every step: what the
-    deferred bookkeeping must reproduce exactly."""
+    """The policy's order written down page by page at every step: what the deferred
+    bookkeeping must reproduce exactly."""
 
     def __init__(self, num_hot_blocks: int):
         self.num_hot_blocks = num_hot_blocks
         self.recency: dict[int, None] = {}
-        self.hits: dict[int, int] = {}
         self.hot_by_seq: dict[int, tuple[int, ...]] = {}
 
     def record_step(self, tables, live_seq_ids=None) -> None:
@@ -84,7 +74,6 @@ class EveryStepPolicy:
             for page in table:
                 self.recency.pop(page, None)
                 self.recency[page] = None
-                self.hits[page] = self.hits.get(page, 0) + 1
             self.hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks :]) if self.num_hot_blocks else ()
         if live_seq_ids is not None:
             self.hot_by_seq = {s: w for s, w in self.hot_by_seq.items() if s in live_seq_ids}
@@ -99,7 +88,7 @@ class EveryStepPolicy:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_deferred_bookkeeping_gives_the_every_step_order_and_counts(seed):
+def test_deferred_bookkeeping_gives_the_every_step_order(seed):
     """Decoding sequences grow their tables, some share prefix pages, some skip steps, are
     preempted and start over, or change a page; queries come at any point."""
     import random
@@ -123,17 +112,7 @@ def test_deferred_bookkeeping_gives_the_every_step_order_and_counts(seed):
         elif op < 0.20:  # one page of a table swapped for another (not an extension)
             table = tables[rng.choice(list(tables))]
             table[rng.randrange(len(table))] = rng.randrange(num_pages)
-        elif op < 0.22:
-            pages = rng.sample(range(num_pages), 5)
-            policy.forget_pages(pages)
-            for page in pages:
-                reference.recency.pop(page, None)
-                reference.hits.pop(page, None)
-        elif op < 0.24:
-            seq_id = rng.randrange(6)
-            policy.forget_sequence(seq_id)
-            reference.hot_by_seq.pop(seq_id, None)
-        elif op < 0.25:
+        elif op < 0.21:
             policy.clear()
             reference = EveryStepPolicy(num_hot)
         else:  # a step: some sequences scheduled, in any order, a few growing a page
@@ -151,8 +130,5 @@ def test_deferred_bookkeeping_gives_the_every_step_order_and_counts(seed):
             protected = rng.sample(range(num_pages), rng.randrange(4))
             assert policy.eviction_order(candidates, protected) == reference.eviction_order(candidates, protected)
             assert policy.admission_order(candidates) == reference.eviction_order(candidates)[::-1]
-        if rng.random() < 0.2:
-            assert [policy.hits(p) for p in range(num_pages)] == [reference.hits.get(p, 0) for p in range(num_pages)]
         assert policy.hot_pages == {p for window in reference.hot_by_seq.values() for p in window}
     assert policy.eviction_order(range(num_pages)) == reference.eviction_order(range(num_pages))
-    assert [policy.hits(p) for p in range(num_pages)] == [reference.hits.get(p, 0) for p in range(num_pages)]

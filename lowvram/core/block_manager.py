@@ -57,7 +57,6 @@ class BlockManager:
         self.partial_to_block: dict[int, int] = {}  # parent chain hash -> cached partial page
         self.num_hashed: dict[int, int] = {}  # seq -> full pages of its table already hashed
         self.num_hits = 0
-        self.num_queries = 0
 
     # -- counts ----------------------------------------------------------------
     @property
@@ -142,7 +141,6 @@ class BlockManager:
         (the step must produce logits for the last prompt token)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], 0)
-        self.num_queries += 1
         bs = self.block_size
         limit = len(token_ids) - 1
         blocks: list[int] = []

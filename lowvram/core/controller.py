@@ -45,7 +45,6 @@ class Observation:
     token_latency_ms: float | None = None  # this step's per-token decode latency; None for prefill steps
     num_running: int = 0
     num_waiting: int = 0
-    host_free_bytes: int | None = None
     # The live KV pages' bytes at each KV precision ("fp16", "int8", "int4"); empty when unknown.
     kv_bytes_by_precision: Mapping[str, int] = field(default_factory=dict)
 
@@ -82,7 +81,6 @@ class ControllerState:
     memory_streak: int = 0
     latency_streak: int = 0
     calm_streak: int = 0
-    latency_window: tuple[float, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -98,17 +96,6 @@ class ControllerState:
         if self.is_throttled:
             parts.append("throttled")
         return "+".join(parts) or "normal"
-
-
-LATENCY_WINDOW = 32
-
-
-def latency_stats(window: tuple[float, ...]) -> tuple[float | None, float | None]:
-    """(moving average, p95) of the recent per-token latencies."""
-    if not window:
-        return None, None
-    ordered = sorted(window)
-    return sum(window) / len(window), ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
 def _escalate_memory(
@@ -175,9 +162,6 @@ def decide(
     """One controller step. Returns the new state and the events it decided (0 or 1)."""
     if not config.is_enabled:
         return state, []
-    window = state.latency_window
-    if obs.token_latency_ms is not None:
-        window = (window + (obs.token_latency_ms,))[-LATENCY_WINDOW:]
     mem = obs.memory_fraction
     latency = obs.token_latency_ms
     is_memory_high = mem > config.memory_high_water
@@ -185,7 +169,6 @@ def decide(
     is_calm = mem < config.memory_low_water and (latency is None or latency < config.latency_low_ms)
     state = replace(  # one copy a step: every decode step comes through here
         state,
-        latency_window=window,
         memory_streak=state.memory_streak + 1 if is_memory_high else 0,
         latency_streak=(state.latency_streak + 1 if is_latency_high else 0)
         if latency is not None

@@ -8,6 +8,8 @@ decode step (one new token for every running sequence). When a decode step canno
 get a page for every sequence, the newest sequences are preempted: their pages are
 freed and they go back to the front of the queue, to be recomputed when pages are
 free again (recompute is cheap next to the page traffic of swapping at these sizes).
+With `num_lookahead_tokens` a decode step also takes the page its next token will need,
+when one is free, so the model runner can queue that step before this one is read.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class ScheduledBatch:
     live_tables: every sequence that holds pages, scheduled or not, by sequence id; the
         runner asks for their pages next when its pool spills.
     free_block_ids: pages nobody holds, which a spilling pool evicts first.
+    positions: where each sequence's new tokens start (its computed tokens).
+    is_steady: a decode step of every running sequence with nobody to admit: the next step
+        will most likely decode the same sequences one position on.
     """
 
     is_prefill: bool
@@ -39,6 +44,8 @@ class ScheduledBatch:
     block_tables: list[list[int]] = field(default_factory=list)
     live_tables: Mapping[int, list[int]] = field(default_factory=dict)
     free_block_ids: Collection[int] = ()
+    positions: list[int] = field(default_factory=list)
+    is_steady: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -46,8 +53,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_lookahead_tokens: int = 0,
+    ):
         self.block_manager = block_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -92,6 +106,7 @@ class Scheduler:
         """`batch` with the pages its sequences hold, once they are allocated (see ScheduledBatch)."""
         block_manager = self.block_manager
         batch.block_tables = [block_manager.block_table(seq.seq_id) for seq in batch.seqs]
+        batch.positions = [seq.num_computed_tokens for seq in batch.seqs]
         batch.live_tables = block_manager.tables
         batch.free_block_ids = block_manager.free_blocks
         return batch
@@ -155,9 +170,8 @@ class Scheduler:
         batch = ScheduledBatch(is_prefill=False)
         block_manager = self.block_manager
         for seq in list(self.running):
-            if (
-                seq not in self.running or seq.num_uncomputed_tokens != 1
-            ):  # preempted below to make room for an older one
+            # Skips a sequence preempted below to make room for an older one.
+            if seq not in self.running or seq.num_uncomputed_tokens != 1:
                 continue
             num_tokens = seq.num_tokens
             if block_manager.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
@@ -170,8 +184,12 @@ class Scheduler:
                 if seq not in self.running:
                     continue
                 block_manager.allocate(seq.seq_id, num_tokens)
+            ahead = num_tokens + self.num_lookahead_tokens
+            if ahead > num_tokens and block_manager.can_allocate(seq.seq_id, ahead):
+                block_manager.allocate(seq.seq_id, ahead)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(1)
+        batch.is_steady = bool(batch.seqs) and len(batch.seqs) == len(self.running) and not self.may_admit()
         return batch
 
     def preempt(self, seq: Sequence) -> None:

@@ -1,10 +1,10 @@
 """One engine loop in a background thread, per-request async token streams.
 
-The server and the chat UI talk to this. The loop thread owns the LLMEngine:
-adds and aborts are queued to it and applied between steps, so the engine itself
-never sees two threads. Outputs go back to each request's asyncio queue through
-the event loop's thread-safe call. Cancelling a stream (client disconnect, Ctrl-C
-in the UI) aborts the request and frees its pages.
+The server and the chat UI talk to this. The loop thread owns the LLMEngine: adds, aborts
+and calls are queued to it as functions and run between steps, so the engine itself never
+sees two threads. Outputs go back to each request's asyncio queue through the event loop's
+thread-safe call. Cancelling a stream (client disconnect, Ctrl-C in the UI) aborts the
+request and frees its pages.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from lowvram.core.sampling_params import SamplingParams
@@ -23,31 +23,6 @@ from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import LowvramError
 
 log = logging.getLogger("lowvram")
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    prompt_token_ids: list[int] | None
-    messages: list[dict] | None
-    stream: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    """Run a function on the engine in the loop thread, between steps."""
-
-    fn: object
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
 
 
 @dataclass
@@ -66,8 +41,8 @@ class AsyncLLMEngine:
     """
 
     engine: LLMEngine
-    _commands: queue.Queue = field(default_factory=queue.Queue)
-    _streams: dict = field(default_factory=dict)
+    _commands: queue.Queue = field(default_factory=queue.Queue)  # functions for the loop thread; None stops it
+    _streams: dict = field(default_factory=dict)  # request id -> (asyncio queue, its event loop)
     _thread: threading.Thread | None = None
     _is_stopping: bool = False
     _ids: itertools.count = field(default_factory=itertools.count)
@@ -104,6 +79,10 @@ class AsyncLLMEngine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    def _check_running(self) -> None:
+        if self._thread is None:
+            raise LowvramError("the engine loop is not running; call start() first")
+
     async def generate(
         self,
         request_id: str,
@@ -117,20 +96,11 @@ class AsyncLLMEngine:
 
         Bad input raises the engine's error (RequestError) at the first iteration.
         """
-        if self._thread is None:
-            raise LowvramError("the engine loop is not running; call start() first")
+        self._check_running()
         stream: asyncio.Queue = asyncio.Queue()
-        self._commands.put(
-            _Add(
-                request_id,
-                prompt,
-                params or SamplingParams(),
-                prompt_token_ids,
-                messages,
-                stream,
-                asyncio.get_running_loop(),
-            )
-        )
+        entry = (stream, asyncio.get_running_loop())
+        params = params or SamplingParams()
+        self._commands.put(lambda: self._add(request_id, entry, prompt, params, prompt_token_ids, messages))
         is_finished = False
         try:
             while not is_finished:
@@ -142,22 +112,51 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if not is_finished:
-                self._commands.put(_Abort(request_id))
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._commands.put(lambda: self._abort(request_id))
 
     async def call(self, fn):
         """`fn(engine)` run in the loop thread between steps (the engine has one driver);
         returns its result or raises its exception."""
-        if self._thread is None:
-            raise LowvramError("the engine loop is not running; call start() first")
+        self._check_running()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(_Call(fn, future, loop))
+
+        def run() -> None:
+            try:
+                result, error = fn(self.engine), None
+            except Exception as exc:  # handed to the caller, the loop keeps serving
+                result, error = None, exc
+            settle = future.set_exception if error is not None else future.set_result
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or settle(error if error is not None else result))
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+
+        self._commands.put(run)
         return await future
 
     # -- the loop thread ------------------------------------------------------
+    def _add(self, request_id, entry, prompt, params, prompt_token_ids, messages) -> None:
+        self._streams[request_id] = entry
+        try:
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=prompt_token_ids, messages=messages)
+        except Exception as exc:  # a bad request fails alone; the loop keeps serving
+            if not isinstance(exc, LowvramError):
+                log.exception("request %s could not be added", request_id)
+            self._fail(request_id, exc)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        self.engine.abort_request(request_id)
+        self._deliver(request_id, _Failure(error))
+        self._streams.pop(request_id, None)
+
     def _deliver(self, request_id: str, item) -> None:
         entry = self._streams.get(request_id)
         if entry is None:
@@ -166,76 +165,34 @@ class AsyncLLMEngine:
         try:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.engine.abort_request(request_id)
-            self._streams.pop(request_id, None)
-
-    def _apply(self, command) -> None:
-        if isinstance(command, _Add):
-            self._streams[command.request_id] = (command.stream, command.loop)
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.prompt,
-                    command.params,
-                    prompt_token_ids=command.prompt_token_ids,
-                    messages=command.messages,
-                )
-            except Exception as exc:  # a bad request fails alone; the loop keeps serving
-                if not isinstance(exc, LowvramError):
-                    log.exception("request %s could not be added", command.request_id)
-                self.engine.abort_request(command.request_id)
-                self._deliver(command.request_id, _Failure(exc))
-                self._streams.pop(command.request_id, None)
-        elif isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-            self._streams.pop(command.request_id, None)
-        elif isinstance(command, _Call):
-            try:
-                result, error = command.fn(self.engine), None
-            except Exception as exc:  # handed to the caller, the loop keeps serving
-                result, error = None, exc
-            settle = command.future.set_exception if error is not None else command.future.set_result
-            try:
-                command.loop.call_soon_threadsafe(
-                    lambda: command.future.done() or settle(error if error is not None else result)
-                )
-            except RuntimeError:  # the caller's event loop is closed
-                pass
-        self._snapshot = self.engine.snapshot()
+            self._abort(request_id)
 
     def _loop(self) -> None:
         while not self._is_stopping:
-            try:
-                # Block only when idle; while requests run, drain commands without waiting.
-                command = (
-                    self._commands.get(timeout=0.1)
-                    if not self.engine.has_unfinished_requests()
-                    else self._commands.get_nowait()
-                )
+            is_busy = self.engine.has_unfinished_requests()
+            command: Callable[[], None] | None
+            try:  # block only when idle; while requests run, take commands without waiting
+                command = self._commands.get_nowait() if is_busy else self._commands.get(timeout=0.1)
             except queue.Empty:
-                command = False
+                command = self._step if is_busy else None
+                if command is None:
+                    continue
             if command is None:
                 break
-            if command is not False:
-                self._apply(command)
-                continue
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # keep serving: fail the running requests, not the process
-                log.exception("engine step failed")
-                for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                    self._deliver(request_id, _Failure(exc))
-                    self._streams.pop(request_id, None)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+            command()
             self._snapshot = self.engine.snapshot()
         for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
-            self._deliver(request_id, _Failure(LowvramError("the engine is shutting down")))
-        self._streams.clear()
+            self._fail(request_id, LowvramError("the engine is shutting down"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # keep serving: fail the running requests, not the process
+            log.exception("engine step failed")
+            for request_id in list(self._streams):
+                self._fail(request_id, exc)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)

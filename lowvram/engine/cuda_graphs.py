@@ -5,34 +5,26 @@ each costs more to launch from Python than to run. Captured once, the whole forw
 (embedding to logits) replays as one graph, so the step costs the GPU time only.
 
 A graph fixes every shape and address it was captured with. So:
-- Inputs live in static buffers sized for the largest batch, all views of one device buffer
-  (StagedInputs): a step writes its token ids, positions, KV slots, block tables and context
-  lengths into a pinned host mirror, copies them over in one transfer and replays. Padding
-  rows write no KV (slot -1) and attend to nothing (context length 0); their logits are dropped.
+- Inputs live in static buffers sized for the largest batch, views of one device buffer
+  filled from a pinned host mirror by one copy per step (StagedInputs). Padding rows write
+  no KV (slot -1) and attend to nothing (context length 0); their logits are dropped.
 - One graph per (batch size, block-table width) bucket. The width fixes how many context
-  partitions the decode attention kernel splits into, so it is bucketed by powers of four
-  from 64 pages up to the model's longest context: short contexts do not pay for the
-  partitions of long ones.
-- The KV pages' addresses are baked in. When the pool reallocates its pages (a precision
+  partitions decode attention splits into, so it is bucketed by powers of four from 64
+  pages: short contexts do not pay for the partitions of long ones.
+- The KV pages' addresses are baked in: when the pool reallocates them (a precision
   change), every graph is dropped and recaptured on demand.
-- Graphs are captured lazily, the first time a bucket is needed, and share one memory
-  pool, so their activations take the space of one step, not one per graph. Every graph
-  writes its logits into one static buffer sized for the largest batch; a replay hands out
-  a view of it, which the caller reads before the next replay.
+- Graphs are captured lazily and share one memory pool, so their activations take the
+  space of one step; all write their logits into one static buffer, and a replay hands
+  out a view of it, which the caller reads before the next replay.
 - Warm-up runs and captures go on one stream per device for the whole process: torch
-  keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for the life of
-  the process, so a fresh stream per capture held one more workspace per graph, and
-  dropped engines left theirs behind. memory.workspace.profile_workspace counts what stays.
-
-- An embedding table in host memory is pinned and read by the GPU through unified
-  addressing (HostEmbedding.device_view), inside the graph like any other gather. Where the
-  driver cannot map it, each replay copies its rows from a pinned buffer the step fills on
-  the host first (HostEmbedding.stage).
-Prefill graphs (profile `enable_prefill_graphs`, off by default until measured) do the same
-for one sequence's new tokens up to 512, padded to a bucket of 64, 128, 256 or 512 tokens;
-see PrefillGraphs. Anything a graph cannot hold (a longer or multi-sequence prefill, a
-batch larger than the largest bucket, a model that syncs with the host inside its forward
-pass) runs eagerly, and so does every bucket whose capture failed, with a warning logged once.
+  keeps a cuBLAS workspace (~32 MiB) for every stream that ran a matmul, for good
+  (memory.workspace.profile_workspace counts what stays).
+- An embedding table in host memory is read by the GPU through unified addressing
+  (HostEmbedding.device_view) inside the graph; where the driver cannot map it, each
+  replay copies rows the step staged on the host first (HostEmbedding.stage).
+Prefill graphs (profile `enable_prefill_graphs`) do the same for one sequence's new tokens
+up to 512, padded to a bucket of 64, 128, 256 or 512 (PrefillGraphs). Anything a graph
+cannot hold runs eagerly, and so does a bucket whose capture failed (with a warning).
 """
 
 from __future__ import annotations
@@ -95,24 +87,16 @@ def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
 
 class StagedInputs:
     """A graph's static inputs as views of one device buffer, filled from a pinned host mirror
-    by one copy per step.
+    by one copy per step (one copy per input cost a noticeable share of a batch-1 step).
 
-    Built from lists, each input cost a tensor on the host and its own copy (five or six
-    per step, a noticeable share of a batch-1 decode step's host time). Here a step writes
-    its values into numpy views of the mirror and `upload` copies the used front of the
-    mirror over at once. The device views never move, so graphs may capture them.
-
-    Ordering: the copy is asynchronous (pinned memory), so the mirror may only be written
-    again once the previous copy has read it; `host` waits for the event recorded after that
-    copy. In practice the engine reads every step's tokens before the next step starts, so
-    the copy is long done and the wait returns at once. The copy itself is queued on the
-    current stream, ahead of the replay that reads the inputs and behind the previous replay
-    that read them, so the device side needs no event.
+    The copy is asynchronous, so `host` waits for the previous copy to have read the mirror
+    before handing it out to be written again; the copy is queued on the current stream,
+    between the replays that read the inputs, so the device side needs no event.
 
     Args:
-        fields: name -> (dtype, number of elements, initial value), laid out in this order,
-            each at an 8-byte boundary. Put the largest, partly used input last: `upload`
-            copies everything up to the end of what a step uses of it.
+        fields: name -> (dtype, number of elements, initial value), laid out in this order at
+            8-byte boundaries. Put the largest, partly used input last: `upload` copies the
+            front of the buffer up to what a step uses of it.
         device: where the inputs live; on the CPU (tests) the mirror is ordinary memory.
     """
 
@@ -187,12 +171,9 @@ class _StepGraphs:
             },
             device,
         )
-        inputs = self.staged.inputs
-        self.input_ids, self.positions, self.slot_mapping = (
-            inputs["input_ids"],
-            inputs["positions"],
-            inputs["slot_mapping"],
-        )
+        self.inputs = self.staged.inputs
+        self.input_ids, self.positions = self.inputs["input_ids"], self.inputs["positions"]
+        self.slot_mapping = self.inputs["slot_mapping"]
         self.logits: torch.Tensor | None = None  # [max_logit_rows, vocab] float32, made at the first capture
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
@@ -320,15 +301,14 @@ class DecodeGraphs(_StepGraphs):
         max_batch, max_width = batch_sizes[-1], table_buckets(max_blocks_per_seq)[-1]
         fields = {
             "context_lens": (torch.int32, max_batch, 0),
-            # [max_batch * max_width]: a bucket's tables are packed rows of its own width (_tables),
+            # [max_batch * max_width]: a bucket's tables are packed rows of its own width,
             # so a step copies batch x width entries, not whole rows of the widest bucket. Last, as
             # StagedInputs.upload copies the front of the buffer up to what the step uses.
             "block_tables": (torch.int32, max_batch * max_width, 0),
         }
         super().__init__(device, batch_sizes, max_blocks_per_seq, max_batch, stage_embeddings, stage_capacity, fields)
         self.forward = forward
-        self.context_lens = self.staged.inputs["context_lens"]
-        self.block_tables = self.staged.inputs["block_tables"]
+        self.context_lens, self.block_tables = self.inputs["context_lens"], self.inputs["block_tables"]
 
     def run(
         self,
@@ -367,24 +347,19 @@ class DecodeGraphs(_StepGraphs):
         rows[num_seqs:] = 0
         self.staged.upload("block_tables", batch * width)
 
-    def _tables(self, batch: int, width: int) -> torch.Tensor:
-        return self.block_tables[: batch * width].view(batch, width)  # [B, width], packed rows
-
-    def _meta(self, batch: int, width: int, block_size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
+        batch, width = key
+        block_size = kv_pages[0].block_size
+        meta = AttentionMetadata(
             is_prefill=False,
             slot_mapping=self.slot_mapping[:batch],
-            block_tables=self._tables(batch, width),
+            block_tables=self.block_tables[: batch * width].view(batch, width),  # [B, width], packed rows
             context_lens=self.context_lens[:batch],
             cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=self.device),
             max_context_len=width * block_size,
             context_lens_cpu=[width * block_size] * batch,
             query_lens_cpu=[1] * batch,
         )
-
-    def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
-        batch, width = key
-        meta = self._meta(batch, width, kv_pages[0].block_size)
         return self.forward(self.input_ids[:batch], self.positions[:batch], meta, kv_pages)
 
 
@@ -443,9 +418,8 @@ class PrefillGraphs(_StepGraphs):
             device, token_buckets(max_tokens), max_blocks_per_seq, 1, stage_embeddings, stage_capacity, fields
         )
         self.forward = forward
-        inputs = self.staged.inputs
-        self.last_row, self.context_lens = inputs["last_row"], inputs["context_lens"]
-        self.cu_seqlens, self.block_tables = inputs["cu_seqlens"], inputs["block_tables"]
+        self.last_row, self.context_lens = self.inputs["last_row"], self.inputs["context_lens"]
+        self.cu_seqlens, self.block_tables = self.inputs["cu_seqlens"], self.inputs["block_tables"]
 
     def run(
         self,

@@ -1,4 +1,4 @@
-"""Turns a ScheduledBatch into tensors, runs the model, returns last-token logits.
+"""Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token.
 
 Before the forward pass the pages the batch reads are made resident in the KV pool
 (`KVPool.ensure_resident`), and the pool's spill policy learns from the batch which
@@ -7,22 +7,64 @@ come back on the pool's side stream (double buffering): the pages of sequences t
 hold pages but are not in this step, or, when one batch reads more pages than the
 device share (`max_blocks_per_step`, the pinned backend) and runs in parts, the
 next part's.
+
+Pipelined decode (`is_pipelined`): when every token of a steady decode step (see
+ScheduledBatch.is_steady) is sampled on the device, the runner queues the next step,
+whose input ids are those tokens still on the device, before the host reads them, so
+the GPU does not wait for the host between steps. The next `step` call uses the queued
+step when it asks for what was guessed (the same sequences, one position on; the
+scheduler holds the page ahead, Scheduler.num_lookahead_tokens) and drops it otherwise.
+A seeded generator that drew for a dropped row is wound back, so the step that computes
+that token again draws the same.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
+from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
+
+log = logging.getLogger("lowvram")
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step queued on the device, and its sampled tokens once read."""
+
+    batch: ScheduledBatch
+    rows: list[int]  # the rows of batch.seqs that sample a token
+    tokens: list[int] | None = None  # on the host
+    device_tokens: torch.Tensor | None = None  # [len(rows)] int64, when every row sampled on the device
+    host_tokens: torch.Tensor | None = None  # pinned copy of device_tokens, valid once `copied` is reached
+    copied: torch.cuda.Event | None = None
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> state before its draw
+    picked: list[int] | None = None  # the entries of host_tokens that are this step's (a narrowed queued step)
+
+    def read(self) -> list[int]:
+        if self.tokens is None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            tokens = self.host_tokens.tolist()
+            self.tokens = tokens if self.picked is None else [tokens[i] for i in self.picked]
+        return self.tokens
+
+    def rewind(self, rows) -> None:
+        """Give back the draws of `rows`: their tokens will be sampled again."""
+        for row in rows:
+            state = self.generator_states.get(row)
+            if state is not None:
+                self.batch.seqs[row].device_generator.set_state(state)
 
 
 class ModelRunner:
@@ -36,6 +78,7 @@ class ModelRunner:
         max_prefill_graph_tokens: with use_cuda_graphs, also replay the prefill of one
             sequence's new tokens, up to this many (0 = off; at most MAX_PREFILL_GRAPH_TOKENS),
             from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
+        is_pipelined: queue steady decode steps ahead (see the module notes).
     """
 
     def __init__(
@@ -47,11 +90,20 @@ class ModelRunner:
         max_model_len: int = 0,
         use_cuda_graphs: bool = False,
         max_prefill_graph_tokens: int = 0,
+        is_pipelined: bool = False,
     ):
         self.model = model
         self.kv_pool = kv_pool
         self.device = kv_pool.device
         self.block_size = kv_pool.block_size
+        self.max_model_len = max_model_len
+        self.is_pipelined = is_pipelined
+        # On a GPU (and wherever decode is pipelined) rows without penalties sample on the device,
+        # at every step, prefill included, so a seeded request draws alike queued or not.
+        self.samples_on_device = self.device.type == "cuda" or is_pipelined
+        self.num_pipelined_steps = 0  # steps taken from the queue
+        self.is_tail = False  # the last step came from the queue and nothing was queued after it
+        self._queued: _Launched | None = None
         self.graphs = None
         self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
@@ -101,38 +153,113 @@ class ModelRunner:
         slots: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
-        for seq, num_new, block_table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        for seq, start, num_new, block_table in zip(
+            batch.seqs, batch.positions, batch.num_new_tokens, batch.block_tables
+        ):
+            end = start + num_new
             table = self.kv_pool.device_table(block_table)
-            input_ids.extend(seq.token_ids_between(start, end))
+            # A queued step's input ids are on the device only (its tokens are not sampled yet).
+            input_ids.extend(seq.token_ids_between(start, end) if end <= seq.num_tokens else [0] * num_new)
             positions.extend(range(start, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
             context_lens.append(end)
             tables.append(table)
         return input_ids, positions, slots, context_lens, tables
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        cu_seqlens = [0]
-        for num_new in batch.num_new_tokens:
-            cu_seqlens.append(cu_seqlens[-1] + num_new)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
-        meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            max_context_len=max(context_lens),
-            context_lens_cpu=context_lens,
-            query_lens_cpu=list(batch.num_new_tokens),
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> list[int | None]:
+        """Run `batch` and return each sequence's next token (None for a prompt chunk that
+        leaves tokens to compute), sampled as its params ask (lowvram.engine.sampler)."""
+        launched = self._take_queued(batch)
+        is_queued = launched is not None
+        if launched is None:
+            launched = self._launch(batch)
+        if self._can_queue_after(launched):
+            ahead = replace(batch, positions=[p + 1 for p in batch.positions], copies=[], preempted=[])
+            try:
+                self._queued = self._launch(ahead, input_ids=launched.device_tokens)
+            except torch.OutOfMemoryError:  # the next step runs unqueued, and recovers if it must
+                log.warning("no device memory to queue the next decode step; it runs on its own")
+        self.num_pipelined_steps += is_queued
+        self.is_tail = is_queued and self._queued is None
+        tokens: list[int | None] = [None] * len(batch.seqs)
+        for row, token in zip(launched.rows, launched.read()):
+            tokens[row] = token
+        return tokens
+
+    def drop_queued(self) -> None:
+        """Forget a queued step (before the pages, the batch or the model under it change)."""
+        if self._queued is not None:
+            self._queued.rewind(self._queued.rows)
+            self._queued = None
+
+    def _take_queued(self, batch: ScheduledBatch) -> _Launched | None:
+        """The queued step, narrowed to `batch`'s rows, when it computed what `batch` asks."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return None
+        row_of = {seq.seq_id: row for row, seq in enumerate(queued.batch.seqs)}
+        rows = [row_of.get(seq.seq_id) for seq in batch.seqs]
+        is_match = not batch.is_prefill and all(
+            row is not None and queued.batch.positions[row] == position for row, position in zip(rows, batch.positions)
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        last_rows = [end - 1 for end in cu_seqlens[1:]]
-        return ids, pos, meta, last_rows
+        queued.rewind(set(queued.rows) - set(rows) if is_match else queued.rows)
+        if not is_match:
+            return None
+        if rows == queued.rows:
+            return replace(queued, batch=batch)
+        device_tokens = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
+        return _Launched(
+            batch, list(range(len(rows))), None, device_tokens, queued.host_tokens, queued.copied, picked=rows
+        )
+
+    def _can_queue_after(self, launched: _Launched) -> bool:
+        """Whether the step after `launched` can be queued before its tokens are read: a steady
+        decode step sampled on the device, whose sequences all go on after the token it samples
+        (no length limit reached) and hold the page that token's step writes to."""
+        batch = launched.batch
+        if not (self.is_pipelined and batch.is_steady and launched.device_tokens is not None):
+            return False
+        if batch.is_prefill or not self.accepts_device_input_ids:
+            return False
+        for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables):
+            num_tokens = position + 2  # with the token this step samples
+            if num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens or num_tokens >= self.max_model_len:
+                return False
+            if len(table) * self.block_size < num_tokens:
+                return False
+        return True
+
+    def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Queue `batch` and its sampling. When every row samples on the device (no penalties),
+        the tokens go to pinned host memory behind an event, to be read later; otherwise they
+        are sampled and read now."""
+        logits = self.run(batch, input_ids=input_ids)
+        rows = [
+            row
+            for row, (seq, start, num_new) in enumerate(zip(batch.seqs, batch.positions, batch.num_new_tokens))
+            if not batch.is_prefill
+            or start + num_new == seq.num_tokens  # a prompt chunk that is not the last samples nothing
+        ]
+        launched = _Launched(batch, rows)
+        seqs = [batch.seqs[row] for row in rows]
+        if not (seqs and self.samples_on_device and not any(has_penalties(seq.params) for seq in seqs)):
+            launched.tokens = sample_tokens(logits, rows, seqs, on_device=self.samples_on_device)
+            return launched
+        launched.generator_states = {
+            row: generator.get_state()
+            for row, seq in zip(rows, seqs)
+            if (generator := device_generator(seq, logits.device)) is not None
+        }
+        launched.device_tokens = sample_tokens_on_device(logits, rows, seqs)
+        if launched.device_tokens.is_cuda:
+            launched.host_tokens = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
+            launched.host_tokens.copy_(launched.device_tokens, non_blocking=True)
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        else:
+            launched.host_tokens = launched.device_tokens
+        return launched
 
     @property
     def accepts_device_input_ids(self) -> bool:
@@ -147,13 +274,13 @@ class ModelRunner:
         """FP32 logits [S, vocab] at the last new token of each scheduled sequence
         (or [T, vocab] at every new token with is_all_rows, for scoring text).
 
-        input_ids: a decode step's input token per sequence [S] int64 on the device (the
-        previous step's argmax, not yet read by the host), used in place of the ids in the
-        sequences, whose last entries are then placeholders.
+        input_ids: a queued decode step's input token per sequence [S] int64 on the device
+        (the tokens of the step before, not read by the host yet, so not in the sequences).
 
         A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
         not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
-        self.copy_pages(batch.copies)
+        for src, dst in batch.copies:  # copy-on-write of a shared page, before the step reads dst
+            self.kv_pool.copy_block(src, dst)
         pool = self.kv_pool
         if not pool.can_spill:
             return self._forward(batch, is_all_rows, input_ids)
@@ -185,54 +312,44 @@ class ModelRunner:
         return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
 
     def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        pages_version = getattr(self.kv_pool, "pages_version", None)
         if self.graphs is not None and not batch.is_prefill and not is_all_rows:
-            logits = self._replay(batch, input_ids)
-            if logits is not None:
-                return logits
+            # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
+            key = self.graphs.bucket(len(batch.seqs), max(len(table) for table in batch.block_tables))
+            if key is not None:
+                host_ids, positions, slots, context_lens, tables = self.gather(batch)
+                logits = self.graphs.run(
+                    key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages, pages_version, input_ids
+                )
+                if logits is not None:
+                    return logits
         if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
-            logits = self._replay_prefill(batch)
-            if logits is not None:
-                return logits
-        ids, pos, meta, last_rows = self.prepare(batch)
-        if input_ids is not None:  # one new token per sequence: the rows line up
-            ids = input_ids
-        hidden = self.model(ids, pos, meta, self.kv_pool.pages)
-        return self.model.compute_logits(hidden if is_all_rows else hidden[last_rows])
-
-    def _replay(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
-        widest = max(len(table) for table in batch.block_tables)
-        key = self.graphs.bucket(len(batch.seqs), widest)
-        if key is None:
-            return None
+            key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
+            if key is not None:
+                host_ids, positions, slots, context_lens, tables = self.gather(batch)
+                logits = self.prefill_graphs.run(
+                    key, host_ids, positions, slots, tables[0], context_lens[0], self.kv_pool.pages, pages_version
+                )
+                if logits is not None:
+                    return logits
         host_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.graphs.run(
-            key,
-            host_ids,
-            positions,
-            slots,
-            tables,
-            context_lens,
-            self.kv_pool.pages,
-            getattr(self.kv_pool, "pages_version", None),
-            device_input_ids=input_ids,
+        cu_seqlens = list(itertools.accumulate(batch.num_new_tokens, initial=0))
+        max_blocks = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            max_context_len=max(context_lens),
+            context_lens_cpu=context_lens,
+            query_lens_cpu=list(batch.num_new_tokens),
         )
-
-    def _replay_prefill(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
-        if key is None:
-            return None
-        input_ids, positions, slots, context_lens, tables = self.gather(batch)
-        return self.prefill_graphs.run(
-            key,
-            input_ids,
-            positions,
-            slots,
-            tables[0],
-            context_lens[0],
-            self.kv_pool.pages,
-            getattr(self.kv_pool, "pages_version", None),
-        )
+        # A queued step's ids are on the device already: one new token per sequence, the rows line up.
+        ids = input_ids if input_ids is not None else torch.tensor(host_ids, dtype=torch.long, device=dev)
+        hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_pool.pages)
+        return self.model.compute_logits(hidden if is_all_rows else hidden[[end - 1 for end in cu_seqlens[1:]]])
 
     def _logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: list[KVPages]
@@ -264,23 +381,19 @@ class ModelRunner:
             return [(batch, every)]
         budget = max(1, limit // 2)
         parts: list[tuple[ScheduledBatch, list[int]]] = []
-        seqs, counts, part_tables, blocks = [], [], [], {}
+        rows: list[int] = []
+        blocks: dict[int, None] = {}
 
         def part() -> tuple[ScheduledBatch, list[int]]:
-            return replace(batch, seqs=seqs, num_new_tokens=counts, block_tables=part_tables, copies=[]), list(blocks)
+            fields = ("seqs", "num_new_tokens", "block_tables", "positions")
+            picked = {name: [getattr(batch, name)[row] for row in rows] for name in fields}
+            return replace(batch, copies=[], **picked), list(blocks)
 
-        for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
-            if seqs and len(blocks.keys() | set(table)) > budget:
+        for row, table in enumerate(batch.block_tables):
+            if rows and len(blocks.keys() | set(table)) > budget:
                 parts.append(part())
-                seqs, counts, part_tables, blocks = [], [], [], {}
-            seqs.append(seq)
-            counts.append(num_new)
-            part_tables.append(table)
+                rows, blocks = [], {}
+            rows.append(row)
             blocks.update(dict.fromkeys(table))
         parts.append(part())
         return parts
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of shared pages: (src, dst) block ids, before the step reads dst."""
-        for src, dst in copies:
-            self.kv_pool.copy_block(src, dst)

@@ -1,8 +1,12 @@
-"""What generation returns, shaped like vLLM's outputs."""
+"""What generation returns, shaped like vLLM's outputs, and how a sampled token becomes
+one: detokenizing, stop tokens and strings, length limits."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+
+from lowvram.core.sequence import Sequence
 
 
 @dataclass
@@ -37,3 +41,52 @@ class RequestOutput:
     finished: bool
     text_delta: str = ""
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int, now: float) -> None:
+    """Add a sampled token and its text to `seq`, and set its finish reason when it is done:
+    "stop" on EOS (unless ignore_eos), a stop token or a stop string (cut from the text),
+    "length" at max_tokens or the context limit."""
+    seq.first_token_time = seq.first_token_time or now
+    params = seq.params
+    seq.output_token_ids.append(token)
+    if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        seq.finish_reason = "stop"
+    else:
+        seq.text += seq.detokenizer.add(token)
+        hit = _find_stop(seq)
+        if hit is not None:
+            seq.text = seq.text[:hit]
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
+            seq.finish_reason = "length"
+    if seq.finish_reason is not None:
+        seq.finish_time = now
+
+
+def _find_stop(seq: Sequence) -> int | None:
+    """Where the first stop string starts in the text, looking only where a new one can be."""
+    stops = seq.params.stop
+    if not stops:
+        return None
+    window_start = max(0, seq.num_emitted_chars - max(len(s) for s in stops))
+    hits = [i for i in (seq.text.find(s, window_start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """The request's state now; `text_delta` is the text not handed out before, less a tail
+    that could still become a stop string."""
+    stops = seq.params.stop
+    hold = max(len(s) for s in stops) - 1 if stops and not seq.is_finished else 0
+    visible = len(seq.text) - hold
+    delta = seq.text[seq.num_emitted_chars : max(visible, seq.num_emitted_chars)]
+    seq.num_emitted_chars += len(delta)
+    token_ids = list(seq.output_token_ids)
+    completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
+    metrics = RequestMetrics(
+        seq.arrival_time, seq.first_token_time, seq.finish_time, len(seq.prompt_token_ids), len(token_ids)
+    )
+    return RequestOutput(
+        seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics
+    )

@@ -108,9 +108,11 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
-def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list) -> list[int]:
+def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: bool = False) -> list[int]:
     """Next token of each sequence (`params`, `generator`, `prompt_token_ids`,
-    `output_token_ids`) from its row of FP32 logits [S, V].
+    `output_token_ids`) from its row of FP32 logits [S, V]. With `on_device`, rows without
+    penalties draw as sample_tokens_on_device does (from the device generator), so a seeded
+    request draws alike whichever way its step samples.
 
     Plain greedy rows (no penalties) take one argmax together and one copy to the host:
     each `int()` of a row waits for the GPU, which at batch 8 cost more than the decode
@@ -126,7 +128,12 @@ def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list) -> list[int
             tokens[i] = token
     plain_set = set(plain)
     for i, seq in enumerate(seqs):
-        if i not in plain_set:
+        if i in plain_set:
+            continue
+        if on_device and not has_penalties(seq.params):
+            generator = device_generator(seq, logits.device)
+            tokens[i] = int(gumbel_sample(logits[rows[i]], seq.params, generator))
+        else:
             tokens[i] = sample_token(
                 logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids
             )

@@ -1,47 +1,32 @@
 """Decoder layers that do not fit the device budget run from host memory.
 
-A 7B model in AWQ INT4 (R1-Distill-Qwen-7B: 28 layers of about 122 MiB, an FP16 head and
-an FP16 embedding table of 1.02 GiB each) does not fit a 4 GB card beside its KV cache.
-The split (memory_plan.plan_offload): the head and the norms stay on the device; the
-embedding table moves to host memory, where a step looks up its rows and copies only the
-[T, hidden] activations over (llama.cpp does the same); the first decoder layers stay on
-the device as far as the budget allows after the workspace and one full-length
-sequence's KV; the remaining layers stream.
+A 7B model in AWQ INT4 does not fit a 4 GB card beside its KV cache. The split
+(memory_plan.plan_offload): the head and the norms stay on the device; the embedding
+table moves to host memory, where a step looks up its rows and copies only the
+[T, hidden] activations over; the first decoder layers stay on the device as far as the
+budget allows after the workspace and one full-length sequence's KV; the rest stream.
 
-Streaming. Each streamed layer's tensors (every parameter and buffer, whatever its name,
-so AWQ's int32/fp16 tensors and fused projections stream like plain weights) are packed
-into one pinned host buffer. Two device staging buffers, each the size of the largest
-streamed layer, take turns: while layer k computes from one, layer k+1's copy sits in or
-is arriving in the other, and layer k+2's copy starts on a side stream as soon as layer
-k's kernels are done. CUDA events order the two streams; the CPU never waits. A forward
-pre-hook points the layer's tensors at its staging buffer; a forward hook points them
-back at the host copy (so state_dict and reports always see the real weights) and queues
-the next copy. The last streamed layers queue the first ones of the next forward pass,
-so those copies run while the step samples. On the CPU "device" the same copies into
-staging buffers happen (synchronously), so CPU tests exercise the whole path.
+Streaming ("stream", the default): each streamed layer's tensors, whatever their names
+(so AWQ tensors and fused projections stream like plain weights), are packed into one
+pinned host buffer. Two device staging buffers take turns: while layer k computes from
+one, layer k+1's copy sits in the other, and layer k+2's copy starts on a side stream as
+soon as layer k's kernels are done; CUDA events order the streams and the CPU never
+waits. Forward hooks point a layer's tensors at its staging buffer and back at the host
+copy afterwards (so state_dict and reports see the real weights). The last layers queue
+the first ones of the next pass, so those copies run while the step samples. On the CPU
+the same copies happen synchronously, so CPU tests exercise the whole path.
 
-Strategy "cpu" is the alternative: the KV cache and attention stay on the GPU (attention
-weights are staged as above) and each streamed layer's MLP, 87% of its bytes, runs on the
-CPU from float32 host weights, so the bus carries [T, hidden] activations instead of
-weights. Why "stream" is the default (memory_plan.DEFAULT_OFFLOAD_STRATEGY), for the 7B
-shape on a 4 GB budget with a 16K context (about 20 of 28 layers streamed):
-- stream: a decode token copies the streamed layers, about 2.4 GB: ~50 ms at the ~50 GB/s
-  of PCIe 5 x16 pinned copies, ~100 ms on PCIe 4, a few hundred ms on a laptop's narrower
-  link, with the GPU's compute hidden under the copies; a 512-token prefill pays the same
-  copies once for all its tokens.
-- cpu: a decode token reads 18 MLPs in float32 (about 15 GB: the CPU has no INT4 kernel
-  worth using) from DRAM at tens of GB/s, hundreds of ms, while the GPU idles; a
-  512-token prefill is about 4 TFLOP of CPU matmuls, seconds. It also holds 8x the INT4
-  bytes in host RAM.
-scripts/bench_7b_streaming.py measures both on the GPU (tokens/s, bytes copied per token,
-achieved vs measured host-to-device bandwidth) and prints which wins.
+Strategy "cpu": attention stays on the GPU (its weights staged as above) and each
+streamed layer's MLP, 87% of its bytes, runs on the CPU from float32 host weights, so
+the bus carries activations instead of weights. It loses to streaming wherever the bus
+is PCIe 4 or better (scripts/bench_7b_streaming.py measures both).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,6 +35,7 @@ import torch
 from torch import nn
 
 from lowvram.config import Profile
+from lowvram.errors import ConfigError
 from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.memory.plan import (
     NUM_STAGING_BUFFERS,
@@ -59,9 +45,10 @@ from lowvram.memory.plan import (
     plan_weight_offload,
     weight_bytes_by_kind,
 )
+from lowvram.models.batch_invariance import InvariantLinear
 from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.models.dense import CausalLM
-from lowvram.models.loader import load_model
+from lowvram.models.loader import is_deepseek_v2_checkpoint, load_model
 from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 
 log = logging.getLogger("lowvram")
@@ -135,13 +122,6 @@ def place_on_device(model: nn.Module, device: torch.device, kept: Collection[int
             binding.set(binding.wrap(moved))
 
 
-def _packed_bytes(registrations: Registrations) -> int:
-    total = 0
-    for tensor, _ in registrations.values():
-        total = _align(total) + _nbytes(tensor)
-    return total
-
-
 @dataclass
 class _LayerInventory:
     own: Registrations  # tensors only this layer holds
@@ -153,7 +133,11 @@ class _LayerInventory:
 
     @property
     def staged_bytes(self) -> int:
-        return _packed_bytes(self.staged)
+        """Bytes of the packed copy (_PackedLayer): the tensors at aligned offsets."""
+        total = 0
+        for tensor, _ in self.staged.values():
+            total = _align(total) + _nbytes(tensor)
+        return total
 
 
 @dataclass
@@ -187,34 +171,6 @@ def _inventory(model: CausalLM, strategy: str) -> _Inventory:
     host_embedding = _nbytes(embedding) if is_movable and id(embedding) not in shared else 0
     fixed = sum(_nbytes(t) for t, _ in {**outside, **shared}.values()) - host_embedding
     return _Inventory(inventories, fixed, host_embedding)
-
-
-def plan_for_model(
-    model: CausalLM,
-    strategy: str,
-    *,
-    budget_bytes: int,
-    workspace_bytes: int,
-    kv_bytes: int,
-    reserve_bytes: int = 0,
-    max_resident_layers: int | None = None,
-    max_model_len: int = 0,
-) -> OffloadPlan:
-    """The split of a loaded model (its real tensor sizes) against a budget; see memory_plan.plan_offload."""
-    inventory = _inventory(model, strategy)
-    return plan_offload(
-        [layer.device_bytes for layer in inventory.layers],
-        [layer.staged_bytes for layer in inventory.layers],
-        fixed_bytes=inventory.fixed_bytes,
-        host_embedding_bytes=inventory.host_embedding_bytes,
-        budget_bytes=budget_bytes,
-        workspace_bytes=workspace_bytes,
-        kv_bytes=kv_bytes,
-        reserve_bytes=reserve_bytes,
-        strategy=strategy,
-        max_resident_layers=max_resident_layers,
-        max_model_len=max_model_len,
-    )
 
 
 # ---------------------------------------------------------------- host-side modules
@@ -310,16 +266,6 @@ class HostEmbedding(nn.Module):
         return out
 
 
-def keep_embedding_on_host(model: CausalLM, device: torch.device) -> None:
-    """Place a host-loaded model on `device` but its (untied) embedding table, which a
-    HostEmbedding serves from host memory; `model.weight_bytes` drops by the table."""
-    embedding = model.model.embed_tokens.weight
-    place_on_device(model, device, kept={id(embedding)})
-    model.model.embed_tokens = HostEmbedding(embedding, device)
-    model.weight_bytes -= _nbytes(embedding)
-    log.info("embedding table (%.0f MiB) kept in host memory", _nbytes(embedding) / 2**20)
-
-
 class HostComputed(nn.Module):
     """A module computed on the CPU in float32 inside a model on another device: its input
     is copied over and its output back. The layer-streaming walk never enters it."""
@@ -353,7 +299,8 @@ def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
     if lora_a is not None and lora_b is not None:
         weight += lora_b.float().cpu() @ lora_a.float().cpu()  # [N, r] @ [r, K]: x A^T B^T = x (B A)^T
     bias = awq.bias.float().cpu() if awq.bias is not None else None
-    linear = nn.Linear(k, n, bias=bias is not None, device="meta")
+    kind = InvariantLinear if awq.is_batch_invariant else nn.Linear  # the model was built batch-invariant
+    linear = kind(k, n, bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias, requires_grad=False)
@@ -475,7 +422,7 @@ class LayerStreamer:
             embedding = model.model.embed_tokens.weight if self.has_host_embedding else None
             staged = [layer.staged for layer in inventory.layers[plan.num_resident_layers :]]
             kept = {i for regs in staged for i in regs} | ({id(embedding)} if embedding is not None else set())
-            self._place(model, kept)
+            place_on_device(model, self.device, kept)
             self.layers = [
                 _PackedLayer(plan.num_resident_layers + k, regs, self.is_cuda) for k, regs in enumerate(staged)
             ]
@@ -514,9 +461,6 @@ class LayerStreamer:
     @property
     def num_streamed_layers(self) -> int:
         return len(self.layers)
-
-    def _place(self, model: nn.Module, kept: set[int]) -> None:
-        place_on_device(model, self.device, kept)
 
     # -- the copy schedule ------------------------------------------------------
     def _holding(self, k: int) -> int | None:
@@ -571,19 +515,26 @@ def load_model_for_profile(
     device: torch.device | str,
     dtype: torch.dtype | None = None,
     *,
-    prepare: Callable[[nn.Module], object] | None = None,
     held_bytes: int = 0,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load a checkpoint for `profile`: straight onto the device (loader.load_model), or,
-    when the profile's `weight_offload` calls for a split (memory_plan.plan_weight_offload),
-    into host memory first and then split by a LayerStreamer sized from the real tensors.
+    """Build and load a checkpoint for `profile`: projections fused, batch-invariant kernels
+    when the profile asks, and, when its `weight_offload` calls for a split
+    (memory_plan.plan_weight_offload), loaded into host memory and split by a LayerStreamer
+    sized from the real tensors. DeepSeek-V2 checkpoints size their routed experts' device
+    cache from the profile instead (loader.load_model).
 
-    `prepare` runs on the loaded model before any split (fusing projections, say), so
-    the tensors it makes are the ones that stream. `held_bytes` is device memory the process
-    already holds (memory_plan.memory_budget_bytes). Raises OutOfMemoryError with the
-    numbers when not even every layer streaming fits.
+    `held_bytes` is device memory the process already holds (memory_plan.memory_budget_bytes).
+    Raises OutOfMemoryError with the numbers when not even every layer streaming fits.
     """
     model_dir, device = Path(model_dir), torch.device(device)
+    if is_deepseek_v2_checkpoint(model_dir):
+        if profile.batch_invariant:
+            raise ConfigError(
+                f"batch_invariant: true is not available for DeepSeek-V2 models ({model_dir}): its MLA "
+                f"attention and expert routing have no batch-invariant kernels; set batch_invariant: false "
+                f"in profile '{profile.name}'"
+            )
+        return load_model(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     config, _ = load_model_config(model_dir)
     element_bytes = torch.finfo(dtype).bits // 8
@@ -603,27 +554,40 @@ def load_model_for_profile(
             device_type=device.type,
             held_bytes=held_bytes,
         )
-    # `prepare` makes new tensors (fused projections) and drops the ones they replace. Done on
-    # the device, the dropped ones would leave holes the allocator keeps (1.7 GiB for the 1.5B
-    # shape in FP16), so on CUDA the model is prepared in host memory and placed after.
-    is_prepared_on_host = prepare is not None and device.type == "cuda"
-    on_host = predicted is not None or is_prepared_on_host or is_embedding_on_host
-    model, config = load_model(model_dir, torch.device("cpu") if on_host else device, dtype)
-    if prepare is not None:
-        prepare(model)
+    # Fusing makes new tensors and drops the ones they replace. Done on the device, the dropped
+    # ones would leave holes the allocator keeps (1.7 GiB for the 1.5B shape in FP16), so on
+    # CUDA the model is built in host memory and placed after; the fused tensors are the ones
+    # that stream.
+    on_host = predicted is not None or device.type == "cuda" or is_embedding_on_host
+    model, config = load_model(
+        model_dir,
+        torch.device("cpu") if on_host else device,
+        dtype,
+        fuse=True,
+        batch_invariant=profile.batch_invariant,
+    )
     if predicted is None:
-        if is_embedding_on_host:
-            keep_embedding_on_host(model, device)
+        if is_embedding_on_host:  # everything on the device but the (untied) embedding table
+            embedding = model.model.embed_tokens.weight
+            place_on_device(model, device, kept={id(embedding)})
+            model.model.embed_tokens = HostEmbedding(embedding, device)
+            model.weight_bytes -= _nbytes(embedding)
+            log.info("embedding table (%.0f MiB) kept in host memory", _nbytes(embedding) / 2**20)
         elif on_host:
             place_on_device(model, device)
         return model, config
-    plan = plan_for_model(
-        model,
-        predicted.strategy,
+    # Planned again from the loaded model's real tensor sizes.
+    inventory = _inventory(model, predicted.strategy)
+    plan = plan_offload(
+        [layer.device_bytes for layer in inventory.layers],
+        [layer.staged_bytes for layer in inventory.layers],
+        fixed_bytes=inventory.fixed_bytes,
+        host_embedding_bytes=inventory.host_embedding_bytes,
         budget_bytes=predicted.budget_bytes,
         workspace_bytes=predicted.workspace_bytes,
         kv_bytes=predicted.kv_bytes,
         reserve_bytes=predicted.reserve_bytes,
+        strategy=predicted.strategy,
         max_resident_layers=profile.max_resident_layers,
         max_model_len=max_model_len,
     )

@@ -24,10 +24,12 @@ from lowvram.config import Profile
 from lowvram.demo import demo_model_path
 from lowvram.errors import ModelLoadError
 from lowvram.memory.plan import plan_expert_cache
+from lowvram.models.batch_invariance import make_batch_invariant
 from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files, weight_report
 from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.models.deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
 from lowvram.models.dense import CausalLM
+from lowvram.models.fusion import fuse_projections
 from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear, swap_awq_linears
 
 log = logging.getLogger("lowvram")
@@ -197,8 +199,14 @@ def load_model(
     *,
     profile: Profile | None = None,
     held_bytes: int = 0,
+    fuse: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model on the meta device and assign the checkpoint's tensors.
+
+    fuse: q/k/v and gate/up of each dense layer as one projection each (lowvram.models.fusion).
+    batch_invariant: every matmul and attention in its batch-invariant form
+        (lowvram.models.batch_invariance); dense models only.
 
     Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
     DeepseekV2ForCausalLM checkpoints load through lowvram.models.deepseek_v2 and return a
@@ -206,8 +214,13 @@ def load_model(
     `held_bytes`, device memory the process already holds: memory_plan.memory_budget_bytes).
     """
     model_dir = Path(model_dir)
-    if is_deepseek_v2_checkpoint(model_dir):
-        return _load_deepseek_v2(model_dir, read_raw_config(model_dir), device, dtype, profile, held_bytes)
+    raw = read_raw_config(model_dir)
+    if raw is not None and is_deepseek_v2(raw):
+        model, config = _load_deepseek_v2(model_dir, raw, device, dtype, profile, held_bytes)
+        cached = model.num_cached_experts
+        where = f"{cached} of {config.num_routed_experts} routed experts per layer" if cached else "every routed expert"
+        _log_loaded(model, config, model_dir, device, _target_dtype(config, device, dtype), f", {where} on the device")
+        return model, config
     config, _ = load_model_config(model_dir)
     files = weight_files(model_dir)
     dtype = _target_dtype(config, device, dtype)
@@ -220,21 +233,25 @@ def load_model(
         if compensation.is_file():
             files = files + [compensation]
     load_weights(model, files, device, dtype)
+    if fuse:
+        fuse_projections(model)
+    if batch_invariant:
+        num_layers = make_batch_invariant(model)
+        log.info("batch-invariant kernels in %d layers: every request decodes as it would alone", num_layers)
     model.weight_report = weight_report(model)
     model.weight_bytes = model.weight_report.total_bytes
     model.dtype = dtype
     model.eval()
-    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    log.info(
-        "loaded %s (%s, %s) on %s in %s: %s",
-        model_dir,
-        config.architecture,
-        kind,
-        device,
-        dtype,
-        model.weight_report.summary(),
-    )
+    _log_loaded(model, config, model_dir, device, dtype)
     return model, config
+
+
+def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: torch.dtype, detail: str = "") -> None:
+    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
+    summary = model.weight_report.summary()
+    log.info(
+        "loaded %s (%s, %s) on %s in %s%s: %s", model_dir, config.architecture, kind, device, dtype, detail, summary
+    )
 
 
 def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
@@ -267,21 +284,4 @@ def _load_deepseek_v2(
             held_bytes=held_bytes,
         )
     model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
-    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    cached = model.num_cached_experts
-    experts = (
-        f"{cached} of {config.num_routed_experts} routed experts per layer on the device"
-        if cached
-        else "every routed expert on the device"
-    )
-    log.info(
-        "loaded %s (%s, %s) on %s in %s, %s: %s",
-        model_dir,
-        config.architecture,
-        kind,
-        device,
-        dtype,
-        experts,
-        model.weight_report.summary(),
-    )
     return model, config
