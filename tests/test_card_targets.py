@@ -18,10 +18,9 @@ from card_targets import CARDS, emulate, jit_functions
 
 from lowvram.kernels.activation import silu_and_mul, silu_and_mul_ref
 from lowvram.kernels.kv_quant import allocate_pages
-from lowvram.kernels.kv_write import write_kv, write_kv_ref
+from lowvram.kernels.kv_write import rotary_write_kv, write_kv, write_kv_ref
 from lowvram.kernels.linear_invariant import invariant_linear, invariant_linear_ref
 from lowvram.kernels.paged_attention import (
-    INVARIANT_PARTITION_TOKENS,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -29,7 +28,6 @@ from lowvram.kernels.paged_attention import (
 )
 from lowvram.kernels.rms_norm import rms_norm, rms_norm_ref
 from lowvram.kernels.rotary import apply_rotary, apply_rotary_ref
-from lowvram.kernels.rotary_kv_write import rotary_write_kv
 from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, awq_linear_ref
 
 pytestmark = pytest.mark.gpu
@@ -218,17 +216,16 @@ def test_rotary_write_kv(card, precision):
 DECODE_BATCHES = {"batch 1": [300], "batch 8": [1, 17, 128, 255, 300, 301, 400, 513]}
 
 
-@pytest.mark.parametrize("partition_tokens", [None, INVARIANT_PARTITION_TOKENS], ids=["", "fixed partitions"])
 @pytest.mark.parametrize("batch", list(DECODE_BATCHES))
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_paged_decode_attention(card, precision, batch, partition_tokens):
+def test_paged_decode_attention(card, precision, batch):
     context_lens = DECODE_BATCHES[batch]
     pages, block_tables, lens = filled_pages(precision, context_lens, num_window_pages=6 if precision == "int8" else 0)
     q = randn(len(context_lens), NUM_HEADS, HEAD_DIM, seed=14)
     args = (pages, block_tables, lens, HEAD_DIM**-0.5)
-    got = paged_decode_attention(q, *args, partition_tokens=partition_tokens)
+    got = paged_decode_attention(q, *args)
     tolerance = FP16_TOLERANCE if precision == "fp16" else DOT_TOLERANCE
-    label = f"decode {precision} {batch}{' window' if pages.has_window else ''} {partition_tokens or ''}"
+    label = f"decode {precision} {batch}{' window' if pages.has_window else ''}"
     check(card, label, got, paged_decode_attention_ref(q.float(), *args), tolerance)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowvram.config import KV_BACKENDS, Profile
+from lowvram.config import CHOICES, Profile
 from lowvram.errors import ConfigError, KernelError
 from lowvram.kv.managed_memory import INSTALL_HINT, ManagedMemory, check_managed_size
 from lowvram.kv.pool import GIB, DeviceKVPool, KVPool, KVShape
@@ -57,8 +57,8 @@ def plan_pool(
     managed pool fits the free device memory (or oversubscription is allowed), else
     `pinned`. An explicit `um` that cannot work is an error with the numbers.
     """
-    if backend not in KV_BACKENDS:
-        raise ConfigError(f"kv_backend = {backend!r} is not allowed; use one of: {', '.join(KV_BACKENDS)}")
+    if backend not in CHOICES["kv_backend"]:
+        raise ConfigError(f"kv_backend = {backend!r} is not allowed; use one of: {', '.join(CHOICES['kv_backend'])}")
     n = num_device_blocks
     if device_type != "cuda":
         note = "" if backend in ("auto", "device") else f" (kv_backend {backend!r} needs CUDA)"
