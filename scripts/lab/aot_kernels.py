@@ -113,6 +113,7 @@ def usage(kernel) -> dict:
 
 def attention(args) -> None:
     from lowvram.kernels import paged_attention as pa
+    from lowvram.kernels import paged_attention_kernels
 
     for bits in (int(b) for b in args.bits.split(",")):
         block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
@@ -124,12 +125,10 @@ def attention(args) -> None:
             "context_lens_ptr": "*i32",
             "partial_out_ptr": "*fp32",
             "partial_lse_ptr": "*fp32",
-            "counter_ptr": "*i32",
             "window_row_ptr": "*i32",
             "scale_log2": "fp32",
         }
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
-        block_d = pa._block_d(args.head_dim)
         constexprs = {
             "PAGE_SIZE": 16,
             "HEAD_DIM": args.head_dim,
@@ -138,15 +137,12 @@ def attention(args) -> None:
             "BLOCK_G": args.group_width,
             "BLOCK_N": block_n,
             "IS_SPLIT": True,
-            "IS_FUSED": args.fused,
             "HAS_WINDOW": args.window,
-            "BLOCK_D": block_d,
-            "MERGE_LANES": pa.fused_merge_lanes(block_d),
             "WIDE_OFFSETS": args.wide,
         }
         # q's row strides (heads x head size, head size) are multiples of 16 at the real shapes.
         kernel = compile_kernel(
-            pa._decode_kernel,
+            paged_attention_kernels._decode_kernel,
             pointer_types,
             constexprs,
             args.arch,
@@ -247,11 +243,6 @@ def main() -> int:
         type=int,
         default=8,
         help="attention: query rows per program (8: groups up to 8 heads, token by token; 16: wider)",
-    )
-    parser.add_argument(
-        "--fused",
-        action="store_true",
-        help="attention: with the decode kernel's own merge (the 4- and 8-warp defaults')",
     )
     parser.add_argument(
         "--window", action="store_true", help="attention: the variant that reads pages kept in FP16 beside the codes"
