@@ -151,8 +151,11 @@ def _has_async_copies(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def _use_triton(kernel_name: str, device: torch.device, use_reference: bool) -> bool:
-    return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE)
+def _use_triton(kernel_name: str, device: torch.device, use_reference: bool, head_dim: int = 128) -> bool:
+    # MLA's latent heads (576 wide) need 128 KiB of shared memory per program; Turing has 64 KiB,
+    # so there they take the torch path.
+    is_too_wide = head_dim > 256 and device.type == "cuda" and not _has_async_copies(device)
+    return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE or is_too_wide)
 
 
 def _decode_block_n(device: torch.device) -> int:
@@ -401,7 +404,7 @@ def paged_decode_attention(
     )
     if num_seqs == 0:
         return torch.empty_like(q)
-    if not _use_triton(name, q.device, use_reference):
+    if not _use_triton(name, q.device, use_reference, head_dim):
         return paged_decode_attention_ref(q, pages, block_tables, context_lens, scale)
     _check_kernel_head_dim(name, head_dim, pages.bits)
     group_size = num_heads // num_kv_heads
@@ -495,7 +498,7 @@ def paged_prefill_attention(
         raise KernelError(f"{name}: cu_seqlens_q is on {cu_seqlens_q.device} but the pages are on {pages.device}")
     if q.shape[0] == 0 or num_seqs == 0:
         return torch.zeros_like(q)
-    if not _use_triton(name, q.device, use_reference):
+    if not _use_triton(name, q.device, use_reference, q.shape[2]):
         return paged_prefill_attention_ref(q, pages, block_tables, cu_seqlens_q, context_lens, scale)
     _check_kernel_head_dim(name, q.shape[2], pages.bits)
 
