@@ -97,7 +97,7 @@ def awq_linear(
     y = torch.empty((num_rows, num_outputs), dtype=x.dtype, device=x.device)
     sms = num_sms(x.device)
     if num_rows == 1 and not batch_invariant:
-        config = w4a16_gemv.row_config(num_outputs, num_inputs, group_size, sms)
+        config = w4a16_gemv.row_config(num_outputs, num_inputs, group_size, sms, has_lora)
         x2d = x2d.contiguous()  # K * 2 bytes, copied only when strided
         w4a16_gemv.launch_row(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     elif num_rows <= MAX_DECODE_M or batch_invariant:
@@ -199,7 +199,7 @@ def awq_linear_one_row(
                 f"({expected} outputs); got {num_outputs} outputs"
             )
         block_n = pages.head_dim  # one column block per head
-    config = w4a16_gemv.row_config(num_outputs, num_inputs, group_size, num_sms(x.device), block_n)
+    config = w4a16_gemv.row_config(num_outputs, num_inputs, group_size, num_sms(x.device), lora_a is not None, block_n)
     y = torch.empty((1, num_outputs), dtype=x.dtype, device=x.device)
     return w4a16_gemv.launch_row(
         x, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt, norm, is_gated, rope_kv

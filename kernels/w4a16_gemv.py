@@ -259,6 +259,23 @@ def row_input(x_ptr, offs_k, norm, inv_rms, K, PROLOGUE: tl.constexpr, HAS_RESID
 
 
 @triton.jit
+def row_inv_rms(x_ptr, norm, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    """With the RMSNorm prologue, 1 / rms of the whole row (K * 2 bytes, read from L2 by every
+    program; the first also stores x + residual); else 1."""
+    inv_rms = 1.0
+    if PROLOGUE == 1:
+        residual_ptr, _, sum_ptr, eps = norm
+        offs = tl.arange(0, ROW_BLOCK)
+        row = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+        if HAS_RESIDUAL:
+            row = row + tl.load(residual_ptr + offs, mask=offs < K, other=0.0)
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(sum_ptr + offs, row, mask=offs < K)
+        inv_rms = rms_inverse(row.to(tl.float32), K, eps)
+    return inv_rms
+
+
+@triton.jit
 def lane_halves(tile, HEAD_DIM: tl.constexpr):
     """A head's [HEAD_DIM / 8, 8] lane tile as its two halves [HEAD_DIM / 16, 8] each: element
     [c, j] of the second is half a head past element [c, j] of the first, the pair rotate-half
@@ -402,17 +419,7 @@ def _row_kernel(
     mask = (offs_c < num_packed_cols)[:, None]
     kb_start = pid_k * K_BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_start + K_BLOCKS_PER_SPLIT, K // BLOCK_K)
-    inv_rms = 1.0
-    if PROLOGUE == 1:
-        # 1 / rms of the whole row (K * 2 bytes, from L2) in every program; the first stores x + residual
-        residual_ptr, _, sum_ptr, eps = norm
-        offs = tl.arange(0, ROW_BLOCK)
-        row = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
-        if HAS_RESIDUAL:
-            row = row + tl.load(residual_ptr + offs, mask=offs < K, other=0.0)
-            if (pid_n == 0) & (pid_k == 0):
-                tl.store(sum_ptr + offs, row, mask=offs < K)
-        inv_rms = rms_inverse(row.to(tl.float32), K, eps)
+    inv_rms = row_inv_rms(x_ptr, norm, K, PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
     if REDUCE_AT_END:
         acc3 = tl.zeros((BLOCK_K, BLOCK_N // 8, 8), dtype=tl.float32)
         t_tile = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)  # x A^T's products (compensation)
@@ -467,19 +474,150 @@ def _row_kernel(
             tl.store(counter_ptr + pid_n, 0)
 
 
+@triton.jit
+def nibble_times_power(packed, J: tl.constexpr):
+    """Float32 q * 16**p of nibble J of every AWQ word in `packed`, in one logic op and one add
+    (and a shift shared by J >= 5): masked in place (J < 5, p = J) or after a 20-bit shift
+    (J >= 5, p = J - 5), the nibble stays below 2**23, so OR-ed into the mantissa of 2**23
+    (FLOAT32_MAGIC) it reads as 2**23 + q * 16**p."""
+    if J >= 5:
+        packed = packed >> 20
+    MASK: tl.constexpr = 0xF << (4 * (J % 5))
+    return ((packed & MASK) | FLOAT32_MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def group_term(acc, sums, x_sum, zeros_word, scales_ptr, mask, J: tl.constexpr, COLUMN: tl.constexpr):
+    """acc + s * (sums - x_sum * z) for nibble J of a group: `sums` [R, C] are the row slots'
+    sums of x * q * 16**p, x_sum [R, 1] their sums of x, zeros_word [1, C] the group's packed
+    zeros, scales_ptr [1, C] its scales of column 8c, COLUMN the nibble's column in the word."""
+    scale = tl.load(scales_ptr + COLUMN, mask=mask, other=0.0).to(tl.float32)
+    return acc + scale * (sums - x_sum * nibble_times_power(zeros_word, J))
+
+
+@triton.jit
+def join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight [C] tensors as one [C, 8]; the same call on their columns gives the matching columns."""
+    low = tl.join(tl.join(v0, v1), tl.join(v2, v3))
+    high = tl.join(tl.join(v4, v5), tl.join(v6, v7))
+    return tl.reshape(tl.join(low, high), (v0.shape[0], 8))
+
+
+@triton.jit
+def _wide_row_kernel(
+    x_ptr,
+    awq,
+    bias_ptr,
+    y_ptr,
+    split,
+    norm,
+    N,
+    K,
+    num_packed_cols,
+    GROUPS_PER_SPLIT,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_PARTIAL: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):
+    # One row of a wide layer without compensation (gate/up), K summed inside each thread. A
+    # program owns BLOCK_C packed columns and whole groups of K. Each step loads UNROLL tiles
+    # of TILE_ROWS rows x BLOCK_C words (a thread holds whole words of one row) and adds
+    # x * q * 16**p into eight per-nibble sums per row slot: nothing is summed across threads
+    # until the end, and no nibble is shifted into place (16**-p is taken out at the end,
+    # exactly). Per group each slot's sums take the group's scale and zero:
+    # s * (sum x q - z sum x).
+    qweight_ptr, qzeros_ptr, scales_ptr = awq
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_c = pid_n * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_packed_cols
+    offs_r = tl.arange(0, TILE_ROWS)
+    g_start = pid_k * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, K // GROUP_SIZE)
+    inv_rms = row_inv_rms(x_ptr, norm, K, PROLOGUE, HAS_RESIDUAL, ROW_BLOCK)
+    zero = tl.zeros((TILE_ROWS, BLOCK_C), tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero  # the program's
+    for g in range(g_start, g_end):
+        p0, p1, p2, p3, p4, p5, p6, p7 = zero, zero, zero, zero, zero, zero, zero, zero  # the group's
+        x_sum = tl.zeros((TILE_ROWS, 1), tl.float32)
+        for step in range(0, GROUP_SIZE, TILE_ROWS * UNROLL):
+            for u in tl.static_range(UNROLL):
+                offs_k = g * GROUP_SIZE + step + u * TILE_ROWS + offs_r
+                weight_ptrs = qweight_ptr + offs_k[:, None] * num_packed_cols + offs_c[None, :]
+                if EVEN_N:
+                    packed = tl.load(weight_ptrs)
+                else:
+                    packed = tl.load(weight_ptrs, mask=mask_c[None, :], other=0)
+                x = row_input(x_ptr, offs_k, norm, inv_rms, K, PROLOGUE, HAS_RESIDUAL)[:, None]
+                x_sum += x
+                p0 += x * nibble_times_power(packed, 0)
+                p1 += x * nibble_times_power(packed, 1)
+                p2 += x * nibble_times_power(packed, 2)
+                p3 += x * nibble_times_power(packed, 3)
+                p4 += x * nibble_times_power(packed, 4)
+                p5 += x * nibble_times_power(packed, 5)
+                p6 += x * nibble_times_power(packed, 6)
+                p7 += x * nibble_times_power(packed, 7)
+        zeros_word = tl.load(qzeros_ptr + g * num_packed_cols + offs_c, mask=mask_c, other=0)[None, :]
+        scales = scales_ptr + g * N + offs_c[None, :] * 8
+        mask = mask_c[None, :]
+        # nibble j holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]
+        a0 = group_term(a0, p0, x_sum, zeros_word, scales, mask, 0, 0)
+        a1 = group_term(a1, p1, x_sum, zeros_word, scales, mask, 1, 2)
+        a2 = group_term(a2, p2, x_sum, zeros_word, scales, mask, 2, 4)
+        a3 = group_term(a3, p3, x_sum, zeros_word, scales, mask, 3, 6)
+        a4 = group_term(a4, p4, x_sum, zeros_word, scales, mask, 4, 1)
+        a5 = group_term(a5, p5, x_sum, zeros_word, scales, mask, 5, 3)
+        a6 = group_term(a6, p6, x_sum, zeros_word, scales, mask, 6, 5)
+        a7 = group_term(a7, p7, x_sum, zeros_word, scales, mask, 7, 7)
+    y0, y1, y2, y3 = tl.sum(a0, 0), tl.sum(a1, 0) / 16, tl.sum(a2, 0) / 256, tl.sum(a3, 0) / 4096
+    y4, y5, y6, y7 = tl.sum(a4, 0) / 65536, tl.sum(a5, 0), tl.sum(a6, 0) / 16, tl.sum(a7, 0) / 256
+    acc = join8(y0, y1, y2, y3, y4, y5, y6, y7)  # [C, 8]
+    base = offs_c * 8
+    cols = join8(base, base + 2, base + 4, base + 6, base + 1, base + 3, base + 5, base + 7)
+    mask = cols < N
+    partial_ptr, counter_ptr = split
+    is_last = True
+    if IS_PARTIAL:
+        is_last, acc = split_arrive(acc, cols, mask, partial_ptr, counter_ptr + pid_n, pid_k, tl.num_programs(1), N)
+    if is_last:
+        store_output(acc, cols, cols, mask, y_ptr, bias_ptr, N, HAS_BIAS)
+        if IS_PARTIAL:
+            tl.store(counter_ptr + pid_n, 0)
+
+
 def lora_block_r(rank: int) -> int:
     """The padded rank the kernels work in: a power of two, at least tl.dot's 16."""
     return max(DOT_MIN_M, triton.next_power_of_2(rank))
 
 
-def row_config(num_outputs: int, num_inputs: int, group_size: int, num_sms: int, block_n: int = 64) -> dict:
-    """The one-row kernel's tiling: 64-column blocks (RoPE and the KV store take one head per
-    block instead) and at least four K splits, for about two programs per SM (the small
-    projections, N = 256 or 1536, have too few column blocks to fill a GPU on their own), four
-    for long inputs (32 K blocks or more). Long inputs and wide outputs reduce every K block and
-    compute the compensation's x A^T once per launch; the short, narrow projections (q/k/v, o)
-    sum over K once after the loop, where waiting for shared x A^T costs more than recomputing it.
+# Outputs above which one row without compensation takes the K-in-thread kernel: it beats the
+# lane kernel on gate/up (N = 17,920 at the 1.5B shape) and loses on q/k/v, o and down.
+WIDE_ROW_MIN_OUTPUTS = 4096
+
+
+def row_config(
+    num_outputs: int, num_inputs: int, group_size: int, num_sms: int, has_lora: bool, block_n: int = 64
+) -> dict:
+    """The one-row tiling. A wide layer without compensation runs _wide_row_kernel: 128-column blocks, two warps, K split into whole groups for
+    about eight programs per SM. Else the lane kernel: 64-column blocks (RoPE and the KV store
+    take one head per block instead) and at least four K splits, for about two programs per
+    SM (the small projections, N = 256 or 1536, have too few column blocks to fill a GPU on
+    their own), four for long inputs (32 K blocks or more). Long inputs and wide outputs reduce
+    every K block and compute the compensation's x A^T once per launch; the short, narrow
+    projections (q/k/v, o) sum over K once after the loop, where waiting for shared x A^T costs
+    more than recomputing it.
     """
+    if not has_lora and num_outputs > WIDE_ROW_MIN_OUTPUTS and block_n == 64:
+        num_groups = num_inputs // group_size
+        split_k = max(1, min(num_groups, triton.cdiv(8 * num_sms, triton.cdiv(num_outputs, 128))))
+        return {"block_n": 128, "block_k": group_size, "split_k": split_k, "num_warps": 2, "k_in_thread": True}
     block_k = min(group_size, 128)
     num_k_blocks = num_inputs // block_k
     is_long = num_k_blocks >= 32
@@ -601,6 +739,42 @@ def launch_row(
         raise ValueError(f"the one-row kernel takes one row, contiguous; got {list(x.shape)} strides {x.stride()}")
     num_k_blocks = num_inputs // block_k
     num_column_blocks = triton.cdiv(num_outputs, block_n)
+    has_residual = norm is not None and norm.residual is not None
+    norm_args = ()
+    if norm is not None:
+        norm_args = (
+            (norm.residual, norm.weight, norm.sum_out, norm.eps) if has_residual else (x, norm.weight, x, norm.eps)
+        )
+    prologue = PROLOGUE_RMS_NORM if norm is not None else PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE
+    row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
+    if config.get("k_in_thread"):
+        if lora_a is not None or rope_kv is not None or block_k != group_size:
+            raise ValueError("the K-in-thread kernel takes whole groups, without compensation or RoPE")
+        split_k, per_split, split = _splits(x, y, num_k_blocks, config, num_column_blocks)
+        _wide_row_kernel[(num_column_blocks, split_k)](
+            x,
+            (qweight, qzeros, scales),
+            bias if bias is not None else y,
+            y,
+            split,
+            norm_args,
+            num_outputs,
+            num_inputs,
+            num_outputs // 8,
+            per_split,
+            GROUP_SIZE=group_size,
+            BLOCK_C=block_n // 8,
+            TILE_ROWS=16,
+            UNROLL=2,  # groups are multiples of 32 rows
+            EVEN_N=num_outputs % block_n == 0,
+            HAS_BIAS=bias is not None,
+            IS_PARTIAL=split_k > 1,
+            PROLOGUE=prologue,
+            HAS_RESIDUAL=has_residual,
+            ROW_BLOCK=row_block,
+            num_warps=config["num_warps"],
+        )
+        return y
     # with LORA_ONCE, two counters past the column blocks': shares ready, blocks done
     split_k, per_split, split = _splits(x, y, num_k_blocks, config, num_column_blocks + 2)
     has_lora = lora_a is not None
@@ -611,12 +785,6 @@ def launch_row(
         # x A^T shares: [SPLIT_K, BLOCK_R] float32
         shares = x.new_empty((split_k, block_r), dtype=torch.float32) if is_lora_once else lora_a
         lora = (lora_a, lora_bt, shares, lora_a.shape[0], lora_a.stride(0), *lora_bt.stride())
-    has_residual = norm is not None and norm.residual is not None
-    norm_args = ()
-    if norm is not None:
-        norm_args = (
-            (norm.residual, norm.weight, norm.sum_out, norm.eps) if has_residual else (x, norm.weight, x, norm.eps)
-        )
     rope, store = (), ()
     if rope_kv is not None:
         pages = rope_kv.pages
@@ -659,9 +827,9 @@ def launch_row(
         HAS_LORA=has_lora,
         LORA_ONCE=is_lora_once,
         BLOCK_R=block_r,
-        PROLOGUE=PROLOGUE_RMS_NORM if norm is not None else PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE,
+        PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
-        ROW_BLOCK=triton.next_power_of_2(num_inputs) if norm is not None else 16,
+        ROW_BLOCK=row_block,
         ROPE_KV=rope_kv is not None,
         STORE=store,
         num_warps=config["num_warps"],

@@ -209,6 +209,47 @@ def test_one_row_kernel_fuses_the_silu_gate(split_k):
 
 
 @needs_triton
+@pytest.mark.parametrize("prologue", ["none", "norm", "norm+residual", "gate"])
+@pytest.mark.parametrize("group_size,split_k", [(32, 1), (32, 3), (64, 2), (64, 5)])
+def test_wide_row_kernel(prologue, group_size, split_k):
+    # The K-in-thread kernel (wide layers without compensation) against the reference through
+    # each prologue; N = 200 leaves a partial column block, NaN outputs show a skipped store.
+    from lowvram.kernels.activation import silu_and_mul_ref
+    from lowvram.kernels.rms_norm import rms_norm_ref
+    from lowvram.kernels.w4a16 import InputNorm
+
+    qweight, qzeros, scales, bias = random_awq(192, 200, group_size, seed=80 + split_k)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x = random_x(1, 384 if prologue == "gate" else 192, seed=81, dtype=dtype) * 3
+    fused, reference_x = {}, x
+    if prologue == "gate":
+        fused["is_gated"], reference_x = True, silu_and_mul_ref(x)
+    elif prologue != "none":
+        residual = random_x(1, 192, seed=82, dtype=dtype) if prologue == "norm+residual" else None
+        weight = (torch.rand(192, generator=torch.Generator().manual_seed(83)) + 0.5).to(dtype).to(DEVICE)
+        sum_out = torch.full_like(x, float("nan")) if residual is not None else None
+        fused["norm"] = InputNorm(weight, 1e-6, residual, sum_out)
+        reference_x, total = rms_norm_ref(x, weight, 1e-6, residual)
+    ref = awq_linear_ref(reference_x, qweight, qzeros, scales, group_size, bias)
+    y = torch.full((1, 200), float("nan"), dtype=dtype, device=DEVICE)
+    config = {"block_n": 64, "block_k": group_size, "split_k": split_k, "num_warps": 2, "k_in_thread": True}
+    launch(x, qweight, qzeros, scales, group_size, bias, y, config, **fused)
+    error = relative_error(y, ref)
+    print(f"K-in-thread {prologue} group {group_size} split_k={split_k}: rel err {error:.2e}")
+    assert error <= SMALL_TOLERANCE
+    if prologue == "norm+residual":
+        assert torch.equal(fused["norm"].sum_out, total)
+
+
+def test_row_config_takes_the_k_in_thread_kernel_for_wide_plain_layers():
+    row_config = w4a16.w4a16_gemv.row_config
+    assert row_config(17920, 1536, 128, 132, False).get("k_in_thread")  # gate/up, plain
+    assert not row_config(17920, 1536, 128, 132, True).get("k_in_thread")  # compensated
+    assert not row_config(1536, 8960, 128, 132, False).get("k_in_thread")  # down: narrow
+    assert not row_config(17920, 1536, 128, 132, False, block_n=128).get("k_in_thread")  # one head per block
+
+
+@needs_triton
 def test_one_row_fusion_checks_its_inputs():
     from lowvram.kernels.w4a16 import InputNorm
 
@@ -498,7 +539,7 @@ def test_real_shapes_on_gpu(shape, num_rows):
     y = torch.full((num_rows, num_outputs), float("nan"), dtype=torch.float16, device="cuda")
     sms = w4a16.num_sms(x.device)
     if num_rows == 1:
-        config = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms)
+        config = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms, False)
     else:
         config = w4a16.w4a16_gemv.tiled_config(num_rows, num_outputs, num_inputs, 128, sms)
     launch(x, qweight, qzeros, scales, 128, bias, y, config)
@@ -613,7 +654,7 @@ def test_compensation_in_the_decode_kernel_on_gpu(shape, num_rows):
     ref = awq_linear_ref(x, qweight, qzeros, scales, 128, bias, lora_a=lora_a, lora_bt=lora_bt)
     sms = w4a16.num_sms(x.device)
     if num_rows == 1:
-        default, forms = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms), ROW_FORMS
+        default, forms = w4a16.w4a16_gemv.row_config(num_outputs, num_inputs, 128, sms, True), ROW_FORMS
     else:
         default, forms = w4a16.w4a16_gemv.tiled_config(num_rows, num_outputs, num_inputs, 128, sms), [{"block_m": 16}]
     for config in (default, *({"block_n": 64, "block_k": 128, "split_k": 8, "num_warps": 4, **form} for form in forms)):

@@ -162,13 +162,19 @@ def attention(args) -> None:
 
 def gemv(args) -> None:
     """The one-row W4A16 kernel at each projection of the shape (with the norm prologue where the
-    decoder layer fuses it, RoPE + KV store on q/k/v), and the tiled kernel for 8 rows."""
+    decoder layer fuses it, RoPE + KV store on q/k/v; the K-in-thread kernel where row_config
+    picks it), and the tiled kernel for 8 rows."""
     import triton
     from lab_shapes import projection_shapes
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from lowvram.kernels import w4a16_gemv as g
+
+    def compile_kernel(fn, signature, constexprs, num_warps, attrs=None):
+        signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        return usage(triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": num_warps}))
 
     awq = ("*i32", "*i32", "*fp16")
     split = ("*fp32", "*i32")
@@ -181,31 +187,26 @@ def gemv(args) -> None:
     common |= {"BLOCK_R": g.lora_block_r(args.rank), "EVEN_N": True, "IS_PARTIAL": True}
     for name, (k, n) in projection_shapes(args.shape).items():
         is_qkv = name == "qkv"
-        config = g.row_config(n, k, args.group_size, args.sms, 128 if is_qkv else 64)
+        config = g.row_config(n, k, args.group_size, args.sms, bool(args.rank), 128 if is_qkv else 64)
         prologue = g.PROLOGUE_SILU_MUL if name == "down" else g.PROLOGUE_RMS_NORM if name in ("qkv", "gate_up") else 0
-        signature = {"x_ptr": "*fp16", "awq": awq, "bias_ptr": "*fp16", "y_ptr": "*fp16", "split": split, "lora": lora}
-        signature |= {
-            "norm": norm if prologue == 1 else (),
-            "rope": rope if is_qkv else (),
-            **dict.fromkeys(ints, "i32"),
-        }
-        constexprs = {
-            **common,
-            "BLOCK_N": config["block_n"],
-            "BLOCK_K": config["block_k"],
-            "REDUCE_AT_END": config["reduce_at_end"],
-            "LORA_ONCE": bool(args.rank) and not config["reduce_at_end"],
-            "PROLOGUE": prologue,
-            "HAS_RESIDUAL": prologue == 1,
-            "ROW_BLOCK": triton.next_power_of_2(k),
-            "ROPE_KV": is_qkv,
-            "STORE": (4, 15, 64, True, 16) if is_qkv else (),
-        }
-        signature |= dict.fromkeys(constexprs, "constexpr")
-        attrs = {(g._row_kernel.arg_names.index(i),): [["tt.divisibility", 16]] for i in ("N", "K", "num_packed_cols")}
-        source = ASTSource(fn=g._row_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        kernel = triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4})
-        found = usage(kernel)
+        row = {"x_ptr": "*fp16", "awq": awq, "bias_ptr": "*fp16", "y_ptr": "*fp16", "split": split}
+        fused = {"PROLOGUE": prologue, "HAS_RESIDUAL": prologue == 1, "ROW_BLOCK": triton.next_power_of_2(k)}
+        if config.get("k_in_thread"):  # the K-in-thread kernel of wide layers without compensation
+            signature = {**row, "norm": norm if prologue == 1 else (), **dict.fromkeys(ints[:3], "i32")}
+            signature["GROUPS_PER_SPLIT"] = "i32"
+            constexprs = {"GROUP_SIZE": args.group_size, "BLOCK_C": config["block_n"] // 8, "TILE_ROWS": 16}
+            constexprs |= {"UNROLL": 2, "EVEN_N": True, "HAS_BIAS": False, "IS_PARTIAL": True, **fused}
+            found = compile_kernel(g._wide_row_kernel, signature, constexprs, config["num_warps"])
+        else:
+            signature = {**row, "lora": lora, "norm": norm if prologue == 1 else (), "rope": rope if is_qkv else ()}
+            signature |= dict.fromkeys(ints, "i32")
+            constexprs = {**common, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"], **fused}
+            constexprs |= {"REDUCE_AT_END": config["reduce_at_end"], "ROPE_KV": is_qkv}
+            constexprs |= {"LORA_ONCE": bool(args.rank) and not config["reduce_at_end"]}
+            constexprs["STORE"] = (4, 15, 64, True, 16) if is_qkv else ()
+            names = ("N", "K", "num_packed_cols")
+            attrs = {(g._row_kernel.arg_names.index(i),): [["tt.divisibility", 16]] for i in names}
+            found = compile_kernel(g._row_kernel, signature, constexprs, 4, attrs)
         print(
             f"GEMV {name} (K={k}, N={n}) {config}: {found['registers']} registers, {found['spill_bytes']} bytes "
             f"spilled, loop {found['loop_instructions']} instructions per warp; {found['loop_opcodes']}"
@@ -216,9 +217,7 @@ def gemv(args) -> None:
         signature |= {"strides": ("i32", "i32", "i32"), "K_BLOCKS_PER_SPLIT": "i32"}
         constexprs = {**common, "BLOCK_M": 16, "BLOCK_N": config["block_n"], "BLOCK_K": config["block_k"]}
         constexprs["IS_DENSE"] = False
-        signature |= dict.fromkeys(constexprs, "constexpr")
-        source = ASTSource(fn=g._tiled_kernel, signature=signature, constexprs=constexprs)
-        found = usage(triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": 4}))
+        found = compile_kernel(g._tiled_kernel, signature, constexprs, 4)
         print(f"tiled {name}, 8 rows {config}: {found['registers']} registers, {found['spill_bytes']} bytes spilled")
 
 
