@@ -1,17 +1,12 @@
-"""Routed experts in host memory with a small cache of them on the device.
-
-An MoE layer of DeepSeek-V2-Lite holds 64 routed experts (about 4.5 MiB each in AWQ
-INT4, 7.3 GiB over 26 layers) but a token uses 6 of them, so a 4 GB card keeps all
-experts in host memory (pinned, so copies are asynchronous) and a few per layer in
-device slots. `ExpertCache` is one layer's cache; its slots are flat byte buffers
-that the expert modules' tensors view, so moving an expert is one copy.
-
-Which experts stay: the ones routed most often lately (an exponentially decayed
-count per expert). What moves when: see `ExpertCache.run` and `ExpertCache.prefetch`.
+"""Routed experts in host memory (pinned on CUDA) with a small cache of them per MoE layer
+on the device. DeepSeek-V2-Lite has 64 experts per layer (4.5 MiB each in AWQ INT4) but a
+token uses 6. A slot is one flat byte buffer the expert module's tensors view, so moving an
+expert is one copy; the experts routed most often lately (a decayed count) stay.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -20,10 +15,28 @@ from torch import nn
 
 from lowvram.errors import ConfigError, ModelLoadError
 
-# Tensors inside a slot start at multiples of this: aligned loads for the INT4 kernels.
+# Tensors inside a flat buffer start at multiples of this: aligned loads for the INT4 kernels.
 ALIGN_BYTES = 256
 # Per step, an expert's routing count decays by this factor before the new count is added.
 FREQUENCY_DECAY = 0.9
+
+
+def align(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def packed_offsets(tensors) -> tuple[list[int], int]:
+    """Byte offsets of `tensors` packed one after another at aligned starts, and the end of the last."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(align(end))
+        end = offsets[-1] + tensor.nbytes
+    return offsets, end
+
+
+def view_like(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of uint8 `flat` at `offset` as a tensor of `like`'s dtype and shape."""
+    return flat[offset : offset + like.nbytes].view(like.dtype).view(like.shape)
 
 
 @dataclass
@@ -54,74 +67,40 @@ class ExpertCacheStats:
         return replace(self)
 
     def since(self, earlier: ExpertCacheStats) -> ExpertCacheStats:
-        """The counts accumulated after `earlier` (a copy taken before)."""
         return ExpertCacheStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "hit_rate": self.hit_rate,
-            "bytes_per_token": self.bytes_per_token,
-            "prefetch_accuracy": self.prefetch_accuracy,
-        }
+        rates = ("hit_rate", "bytes_per_token", "prefetch_accuracy")
+        return {**asdict(self), **{name: getattr(self, name) for name in rates}}
 
 
-def group_by_expert(
-    ids: torch.Tensor, weights: torch.Tensor, counts: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Token-expert pairs ordered by expert, without a host sync per expert.
-
-    ids, weights: [T, k]; counts[e]: pairs routed to expert e (on the host). Returns
-    (token rows [T*k], their routing weights [T*k], starts): expert e's pairs are
-    `starts[e] : starts[e] + counts[e]`, in token order.
-    """
+def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, counts: list[int]):
+    """ids, weights [T, k]; counts[e] pairs routed to expert e -> (token rows [T*k], their weights
+    [T*k], starts), ordered by expert: expert e's pairs are `starts[e] : starts[e] + counts[e]`."""
     order = ids.flatten().argsort(stable=True)  # [T*k]
-    starts = [0] * len(counts)
-    for e in range(1, len(counts)):
-        starts[e] = starts[e - 1] + counts[e - 1]
+    starts = list(itertools.accumulate(counts[:-1], initial=0))
     return order // ids.shape[1], weights.flatten()[order], starts
 
 
-def add_expert_output(
-    out: torch.Tensor, expert: nn.Module, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
-) -> None:
+def add_expert_output(out, expert: nn.Module, x, rows: torch.Tensor, weights: torch.Tensor) -> None:
     """out[rows] += weights * expert(x[rows]); rows [n] token rows, weights [n] their routing weights."""
     out.index_add_(0, rows, expert(x.index_select(0, rows)) * weights[:, None].to(x.dtype))
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """One tensor of an expert inside its flat buffer."""
-
-    module_name: str
-    attr: str
-    offset_bytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    is_parameter: bool
-
-    @property
-    def num_bytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _layout(expert: nn.Module) -> tuple[list[_Piece], int]:
-    """Where each parameter and buffer of an expert lives in its flat buffer, and the buffer's size."""
-    pieces, offset = [], 0
-    for module_name, module in expert.named_modules():
-        tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
-        tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
-        for attr, tensor, is_parameter in tensors:
-            piece = _Piece(module_name, attr, offset, tuple(tensor.shape), tensor.dtype, is_parameter)
-            pieces.append(piece)
-            offset += -(-piece.num_bytes // ALIGN_BYTES) * ALIGN_BYTES
-    return pieces, offset
+def _tensors(expert: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """(the module's _parameters or _buffers, name, tensor) of every tensor under `expert`."""
+    return [
+        (table, name, tensor)
+        for module in expert.modules()
+        for table in (module._parameters, module._buffers)
+        for name, tensor in table.items()
+        if tensor is not None
+    ]
 
 
 def _host_rows(num_rows: int, row_bytes: int, is_pinned: bool) -> list[torch.Tensor]:
-    """`num_rows` host buffers of `row_bytes`. torch's pinned allocator rounds every request
-    up to a power of two (288 MiB of experts would take 512), so rows come in blocks of
-    power-of-two size: a few percent lost instead of up to half."""
+    """`num_rows` host buffers of `row_bytes`, in blocks of power-of-two size: torch's pinned
+    allocator rounds each request up to one (288 MiB of experts would take 512)."""
     rows: list[torch.Tensor] = []
     while len(rows) < num_rows:
         block_bytes = 2 ** int(math.log2((num_rows - len(rows)) * row_bytes))
@@ -130,58 +109,40 @@ def _host_rows(num_rows: int, row_bytes: int, is_pinned: bool) -> list[torch.Ten
     return rows
 
 
-def _view(flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
-    return flat[piece.offset_bytes : piece.offset_bytes + piece.num_bytes].view(piece.dtype).view(piece.shape)
-
-
-def _point_at(expert: nn.Module, pieces: list[_Piece], flat: torch.Tensor) -> None:
-    """Make the expert's tensors views of `flat` (a slot), dropping whatever they held."""
-    for piece in pieces:
-        module = expert.get_submodule(piece.module_name)
-        view = _view(flat, piece)
-        if piece.is_parameter:
-            module._parameters[piece.attr] = nn.Parameter(view, requires_grad=False)
-        else:
-            module._buffers[piece.attr] = view
-
-
 class ExpertCache:
-    """One MoE layer's routed experts: every one in host memory, `num_slots` on the device.
-
-    Args:
-        experts: the layer's expert modules, loaded (on any device); their tensors are
-            copied into host memory and the modules become the slots' compute modules.
-        num_slots: experts kept on the device, 1..len(experts).
-        device: where the slots live. On CUDA the host copies are pinned and experts
-            move on a side stream; on the CPU the same code copies synchronously.
-        stats: counters shared by every layer's cache.
-    """
+    """One MoE layer's routed experts: every one in host memory, `num_slots` (1..len(experts))
+    on `device`. The loaded `experts` are copied to host memory and become the slots' compute
+    modules. On CUDA experts move on a side stream; on the CPU the same code copies
+    synchronously. `stats` is shared by every layer's cache."""
 
     def __init__(self, experts: list[nn.Module], num_slots: int, device: torch.device | str, stats: ExpertCacheStats):
         self.device = torch.device(device)
         self.num_experts = len(experts)
         self.stats = stats
-        self.pieces, self.expert_bytes = _layout(experts[0])
-        for e, expert in enumerate(experts[1:], 1):
-            if _layout(expert) != (self.pieces, self.expert_bytes):
+        tensors = [_tensors(expert) for expert in experts]
+        signatures = [[(name, t.shape, t.dtype) for _, name, t in entries] for entries in tensors]
+        for e, signature in enumerate(signatures):
+            if signature != signatures[0]:
                 raise ModelLoadError(
                     f"expert {e} has other tensors than expert 0 (shapes, dtypes or compensation "
                     "terms); every routed expert of a layer must have the same ones"
                 )
+        self.offsets, end = packed_offsets(t for _, _, t in tensors[0])
+        self.expert_bytes = align(end)
         is_cuda = self.device.type == "cuda"
         self.host = _host_rows(self.num_experts, self.expert_bytes, is_pinned=is_cuda)  # one per expert
-        for e, expert in enumerate(experts):
-            for piece in self.pieces:
-                tensor = getattr(expert.get_submodule(piece.module_name), piece.attr)
-                _view(self.host[e], piece).copy_(tensor)
+        for row, entries in zip(self.host, tensors):
+            for offset, (_, _, tensor) in zip(self.offsets, entries):
+                view_like(row, offset, tensor).copy_(tensor)
+        self.likes = [view_like(self.host[0], offset, t) for offset, (_, _, t) in zip(self.offsets, tensors[0])]
         self.modules = list(experts)  # module i computes whatever expert slot i holds
+        self.tables = [[(table, name) for table, name, _ in entries] for entries in tensors]  # where they register
         self.frequency = [0.0] * self.num_experts
         self.prefetched: set[int] = set()
         self._stream = torch.cuda.Stream(self.device) if is_cuda else None
         self.slots = torch.empty(0, dtype=torch.uint8)
         self.resize(num_slots)
 
-    # -- slots -------------------------------------------------------------------
     @property
     def num_slots(self) -> int:
         return self.slots.shape[0]
@@ -190,6 +151,12 @@ class ExpertCache:
     def device_bytes(self) -> int:
         return self.slots.numel()
 
+    def _point_at(self, module: int, flat: torch.Tensor) -> None:
+        """Make module `module`'s tensors views of `flat` (a slot), dropping what they held."""
+        for (table, name), offset, like in zip(self.tables[module], self.offsets, self.likes):
+            view = view_like(flat, offset, like)
+            table[name] = nn.Parameter(view, requires_grad=False) if isinstance(table[name], nn.Parameter) else view
+
     def resize(self, num_slots: int) -> None:
         """Reallocate the device slots (contents are refetched: the lowest expert ids first)."""
         if not 1 <= num_slots <= self.num_experts:
@@ -197,10 +164,9 @@ class ExpertCache:
         self.synchronize()
         self.slots = torch.empty(0, dtype=torch.uint8)  # free the old slots before allocating new ones
         self.slots = torch.empty((num_slots, self.expert_bytes), dtype=torch.uint8, device=self.device)
-        for s in range(num_slots):
-            _point_at(self.modules[s], self.pieces, self.slots[s])
-        for module in self.modules[num_slots:]:
-            _point_at(module, self.pieces, torch.empty(self.expert_bytes, dtype=torch.uint8, device="meta"))
+        nowhere = torch.empty(self.expert_bytes, dtype=torch.uint8, device="meta")
+        for m in range(self.num_experts):
+            self._point_at(m, self.slots[m] if m < num_slots else nowhere)
         self.expert_in_slot = [-1] * num_slots
         self.slot_of: dict[int, int] = {}
         if self._stream is not None:
@@ -213,7 +179,6 @@ class ExpertCache:
         self.synchronize()
 
     def synchronize(self) -> None:
-        """Wait for every copy in flight."""
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -245,23 +210,16 @@ class ExpertCache:
         held = [s for s, e in enumerate(self.expert_in_slot) if e >= 0 and e not in keep]
         return empty + sorted(held, key=lambda s: self.frequency[self.expert_in_slot[s]])
 
-    # -- compute -----------------------------------------------------------------
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Sum of the routed experts' weighted outputs: x [T, hidden], weights/ids [T, k] -> [T, hidden].
+        """Sum of the routed experts' weighted outputs: x [T, hidden], weights/ids [T, k] -> [T, hidden];
+        `counts[e]`: how many tokens chose expert e.
 
-        `counts[e]` is how many of the T tokens chose expert e (known on the host).
-
-        Design: routing needs this layer's post-attention hidden state, so the exact set is
-        known only now. Experts already in a slot (including ones `prefetch` started during
-        the previous layer) compute first, while the missing ones are copied on the side
-        stream into the slots of experts this step does not need (least routed first).
-        When more experts are missing than such slots, the rest follow in waves: each
-        goes into the slot of an expert that has finished computing, as soon as it has
-        (the copy waits for that compute on the GPU, not on the host). Nothing here waits
-        on the host, so copies overlap compute. A one-token decode step with a cold cache
-        moves at most k experts per layer.
+        Experts already in a slot (prefetched ones included) compute first while the missing
+        ones are copied on the side stream into slots of experts this step does not need. More
+        missing experts than such slots follow in waves, each into the slot of an expert that
+        has finished computing; the copies wait for that compute on the GPU, never on the host.
         """
-        self._update_frequency(counts)
+        self.frequency = [f * FREQUENCY_DECAY + c for f, c in zip(self.frequency, counts)]
         needed = [e for e, c in enumerate(counts) if c]
         resident = [e for e in needed if e in self.slot_of]
         missing = [e for e in needed if e not in self.slot_of]
@@ -302,15 +260,12 @@ class ExpertCache:
         return out
 
     def prefetch(self, counts: list[int]) -> None:
-        """Start copying experts a guess of this layer's routing names (`counts[e]` tokens
-        guessed for expert e), the most guessed first, into slots of experts the guess does
-        not name. Returns at once; `run` waits for the copies on the GPU."""
+        """Start copying the experts a guess of this layer's routing names (`counts[e]` tokens
+        guessed for expert e), the most guessed first, into slots of experts it does not name.
+        Returns at once; `run` waits for the copies on the GPU."""
         guessed = {e for e, c in enumerate(counts) if c}
         wanted = sorted((e for e in guessed if e not in self.slot_of), key=lambda e: (-counts[e], -self.frequency[e]))
         for expert, slot in zip(wanted, self._victims(guessed)):
             self._fetch(expert, slot)
             self.prefetched.add(expert)
             self.stats.num_prefetches += 1
-
-    def _update_frequency(self, counts: list[int]) -> None:
-        self.frequency = [f * FREQUENCY_DECAY + c for f, c in zip(self.frequency, counts)]
