@@ -15,7 +15,8 @@ from deepseek_v2_paging import (
     transformers_reference,
 )
 
-from lowvram.models.deepseek_v2 import DeepseekV2Config, load_deepseek_v2, softmax_scale
+from lowvram.models.deepseek_v2 import DeepseekV2Config, softmax_scale
+from lowvram.models.loader import load_deepseek_v2
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from deepseek_v2_paging import (
 )
 
 from lowvram.kernels.awq_format import dequantize_awq, quantize_rtn
-from lowvram.models.deepseek_v2 import load_deepseek_v2
+from lowvram.models.loader import load_deepseek_v2
 from lowvram.quant.awq_linear import AwqLinear
 
 GROUP_SIZE = 32

@@ -121,7 +121,7 @@ def test_weight_bytes_count_only_the_cached_experts_on_the_device():
 
 
 def test_loaded_weight_bytes_equal_the_plan(checkpoint):
-    from lowvram.models.deepseek_v2 import load_deepseek_v2
+    from lowvram.models.loader import load_deepseek_v2
 
     for max_cached_experts in (None, 2):
         model, _ = load_deepseek_v2(checkpoint, "cpu", torch.float32, max_cached_experts=max_cached_experts)

@@ -17,8 +17,8 @@ from deepseek_v2_paging import (
 from torch import nn
 
 from lowvram.errors import ConfigError
-from lowvram.models.deepseek_v2 import load_deepseek_v2
 from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats
+from lowvram.models.loader import load_deepseek_v2
 
 
 @pytest.fixture(scope="module")

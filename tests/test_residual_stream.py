@@ -64,7 +64,7 @@ def test_dense_model_output_is_unchanged_by_the_residual_add_moving_into_the_nex
 def test_deepseek_v2_output_is_unchanged_by_the_residual_add_moving_into_the_next_norm(tmp_path, dtype, monkeypatch):
     from tiny_models import make_tiny_deepseek_v2
 
-    from lowvram.models.deepseek_v2 import load_deepseek_v2
+    from lowvram.models.loader import load_deepseek_v2
 
     model, _ = load_deepseek_v2(make_tiny_deepseek_v2(tmp_path, seed=0), "cpu", dtype)
     prompt, decoded = [0, 17, 230, 5, 99, 402, 64], [3, 250, 48, 111]

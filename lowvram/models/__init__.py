@@ -1,7 +1,5 @@
-"""Models: the checkpoint's shape (`config`), loading (`loader`), the dense Llama/Qwen2
-model, DeepSeek-V2 with its expert cache, the variants chosen when a model is built
-(fused projections, batch-invariant kernels, layers streamed from host memory) and the
-real shapes with random weights that benchmarks use.
+"""Models: checkpoint shape and loading, the dense and DeepSeek-V2 models, the variants chosen when
+a model is built, and real shapes with random weights for benchmarks.
 
 May import: lowvram.kv, lowvram.quant, lowvram.memory, lowvram.kernels.
 """

@@ -1,27 +1,13 @@
-"""Batch-invariant mode (profile `batch_invariant`): each request's logits have the same bits
-whether it runs alone or batched with others, so greedy decoding gives the same text.
-
-Floating-point sums depend on their order, and the fast kernels choose their order from the
-batch: cuBLAS picks a tiling from the matrix sizes, the W4A16 decode kernel has a one-row
-form and a multi-row form, decode attention splits a context into more partitions when
-fewer sequences run, and prefill chunk boundaries move with the token budget. Each choice
-is right for speed and changes a row's last bits, and a last-bit change in the logits of a
-random-weight or uncertain model flips a greedy token sooner or later. The mode fixes every
-such choice to depend on the row alone:
-- INT4 layers: the W4A16 decode kernel's 16-row tl.dot form for every row count, one tiling
-  per layer shape (`w4a16_gemv.invariant_gemv_config`), prefill chunks included;
-- dense layers, the FP16 head included: the same scheme in `kernels/linear_invariant.py`;
-- attention: decode rows go through the prefill kernel, whose query and K/V tiles sit at
-  absolute positions, so a token's bits depend neither on the chunking of its prompt nor
-  on whether a decode step or the recompute after a preemption computes it; on the
-  plain-torch path, one row at a time over its causal prefix.
-Norms, RoPE, the activation and the KV write already work one row at a time.
-
-The engine also keeps the KV at FP16 in this mode (the controller's ladder starts at
-spilling): compressed pages would change what a request reads. What it costs: prefill runs
-through the decode-style matmul kernels (no cuBLAS), a one-request decode step uses the
-multi-row GEMV, and decode attention has no context partitions; docs/performance.md has
-the measured speeds.
+"""Batch-invariant mode (profile `batch_invariant`): a request's logits have the same bits alone
+or batched, so greedy decoding gives the same text. The fast kernels choose their summation
+order from the batch (cuBLAS tiling, the W4A16 kernel's one-row form, decode attention's
+context partitions, prefill chunk boundaries); this mode makes every such choice depend on the
+row alone: the W4A16 kernel's 16-row tl.dot form with one tiling per layer shape
+(`w4a16_gemv.invariant_gemv_config`), the same for dense layers (`kernels/linear_invariant.py`),
+and decode rows through the prefill attention kernel, whose tiles sit at absolute positions.
+Norms, RoPE, the activation and the KV write already work row by row. The engine also keeps
+the KV at FP16 (compressed pages would change what a request reads); docs/performance.md has
+the cost.
 """
 
 from __future__ import annotations
@@ -42,9 +28,8 @@ class InvariantLinear(nn.Linear):
 
 
 def make_batch_invariant(model: nn.Module) -> int:
-    """Switch every matmul and attention layer of a loaded dense model to its batch-invariant
-    form, in place; returns the number of layers switched. Raises ConfigError for a model
-    with another attention (DeepSeek-V2's MLA and MoE routing are not covered)."""
+    """Switch every matmul and attention layer of a loaded dense model to its batch-invariant form
+    in place; returns how many. ConfigError for other models (DeepSeek-V2's MLA and routing)."""
     num_switched = 0
     num_attention = 0
     for module in model.modules():

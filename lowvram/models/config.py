@@ -1,15 +1,10 @@
-"""The model's shape, read from a Hugging Face config.json.
+"""The model's shape, read from a Hugging Face config.json: only what the runtime needs, across
+transformers 4.x and 5.x spellings (5.x keeps RoPE settings in `rope_parameters`).
 
-Only what the runtime needs, normalised across transformers 4.x and 5.x spellings
-(5.x keeps RoPE settings in `rope_parameters`; older files use `rope_theta` and
-`rope_scaling`).
-
-Quantized checkpoints: AutoAWQ writes `quantization_config` into config.json
-(`quant_method: awq`, `bits`, `group_size`, `zero_point`, `version`,
-`modules_to_not_convert`); its older releases wrote a separate `quant_config.json`
-(`w_bit`, `q_group_size`, `zero_point`, `version: "GEMM"`). Both are read into an
-`AwqConfig`. Only the GEMM layout with 4 bits, zero points and group size 32/64/128 is
-supported; anything else is refused here, before any weight is read.
+AWQ settings come from config.json's `quantization_config` (AutoAWQ: quant_method, bits,
+group_size, zero_point, version, modules_to_not_convert) or an older AutoAWQ's separate
+quant_config.json (w_bit, q_group_size, ...). Anything but the GEMM layout with 4 bits, zero
+points and group size 32/64/128 is refused here, before any weight is read.
 """
 
 from __future__ import annotations
@@ -35,18 +30,12 @@ _SUPPORTED_QUANT = (
 
 @dataclass(frozen=True)
 class AwqConfig:
-    """An AutoAWQ GEMM checkpoint's quantization settings.
-
-    `modules_to_not_convert` holds name fragments, matched as substrings of module names
-    as AutoAWQ, transformers and vLLM match them: every Linear whose name contains one
-    keeps an FP16 `weight`.
-    """
+    """An AutoAWQ GEMM checkpoint's quantization settings (4 bits with zero points).
+    `modules_to_not_convert` holds name fragments: every Linear whose name contains one keeps an
+    FP16 `weight` (as AutoAWQ, transformers and vLLM match them)."""
 
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
-    bits: int = 4
-    zero_point: bool = True
-    version: str = "gemm"
 
     def is_skipped(self, module_name: str) -> bool:
         return any(fragment in module_name for fragment in self.modules_to_not_convert)
@@ -55,10 +44,10 @@ class AwqConfig:
         """The `quantization_config` entry of config.json, as AutoAWQ writes it."""
         return {
             "quant_method": "awq",
-            "bits": self.bits,
+            "bits": 4,
             "group_size": self.group_size,
-            "zero_point": self.zero_point,
-            "version": self.version,
+            "zero_point": True,
+            "version": "gemm",
             "modules_to_not_convert": list(self.modules_to_not_convert),
         }
 
@@ -80,8 +69,6 @@ class ModelConfig:
     has_qkv_bias: bool
     is_tied_head: bool
     max_position_embeddings: int
-    checkpoint_dtype: str
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     quantization: AwqConfig | None = None
 
@@ -104,26 +91,14 @@ class ModelConfig:
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
 
-def _rope_settings(raw: dict, source: str) -> tuple[float, str, float]:
-    params = raw.get("rope_parameters") or {}
-    legacy = raw.get("rope_scaling") or {}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = (
-        params.get("rope_type") or params.get("type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    )
-    factor = params.get("factor", legacy.get("factor", 1.0))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: RoPE scaling {rope_type!r} is not supported yet; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return float(theta), rope_type, float(factor or 1.0)
+def eos_token_ids(raw: dict) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
 def awq_config_from_dict(raw: dict, source: str) -> AwqConfig:
-    """Read a `quantization_config` dict (or a legacy quant_config.json) into an AwqConfig.
-
-    Raises UnsupportedModelError naming the setting for anything but AWQ GEMM INT4.
-    """
+    """Read a `quantization_config` dict (or a legacy quant_config.json) into an AwqConfig;
+    UnsupportedModelError naming the setting for anything but AWQ GEMM INT4."""
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{source}: quantization_config must be a JSON object, got {type(raw).__name__}")
     method = str(raw.get("quant_method", "awq")).lower()
@@ -166,9 +141,20 @@ def model_config_from_dict(raw: dict, source: str = "config.json", legacy_quant:
     try:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        theta, rope_type, factor = _rope_settings(raw, source)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        params = raw.get("rope_parameters") or {}
+        legacy = raw.get("rope_scaling") or {}
+        rope_type = (
+            params.get("rope_type") or params.get("type") or legacy.get("rope_type") or legacy.get("type") or "default"
+        )
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{source}: RoPE scaling {rope_type!r} is not supported yet; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        quantization = None
+        if raw.get("quantization_config") is not None:
+            quantization = awq_config_from_dict(raw["quantization_config"], f"{source} quantization_config")
+        elif legacy_quant is not None:
+            quantization = awq_config_from_dict(legacy_quant, LEGACY_QUANT_CONFIG)
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -179,29 +165,19 @@ def model_config_from_dict(raw: dict, source: str = "config.json", legacy_quant:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
+            rope_theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
             rope_type=rope_type,
-            rope_factor=factor,
+            rope_factor=float(params.get("factor", legacy.get("factor", 1.0)) or 1.0),
             has_qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             is_tied_head=bool(raw.get("tie_word_embeddings", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            quantization=_quantization(raw, source, legacy_quant),
+            eos_token_ids=eos_token_ids(raw),
+            quantization=quantization,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: required field {exc.args[0]!r} is missing") from None
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{source}: a field has a bad value ({exc})") from None
-
-
-def _quantization(raw: dict, source: str, legacy_quant: dict | None) -> AwqConfig | None:
-    if raw.get("quantization_config") is not None:
-        return awq_config_from_dict(raw["quantization_config"], f"{source} quantization_config")
-    if legacy_quant is not None:
-        return awq_config_from_dict(legacy_quant, LEGACY_QUANT_CONFIG)
-    return None
 
 
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
@@ -212,17 +188,16 @@ def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         raise ModelLoadError(
             f"{model_dir} has no config.json; pass a Hugging Face model directory (config.json, *.safetensors, tokenizer files)"
         )
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-download the checkpoint") from None
+    legacy_path = Path(model_dir) / LEGACY_QUANT_CONFIG
+    raw = _read_json(path)
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path} must hold a JSON object")
-    legacy_path = Path(model_dir) / LEGACY_QUANT_CONFIG
-    legacy_quant = None
-    if legacy_path.is_file() and raw.get("quantization_config") is None:
-        try:
-            legacy_quant = json.loads(legacy_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{legacy_path} is not valid JSON ({exc}); re-download the checkpoint") from None
+    legacy_quant = _read_json(legacy_path) if legacy_path.is_file() and raw.get("quantization_config") is None else None
     return model_config_from_dict(raw, str(path), legacy_quant), raw
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-download the checkpoint") from None

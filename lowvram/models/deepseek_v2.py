@@ -1,44 +1,35 @@
-"""DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) as a plain nn.Module over paged KV.
+"""DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) over paged KV; parameter
+names equal the checkpoint's.
 
 Multi-head latent attention caches per token and layer only the normed KV latent
-(`kv_lora_rank`) and the one RoPE key all heads share (`qk_rope_head_dim`): one "KV head"
-of 576 values for V2-Lite. `kv_b_proj` is absorbed instead of applied to the cache:
+(`kv_lora_rank`) and the one RoPE key all heads share: one "KV head" of 576 values for
+V2-Lite. `kv_b_proj` is absorbed instead of applied to the cache:
 
     score_h = q_nope_h . (W_uk_h c) + q_pe_h . k_pe = [W_uk_h^T q_nope_h | q_pe_h] . [c | k_pe]
     out_h   = sum_t p_t W_uv_h c_t = W_uv_h (sum_t p_t c_t)
 
 so attention is multi-query attention with one KV head whose values are the first
-`kv_lora_rank` entries of the keys; the paged attention runs it with the V pages being the K
-pages (one row per token, not two). The pool gives each pool layer a K and a V tensor, so two
-model layers share one (`num_kv_layers` = ceil(layers / 2)): layer 2j keeps its rows in pool
-layer j's K pages, layer 2j+1 in its V pages (`layer_kv_pages`).
-
-AWQ INT4 checkpoints (AutoAWQ GEMM names) quantize every Linear of the decoder layers that
-`modules_to_not_convert` does not name; the router (`mlp.gate`) stays float32, and
-`kv_b_proj` is dequantized once at load, since absorption needs its weight as a matrix.
-Routed experts may live in host memory with a device cache per layer
-(`lowvram.models.expert_offload`). Parameter names equal the checkpoint names.
+`kv_lora_rank` entries of the keys. The pool gives each pool layer a K and a V tensor, so two
+model layers share one: layer 2j keeps its rows in pool layer j's K pages, 2j+1 in its V pages.
+Routed experts may live in host memory with a device cache per layer (expert_offload).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from lowvram.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from lowvram.errors import ConfigError, UnsupportedModelError
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
-from lowvram.models.checkpoint import tensor_names, weight_files, weight_report
-from lowvram.models.config import AwqConfig, awq_config_from_dict
-from lowvram.models.dense import MLP, CausalLM, RMSNorm
+from lowvram.models.checkpoint import weight_report
+from lowvram.models.config import AwqConfig, awq_config_from_dict, eos_token_ids
+from lowvram.models.dense import MLP, CausalLM, RMSNorm, Rotary
 from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
-from lowvram.quant.awq_linear import AWQ_NAMES, AwqLinear, swap_awq_linears
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"
@@ -51,12 +42,9 @@ def is_deepseek_v2(raw: dict) -> bool:
 
 @dataclass
 class DeepseekV2Config:
-    """The config.json fields the model reads, with DeepSeek-V2's meanings.
-
-    It also answers what the engine, the KV pool and the memory plan ask a dense
-    model's ModelConfig (`num_kv_heads`, `head_dim`, `q_size`, ...), in terms of
-    what the pages hold: one KV head of `kv_head_dim` values per token and layer.
-    """
+    """The config.json fields the model reads. It also answers what the engine, KV pool and
+    memory plan ask a dense ModelConfig (`num_kv_heads`, `head_dim`, `q_size`, ...) in terms
+    of what the pages hold: one KV head of `kv_head_dim` values per token and layer."""
 
     vocab_size: int
     hidden_size: int
@@ -89,6 +77,7 @@ class DeepseekV2Config:
     quantization: AwqConfig | None = None
     architecture: str = ARCHITECTURE
     has_qkv_bias: bool = False
+    num_kv_heads: int = 1
 
     @property
     def qk_head_dim(self) -> int:
@@ -96,30 +85,18 @@ class DeepseekV2Config:
 
     @property
     def kv_head_dim(self) -> int:
-        """Values per token and layer in the KV pages (one KV head)."""
+        """Values per token and layer in the KV pages (one KV head); also the absorbed query's width."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    # -- as the KV pool and memory plan read a ModelConfig -------------------------
-    @property
-    def num_kv_heads(self) -> int:
-        return 1
-
-    @property
-    def head_dim(self) -> int:
-        """Width of a KV page row and of the absorbed query: `kv_head_dim`."""
-        return self.kv_head_dim
+    head_dim = kv_size = kv_head_dim
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.kv_head_dim
 
     @property
-    def kv_size(self) -> int:
-        return self.kv_head_dim
-
-    @property
     def num_kv_layers(self) -> int:
-        """Pool layers: two model layers share one (see the module docstring)."""
+        """Pool layers: two model layers share one."""
         return -(-self.num_layers // 2)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -158,7 +135,6 @@ class DeepseekV2Config:
             rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
             rope["rope_type"] = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
             rope.pop("type", None)
-            eos = raw.get("eos_token_id")
             quant = raw.get("quantization_config")
             config = cls(
                 vocab_size=int(raw["vocab_size"]),
@@ -187,7 +163,7 @@ class DeepseekV2Config:
                 is_tied_head=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 163840)),
                 bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+                eos_token_ids=eos_token_ids(raw),
                 checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
                 quantization=None if quant is None else awq_config_from_dict(quant, f"{source} quantization_config"),
             )
@@ -212,24 +188,16 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-class InterleavedRotary(nn.Module):
-    """RoPE over adjacent pairs (x[2i], x[2i+1]), as DeepSeek-V2 was trained, with yarn scaling.
+class InterleavedRotary(Rotary):
+    """RoPE over adjacent pairs (x[2i], x[2i+1]), as DeepSeek-V2 was trained, with yarn scaling:
+    low frequencies interpolated by `factor`, high ones kept, a ramp between, and cos/sin
+    times mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
 
-    Yarn interpolates low frequencies by `factor`, keeps high ones, ramps between, and
-    multiplies cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim).
-    """
-
-    def __init__(self, config: DeepseekV2Config):
-        super().__init__()
-        self.config = config
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
-
-    def _inv_freq(self, device: torch.device) -> tuple[torch.Tensor, float]:
+    def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float, float]:
         dim, base, rope = self.config.qk_rope_head_dim, self.config.rope_theta, self.config.rope
         pos_freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
         if rope["rope_type"] == "default":
-            return 1.0 / pos_freqs, 1.0
+            return 1.0 / pos_freqs, 1.0, 1.0
         factor = float(rope["factor"])
         original_max_positions = int(rope["original_max_position_embeddings"])
         beta_fast, beta_slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
@@ -252,26 +220,9 @@ class InterleavedRotary(nn.Module):
                 attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
             else:
                 attention_factor = _yarn_mscale(factor)
-        return inv_freq, float(attention_factor)
+        return inv_freq, 1.0, float(attention_factor)
 
-    def _build(self, max_pos: int, device: torch.device) -> None:
-        inv_freq, attention_factor = self._inv_freq(device)
-        freqs = torch.outer(torch.arange(max_pos, device=device, dtype=torch.float32), inv_freq)  # [P, R/2]
-        self.cos, self.sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-
-    def reserve(self, num_positions: int, device: torch.device) -> None:
-        """Make the tables cover `num_positions` (they double when they grow)."""
-        if self.cos is None or self.cos.shape[0] < num_positions or self.cos.device != device:
-            self._build(max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024)), device)
-
-    def forward(
-        self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
-    ) -> list[torch.Tensor]:
-        """Rotate each x [T, heads, R] by its token's position. `num_positions` bounds the
-        positions (the step's longest context), sparing a device-to-host read per layer."""
-        if num_positions is None:
-            num_positions = int(positions.max()) + 1 if positions.numel() else 1
-        self.reserve(num_positions, positions.device)
+    def _rotate(self, positions: torch.Tensor, xs) -> list[torch.Tensor]:
         cos = self.cos[positions][:, None, :]  # [T, 1, R/2]
         sin = self.sin[positions][:, None, :]
         out = []
@@ -284,11 +235,8 @@ class InterleavedRotary(nn.Module):
 
 
 def softmax_scale(config: DeepseekV2Config) -> float:
-    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under yarn.
-
-    Yarn's attention factor is folded into cos/sin, which scales q_pe.k_pe but not
-    q_nope.k_nope; DeepSeek-V2 corrects the whole score with the squared mscale here.
-    """
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under yarn: the attention
+    factor folded into cos/sin scales q_pe.k_pe but not q_nope.k_nope."""
     scale = config.qk_head_dim**-0.5
     rope = config.rope
     if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
@@ -297,32 +245,21 @@ def softmax_scale(config: DeepseekV2Config) -> float:
 
 
 def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
-    """Layer `layer_idx`'s cache in the pool layout: its half of pool layer `layer_idx // 2`
-    (K for even layers, V for odd), viewed as both K and V."""
+    """Layer `layer_idx`'s cache: its half of pool layer `layer_idx // 2` (K for even layers, V
+    for odd), viewed as both K and V."""
     pages = kv_pages[layer_idx // 2]
     if layer_idx % 2 == 0:
         rows, scale, zero, window = pages.k, pages.k_scale, pages.k_zero, pages.window_k
     else:
         rows, scale, zero, window = pages.v, pages.v_scale, pages.v_zero, pages.window_v
-    return KVPages(
-        k=rows,
-        v=rows,
-        precision=pages.precision,
-        k_scale=scale,
-        k_zero=zero,
-        v_scale=scale,
-        v_zero=zero,
-        window_k=window,
-        window_v=window,
-        window_row=pages.window_row,
-    )
+    # KVPages(k, v, precision, k_scale, k_zero, v_scale, v_zero, window_k, window_v, window_row)
+    return KVPages(rows, rows, pages.precision, scale, zero, scale, zero, window, window, pages.window_row)
 
 
 class LatentAttention(nn.Module):
     def __init__(self, config: DeepseekV2Config, rotary: InterleavedRotary):
         super().__init__()
         self.config = config
-        self.num_heads = config.num_heads
         hidden, heads = config.hidden_size, config.num_heads
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, heads * config.qk_head_dim, bias=False)
@@ -339,24 +276,20 @@ class LatentAttention(nn.Module):
         self.rotary = rotary
         self.scale = softmax_scale(config)
 
-    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_uk [H, nope, rank] and W_uv [H, v, rank], views of kv_b_proj's weight."""
-        c = self.config
-        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
-
     def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
         c = self.config
         num_tokens = h.shape[0]
         q = self.q_proj(h) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        q = q.view(num_tokens, self.num_heads, c.qk_head_dim)  # [T, H, nope + rope]
+        q = q.view(num_tokens, c.num_heads, c.qk_head_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(h).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_pe = k_pe.view(num_tokens, 1, c.qk_rope_head_dim)  # [T, 1, rope]
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe, num_positions=meta.max_context_len)
 
-        w_uk, w_uv = self._up_projections()
+        # W_uk [H, nope, rank] and W_uv [H, v, rank]: views of kv_b_proj's weight
+        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
         kv = torch.cat((latent.view(num_tokens, 1, c.kv_lora_rank), k_pe), dim=-1)  # [T, 1, rank + rope]
@@ -393,10 +326,8 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Shared experts plus the top-k routed experts, resident (`experts`) or cached (`cache`).
-
-    With a cache, `next_layer` is (the next layer's post_attention_layernorm, its MoE)
-    when the next layer is an MoE layer too; see `forward` for what it is used for.
-    """
+    With a cache, `next_layer` is (the next layer's post_attention_layernorm, its MoE) when the
+    next layer is an MoE layer too."""
 
     def __init__(self, config: DeepseekV2Config):
         super().__init__()
@@ -413,17 +344,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden], the normed input; `residual` the hidden state before the norm.
 
-        Prefetch design (offloaded experts): routing needs the post-attention hidden state,
-        so a layer's experts are known only after its attention. Guessing them from the
-        previous token's routing would move little: those experts were just used and are
-        mostly still cached. Instead the next layer's router is applied now, to this
-        layer's post-attention state under the next layer's norm (the residual stream
-        changes little from one layer to the next; "speculative expert loading", as in
-        Eliseev and Mazur's Mixtral offloading), in the same host sync as this layer's
-        routing. The guessed experts are copied on the side stream after this layer's
-        own misses, so the copies overlap this layer's experts and the next layer's
-        attention; wrong guesses cost only bandwidth, and misses are fetched on demand
-        (`ExpertCache.run`). The first MoE layer gets no guess.
+        With offloaded experts, the next layer's router is applied now to this layer's state
+        under the next layer's norm (the residual stream changes little between layers:
+        "speculative expert loading", as in Eliseev and Mazur's Mixtral offloading), in this
+        layer's one host sync. The guessed experts are copied after this layer's own misses,
+        overlapping its experts and the next attention; wrong guesses cost only bandwidth.
         """
         weights, ids = self.gate(x)  # [T, k]
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)  # [E]
@@ -459,10 +384,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, residual, positions, meta, kv_pages):
-        """(h, residual) -> (this layer's MLP output, the residual stream before it), as the
-        dense model's layer (lowvram.models.dense.DecoderLayer): the next norm adds the two."""
+        """As the dense model's layer: (h, residual) -> (this layer's MLP output, the residual before it)."""
         x, residual = self.input_layernorm.add_and_norm(h, residual)
-        # The attention output is not kept past the add: the MLP runs without it.
         x, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(x, positions, meta, kv_pages), residual)
         return (self.mlp(x, residual) if isinstance(self.mlp, MoE) else self.mlp(x)), residual
 
@@ -477,13 +400,8 @@ class DeepseekV2Model(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    """`model.*` and `lm_head` as in the checkpoint; the interface of CausalLM.
-
-    kv_pages: the KV pool's pages, `config.num_kv_layers` KVPages of one KV head of
-    `config.kv_head_dim` values (see `layer_kv_pages`, `allocate_latent_pages`).
-    `expert_stats` counts expert-cache hits and bytes moved (all zero while every
-    expert is resident).
-    """
+    """The interface of CausalLM over `config.num_kv_layers` KVPages of one KV head of
+    `config.kv_head_dim` values. `expert_stats` counts expert-cache hits and bytes moved."""
 
     # Routing decides on the host which experts run (and move): one sync per MoE layer.
     supports_cuda_graphs = False
@@ -493,12 +411,9 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.expert_stats = ExpertCacheStats()
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
-        h, residual = self.model.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, positions, meta, layer_kv_pages(kv_pages, i))
         self.expert_stats.num_tokens += input_ids.shape[0]
-        return self.model.norm.add_and_norm(h, residual)[0]
+        pages = [layer_kv_pages(kv_pages, i) for i in range(len(self.model.layers))]
+        return super().forward(input_ids, positions, meta, pages)
 
     @property
     def moe_layers(self) -> list[MoE]:
@@ -511,8 +426,8 @@ class DeepseekV2ForCausalLM(CausalLM):
         return caches[0].num_slots if caches else None
 
     def offload_experts(self, max_cached_experts: int) -> None:
-        """Move the routed experts to host memory, keeping `max_cached_experts` per layer
-        on the device (or change that number when they are already offloaded)."""
+        """Move the routed experts to host memory, keeping `max_cached_experts` per layer on the
+        device (or change that number when they are already offloaded)."""
         device = self.model.embed_tokens.weight.device
         for moe in self.moe_layers:
             if moe.cache is None:
@@ -526,110 +441,11 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.count_weights()
 
     def count_weights(self) -> None:
-        """Set `weight_report` (checkpoint.WeightReport) and `weight_bytes`: device bytes of the
-        weights, cached experts included, host-held experts not."""
+        """As CausalLM's, cached experts counted, host-held ones not."""
         report = weight_report(self)
         cache_bytes = sum(moe.cache.device_bytes for moe in self.moe_layers if moe.cache is not None)
         if self.config.quantization is not None:
             report.int4_layer_bytes += cache_bytes
         else:
             report.fp16_layer_bytes += cache_bytes
-        self.weight_report = report
-        self.weight_bytes = report.total_bytes
-
-
-def _dequantize_up_projections(model: DeepseekV2ForCausalLM, dtype: torch.dtype) -> None:
-    """Absorption multiplies by kv_b_proj's weight as a matrix: dequantize INT4 ones once."""
-    from lowvram.kernels.awq_format import dequantize_awq
-
-    for layer in model.model.layers:
-        linear = layer.self_attn.kv_b_proj
-        if not isinstance(linear, AwqLinear):
-            continue
-        if linear.has_compensation:
-            raise UnsupportedModelError("residual compensation on kv_b_proj is not supported for DeepSeek-V2")
-        weight = dequantize_awq(linear.qweight, linear.qzeros, linear.scales, linear.group_size, dtype)  # [K, N]
-        dense = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
-        dense.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [N, K]
-        layer.self_attn.kv_b_proj = dense
-
-
-def load_deepseek_v2(
-    model_dir: str | Path,
-    device: torch.device | str,
-    dtype: torch.dtype | None = None,
-    *,
-    max_cached_experts: int | None = None,
-) -> tuple[DeepseekV2ForCausalLM, dict]:
-    """Build on the meta device from config.json and assign the safetensors tensors by name.
-
-    FP16/BF16/FP32 and AWQ INT4 (AutoAWQ GEMM) checkpoints. `max_cached_experts`: routed
-    experts per MoE layer kept on the device, the rest in host memory (None, or at least
-    the number of experts: all on the device); offloaded experts are read straight into
-    host memory, so the device never holds them all. Returns the model (with `.dtype`,
-    `.weight_report` and `.weight_bytes` set) and the raw config.json dict. The router
-    weights (`mlp.gate.weight`) are kept in float32 as DeepSeek keeps them: routing on
-    rounded scores flips expert choices between near-tied experts.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    model_dir, device = Path(model_dir), torch.device(device)
-    try:
-        raw = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'} ({exc})") from None
-    config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
-    if dtype is None:
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-    files = weight_files(model_dir)
-    with torch.device("meta"):
-        model = DeepseekV2ForCausalLM(config)
-    if config.quantization is not None:
-        swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
-    is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
-    expert_device = torch.device("cpu") if is_offloaded else device
-    expected = dict(model.named_parameters()) | dict(model.named_buffers())
-    loaded: set[str] = set()
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name not in expected:
-                        continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(expected[name].shape):
-                        raise ModelLoadError(
-                            f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
-                            f"{tuple(expected[name].shape)}"
-                        )
-                    module_name, _, attr = name.rpartition(".")
-                    module = model.get_submodule(module_name)
-                    target = expert_device if ".mlp.experts." in name else device
-                    if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
-                        tensor = tensor.to(target)  # packed words and float16 scales stay as stored
-                    else:
-                        tensor = tensor.to(target, torch.float32 if name.endswith("mlp.gate.weight") else dtype)
-                    if attr in module._buffers:
-                        module._buffers[attr] = tensor
-                    else:
-                        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-                    loaded.add(name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
-    if config.is_tied_head and "lm_head.weight" not in loaded:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        loaded.add("lm_head.weight")
-    missing = sorted(set(expected) - loaded)
-    if missing:
-        raise ModelLoadError(
-            f"the checkpoint lacks {len(missing)} tensors the config needs, e.g. {missing[0]}; it is "
-            "incomplete or does not match config.json"
-        )
-    _dequantize_up_projections(model, dtype)
-    model.dtype = dtype
-    if is_offloaded:
-        model.offload_experts(max_cached_experts)  # counts the weights too
-    else:
-        model.count_weights()
-    model.eval()
-    return model, raw
+        self.weight_report, self.weight_bytes = report, report.total_bytes

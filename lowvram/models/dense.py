@@ -1,8 +1,6 @@
-"""Dense decoder-only models: LlamaForCausalLM (deepseek-coder) and Qwen2ForCausalLM
-(DeepSeek-R1-Distill-Qwen), as plain nn.Modules over paged KV.
-
-Parameter names equal the Hugging Face checkpoint names, so a checkpoint loads by
-name without a mapping table.
+"""Dense decoder-only models over paged KV: LlamaForCausalLM (deepseek-coder) and
+Qwen2ForCausalLM (DeepSeek-R1-Distill-Qwen). Parameter names equal the Hugging Face
+checkpoint's, so a checkpoint loads by name.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from lowvram.kernels.rms_norm import rms_norm
 from lowvram.kernels.rotary import apply_rotary_ref
 from lowvram.kernels.w4a16 import RopeKVWrite
 from lowvram.kv.attention import AttentionMetadata, Rope, paged_attention
+from lowvram.models.checkpoint import weight_report
 from lowvram.models.config import ModelConfig
 from lowvram.quant.awq_linear import AwqLinear
 
@@ -37,14 +36,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one pass on the GPU; with no residual yet
-        (the first layer's input norm) (norm(x), x).
-
-        With a residual both results are written over the inputs (x gets the norm, residual
-        the sum), as vLLM's fused_add_rms_norm does: the caller still holds both inputs
-        while a layer runs, so new tensors would keep two more [T, hidden] alive than the
-        memory plan (lowvram.memory.workspace.step_workspace) counts.
-        """
+        """(norm(x + residual), x + residual) in one pass, written over x and residual (as vLLM's
+        fused_add_rms_norm): new tensors would keep two more [T, hidden] alive than the memory
+        plan counts. With no residual yet (the first layer) (norm(x), x)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x
         # Only norm weights of another dtype than the activations (none we load) need a new tensor.
@@ -54,10 +48,8 @@ class RMSNorm(nn.Module):
     def add_norm_project(
         self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, rope_kv: RopeKVWrite | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm(x + residual)), x + residual): add_and_norm, then proj; one kernel when proj
-        can take the norm into its own (fuses_input: one row into an INT4 projection on the GPU).
-        `rope_kv` (Attention.fused_rope_kv, which gives one only where this fuses, having asked
-        fuses_input already) finishes a q/k/v projection with RoPE and the KV store in the same kernel."""
+        """(proj(norm(x + residual)), x + residual), in one kernel where proj fuses_input.
+        `rope_kv` (given only where this fuses) finishes a q/k/v projection with RoPE and the KV store."""
         if rope_kv is not None or fuses_input(proj, x, self):
             return proj.forward_normed(x, residual, self.weight, self.eps, rope_kv=rope_kv)
         normed, residual = self.add_and_norm(x, residual)
@@ -65,48 +57,50 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Non-interleaved RoPE (rotate-half), with linear position scaling."""
+    """Non-interleaved RoPE (rotate-half) with linear position scaling. The cos/sin tables
+    [P, D/2] double as contexts grow; growing replaces them, so a CUDA graph that captures
+    them must reserve its longest context first."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.theta = config.rope_theta
-        self.position_scale = 1.0 / config.rope_factor if config.rope_type == "linear" else 1.0
+        self.config = config
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
-    def _build(self, max_pos: int, device: torch.device) -> None:
+    def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float, float]:
+        """(inverse frequencies [D/2], position scale, factor on cos and sin)."""
+        c = self.config
         inv_freq = 1.0 / (
-            self.theta ** (torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim)
+            c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float32) / c.head_dim)
         )
-        pos = torch.arange(max_pos, device=device, dtype=torch.float32) * self.position_scale
-        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        return inv_freq, (1.0 / c.rope_factor if c.rope_type == "linear" else 1.0), 1.0
 
     def reserve(self, num_positions: int, device: torch.device) -> None:
-        """Make the tables cover `num_positions`. Growing them replaces the tensors, so a CUDA
-        graph that captured the old ones must reserve its longest context before capture."""
+        """Make the tables cover `num_positions`."""
         if self.cos is None or self.cos.shape[0] < num_positions or self.cos.device != device:
-            current = self.cos.shape[0] if self.cos is not None else 1024
-            self._build(max(num_positions, 2 * current), device)
+            max_pos = max(num_positions, 2 * (self.cos.shape[0] if self.cos is not None else 1024))
+            inv_freq, position_scale, factor = self._frequencies(device)
+            pos = torch.arange(max_pos, device=device, dtype=torch.float32) * position_scale
+            freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+            self.cos, self.sin = freqs.cos().mul_(factor), freqs.sin().mul_(factor)
 
     def forward(
         self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
     ) -> list[torch.Tensor]:
-        """Rotate each x [T, heads, D] by its token's position.
-
-        `num_positions` bounds the positions (the step's longest context) so the tables can be
-        checked without reading `positions` back from the device, which would stall every
-        layer and cannot happen inside a CUDA graph capture.
-        """
+        """Rotate each x [T, heads, D] by its token's position. `num_positions` bounds the positions
+        (the step's longest context), sparing a read from the device that would stall every layer
+        and cannot happen inside a CUDA graph capture."""
         if num_positions is None:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1
         self.reserve(num_positions, positions.device)
+        return self._rotate(positions, xs)
+
+    def _rotate(self, positions: torch.Tensor, xs) -> list[torch.Tensor]:
         return [apply_rotary_ref(x, positions, self.cos, self.sin) for x in xs]
 
     def rope(self, positions: torch.Tensor, num_positions: int) -> Rope:
-        """The rotation of tokens at `positions` [T], for paged_attention to apply to q and k
-        as it stores k (one kernel on the GPU); `num_positions` as in forward."""
+        """The rotation of tokens at `positions` [T], for paged_attention to apply to q and k as it
+        stores k; `num_positions` as in forward."""
         self.reserve(num_positions, positions.device)
         return Rope(positions, self.cos, self.sin)
 
@@ -120,24 +114,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
-        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, set by lowvram.models.fusion after loading
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, set by lowvram.models.fusion
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
         self.is_batch_invariant = False  # set by lowvram.models.batch_invariance
 
     def forward(self, h, positions, meta: AttentionMetadata, kv_pages: KVPages) -> torch.Tensor:
         if self.qkv_proj is not None:
-            return self.attend(self.qkv_proj(h), positions, meta, kv_pages)  # qkv: [T, q_size + 2 * kv_size]
-        num_tokens = h.shape[0]
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        return self._attend_heads(q, k, v, num_tokens, positions, meta, kv_pages)
+            return self.attend(self.qkv_proj(h), positions, meta, kv_pages)
+        return self._attend_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions, meta, kv_pages)
 
     def fused_rope_kv(
         self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: KVPages
     ) -> RopeKVWrite | None:
-        """RoPE and the KV store for the fused q/k/v projection's own kernel to run, where it can:
-        a decode step of one token whose projection takes the norm (fuses_input), outside the
-        batch-invariant mode, with heads of a power-of-two size from 16 up. None otherwise."""
+        """RoPE and the KV store for the fused q/k/v projection's kernel to run, where it can: a
+        one-token decode step whose projection fuses_input, outside the batch-invariant mode, with
+        heads of a power-of-two size from 16 up. None otherwise."""
         if (
             meta.is_prefill
             or self.is_batch_invariant
@@ -153,14 +145,15 @@ class Attention(nn.Module):
     def attend(
         self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages, *, is_stored: bool = False
     ) -> torch.Tensor:
-        """The layer after the fused q/k/v projection: qkv [T, q_size + 2 * kv_size] -> [T, hidden].
-        `is_stored`: the projection already rotated q and k and stored k and v (fused_rope_kv)."""
+        """qkv [T, q_size + 2 * kv_size] -> [T, hidden]. `is_stored`: the projection already
+        rotated q and k and stored k and v (fused_rope_kv)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        return self._attend_heads(q, k, v, qkv.shape[0], positions, meta, kv_pages, is_stored)
+        return self._attend_heads(q, k, v, positions, meta, kv_pages, is_stored)
 
-    def _attend_heads(self, q, k, v, num_tokens, positions, meta, kv_pages, is_stored=False) -> torch.Tensor:
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv when fused
+    def _attend_heads(self, q, k, v, positions, meta, kv_pages, is_stored=False) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D], a view into qkv
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         rope = None if is_stored else self.rotary.rope(positions, meta.max_context_len)
@@ -203,17 +196,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h, residual, positions, meta, kv_pages):
-        """(h, residual) -> (this layer's MLP output, the residual stream before it).
-
-        The residual add after the MLP is left to the next norm (the next layer's input
-        norm, or the model's final norm), which fuses it: one kernel less per layer. The
-        first layer gets the embeddings as h and no residual.
-
-        A decode step of one sequence over INT4 projections goes further: both norms run
-        inside the fused q/k/v and gate/up kernels (RMSNorm.add_norm_project), and the
-        activation inside the down projection's, so a layer is six launches instead of nine. Inside a
-        CUDA graph each launch saved is a gap of a microsecond or two.
-        """
+        """(h, residual) -> (this layer's MLP output, the residual stream before it): the next norm
+        adds the two, one kernel less per layer; the first layer gets the embeddings and no
+        residual. A one-sequence decode step over INT4 projections runs both norms inside the
+        fused q/k/v and gate/up kernels and the activation inside the down projection's: six
+        launches a layer instead of nine."""
         attn, mlp = self.self_attn, self.mlp  # either may be a stand-in (layer_streaming.HostComputed)
         qkv_proj, gate_up_proj = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
         if qkv_proj is not None:
@@ -241,10 +228,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`model.*` and `lm_head` as in the checkpoint; forward returns final hidden states.
-
-    `model` is the decoder stack (embed_tokens, layers, norm); by default the dense one.
-    """
+    """`model` (the decoder stack: embed_tokens, layers, norm; the dense one by default) and
+    `lm_head` as in the checkpoint; forward returns final hidden states."""
 
     # The decode step holds no host syncs and no data-dependent shapes, so it can be captured.
     supports_cuda_graphs = True
@@ -264,10 +249,13 @@ class CausalLM(nn.Module):
 
     def reserve_positions(self, num_positions: int, device: torch.device) -> None:
         """Build the position tables for contexts up to `num_positions` now, not mid-step."""
-        reserve = getattr(getattr(self.model, "rotary", None), "reserve", None)
-        if reserve is not None:
-            reserve(num_positions, device)
+        self.model.rotary.reserve(num_positions, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> FP32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
+
+    def count_weights(self) -> None:
+        """Set `weight_report` (device bytes of the weights by kind) and `weight_bytes`, its total."""
+        self.weight_report = weight_report(self)
+        self.weight_bytes = self.weight_report.total_bytes

@@ -1,17 +1,11 @@
-"""Concatenate a layer's projections that read the same input into one matmul.
-
-At decode time every projection is a matrix-vector product whose cost is mostly its launch
-and its ramp-up over the GPU, so q, k and v as one [K, Nq + 2 Nkv] product, and gate and up
-as one [K, 2I] product, save two and one launches per layer and give each kernel a larger
-N to spread over the SMs. The checkpoint keeps its names; fusion happens after loading, so
-quantization, reports and saved files never see the fused modules.
-
-Both nn.Linear and AwqLinear fuse. AWQ packs eight output columns per int32 and groups
-scales along K, so concatenating qweight, qzeros and scales along N keeps every column's
-nibble order and group. A residual compensation fuses too: the rank-r factors stack into
-A = [A_q; A_k; A_v] and a block-diagonal B, so each output still sees only its own term.
-Bias corrections are already inside the parts' biases, so AWQ parts with and without a bias
-fuse, the missing biases read as zeros.
+"""Concatenate a layer's projections that read the same input into one matmul, after loading
+(so quantization, reports and saved files never see fused modules). At decode every projection
+is a matrix-vector product whose cost is mostly its launch and ramp-up: q/k/v as one and
+gate/up as one save three launches a layer and give each kernel a larger N. AWQ packs eight
+output columns per int32 and groups scales along K, so concatenating qweight, qzeros and scales
+along N keeps every column's nibbles and group. Low-rank compensation fuses as A = [A_q; A_k;
+A_v] and a block-diagonal B; bias corrections are already in the biases (a missing bias reads
+as zeros).
 """
 
 from __future__ import annotations
@@ -35,37 +29,21 @@ def _cat_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 def _cat_awq(parts: list[AwqLinear]) -> AwqLinear:
     first = parts[0]
-    biases = [p.bias for p in parts]
-    has_bias = any(b is not None for b in biases)
     fused = AwqLinear(
         first.in_features, sum(p.out_features for p in parts), first.group_size, any(p.has_own_bias for p in parts)
     )
     fused.is_bias_corrected = any(p.is_bias_corrected for p in parts)
     for name in ("qweight", "qzeros", "scales"):
         fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=1).contiguous())  # along N
-    if has_bias:
-        like = next(b for b in biases if b is not None)
-        fused.bias = nn.Parameter(
-            torch.cat(
-                [
-                    b if b is not None else torch.zeros(p.out_features, dtype=like.dtype, device=like.device)
-                    for b, p in zip(biases, parts)
-                ]
-            ),
-            requires_grad=False,
-        )
-    if any(p.lora_rank for p in parts):
-        like = next(getattr(p, LORA_A) for p in parts if p.lora_rank)
-        lora_a = torch.cat([getattr(p, LORA_A) for p in parts if p.lora_rank])  # [r_total, K]
-        lora_b = torch.zeros(fused.out_features, lora_a.shape[0], dtype=like.dtype, device=like.device)
-        row, rank = 0, 0
-        for p in parts:
-            if p.lora_rank:
-                lora_b[row : row + p.out_features, rank : rank + p.lora_rank] = getattr(p, LORA_B)
-                rank += p.lora_rank
-            row += p.out_features
-        fused.set_compensation(LORA_A, lora_a)
-        fused.set_compensation(LORA_B, lora_b)  # [N_total, r_total], block diagonal
+    like = next((p.bias for p in parts if p.bias is not None), None)
+    if like is not None:
+        bias = torch.cat([like.new_zeros(p.out_features) if p.bias is None else p.bias for p in parts])
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    like = next((getattr(p, LORA_B) for p in parts if p.lora_rank), None)
+    if like is not None:
+        fused.set_compensation(LORA_A, torch.cat([getattr(p, LORA_A) for p in parts if p.lora_rank]))  # [r_total, K]
+        blocks = [getattr(p, LORA_B) if p.lora_rank else like.new_zeros(p.out_features, 0) for p in parts]
+        fused.set_compensation(LORA_B, torch.block_diag(*blocks))  # [N_total, r_total], block diagonal
     return fused
 
 
@@ -81,25 +59,22 @@ def fuse(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up of every dense decoder layer in place; returns how many blocks
-    were fused. Blocks whose projections differ in kind (an FP16-kept q with an INT4 k, say)
-    stay as they are, and so do other architectures' layers (MoE experts keep their own
-    tensors, which the expert cache moves one by one)."""
+    """Fuse q/k/v and gate/up of every dense decoder layer in place; returns how many blocks were
+    fused. Blocks whose projections differ in kind (an FP16-kept q with an INT4 k) stay as they
+    are, and so do other architectures' layers (the expert cache moves experts' own tensors)."""
     num_fused = 0
     for layer in model.modules():
         if type(layer) is not DecoderLayer:
             continue
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(attn) is Attention and attn.qkv_proj is None:
-            fused = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            if fused is not None:
-                attn.qkv_proj = fused
-                del attn.q_proj, attn.k_proj, attn.v_proj
-                num_fused += 1
-        if type(mlp) is MLP and mlp.gate_up_proj is None:
-            fused = fuse([mlp.gate_proj, mlp.up_proj])
-            if fused is not None:
-                mlp.gate_up_proj = fused
-                del mlp.gate_proj, mlp.up_proj
-                num_fused += 1
+        for module, kind, names, attr in (
+            (layer.self_attn, Attention, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (layer.mlp, MLP, ("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
+            if type(module) is kind and getattr(module, attr) is None:
+                fused = fuse([getattr(module, name) for name in names])
+                if fused is not None:
+                    setattr(module, attr, fused)
+                    for name in names:
+                        delattr(module, name)
+                    num_fused += 1
     return num_fused

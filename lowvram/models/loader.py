@@ -1,14 +1,10 @@
-"""Find a checkpoint (local directory or hub id) and load it into a CausalLM.
+"""Find a checkpoint (local directory or hub id) and load it into a model built on the meta
+device, tensor by tensor, so host memory never holds two copies of it.
 
-Weights are read tensor by tensor from safetensors and assigned into a model built
-on the meta device, so host memory never holds two copies of the model.
-
-AWQ checkpoints (AutoAWQ GEMM layout): before loading, every Linear that the checkpoint
-quantizes is swapped for an AwqLinear, whose packed int32/float16 tensors are kept exactly
-as read (only moved to the device). `lm_head` is quantized only when the checkpoint holds
-`lm_head.qweight`, since AutoAWQ and vLLM always keep it in FP16. Residual-compensation
-tensors written by `lowvram quantize` live in a side file (COMPENSATION_FILE) that other
-loaders never open.
+AWQ checkpoints (AutoAWQ GEMM): every Linear the checkpoint quantizes becomes an AwqLinear
+whose packed tensors stay as read; `lm_head` only where the checkpoint holds
+`lm_head.qweight` (AutoAWQ and vLLM keep it in FP16). Residual-compensation tensors written by
+`lowvram quantize` live in COMPENSATION_FILE, which other loaders never open.
 """
 
 from __future__ import annotations
@@ -22,12 +18,13 @@ from torch import nn
 
 from lowvram.config import Profile
 from lowvram.demo import demo_model_path
-from lowvram.errors import ModelLoadError
+from lowvram.errors import ModelLoadError, UnsupportedModelError
+from lowvram.kernels.awq_format import dequantize_awq
 from lowvram.memory.plan import plan_expert_cache
 from lowvram.models.batch_invariance import make_batch_invariant
-from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files, weight_report
+from lowvram.models.checkpoint import COMPENSATION_FILE, read_raw_config, tensor_names, weight_files
 from lowvram.models.config import ModelConfig, load_model_config
-from lowvram.models.deepseek_v2 import DeepseekV2Config, is_deepseek_v2, load_deepseek_v2
+from lowvram.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, is_deepseek_v2
 from lowvram.models.dense import CausalLM
 from lowvram.models.fusion import fuse_projections
 from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear, swap_awq_linears
@@ -49,10 +46,8 @@ QUANTIZABLE_LINEARS = (
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local directory as is; otherwise a hub id fetched through huggingface_hub.
-
-    None means the small demo model that ships inside the package.
-    """
+    """A local directory as is; otherwise a hub id fetched through huggingface_hub. None means
+    the small demo model that ships inside the package."""
     if model is None:
         return demo_model_path()
     text = str(model)
@@ -64,10 +59,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     )
     if looks_like_path:
         raise ModelLoadError(f"model directory {text!r} does not exist; pass a local Hugging Face model directory")
-    return _download(text)
-
-
-def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a declared dependency
@@ -75,35 +66,14 @@ def _download(repo_id: str) -> Path:
             "huggingface_hub is not installed; pip install huggingface_hub, or pass a local directory"
         ) from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
     except Exception as exc:  # the hub raises many types (offline, 404, gated, HTTP)
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise ModelLoadError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({reason}). If this machine is offline, "
-            f"download the model elsewhere (huggingface-cli download {repo_id} --local-dir DIR), copy DIR here "
+            f"could not fetch {text!r} from the Hugging Face hub ({reason}). If this machine is offline, "
+            f"download the model elsewhere (huggingface-cli download {text} --local-dir DIR), copy DIR here "
             f"and pass --model DIR"
         ) from None
-
-
-def _target_dtype(config: ModelConfig, device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
-    if dtype is not None:
-        return dtype
-    # Turing (the 4 GB cards we target) has no BF16: compute in FP16 on CUDA.
-    return torch.float16 if device.type == "cuda" else torch.float32
-
-
-def _target(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
-    """The module and attribute a checkpoint tensor belongs to, or None for tensors the model has no slot for."""
-    module_name, _, attr = name.rpartition(".")
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError:
-        return None
-    if isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES:
-        return module, attr
-    if isinstance(getattr(module, attr, None), nn.Parameter) or getattr(module, "_buffers", {}).get(attr) is not None:
-        return module, attr
-    return None
 
 
 def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> None:
@@ -122,42 +92,46 @@ def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> No
         setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def _convert(
-    module: nn.Module, attr: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    # Packed AWQ tensors stay bit-for-bit as on disk: int32 words and float16 scales.
-    if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
-        return tensor.to(device=device)
-    return tensor.to(device=device, dtype=dtype)
-
-
-def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype) -> int:
-    """Assign every tensor from the shards; returns the bytes loaded.
-
-    Compensation tensors are attached last, once every bias holds its checkpoint value: a bias
-    correction is added to the bias as it attaches (and gives a bias-free layer one).
-    """
+def load_weights(
+    model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype, expert_device=None
+) -> None:
+    """Assign every tensor of the shards the model has a place for. DeepSeek-V2's routed experts
+    go to `expert_device` (default `device`); its router weights stay float32, as DeepSeek keeps
+    them: rounded scores flip choices between near-tied experts. Compensation tensors attach
+    last, once every bias holds its checkpoint value (a bias correction is added to the bias)."""
     from safetensors import SafetensorError, safe_open
 
     loaded: set[str] = set()
     names_on_disk: set[str] = set()
     compensation: list[tuple[nn.Module, str, str, torch.Tensor]] = []
-    num_bytes = 0
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     names_on_disk.add(name)
-                    target = _target(model, name)
-                    if target is None:
+                    module_name, _, attr = name.rpartition(".")
+                    try:
+                        module = model.get_submodule(module_name)
+                    except AttributeError:
                         continue
-                    tensor = _convert(*target, f.get_tensor(name), device, dtype)
-                    if isinstance(target[0], AwqLinear) and target[1] in COMPENSATION_NAMES:
-                        compensation.append((*target, name, tensor))
+                    is_compensation = isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES
+                    if (
+                        not is_compensation
+                        and module._parameters.get(attr) is None
+                        and module._buffers.get(attr) is None
+                    ):
+                        continue  # no slot in the model for it
+                    target = expert_device if expert_device is not None and ".mlp.experts." in name else device
+                    tensor = f.get_tensor(name)
+                    if isinstance(module, AwqLinear) and attr in AWQ_NAMES:
+                        tensor = tensor.to(target)  # packed int32 words and float16 scales stay as stored
                     else:
-                        _assign(*target, name, tensor)
+                        tensor = tensor.to(target, torch.float32 if name.endswith("mlp.gate.weight") else dtype)
+                    if is_compensation:
+                        compensation.append((module, attr, name, tensor))
+                    else:
+                        _assign(module, attr, name, tensor)
                     loaded.add(name)
-                    num_bytes += tensor.numel() * tensor.element_size()
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
     if model.config.is_tied_head and "lm_head.weight" not in loaded:
@@ -173,7 +147,6 @@ def load_weights(model: CausalLM, files: list[Path], device: torch.device, dtype
         )
     for module, attr, name, tensor in compensation:
         _assign(module, attr, name, tensor)
-    return num_bytes
 
 
 def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
@@ -192,6 +165,28 @@ def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
     return ""
 
 
+def _build_and_load(model_cls, config, model_dir: Path, device, dtype, expert_device=None) -> CausalLM:
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = model_cls(config)
+    if config.quantization is not None:
+        swap_awq_linears(model, config.quantization, "lm_head.qweight" in tensor_names(files))
+        if (model_dir / COMPENSATION_FILE).is_file():
+            files.append(model_dir / COMPENSATION_FILE)
+    load_weights(model, files, device, dtype, expert_device)
+    model.dtype = dtype
+    model.eval()
+    return model
+
+
+def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: torch.dtype, detail: str = "") -> None:
+    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
+    summary = model.weight_report.summary()
+    log.info(
+        "loaded %s (%s, %s) on %s in %s%s: %s", model_dir, config.architecture, kind, device, dtype, detail, summary
+    )
+
+
 def load_model(
     model_dir: Path,
     device: torch.device,
@@ -205,83 +200,78 @@ def load_model(
     """Build the model on the meta device and assign the checkpoint's tensors.
 
     fuse: q/k/v and gate/up of each dense layer as one projection each (lowvram.models.fusion).
-    batch_invariant: every matmul and attention in its batch-invariant form
-        (lowvram.models.batch_invariance); dense models only.
-
-    Sets `model.weight_report` (a WeightReport: bytes by kind) and `model.weight_bytes` (its total).
-    DeepseekV2ForCausalLM checkpoints load through lowvram.models.deepseek_v2 and return a
-    DeepseekV2Config; on CUDA, `profile` sizes their device cache of routed experts (less
-    `held_bytes`, device memory the process already holds: memory_plan.memory_budget_bytes).
+    batch_invariant: every matmul and attention in its batch-invariant form (dense models only).
+    DeepSeek-V2 checkpoints return a DeepseekV2Config; `profile` and `held_bytes` as in
+    load_deepseek_v2. Sets `model.weight_report` (bytes by kind) and `model.weight_bytes`.
     """
     model_dir = Path(model_dir)
     raw = read_raw_config(model_dir)
     if raw is not None and is_deepseek_v2(raw):
-        model, config = _load_deepseek_v2(model_dir, raw, device, dtype, profile, held_bytes)
-        cached = model.num_cached_experts
-        where = f"{cached} of {config.num_routed_experts} routed experts per layer" if cached else "every routed expert"
-        _log_loaded(model, config, model_dir, device, _target_dtype(config, device, dtype), f", {where} on the device")
-        return model, config
+        return load_deepseek_v2(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
     config, _ = load_model_config(model_dir)
-    files = weight_files(model_dir)
-    dtype = _target_dtype(config, device, dtype)
-    with torch.device("meta"):
-        model = CausalLM(config)
-    if config.quantization is not None:
-        is_head_quantized = "lm_head.qweight" in tensor_names(files)
-        swap_awq_linears(model, config.quantization, is_head_quantized)
-        compensation = model_dir / COMPENSATION_FILE
-        if compensation.is_file():
-            files = files + [compensation]
-    load_weights(model, files, device, dtype)
+    # Turing (the 4 GB cards we target) has no BF16: compute in FP16 on CUDA.
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    model = _build_and_load(CausalLM, config, model_dir, device, dtype)
     if fuse:
         fuse_projections(model)
     if batch_invariant:
         num_layers = make_batch_invariant(model)
         log.info("batch-invariant kernels in %d layers: every request decodes as it would alone", num_layers)
-    model.weight_report = weight_report(model)
-    model.weight_bytes = model.weight_report.total_bytes
-    model.dtype = dtype
-    model.eval()
+    model.count_weights()
     _log_loaded(model, config, model_dir, device, dtype)
     return model, config
 
 
-def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: torch.dtype, detail: str = "") -> None:
-    kind = f"AWQ INT4 g{config.quantization.group_size}" if config.quantization else str(dtype)
-    summary = model.weight_report.summary()
-    log.info(
-        "loaded %s (%s, %s) on %s in %s%s: %s", model_dir, config.architecture, kind, device, dtype, detail, summary
-    )
-
-
-def is_deepseek_v2_checkpoint(model_dir: str | os.PathLike) -> bool:
-    """Whether the directory's config.json names DeepseekV2ForCausalLM (or model_type deepseek_v2)."""
+def load_deepseek_v2(
+    model_dir: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    *,
+    max_cached_experts: int | None = None,
+    profile: Profile | None = None,
+    held_bytes: int = 0,
+) -> tuple[DeepseekV2ForCausalLM, DeepseekV2Config]:
+    """A DeepSeek-V2 checkpoint (FP16/BF16/FP32 or AWQ INT4). `max_cached_experts`: routed experts
+    per MoE layer kept on the device, the others read straight into host memory (None, or at
+    least the number of experts: all on the device); on CUDA, `profile` sizes it when not given,
+    less `held_bytes`, device memory the process already holds."""
+    model_dir, device = Path(model_dir), torch.device(device)
     raw = read_raw_config(model_dir)
-    return raw is not None and is_deepseek_v2(raw)
-
-
-def _load_deepseek_v2(
-    model_dir: Path,
-    raw: dict,
-    device: torch.device,
-    dtype: torch.dtype | None,
-    profile: Profile | None,
-    held_bytes: int,
-) -> tuple[CausalLM, ModelConfig]:
-    # Experts move only between host and a GPU: on the CPU they all stay where they are.
+    if raw is None:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}; pass a Hugging Face model directory")
     config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
-    dtype = _target_dtype(config, device, dtype)
-    max_cached_experts = None
-    if profile is not None and device.type == "cuda" and config.num_routed_experts:
+    dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+    if max_cached_experts is None and profile is not None and device.type == "cuda" and config.num_routed_experts:
         max_model_len = min(profile.max_model_len, config.max_position_embeddings)
+        element_bytes = torch.finfo(dtype).bits // 8
         max_cached_experts = plan_expert_cache(
             config,
             profile,
-            torch.finfo(dtype).bits // 8,
+            element_bytes,
             max_model_len,
-            device_type=device.type,
+            device_type="cuda",
             model_dir=model_dir,
             held_bytes=held_bytes,
         )
-    model, _ = load_deepseek_v2(model_dir, device, dtype, max_cached_experts=max_cached_experts)
+    is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
+    model = _build_and_load(
+        DeepseekV2ForCausalLM, config, model_dir, device, dtype, torch.device("cpu") if is_offloaded else None
+    )
+    # Absorption multiplies by kv_b_proj's weight as a matrix: INT4 ones are dequantized once.
+    for layer in model.model.layers:
+        linear = layer.self_attn.kv_b_proj
+        if isinstance(linear, AwqLinear):
+            if linear.has_compensation:
+                raise UnsupportedModelError("residual compensation on kv_b_proj is not supported for DeepSeek-V2")
+            weight = dequantize_awq(linear.qweight, linear.qzeros, linear.scales, linear.group_size, dtype)  # [K, N]
+            dense = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+            dense.weight = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [N, K]
+            layer.self_attn.kv_b_proj = dense
+    if is_offloaded:
+        model.offload_experts(max_cached_experts)  # counts the weights too
+    else:
+        model.count_weights()
+    cached = model.num_cached_experts
+    where = f"{cached} of {config.num_routed_experts} routed experts per layer" if cached else "every routed expert"
+    _log_loaded(model, config, model_dir, device, dtype, f", {where} on the device")
     return model, config
