@@ -9,7 +9,7 @@ from lowvram.models.shapes import SHAPES, shape_config, write_random_checkpoint
 def test_random_checkpoint_of_a_real_shape_loads_and_generates(tmp_path):
     from lowvram import LLM, SamplingParams
 
-    model_dir = write_random_checkpoint(tmp_path / "m", "deepseek-coder-1.3b", num_layers=1, max_shard_bytes=64 * 2**20)
+    model_dir = write_random_checkpoint(tmp_path / "m", "deepseek-coder-1.3b", num_layers=1)
     config, _ = load_model_config(model_dir)
     assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.vocab_size) == (2048, 16, 16, 32256)
     assert config.rope_type == "linear" and config.rope_factor == 4.0

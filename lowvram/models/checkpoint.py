@@ -1,8 +1,6 @@
-"""What a checkpoint holds: its files on disk (config.json, the safetensors shards and the
-names in them, the compensation side file) and, once loaded, its weights' bytes by kind.
-
-Plain reads of files and modules: the loader, the memory plan and DeepSeek-V2 all use
-these, so they sit below all three.
+"""What a checkpoint holds: its files (config.json, safetensors shards and the names in them,
+the compensation side file) and, once loaded, its weights' bytes by kind; below the loader,
+the memory plan and DeepSeek-V2, which all read them.
 """
 
 from __future__ import annotations
@@ -99,21 +97,17 @@ class WeightReport:
         )
 
 
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def weight_report(model: nn.Module) -> WeightReport:
     """Count every weight tensor once, by what it is; a tied head counts with the embeddings."""
     report = WeightReport()
     seen: set[int] = set()
 
-    def fresh(tensors):
+    def fresh(tensors) -> int:
         kept = [t for t in tensors if t is not None and id(t) not in seen]
         seen.update(id(t) for t in kept)
-        return kept
+        return sum(t.nbytes for t in kept)
 
-    report.embedding_bytes = _bytes(fresh([model.model.embed_tokens.weight]))
+    report.embedding_bytes = fresh([model.model.embed_tokens.weight])
     for name, module in model.named_modules():
         if isinstance(module, AwqLinear):
             # a bias correction was added into the bias; a bias made of the correction alone is compensation
@@ -121,17 +115,17 @@ def weight_report(model: nn.Module) -> WeightReport:
             awq = [module.qweight, module.qzeros, module.scales] + (bias if module.has_own_bias else [])
             extras = [getattr(module, n) for n in LORA_NAMES] + ([] if module.has_own_bias else bias)
             if name == "lm_head":
-                report.head_bytes += _bytes(fresh(awq + extras))
+                report.head_bytes += fresh(awq + extras)
                 continue
-            report.int4_layer_bytes += _bytes(fresh(awq))
-            report.compensation_bytes += _bytes(fresh(extras))
+            report.int4_layer_bytes += fresh(awq)
+            report.compensation_bytes += fresh(extras)
             report.num_int4_layers += 1
         elif isinstance(module, nn.Linear):
-            tensors = fresh([module.weight, module.bias])
+            num_bytes = fresh([module.weight, module.bias])
             if name == "lm_head":
-                report.head_bytes += _bytes(tensors)
+                report.head_bytes += num_bytes
             else:
-                report.fp16_layer_bytes += _bytes(tensors)
+                report.fp16_layer_bytes += num_bytes
                 report.num_fp16_layers += 1
-    report.other_bytes = _bytes(fresh([p for p in model.parameters()]))
+    report.other_bytes = fresh(model.parameters())
     return report

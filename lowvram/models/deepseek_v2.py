@@ -71,9 +71,7 @@ class DeepseekV2Config:
     rope: dict
     is_tied_head: bool
     max_position_embeddings: int = 163840
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    checkpoint_dtype: str = "bfloat16"
     quantization: AwqConfig | None = None
     architecture: str = ARCHITECTURE
     has_qkv_bias: bool = False
@@ -129,6 +127,9 @@ class DeepseekV2Config:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> DeepseekV2Config:
+        same = ("vocab_size", "hidden_size", "intermediate_size", "kv_lora_rank", "v_head_dim")
+        counts = dict(num_routed_experts="n_routed_experts", num_shared_experts="n_shared_experts")
+        counts.update(dict.fromkeys(("num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace")))
         try:
             # transformers 5 writes rope_parameters; published checkpoints carry rope_theta/rope_scaling.
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -137,21 +138,13 @@ class DeepseekV2Config:
             rope.pop("type", None)
             quant = raw.get("quantization_config")
             config = cls(
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=int(raw["hidden_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
+                **{name: int(raw[name]) for name in same},
+                **{name: int(raw.get(key or name) or 0) for name, key in counts.items()},
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=int(raw["num_attention_heads"]),
                 q_lora_rank=raw.get("q_lora_rank"),
-                kv_lora_rank=int(raw["kv_lora_rank"]),
                 qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
                 qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-                v_head_dim=int(raw["v_head_dim"]),
-                num_routed_experts=int(raw.get("n_routed_experts") or 0),
-                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-                num_shared_experts=int(raw.get("n_shared_experts") or 0),
-                moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-                first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
                 topk_method=raw.get("topk_method") or "greedy",
                 num_groups=raw.get("n_group"),
                 topk_group=raw.get("topk_group"),
@@ -162,23 +155,20 @@ class DeepseekV2Config:
                 rope=rope,
                 is_tied_head=bool(raw.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 163840)),
-                bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_token_ids(raw),
-                checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
                 quantization=None if quant is None else awq_config_from_dict(quant, f"{source} quantization_config"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{source} of a {ARCHITECTURE} is missing or has a bad field ({exc!r})") from None
-        if config.rope["rope_type"] not in ("default", "yarn"):
-            raise UnsupportedModelError(
-                f"rope type {config.rope['rope_type']!r} is not supported for {ARCHITECTURE}; supported: default, yarn"
-            )
-        if config.topk_method not in ("greedy", "group_limited_greedy"):
-            raise UnsupportedModelError(
-                f"topk_method {config.topk_method!r} is not supported; supported: greedy, group_limited_greedy"
-            )
-        if raw.get("scoring_func", "softmax") != "softmax":
-            raise UnsupportedModelError(f"scoring_func {raw['scoring_func']!r} is not supported; supported: softmax")
+        for setting, value, supported in (
+            ("rope type", config.rope["rope_type"], ("default", "yarn")),
+            ("topk_method", config.topk_method, ("greedy", "group_limited_greedy")),
+            ("scoring_func", raw.get("scoring_func", "softmax"), ("softmax",)),
+        ):
+            if value not in supported:
+                raise UnsupportedModelError(
+                    f"{setting} {value!r} is not supported for {ARCHITECTURE}; supported: {', '.join(supported)}"
+                )
         if config.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={config.qk_rope_head_dim} must be even")
         return config

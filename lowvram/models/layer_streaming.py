@@ -22,6 +22,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.models.deepseek_v2 import is_deepseek_v2
 from lowvram.models.dense import CausalLM
 from lowvram.models.expert_offload import packed_offsets, view_like
-from lowvram.models.loader import load_model
+from lowvram.models.loader import load_deepseek_v2, load_model
 from lowvram.quant.awq_linear import LORA_A, LORA_B, AwqLinear
 
 log = logging.getLogger("lowvram")
@@ -104,34 +105,15 @@ def _inventory(model: CausalLM, strategy: str) -> tuple[list[Registrations], lis
     counts = Counter(tensor_id for regs in per_layer for tensor_id in regs)
     own = [{i: entry for i, entry in regs.items() if counts[i] == 1 and i not in outside} for regs in per_layer]
     staged = own
-    if strategy == "cpu":
-        staged = []
-        for layer, regs in zip(layers, own):
-            on_cpu = _registrations(layer.mlp)
-            staged.append({i: entry for i, entry in regs.items() if i not in on_cpu})
+    if strategy == "cpu":  # the MLPs stay on the host
+        mlps = [_registrations(layer.mlp) for layer in layers]
+        staged = [{i: entry for i, entry in regs.items() if i not in mlp} for regs, mlp in zip(own, mlps)]
     shared = {i: entry for regs in per_layer for i, entry in regs.items() if counts[i] > 1 and i not in outside}
     embed = model.model.embed_tokens
     is_movable = all(table is embed._parameters for table, _ in outside[id(embed.weight)][1])
     host_embedding = embed.weight.nbytes if is_movable else 0
     fixed = sum(t.nbytes for t, _ in {**outside, **shared}.values()) - host_embedding
     return own, staged, fixed, host_embedding
-
-
-class _PinnedAsDevice:
-    """The CUDA array interface of a pinned host tensor: with unified addressing the GPU reads
-    it at its host address, so torch.as_tensor(this, device="cuda") reads the rows over the bus
-    without a copy. Two-byte dtypes go through as int16 (the interface has no bfloat16)."""
-
-    def __init__(self, host: torch.Tensor):
-        self.host = host  # kept alive by the CUDA tensor's storage, which holds this object
-        typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[host.element_size()]
-        self.__cuda_array_interface__ = {
-            "shape": tuple(host.shape),
-            "typestr": typestr,
-            "data": (host.data_ptr(), False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 class HostEmbedding(nn.Module):
@@ -147,13 +129,20 @@ class HostEmbedding(nn.Module):
         self.device_view: torch.Tensor | None = None  # [V, hidden] on the device, reading host memory
         if self.device.type == "cuda":
             with torch.inference_mode(False):
-                pinned = torch.empty_like(weight, pin_memory=True)
+                pinned = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)  # contiguous
                 pinned.copy_(weight)
             weight = pinned
+            # With unified addressing the GPU reads pinned memory at its host address: a CUDA tensor
+            # over it, made through the CUDA array interface (two-byte dtypes as int16: it has no
+            # bfloat16), reads rows over the bus without a copy. Its storage keeps `host` alive.
+            typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[weight.element_size()]
+            shape, data = tuple(weight.shape), (weight.data_ptr(), False)
+            interface = dict(shape=shape, typestr=typestr, data=data, strides=None, version=3)
             try:
-                self.device_view = torch.as_tensor(_PinnedAsDevice(weight), device=self.device).view(weight.dtype)
+                array = SimpleNamespace(host=weight, __cuda_array_interface__=interface)
+                self.device_view = torch.as_tensor(array, device=self.device).view(weight.dtype)
             except (RuntimeError, TypeError) as exc:  # no unified addressing, or an unmapped allocation
-                log.info("pinned host memory is not readable from %s (%s); rows are copied instead", device, exc)
+                log.info("pinned host memory is not readable from %s (%s); rows are copied instead", self.device, exc)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.num_embeddings, self.embedding_dim = weight.shape
         self._rows: torch.Tensor | None = None  # pinned [T, hidden], reused by every step
@@ -384,7 +373,7 @@ def load_model_for_profile(
                 f"attention and expert routing have no batch-invariant kernels; set batch_invariant: false "
                 f"in profile '{profile.name}'"
             )
-        return load_model(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
+        return load_deepseek_v2(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
     config, _ = load_model_config(model_dir)
     element_bytes = torch.finfo(dtype).bits // 8
     max_model_len = min(profile.max_model_len, config.max_position_embeddings)

@@ -34,15 +34,7 @@ log = logging.getLogger("lowvram")
 # Not "*.safetensors": vLLM reads every *.safetensors file of a directory without an index
 # and fails on tensor names it does not know, so the extras go in a file it never globs.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", COMPENSATION_FILE]
-QUANTIZABLE_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+QUANTIZABLE_LINEARS = (*(f"self_attn.{n}_proj" for n in "qkvo"), "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -188,26 +180,16 @@ def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: tor
 
 
 def load_model(
-    model_dir: Path,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    *,
-    profile: Profile | None = None,
-    held_bytes: int = 0,
-    fuse: bool = False,
-    batch_invariant: bool = False,
+    model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *, fuse=False, batch_invariant=False
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build the model on the meta device and assign the checkpoint's tensors.
-
-    fuse: q/k/v and gate/up of each dense layer as one projection each (lowvram.models.fusion).
-    batch_invariant: every matmul and attention in its batch-invariant form (dense models only).
-    DeepSeek-V2 checkpoints return a DeepseekV2Config; `profile` and `held_bytes` as in
-    load_deepseek_v2. Sets `model.weight_report` (bytes by kind) and `model.weight_bytes`.
-    """
+    """Build the model on the meta device and assign the checkpoint's tensors. fuse: q/k/v and
+    gate/up of each dense layer as one projection each (lowvram.models.fusion); batch_invariant:
+    every matmul and attention in its batch-invariant form. DeepSeek-V2 checkpoints load through
+    load_deepseek_v2. Sets `model.weight_report` (bytes by kind) and `model.weight_bytes`."""
     model_dir = Path(model_dir)
     raw = read_raw_config(model_dir)
     if raw is not None and is_deepseek_v2(raw):
-        return load_deepseek_v2(model_dir, device, dtype, profile=profile, held_bytes=held_bytes)
+        return load_deepseek_v2(model_dir, device, dtype)
     config, _ = load_model_config(model_dir)
     # Turing (the 4 GB cards we target) has no BF16: compute in FP16 on CUDA.
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
