@@ -1,13 +1,9 @@
-"""Batch-invariant mode (profile `batch_invariant`): a request's logits have the same bits alone
-or batched, so greedy decoding gives the same text. The fast kernels choose their summation
-order from the batch (cuBLAS tiling, the W4A16 kernel's one-row form, decode attention's
-context partitions, prefill chunk boundaries); this mode makes every such choice depend on the
-row alone: the W4A16 kernel's 16-row tl.dot form with one tiling per layer shape
-(`w4a16_gemv.invariant_gemv_config`), the same for dense layers (`kernels/linear_invariant.py`),
-and decode rows through the prefill attention kernel, whose tiles sit at absolute positions.
-Norms, RoPE, the activation and the KV write already work row by row. The engine also keeps
-the KV at FP16 (compressed pages would change what a request reads); docs/performance.md has
-the cost.
+"""Batch-invariant mode (profile `batch_invariant`): a request's logits have the same bits alone or
+batched, so greedy decoding gives the same text. Every choice of summation order the fast kernels
+make from the batch is made from the row alone: the W4A16 kernel's 16-row form with one tiling
+per layer shape, the same for dense layers (kernels/linear_invariant.py), decode attention
+through the prefill kernel, whose tiles sit at absolute positions. The engine keeps the KV at
+FP16 (compressed pages would change what a request reads).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The model's shape, read from a Hugging Face config.json: only what the runtime needs, across
-transformers 4.x and 5.x spellings (5.x keeps RoPE settings in `rope_parameters`).
-
-AWQ settings come from config.json's `quantization_config` (AutoAWQ: quant_method, bits,
-group_size, zero_point, version, modules_to_not_convert) or an older AutoAWQ's separate
-quant_config.json (w_bit, q_group_size, ...). Anything but the GEMM layout with 4 bits, zero
-points and group size 32/64/128 is refused here, before any weight is read.
+"""The model's shape from a Hugging Face config.json, across transformers 4.x and 5.x spellings
+(5.x keeps RoPE settings in `rope_parameters`). AWQ settings come from `quantization_config` or
+an older AutoAWQ's quant_config.json (w_bit, q_group_size); anything but the GEMM layout with 4
+bits, zero points and group size 32/64/128 is refused before any weight is read.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ _SUPPORTED_QUANT = (
 
 @dataclass(frozen=True)
 class AwqConfig:
-    """An AutoAWQ GEMM checkpoint's quantization settings (4 bits with zero points).
-    `modules_to_not_convert` holds name fragments: every Linear whose name contains one keeps an
-    FP16 `weight` (as AutoAWQ, transformers and vLLM match them)."""
+    """An AutoAWQ GEMM checkpoint's settings. Every Linear whose name contains a fragment of
+    `modules_to_not_convert` keeps an FP16 `weight` (as AutoAWQ, transformers and vLLM match)."""
 
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
@@ -97,34 +93,23 @@ def eos_token_ids(raw: dict) -> tuple[int, ...]:
 
 
 def awq_config_from_dict(raw: dict, source: str) -> AwqConfig:
-    """Read a `quantization_config` dict (or a legacy quant_config.json) into an AwqConfig;
-    UnsupportedModelError naming the setting for anything but AWQ GEMM INT4."""
+    """A `quantization_config` dict (or legacy quant_config.json) as an AwqConfig."""
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{source}: quantization_config must be a JSON object, got {type(raw).__name__}")
     method = str(raw.get("quant_method", "awq")).lower()
-    if method != "awq":
-        raise UnsupportedModelError(
-            f"{source}: quant_method {method!r} is not supported. Supported: {_SUPPORTED_QUANT}"
-        )
     version = str(raw.get("version", "gemm")).lower()
-    if version != "gemm":
-        hint = " (GEMV packs along K for batch-1 kernels; re-quantize with version 'gemm', e.g. `lowvram quantize`)"
-        raise UnsupportedModelError(
-            f"{source}: AWQ version {version!r} is not supported{hint if version.startswith('gemv') else ''}. "
-            f"Supported: {_SUPPORTED_QUANT}"
-        )
     bits = raw.get("bits", raw.get("w_bit", 4))
-    if bits != 4:
-        raise UnsupportedModelError(f"{source}: AWQ with {bits} bits is not supported. Supported: {_SUPPORTED_QUANT}")
     group_size = raw.get("group_size", raw.get("q_group_size", 128))
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise UnsupportedModelError(
-            f"{source}: AWQ group_size {group_size} is not supported. Supported: {_SUPPORTED_QUANT}"
-        )
-    if raw.get("zero_point", True) is not True:
-        raise UnsupportedModelError(
-            f"{source}: AWQ without zero points (zero_point false) is not supported. Supported: {_SUPPORTED_QUANT}"
-        )
+    gemv = " (GEMV packs along K for batch-1 kernels; re-quantize with version 'gemm', e.g. `lowvram quantize`)"
+    for is_supported, problem in (
+        (method == "awq", f"quant_method {method!r} is not supported"),
+        (version == "gemm", f"AWQ version {version!r} is not supported{gemv if version.startswith('gemv') else ''}"),
+        (bits == 4, f"AWQ with {bits} bits is not supported"),
+        (group_size in SUPPORTED_GROUP_SIZES, f"AWQ group_size {group_size} is not supported"),
+        (raw.get("zero_point", True) is True, "AWQ without zero points (zero_point false) is not supported"),
+    ):
+        if not is_supported:
+            raise UnsupportedModelError(f"{source}: {problem}. Supported: {_SUPPORTED_QUANT}")
     skipped = raw.get("modules_to_not_convert") or []
     if not isinstance(skipped, list) or not all(isinstance(name, str) for name in skipped):
         raise ModelLoadError(f"{source}: modules_to_not_convert must be a list of module names, got {skipped!r}")
@@ -181,8 +166,7 @@ def model_config_from_dict(raw: dict, source: str = "config.json", legacy_quant:
 
 
 def load_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """Read `config.json` (and a legacy `quant_config.json` beside it); returns the normalised
-    config and the raw config.json dict."""
+    """The normalised config of `config.json` (and a legacy quant_config.json beside it), and the raw dict."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelLoadError(

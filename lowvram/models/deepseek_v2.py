@@ -1,17 +1,13 @@
-"""DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) over paged KV; parameter
-names equal the checkpoint's.
+"""DeepseekV2ForCausalLM (DeepSeek-V2 / V2-Lite, DeepSeek-Coder-V2) over paged KV.
 
-Multi-head latent attention caches per token and layer only the normed KV latent
-(`kv_lora_rank`) and the one RoPE key all heads share: one "KV head" of 576 values for
-V2-Lite. `kv_b_proj` is absorbed instead of applied to the cache:
+Latent attention caches per token and layer the normed KV latent c and the RoPE key all heads
+share: one "KV head" (576 values for V2-Lite). `kv_b_proj` is absorbed, not applied to the cache:
 
     score_h = q_nope_h . (W_uk_h c) + q_pe_h . k_pe = [W_uk_h^T q_nope_h | q_pe_h] . [c | k_pe]
     out_h   = sum_t p_t W_uv_h c_t = W_uv_h (sum_t p_t c_t)
 
-so attention is multi-query attention with one KV head whose values are the first
-`kv_lora_rank` entries of the keys. The pool gives each pool layer a K and a V tensor, so two
-model layers share one: layer 2j keeps its rows in pool layer j's K pages, 2j+1 in its V pages.
-Routed experts may live in host memory with a device cache per layer (expert_offload).
+so it is multi-query attention whose values are the keys' first `kv_lora_rank` entries. Two
+model layers share a pool layer: 2j keeps its rows in pool layer j's K pages, 2j+1 in its V pages.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ def is_deepseek_v2(raw: dict) -> bool:
 
 @dataclass
 class DeepseekV2Config:
-    """The config.json fields the model reads. It also answers what the engine, KV pool and
-    memory plan ask a dense ModelConfig (`num_kv_heads`, `head_dim`, `q_size`, ...) in terms
-    of what the pages hold: one KV head of `kv_head_dim` values per token and layer."""
+    """The config.json fields the model reads; it answers what a dense ModelConfig is asked
+    (`num_kv_heads`, `head_dim`, ...) as the pages hold it: one KV head of `kv_head_dim` values."""
 
     vocab_size: int
     hidden_size: int
@@ -74,7 +69,6 @@ class DeepseekV2Config:
     eos_token_ids: tuple[int, ...] = ()
     quantization: AwqConfig | None = None
     architecture: str = ARCHITECTURE
-    has_qkv_bias: bool = False
     num_kv_heads: int = 1
 
     @property
@@ -179,9 +173,8 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 class InterleavedRotary(Rotary):
-    """RoPE over adjacent pairs (x[2i], x[2i+1]), as DeepSeek-V2 was trained, with yarn scaling:
-    low frequencies interpolated by `factor`, high ones kept, a ramp between, and cos/sin
-    times mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    """RoPE over adjacent pairs (x[2i], x[2i+1]) with yarn scaling: low frequencies interpolated by
+    `factor`, high ones kept, a ramp between, cos/sin times mscale ratio."""
 
     def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float, float]:
         dim, base, rope = self.config.qk_rope_head_dim, self.config.rope_theta, self.config.rope
@@ -225,8 +218,8 @@ class InterleavedRotary(Rotary):
 
 
 def softmax_scale(config: DeepseekV2Config) -> float:
-    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under yarn: the attention
-    factor folded into cos/sin scales q_pe.k_pe but not q_nope.k_nope."""
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under yarn (the cos/sin factor
+    scales only q_pe.k_pe)."""
     scale = config.qk_head_dim**-0.5
     rope = config.rope
     if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
@@ -315,9 +308,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Shared experts plus the top-k routed experts, resident (`experts`) or cached (`cache`).
-    With a cache, `next_layer` is (the next layer's post_attention_layernorm, its MoE) when the
-    next layer is an MoE layer too."""
+    """Shared experts plus the top-k routed experts, resident (`experts`) or cached (`cache`);
+    `next_layer`: (the next layer's post_attention_layernorm, its MoE) if that is cached too."""
 
     def __init__(self, config: DeepseekV2Config):
         super().__init__()
@@ -332,14 +324,10 @@ class MoE(nn.Module):
         self.next_layer: tuple[RMSNorm, MoE] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden], the normed input; `residual` the hidden state before the norm.
-
-        With offloaded experts, the next layer's router is applied now to this layer's state
-        under the next layer's norm (the residual stream changes little between layers:
-        "speculative expert loading", as in Eliseev and Mazur's Mixtral offloading), in this
-        layer's one host sync. The guessed experts are copied after this layer's own misses,
-        overlapping its experts and the next attention; wrong guesses cost only bandwidth.
-        """
+        """x [T, hidden] normed, `residual` before the norm. With a cache, the next layer's router
+        guesses its experts from this layer's state (which changes little: "speculative expert
+        loading", as in Mixtral offloading) in this layer's one host sync, and they are copied
+        after this layer's misses; a wrong guess costs only bandwidth."""
         weights, ids = self.gate(x)  # [T, k]
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts)  # [E]
         next_layer = self.next_layer if self.cache is not None and residual is not None else None
@@ -390,8 +378,7 @@ class DeepseekV2Model(nn.Module):
 
 
 class DeepseekV2ForCausalLM(CausalLM):
-    """The interface of CausalLM over `config.num_kv_layers` KVPages of one KV head of
-    `config.kv_head_dim` values. `expert_stats` counts expert-cache hits and bytes moved."""
+    """CausalLM over `config.num_kv_layers` KVPages; `expert_stats` counts the expert cache's work."""
 
     # Routing decides on the host which experts run (and move): one sync per MoE layer.
     supports_cuda_graphs = False
@@ -416,8 +403,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         return caches[0].num_slots if caches else None
 
     def offload_experts(self, max_cached_experts: int) -> None:
-        """Move the routed experts to host memory, keeping `max_cached_experts` per layer on the
-        device (or change that number when they are already offloaded)."""
+        """Move the routed experts to host memory (again), `max_cached_experts` per layer cached."""
         device = self.model.embed_tokens.weight.device
         for moe in self.moe_layers:
             if moe.cache is None:

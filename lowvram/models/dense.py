@@ -1,7 +1,5 @@
-"""Dense decoder-only models over paged KV: LlamaForCausalLM (deepseek-coder) and
-Qwen2ForCausalLM (DeepSeek-R1-Distill-Qwen). Parameter names equal the Hugging Face
-checkpoint's, so a checkpoint loads by name.
-"""
+"""Dense decoder-only models over paged KV: LlamaForCausalLM (deepseek-coder) and Qwen2ForCausalLM
+(DeepSeek-R1-Distill-Qwen), with the checkpoint's parameter names."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass, written over x and residual (as vLLM's
-        fused_add_rms_norm): new tensors would keep two more [T, hidden] alive than the memory
-        plan counts. With no residual yet (the first layer) (norm(x), x)."""
+        """(norm(x + residual), x + residual), written over x and residual: new tensors would keep two
+        more [T, hidden] alive than the memory plan counts. With no residual yet, (norm(x), x)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x
         # Only norm weights of another dtype than the activations (none we load) need a new tensor.
@@ -48,8 +45,8 @@ class RMSNorm(nn.Module):
     def add_norm_project(
         self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, rope_kv: RopeKVWrite | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj(norm(x + residual)), x + residual), in one kernel where proj fuses_input.
-        `rope_kv` (given only where this fuses) finishes a q/k/v projection with RoPE and the KV store."""
+        """(proj(norm(x + residual)), x + residual), in one kernel where proj fuses_input; `rope_kv`
+        adds RoPE and the KV store to a q/k/v projection's."""
         if rope_kv is not None or fuses_input(proj, x, self):
             return proj.forward_normed(x, residual, self.weight, self.eps, rope_kv=rope_kv)
         normed, residual = self.add_and_norm(x, residual)
@@ -57,9 +54,8 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Non-interleaved RoPE (rotate-half) with linear position scaling. The cos/sin tables
-    [P, D/2] double as contexts grow; growing replaces them, so a CUDA graph that captures
-    them must reserve its longest context first."""
+    """Rotate-half RoPE with linear position scaling. Its cos/sin tables [P, D/2] double as contexts
+    grow, replacing the tensors: a CUDA graph must reserve its longest context first."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -87,9 +83,8 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
     ) -> list[torch.Tensor]:
-        """Rotate each x [T, heads, D] by its token's position. `num_positions` bounds the positions
-        (the step's longest context), sparing a read from the device that would stall every layer
-        and cannot happen inside a CUDA graph capture."""
+        """Rotate each x [T, heads, D] by its token's position. `num_positions` bounds the positions,
+        sparing a read from the device (a stall, impossible inside a CUDA graph capture)."""
         if num_positions is None:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1
         self.reserve(num_positions, positions.device)
@@ -99,8 +94,7 @@ class Rotary(nn.Module):
         return [apply_rotary_ref(x, positions, self.cos, self.sin) for x in xs]
 
     def rope(self, positions: torch.Tensor, num_positions: int) -> Rope:
-        """The rotation of tokens at `positions` [T], for paged_attention to apply to q and k as it
-        stores k; `num_positions` as in forward."""
+        """The rotation of tokens at `positions` [T], for paged_attention to apply as it stores k."""
         self.reserve(num_positions, positions.device)
         return Rope(positions, self.cos, self.sin)
 
@@ -127,9 +121,8 @@ class Attention(nn.Module):
     def fused_rope_kv(
         self, x: torch.Tensor, norm: RMSNorm, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: KVPages
     ) -> RopeKVWrite | None:
-        """RoPE and the KV store for the fused q/k/v projection's kernel to run, where it can: a
-        one-token decode step whose projection fuses_input, outside the batch-invariant mode, with
-        heads of a power-of-two size from 16 up. None otherwise."""
+        """RoPE and the KV store for the fused q/k/v kernel to run: for a one-token decode step whose
+        projection fuses_input, with heads of a power-of-two size from 16 up; else None."""
         if (
             meta.is_prefill
             or self.is_batch_invariant
@@ -197,10 +190,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, positions, meta, kv_pages):
         """(h, residual) -> (this layer's MLP output, the residual stream before it): the next norm
-        adds the two, one kernel less per layer; the first layer gets the embeddings and no
-        residual. A one-sequence decode step over INT4 projections runs both norms inside the
-        fused q/k/v and gate/up kernels and the activation inside the down projection's: six
-        launches a layer instead of nine."""
+        adds them. One-row INT4 decode runs the norms and the activation inside the projections'
+        kernels: six launches a layer instead of nine."""
         attn, mlp = self.self_attn, self.mlp  # either may be a stand-in (layer_streaming.HostComputed)
         qkv_proj, gate_up_proj = getattr(attn, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)
         if qkv_proj is not None:
@@ -228,8 +219,7 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`model` (the decoder stack: embed_tokens, layers, norm; the dense one by default) and
-    `lm_head` as in the checkpoint; forward returns final hidden states."""
+    """`model` (embed_tokens, layers, norm; dense by default) and `lm_head` as in the checkpoint."""
 
     # The decode step holds no host syncs and no data-dependent shapes, so it can be captured.
     supports_cuda_graphs = True
@@ -256,6 +246,5 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def count_weights(self) -> None:
-        """Set `weight_report` (device bytes of the weights by kind) and `weight_bytes`, its total."""
         self.weight_report = weight_report(self)
         self.weight_bytes = self.weight_report.total_bytes

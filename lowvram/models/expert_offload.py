@@ -1,7 +1,6 @@
-"""Routed experts in host memory (pinned on CUDA) with a small cache of them per MoE layer
-on the device. DeepSeek-V2-Lite has 64 experts per layer (4.5 MiB each in AWQ INT4) but a
-token uses 6. A slot is one flat byte buffer the expert module's tensors view, so moving an
-expert is one copy; the experts routed most often lately (a decayed count) stay.
+"""Routed experts in host memory with a small device cache per MoE layer (DeepSeek-V2-Lite: 64
+experts a layer, 6 per token). A slot is one flat buffer the expert's tensors view, so moving an
+expert is one copy; the experts routed most often lately stay.
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ class ExpertCacheStats:
 
 
 def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, counts: list[int]):
-    """ids, weights [T, k]; counts[e] pairs routed to expert e -> (token rows [T*k], their weights
-    [T*k], starts), ordered by expert: expert e's pairs are `starts[e] : starts[e] + counts[e]`."""
+    """ids, weights [T, k] -> (token rows [T*k], their weights, starts), ordered by expert: expert
+    e's `counts[e]` pairs start at `starts[e]`."""
     order = ids.flatten().argsort(stable=True)  # [T*k]
     starts = list(itertools.accumulate(counts[:-1], initial=0))
     return order // ids.shape[1], weights.flatten()[order], starts
@@ -88,7 +87,6 @@ def add_expert_output(out, expert: nn.Module, x, rows: torch.Tensor, weights: to
 
 
 def _tensors(expert: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
-    """(the module's _parameters or _buffers, name, tensor) of every tensor under `expert`."""
     return [
         (table, name, tensor)
         for module in expert.modules()
@@ -110,10 +108,8 @@ def _host_rows(num_rows: int, row_bytes: int, is_pinned: bool) -> list[torch.Ten
 
 
 class ExpertCache:
-    """One MoE layer's routed experts: every one in host memory, `num_slots` (1..len(experts))
-    on `device`. The loaded `experts` are copied to host memory and become the slots' compute
-    modules. On CUDA experts move on a side stream; on the CPU the same code copies
-    synchronously. `stats` is shared by every layer's cache."""
+    """One MoE layer's routed experts, all in host memory, `num_slots` of them on `device`; the
+    expert modules become the slots' compute modules. On CUDA experts move on a side stream."""
 
     def __init__(self, experts: list[nn.Module], num_slots: int, device: torch.device | str, stats: ExpertCacheStats):
         self.device = torch.device(device)
@@ -211,14 +207,10 @@ class ExpertCache:
         return empty + sorted(held, key=lambda s: self.frequency[self.expert_in_slot[s]])
 
     def run(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Sum of the routed experts' weighted outputs: x [T, hidden], weights/ids [T, k] -> [T, hidden];
-        `counts[e]`: how many tokens chose expert e.
-
-        Experts already in a slot (prefetched ones included) compute first while the missing
-        ones are copied on the side stream into slots of experts this step does not need. More
-        missing experts than such slots follow in waves, each into the slot of an expert that
-        has finished computing; the copies wait for that compute on the GPU, never on the host.
-        """
+        """The routed experts' weighted outputs: x [T, hidden], weights/ids [T, k] -> [T, hidden];
+        `counts[e]` tokens chose expert e. Resident experts compute while the missing ones are
+        copied into slots of experts not needed; the rest follow in waves into slots whose expert
+        has finished (the copy waits for it on the GPU, never on the host)."""
         self.frequency = [f * FREQUENCY_DECAY + c for f, c in zip(self.frequency, counts)]
         needed = [e for e, c in enumerate(counts) if c]
         resident = [e for e in needed if e in self.slot_of]
@@ -260,9 +252,8 @@ class ExpertCache:
         return out
 
     def prefetch(self, counts: list[int]) -> None:
-        """Start copying the experts a guess of this layer's routing names (`counts[e]` tokens
-        guessed for expert e), the most guessed first, into slots of experts it does not name.
-        Returns at once; `run` waits for the copies on the GPU."""
+        """Start copying the experts a guess of the routing names (`counts[e]` tokens each), the most
+        guessed first, into slots of experts it does not name; `run` waits for them on the GPU."""
         guessed = {e for e, c in enumerate(counts) if c}
         wanted = sorted((e for e in guessed if e not in self.slot_of), key=lambda e: (-counts[e], -self.frequency[e]))
         for expert, slot in zip(wanted, self._victims(guessed)):

@@ -1,11 +1,7 @@
-"""Concatenate a layer's projections that read the same input into one matmul, after loading
-(so quantization, reports and saved files never see fused modules). At decode every projection
-is a matrix-vector product whose cost is mostly its launch and ramp-up: q/k/v as one and
-gate/up as one save three launches a layer and give each kernel a larger N. AWQ packs eight
-output columns per int32 and groups scales along K, so concatenating qweight, qzeros and scales
-along N keeps every column's nibbles and group. Low-rank compensation fuses as A = [A_q; A_k;
-A_v] and a block-diagonal B; bias corrections are already in the biases (a missing bias reads
-as zeros).
+"""Concatenate a layer's projections that read the same input into one matmul, after loading: at
+decode each is a matrix-vector product whose cost is mostly its launch. AWQ parts concatenate
+along N (eight columns per int32, scales grouped along K); compensation as A = [A_q; A_k; A_v]
+and a block-diagonal B. Bias corrections are already in the biases (a missing bias reads as 0).
 """
 
 from __future__ import annotations
@@ -59,9 +55,8 @@ def fuse(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up of every dense decoder layer in place; returns how many blocks were
-    fused. Blocks whose projections differ in kind (an FP16-kept q with an INT4 k) stay as they
-    are, and so do other architectures' layers (the expert cache moves experts' own tensors)."""
+    """Fuse q/k/v and gate/up of every dense decoder layer in place where the parts are of one kind
+    (not an FP16-kept q with an INT4 k); returns how many blocks were fused."""
     num_fused = 0
     for layer in model.modules():
         if type(layer) is not DecoderLayer:

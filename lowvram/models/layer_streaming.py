@@ -1,17 +1,10 @@
-"""Decoder layers that do not fit the device budget run from host memory. The split comes from
-memory.plan.plan_offload: head and norms on the device, an untied embedding table in host
-memory (a step copies over only its [T, hidden] rows), the first layers resident as far as the
-budget allows after the workspace and one full-length sequence's KV, the rest streamed.
-
-"stream" (default): each streamed layer's tensors are packed into one pinned host buffer. Two
-device staging buffers take turns: while layer k computes from one, layer k+1's copy sits in
-the other, and layer k+2's copy starts on a side stream once layer k's kernels are done (CUDA
-events order the streams; the CPU never waits). Forward hooks point a layer's tensors at its
-staging buffer and back at the host copy afterwards, so state_dict sees the real weights. On
-the CPU the same copies run synchronously.
-"cpu": attention is staged as above and each streamed layer's MLP (87% of its bytes) runs on
-the CPU from float32 host weights; it loses to streaming on PCIe 4 or better
-(scripts/bench_7b_streaming.py).
+"""Decoder layers beyond the device budget run from host memory (split by memory.plan.plan_offload;
+an untied embedding table moves to host memory too). "stream": each streamed layer's tensors are
+packed into one pinned host buffer and copied into one of two device staging buffers that take
+turns: layer k+2's copy starts on a side stream once layer k's kernels are done (CUDA events
+order the streams; the CPU never waits), and forward hooks point the layer's tensors at the
+buffer, then back at the host copy. "cpu": attention is staged the same way and the streamed
+layers' MLPs (87% of their bytes) run on the CPU in float32; slower than streaming on PCIe 4.
 """
 
 from __future__ import annotations
@@ -57,8 +50,8 @@ Registrations = dict[int, tuple[torch.Tensor, Bindings]]
 
 
 def _registrations(root: nn.Module, skip: Collection[int] = ()) -> Registrations:
-    """Every parameter and buffer under `root` by tensor id, with its bindings. Modules whose
-    id is in `skip`, and host-computed modules, are not entered."""
+    """Every parameter and buffer under `root` by tensor id, with its bindings; modules whose id is
+    in `skip`, and host-computed ones, are not entered."""
     found: Registrations = {}
     seen = set(skip)
     stack = [root]
@@ -88,17 +81,15 @@ def _bind(bound: list[tuple[Bindings, torch.Tensor]]) -> None:
 
 
 def place_on_device(model: nn.Module, device: torch.device, kept: Collection[int] = ()) -> None:
-    """Move every parameter and buffer of `model` but the `kept` ones (tensor ids) to
-    `device`, each once (tied tensors stay tied)."""
+    """Move every tensor of `model` but the `kept` ones (ids) to `device`, each once (ties stay)."""
     for tensor_id, (tensor, bindings) in _registrations(model).items():
         if tensor_id not in kept:
             _bind([(bindings, _registered(tensor.to(device), isinstance(tensor, nn.Parameter)))])
 
 
 def _inventory(model: CausalLM, strategy: str) -> tuple[list[Registrations], list[Registrations], int, int]:
-    """Per layer, the tensors only it holds and those a streamed copy of it carries (its MLP's
-    stay out under "cpu"); the bytes that stay on the device whatever the split (outside the
-    layers, or shared by several); the bytes of the embedding table where nothing else holds it."""
+    """Per layer the tensors only it holds and those a streamed copy carries (not its MLP's under
+    "cpu"); the bytes that stay on the device whatever the split; those of a movable embedding table."""
     layers = list(model.model.layers)
     per_layer = [_registrations(layer) for layer in layers]
     outside = _registrations(model, skip={id(layer) for layer in layers})
@@ -117,11 +108,9 @@ def _inventory(model: CausalLM, strategy: str) -> tuple[list[Registrations], lis
 
 
 class HostEmbedding(nn.Module):
-    """An embedding table in host memory (still named `weight`): only the [T, hidden] rows cross
-    the bus. On CUDA the table is pinned and the GPU gathers its rows itself through unified
-    addressing (`device_view`), so token ids stay on the device and a CUDA graph captures the
-    gather. Where the driver cannot map the table, rows are gathered on the host; a decode graph
-    then copies from a fixed pinned buffer that `stage` fills before each replay."""
+    """An embedding table in host memory (still named `weight`): only [T, hidden] rows cross the bus.
+    On CUDA the GPU gathers rows from the pinned table itself (`device_view`), so a CUDA graph can
+    capture it; where the driver cannot map it, graphs copy rows that `stage` gathered on the host."""
 
     def __init__(self, weight: torch.Tensor, device: torch.device):
         super().__init__()
@@ -132,9 +121,8 @@ class HostEmbedding(nn.Module):
                 pinned = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)  # contiguous
                 pinned.copy_(weight)
             weight = pinned
-            # With unified addressing the GPU reads pinned memory at its host address: a CUDA tensor
-            # over it, made through the CUDA array interface (two-byte dtypes as int16: it has no
-            # bfloat16), reads rows over the bus without a copy. Its storage keeps `host` alive.
+            # With unified addressing the GPU reads pinned memory at its host address: a CUDA tensor over
+            # it via the CUDA array interface (which has no bfloat16: two-byte dtypes go as int16).
             typestr = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}[weight.element_size()]
             shape, data = tuple(weight.shape), (weight.data_ptr(), False)
             interface = dict(shape=shape, typestr=typestr, data=data, strides=None, version=3)
@@ -150,9 +138,8 @@ class HostEmbedding(nn.Module):
         self._graph_rows: torch.Tensor | None = None  # pinned [max batch, hidden], what graphs copy from
 
     def stage(self, token_ids: list[int], capacity: int) -> None:
-        """Gather the rows of `token_ids` (a graph's batch, padding included) for the next replay,
-        into a buffer made once for `capacity` rows (graphs keep its address). The caller makes
-        sure no replay still reads it."""
+        """Gather the rows of `token_ids` (a graph's padded batch) for the next replay into a buffer
+        made once for `capacity` rows (graphs keep its address), which no replay may still read."""
         if self._graph_rows is None:
             with torch.inference_mode(False):
                 self._graph_rows = torch.empty(capacity, self.embedding_dim, dtype=self.weight.dtype, pin_memory=True)
@@ -182,8 +169,8 @@ class HostEmbedding(nn.Module):
 
 
 class HostComputed(nn.Module):
-    """A module computed on the CPU in float32 inside a model on another device (input copied
-    over, output back). The layer-streaming walk never enters it."""
+    """A module computed on the CPU in float32 inside a model on another device; the streaming walk
+    never enters it."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -194,31 +181,25 @@ class HostComputed(nn.Module):
 
 
 def dense_linear(awq: AwqLinear, compute_device: torch.device) -> nn.Linear:
-    """The float32 host nn.Linear an AwqLinear computes: INT4 dequantized (in slices of output
-    columns, on `compute_device`), low-rank compensation folded into the weight (the bias
-    already holds any bias correction)."""
+    """The float32 host nn.Linear an AwqLinear computes (dequantized in slices on `compute_device`,
+    low-rank compensation folded in; the bias already holds any bias correction)."""
     k, n, g = awq.in_features, awq.out_features, awq.group_size
     weight = torch.empty(n, k, dtype=torch.float32)  # nn.Linear layout [N, K]
     cols = max(8, DEQUANT_CHUNK_ELEMENTS // k // 8 * 8)  # whole int32 words of 8 columns
     for start in range(0, n, cols):
         end = min(n, start + cols)
-        part = dequantize_awq(
-            awq.qweight[:, start // 8 : end // 8].to(compute_device),
-            awq.qzeros[:, start // 8 : end // 8].to(compute_device),
-            awq.scales[:, start:end].to(compute_device),
-            g,
-            dtype=torch.float32,
-        )  # [K, cols]
+        words = slice(start // 8, end // 8)
+        packed = (awq.qweight[:, words], awq.qzeros[:, words], awq.scales[:, start:end])
+        part = dequantize_awq(*(t.to(compute_device) for t in packed), g, dtype=torch.float32)  # [K, cols]
         weight[start:end] = part.t().contiguous().cpu()
     lora_a, lora_b = getattr(awq, LORA_A), getattr(awq, LORA_B)
     if lora_a is not None and lora_b is not None:
         weight += lora_b.float().cpu() @ lora_a.float().cpu()  # [N, r] @ [r, K]: x A^T B^T = x (B A)^T
-    bias = awq.bias.float().cpu() if awq.bias is not None else None
     kind = InvariantLinear if awq.is_batch_invariant else nn.Linear  # the model was built batch-invariant
-    linear = kind(k, n, bias=bias is not None, device="meta")
+    linear = kind(k, n, bias=awq.bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
+    if awq.bias is not None:
+        linear.bias = nn.Parameter(awq.bias.float().cpu(), requires_grad=False)
     return linear
 
 
@@ -232,8 +213,7 @@ def compute_on_host(module: nn.Module, compute_device: torch.device) -> HostComp
 
 
 class _PackedLayer:
-    """One streamed layer's tensors packed into one host buffer (pinned on CUDA), and what to
-    register while it computes from the host copy (`host_bound`) or a staging buffer."""
+    """One streamed layer's tensors packed into one host buffer (pinned on CUDA)."""
 
     def __init__(self, registrations: Registrations, is_pinned: bool):
         tensors = [tensor for tensor, _ in registrations.values()]
@@ -260,11 +240,9 @@ class StreamingStats:
 
 
 class LayerStreamer:
-    """Splits a model loaded in host memory as `plan` says and runs its streamed layers: places
-    the fixed weights and resident layers on `device`, packs the streamed layers into host
-    memory, moves an untied embedding table to a HostEmbedding and hooks the streamed layers.
-    Sets `model.layer_streamer`, `model.weight_bytes` (what the device holds) and, while
-    anything streams, `model.supports_cuda_graphs` off: a graph would replay stale weights."""
+    """Splits a model loaded in host memory as `plan` says and runs its streamed layers. Sets
+    `model.layer_streamer`, `model.weight_bytes` (what the device holds) and, while anything
+    streams, `model.supports_cuda_graphs` off: a graph would replay stale weights."""
 
     def __init__(self, model: CausalLM, device: torch.device | str, plan):
         self.plan = plan
@@ -292,8 +270,7 @@ class LayerStreamer:
             ]
             for layer in self.layers:
                 layer.staging_bound = [layer.bound(buffer) for buffer in self.storage]
-        # Per staging buffer: the streamed layer it holds or receives, and CUDA events: its copy
-        # is done, the last layer computed from it is done.
+        # Per staging buffer: the streamed layer it holds; events: copy done, last compute from it done.
         self.holds: list[int | None] = [None] * num_buffers
         self.copied = [torch.cuda.Event() if self.is_cuda else None for _ in range(num_buffers)]
         self.computed = [torch.cuda.Event() if self.is_cuda else None for _ in range(num_buffers)]
@@ -360,12 +337,9 @@ class LayerStreamer:
 def load_model_for_profile(
     model_dir: Path, profile: Profile, device: torch.device, dtype: torch.dtype, held_bytes: int = 0
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build and load a checkpoint for `profile`: projections fused, batch-invariant kernels when
-    the profile asks, and, when its `weight_offload` calls for a split (plan_weight_offload),
-    loaded into host memory and split by a LayerStreamer sized from the real tensors. DeepSeek-V2
-    checkpoints size their device cache of routed experts from the profile instead.
-    `held_bytes`: device memory the process already holds. Raises OutOfMemoryError with the
-    numbers when not even every layer streaming fits."""
+    """Load a checkpoint for `profile`: projections fused, batch-invariant if asked, and split by a
+    LayerStreamer (planned again from the real tensors) where `weight_offload` calls for it.
+    `held_bytes`: device memory the process already holds. OutOfMemoryError where nothing fits."""
     if is_deepseek_v2(read_raw_config(model_dir) or {}):
         if profile.batch_invariant:
             raise ConfigError(
@@ -386,9 +360,8 @@ def load_model_for_profile(
         predicted = plan_weight_offload(
             config, profile, weights, element_bytes, max_model_len, device_type=device.type, held_bytes=held_bytes
         )
-    # Fusing makes new tensors and drops the ones they replace, which on the device would leave
-    # holes the allocator keeps (1.7 GiB for the 1.5B shape in FP16): on CUDA the model is built
-    # in host memory and placed after.
+    # Fused tensors replace others, leaving holes the allocator keeps on the device (1.7 GiB for the
+    # 1.5B shape in FP16): on CUDA the model is built in host memory and placed after.
     on_host = predicted is not None or device.type == "cuda" or is_embedding_on_host
     load_device = torch.device("cpu") if on_host else device
     model, config = load_model(model_dir, load_device, dtype, fuse=True, batch_invariant=profile.batch_invariant)

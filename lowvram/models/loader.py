@@ -1,10 +1,7 @@
-"""Find a checkpoint (local directory or hub id) and load it into a model built on the meta
-device, tensor by tensor, so host memory never holds two copies of it.
-
-AWQ checkpoints (AutoAWQ GEMM): every Linear the checkpoint quantizes becomes an AwqLinear
-whose packed tensors stay as read; `lm_head` only where the checkpoint holds
-`lm_head.qweight` (AutoAWQ and vLLM keep it in FP16). Residual-compensation tensors written by
-`lowvram quantize` live in COMPENSATION_FILE, which other loaders never open.
+"""Find a checkpoint (local directory or hub id) and load it, tensor by tensor, into a model built
+on the meta device. AWQ (AutoAWQ GEMM): every Linear the checkpoint quantizes becomes an
+AwqLinear holding the packed tensors as read; `lm_head` only where the checkpoint holds
+`lm_head.qweight`. `lowvram quantize`'s compensation tensors live in COMPENSATION_FILE.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ QUANTIZABLE_LINEARS = (*(f"self_attn.{n}_proj" for n in "qkvo"), "mlp.gate_proj"
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local directory as is; otherwise a hub id fetched through huggingface_hub. None means
-    the small demo model that ships inside the package."""
+    """A local directory as is, a hub id fetched through huggingface_hub, or (None) the demo model."""
     if model is None:
         return demo_model_path()
     text = str(model)
@@ -51,12 +47,8 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     )
     if looks_like_path:
         raise ModelLoadError(f"model directory {text!r} does not exist; pass a local Hugging Face model directory")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise ModelLoadError(
-            "huggingface_hub is not installed; pip install huggingface_hub, or pass a local directory"
-        ) from None
+    from huggingface_hub import snapshot_download
+
     try:
         return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
     except Exception as exc:  # the hub raises many types (offline, 404, gated, HTTP)
@@ -87,10 +79,9 @@ def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> No
 def load_weights(
     model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype, expert_device=None
 ) -> None:
-    """Assign every tensor of the shards the model has a place for. DeepSeek-V2's routed experts
-    go to `expert_device` (default `device`); its router weights stay float32, as DeepSeek keeps
-    them: rounded scores flip choices between near-tied experts. Compensation tensors attach
-    last, once every bias holds its checkpoint value (a bias correction is added to the bias)."""
+    """Assign every tensor of the shards the model has a place for. DeepSeek-V2's routed experts go
+    to `expert_device`; its router stays float32 (rounded scores flip near-tied experts).
+    Compensation attaches last, once every bias it may add a correction to is loaded."""
     from safetensors import SafetensorError, safe_open
 
     loaded: set[str] = set()
@@ -182,10 +173,8 @@ def _log_loaded(model, config, model_dir: Path, device: torch.device, dtype: tor
 def load_model(
     model_dir: Path, device: torch.device, dtype: torch.dtype | None = None, *, fuse=False, batch_invariant=False
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build the model on the meta device and assign the checkpoint's tensors. fuse: q/k/v and
-    gate/up of each dense layer as one projection each (lowvram.models.fusion); batch_invariant:
-    every matmul and attention in its batch-invariant form. DeepSeek-V2 checkpoints load through
-    load_deepseek_v2. Sets `model.weight_report` (bytes by kind) and `model.weight_bytes`."""
+    """The checkpoint's model and config, `weight_report` and `weight_bytes` set; `fuse` q/k/v and
+    gate/up into one projection each, `batch_invariant` kernels (dense models only)."""
     model_dir = Path(model_dir)
     raw = read_raw_config(model_dir)
     if raw is not None and is_deepseek_v2(raw):
@@ -213,10 +202,9 @@ def load_deepseek_v2(
     profile: Profile | None = None,
     held_bytes: int = 0,
 ) -> tuple[DeepseekV2ForCausalLM, DeepseekV2Config]:
-    """A DeepSeek-V2 checkpoint (FP16/BF16/FP32 or AWQ INT4). `max_cached_experts`: routed experts
-    per MoE layer kept on the device, the others read straight into host memory (None, or at
-    least the number of experts: all on the device); on CUDA, `profile` sizes it when not given,
-    less `held_bytes`, device memory the process already holds."""
+    """A DeepSeek-V2 checkpoint. `max_cached_experts`: routed experts per MoE layer kept on the
+    device, the rest read straight into host memory (None: all on the device); on CUDA `profile`
+    sizes it when not given, less `held_bytes` the process already holds."""
     model_dir, device = Path(model_dir), torch.device(device)
     raw = read_raw_config(model_dir)
     if raw is None:
