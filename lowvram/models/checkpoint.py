@@ -1,6 +1,5 @@
-"""What a checkpoint holds: its files (config.json, safetensors shards and the names in them,
-the compensation side file) and, once loaded, its weights' bytes by kind; below the loader,
-the memory plan and DeepSeek-V2, which all read them.
+"""What a checkpoint holds: its files and tensor names and, once loaded, its weights' bytes by kind
+(below the loader, the memory plan and DeepSeek-V2, which all read them).
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ from lowvram.quant.awq_linear import LORA_NAMES, AwqLinear
 COMPENSATION_FILE = "lowvram_compensation.st"
 
 
-def read_raw_config(model_dir: str | Path | None) -> dict | None:
-    """config.json as a dict, or None when there is no directory or no readable file."""
-    if model_dir is None:
-        return None
+def read_raw_config(model_dir: str | Path) -> dict | None:
+    """config.json as a dict, or None when there is no readable file."""
     try:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):

@@ -100,18 +100,13 @@ class DeepseekV2Config:
 
     def num_params(self) -> int:
         """Parameter count, every routed expert included."""
-        h, heads = self.hidden_size, self.num_heads
+        h, heads, rank = self.hidden_size, self.num_heads, self.kv_lora_rank
         if self.q_lora_rank is None:
             q = h * heads * self.qk_head_dim
         else:
             q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
-        attn = (
-            q
-            + h * self.kv_head_dim
-            + self.kv_lora_rank
-            + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
-            + heads * self.v_head_dim * h
-        )
+        kv = h * self.kv_head_dim + rank + rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        attn = q + kv + heads * self.v_head_dim * h
         expert = 3 * h * self.moe_intermediate_size
         moe = (self.num_routed_experts + self.num_shared_experts) * expert + self.num_routed_experts * h
         dense = 3 * h * self.intermediate_size
@@ -228,8 +223,7 @@ def softmax_scale(config: DeepseekV2Config) -> float:
 
 
 def layer_kv_pages(kv_pages: list[KVPages], layer_idx: int) -> KVPages:
-    """Layer `layer_idx`'s cache: its half of pool layer `layer_idx // 2` (K for even layers, V
-    for odd), viewed as both K and V."""
+    """Layer `layer_idx`'s half of pool layer `layer_idx // 2` (K if even, else V) as both K and V."""
     pages = kv_pages[layer_idx // 2]
     if layer_idx % 2 == 0:
         rows, scale, zero, window = pages.k, pages.k_scale, pages.k_zero, pages.window_k
@@ -419,9 +413,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     def count_weights(self) -> None:
         """As CausalLM's, cached experts counted, host-held ones not."""
         report = weight_report(self)
+        kind = "int4_layer_bytes" if self.config.quantization is not None else "fp16_layer_bytes"
         cache_bytes = sum(moe.cache.device_bytes for moe in self.moe_layers if moe.cache is not None)
-        if self.config.quantization is not None:
-            report.int4_layer_bytes += cache_bytes
-        else:
-            report.fp16_layer_bytes += cache_bytes
+        setattr(report, kind, getattr(report, kind) + cache_bytes)
         self.weight_report, self.weight_bytes = report, report.total_bytes

@@ -66,10 +66,8 @@ class Rotary(nn.Module):
     def _frequencies(self, device: torch.device) -> tuple[torch.Tensor, float, float]:
         """(inverse frequencies [D/2], position scale, factor on cos and sin)."""
         c = self.config
-        inv_freq = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float32) / c.head_dim)
-        )
-        return inv_freq, (1.0 / c.rope_factor if c.rope_type == "linear" else 1.0), 1.0
+        exponents = torch.arange(0, c.head_dim, 2, device=device, dtype=torch.float32) / c.head_dim
+        return 1.0 / (c.rope_theta**exponents), (1.0 / c.rope_factor if c.rope_type == "linear" else 1.0), 1.0
 
     def reserve(self, num_positions: int, device: torch.device) -> None:
         """Make the tables cover `num_positions`."""
@@ -80,9 +78,7 @@ class Rotary(nn.Module):
             freqs = torch.outer(pos, inv_freq)  # [P, D/2]
             self.cos, self.sin = freqs.cos().mul_(factor), freqs.sin().mul_(factor)
 
-    def forward(
-        self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None
-    ) -> list[torch.Tensor]:
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor, num_positions: int | None = None) -> list:
         """Rotate each x [T, heads, D] by its token's position. `num_positions` bounds the positions,
         sparing a read from the device (a stall, impossible inside a CUDA graph capture)."""
         if num_positions is None:
@@ -123,14 +119,8 @@ class Attention(nn.Module):
     ) -> RopeKVWrite | None:
         """RoPE and the KV store for the fused q/k/v kernel to run: for a one-token decode step whose
         projection fuses_input, with heads of a power-of-two size from 16 up; else None."""
-        if (
-            meta.is_prefill
-            or self.is_batch_invariant
-            or x.shape[0] != 1
-            or not fuses_input(self.qkv_proj, x, norm)
-            or self.head_dim < 16
-            or self.head_dim & (self.head_dim - 1)
-        ):
+        fits = x.shape[0] == 1 and self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+        if meta.is_prefill or self.is_batch_invariant or not fits or not fuses_input(self.qkv_proj, x, norm):
             return None
         rope = self.rotary.rope(positions, meta.max_context_len)
         return RopeKVWrite(self.num_heads, rope.positions, rope.cos, rope.sin, meta.slot_mapping, kv_pages)
@@ -138,8 +128,7 @@ class Attention(nn.Module):
     def attend(
         self, qkv, positions, meta: AttentionMetadata, kv_pages: KVPages, *, is_stored: bool = False
     ) -> torch.Tensor:
-        """qkv [T, q_size + 2 * kv_size] -> [T, hidden]. `is_stored`: the projection already
-        rotated q and k and stored k and v (fused_rope_kv)."""
+        """qkv [T, q_size + 2 * kv_size] -> [T, hidden]; `is_stored`: rotated and stored (fused_rope_kv)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         return self._attend_heads(q, k, v, positions, meta, kv_pages, is_stored)
@@ -173,8 +162,7 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def activate_and_down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) of the fused projection's output [T, 2I]; for one INT4 row the
-        activation runs inside the down projection's kernel."""
+        """down(silu(gate) * up) of gate_up [T, 2I]; for one INT4 row inside the down projection's kernel."""
         if fuses_input(self.down_proj, gate_up):
             return self.down_proj.forward_gated(gate_up)
         return self.down_proj(silu_and_mul(gate_up, use_reference=not gate_up.is_cuda))

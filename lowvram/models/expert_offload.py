@@ -87,13 +87,9 @@ def add_expert_output(out, expert: nn.Module, x, rows: torch.Tensor, weights: to
 
 
 def _tensors(expert: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
-    return [
-        (table, name, tensor)
-        for module in expert.modules()
-        for table in (module._parameters, module._buffers)
-        for name, tensor in table.items()
-        if tensor is not None
-    ]
+    """(the module's _parameters or _buffers, name, tensor) of every tensor under `expert`."""
+    tables = [table for module in expert.modules() for table in (module._parameters, module._buffers)]
+    return [(table, name, tensor) for table in tables for name, tensor in table.items() if tensor is not None]
 
 
 def _host_rows(num_rows: int, row_bytes: int, is_pinned: bool) -> list[torch.Tensor]:

@@ -169,8 +169,7 @@ class HostEmbedding(nn.Module):
 
 
 class HostComputed(nn.Module):
-    """A module computed on the CPU in float32 inside a model on another device; the streaming walk
-    never enters it."""
+    """A module computed on the CPU in float32 inside a model on another device."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -296,9 +295,6 @@ class LayerStreamer:
     def num_streamed_layers(self) -> int:
         return len(self.layers)
 
-    def _holding(self, k: int) -> int | None:
-        return self.holds.index(k) if k in self.holds else None
-
     def _load(self, k: int, b: int) -> None:
         """Copy streamed layer k into buffer b once the layer computing from b is done."""
         layer = self.layers[k]
@@ -314,7 +310,7 @@ class LayerStreamer:
         self.stats.copied_bytes += layer.num_bytes
 
     def _before_layer(self, k: int, module: nn.Module, args) -> None:
-        b = self._holding(k)
+        b = self.holds.index(k) if k in self.holds else None
         if b is None:  # a pass that stopped part-way left the schedule behind
             self.stats.num_missed_prefetches += 1
             b = 0 if len(self.storage) == 1 or self.last_used != 0 else 1
@@ -330,7 +326,7 @@ class LayerStreamer:
         if self.is_cuda:
             self.computed[b].record(torch.cuda.current_stream(self.device))
         upcoming = (k + len(self.storage)) % len(self.layers)
-        if self._holding(upcoming) is None:
+        if upcoming not in self.holds:
             self._load(upcoming, b)
 
 

@@ -60,22 +60,6 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         ) from None
 
 
-def _assign(module: nn.Module, attr: str, name: str, tensor: torch.Tensor) -> None:
-    if isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES:
-        try:
-            module.set_compensation(attr, tensor)
-        except ValueError as exc:
-            raise ModelLoadError(f"tensor {name}: {exc}; the compensation file does not match the model") from None
-        return
-    expected = getattr(module, attr).shape
-    if tuple(expected) != tuple(tensor.shape):
-        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies {tuple(expected)}")
-    if attr in module._buffers:
-        module._buffers[attr] = tensor
-    else:
-        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
-
-
 def load_weights(
     model: CausalLM, files: list[Path], device: torch.device, dtype: torch.dtype, expert_device=None
 ) -> None:
@@ -98,11 +82,7 @@ def load_weights(
                     except AttributeError:
                         continue
                     is_compensation = isinstance(module, AwqLinear) and attr in COMPENSATION_NAMES
-                    if (
-                        not is_compensation
-                        and module._parameters.get(attr) is None
-                        and module._buffers.get(attr) is None
-                    ):
+                    if not is_compensation and not isinstance(getattr(module, attr, None), torch.Tensor):
                         continue  # no slot in the model for it
                     target = expert_device if expert_device is not None and ".mlp.experts." in name else device
                     tensor = f.get_tensor(name)
@@ -110,11 +90,18 @@ def load_weights(
                         tensor = tensor.to(target)  # packed int32 words and float16 scales stay as stored
                     else:
                         tensor = tensor.to(target, torch.float32 if name.endswith("mlp.gate.weight") else dtype)
+                    loaded.add(name)
                     if is_compensation:
                         compensation.append((module, attr, name, tensor))
+                        continue
+                    expected = tuple(getattr(module, attr).shape)
+                    if expected != tuple(tensor.shape):
+                        shape = tuple(tensor.shape)
+                        raise ModelLoadError(f"tensor {name} has shape {shape} but config.json implies {expected}")
+                    if attr in module._buffers:
+                        module._buffers[attr] = tensor
                     else:
-                        _assign(module, attr, name, tensor)
-                    loaded.add(name)
+                        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"{path} is corrupt or unreadable ({exc}); re-download this shard") from None
     if model.config.is_tied_head and "lm_head.weight" not in loaded:
@@ -129,7 +116,10 @@ def load_weights(
             f"does not match config.json{_quantization_hint(missing, names_on_disk)}"
         )
     for module, attr, name, tensor in compensation:
-        _assign(module, attr, name, tensor)
+        try:
+            module.set_compensation(attr, tensor)
+        except ValueError as exc:
+            raise ModelLoadError(f"tensor {name}: {exc}; the compensation file does not match the model") from None
 
 
 def _quantization_hint(missing: list[str], names_on_disk: set[str]) -> str:
@@ -212,16 +202,9 @@ def load_deepseek_v2(
     config = DeepseekV2Config.from_dict(raw, str(model_dir / "config.json"))
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     if max_cached_experts is None and profile is not None and device.type == "cuda" and config.num_routed_experts:
-        max_model_len = min(profile.max_model_len, config.max_position_embeddings)
-        element_bytes = torch.finfo(dtype).bits // 8
+        sizes = (torch.finfo(dtype).bits // 8, min(profile.max_model_len, config.max_position_embeddings))
         max_cached_experts = plan_expert_cache(
-            config,
-            profile,
-            element_bytes,
-            max_model_len,
-            device_type="cuda",
-            model_dir=model_dir,
-            held_bytes=held_bytes,
+            config, profile, *sizes, device_type="cuda", model_dir=model_dir, held_bytes=held_bytes
         )
     is_offloaded = max_cached_experts is not None and max_cached_experts < config.num_routed_experts
     model = _build_and_load(

@@ -52,8 +52,7 @@ def shape_config(name: str, num_layers: int | None = None) -> dict:
 
 
 def write_random_checkpoint(out_dir: str | Path, shape: str, *, num_layers: int | None = None, seed: int = 0) -> Path:
-    """A complete Hugging Face directory of a named shape (config.json, sharded BF16 safetensors,
-    a small tokenizer and chat template) with random weights; returns it."""
+    """A complete Hugging Face directory (BF16, small tokenizer) of `shape` with random weights."""
     from lowvram.testing import save_weights, train_tiny_tokenizer
 
     out_dir = Path(out_dir)
@@ -83,9 +82,8 @@ BENCH_CACHE_ENV = "LOWVRAM_BENCH_CACHE"
 
 
 def cached_checkpoint(key: str, make: Callable[[Path], object], work_dir: str | Path) -> Path:
-    """The directory `make(path)` fills, made once per `key` (which must name everything the
-    contents depend on) where $LOWVRAM_BENCH_CACHE names a folder, else made under `work_dir`.
-    An entry counts only once `make` has returned, so an interrupted run leaves nothing trusted."""
+    """The directory `make(path)` fills, under `work_dir` or once per `key` (naming all it depends on)
+    in $LOWVRAM_BENCH_CACHE; an entry counts once `make` has returned."""
     cache = os.environ.get(BENCH_CACHE_ENV)
     if not cache:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
@@ -116,9 +114,7 @@ def random_awq_checkpoint(
     emulate_vram_gib: float | None = None,
     quantize_head: bool = False,
 ) -> tuple[Path, Path]:
-    """Random weights of `shape` and their AWQ INT4 version (`num_samples` calibration blocks;
-    FP16-kept layers, compensation and an INT4 lm_head as given, none by default): (source
-    directory, AWQ directory), cached as `cached_checkpoint` says."""
+    """(source, AWQ INT4) directories of random weights of `shape`, cached; options as quantize_model's."""
     from lowvram.quant.quantize import quantize_model
 
     source = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
