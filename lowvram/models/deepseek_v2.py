@@ -24,7 +24,7 @@ from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.checkpoint import weight_report
 from lowvram.models.config import AwqConfig, awq_config_from_dict, eos_token_ids
-from lowvram.models.dense import MLP, CausalLM, RMSNorm, Rotary
+from lowvram.models.dense import MLP, CausalLM, DecoderModel, RMSNorm, Rotary
 from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
@@ -362,15 +362,6 @@ class DecoderLayer(nn.Module):
         return (self.mlp(x, residual) if isinstance(self.mlp, MoE) else self.mlp(x)), residual
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config: DeepseekV2Config):
-        super().__init__()
-        self.rotary = InterleavedRotary(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class DeepseekV2ForCausalLM(CausalLM):
     """CausalLM over `config.num_kv_layers` KVPages; `expert_stats` counts the expert cache's work."""
 
@@ -378,7 +369,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     supports_cuda_graphs = False
 
     def __init__(self, config: DeepseekV2Config):
-        super().__init__(config, DeepseekV2Model(config))
+        rotary = InterleavedRotary(config)
+        super().__init__(config, DecoderModel(config, rotary, lambda i: DecoderLayer(config, i, rotary)))
         self.expert_stats = ExpertCacheStats()
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:

@@ -198,11 +198,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The decoder stack; `make_layer(index)` builds each layer, all sharing `rotary`."""
+
+    def __init__(self, config: ModelConfig, rotary: Rotary, make_layer):
         super().__init__()
-        self.rotary = Rotary(config)
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -215,7 +217,10 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, model: nn.Module | None = None):
         super().__init__()
         self.config = config
-        self.model = model if model is not None else DecoderModel(config)
+        if model is None:
+            rotary = Rotary(config)
+            model = DecoderModel(config, rotary, lambda _: DecoderLayer(config, rotary))
+        self.model = model
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pages: list[KVPages]) -> torch.Tensor:
