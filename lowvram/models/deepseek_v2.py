@@ -25,7 +25,7 @@ from lowvram.kv.attention import AttentionMetadata, paged_attention
 from lowvram.models.checkpoint import weight_report
 from lowvram.models.config import AwqConfig, awq_config_from_dict, eos_token_ids
 from lowvram.models.dense import MLP, CausalLM, DecoderModel, RMSNorm, Rotary
-from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, add_expert_output, group_by_expert
+from lowvram.models.expert_offload import ExpertCache, ExpertCacheStats, expert_adder
 
 ARCHITECTURE = "DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"
@@ -336,12 +336,10 @@ class MoE(nn.Module):
             if next_layer is not None:
                 next_layer[1].cache.prefetch(counts[self.num_experts :])
         else:
-            out = torch.zeros_like(x)
-            token_rows, sorted_weights, starts = group_by_expert(ids, weights, counts)
+            out, add = expert_adder(x, weights, ids, counts)
             for expert_id, count in enumerate(counts):
                 if count:
-                    span = slice(starts[expert_id], starts[expert_id] + count)
-                    add_expert_output(out, self.experts[expert_id], x, token_rows[span], sorted_weights[span])
+                    add(expert_id, self.experts[expert_id])
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

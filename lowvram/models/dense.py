@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual), written over x and residual: new tensors would keep two
         more [T, hidden] alive than the memory plan counts. With no residual yet, (norm(x), x)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, use_reference=not x.is_cuda)[0], x
+            return self.forward(x), x
         # Only norm weights of another dtype than the activations (none we load) need a new tensor.
         out = x if torch.promote_types(x.dtype, self.weight.dtype) == x.dtype else None
         return rms_norm(x, self.weight, self.eps, residual, out=out, sum_out=residual, use_reference=not x.is_cuda)

@@ -73,17 +73,20 @@ class ExpertCacheStats:
         return {**asdict(self), **{name: getattr(self, name) for name in rates}}
 
 
-def group_by_expert(ids: torch.Tensor, weights: torch.Tensor, counts: list[int]):
-    """ids, weights [T, k] -> (token rows [T*k], their weights, starts), ordered by expert: expert
-    e's `counts[e]` pairs start at `starts[e]`."""
-    order = ids.flatten().argsort(stable=True)  # [T*k]
+def expert_adder(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, counts: list[int]):
+    """(out, add) for x [T, hidden] routed as weights/ids [T, k], `counts[e]` tokens to expert e:
+    add(e, module) adds expert e's weighted output to zeros `out` [T, hidden] for its tokens,
+    found without a host sync per expert."""
+    out = torch.zeros_like(x)
+    order = ids.flatten().argsort(stable=True)  # [T*k]: the pairs ordered by expert, tokens in order
+    rows, sorted_weights = order // ids.shape[1], weights.flatten()[order]
     starts = list(itertools.accumulate(counts[:-1], initial=0))
-    return order // ids.shape[1], weights.flatten()[order], starts
 
+    def add(expert: int, module: nn.Module) -> None:
+        span = slice(starts[expert], starts[expert] + counts[expert])
+        out.index_add_(0, rows[span], module(x.index_select(0, rows[span])) * sorted_weights[span, None].to(x.dtype))
 
-def add_expert_output(out, expert: nn.Module, x, rows: torch.Tensor, weights: torch.Tensor) -> None:
-    """out[rows] += weights * expert(x[rows]); rows [n] token rows, weights [n] their routing weights."""
-    out.index_add_(0, rows, expert(x.index_select(0, rows)) * weights[:, None].to(x.dtype))
+    return out, add
 
 
 def _tensors(expert: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
@@ -216,16 +219,14 @@ class ExpertCache:
         self.stats.num_prefetch_hits += len(self.prefetched.intersection(resident))
         self.prefetched.clear()
 
-        token_rows, sorted_weights, starts = group_by_expert(ids, weights, counts)
-        out = torch.zeros_like(x)
+        out, add = expert_adder(x, weights, ids, counts)
 
         def compute(expert: int) -> int:
             slot = self.slot_of[expert]
             if self._is_copy_pending[slot]:
                 torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
                 self._is_copy_pending[slot] = False
-            span = slice(starts[expert], starts[expert] + counts[expert])
-            add_expert_output(out, self.modules[slot], x, token_rows[span], sorted_weights[span])
+            add(expert, self.modules[slot])
             if self._stream is not None:
                 self._used[slot].record(torch.cuda.current_stream(self.device))
                 self._has_use[slot] = True

@@ -310,11 +310,10 @@ class LayerStreamer:
         self.stats.copied_bytes += layer.num_bytes
 
     def _before_layer(self, k: int, module: nn.Module, args) -> None:
-        b = self.holds.index(k) if k in self.holds else None
-        if b is None:  # a pass that stopped part-way left the schedule behind
+        if k not in self.holds:  # a pass that stopped part-way left the schedule behind
             self.stats.num_missed_prefetches += 1
-            b = 0 if len(self.storage) == 1 or self.last_used != 0 else 1
-            self._load(k, b)
+            self._load(k, 0 if len(self.storage) == 1 or self.last_used != 0 else 1)
+        b = self.holds.index(k)
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[b])
         _bind(self.layers[k].staging_bound[b])
