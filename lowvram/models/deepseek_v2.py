@@ -116,9 +116,9 @@ class DeepseekV2Config:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> DeepseekV2Config:
-        same = ("vocab_size", "hidden_size", "intermediate_size", "kv_lora_rank", "v_head_dim")
-        counts = dict(num_routed_experts="n_routed_experts", num_shared_experts="n_shared_experts")
-        counts.update(dict.fromkeys(("num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace")))
+        # Fields read under the same name, required ones and ones that default to 0; then the renamed.
+        required = ("vocab_size", "hidden_size", "intermediate_size", "kv_lora_rank", "v_head_dim")
+        or_zero = ("num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace")
         try:
             # transformers 5 writes rope_parameters; published checkpoints carry rope_theta/rope_scaling.
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -127,8 +127,10 @@ class DeepseekV2Config:
             rope.pop("type", None)
             quant = raw.get("quantization_config")
             config = cls(
-                **{name: int(raw[name]) for name in same},
-                **{name: int(raw.get(key or name) or 0) for name, key in counts.items()},
+                **{name: int(raw[name]) for name in required},
+                **{name: int(raw.get(name) or 0) for name in or_zero},
+                num_routed_experts=int(raw.get("n_routed_experts") or 0),
+                num_shared_experts=int(raw.get("n_shared_experts") or 0),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=int(raw["num_attention_heads"]),
                 q_lora_rank=raw.get("q_lora_rank"),
