@@ -1,8 +1,5 @@
-"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`.
-
-The source checkpoint is read tensor by tensor (memory-mapped), so only the layer being
-quantized is on the device; cached activations beyond a budget go to pinned host memory.
-"""
+"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`: the
+source read tensor by tensor (memory-mapped), activations beyond a budget in pinned host memory."""
 
 from __future__ import annotations
 
@@ -15,9 +12,8 @@ from lowvram.errors import ModelLoadError
 from lowvram.models.checkpoint import weight_files
 from lowvram.models.config import ModelConfig
 from lowvram.models.dense import Rotary
-from lowvram.models.loader import QUANTIZABLE_LINEARS
 
-# The input each Linear reads, as LayerRunner.inputs names it.
+# Every quantized Linear -> the input it reads, as LayerRunner.inputs names it.
 INPUT_OF = {
     "self_attn.q_proj": "attn_in",
     "self_attn.k_proj": "attn_in",
@@ -51,7 +47,7 @@ class SourceCheckpoint:
 
     def layer(self, config: ModelConfig, index: int, device: torch.device) -> dict:
         """Float32 weights of one decoder layer on the device, keyed by name within the layer."""
-        names = [*NORMS, *(f"{linear}.weight" for linear in QUANTIZABLE_LINEARS)]
+        names = [*NORMS, *(f"{linear}.weight" for linear in INPUT_OF)]
         if config.has_qkv_bias:
             names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         return {name: self.get(f"model.layers.{index}.{name}").to(device, torch.float32) for name in names}
@@ -76,11 +72,8 @@ class ActivationStore:
 
 
 class LayerRunner:
-    """One decoder layer's forward over calibration samples [b, L, hidden], without a KV cache.
-
-    Weights come in as a dict (name within the layer -> tensor in the compute dtype), so a
-    search can swap in trial weights without touching the model.
-    """
+    """One decoder layer's forward over samples [b, L, hidden] without a KV cache; the weights
+    come as a dict (name within the layer -> tensor), so a search can swap in trial weights."""
 
     def __init__(self, config: ModelConfig, seq_len: int, device: torch.device):
         self.config = config
@@ -110,7 +103,7 @@ class LayerRunner:
         k = k.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
         v = v.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim**-0.5)
-        return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)  # [b, H, L, D] -> [b, L, H*D]
+        return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)
 
     def attention(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
         return self.linear(weights, "self_attn.o_proj", self.attention_context(weights, x))
@@ -129,15 +122,13 @@ class LayerRunner:
         """The output a scale group is scored on (awq.ScaleGroup.target), from that group's input x."""
         if target == "attn":
             return self.attention(weights, x)
-        if target == "o":
-            return self.linear(weights, "self_attn.o_proj", x)
         if target == "mlp":
             return self.mlp(weights, x)
-        return self.linear(weights, "mlp.down_proj", x)
+        return self.linear(weights, "self_attn.o_proj" if target == "o" else "mlp.down_proj", x)
 
     def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor | None, kinds) -> dict[str, torch.Tensor]:
-        """The Linears' inputs of `kinds` (values of INPUT_OF), given the layer's input h and
-        its attention output attn (which the MLP's inputs depend on)."""
+        """The Linears' inputs of `kinds` (values of INPUT_OF) from the layer's input h and its
+        attention output attn (which the MLP's inputs depend on)."""
         found = {"attn_in": self.rms_norm(h, weights["input_layernorm.weight"])}
         if "o_in" in kinds:
             found["o_in"] = self.attention_context(weights, found["attn_in"])

@@ -1,19 +1,11 @@
 """`lowvram quantize MODEL OUT`: AWQ INT4 in the AutoAWQ GEMM layout, one layer at a time.
 
-Per decoder layer, with calibration activations (default 128 samples x 512 tokens):
-1. run the layer in full precision and keep its block outputs (attention, MLP, layer);
-2. AWQ: search and fold the input-channel scales of each scale group (`lowvram.quant.awq`),
-   then search per-group clipping for every Linear but q/k (skipped with --method rtn);
-3. quantize every Linear to INT4 (group size 128 by default) in the exact packed form;
-4. with --fp16-budget-mib: score each fused group (q/k/v, o, gate/up, down) by the error
-   quantizing it alone adds to the layer's output, relative to that output per token;
-5. with --rank (and --bias-correction): fit the residual compensation of each Linear
-   (`lowvram.quant.compensation`);
-6. pass the full-precision output on as the next layer's input (as AutoAWQ does, so every
-   layer sees the activations of the original model).
-After the last layer the most sensitive groups that fit --fp16-budget-mib stay in FP16 and
-are listed in `modules_to_not_convert`, with the fused names vLLM gives them (`qkv_proj`,
-`gate_up_proj`), so vLLM keeps the whole fused layer in FP16 too (`lowvram.quant.writer`).
+Per decoder layer, on calibration activations: run it in full precision and keep its block
+outputs; AWQ scale and clipping search (`awq`; skipped with --method rtn); quantize every
+Linear; with --fp16-budget-mib, score each fused group (q/k/v, o, gate/up, down) by the error
+it alone adds to the layer's output; with --rank / --bias-correction, fit each Linear's
+`compensation`; pass the full-precision output on (as AutoAWQ does). Then the most sensitive
+groups within the budget stay FP16 (`writer`).
 """
 
 from __future__ import annotations
@@ -33,11 +25,9 @@ import torch.nn.functional as F
 from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
 from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
 from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
-from lowvram.models.loader import QUANTIZABLE_LINEARS
 from lowvram.quant.awq import (
     MAX_CLIP_TOKENS,
     NO_CLIP_LINEARS,
-    ScaleGroup,
     clip_weight,
     fake_quantize,
     fold_scales,
@@ -84,6 +74,10 @@ def _mse(run: Callable, inputs: list, refs: list, load: Callable) -> float:
     return total / count
 
 
+def _to_host_packed(tensors: AwqTensors, group_size: int) -> AwqTensors:
+    return AwqTensors(tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), group_size)
+
+
 class Quantizer:
     """Runs the per-layer pipeline over the calibration activations; see the module docstring."""
 
@@ -105,26 +99,14 @@ class Quantizer:
         self.method, self.group_size = method, group_size
         self.rank, self.use_bias_correction = rank, use_bias_correction
         self.is_sensitivity_needed = is_sensitivity_needed
+        self.is_compensated = rank > 0 or use_bias_correction
         self.dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.runner = LayerRunner(config, seq_len, device)
         self.store = ActivationStore(device, max_resident_bytes)
-        self.groups = layer_scale_groups(config.num_heads, config.num_kv_heads)
         self.alphas: dict[str, float | None] = {}
-
-    @property
-    def is_compensated(self) -> bool:
-        return self.rank > 0 or self.use_bias_correction
 
     def _cast(self, weights: dict) -> dict:
         return {name: tensor.to(self.dtype) for name, tensor in weights.items()}
-
-    def embed(self, ids: torch.Tensor, samples_per_chunk: int) -> list[torch.Tensor]:
-        """Layer-0 inputs, one tensor [b, L, hidden] per chunk of samples."""
-        table = self.source.get("model.embed_tokens.weight")
-        return [
-            self.store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(self.device, self.dtype))
-            for i in range(0, ids.shape[0], samples_per_chunk)
-        ]
 
     def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[LayerResult, list[torch.Tensor]]:
         """Quantize layer `index` given its inputs; returns its result and the next layer's inputs."""
@@ -136,36 +118,57 @@ class Quantizer:
         input_scales: dict[str, torch.Tensor] = {}
         output_scales: dict[str, torch.Tensor] = {}
         if self.method == "awq":
-            for group in self.groups:
+            for group in layer_scale_groups(self.config.num_heads, self.config.num_kv_heads):
                 inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
                 scales = self._search_group(index, group, weights, compute, inputs, refs[group.target])
                 del inputs
                 fold_scales(weights, group, scales)
                 compute = self._cast(weights)
                 input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
-                if not group.is_prev_norm:
+                if not group.prev.endswith("norm"):
                     output_scales[group.prev] = scales.cpu()
 
         samples, stats = self._input_statistics(compute, hs, attn_ref)
-        dequantized, packed = self._quantize_linears(weights, samples)
-        scores = self._sensitivity(compute, dequantized, hs, next_hs) if self.is_sensitivity_needed else {}
-        linears = {}
-        for name in QUANTIZABLE_LINEARS:
+        dequantized, linears = {}, {}
+        for name, kind in INPUT_OF.items():
+            weight = weights[f"{name}.weight"]
+            if self.method == "awq" and name not in NO_CLIP_LINEARS:
+                weight = clip_weight(weight, self.group_size, search_clip(weight, samples[kind], self.group_size))
+            dequantized[name] = fake_quantize(weight, self.group_size)
             bias = weights.get(f"{name}.bias")
-            compensation = None
-            if self.is_compensated:
-                error = weights[f"{name}.weight"] - dequantized[name]
-                found = fit_compensation(error, stats[INPUT_OF[name]], self.rank, self.use_bias_correction)
-                compensation = _to_host(found)
             linears[name] = LinearResult(
-                packed=packed[name],
+                packed=_to_host_packed(quantize_rtn(weight, self.group_size), self.group_size),
                 bias=None if bias is None else float16(bias, f"model.layers.{index}.{name}.bias"),
                 input_scales=input_scales.get(name),
                 output_scales=output_scales.get(name),
-                compensation=compensation,
             )
+        scores = self._sensitivity(compute, dequantized, hs, next_hs) if self.is_sensitivity_needed else {}
+        if self.is_compensated:
+            for name, kind in INPUT_OF.items():
+                error = weights[f"{name}.weight"] - dequantized[name]
+                found = fit_compensation(error, stats[kind], self.rank, self.use_bias_correction)
+                linears[name].compensation = _to_host(found)
         norms = {name: float16(weights[name], f"model.layers.{index}.{name}") for name in NORMS}
         return LayerResult(norms, linears, scores), next_hs
+
+    def _search_group(self, index: int, group, weights: dict, compute: dict, inputs: list, refs: list) -> torch.Tensor:
+        num_tokens = 0
+        x_sum = torch.zeros(inputs[0].shape[-1], dtype=torch.float32, device=self.device)
+        for x in inputs:
+            x = self.store.load(x)
+            x_sum += x.abs().float().sum(dim=(0, 1))
+            num_tokens += x.shape[0] * x.shape[1]
+
+        def loss_fn(trial: list[torch.Tensor]) -> float:
+            swapped = dict(compute)
+            for name, weight in zip(group.linears, trial):
+                swapped[f"{name}.weight"] = weight.to(self.dtype)
+            return _mse(lambda x: self.runner.block(group.target, swapped, x), inputs, refs, self.store.load)
+
+        linears = [weights[f"{n}.weight"] for n in group.linears]
+        scales, alpha = search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
+        self.alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
+        return scales
 
     def _reference_pass(self, index: int, compute: dict, hs: list) -> tuple[list, list, list]:
         """The full-precision layer's attention and MLP outputs and its output, per chunk."""
@@ -193,39 +196,6 @@ class Quantizer:
         for chunk, attn in zip(hs, attn_ref):
             attn = self.store.load(attn) if needs_attn else None
             yield self.runner.inputs(compute, self.store.load(chunk), attn, kinds)
-
-    def _quantize_linears(self, weights: dict, samples: dict) -> tuple[dict, dict]:
-        """Clip (AWQ) and quantize every Linear: (dequantized float32 weights on the device, packed on the host)."""
-        dequantized, packed = {}, {}
-        for name in QUANTIZABLE_LINEARS:
-            weight = weights[f"{name}.weight"]
-            if self.method == "awq" and name not in NO_CLIP_LINEARS:
-                max_abs = search_clip(weight, samples[INPUT_OF[name]], self.group_size)
-                weight = clip_weight(weight, self.group_size, max_abs)
-            dequantized[name] = fake_quantize(weight, self.group_size)
-            packed[name] = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
-        return dequantized, packed
-
-    def _search_group(
-        self, index: int, group: ScaleGroup, weights: dict, compute: dict, inputs: list, refs: list
-    ) -> torch.Tensor:
-        num_tokens = 0
-        x_sum = torch.zeros(inputs[0].shape[-1], dtype=torch.float32, device=self.device)
-        for x in inputs:
-            x = self.store.load(x)
-            x_sum += x.abs().float().sum(dim=(0, 1))
-            num_tokens += x.shape[0] * x.shape[1]
-
-        def loss_fn(trial: list[torch.Tensor]) -> float:
-            swapped = dict(compute)
-            for name, weight in zip(group.linears, trial):
-                swapped[f"{name}.weight"] = weight.to(self.dtype)
-            return _mse(lambda x: self.runner.block(group.target, swapped, x), inputs, refs, self.store.load)
-
-        linears = [weights[f"{n}.weight"] for n in group.linears]
-        found = search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
-        self.alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = found.alpha
-        return found.scales
 
     def _input_statistics(self, compute: dict, hs: list, attn_ref: list) -> tuple[dict, dict]:
         """Clipping samples (AWQ) and fit/eval moments (compensation) of every input kind."""
@@ -307,23 +277,19 @@ class Quantizer:
                 trial_weight = trial[0].to(dtype)
                 return _mse(lambda piece: F.linear(piece, trial_weight), pieces, refs, load)
 
-            found = search_scales(x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn)
-            self.alphas["model.norm->lm_head"] = found.alpha
-            norm, weight = norm / found.scales, weight * found.scales
-            max_abs = search_clip(weight, sample_tokens(x / found.scales.to(x.dtype)), self.group_size)
+            scales, self.alphas["model.norm->lm_head"] = search_scales(
+                x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn
+            )
+            norm, weight = norm / scales, weight * scales
+            max_abs = search_clip(weight, sample_tokens(x / scales.to(x.dtype)), self.group_size)
             weight = clip_weight(weight, self.group_size, max_abs)
         packed = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
         return packed, float16(norm, "model.norm.weight")
 
 
-def _to_host_packed(tensors: AwqTensors, group_size: int) -> AwqTensors:
-    return AwqTensors(tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), group_size)
-
-
 def _to_host(compensation: Compensation | None) -> Compensation | None:
-    if compensation is None:
-        return None
-    for name in ("lora_a", "lora_b", "bias_correction"):
+    """The terms as float16 on the host; None where one overflows float16."""
+    for name in ("lora_a", "lora_b", "bias_correction") if compensation else ():
         tensor = getattr(compensation, name)
         if tensor is not None:
             half = tensor.to(device="cpu", dtype=torch.float16).contiguous()
@@ -334,7 +300,10 @@ def _to_host(compensation: Compensation | None) -> Compensation | None:
     return compensation
 
 
-# -- checks before any work ---------------------------------------------------------------------
+def fitting_group_sizes(config: ModelConfig) -> list[int]:
+    """The supported group sizes dividing every Linear's input size (K), smallest first."""
+    sizes = (config.hidden_size, config.intermediate_size, config.q_size)
+    return [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in sizes)]
 
 
 def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: bool) -> None:
@@ -353,7 +322,7 @@ def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: b
     }
     for name, value in inputs.items():
         if value % group_size:
-            fitting = [g for g in SUPPORTED_GROUP_SIZES if all(v % g == 0 for v in inputs.values())]
+            fitting = fitting_group_sizes(config)
             hint = f"; use --group-size {fitting[-1]}" if fitting else "; no supported group size divides all of them"
             raise ConfigError(
                 f"--group-size {group_size} does not divide the model's {name} ({value}), which is "
@@ -394,6 +363,7 @@ def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[tor
         return device, None
     if device.index is None:  # set_per_process_memory_fraction insists on an explicit index
         device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.reset_peak_memory_stats(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if emulate_vram_gib is None:
         return device, total
@@ -404,18 +374,6 @@ def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[tor
         )
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return device, int(emulate_vram_gib * GIB)
-
-
-def _peak_host_bytes() -> int | None:
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-# -- the entry point ------------------------------------------------------------------------------
 
 
 def quantize_model(
@@ -440,26 +398,14 @@ def quantize_model(
 ) -> QuantizeReport:
     """Quantize an FP16/BF16 checkpoint to AWQ INT4 (AutoAWQ GEMM layout) in `out_dir`.
 
-    Args:
-        method: "awq" (scale and clipping search) or "rtn" (plain round-to-nearest).
-        group_size: inputs per scale and zero point: 32, 64 or 128; must divide the model's
-            hidden, intermediate and attention sizes.
-        fp16_budget_mib: extra MiB (over INT4) that the most quantization-sensitive layers
-            may take to stay FP16; 0 keeps every decoder Linear in INT4.
-        rank: the largest rank of the low-rank error correction per Linear; 0 turns it off.
-        bias_correction: also offer each Linear a bias correction (the INT4 error's mean
-            output on the calibration set), kept where it helps there. Off by default: it fits
-            the calibration mix's mean input, which other text need not share.
-        quantize_head: quantize lm_head too (other loaders, vLLM included, then cannot load
-            the checkpoint: they keep lm_head in FP16). Embeddings always stay FP16.
-        calib_texts / calib_path: calibration text (a list of strings, or a .jsonl/.txt file);
-            neither means the corpus shipped with lowvram.
-        num_samples, seq_len: calibration blocks and their length in tokens.
-        device: where the computation runs ("auto", "cuda", "cpu"); the model stays on the host.
-        emulate_vram_gib: cap this process's CUDA allocator to behave like a card this size.
-        force: replace a non-empty `out_dir`.
-        show_progress: draw a progress bar per layer on stderr.
-        on_layer: called with (layers done, number of layers) after each layer, for UIs.
+    The options are the CLI's: method "awq" or "rtn"; group_size 32/64/128; fp16_budget_mib:
+    extra MiB the most sensitive layers may take to stay FP16; rank: largest rank of the
+    low-rank correction (0: off); bias_correction: also offer a bias correction (it fits the
+    calibration mix's mean input); quantize_head: lm_head too (then only lowvram loads it);
+    calib_texts (strings) or calib_path (.jsonl/.txt), neither: the shipped corpus; num_samples
+    x seq_len calibration tokens; device "auto"/"cuda"/"cpu" (the model stays on the host);
+    emulate_vram_gib caps the CUDA allocator; force replaces a non-empty `out_dir`.
+    show_progress draws a bar on stderr; on_layer(done, total) is called after each layer.
     Raises ConfigError, ModelLoadError, UnsupportedModelError with what to do; on any error
     no output directory is left behind.
     """
@@ -489,9 +435,6 @@ def quantize_model(
         )
 
     compute_device, cap_bytes = _compute_device(device, emulate_vram_gib)
-    if compute_device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(compute_device)
-
     from lowvram.engine.tokenizer import Tokenizer
 
     records = [{"text": t} for t in calib_texts] if calib_texts is not None else load_calibration_records(calib_path)
@@ -516,11 +459,23 @@ def quantize_model(
         max_resident_bytes=int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None,
     )
     samples_per_chunk = max(1, CHUNK_TOKENS[compute_device.type] // seq_len)
+    indices = range(config.num_layers)
+    if show_progress:
+        from rich.console import Console
+        from rich.progress import track
+
+        indices = track(indices, description="quantizing layers", console=Console(stderr=True))
     layers: list[LayerResult] = []
     try:
         with torch.inference_mode():
-            hs = quantizer.embed(ids, samples_per_chunk)
-            for index in _progress(range(config.num_layers), show_progress):
+            table = source.get("model.embed_tokens.weight")
+            hs = [  # layer 0's inputs, [b, L, hidden] per chunk of samples
+                quantizer.store.keep(
+                    F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype)
+                )
+                for i in range(0, num_samples, samples_per_chunk)
+            ]
+            for index in indices:
                 result, hs = quantizer.quantize_layer(index, hs)
                 layers.append(result)
                 if on_layer is not None:
@@ -560,23 +515,16 @@ def quantize_model(
     report.seconds = time.perf_counter() - start
     if compute_device.type == "cuda":
         report.peak_device_bytes = torch.cuda.max_memory_allocated(compute_device)
-    report.peak_host_bytes = _peak_host_bytes()
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        report.peak_host_bytes = peak if sys.platform == "darwin" else peak * 1024
+    except ImportError:  # Windows
+        pass
     quant = AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skipped))
     write_output(model_dir, out_dir, raw_config, quant, tensors, extras, report)
     return report
-
-
-def _progress(layers: range, is_shown: bool):
-    """The layers, with a progress bar on stderr when shown."""
-    if not is_shown:
-        return layers
-    from rich.console import Console
-    from rich.progress import track
-
-    return track(layers, description="quantizing layers", console=Console(stderr=True))
-
-
-# -- command line -----------------------------------------------------------------------------
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
@@ -591,13 +539,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer)")
     add("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
-    add(
-        "--group-size",
-        type=int,
-        default=128,
-        choices=SUPPORTED_GROUP_SIZES,
-        help="inputs sharing one scale and zero point (default 128)",
-    )
+    group_help = "inputs sharing one scale and zero point (default 128)"
+    add("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES, help=group_help)
     add(
         "--calib",
         metavar="FILE",
@@ -605,22 +548,13 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     )
     add("--num-samples", type=int, default=128, help="calibration blocks (default 128)")
     add("--seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
-    add(
-        "--fp16-budget-mib",
-        type=float,
-        default=0.0,
-        help="extra MiB the most sensitive layers may use to stay FP16 (default 0: none)",
-    )
+    budget_help = "extra MiB the most sensitive layers may use to stay FP16 (default 0: none)"
+    add("--fp16-budget-mib", type=float, default=0.0, help=budget_help)
     head = parser.add_mutually_exclusive_group()
-    head.add_argument(
-        "--keep-head",
-        dest="quantize_head",
-        action="store_false",
-        help="keep lm_head in FP16 (default; what vLLM and transformers expect)",
-    )
-    head.add_argument(
-        "--quantize-head", action="store_true", help="quantize lm_head too (smaller, but only lowvram loads the result)"
-    )
+    keep_help = "keep lm_head in FP16 (default; what vLLM and transformers expect)"
+    head.add_argument("--keep-head", dest="quantize_head", action="store_false", help=keep_help)
+    quantize_help = "quantize lm_head too (smaller, but only lowvram loads the result)"
+    head.add_argument("--quantize-head", action="store_true", help=quantize_help)
     add(
         "--rank",
         type=int,
@@ -632,12 +566,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text's mean input, which other text may not share)",
     )
-    add(
-        "--device",
-        choices=["auto", "cuda", "cpu"],
-        default="auto",
-        help="where to compute (the model itself stays in host memory)",
-    )
+    where_help = "where to compute (the model itself stays in host memory)"
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help=where_help)
     add("--emulate-vram-gib", type=float, help="behave like a card with this much memory")
     add("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(func=cmd_quantize, quantize_head=False)
