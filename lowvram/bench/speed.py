@@ -1,27 +1,17 @@
 """`lowvram bench speed`: prefill and decode speed of the real engine at the shapes users run.
 
-Without a model, a checkpoint of a named real shape (`lowvram.models.shapes`) is written with
-random weights: speed and memory do not depend on the weights' values. With `quantize`
-it becomes AWQ INT4 first, with the profile's FP16 budget and compensation rank (what
-`lowvram chat --quantize` makes) but few calibration samples, since random weights have
-no quality to keep.
-
-Everything is measured through one LLMEngine built with the profile:
-- prefill: one prompt of each context length, alone. TTFT runs from add_request to the
-  first token; it is the median of a few runs on distinct random prompts, so prefix
-  caching never hits. Prefill tokens/s is the prompt length over TTFT.
-- decode: B greedy requests of one context length with ignore_eos and `max_tokens` each.
-  Only the steps after every prefill is done are timed, after a short warm-up generation of
-  the same shape, so Triton compilation and CUDA graph capture are not in the numbers.
-- bytes read per decode step: every weight except the embedding table (a step reads one
-  row of it per sequence), plus the KV of every sequence at the step's mean context
-  length. Achieved GB/s is those bytes over the step time, set against the card's copy
-  bandwidth measured at the start (`lowvram.bench.record`).
-- peak device memory: torch's peak allocation plus the KV pages held in CUDA unified
-  memory, which torch's allocator does not see. The engine above sizes its KV pool from
-  the whole budget, so its peak is about the budget; a second engine then serves one
-  request of the longest context with the pool sized for that request alone, the figure
-  llama-bench's peak memory compares with.
+Without a model, random weights of a named shape (`lowvram.models.shapes`; speed and memory
+do not depend on the values), made AWQ INT4 with `quantize` as `lowvram chat --quantize`
+would, on few calibration samples. Everything runs through one LLMEngine of the profile:
+- prefill: one prompt per context length alone; TTFT (add_request to first token) is the
+  median of a few runs on distinct random prompts, so prefix caching never hits.
+- decode: B greedy requests with ignore_eos; only steps after every prefill are timed, after
+  a warm-up of the same shape (no Triton compilation or graph capture in the numbers).
+- bytes read per step: every weight but the embedding table (one row per sequence) plus the
+  KV of every sequence at the mean context, set against the copy bandwidth (`record`).
+- peak device memory: torch's peak plus the KV pages in CUDA unified memory (invisible to
+  torch). As the engine's pool fills the budget, a second engine serves one request of the
+  longest context with a pool sized for it: the figure llama-bench's peak compares with.
 """
 
 from __future__ import annotations
@@ -53,73 +43,31 @@ GIB = 2**30
 MB = 1e6
 
 
-def check_source(model: str | None, shape: str | None) -> Path | None:
-    """Fail before any measurement on a bad source: returns the model directory, or None for a shape."""
-    from lowvram.models.loader import resolve_model_path
-    from lowvram.models.shapes import SHAPES
-
-    if model is not None:
-        if shape is not None:
-            raise ConfigError("give a model or a shape, not both")
-        return resolve_model_path(model)
-    known = [*SHAPES, TINY_SHAPE]
-    if (shape or DEFAULT_SHAPE) not in known:
-        raise ConfigError(f"unknown shape {shape!r}; known shapes: {', '.join(known)}")
-    return None
-
-
-def prepare_checkpoint(model: str | None, shape: str | None, work_dir: Path) -> tuple[Path, str]:
-    """The checkpoint to measure and a label for it: `model` as given, or random weights of `shape`."""
-    model_dir = check_source(model, shape)
-    if model_dir is not None:
-        return model_dir, str(model)
-    from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
-    from lowvram.testing import make_tiny_model
-
-    shape = shape or DEFAULT_SHAPE
-    out_dir = work_dir / "model"
-    if shape == TINY_SHAPE:
-        make_tiny_model(out_dir, "qwen2", num_layers=2)
-    else:  # shared with other benchmarks of this session where the checkpoint cache is set
-        out_dir = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
-    return out_dir, f"{shape} (random weights)"
-
-
-def largest_group_size(config) -> int:
-    """The largest AWQ group size that divides every Linear's input size."""
-    from lowvram.kernels.awq_format import SUPPORTED_GROUP_SIZES
-
-    sizes = (config.hidden_size, config.intermediate_size, config.q_size)
-    fitting = [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in sizes)]
-    if not fitting:
-        raise ConfigError(
-            f"no AWQ group size ({', '.join(map(str, SUPPORTED_GROUP_SIZES))}) divides this model's "
-            f"hidden, intermediate and attention sizes {sizes}; it cannot be quantized"
-        )
-    return max(fitting)
-
-
 def quantize_checkpoint(
     model_dir: Path, out_dir: Path, device: str, emulate_vram_gib: float | None, shape: str | None, **settings
 ) -> tuple[Path, dict]:
     """AWQ INT4 of `model_dir` with `settings` (num_samples, fp16_budget_mib, rank); an AWQ
-    input is used as is. `shape`: `model_dir` holds random weights of this named shape, which
-    lets the result be shared through the checkpoint cache."""
+    input is used as is. `shape`: `model_dir` holds random weights of this named shape, so the
+    result can be shared through the checkpoint cache."""
     from lowvram.models.config import load_model_config
-    from lowvram.quant.quantize import quantize_model
+    from lowvram.quant.quantize import fitting_group_sizes, quantize_model
 
     config, _ = load_model_config(model_dir)
     if config.quantization is not None:
         return model_dir, {"note": "the checkpoint is already AWQ INT4; used as is"}
-    settings["group_size"] = largest_group_size(config)
+    fitting = fitting_group_sizes(config)
+    if not fitting:
+        raise ConfigError(
+            "no AWQ group size (32, 64, 128) divides this model's hidden, intermediate and attention sizes "
+            f"{(config.hidden_size, config.intermediate_size, config.q_size)}; it cannot be quantized"
+        )
+    settings["group_size"] = max(fitting)
+    options = dict(device=device, emulate_vram_gib=emulate_vram_gib, **settings)
     if shape is not None:
         from lowvram.models.shapes import random_awq_checkpoint
 
-        _, awq_dir = random_awq_checkpoint(
-            shape, out_dir.parent, device=device, emulate_vram_gib=emulate_vram_gib, **settings
-        )
-        return awq_dir, settings
-    report = quantize_model(model_dir, out_dir, device=device, emulate_vram_gib=emulate_vram_gib, **settings)
+        return random_awq_checkpoint(shape, out_dir.parent, **options)[1], settings
+    report = quantize_model(model_dir, out_dir, **options)
     return out_dir, {**settings, "seconds": round(report.seconds, 2), "peak_device_bytes": report.peak_device_bytes}
 
 
@@ -195,6 +143,10 @@ def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) ->
     return time.perf_counter() - start, num_tokens, engine.stats.num_steps - num_steps_before
 
 
+def _kv_bytes_per_token(engine) -> int:
+    return engine.kv_pool.shape.block_bytes(engine.kv_precision) // engine.kv_pool.block_size
+
+
 def time_decode(
     engine, prompts: _Prompts, context_len: int, batch_size: int, max_tokens: int, weight_read_bytes: int, copy_gbps
 ) -> dict:
@@ -223,36 +175,26 @@ def time_decode(
     }
 
 
-def _kv_bytes_per_token(engine) -> int:
-    pool = engine.kv_pool
-    return pool.shape.block_bytes(engine.kv_precision) // pool.block_size
-
-
 def memory_summary(engine, cuda_context_bytes: int | None) -> dict:
     """Peak device memory (None on the CPU) and what the weights and KV pool hold."""
     pool = engine.kv_pool
-    summary = {
+    allocated = reserved = peak = None
+    if engine.device.type == "cuda":
+        allocated = torch.cuda.max_memory_allocated(engine.device)
+        reserved = torch.cuda.max_memory_reserved(engine.device)
+        # Managed pages are invisible to torch's statistics; the pool counts its resident ones.
+        peak = allocated + (pool.device_bytes if pool.backend == "um" else 0)
+    return {
         "kv_pool_backend": pool.backend,
         "kv_pool_device_bytes": pool.device_bytes,
         "budget_bytes": engine.memory_budget_bytes,
         "weight_bytes": engine.model.weight_bytes,
         "cuda_context_bytes": cuda_context_bytes,
-        "peak_device_bytes": None,
-        "torch_max_allocated_bytes": None,
-        "torch_max_reserved_bytes": None,
-        "peak_with_context_bytes": None,
+        "peak_device_bytes": peak,
+        "torch_max_allocated_bytes": allocated,
+        "torch_max_reserved_bytes": reserved,
+        "peak_with_context_bytes": None if peak is None or cuda_context_bytes is None else peak + cuda_context_bytes,
     }
-    if engine.device.type == "cuda":
-        allocated = torch.cuda.max_memory_allocated(engine.device)
-        # Managed pages are invisible to torch's statistics; the pool counts its resident ones.
-        peak = allocated + (pool.device_bytes if pool.backend == "um" else 0)
-        summary.update(
-            torch_max_allocated_bytes=allocated,
-            torch_max_reserved_bytes=torch.cuda.max_memory_reserved(engine.device),
-            peak_device_bytes=peak,
-            peak_with_context_bytes=None if cuda_context_bytes is None else peak + cuda_context_bytes,
-        )
-    return summary
 
 
 def measure_one_request(model_dir: Path, base, device, context_len: int, max_tokens: int, seed: int, context_bytes):
@@ -282,12 +224,6 @@ def measure_one_request(model_dir: Path, base, device, context_len: int, max_tok
     return result
 
 
-def _weight_format(engine) -> str:
-    if engine.config.quantization is not None:
-        return f"awq-int4-g{engine.config.quantization.group_size}"
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(engine.dtype, str(engine.dtype))
-
-
 def run_speed_bench(
     model: str | None = None,
     *,
@@ -309,21 +245,20 @@ def run_speed_bench(
 ) -> dict:
     """Measure prefill and decode speed through LLMEngine; returns the JSON-ready record.
 
-    model: a model directory or hub id; None writes random weights of `shape` (a name from
-        `lowvram.models.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b).
-    quantize: make the checkpoint AWQ INT4 first (`calib_samples` calibration blocks);
-        `fp16_budget_mib` and `rank` replace the profile's FP16-kept layers and compensation
-        rank (0 and 0: every linear INT4 without compensation, as a published AutoAWQ checkpoint is).
-    profile, device, emulate_vram_gib: as for LLMEngine.
-    batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
-        context length, `max_tokens` tokens per request; prefill at every context length.
-    cuda_graphs: override the profile's enable_cuda_graphs (None keeps it).
-    Raises ConfigError for an unknown shape or bad sizes, ModelLoadError for a missing model.
+    model: a model directory or hub id; None: random weights of `shape` (in
+    `lowvram.models.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b). quantize: AWQ
+    INT4 first on `calib_samples` blocks, `fp16_budget_mib` and `rank` replacing the profile's
+    (0 and 0: as a published AutoAWQ checkpoint). Decode runs at every batch size and context
+    length, `max_tokens` per request; prefill at every context length. cuda_graphs overrides
+    the profile's (None keeps it). ConfigError for a bad shape or sizes, ModelLoadError for a
+    missing model.
     """
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine
     from lowvram.memory.device import pick_device
     from lowvram.models.config import load_model_config
+    from lowvram.models.loader import resolve_model_path
+    from lowvram.models.shapes import SHAPES
 
     say = progress or (lambda message: None)
     batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens))
@@ -331,7 +266,12 @@ def run_speed_bench(
         raise ConfigError(f"batch sizes {batch_sizes} and context lengths {context_lens} must be integers >= 1")
     if max_tokens < 2:
         raise ConfigError(f"max_tokens = {max_tokens} must be at least 2: decode starts after the first token")
-    check_source(model, shape)
+    if model is not None and shape is not None:
+        raise ConfigError("give a model or a shape, not both")
+    shape_name = None if model is not None else (shape or DEFAULT_SHAPE)
+    if shape_name not in (None, *SHAPES, TINY_SHAPE):
+        raise ConfigError(f"unknown shape {shape!r}; known shapes: {', '.join([*SHAPES, TINY_SHAPE])}")
+    model_dir = None if model is None else resolve_model_path(model)
     started = time.perf_counter()
     base = load_profile(profile).replace(
         device=device, emulate_vram_gib=emulate_vram_gib, enable_cuda_graphs=cuda_graphs
@@ -352,9 +292,19 @@ def run_speed_bench(
     copy_gbps = measure_copy_bandwidth_gbps(COPY_BYTES[compute_device.type], compute_device)
     with tempfile.TemporaryDirectory(prefix="lowvram-bench-speed-") as work:
         work_dir = Path(work)
-        if model is None:
-            say(f"writing random weights of {shape or DEFAULT_SHAPE}")
-        model_dir, label = prepare_checkpoint(model, shape, work_dir)
+        label = str(model)
+        if model_dir is None:
+            from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
+            from lowvram.testing import make_tiny_model
+
+            say(f"writing random weights of {shape_name}")
+            label = f"{shape_name} (random weights)"
+            if shape_name == TINY_SHAPE:
+                model_dir = make_tiny_model(work_dir / "model", "qwen2", num_layers=2)
+            else:  # shared with other benchmarks of this session where the checkpoint cache is set
+                model_dir = cached_checkpoint(
+                    f"{shape_name}-bf16", lambda d: write_random_checkpoint(d, shape_name), work_dir
+                )
         max_positions = load_model_config(model_dir)[0].max_position_embeddings
         if max_positions < needed_len:
             raise ConfigError(
@@ -369,7 +319,7 @@ def run_speed_bench(
                 work_dir / "awq",
                 compute_device.type,
                 emulate_vram_gib,
-                shape=(shape or DEFAULT_SHAPE) if model is None and shape != TINY_SHAPE else None,
+                shape=shape_name if shape_name != TINY_SHAPE else None,
                 num_samples=calib_samples,
                 fp16_budget_mib=base.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib,
                 rank=base.compensation_rank if rank is None else rank,
@@ -379,32 +329,34 @@ def run_speed_bench(
             torch.cuda.reset_peak_memory_stats(compute_device)
         say("loading the engine")
         engine = LLMEngine(str(model_dir), base)
-        report = engine.model.weight_report
+        config, report, p = engine.config, engine.model.weight_report, engine.profile
         # A tied head reads the whole embedding table; otherwise a step reads one row of it.
-        weight_read_bytes = report.total_bytes - (0 if engine.config.is_tied_head else report.embedding_bytes)
-        prompts = _Prompts(engine.config.vocab_size, seed)
+        weight_read_bytes = report.total_bytes - (0 if config.is_tied_head else report.embedding_bytes)
+        prompts = _Prompts(config.vocab_size, seed)
         prefill = []
         for context_len in context_lens:
             say(f"prefill: {context_len} tokens")
             prefill.append(time_prefill(engine, prompts, context_len))
         decode = []
-        for context_len in context_lens:
-            for batch_size in batch_sizes:
-                say(f"decode: batch {batch_size} at {context_len} tokens of context")
-                decode.append(
-                    time_decode(engine, prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
-                )
-        p = engine.profile
+        for context_len, batch_size in itertools.product(context_lens, batch_sizes):
+            say(f"decode: batch {batch_size} at {context_len} tokens of context")
+            decode.append(
+                time_decode(engine, prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
+            )
+        dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+        weight_format = dtypes.get(engine.dtype, str(engine.dtype))
+        if config.quantization is not None:
+            weight_format = f"awq-int4-g{config.quantization.group_size}"
         record.update(
             device=str(engine.device),
             copy_bandwidth_gbps=round(copy_gbps, 1),
             model={
                 "name": label,
-                "shape": None if model is not None else (shape or DEFAULT_SHAPE),
-                "architecture": engine.config.architecture,
-                "num_layers": engine.config.num_layers,
-                "num_params": engine.config.num_params(),
-                "weight_format": _weight_format(engine),
+                "shape": shape_name,
+                "architecture": config.architecture,
+                "num_layers": config.num_layers,
+                "num_params": config.num_params(),
+                "weight_format": weight_format,
                 "quantization": quantization,
                 "weight_bytes": report.as_dict(),
                 "weight_bytes_read_per_step": weight_read_bytes,

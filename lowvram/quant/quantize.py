@@ -43,14 +43,12 @@ from lowvram.quant.writer import (
     FUSED_GROUPS,
     GIB,
     MIB,
-    LayerResult,
     LinearResult,
     QuantizeReport,
     assemble,
     choose_fp16_groups,
     float16,
     group_bytes,
-    modules_to_not_convert,
     write_output,
 )
 
@@ -81,35 +79,20 @@ def _to_host_packed(tensors: AwqTensors, group_size: int) -> AwqTensors:
 class Quantizer:
     """Runs the per-layer pipeline over the calibration activations; see the module docstring."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        source: SourceCheckpoint,
-        device: torch.device,
-        *,
-        method: str,
-        group_size: int,
-        rank: int,
-        use_bias_correction: bool,
-        is_sensitivity_needed: bool,
-        seq_len: int,
-        max_resident_bytes: int | None,
-    ):
-        self.config, self.source, self.device = config, source, device
-        self.method, self.group_size = method, group_size
-        self.rank, self.use_bias_correction = rank, use_bias_correction
-        self.is_sensitivity_needed = is_sensitivity_needed
-        self.is_compensated = rank > 0 or use_bias_correction
+    def __init__(self, config: ModelConfig, source: SourceCheckpoint, report: QuantizeReport, store: ActivationStore):
+        """The settings come from `report`, which gets the AWQ alphas and sensitivity scores."""
+        self.config, self.source, self.report, self.store = config, source, report, store
+        device = self.device = store.device
+        self.method, self.group_size, self.rank = report.method, report.group_size, report.rank
+        self.is_compensated = report.rank > 0 or report.has_bias_correction
         self.dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.runner = LayerRunner(config, seq_len, device)
-        self.store = ActivationStore(device, max_resident_bytes)
-        self.alphas: dict[str, float | None] = {}
+        self.runner = LayerRunner(config, report.seq_len, device)
 
     def _cast(self, weights: dict) -> dict:
         return {name: tensor.to(self.dtype) for name, tensor in weights.items()}
 
-    def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[LayerResult, list[torch.Tensor]]:
-        """Quantize layer `index` given its inputs; returns its result and the next layer's inputs."""
+    def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[dict, dict, list[torch.Tensor]]:
+        """Quantize layer `index` given its inputs: (its norms, {linear: LinearResult}, the next layer's inputs)."""
         weights = self.source.layer(self.config, index, self.device)
         compute = self._cast(weights)
         attn_ref, mlp_ref, next_hs = self._reference_pass(index, compute, hs)
@@ -142,14 +125,15 @@ class Quantizer:
                 input_scales=input_scales.get(name),
                 output_scales=output_scales.get(name),
             )
-        scores = self._sensitivity(compute, dequantized, hs, next_hs) if self.is_sensitivity_needed else {}
+        if int(self.report.fp16_budget_mib * MIB) > 0:
+            self._sensitivity(index, compute, dequantized, hs, next_hs)
         if self.is_compensated:
             for name, kind in INPUT_OF.items():
                 error = weights[f"{name}.weight"] - dequantized[name]
-                found = fit_compensation(error, stats[kind], self.rank, self.use_bias_correction)
+                found = fit_compensation(error, stats[kind], self.rank, self.report.has_bias_correction)
                 linears[name].compensation = _to_host(found)
         norms = {name: float16(weights[name], f"model.layers.{index}.{name}") for name in NORMS}
-        return LayerResult(norms, linears, scores), next_hs
+        return norms, linears, next_hs
 
     def _search_group(self, index: int, group, weights: dict, compute: dict, inputs: list, refs: list) -> torch.Tensor:
         num_tokens = 0
@@ -167,7 +151,7 @@ class Quantizer:
 
         linears = [weights[f"{n}.weight"] for n in group.linears]
         scales, alpha = search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
-        self.alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
+        self.report.awq_alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
         return scales
 
     def _reference_pass(self, index: int, compute: dict, hs: list) -> tuple[list, list, list]:
@@ -219,13 +203,9 @@ class Quantizer:
             first_sample += batch
         return {kind: torch.cat(parts)[:MAX_CLIP_TOKENS] for kind, parts in samples.items()}, stats
 
-    def _sensitivity(self, compute: dict, dequantized: dict, hs: list, outs: list) -> dict[str, float]:
-        """Per fused group, with only that group in INT4: mean over tokens of |error of h|^2 / |h|^2.
-
-        Per token, because the next layer reads h through an RMSNorm: what it sees of an
-        error is the error relative to that token's h.
-        """
-        scores = {}
+    def _sensitivity(self, index: int, compute: dict, dequantized: dict, hs: list, outs: list) -> None:
+        """Per fused group, with only that group in INT4: mean over tokens of |error of h|^2 / |h|^2
+        (per token: the next layer reads h through an RMSNorm)."""
         for group_name, members in FUSED_GROUPS.items():
             swapped = dict(compute)
             for name in members:
@@ -237,8 +217,7 @@ class Quantizer:
                 per_token = (out - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp(min=1e-30)
                 total += float(per_token.sum())
                 num_tokens += per_token.numel()
-            scores[group_name] = total / num_tokens
-        return scores
+            self.report.sensitivity[f"model.layers.{index}.{group_name}"] = total / num_tokens
 
     def quantize_head(self, hs: list[torch.Tensor]) -> tuple[AwqTensors, torch.Tensor]:
         """AWQ for lm_head, its scales folded into the final norm; returns (packed head, folded norm weight).
@@ -277,7 +256,7 @@ class Quantizer:
                 trial_weight = trial[0].to(dtype)
                 return _mse(lambda piece: F.linear(piece, trial_weight), pieces, refs, load)
 
-            scales, self.alphas["model.norm->lm_head"] = search_scales(
+            scales, self.report.awq_alphas["model.norm->lm_head"] = search_scales(
                 x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn
             )
             norm, weight = norm / scales, weight * scales
@@ -446,18 +425,10 @@ def quantize_model(
         )
     num_samples, seq_len = ids.shape
     source = SourceCheckpoint(model_dir)
-    quantizer = Quantizer(
-        config,
-        source,
-        compute_device,
-        method=method,
-        group_size=group_size,
-        rank=rank,
-        use_bias_correction=bias_correction,
-        is_sensitivity_needed=budget_bytes > 0,
-        seq_len=seq_len,
-        max_resident_bytes=int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None,
-    )
+    settings = (method, group_size, str(compute_device), num_samples, seq_len, rank, bias_correction)
+    report = QuantizeReport(str(model_dir), str(out_dir), *settings, fp16_budget_mib, quantize_head)
+    store = ActivationStore(compute_device, int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None)
+    quantizer = Quantizer(config, source, report, store)
     samples_per_chunk = max(1, CHUNK_TOKENS[compute_device.type] // seq_len)
     indices = range(config.num_layers)
     if show_progress:
@@ -465,18 +436,16 @@ def quantize_model(
         from rich.progress import track
 
         indices = track(indices, description="quantizing layers", console=Console(stderr=True))
-    layers: list[LayerResult] = []
+    layers = []  # (norms, linears) per layer
     try:
         with torch.inference_mode():
             table = source.get("model.embed_tokens.weight")
             hs = [  # layer 0's inputs, [b, L, hidden] per chunk of samples
-                quantizer.store.keep(
-                    F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype)
-                )
+                store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype))
                 for i in range(0, num_samples, samples_per_chunk)
             ]
             for index in indices:
-                result, hs = quantizer.quantize_layer(index, hs)
+                *result, hs = quantizer.quantize_layer(index, hs)
                 layers.append(result)
                 if on_layer is not None:
                     on_layer(index + 1, config.num_layers)
@@ -488,29 +457,7 @@ def quantize_model(
             f"quantizing layer {len(layers)} ran out of device memory ({cap}) with {num_samples} x {seq_len} "
             "calibration tokens; lower --num-samples or --seq-len, or use --device cpu"
         ) from None
-
-    scores = {(index, group): score for index, layer in enumerate(layers) for group, score in layer.scores.items()}
-    chosen = choose_fp16_groups(scores, config, group_size, budget_bytes) if budget_bytes else []
-    skipped = modules_to_not_convert(chosen)
-    report = QuantizeReport(
-        model_dir=str(model_dir),
-        out_dir=str(out_dir),
-        method=method,
-        group_size=group_size,
-        device=str(compute_device),
-        num_samples=num_samples,
-        seq_len=seq_len,
-        rank=rank,
-        has_bias_correction=bias_correction,
-        fp16_budget_mib=fp16_budget_mib,
-        is_head_quantized=quantize_head,
-        sensitivity={f"model.layers.{layer}.{group}": score for (layer, group), score in scores.items()},
-        fp16_groups=[
-            {"name": f"model.layers.{layer}.{group}", "score": score, "extra_mib": extra / MIB}
-            for layer, group, score, extra in chosen
-        ],
-        awq_alphas=quantizer.alphas,
-    )
+    skipped = choose_fp16_groups(report, config)
     tensors, extras = assemble(source, config, layers, set(skipped), head, report)
     report.seconds = time.perf_counter() - start
     if compute_device.type == "cuda":
