@@ -25,32 +25,11 @@ import torch.nn.functional as F
 from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
 from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
 from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
-from lowvram.quant.awq import (
-    MAX_CLIP_TOKENS,
-    NO_CLIP_LINEARS,
-    clip_weight,
-    fake_quantize,
-    fold_scales,
-    layer_scale_groups,
-    sample_tokens,
-    search_clip,
-    search_scales,
-)
+from lowvram.quant import awq, writer
 from lowvram.quant.calibration import calibration_blocks, load_calibration_records
 from lowvram.quant.compensation import Compensation, InputStats, fit_compensation
 from lowvram.quant.layer import INPUT_OF, NORMS, ActivationStore, LayerRunner, SourceCheckpoint
-from lowvram.quant.writer import (
-    FUSED_GROUPS,
-    GIB,
-    MIB,
-    LinearResult,
-    QuantizeReport,
-    assemble,
-    choose_fp16_groups,
-    float16,
-    group_bytes,
-    write_output,
-)
+from lowvram.quant.writer import GIB, MIB, LinearResult, QuantizeReport, float16
 
 log = logging.getLogger("lowvram")
 
@@ -101,11 +80,11 @@ class Quantizer:
         input_scales: dict[str, torch.Tensor] = {}
         output_scales: dict[str, torch.Tensor] = {}
         if self.method == "awq":
-            for group in layer_scale_groups(self.config.num_heads, self.config.num_kv_heads):
+            for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads):
                 inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
                 scales = self._search_group(index, group, weights, compute, inputs, refs[group.target])
                 del inputs
-                fold_scales(weights, group, scales)
+                awq.fold_scales(weights, group, scales)
                 compute = self._cast(weights)
                 input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
                 if not group.prev.endswith("norm"):
@@ -115,9 +94,11 @@ class Quantizer:
         dequantized, linears = {}, {}
         for name, kind in INPUT_OF.items():
             weight = weights[f"{name}.weight"]
-            if self.method == "awq" and name not in NO_CLIP_LINEARS:
-                weight = clip_weight(weight, self.group_size, search_clip(weight, samples[kind], self.group_size))
-            dequantized[name] = fake_quantize(weight, self.group_size)
+            if self.method == "awq" and name not in awq.NO_CLIP_LINEARS:
+                weight = awq.clip_weight(
+                    weight, self.group_size, awq.search_clip(weight, samples[kind], self.group_size)
+                )
+            dequantized[name] = awq.fake_quantize(weight, self.group_size)
             bias = weights.get(f"{name}.bias")
             linears[name] = LinearResult(
                 packed=_to_host_packed(quantize_rtn(weight, self.group_size), self.group_size),
@@ -150,7 +131,7 @@ class Quantizer:
             return _mse(lambda x: self.runner.block(group.target, swapped, x), inputs, refs, self.store.load)
 
         linears = [weights[f"{n}.weight"] for n in group.linears]
-        scales, alpha = search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
+        scales, alpha = awq.search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
         self.report.awq_alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
         return scales
 
@@ -189,24 +170,24 @@ class Quantizer:
         widths = {"attn_in": c.hidden_size, "o_in": c.q_size, "mlp_in": c.hidden_size, "down_in": c.intermediate_size}
         stats = {kind: InputStats(width, self.device) for kind, width in widths.items()} if self.is_compensated else {}
         samples = {kind: [] for kind in widths}
-        per_chunk = math.ceil(MAX_CLIP_TOKENS / len(hs))
+        per_chunk = math.ceil(awq.MAX_CLIP_TOKENS / len(hs))
         first_sample = 0
         for inputs in self._inputs(compute, hs, attn_ref, list(widths)):
             batch, length = inputs["attn_in"].shape[:2]
             # even samples fit the compensation, odd ones judge it
             is_fit = torch.arange(first_sample, first_sample + batch, device=self.device) % 2 == 0
             for kind, x in inputs.items():
-                samples[kind].append(sample_tokens(x.reshape(batch * length, -1), per_chunk))
+                samples[kind].append(awq.sample_tokens(x.reshape(batch * length, -1), per_chunk))
                 if stats:
                     stats[kind].add(x[is_fit].reshape(-1, x.shape[-1]), is_fit=True)
                     stats[kind].add(x[~is_fit].reshape(-1, x.shape[-1]), is_fit=False)
             first_sample += batch
-        return {kind: torch.cat(parts)[:MAX_CLIP_TOKENS] for kind, parts in samples.items()}, stats
+        return {kind: torch.cat(parts)[: awq.MAX_CLIP_TOKENS] for kind, parts in samples.items()}, stats
 
     def _sensitivity(self, index: int, compute: dict, dequantized: dict, hs: list, outs: list) -> None:
         """Per fused group, with only that group in INT4: mean over tokens of |error of h|^2 / |h|^2
         (per token: the next layer reads h through an RMSNorm)."""
-        for group_name, members in FUSED_GROUPS.items():
+        for group_name, members in writer.FUSED_GROUPS.items():
             swapped = dict(compute)
             for name in members:
                 swapped[f"{name}.weight"] = dequantized[name].to(self.dtype)
@@ -244,7 +225,7 @@ class Quantizer:
         weight = self.source.get("lm_head.weight").to(device, torch.float32)
         per_chunk = math.ceil(MAX_HEAD_TOKENS / len(hs))
         normed = [self.runner.rms_norm(load(h).to(dtype), norm.to(dtype)).reshape(-1, norm.shape[0]) for h in hs]
-        x = torch.cat([sample_tokens(n, per_chunk) for n in normed])[:MAX_HEAD_TOKENS]
+        x = torch.cat([awq.sample_tokens(n, per_chunk) for n in normed])[:MAX_HEAD_TOKENS]
         del normed
         pieces = list(torch.split(x, HEAD_CHUNK_TOKENS))
         compute_weight = weight.to(dtype)
@@ -256,12 +237,12 @@ class Quantizer:
                 trial_weight = trial[0].to(dtype)
                 return _mse(lambda piece: F.linear(piece, trial_weight), pieces, refs, load)
 
-            scales, self.report.awq_alphas["model.norm->lm_head"] = search_scales(
+            scales, self.report.awq_alphas["model.norm->lm_head"] = awq.search_scales(
                 x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn
             )
             norm, weight = norm / scales, weight * scales
-            max_abs = search_clip(weight, sample_tokens(x / scales.to(x.dtype)), self.group_size)
-            weight = clip_weight(weight, self.group_size, max_abs)
+            max_abs = awq.search_clip(weight, awq.sample_tokens(x / scales.to(x.dtype)), self.group_size)
+            weight = awq.clip_weight(weight, self.group_size, max_abs)
         packed = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
         return packed, float16(norm, "model.norm.weight")
 
@@ -404,7 +385,7 @@ def quantize_model(
     _check_output(model_dir, out_dir, force)
     budget_bytes = int(fp16_budget_mib * MIB)
     free_bytes = shutil.disk_usage(out_dir.parent).free
-    linear_int4 = sum(group_bytes(config, group_size, members)[1] for members in FUSED_GROUPS.values())
+    linear_int4 = sum(writer.group_bytes(config, group_size, members)[1] for members in writer.FUSED_GROUPS.values())
     embeddings = config.vocab_size * config.hidden_size * 2 * (1 if config.is_tied_head else 2)
     needed_bytes = config.num_layers * linear_int4 + embeddings + budget_bytes
     if free_bytes < needed_bytes:
@@ -457,8 +438,8 @@ def quantize_model(
             f"quantizing layer {len(layers)} ran out of device memory ({cap}) with {num_samples} x {seq_len} "
             "calibration tokens; lower --num-samples or --seq-len, or use --device cpu"
         ) from None
-    skipped = choose_fp16_groups(report, config)
-    tensors, extras = assemble(source, config, layers, set(skipped), head, report)
+    skipped = writer.choose_fp16_groups(report, config)
+    tensors, extras = writer.assemble(source, config, layers, set(skipped), head, report)
     report.seconds = time.perf_counter() - start
     if compute_device.type == "cuda":
         report.peak_device_bytes = torch.cuda.max_memory_allocated(compute_device)
@@ -470,7 +451,7 @@ def quantize_model(
     except ImportError:  # Windows
         pass
     quant = AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skipped))
-    write_output(model_dir, out_dir, raw_config, quant, tensors, extras, report)
+    writer.write_output(model_dir, out_dir, raw_config, quant, tensors, extras, report)
     return report
 
 
