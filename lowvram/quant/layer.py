@@ -114,9 +114,11 @@ class LayerRunner:
     def mlp(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
         return self.linear(weights, "mlp.down_proj", self.mlp_hidden(weights, x))
 
-    def layer(self, weights: dict, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attention(weights, self.rms_norm(h, weights["input_layernorm.weight"]))
-        return h + self.mlp(weights, self.rms_norm(h, weights["post_attention_layernorm.weight"]))
+    def blocks(self, weights: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(attention output, MLP output, layer output) for the layer's input h."""
+        attn = self.attention(weights, self.rms_norm(h, weights["input_layernorm.weight"]))
+        mlp = self.mlp(weights, self.rms_norm(h + attn, weights["post_attention_layernorm.weight"]))
+        return attn, mlp, h + attn + mlp
 
     def block(self, target: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
         """The output a scale group is scored on (awq.ScaleGroup.target), from that group's input x."""

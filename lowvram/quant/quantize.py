@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
-from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
-from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
+from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, quantize_rtn
+from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.quant import awq, writer
 from lowvram.quant.calibration import calibration_blocks, load_calibration_records
-from lowvram.quant.compensation import Compensation, InputStats, fit_compensation
+from lowvram.quant.compensation import InputStats, fit_compensation
 from lowvram.quant.layer import INPUT_OF, NORMS, ActivationStore, LayerRunner, SourceCheckpoint
 from lowvram.quant.writer import GIB, MIB, LinearResult, QuantizeReport, float16
 
@@ -51,68 +51,73 @@ def _mse(run: Callable, inputs: list, refs: list, load: Callable) -> float:
     return total / count
 
 
-def _to_host_packed(tensors: AwqTensors, group_size: int) -> AwqTensors:
-    return AwqTensors(tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), group_size)
+def _packed(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """The AutoAWQ tensors of a weight [N, K], on the host."""
+    packed = quantize_rtn(weight, group_size)
+    return {attr: getattr(packed, attr).cpu() for attr in ("qweight", "qzeros", "scales")}
 
 
 class Quantizer:
-    """Runs the per-layer pipeline over the calibration activations; see the module docstring."""
+    """Runs the per-layer pipeline over the calibration activations (see the module docstring)
+    with the settings of `report`, into which it writes the AWQ alphas and sensitivity scores."""
 
     def __init__(self, config: ModelConfig, source: SourceCheckpoint, report: QuantizeReport, store: ActivationStore):
-        """The settings come from `report`, which gets the AWQ alphas and sensitivity scores."""
         self.config, self.source, self.report, self.store = config, source, report, store
-        device = self.device = store.device
-        self.method, self.group_size, self.rank = report.method, report.group_size, report.rank
+        self.device, self.group_size = store.device, report.group_size
+        self.is_awq = report.method == "awq"
         self.is_compensated = report.rank > 0 or report.has_bias_correction
-        self.dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.runner = LayerRunner(config, report.seq_len, device)
+        self.dtype = torch.float16 if store.device.type == "cuda" else torch.float32
+        self.runner = LayerRunner(config, report.seq_len, store.device)
 
     def _cast(self, weights: dict) -> dict:
         return {name: tensor.to(self.dtype) for name, tensor in weights.items()}
 
     def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[dict, dict, list[torch.Tensor]]:
-        """Quantize layer `index` given its inputs: (its norms, {linear: LinearResult}, the next layer's inputs)."""
+        """Quantize layer `index` from its inputs: (its norms, {linear: LinearResult}, the next layer's inputs)."""
         weights = self.source.layer(self.config, index, self.device)
         compute = self._cast(weights)
-        attn_ref, mlp_ref, next_hs = self._reference_pass(index, compute, hs)
-        refs = {"attn": attn_ref, "o": attn_ref, "mlp": mlp_ref, "down": mlp_ref}
+        attn_ref, mlp_ref, next_hs = [], [], []
+        for chunk in hs:
+            attn, mlp, out = self.runner.blocks(compute, self.store.load(chunk))
+            if not torch.isfinite(out).all():
+                raise UnsupportedModelError(
+                    f"layer {index} overflows {self.dtype} on the calibration text; quantize with --device cpu "
+                    "(float32), or check the checkpoint"
+                )
+            attn_ref.append(self.store.keep(attn))
+            mlp_ref.append(self.store.keep(mlp))
+            next_hs.append(self.store.keep(out))
 
-        input_scales: dict[str, torch.Tensor] = {}
-        output_scales: dict[str, torch.Tensor] = {}
-        if self.method == "awq":
-            for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads):
-                inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
-                scales = self._search_group(index, group, weights, compute, inputs, refs[group.target])
-                del inputs
-                awq.fold_scales(weights, group, scales)
-                compute = self._cast(weights)
-                input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
-                if not group.prev.endswith("norm"):
-                    output_scales[group.prev] = scales.cpu()
+        input_scales, output_scales = {}, {}  # linear -> [K] scales of its columns, [N] divisors of its rows
+        for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads) if self.is_awq else ():
+            inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
+            refs = attn_ref if group.target in ("attn", "o") else mlp_ref
+            scales = self._search_group(index, group, weights, compute, inputs, refs)
+            del inputs
+            awq.fold_scales(weights, group, scales)
+            compute = self._cast(weights)
+            input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
+            if not group.prev.endswith("norm"):
+                output_scales[group.prev] = scales.cpu()
 
         samples, stats = self._input_statistics(compute, hs, attn_ref)
         dequantized, linears = {}, {}
         for name, kind in INPUT_OF.items():
             weight = weights[f"{name}.weight"]
-            if self.method == "awq" and name not in awq.NO_CLIP_LINEARS:
-                weight = awq.clip_weight(
-                    weight, self.group_size, awq.search_clip(weight, samples[kind], self.group_size)
-                )
+            if self.is_awq and name not in awq.NO_CLIP_LINEARS:
+                max_abs = awq.search_clip(weight, samples[kind], self.group_size)
+                weight = awq.clip_weight(weight, self.group_size, max_abs)
             dequantized[name] = awq.fake_quantize(weight, self.group_size)
             bias = weights.get(f"{name}.bias")
-            linears[name] = LinearResult(
-                packed=_to_host_packed(quantize_rtn(weight, self.group_size), self.group_size),
-                bias=None if bias is None else float16(bias, f"model.layers.{index}.{name}.bias"),
-                input_scales=input_scales.get(name),
-                output_scales=output_scales.get(name),
-            )
+            bias = None if bias is None else float16(bias, f"model.layers.{index}.{name}.bias")
+            packed = _packed(weight, self.group_size)
+            linears[name] = LinearResult(packed, bias, input_scales.get(name), output_scales.get(name))
         if int(self.report.fp16_budget_mib * MIB) > 0:
             self._sensitivity(index, compute, dequantized, hs, next_hs)
-        if self.is_compensated:
-            for name, kind in INPUT_OF.items():
-                error = weights[f"{name}.weight"] - dequantized[name]
-                found = fit_compensation(error, stats[kind], self.rank, self.report.has_bias_correction)
-                linears[name].compensation = _to_host(found)
+        for name, kind in INPUT_OF.items() if self.is_compensated else ():
+            error = weights[f"{name}.weight"] - dequantized[name]
+            found = fit_compensation(error, stats[kind], self.report.rank, self.report.has_bias_correction)
+            linears[name].compensation = _to_host(found)
         norms = {name: float16(weights[name], f"model.layers.{index}.{name}") for name in NORMS}
         return norms, linears, next_hs
 
@@ -135,26 +140,6 @@ class Quantizer:
         self.report.awq_alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
         return scales
 
-    def _reference_pass(self, index: int, compute: dict, hs: list) -> tuple[list, list, list]:
-        """The full-precision layer's attention and MLP outputs and its output, per chunk."""
-        runner, store = self.runner, self.store
-        attn_ref, mlp_ref, next_hs = [], [], []
-        for chunk in hs:
-            h = store.load(chunk)
-            attn = runner.attention(compute, runner.rms_norm(h, compute["input_layernorm.weight"]))
-            mid = h + attn
-            mlp = runner.mlp(compute, runner.rms_norm(mid, compute["post_attention_layernorm.weight"]))
-            out = mid + mlp
-            if not torch.isfinite(out).all():
-                raise UnsupportedModelError(
-                    f"layer {index} overflows {self.dtype} on the calibration text; quantize with --device cpu "
-                    "(float32), or check the checkpoint"
-                )
-            attn_ref.append(store.keep(attn))
-            mlp_ref.append(store.keep(mlp))
-            next_hs.append(store.keep(out))
-        return attn_ref, mlp_ref, next_hs
-
     def _inputs(self, compute: dict, hs: list, attn_ref: list, kinds: list[str]):
         """Per chunk, the inputs of `kinds` as the layer, folded so far, computes them."""
         needs_attn = "mlp_in" in kinds or "down_in" in kinds  # the MLP reads h + attention
@@ -164,7 +149,7 @@ class Quantizer:
 
     def _input_statistics(self, compute: dict, hs: list, attn_ref: list) -> tuple[dict, dict]:
         """Clipping samples (AWQ) and fit/eval moments (compensation) of every input kind."""
-        if self.method != "awq" and not self.is_compensated:
+        if not self.is_awq and not self.is_compensated:
             return {}, {}
         c = self.config
         widths = {"attn_in": c.hidden_size, "o_in": c.q_size, "mlp_in": c.hidden_size, "down_in": c.intermediate_size}
@@ -194,18 +179,18 @@ class Quantizer:
             total, num_tokens = 0.0, 0
             for chunk, ref in zip(hs, outs):
                 ref = self.store.load(ref).float()
-                out = self.runner.layer(swapped, self.store.load(chunk)).float()
+                out = self.runner.blocks(swapped, self.store.load(chunk))[2].float()
                 per_token = (out - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp(min=1e-30)
                 total += float(per_token.sum())
                 num_tokens += per_token.numel()
             self.report.sensitivity[f"model.layers.{index}.{group_name}"] = total / num_tokens
 
-    def quantize_head(self, hs: list[torch.Tensor]) -> tuple[AwqTensors, torch.Tensor]:
-        """AWQ for lm_head, its scales folded into the final norm; returns (packed head, folded norm weight).
+    def quantize_head(self, hs: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """AWQ for lm_head, its scales folded into the final norm: (packed head, folded norm weight).
 
-        The search holds the head in float32 several times over ([vocab, hidden]: 0.9 GiB each
-        for a 152K vocabulary), more than a 4 GB card has beside the calibration data; where
-        the device runs out, the head is quantized in host memory instead (slower, same method).
+        The search holds the head in float32 several times over (0.9 GiB each for a 152K
+        vocabulary), more than a 4 GB card has beside the calibration data; where the device
+        runs out, the head is quantized in host memory instead (slower, same method).
         """
         try:
             return self._quantize_head(hs, self.device)
@@ -216,7 +201,7 @@ class Quantizer:
             torch.cuda.empty_cache()
             return self._quantize_head(hs, torch.device("cpu"))
 
-    def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[AwqTensors, torch.Tensor]:
+    def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[dict, torch.Tensor]:
         on_device = device == self.device
         dtype = self.dtype if device.type == "cuda" else torch.float32
         keep = self.store.keep if on_device else (lambda t: t)
@@ -231,24 +216,24 @@ class Quantizer:
         compute_weight = weight.to(dtype)
         refs = [keep(F.linear(piece, compute_weight)) for piece in pieces]
         del compute_weight
-        if self.method == "awq":
+        if self.is_awq:
 
             def loss_fn(trial):
                 trial_weight = trial[0].to(dtype)
                 return _mse(lambda piece: F.linear(piece, trial_weight), pieces, refs, load)
 
+            x_mean = x.abs().float().mean(dim=0)
             scales, self.report.awq_alphas["model.norm->lm_head"] = awq.search_scales(
-                x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn
+                x_mean, [weight], self.group_size, loss_fn
             )
             norm, weight = norm / scales, weight * scales
             max_abs = awq.search_clip(weight, awq.sample_tokens(x / scales.to(x.dtype)), self.group_size)
             weight = awq.clip_weight(weight, self.group_size, max_abs)
-        packed = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
-        return packed, float16(norm, "model.norm.weight")
+        return _packed(weight, self.group_size), float16(norm, "model.norm.weight")
 
 
-def _to_host(compensation: Compensation | None) -> Compensation | None:
-    """The terms as float16 on the host; None where one overflows float16."""
+def _to_host(compensation):
+    """The compensation's terms as float16 on the host; None where one overflows float16."""
     for name in ("lora_a", "lora_b", "bias_correction") if compensation else ():
         tensor = getattr(compensation, name)
         if tensor is not None:
@@ -275,11 +260,8 @@ def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: b
         )
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"--group-size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}")
-    inputs = {
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads * head_dim": config.q_size,
-    }
+    inputs = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size}
+    inputs["num_attention_heads * head_dim"] = config.q_size
     for name, value in inputs.items():
         if value % group_size:
             fitting = fitting_group_sizes(config)
@@ -301,17 +283,6 @@ def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: b
         raise ConfigError(
             "--quantize-head: this model's lm_head is tied to its embeddings, which stay FP16; drop --quantize-head"
         )
-
-
-def _check_output(model_dir: Path, out_dir: Path, is_forced: bool) -> None:
-    if out_dir.resolve() == model_dir.resolve():
-        raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
-    if not out_dir.parent.is_dir():
-        raise ConfigError(f"the parent of OUT ({out_dir.parent}) does not exist; create it first")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"OUT {out_dir} exists and is not a directory")
-    if out_dir.exists() and any(out_dir.iterdir()) and not is_forced:
-        raise ConfigError(f"OUT {out_dir} already exists and is not empty; pass --force to replace it")
 
 
 def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[torch.device, int | None]:
@@ -382,12 +353,18 @@ def quantize_model(
         )
     config, raw_config = load_model_config(model_dir)
     check_quantizable(config, group_size, quantize_head)
-    _check_output(model_dir, out_dir, force)
-    budget_bytes = int(fp16_budget_mib * MIB)
+    if out_dir.resolve() == model_dir.resolve():
+        raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
+    if not out_dir.parent.is_dir():
+        raise ConfigError(f"the parent of OUT ({out_dir.parent}) does not exist; create it first")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"OUT {out_dir} exists and is not a directory")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise ConfigError(f"OUT {out_dir} already exists and is not empty; pass --force to replace it")
     free_bytes = shutil.disk_usage(out_dir.parent).free
     linear_int4 = sum(writer.group_bytes(config, group_size, members)[1] for members in writer.FUSED_GROUPS.values())
     embeddings = config.vocab_size * config.hidden_size * 2 * (1 if config.is_tied_head else 2)
-    needed_bytes = config.num_layers * linear_int4 + embeddings + budget_bytes
+    needed_bytes = config.num_layers * linear_int4 + embeddings + int(fp16_budget_mib * MIB)
     if free_bytes < needed_bytes:
         raise ConfigError(
             f"the disk holding {out_dir.parent} has {free_bytes / MIB:.0f} MiB free but the checkpoint "
@@ -450,8 +427,7 @@ def quantize_model(
         report.peak_host_bytes = peak if sys.platform == "darwin" else peak * 1024
     except ImportError:  # Windows
         pass
-    quant = AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skipped))
-    writer.write_output(model_dir, out_dir, raw_config, quant, tensors, extras, report)
+    writer.write_output(model_dir, out_dir, raw_config, skipped, tensors, extras, report)
     return report
 
 
@@ -469,11 +445,10 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
     group_help = "inputs sharing one scale and zero point (default 128)"
     add("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES, help=group_help)
-    add(
-        "--calib",
-        metavar="FILE",
-        help="calibration text: .jsonl ({'text'} or {'messages'} records) or plain text; default: the corpus shipped with lowvram",
+    calib_help = (
+        "calibration text: .jsonl ({'text'} or {'messages'} records) or plain text (default: the shipped corpus)"
     )
+    add("--calib", metavar="FILE", help=calib_help)
     add("--num-samples", type=int, default=128, help="calibration blocks (default 128)")
     add("--seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
     budget_help = "extra MiB the most sensitive layers may use to stay FP16 (default 0: none)"
@@ -483,17 +458,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     head.add_argument("--keep-head", dest="quantize_head", action="store_false", help=keep_help)
     quantize_help = "quantize lm_head too (smaller, but only lowvram loads the result)"
     head.add_argument("--quantize-head", action="store_true", help=quantize_help)
-    add(
-        "--rank",
-        type=int,
-        default=0,
-        help="largest rank of the per-layer low-rank INT4 error correction (default 0: off)",
-    )
-    add(
-        "--bias-correction",
-        action="store_true",
-        help="also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text's mean input, which other text may not share)",
-    )
+    add("--rank", type=int, default=0, help="largest rank of the low-rank INT4 error correction (default 0: off)")
+    bias_help = "also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text)"
+    add("--bias-correction", action="store_true", help=bias_help)
     where_help = "where to compute (the model itself stays in host memory)"
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help=where_help)
     add("--emulate-vram-gib", type=float, help="behave like a card with this much memory")
@@ -509,11 +476,8 @@ CLI_OPTIONS += ("num_samples", "seq_len", "device", "emulate_vram_gib", "force")
 
 def cmd_quantize(args) -> int:
     if args.quantize_head:
-        print(
-            "lowvram: --quantize-head: vLLM and transformers keep lm_head in FP16 and will not load this "
-            "checkpoint; lowvram will",
-            file=sys.stderr,
-        )
+        warning = "vLLM and transformers keep lm_head in FP16 and will not load this checkpoint; lowvram will"
+        print(f"lowvram: --quantize-head: {warning}", file=sys.stderr)
     options = {name: getattr(args, name) for name in CLI_OPTIONS}
     report = quantize_model(args.model, args.out, calib_path=args.calib, show_progress=True, **options)
     print(report.summary())

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from lowvram.errors import ConfigError, UnsupportedModelError
-from lowvram.kernels.awq_format import AwqTensors
 from lowvram.models.checkpoint import COMPENSATION_FILE
 from lowvram.models.config import AwqConfig, ModelConfig
 from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
@@ -148,7 +147,7 @@ def choose_fp16_groups(report: QuantizeReport, config: ModelConfig) -> list[str]
 
 @dataclass
 class LinearResult:
-    packed: AwqTensors  # on the host
+    packed: dict[str, torch.Tensor]  # qweight, qzeros, scales on the host
     bias: torch.Tensor | None  # float16, folded
     input_scales: torch.Tensor | None  # [K] AWQ scale applied to the weight's columns
     output_scales: torch.Tensor | None  # [N] divisor folded into the weight's rows (prev of a later group)
@@ -198,8 +197,8 @@ def assemble(source, config: ModelConfig, layers: list, fp16_names: set[str], he
                 add(f"{prefix}.weight", float16(weight, f"{prefix}.weight"), kind)
             else:
                 report.num_int4_linears += 1
-                for attr in ("qweight", "qzeros", "scales"):
-                    add(f"{prefix}.{attr}", getattr(result.packed, attr), kind)
+                for attr, tensor in result.packed.items():
+                    add(f"{prefix}.{attr}", tensor, kind)
             if result.bias is not None:
                 add(f"{prefix}.bias", result.bias, kind)
             comp = result.compensation
@@ -217,8 +216,8 @@ def assemble(source, config: ModelConfig, layers: list, fp16_names: set[str], he
             }
     if head is not None:
         add("model.norm.weight", head[1], "other_bytes")
-        for attr in ("qweight", "qzeros", "scales"):
-            add(f"lm_head.{attr}", getattr(head[0], attr), "int4_bytes")
+        for attr, tensor in head[0].items():
+            add(f"lm_head.{attr}", tensor, "int4_bytes")
     else:
         add("model.norm.weight", original("model.norm.weight"), "other_bytes")
         if not config.is_tied_head:
@@ -233,13 +232,13 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def write_output(
-    model_dir: Path, out_dir: Path, raw_config: dict, quant: AwqConfig, tensors: dict, extras: dict, report
-) -> None:
-    """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure."""
+def write_output(model_dir: Path, out_dir: Path, raw_config: dict, skipped: list, tensors: dict, extras: dict, report):
+    """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure.
+    `skipped`: the FP16-kept modules (quantization_config.modules_to_not_convert)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         config = {key: value for key, value in raw_config.items() if key != "quantization_config"}
+        quant = AwqConfig(group_size=report.group_size, modules_to_not_convert=tuple(skipped))
         config.update(quantization_config=quant.to_config_dict(), torch_dtype="float16", dtype="float16")
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_tensors(tensors, staging / WEIGHTS_FILE)
