@@ -43,34 +43,6 @@ GIB = 2**30
 MB = 1e6
 
 
-def quantize_checkpoint(
-    model_dir: Path, out_dir: Path, device: str, emulate_vram_gib: float | None, shape: str | None, **settings
-) -> tuple[Path, dict]:
-    """AWQ INT4 of `model_dir` with `settings` (num_samples, fp16_budget_mib, rank); an AWQ
-    input is used as is. `shape`: `model_dir` holds random weights of this named shape, so the
-    result can be shared through the checkpoint cache."""
-    from lowvram.models.config import load_model_config
-    from lowvram.quant.quantize import fitting_group_sizes, quantize_model
-
-    config, _ = load_model_config(model_dir)
-    if config.quantization is not None:
-        return model_dir, {"note": "the checkpoint is already AWQ INT4; used as is"}
-    fitting = fitting_group_sizes(config)
-    if not fitting:
-        raise ConfigError(
-            "no AWQ group size (32, 64, 128) divides this model's hidden, intermediate and attention sizes "
-            f"{(config.hidden_size, config.intermediate_size, config.q_size)}; it cannot be quantized"
-        )
-    settings["group_size"] = max(fitting)
-    options = dict(device=device, emulate_vram_gib=emulate_vram_gib, **settings)
-    if shape is not None:
-        from lowvram.models.shapes import random_awq_checkpoint
-
-        return random_awq_checkpoint(shape, out_dir.parent, **options)[1], settings
-    report = quantize_model(model_dir, out_dir, **options)
-    return out_dir, {**settings, "seconds": round(report.seconds, 2), "peak_device_bytes": report.peak_device_bytes}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,20 +54,13 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-class _Prompts:
-    """Distinct random prompts and request ids, reproducible from a seed."""
-
-    def __init__(self, vocab_size: int, seed: int):
-        self.rng = random.Random(seed)
-        self.low = MIN_PROMPT_TOKEN_ID if vocab_size > 2 * MIN_PROMPT_TOKEN_ID else 0
-        self.vocab_size = vocab_size
-        self.ids = itertools.count()
-
-    def make(self, num: int, length: int) -> list[tuple[str, list[int]]]:
-        return [
-            (f"bench-{next(self.ids)}", [self.rng.randrange(self.low, self.vocab_size) for _ in range(length)])
-            for _ in range(num)
-        ]
+def _prompt_maker(vocab_size: int, seed: int) -> Callable[[int, int], list[tuple[str, list[int]]]]:
+    """make(num, length): distinct random prompts with request ids, reproducible from the seed."""
+    rng, ids = random.Random(seed), itertools.count()
+    low = MIN_PROMPT_TOKEN_ID if vocab_size > 2 * MIN_PROMPT_TOKEN_ID else 0
+    return lambda num, length: [
+        (f"bench-{next(ids)}", [rng.randrange(low, vocab_size) for _ in range(length)]) for _ in range(num)
+    ]
 
 
 def _greedy(max_tokens: int):
@@ -104,11 +69,11 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def time_prefill(engine, prompts: _Prompts, prompt_len: int) -> dict:
+def time_prefill(engine, make_prompts: Callable, prompt_len: int) -> dict:
     """TTFT of one prompt alone: the median over NUM_PREFILL_REPEATS runs after one warm-up run."""
     times_s = []
     for repeat in range(NUM_PREFILL_REPEATS + 1):
-        [(request_id, ids)] = prompts.make(1, prompt_len)
+        [(request_id, ids)] = make_prompts(1, prompt_len)
         _sync(engine.device)
         start = time.perf_counter()
         engine.add_request(request_id, None, _greedy(1), prompt_token_ids=ids)
@@ -148,13 +113,13 @@ def _kv_bytes_per_token(engine) -> int:
 
 
 def time_decode(
-    engine, prompts: _Prompts, context_len: int, batch_size: int, max_tokens: int, weight_read_bytes: int, copy_gbps
+    engine, make_prompts, context_len: int, batch_size: int, max_tokens: int, weight_read_bytes: int, copy_gbps
 ) -> dict:
     """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape."""
-    _generate(engine, prompts.make(batch_size, context_len), NUM_WARMUP_TOKENS)
+    _generate(engine, make_prompts(batch_size, context_len), NUM_WARMUP_TOKENS)
     num_preemptions = engine.stats.num_preemptions
     num_pipelined = engine.stats.num_pipelined_steps
-    decode_s, num_tokens, num_steps = _generate(engine, prompts.make(batch_size, context_len), max_tokens)
+    decode_s, num_tokens, num_steps = _generate(engine, make_prompts(batch_size, context_len), max_tokens)
     step_s = decode_s / max(num_steps, 1)
     # Step k (k = 1 .. max_tokens - 1; token 0 came from the prefill) reads context_len + k tokens of KV.
     mean_context = context_len + max_tokens / 2
@@ -206,10 +171,10 @@ def measure_one_request(model_dir: Path, base, device, context_len: int, max_tok
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     engine = LLMEngine(str(model_dir), base.replace(max_num_seqs=1, max_model_len=context_len + max_tokens))
-    prompts = _Prompts(engine.config.vocab_size, seed + 1)
+    make_prompts = _prompt_maker(engine.config.vocab_size, seed + 1)
     # A warm-up request first, as in time_decode: without it the figure includes graph capture.
-    _generate(engine, prompts.make(1, context_len), NUM_WARMUP_TOKENS)
-    elapsed_s, num_tokens, _ = _generate(engine, prompts.make(1, context_len), max_tokens)
+    _generate(engine, make_prompts(1, context_len), NUM_WARMUP_TOKENS)
+    elapsed_s, num_tokens, _ = _generate(engine, make_prompts(1, context_len), max_tokens)
     result = {
         "context_tokens": context_len,
         "new_tokens": max_tokens,
@@ -305,25 +270,40 @@ def run_speed_bench(
                 model_dir = cached_checkpoint(
                     f"{shape_name}-bf16", lambda d: write_random_checkpoint(d, shape_name), work_dir
                 )
-        max_positions = load_model_config(model_dir)[0].max_position_embeddings
-        if max_positions < needed_len:
+        source = load_model_config(model_dir)[0]
+        if source.max_position_embeddings < needed_len:
             raise ConfigError(
                 f"{max(context_lens)} context tokens plus {max_tokens} new ones need {needed_len} "
-                f"positions, but this model has {max_positions}; use shorter --context-lens"
+                f"positions, but this model has {source.max_position_embeddings}; use shorter --context-lens"
             )
         quantization = None
         if quantize:
+            from lowvram.models.shapes import random_awq_checkpoint
+            from lowvram.quant.quantize import fitting_group_sizes, quantize_model
+
             say(f"quantizing to AWQ INT4 ({calib_samples} calibration samples)")
-            model_dir, quantization = quantize_checkpoint(
-                model_dir,
-                work_dir / "awq",
-                compute_device.type,
-                emulate_vram_gib,
-                shape=shape_name if shape_name != TINY_SHAPE else None,
-                num_samples=calib_samples,
-                fp16_budget_mib=base.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib,
-                rank=base.compensation_rank if rank is None else rank,
-            )
+            fitting = fitting_group_sizes(source)
+            if source.quantization is not None:
+                quantization = {"note": "the checkpoint is already AWQ INT4; used as is"}
+            elif not fitting:
+                raise ConfigError(
+                    "no AWQ group size (32, 64, 128) divides this model's hidden, intermediate and attention sizes "
+                    f"{(source.hidden_size, source.intermediate_size, source.q_size)}; it cannot be quantized"
+                )
+            else:
+                quantization = dict(
+                    num_samples=calib_samples,
+                    fp16_budget_mib=base.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib,
+                    rank=base.compensation_rank if rank is None else rank,
+                    group_size=max(fitting),
+                )
+                options = dict(device=compute_device.type, emulate_vram_gib=emulate_vram_gib, **quantization)
+                if shape_name not in (None, TINY_SHAPE):  # random weights of a shape: shared through the cache
+                    model_dir = random_awq_checkpoint(shape_name, work_dir, **options)[1]
+                else:
+                    report = quantize_model(model_dir, work_dir / "awq", **options)
+                    model_dir = work_dir / "awq"
+                    quantization.update(seconds=round(report.seconds, 2), peak_device_bytes=report.peak_device_bytes)
         _release(compute_device)
         if compute_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(compute_device)
@@ -332,16 +312,16 @@ def run_speed_bench(
         config, report, p = engine.config, engine.model.weight_report, engine.profile
         # A tied head reads the whole embedding table; otherwise a step reads one row of it.
         weight_read_bytes = report.total_bytes - (0 if config.is_tied_head else report.embedding_bytes)
-        prompts = _Prompts(config.vocab_size, seed)
+        make_prompts = _prompt_maker(config.vocab_size, seed)
         prefill = []
         for context_len in context_lens:
             say(f"prefill: {context_len} tokens")
-            prefill.append(time_prefill(engine, prompts, context_len))
+            prefill.append(time_prefill(engine, make_prompts, context_len))
         decode = []
         for context_len, batch_size in itertools.product(context_lens, batch_sizes):
             say(f"decode: batch {batch_size} at {context_len} tokens of context")
             decode.append(
-                time_decode(engine, prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
+                time_decode(engine, make_prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
             )
         dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
         weight_format = dtypes.get(engine.dtype, str(engine.dtype))
@@ -422,45 +402,37 @@ def write_markdown(result: dict) -> str:
             f" Quantized here: {quantized['fp16_budget_mib']:g} MiB of layers kept FP16, compensation rank "
             f"{quantized['rank']}, lm_head FP16."
         )
-    lines = [
-        f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on "
-        f"{result.get('gpu') or result.get('device', 'cpu')}",
-        "",
-        setup,
-        "",
-        "| prompt tokens | TTFT ms | prefill tokens/s |",
-        "|---:|---:|---:|",
-        *(
-            f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |"
-            for r in result["prefill"]
-        ),
-        "",
-        f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
-        "steps after every prefill are timed.",
-        "",
-        "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+    prefill = [
+        f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |" for r in result["prefill"]
     ]
+    decode = []
     for r in result["decode"]:
         fraction = "-" if r["fraction_of_copy"] is None else f"{100 * r['fraction_of_copy']:.1f}%"
-        lines.append(
+        decode.append(
             f"| {r['context_tokens']} | {r['batch_size']} | {r['decode_tokens_per_s']:,.1f} | "
             f"{r['step_ms']:.2f} | {r['bytes_per_step'] / MB:,.1f} | {r['achieved_gbps']:,.1f} | {fraction} |"
         )
-    lines += ["", f"Memory: {_memory_text(result['memory'])}."]
+    blocks = [
+        f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on "
+        f"{result.get('gpu') or result.get('device', 'cpu')}",
+        setup,
+        "\n".join(["| prompt tokens | TTFT ms | prefill tokens/s |", "|---:|---:|---:|", *prefill]),
+        f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
+        "steps after every prefill are timed.",
+        "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |\n"
+        + "\n".join(["|---:|---:|---:|---:|---:|---:|---:|", *decode]),
+        f"Memory: {_memory_text(result['memory'])}.",
+    ]
     one = result.get("one_request")
     if one:
         speed = f", decode {one['decode_tokens_per_s']:,.1f} tokens/s" if one.get("decode_tokens_per_s") else ""
-        lines += [
-            "",
+        blocks.append(
             f"One request of {one['context_tokens']} + {one['new_tokens']} tokens with the KV pool sized "
-            f"for it alone: {_memory_text(one)}{speed}.",
-        ]
+            f"for it alone: {_memory_text(one)}{speed}."
+        )
     versions = result.get("versions", {})
-    lines += [
-        "",
+    blocks.append(
         f"Produced by `{result['command']}` on {result['date']}, commit {result['git_commit']}, "
-        f"torch {versions.get('torch')}, triton {versions.get('triton')}, {result['elapsed_s']} s.",
-        "",
-    ]
-    return "\n".join(lines)
+        f"torch {versions.get('torch')}, triton {versions.get('triton')}, {result['elapsed_s']} s."
+    )
+    return "\n\n".join(blocks) + "\n"

@@ -459,7 +459,7 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     quantize_help = "quantize lm_head too (smaller, but only lowvram loads the result)"
     head.add_argument("--quantize-head", action="store_true", help=quantize_help)
     add("--rank", type=int, default=0, help="largest rank of the low-rank INT4 error correction (default 0: off)")
-    bias_help = "also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text)"
+    bias_help = "also correct each layer's mean INT4 error with a bias (off: it fits the calibration text's mean input)"
     add("--bias-correction", action="store_true", help=bias_help)
     where_help = "where to compute (the model itself stays in host memory)"
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help=where_help)
