@@ -1,17 +1,11 @@
 """`lowvram bench speed`: prefill and decode speed of the real engine at the shapes users run.
 
-Without a model, random weights of a named shape (`lowvram.models.shapes`; speed and memory
-do not depend on the values), made AWQ INT4 with `quantize` as `lowvram chat --quantize`
-would, on few calibration samples. Everything runs through one LLMEngine of the profile:
-- prefill: one prompt per context length alone; TTFT (add_request to first token) is the
-  median of a few runs on distinct random prompts, so prefix caching never hits.
-- decode: B greedy requests with ignore_eos; only steps after every prefill are timed, after
-  a warm-up of the same shape (no Triton compilation or graph capture in the numbers).
-- bytes read per step: every weight but the embedding table (one row per sequence) plus the
-  KV of every sequence at the mean context, set against the copy bandwidth (`record`).
-- peak device memory: torch's peak plus the KV pages in CUDA unified memory (invisible to
-  torch). As the engine's pool fills the budget, a second engine serves one request of the
-  longest context with a pool sized for it: the figure llama-bench's peak compares with.
+Without a model: random weights of a named shape (`lowvram.models.shapes`), AWQ INT4 with
+`quantize`. Prefill: TTFT of one prompt alone, the median over distinct random prompts (no
+prefix-cache hits). Decode: only steps after every prefill, after a warm-up of the same shape.
+Bytes per step: every weight but the embedding table plus the KV read, against the measured
+copy bandwidth. Peak memory: torch's plus the KV pages in unified memory, and again on a second
+engine whose pool is sized for one request of the longest context (llama-bench's figure).
 """
 
 from __future__ import annotations
@@ -210,13 +204,8 @@ def run_speed_bench(
 ) -> dict:
     """Measure prefill and decode speed through LLMEngine; returns the JSON-ready record.
 
-    model: a model directory or hub id; None: random weights of `shape` (in
-    `lowvram.models.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b). quantize: AWQ
-    INT4 first on `calib_samples` blocks, `fp16_budget_mib` and `rank` replacing the profile's
-    (0 and 0: as a published AutoAWQ checkpoint). Decode runs at every batch size and context
-    length, `max_tokens` per request; prefill at every context length. cuda_graphs overrides
-    the profile's (None keeps it). ConfigError for a bad shape or sizes, ModelLoadError for a
-    missing model.
+    The options are `lowvram bench speed`'s; model None: random weights of `shape` (default
+    r1-distill-qwen-1.5b); `fp16_budget_mib` and `rank` replace the profile's when quantizing.
     """
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine

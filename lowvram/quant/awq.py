@@ -1,12 +1,10 @@
 """AWQ (Lin et al. 2024): per-input-channel scales, then per-group clipping.
 
-A scale group is the Linears reading one input plus the op producing it (a norm, or v/up for
-o/down). s = x_mean^alpha / (w_mean^(1-alpha) + 1e-4), alpha in 0..0.95, normalised by
-sqrt(max(s) min(s)); the s (or s = 1, plain RTN) with the lowest block-output MSE wins and is
-folded exactly: prev's output / s, the group's columns * s. Then every Linear but q/k (whose
-errors softmax amplifies) clips each group to 1.0..0.55 of its max |w|, chosen on sampled
-tokens. `fake_quantize` equals `quantize_rtn` then `dequantize_awq`, so the search measures
-the error of the checkpoint written.
+Per scale group (the Linears reading one input): s = x_mean^alpha / (w_mean^(1-alpha) + 1e-4),
+alpha in 0..0.95, normalised by sqrt(max(s) min(s)); the s (or s = 1, RTN) with the lowest
+block-output MSE is folded in exactly (prev's output / s, the columns * s). Then every Linear
+but q/k (whose errors softmax amplifies) clips each group to 1.0..0.55 of its max |w|.
+`fake_quantize` equals the written checkpoint, so the search measures its true error.
 """
 
 from __future__ import annotations

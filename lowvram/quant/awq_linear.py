@@ -1,11 +1,9 @@
-"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors.
+"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors (the
+checkpoint's `qweight`, `qzeros`, `scales`, `bias`), run by `lowvram.kernels.w4a16.awq_linear`.
 
-The buffers are the checkpoint's tensors under its names: `qweight` int32 [K, N/8], `qzeros`
-int32 [K/G, N/8], `scales` float16 [K/G, N], `bias` [N]; the forward is
-`lowvram.kernels.w4a16.awq_linear`. `lowvram quantize` may add compensation under names no
-other loader knows: `lowvram_lora_a` [r, K] and `lowvram_lora_b` [N, r], y += (x A^T) B^T, run
-in the INT4 kernel's launch, B held as a view of a contiguous [r, N] (`lora_bt`, which decode
-reads a column block at a time); and `lowvram_bias_correction` [N], folded into the bias.
+Compensation from `lowvram quantize`, under names other loaders ignore: `lowvram_lora_a` [r, K]
+and `lowvram_lora_b` [N, r] add (x A^T) B^T inside the INT4 kernel (B held as a view of a
+contiguous [r, N], `lora_bt`); `lowvram_bias_correction` [N] is folded into the bias.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from torch import nn
 
 from lowvram.errors import ModelLoadError
 from lowvram.kernels.awq_format import PACK_FACTOR
-from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, can_fuse_one_row
+from lowvram.kernels.w4a16 import InputNorm, awq_linear, awq_linear_one_row, can_fuse_one_row
 
 LORA_A = "lowvram_lora_a"
 LORA_B = "lowvram_lora_b"
@@ -26,11 +24,8 @@ AWQ_NAMES = ("qweight", "qzeros", "scales")
 
 
 class AwqLinear(nn.Module):
-    """y = x W^T + bias with W = (q - z) * s held as packed INT4 (K % group_size == 0, N % 8 == 0).
-
-    has_bias: the checkpoint's layer has a bias (Qwen2's q/k/v do). The buffers start empty;
-    the loader assigns the checkpoint's tensors.
-    """
+    """y = x W^T + bias with W = (q - z) * s held as packed INT4 (K % group_size == 0, N % 8 == 0);
+    the buffers start empty for the loader to fill."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool = False):
         super().__init__()
@@ -67,11 +62,8 @@ class AwqLinear(nn.Module):
     def set_compensation(self, name: str, tensor: torch.Tensor) -> None:
         """Attach one compensation tensor, checking its shape; a bias correction is added to
         the bias, which must already be loaded."""
-        expected = {
-            LORA_A: (None, self.in_features),
-            LORA_B: (self.out_features, None),
-            BIAS_CORRECTION: (self.out_features,),
-        }[name]
+        num_inputs, num_outputs = self.in_features, self.out_features
+        expected = {LORA_A: (None, num_inputs), LORA_B: (num_outputs, None), BIAS_CORRECTION: (num_outputs,)}[name]
         shape = tuple(tensor.shape)
         if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
             readable = ["r" if e is None else e for e in expected]
@@ -103,12 +95,7 @@ class AwqLinear(nn.Module):
         return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
 
     def forward_normed(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        rope_kv: RopeKVWrite | None = None,
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rope_kv=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(RMSNorm(h + residual)), h + residual) in one kernel (no residual: h itself);
         `rope_kv`: a fused q/k/v output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
@@ -131,8 +118,7 @@ class AwqLinear(nn.Module):
 
     def extra_repr(self) -> str:
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
-        if self.is_bias_corrected:
-            extras += ", bias_correction=True"
+        extras += ", bias_correction=True" if self.is_bias_corrected else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={self.bias is not None}{extras}"

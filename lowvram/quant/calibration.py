@@ -1,10 +1,6 @@
-"""Calibration text for quantization: the shipped corpus, the user's own file, token blocks.
-
-The shipped corpus (`lowvram/data/calibration.jsonl`, built by
-`scripts/build_calibration_corpus.py`) holds `{"text"}` records of standard-library Python
-and `{"messages"}` chats from `lowvram.demo.tasks`, training keys only: no third-party text,
-and the held-out measurements stay unseen. As in AutoAWQ, the tokenized records are
-concatenated and cut into blocks of `seq_len` tokens.
+"""Calibration text for quantization: the shipped corpus (`lowvram/data/calibration.jsonl`,
+built by `scripts/build_calibration_corpus.py` from stdlib Python and the demo's training
+chats, never held-out data), the user's own file, and AutoAWQ-style blocks of tokens.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Residual compensation: correct a Linear's INT4 error E = W - Q(W) with small FP16 terms.
 
-- bias correction: c = E mu, the error's mean effect on the output (mu = mean input);
-- low rank (LQER/L2QER, QERA, EoRA): E ~ B A minimising ||(E - B A) x||^2 over the calibration
-  inputs. With H = E[x x^T] = L L^T, the truncated SVD E L ~ U S V^T gives the exact optimum
-  B = U sqrt(S), A = sqrt(S) V^T L^-1 (H is the covariance when c removes the mean part).
-
-Factors are fitted on even samples and the choice is made on odd ones, in closed form from
-their moments: rank 0, R/4, R/2, R, a scale 0.25..1 on the low-rank term, with and without c.
-The smallest rank reaching 90% of the best error reduction wins (a rank costs r (N + K) FP16
-values); nothing is kept when nothing helps.
+Bias correction c = E mu (mu: mean input), and low rank (LQER, QERA, EoRA): with
+H = E[x x^T] = L L^T (the covariance when c is on), the truncated SVD E L ~ U S V^T gives
+the optimal B = U sqrt(S), A = sqrt(S) V^T L^-1. Fitted on even samples, chosen in closed
+form on odd ones among ranks 0, R/4, R/2, R, scales 0.25..1, with or without c: the smallest
+rank reaching 90% of the best gain wins; nothing is kept when nothing helps.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ class InputStats:
             diagonal = weighting.diagonal()
             damp = DAMPING * diagonal.mean().clamp(min=1e-8)
             diagonal.add_(damp)
-            chol = None
             for _ in range(4):  # float32 rounding can leave a nearly singular H indefinite: damp harder
                 chol, info = torch.linalg.cholesky_ex(weighting)
                 if int(info) == 0:

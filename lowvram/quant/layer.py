@@ -14,15 +14,8 @@ from lowvram.models.config import ModelConfig
 from lowvram.models.dense import Rotary
 
 # Every quantized Linear -> the input it reads, as LayerRunner.inputs names it.
-INPUT_OF = {
-    "self_attn.q_proj": "attn_in",
-    "self_attn.k_proj": "attn_in",
-    "self_attn.v_proj": "attn_in",
-    "self_attn.o_proj": "o_in",
-    "mlp.gate_proj": "mlp_in",
-    "mlp.up_proj": "mlp_in",
-    "mlp.down_proj": "down_in",
-}
+INPUT_OF = dict.fromkeys([f"self_attn.{p}_proj" for p in "qkv"], "attn_in") | {"self_attn.o_proj": "o_in"}
+INPUT_OF |= {"mlp.gate_proj": "mlp_in", "mlp.up_proj": "mlp_in", "mlp.down_proj": "down_in"}
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 

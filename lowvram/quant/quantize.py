@@ -1,11 +1,9 @@
 """`lowvram quantize MODEL OUT`: AWQ INT4 in the AutoAWQ GEMM layout, one layer at a time.
 
-Per decoder layer, on calibration activations: run it in full precision and keep its block
-outputs; AWQ scale and clipping search (`awq`; skipped with --method rtn); quantize every
-Linear; with --fp16-budget-mib, score each fused group (q/k/v, o, gate/up, down) by the error
-it alone adds to the layer's output; with --rank / --bias-correction, fit each Linear's
-`compensation`; pass the full-precision output on (as AutoAWQ does). Then the most sensitive
-groups within the budget stay FP16 (`writer`).
+Per decoder layer, on calibration activations: full-precision reference outputs, AWQ search
+(`awq`), INT4 for every Linear, sensitivity of each fused group (with --fp16-budget-mib),
+`compensation` (with --rank / --bias-correction); the next layer gets the full-precision output
+(as in AutoAWQ). The most sensitive groups within the budget stay FP16 (`writer`).
 """
 
 from __future__ import annotations
@@ -186,12 +184,8 @@ class Quantizer:
             self.report.sensitivity[f"model.layers.{index}.{group_name}"] = total / num_tokens
 
     def quantize_head(self, hs: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
-        """AWQ for lm_head, its scales folded into the final norm: (packed head, folded norm weight).
-
-        The search holds the head in float32 several times over (0.9 GiB each for a 152K
-        vocabulary), more than a 4 GB card has beside the calibration data; where the device
-        runs out, the head is quantized in host memory instead (slower, same method).
-        """
+        """AWQ for lm_head, its scales folded into the final norm: (packed head, folded norm weight);
+        in host memory where the device runs out (the search holds [vocab, hidden] float32 copies)."""
         try:
             return self._quantize_head(hs, self.device)
         except torch.cuda.OutOfMemoryError:
@@ -329,16 +323,10 @@ def quantize_model(
 ) -> QuantizeReport:
     """Quantize an FP16/BF16 checkpoint to AWQ INT4 (AutoAWQ GEMM layout) in `out_dir`.
 
-    The options are the CLI's: method "awq" or "rtn"; group_size 32/64/128; fp16_budget_mib:
-    extra MiB the most sensitive layers may take to stay FP16; rank: largest rank of the
-    low-rank correction (0: off); bias_correction: also offer a bias correction (it fits the
-    calibration mix's mean input); quantize_head: lm_head too (then only lowvram loads it);
-    calib_texts (strings) or calib_path (.jsonl/.txt), neither: the shipped corpus; num_samples
-    x seq_len calibration tokens; device "auto"/"cuda"/"cpu" (the model stays on the host);
-    emulate_vram_gib caps the CUDA allocator; force replaces a non-empty `out_dir`.
-    show_progress draws a bar on stderr; on_layer(done, total) is called after each layer.
-    Raises ConfigError, ModelLoadError, UnsupportedModelError with what to do; on any error
-    no output directory is left behind.
+    The options are the CLI's (`lowvram quantize --help`); calib_texts (strings) replace the
+    calibration file; show_progress draws a bar on stderr; on_layer(done, total) follows each
+    layer. Raises ConfigError, ModelLoadError, UnsupportedModelError saying what to do; on any
+    error no output directory is left behind.
     """
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir).expanduser(), Path(out_dir).expanduser()
@@ -420,13 +408,11 @@ def quantize_model(
     report.seconds = time.perf_counter() - start
     if compute_device.type == "cuda":
         report.peak_device_bytes = torch.cuda.max_memory_allocated(compute_device)
-    try:
+    if sys.platform != "win32":  # no resource module there
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         report.peak_host_bytes = peak if sys.platform == "darwin" else peak * 1024
-    except ImportError:  # Windows
-        pass
     writer.write_output(model_dir, out_dir, raw_config, skipped, tensors, extras, report)
     return report
 

@@ -1,10 +1,7 @@
-"""What `lowvram quantize` writes: the FP16-kept groups, the AutoAWQ GEMM checkpoint and its report.
-
-OUT holds the AutoAWQ GEMM layout exactly (`model.safetensors`: `*.qweight` int32 [K, N/8],
-`*.qzeros` int32 [K/G, N/8], `*.scales` float16 [K/G, N], FP16 everything else;
-`quantization_config` in config.json), the tokenizer files, the compensation in
-`lowvram_compensation.st` (a file vLLM and transformers never read) and `lowvram_quantize.json`.
-It is written into OUT.partial-XXXX and renamed into place; on any error nothing is left.
+"""What `lowvram quantize` writes: the AutoAWQ GEMM checkpoint exactly (`model.safetensors`,
+`quantization_config`), the tokenizer files, the compensation in `lowvram_compensation.st` (a
+file vLLM and transformers never read) and `lowvram_quantize.json`; staged in OUT.partial-XXXX
+and renamed into place, so an error leaves nothing.
 """
 
 from __future__ import annotations
@@ -166,12 +163,9 @@ def float16(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def assemble(source, config: ModelConfig, layers: list, fp16_names: set[str], head, report: QuantizeReport):
-    """(output tensors under AutoAWQ names, compensation tensors); fills the report's byte counts.
-
-    layers: (norms, {linear: LinearResult}) per layer. A Linear in `fp16_names` is re-read from
-    `source` (layer.SourceCheckpoint) with its AWQ scales folded in; `head` is (packed lm_head,
-    folded final norm) or None.
-    """
+    """(tensors under AutoAWQ names, compensation tensors), counting bytes in the report, from
+    (norms, {linear: LinearResult}) per layer and `head` (packed lm_head, folded norm) or None;
+    a Linear in `fp16_names` is re-read from `source` with its AWQ scales folded in."""
     tensors, extras = {}, {}
 
     def add(name: str, tensor: torch.Tensor, kind: str) -> None:
