@@ -168,17 +168,10 @@ def run_quality_bench(
         reference = rows[0].replies if rows and rows[0].variant == "fp16" else None
         rows.append(evaluate(name, *variants[name], tasks, text, reference))
     machine = f"{platform.machine()} {platform.processor() or ''} {platform.system()}"
-    return QualityReport(
-        model=str(model or "bundled demo model"),
-        device=device,
-        command=command,
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        git_commit=git_commit(short=True),
-        machine=f"{machine}, Python {platform.python_version()}".strip(),
-        num_per_kind=num_per_kind,
-        max_chars=max_chars,
-        rows=rows,
-    )
+    machine = f"{machine}, Python {platform.python_version()}".strip()
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (str(model or "bundled demo model"), device, command, date, git_commit(short=True), machine)
+    return QualityReport(*header, num_per_kind, max_chars, rows)
 
 
 def to_markdown(report: QualityReport) -> str:

@@ -24,11 +24,11 @@ def load_calibration_records(path: str | Path | None = None) -> list[dict]:
     else plain UTF-8 text cut at blank lines into ~2,000-character pieces. ConfigError for a
     missing, unreadable or empty file."""
     path = CALIBRATION_PATH if path is None else Path(path).expanduser()
+    if not path.is_file() and path == CALIBRATION_PATH:
+        raise ConfigError(
+            "the shipped calibration corpus is missing from this install; reinstall lowvram or pass --calib FILE"
+        )
     if not path.is_file():
-        if path == CALIBRATION_PATH:
-            raise ConfigError(
-                "the shipped calibration corpus is missing from this install; reinstall lowvram or pass --calib FILE"
-            )
         raise ConfigError(f"--calib {path}: no such file")
     try:
         content = path.read_text(encoding="utf-8")
@@ -62,18 +62,6 @@ def load_calibration_records(path: str | Path | None = None) -> list[dict]:
     return records
 
 
-def _record_ids(hf_tokenizer, record: dict) -> list[int]:
-    # verbose=False: records longer than the model's context are expected, they are cut into blocks
-    if "text" in record:
-        return list(hf_tokenizer.encode(record["text"], add_special_tokens=True, verbose=False))
-    messages = record["messages"]
-    if getattr(hf_tokenizer, "chat_template", None):
-        text = hf_tokenizer.apply_chat_template(messages, tokenize=False)
-        return list(hf_tokenizer.encode(text, add_special_tokens=False, verbose=False))
-    text = "".join(f"{m.get('role', 'user').title()}: {m.get('content', '')}\n" for m in messages)
-    return list(hf_tokenizer.encode(text, add_special_tokens=True, verbose=False))
-
-
 def calibration_blocks(hf_tokenizer, records: list[dict], num_samples: int, seq_len: int) -> torch.Tensor:
     """Token ids [num_blocks, seq_len]: the records' tokens concatenated and cut into blocks;
     fewer than `num_samples` (with a warning) when the text runs out."""
@@ -81,7 +69,13 @@ def calibration_blocks(hf_tokenizer, records: list[dict], num_samples: int, seq_
         raise ConfigError(f"--num-samples {num_samples} and --seq-len {seq_len} must be at least 1 and 2")
     ids: list[int] = []
     for record in records:
-        ids.extend(_record_ids(hf_tokenizer, record))
+        text, has_specials = record.get("text"), True
+        if "text" not in record and getattr(hf_tokenizer, "chat_template", None):
+            text, has_specials = hf_tokenizer.apply_chat_template(record["messages"], tokenize=False), False
+        elif "text" not in record:
+            text = "".join(f"{m.get('role', 'user').title()}: {m.get('content', '')}\n" for m in record["messages"])
+        # verbose=False: records longer than the model's context are expected, they are cut into blocks
+        ids.extend(hf_tokenizer.encode(text, add_special_tokens=has_specials, verbose=False))
         if len(ids) >= num_samples * seq_len:
             break
     num_blocks = min(num_samples, len(ids) // seq_len)
