@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lowvram.bench.record import measure_copy_bandwidth_gbps, run_metadata
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import ConfigError
 
 TINY_SHAPE = "tiny"  # lowvram.testing's small Qwen2 checkpoint: a CPU run in seconds
@@ -57,20 +58,14 @@ def _prompt_maker(vocab_size: int, seed: int) -> Callable[[int, int], list[tuple
     ]
 
 
-def _greedy(max_tokens: int):
-    from lowvram.core.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def time_prefill(engine, make_prompts: Callable, prompt_len: int) -> dict:
     """TTFT of one prompt alone: the median over NUM_PREFILL_REPEATS runs after one warm-up run."""
-    times_s = []
+    times_s, params = [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for repeat in range(NUM_PREFILL_REPEATS + 1):
         [(request_id, ids)] = make_prompts(1, prompt_len)
         _sync(engine.device)
         start = time.perf_counter()
-        engine.add_request(request_id, None, _greedy(1), prompt_token_ids=ids)
+        engine.add_request(request_id, None, params, prompt_token_ids=ids)
         while engine.has_unfinished_requests():
             engine.step()  # sampling reads the token back, so the step's work is done when it returns
         if repeat:
@@ -86,8 +81,9 @@ def time_prefill(engine, make_prompts: Callable, prompt_len: int) -> dict:
 
 def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) -> tuple[float, int, int]:
     """Run the requests to the end; returns (seconds, tokens, steps) of the steps after every prefill."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for request_id, ids in requests:
-        engine.add_request(request_id, None, _greedy(max_tokens), prompt_token_ids=ids)
+        engine.add_request(request_id, None, params, prompt_token_ids=ids)
     waiting_first = {request_id for request_id, _ in requests}
     while waiting_first and engine.has_unfinished_requests():
         for out in engine.step():
@@ -102,14 +98,11 @@ def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) ->
     return time.perf_counter() - start, num_tokens, engine.stats.num_steps - num_steps_before
 
 
-def _kv_bytes_per_token(engine) -> int:
-    return engine.kv_pool.shape.block_bytes(engine.kv_precision) // engine.kv_pool.block_size
-
-
 def time_decode(
-    engine, make_prompts, context_len: int, batch_size: int, max_tokens: int, weight_read_bytes: int, copy_gbps
+    engine, make_prompts, context_len: int, batch_size: int, max_tokens: int, step_bytes: tuple, copy_gbps
 ) -> dict:
-    """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape."""
+    """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape;
+    step_bytes: (weight bytes read per step, KV bytes per token)."""
     _generate(engine, make_prompts(batch_size, context_len), NUM_WARMUP_TOKENS)
     num_preemptions = engine.stats.num_preemptions
     num_pipelined = engine.stats.num_pipelined_steps
@@ -117,7 +110,7 @@ def time_decode(
     step_s = decode_s / max(num_steps, 1)
     # Step k (k = 1 .. max_tokens - 1; token 0 came from the prefill) reads context_len + k tokens of KV.
     mean_context = context_len + max_tokens / 2
-    bytes_per_step = int(weight_read_bytes + batch_size * mean_context * _kv_bytes_per_token(engine))
+    bytes_per_step = int(step_bytes[0] + batch_size * mean_context * step_bytes[1])
     gbps = bytes_per_step / step_s / 1e9 if num_steps else 0.0
     return {
         "context_tokens": context_len,
@@ -301,6 +294,8 @@ def run_speed_bench(
         config, report, p = engine.config, engine.model.weight_report, engine.profile
         # A tied head reads the whole embedding table; otherwise a step reads one row of it.
         weight_read_bytes = report.total_bytes - (0 if config.is_tied_head else report.embedding_bytes)
+        pool = engine.kv_pool
+        step_bytes = (weight_read_bytes, pool.shape.block_bytes(engine.kv_precision) // pool.block_size)
         make_prompts = _prompt_maker(config.vocab_size, seed)
         prefill = []
         for context_len in context_lens:
@@ -309,9 +304,7 @@ def run_speed_bench(
         decode = []
         for context_len, batch_size in itertools.product(context_lens, batch_sizes):
             say(f"decode: batch {batch_size} at {context_len} tokens of context")
-            decode.append(
-                time_decode(engine, make_prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
-            )
+            decode.append(time_decode(engine, make_prompts, context_len, batch_size, max_tokens, step_bytes, copy_gbps))
         dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
         weight_format = dtypes.get(engine.dtype, str(engine.dtype))
         if config.quantization is not None:
@@ -342,7 +335,7 @@ def run_speed_bench(
                 "enable_cuda_graphs": p.enable_cuda_graphs,
                 "pipelined_decode": engine.pipelines_decode,
             },
-            kv_bytes_per_token=_kv_bytes_per_token(engine),
+            kv_bytes_per_token=step_bytes[1],
             max_tokens=max_tokens,
             prefill=prefill,
             decode=decode,

@@ -25,23 +25,21 @@ NO_CLIP_LINEARS = ("self_attn.q_proj", "self_attn.k_proj")
 
 
 class ScaleGroup(NamedTuple):
-    """Linears reading the output of `prev` (a norm or a Linear); `inputs` names that input
-    (layer.INPUT_OF) and `target` the block output the scales are scored on."""
+    """Linears reading the output of `prev` (a norm or a Linear): the input `inputs` (as
+    layer.INPUT_OF names it), scored on the output of the block it feeds (LayerRunner.block)."""
 
     prev: str
     linears: tuple[str, ...]
     inputs: str
-    target: str
 
 
 def layer_scale_groups(num_heads: int, num_kv_heads: int) -> list[ScaleGroup]:
     """The scale groups of one decoder layer, in search order (v -> o only without GQA)."""
-    groups = [ScaleGroup("input_layernorm", tuple(f"self_attn.{p}_proj" for p in "qkv"), "attn_in", "attn")]
+    groups = [ScaleGroup("input_layernorm", tuple(f"self_attn.{p}_proj" for p in "qkv"), "attn_in")]
     if num_heads == num_kv_heads:
-        groups.append(ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "o_in", "o"))
-    groups.append(ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp_in", "mlp"))
-    groups.append(ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "down_in", "down"))
-    return groups
+        groups.append(ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "o_in"))
+    groups.append(ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp_in"))
+    return [*groups, ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "down_in")]
 
 
 def fake_quantize(weight: torch.Tensor, group_size: int, max_abs: torch.Tensor | None = None) -> torch.Tensor:

@@ -124,14 +124,12 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
     candidates = []  # (error, rank, gamma, has_bias)
     for rank in ranks:
         for gamma in SCALE_CANDIDATES if rank else (0.0,):
+            c = q = low_rank_mean_eval = low_rank_mean_fit = 0.0
             if rank:
                 c = float(cross[:rank].sum())
                 q = float((gram_b[:rank, :rank] * gram_a[:rank, :rank]).sum())
                 low_rank_mean_eval = lora_b[:, :rank] @ a_mean_eval[:rank]
                 low_rank_mean_fit = lora_b[:, :rank] @ a_mean_fit[:rank]
-            else:
-                c = q = 0.0
-                low_rank_mean_eval = low_rank_mean_fit = torch.zeros(error.shape[0], device=error.device)
             quadratic = base - 2 * gamma * c + gamma * gamma * q
             candidates.append((quadratic, rank, gamma, False))
             if use_bias:

@@ -113,13 +113,13 @@ class LayerRunner:
         mlp = self.mlp(weights, self.rms_norm(h + attn, weights["post_attention_layernorm.weight"]))
         return attn, mlp, h + attn + mlp
 
-    def block(self, target: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
-        """The output a scale group is scored on (awq.ScaleGroup.target), from that group's input x."""
-        if target == "attn":
+    def block(self, kind: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        """The output of the block that input x of `kind` (a value of INPUT_OF) feeds."""
+        if kind == "attn_in":
             return self.attention(weights, x)
-        if target == "mlp":
+        if kind == "mlp_in":
             return self.mlp(weights, x)
-        return self.linear(weights, "self_attn.o_proj" if target == "o" else "mlp.down_proj", x)
+        return self.linear(weights, "self_attn.o_proj" if kind == "o_in" else "mlp.down_proj", x)
 
     def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor | None, kinds) -> dict[str, torch.Tensor]:
         """The Linears' inputs of `kinds` (values of INPUT_OF) from the layer's input h and its

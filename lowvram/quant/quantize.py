@@ -89,7 +89,7 @@ class Quantizer:
         input_scales, output_scales = {}, {}  # linear -> [K] scales of its columns, [N] divisors of its rows
         for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads) if self.is_awq else ():
             inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
-            refs = attn_ref if group.target in ("attn", "o") else mlp_ref
+            refs = attn_ref if group.inputs in ("attn_in", "o_in") else mlp_ref
             scales = self._search_group(index, group, weights, compute, inputs, refs)
             del inputs
             awq.fold_scales(weights, group, scales)
@@ -131,7 +131,7 @@ class Quantizer:
             swapped = dict(compute)
             for name, weight in zip(group.linears, trial):
                 swapped[f"{name}.weight"] = weight.to(self.dtype)
-            return _mse(lambda x: self.runner.block(group.target, swapped, x), inputs, refs, self.store.load)
+            return _mse(lambda x: self.runner.block(group.inputs, swapped, x), inputs, refs, self.store.load)
 
         linears = [weights[f"{n}.weight"] for n in group.linears]
         scales, alpha = awq.search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)

@@ -28,7 +28,7 @@ WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "lowvram_quantize.json"
 # Files of the input directory that are not copied: weights, and configs that are rewritten.
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".st")
-SKIPPED_FILES = ("config.json", "quant_config.json", "model.safetensors.index.json", REPORT_FILE)
+SKIPPED_FILES = ("config.json", "quant_config.json", "model.safetensors.index.json")  # and lowvram_* files
 
 # Linears that vLLM fuses into one module share one INT4/FP16 decision: vLLM's name -> ours.
 FUSED_GROUPS = {
@@ -239,10 +239,8 @@ def write_output(model_dir: Path, out_dir: Path, raw_config: dict, skipped: list
         if extras:
             write_tensors(extras, staging / COMPENSATION_FILE)
         for path in sorted(model_dir.iterdir()):
-            is_skipped = (
-                path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES or path.name.startswith("lowvram_")
-            )
-            if path.is_file() and not is_skipped:
+            is_skipped = path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES
+            if path.is_file() and not is_skipped and not path.name.startswith("lowvram_"):
                 shutil.copy2(path, staging / path.name)
         report_json = {**asdict(report), "total_bytes": report.total_bytes}
         (staging / REPORT_FILE).write_text(json.dumps(report_json, indent=2) + "\n", encoding="utf-8")
