@@ -116,27 +116,23 @@ def builtin_variants(model: str | None, device: str, calib_samples: int = 32) ->
     mib = 1.0  # FP16-kept layers: the demo model's are small; about 10% of its INT4 weight bytes
     comp = dict(method="awq", rank=16, bias_correction=True)
     comp_text = "residual compensation (rank 16 low-rank term + bias correction)"
+    kept, kv = f"FP16-kept layers ({mib:g} MiB)", "KV pages (asymmetric per token and head)"
+    sensitive = f"the most sensitive layers kept in FP16 ({mib:g} MiB budget)"
     return {
         "fp16": with_kv("checkpoint weights (FP16; FP32 compute on the CPU), full-precision KV", "fp16"),
         "rtn-int4": quantized("round-to-nearest INT4, group 128 (AutoAWQ layout)", method="rtn"),
         "awq-int4": quantized("AWQ INT4, group 128 (scale and clipping search)", method="awq"),
-        "awq-fp16": quantized(
-            f"AWQ INT4 with the most sensitive layers kept in FP16 ({mib:g} MiB budget)",
-            method="awq",
-            fp16_budget_mib=mib,
-        ),
-        "awq-fp16-comp": quantized(
-            f"AWQ INT4, FP16-kept layers ({mib:g} MiB) and {comp_text}", fp16_budget_mib=mib, **comp
-        ),
+        "awq-fp16": quantized(f"AWQ INT4 with {sensitive}", method="awq", fp16_budget_mib=mib),
+        "awq-fp16-comp": quantized(f"AWQ INT4, {kept} and {comp_text}", fp16_budget_mib=mib, **comp),
         # The two corrections apart, and half the rank: what each buys against what it costs in
         # decode speed (every compensated INT4 matmul does the rank's products too).
         "awq-comp": quantized(f"AWQ INT4 and {comp_text}, no FP16-kept layers", **comp),
         "awq-fp16-comp-r8": quantized(
-            f"AWQ INT4, FP16-kept layers ({mib:g} MiB) and residual compensation of rank 8 (+ bias correction)",
+            f"AWQ INT4, {kept} and residual compensation of rank 8 (+ bias correction)",
             **{**comp, "rank": 8, "fp16_budget_mib": mib},
         ),
-        "kv-int8": with_kv("FP16 weights, INT8 KV pages (asymmetric per token and head)", "int8"),
-        "kv-int4": with_kv("FP16 weights, INT4 KV pages (asymmetric per token and head)", "int4"),
+        "kv-int8": with_kv(f"FP16 weights, INT8 {kv}", "int8"),
+        "kv-int4": with_kv(f"FP16 weights, INT4 {kv}", "int4"),
     }
 
 

@@ -43,10 +43,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def _release(device: torch.device, is_peak_reset: bool = False) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if is_peak_reset:
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def _prompt_maker(vocab_size: int, seed: int) -> Callable[[int, int], list[tuple[str, list[int]]]]:
@@ -154,9 +156,7 @@ def measure_one_request(model_dir: Path, base, device, context_len: int, max_tok
     `max_tokens` new ones) on an engine whose KV pool is sized for that request alone."""
     from lowvram.engine.engine import LLMEngine
 
-    _release(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _release(device, is_peak_reset=True)
     engine = LLMEngine(str(model_dir), base.replace(max_num_seqs=1, max_model_len=context_len + max_tokens))
     make_prompts = _prompt_maker(engine.config.vocab_size, seed + 1)
     # A warm-up request first, as in time_decode: without it the figure includes graph capture.
@@ -286,9 +286,7 @@ def run_speed_bench(
                     report = quantize_model(model_dir, work_dir / "awq", **options)
                     model_dir = work_dir / "awq"
                     quantization.update(seconds=round(report.seconds, 2), peak_device_bytes=report.peak_device_bytes)
-        _release(compute_device)
-        if compute_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(compute_device)
+        _release(compute_device, is_peak_reset=True)
         say("loading the engine")
         engine = LLMEngine(str(model_dir), base)
         config, report, p = engine.config, engine.model.weight_report, engine.profile
