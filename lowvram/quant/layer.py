@@ -1,5 +1,5 @@
-"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`: the
-source read tensor by tensor (memory-mapped), activations beyond a budget in pinned host memory."""
+"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`, its
+weights read tensor by tensor from the (memory-mapped) source checkpoint."""
 
 from __future__ import annotations
 
@@ -44,24 +44,6 @@ class SourceCheckpoint:
         if config.has_qkv_bias:
             names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         return {name: self.get(f"model.layers.{index}.{name}").to(device, torch.float32) for name in names}
-
-
-class ActivationStore:
-    """Keeps activations on the device while under budget, in pinned host memory beyond it."""
-
-    def __init__(self, device: torch.device, max_resident_bytes: int | None):
-        self.device = device
-        self.max_resident_bytes = max_resident_bytes
-
-    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda" or torch.cuda.memory_allocated(self.device) <= self.max_resident_bytes:
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor)
-        return host
-
-    def load(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
 
 
 class LayerRunner:

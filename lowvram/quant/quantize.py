@@ -26,7 +26,7 @@ from lowvram.models.config import ModelConfig, load_model_config
 from lowvram.quant import awq, writer
 from lowvram.quant.calibration import calibration_blocks, load_calibration_records
 from lowvram.quant.compensation import InputStats, fit_compensation
-from lowvram.quant.layer import INPUT_OF, NORMS, ActivationStore, LayerRunner, SourceCheckpoint
+from lowvram.quant.layer import INPUT_OF, NORMS, LayerRunner, SourceCheckpoint
 from lowvram.quant.writer import GIB, MIB, LinearResult, QuantizeReport, float16
 
 log = logging.getLogger("lowvram")
@@ -59,13 +59,23 @@ class Quantizer:
     """Runs the per-layer pipeline over the calibration activations (see the module docstring)
     with the settings of `report`, into which it writes the AWQ alphas and sensitivity scores."""
 
-    def __init__(self, config: ModelConfig, source: SourceCheckpoint, report: QuantizeReport, store: ActivationStore):
-        self.config, self.source, self.report, self.store = config, source, report, store
-        self.device, self.group_size = store.device, report.group_size
-        self.is_awq = report.method == "awq"
+    def __init__(self, config: ModelConfig, source: SourceCheckpoint, report: QuantizeReport, device: torch.device):
+        self.config, self.source, self.report, self.device = config, source, report, device
+        self.group_size, self.is_awq = report.group_size, report.method == "awq"
         self.is_compensated = report.rank > 0 or report.has_bias_correction
-        self.dtype = torch.float16 if store.device.type == "cuda" else torch.float32
-        self.runner = LayerRunner(config, report.seq_len, store.device)
+        self.dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.runner = LayerRunner(config, report.seq_len, device)
+        self.max_resident_bytes: int | None = None  # cached activations beyond it go to pinned host memory
+
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda" or torch.cuda.memory_allocated(self.device) <= self.max_resident_bytes:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)
+        return host
+
+    def load(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
 
     def _cast(self, weights: dict) -> dict:
         return {name: tensor.to(self.dtype) for name, tensor in weights.items()}
@@ -76,19 +86,19 @@ class Quantizer:
         compute = self._cast(weights)
         attn_ref, mlp_ref, next_hs = [], [], []
         for chunk in hs:
-            attn, mlp, out = self.runner.blocks(compute, self.store.load(chunk))
+            attn, mlp, out = self.runner.blocks(compute, self.load(chunk))
             if not torch.isfinite(out).all():
                 raise UnsupportedModelError(
                     f"layer {index} overflows {self.dtype} on the calibration text; quantize with --device cpu "
                     "(float32), or check the checkpoint"
                 )
-            attn_ref.append(self.store.keep(attn))
-            mlp_ref.append(self.store.keep(mlp))
-            next_hs.append(self.store.keep(out))
+            attn_ref.append(self.keep(attn))
+            mlp_ref.append(self.keep(mlp))
+            next_hs.append(self.keep(out))
 
         input_scales, output_scales = {}, {}  # linear -> [K] scales of its columns, [N] divisors of its rows
         for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads) if self.is_awq else ():
-            inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
+            inputs = [self.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
             refs = attn_ref if group.inputs in ("attn_in", "o_in") else mlp_ref
             scales = self._search_group(index, group, weights, compute, inputs, refs)
             del inputs
@@ -123,7 +133,7 @@ class Quantizer:
         num_tokens = 0
         x_sum = torch.zeros(inputs[0].shape[-1], dtype=torch.float32, device=self.device)
         for x in inputs:
-            x = self.store.load(x)
+            x = self.load(x)
             x_sum += x.abs().float().sum(dim=(0, 1))
             num_tokens += x.shape[0] * x.shape[1]
 
@@ -131,7 +141,7 @@ class Quantizer:
             swapped = dict(compute)
             for name, weight in zip(group.linears, trial):
                 swapped[f"{name}.weight"] = weight.to(self.dtype)
-            return _mse(lambda x: self.runner.block(group.inputs, swapped, x), inputs, refs, self.store.load)
+            return _mse(lambda x: self.runner.block(group.inputs, swapped, x), inputs, refs, self.load)
 
         linears = [weights[f"{n}.weight"] for n in group.linears]
         scales, alpha = awq.search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
@@ -142,8 +152,8 @@ class Quantizer:
         """Per chunk, the inputs of `kinds` as the layer, folded so far, computes them."""
         needs_attn = "mlp_in" in kinds or "down_in" in kinds  # the MLP reads h + attention
         for chunk, attn in zip(hs, attn_ref):
-            attn = self.store.load(attn) if needs_attn else None
-            yield self.runner.inputs(compute, self.store.load(chunk), attn, kinds)
+            attn = self.load(attn) if needs_attn else None
+            yield self.runner.inputs(compute, self.load(chunk), attn, kinds)
 
     def _input_statistics(self, compute: dict, hs: list, attn_ref: list) -> tuple[dict, dict]:
         """Clipping samples (AWQ) and fit/eval moments (compensation) of every input kind."""
@@ -176,8 +186,8 @@ class Quantizer:
                 swapped[f"{name}.weight"] = dequantized[name].to(self.dtype)
             total, num_tokens = 0.0, 0
             for chunk, ref in zip(hs, outs):
-                ref = self.store.load(ref).float()
-                out = self.runner.blocks(swapped, self.store.load(chunk))[2].float()
+                ref = self.load(ref).float()
+                out = self.runner.blocks(swapped, self.load(chunk))[2].float()
                 per_token = (out - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp(min=1e-30)
                 total += float(per_token.sum())
                 num_tokens += per_token.numel()
@@ -198,8 +208,8 @@ class Quantizer:
     def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[dict, torch.Tensor]:
         on_device = device == self.device
         dtype = self.dtype if device.type == "cuda" else torch.float32
-        keep = self.store.keep if on_device else (lambda t: t)
-        load = self.store.load if on_device else (lambda t: t.to(device))
+        keep = self.keep if on_device else (lambda t: t)
+        load = self.load if on_device else (lambda t: t.to(device))
         norm = self.source.get("model.norm.weight").to(device, torch.float32)
         weight = self.source.get("lm_head.weight").to(device, torch.float32)
         per_chunk = math.ceil(MAX_HEAD_TOKENS / len(hs))
@@ -373,8 +383,8 @@ def quantize_model(
     source = SourceCheckpoint(model_dir)
     settings = (method, group_size, str(compute_device), num_samples, seq_len, rank, bias_correction)
     report = QuantizeReport(str(model_dir), str(out_dir), *settings, fp16_budget_mib, quantize_head)
-    store = ActivationStore(compute_device, int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None)
-    quantizer = Quantizer(config, source, report, store)
+    quantizer = Quantizer(config, source, report, compute_device)
+    quantizer.max_resident_bytes = int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None
     samples_per_chunk = max(1, CHUNK_TOKENS[compute_device.type] // seq_len)
     indices = range(config.num_layers)
     if show_progress:
@@ -387,7 +397,7 @@ def quantize_model(
         with torch.inference_mode():
             table = source.get("model.embed_tokens.weight")
             hs = [  # layer 0's inputs, [b, L, hidden] per chunk of samples
-                store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype))
+                quantizer.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype))
                 for i in range(0, num_samples, samples_per_chunk)
             ]
             for index in indices:
