@@ -196,16 +196,13 @@ def to_markdown(report: QualityReport) -> str:
                     f"{100 * (by_name[name].accuracy - by_name['fp16'].accuracy):+.1f} points vs FP16"
                 )
     gap_text = ("Quantization, against FP16:\n\n" + "\n".join(gaps) + "\n\n") if gaps else ""
-    detail = "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
+    table, detail = "\n".join(lines), "\n".join(f"- **{r.variant}**: {r.description} ({r.seconds:.0f} s)" for r in rows)
+    num_tasks, num_tokens = (rows[0].num_tasks, rows[0].num_ppl_tokens) if rows else (0, 0)
     return (
         "# Quality of lowvram's weight and KV formats\n\n"
-        f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {rows[0].num_tasks if rows else 0} "
-        f"(exact match, greedy, through the chat template); perplexity over {rows[0].num_ppl_tokens if rows else 0} "
+        f"Model: {report.model}. Device: {report.device}. Held-out chat tasks: {num_tasks} "
+        f"(exact match, greedy, through the chat template); perplexity over {num_tokens} "
         f"tokens of held-out Python in {PPL_WINDOW_TOKENS}-token windows, each scored from BOS.\n\n"
-        + "\n".join(lines)
-        + "\n\n"
-        + gap_text
-        + detail
-        + "\n\n"
+        f"{table}\n\n{gap_text}{detail}\n\n"
         f"Produced by `{report.command}` on {report.date}, commit {report.git_commit}, {report.machine}.\n"
     )
