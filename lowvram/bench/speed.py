@@ -203,6 +203,7 @@ def run_speed_bench(
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine
     from lowvram.memory.device import pick_device
+    from lowvram.memory.environment import measure_cuda_context_bytes
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
     from lowvram.models.shapes import SHAPES
@@ -229,11 +230,8 @@ def run_speed_bench(
         max_num_seqs=max(batch_sizes) if base.max_num_seqs < max(batch_sizes) else None,
     )
     compute_device = pick_device(base.device)
-    context_bytes = None
-    if compute_device.type == "cuda":
-        from lowvram.memory.environment import measure_cuda_context_bytes
-
-        context_bytes = measure_cuda_context_bytes(compute_device.index or 0)
+    is_cuda = compute_device.type == "cuda"
+    context_bytes = measure_cuda_context_bytes(compute_device.index or 0) if is_cuda else None
     record = run_metadata(command)
     say("measuring the copy bandwidth")
     copy_gbps = measure_copy_bandwidth_gbps(COPY_BYTES[compute_device.type], compute_device)

@@ -296,8 +296,8 @@ def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[tor
     device = pick_device(requested)
     if device.type != "cuda":
         return device, None
-    if device.index is None:  # set_per_process_memory_fraction insists on an explicit index
-        device = torch.device("cuda", torch.cuda.current_device())
+    # set_per_process_memory_fraction insists on an explicit index
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     torch.cuda.reset_peak_memory_stats(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if emulate_vram_gib is None:

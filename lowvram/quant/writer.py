@@ -87,8 +87,7 @@ class QuantizeReport:
         elif self.fp16_budget_mib > 0:
             lines.append(f"  no layer fits the FP16 budget of {self.fp16_budget_mib:g} MiB")
         if self.compensation:
-            ranks = [c["rank"] for c in self.compensation.values()]
-            reductions = [c["error_reduction"] for c in self.compensation.values()]
+            ranks, reductions = zip(*((c["rank"], c["error_reduction"]) for c in self.compensation.values()))
             lines.append(
                 f"  compensation on {len(ranks)} linears: mean rank {sum(ranks) / len(ranks):.1f}, "
                 f"held-out INT4 error reduced by {100 * sum(reductions) / len(reductions):.0f}% on average"
