@@ -295,11 +295,11 @@ def test_awq_beats_rtn_when_inputs_have_outlier_channels():
     def output_mse(trial, x):
         return ((x @ trial.t() - x @ weight.t()) ** 2).mean().item()
 
-    found = search_scales(x_fit.abs().mean(0), [weight], GROUP_SIZE, lambda trial: output_mse(trial[0], x_fit))
-    awq_weight = fake_quantize(weight * found.scales, GROUP_SIZE) / found.scales
+    scales, alpha = search_scales(x_fit.abs().mean(0), [weight], GROUP_SIZE, lambda trial: output_mse(trial[0], x_fit))
+    awq_weight = fake_quantize(weight * scales, GROUP_SIZE) / scales
     rtn, awq = output_mse(fake_quantize(weight, GROUP_SIZE), x_test), output_mse(awq_weight, x_test)
-    print(f"held-out output MSE: RTN {rtn:.3e}, AWQ {awq:.3e} (alpha {found.alpha})")
-    assert found.alpha is not None and awq < 0.5 * rtn
+    print(f"held-out output MSE: RTN {rtn:.3e}, AWQ {awq:.3e} (alpha {alpha})")
+    assert alpha is not None and awq < 0.5 * rtn
 
 
 def test_clipping_never_hurts_the_partial_outputs():

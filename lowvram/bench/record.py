@@ -1,10 +1,6 @@
-"""What every benchmark record carries: the commit, the machine, the date, the versions,
-and the card's own copy bandwidth.
-
-An achieved GB/s figure means little without the ceiling of the card it ran on, so the
-copy bandwidth is measured on the spot (one large device-to-device copy, bytes read plus
-bytes written over its median time) rather than taken from a datasheet. Measure it
-before a memory cap is applied: the copy needs two buffers of `num_bytes`.
+"""What every benchmark record carries: the commit, the machine, the date, the versions, and
+the card's copy bandwidth, measured on the spot (a GB/s figure means little without the ceiling
+of the card it ran on); measure it before a memory cap: the copy needs two buffers.
 """
 
 from __future__ import annotations
@@ -36,29 +32,18 @@ def git_commit(short: bool = False) -> str:
     return result.stdout.strip() if result.returncode == 0 and result.stdout.strip() else "unknown"
 
 
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def hold_stream() -> None:
-    """Keep the current CUDA stream busy for HOLD_CYCLES, so that a start event recorded after it
-    is reached only once the host has submitted the work that follows: the time between the
-    events is then the GPU's alone, without the host's submission of a kernel or a CUDA graph."""
+    """Keep the current CUDA stream busy for HOLD_CYCLES, so that a start event recorded next is
+    reached only once the host has submitted what follows: the events then time the GPU alone."""
     torch.cuda._sleep(HOLD_CYCLES)
 
 
 def measure_copy_bandwidth_gbps(
     num_bytes: int = 2 * 2**30, device: torch.device | str | None = None, num_repeats: int = 10
 ) -> float:
-    """Bytes read plus bytes written per second (in GB/s, 1e9) by one copy of `num_bytes`.
-
-    device: "cuda" (default when there is a GPU) or "cpu". On CUDA each copy is timed with
-    events; the median of `num_repeats` is taken so one slow copy on a shared card does not
-    decide it. Buffers much larger than the caches make this the memory's own bandwidth.
-    """
+    """Bytes read plus written per second (GB/s, 1e9) by one copy of `num_bytes` on `device`
+    (default: CUDA when there is a GPU): the median of `num_repeats` copies, timed with events
+    on CUDA, so one slow copy on a shared card does not decide it."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -87,6 +72,12 @@ def measure_copy_bandwidth_gbps(
 def run_metadata(command: str) -> dict:
     """The fields every record starts with: command, date (UTC), commit, GPU (None on the CPU),
     and the versions of what decides speed."""
+    versions = {}
+    for name in ("triton", "transformers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
     return {
         "command": command,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -97,7 +88,6 @@ def run_metadata(command: str) -> dict:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "triton": _version("triton"),
-            "transformers": _version("transformers"),
+            **versions,
         },
     }

@@ -1,27 +1,11 @@
 """`lowvram bench speed`: prefill and decode speed of the real engine at the shapes users run.
 
-Without a model, a checkpoint of a named real shape (`lowvram.models.shapes`) is written with
-random weights: speed and memory do not depend on the weights' values. With `quantize`
-it becomes AWQ INT4 first, with the profile's FP16 budget and compensation rank (what
-`lowvram chat --quantize` makes) but few calibration samples, since random weights have
-no quality to keep.
-
-Everything is measured through one LLMEngine built with the profile:
-- prefill: one prompt of each context length, alone. TTFT runs from add_request to the
-  first token; it is the median of a few runs on distinct random prompts, so prefix
-  caching never hits. Prefill tokens/s is the prompt length over TTFT.
-- decode: B greedy requests of one context length with ignore_eos and `max_tokens` each.
-  Only the steps after every prefill is done are timed, after a short warm-up generation of
-  the same shape, so Triton compilation and CUDA graph capture are not in the numbers.
-- bytes read per decode step: every weight except the embedding table (a step reads one
-  row of it per sequence), plus the KV of every sequence at the step's mean context
-  length. Achieved GB/s is those bytes over the step time, set against the card's copy
-  bandwidth measured at the start (`lowvram.bench.record`).
-- peak device memory: torch's peak allocation plus the KV pages held in CUDA unified
-  memory, which torch's allocator does not see. The engine above sizes its KV pool from
-  the whole budget, so its peak is about the budget; a second engine then serves one
-  request of the longest context with the pool sized for that request alone, the figure
-  llama-bench's peak memory compares with.
+Without a model: random weights of a named shape (`lowvram.models.shapes`), AWQ INT4 with
+`quantize`. Prefill: TTFT of one prompt alone, the median over distinct random prompts (no
+prefix-cache hits). Decode: only steps after every prefill, after a warm-up of the same shape.
+Bytes per step: every weight but the embedding table plus the KV read, against the measured
+copy bandwidth. Peak memory: torch's plus the KV pages in unified memory, and again on a second
+engine whose pool is sized for one request of the longest context (llama-bench's figure).
 """
 
 from __future__ import annotations
@@ -38,6 +22,7 @@ from pathlib import Path
 import torch
 
 from lowvram.bench.record import measure_copy_bandwidth_gbps, run_metadata
+from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import ConfigError
 
 TINY_SHAPE = "tiny"  # lowvram.testing's small Qwen2 checkpoint: a CPU run in seconds
@@ -53,117 +38,36 @@ GIB = 2**30
 MB = 1e6
 
 
-def check_source(model: str | None, shape: str | None) -> Path | None:
-    """Fail before any measurement on a bad source: returns the model directory, or None for a shape."""
-    from lowvram.models.loader import resolve_model_path
-    from lowvram.models.shapes import SHAPES
-
-    if model is not None:
-        if shape is not None:
-            raise ConfigError("give a model or a shape, not both")
-        return resolve_model_path(model)
-    known = [*SHAPES, TINY_SHAPE]
-    if (shape or DEFAULT_SHAPE) not in known:
-        raise ConfigError(f"unknown shape {shape!r}; known shapes: {', '.join(known)}")
-    return None
-
-
-def prepare_checkpoint(model: str | None, shape: str | None, work_dir: Path) -> tuple[Path, str]:
-    """The checkpoint to measure and a label for it: `model` as given, or random weights of `shape`."""
-    model_dir = check_source(model, shape)
-    if model_dir is not None:
-        return model_dir, str(model)
-    from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
-    from lowvram.testing import make_tiny_model
-
-    shape = shape or DEFAULT_SHAPE
-    out_dir = work_dir / "model"
-    if shape == TINY_SHAPE:
-        make_tiny_model(out_dir, "qwen2", num_layers=2)
-    else:  # shared with other benchmarks of this session where the checkpoint cache is set
-        out_dir = cached_checkpoint(f"{shape}-bf16", lambda d: write_random_checkpoint(d, shape), work_dir)
-    return out_dir, f"{shape} (random weights)"
-
-
-def largest_group_size(config) -> int:
-    """The largest AWQ group size that divides every Linear's input size."""
-    from lowvram.kernels.awq_format import SUPPORTED_GROUP_SIZES
-
-    sizes = (config.hidden_size, config.intermediate_size, config.q_size)
-    fitting = [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in sizes)]
-    if not fitting:
-        raise ConfigError(
-            f"no AWQ group size ({', '.join(map(str, SUPPORTED_GROUP_SIZES))}) divides this model's "
-            f"hidden, intermediate and attention sizes {sizes}; it cannot be quantized"
-        )
-    return max(fitting)
-
-
-def quantize_checkpoint(
-    model_dir: Path, out_dir: Path, device: str, emulate_vram_gib: float | None, shape: str | None, **settings
-) -> tuple[Path, dict]:
-    """AWQ INT4 of `model_dir` with `settings` (num_samples, fp16_budget_mib, rank); an AWQ
-    input is used as is. `shape`: `model_dir` holds random weights of this named shape, which
-    lets the result be shared through the checkpoint cache."""
-    from lowvram.models.config import load_model_config
-    from lowvram.quant.quantize import quantize_model
-
-    config, _ = load_model_config(model_dir)
-    if config.quantization is not None:
-        return model_dir, {"note": "the checkpoint is already AWQ INT4; used as is"}
-    settings["group_size"] = largest_group_size(config)
-    if shape is not None:
-        from lowvram.models.shapes import random_awq_checkpoint
-
-        _, awq_dir = random_awq_checkpoint(
-            shape, out_dir.parent, device=device, emulate_vram_gib=emulate_vram_gib, **settings
-        )
-        return awq_dir, settings
-    report = quantize_model(model_dir, out_dir, device=device, emulate_vram_gib=emulate_vram_gib, **settings)
-    return out_dir, {**settings, "seconds": round(report.seconds, 2), "peak_device_bytes": report.peak_device_bytes}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def _release(device: torch.device, is_peak_reset: bool = False) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if is_peak_reset:
+            torch.cuda.reset_peak_memory_stats(device)
 
 
-class _Prompts:
-    """Distinct random prompts and request ids, reproducible from a seed."""
-
-    def __init__(self, vocab_size: int, seed: int):
-        self.rng = random.Random(seed)
-        self.low = MIN_PROMPT_TOKEN_ID if vocab_size > 2 * MIN_PROMPT_TOKEN_ID else 0
-        self.vocab_size = vocab_size
-        self.ids = itertools.count()
-
-    def make(self, num: int, length: int) -> list[tuple[str, list[int]]]:
-        return [
-            (f"bench-{next(self.ids)}", [self.rng.randrange(self.low, self.vocab_size) for _ in range(length)])
-            for _ in range(num)
-        ]
+def _prompt_maker(vocab_size: int, seed: int) -> Callable[[int, int], list[tuple[str, list[int]]]]:
+    """make(num, length): distinct random prompts with request ids, reproducible from the seed."""
+    rng, ids = random.Random(seed), itertools.count()
+    low = MIN_PROMPT_TOKEN_ID if vocab_size > 2 * MIN_PROMPT_TOKEN_ID else 0
+    return lambda num, length: [
+        (f"bench-{next(ids)}", [rng.randrange(low, vocab_size) for _ in range(length)]) for _ in range(num)
+    ]
 
 
-def _greedy(max_tokens: int):
-    from lowvram.core.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def time_prefill(engine, prompts: _Prompts, prompt_len: int) -> dict:
+def time_prefill(engine, make_prompts: Callable, prompt_len: int) -> dict:
     """TTFT of one prompt alone: the median over NUM_PREFILL_REPEATS runs after one warm-up run."""
-    times_s = []
+    times_s, params = [], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for repeat in range(NUM_PREFILL_REPEATS + 1):
-        [(request_id, ids)] = prompts.make(1, prompt_len)
+        [(request_id, ids)] = make_prompts(1, prompt_len)
         _sync(engine.device)
         start = time.perf_counter()
-        engine.add_request(request_id, None, _greedy(1), prompt_token_ids=ids)
+        engine.add_request(request_id, None, params, prompt_token_ids=ids)
         while engine.has_unfinished_requests():
             engine.step()  # sampling reads the token back, so the step's work is done when it returns
         if repeat:
@@ -179,8 +83,9 @@ def time_prefill(engine, prompts: _Prompts, prompt_len: int) -> dict:
 
 def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) -> tuple[float, int, int]:
     """Run the requests to the end; returns (seconds, tokens, steps) of the steps after every prefill."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for request_id, ids in requests:
-        engine.add_request(request_id, None, _greedy(max_tokens), prompt_token_ids=ids)
+        engine.add_request(request_id, None, params, prompt_token_ids=ids)
     waiting_first = {request_id for request_id, _ in requests}
     while waiting_first and engine.has_unfinished_requests():
         for out in engine.step():
@@ -196,17 +101,18 @@ def _generate(engine, requests: list[tuple[str, list[int]]], max_tokens: int) ->
 
 
 def time_decode(
-    engine, prompts: _Prompts, context_len: int, batch_size: int, max_tokens: int, weight_read_bytes: int, copy_gbps
+    engine, make_prompts, context_len: int, batch_size: int, max_tokens: int, step_bytes: tuple, copy_gbps
 ) -> dict:
-    """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape."""
-    _generate(engine, prompts.make(batch_size, context_len), NUM_WARMUP_TOKENS)
+    """Decode speed of `batch_size` requests of `context_len` prompt tokens, after a warm-up of the same shape;
+    step_bytes: (weight bytes read per step, KV bytes per token)."""
+    _generate(engine, make_prompts(batch_size, context_len), NUM_WARMUP_TOKENS)
     num_preemptions = engine.stats.num_preemptions
     num_pipelined = engine.stats.num_pipelined_steps
-    decode_s, num_tokens, num_steps = _generate(engine, prompts.make(batch_size, context_len), max_tokens)
+    decode_s, num_tokens, num_steps = _generate(engine, make_prompts(batch_size, context_len), max_tokens)
     step_s = decode_s / max(num_steps, 1)
     # Step k (k = 1 .. max_tokens - 1; token 0 came from the prefill) reads context_len + k tokens of KV.
     mean_context = context_len + max_tokens / 2
-    bytes_per_step = int(weight_read_bytes + batch_size * mean_context * _kv_bytes_per_token(engine))
+    bytes_per_step = int(step_bytes[0] + batch_size * mean_context * step_bytes[1])
     gbps = bytes_per_step / step_s / 1e9 if num_steps else 0.0
     return {
         "context_tokens": context_len,
@@ -223,36 +129,26 @@ def time_decode(
     }
 
 
-def _kv_bytes_per_token(engine) -> int:
-    pool = engine.kv_pool
-    return pool.shape.block_bytes(engine.kv_precision) // pool.block_size
-
-
 def memory_summary(engine, cuda_context_bytes: int | None) -> dict:
     """Peak device memory (None on the CPU) and what the weights and KV pool hold."""
     pool = engine.kv_pool
-    summary = {
+    allocated = reserved = peak = None
+    if engine.device.type == "cuda":
+        allocated = torch.cuda.max_memory_allocated(engine.device)
+        reserved = torch.cuda.max_memory_reserved(engine.device)
+        # Managed pages are invisible to torch's statistics; the pool counts its resident ones.
+        peak = allocated + (pool.device_bytes if pool.backend == "um" else 0)
+    return {
         "kv_pool_backend": pool.backend,
         "kv_pool_device_bytes": pool.device_bytes,
         "budget_bytes": engine.memory_budget_bytes,
         "weight_bytes": engine.model.weight_bytes,
         "cuda_context_bytes": cuda_context_bytes,
-        "peak_device_bytes": None,
-        "torch_max_allocated_bytes": None,
-        "torch_max_reserved_bytes": None,
-        "peak_with_context_bytes": None,
+        "peak_device_bytes": peak,
+        "torch_max_allocated_bytes": allocated,
+        "torch_max_reserved_bytes": reserved,
+        "peak_with_context_bytes": None if peak is None or cuda_context_bytes is None else peak + cuda_context_bytes,
     }
-    if engine.device.type == "cuda":
-        allocated = torch.cuda.max_memory_allocated(engine.device)
-        # Managed pages are invisible to torch's statistics; the pool counts its resident ones.
-        peak = allocated + (pool.device_bytes if pool.backend == "um" else 0)
-        summary.update(
-            torch_max_allocated_bytes=allocated,
-            torch_max_reserved_bytes=torch.cuda.max_memory_reserved(engine.device),
-            peak_device_bytes=peak,
-            peak_with_context_bytes=None if cuda_context_bytes is None else peak + cuda_context_bytes,
-        )
-    return summary
 
 
 def measure_one_request(model_dir: Path, base, device, context_len: int, max_tokens: int, seed: int, context_bytes):
@@ -260,14 +156,12 @@ def measure_one_request(model_dir: Path, base, device, context_len: int, max_tok
     `max_tokens` new ones) on an engine whose KV pool is sized for that request alone."""
     from lowvram.engine.engine import LLMEngine
 
-    _release(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _release(device, is_peak_reset=True)
     engine = LLMEngine(str(model_dir), base.replace(max_num_seqs=1, max_model_len=context_len + max_tokens))
-    prompts = _Prompts(engine.config.vocab_size, seed + 1)
+    make_prompts = _prompt_maker(engine.config.vocab_size, seed + 1)
     # A warm-up request first, as in time_decode: without it the figure includes graph capture.
-    _generate(engine, prompts.make(1, context_len), NUM_WARMUP_TOKENS)
-    elapsed_s, num_tokens, _ = _generate(engine, prompts.make(1, context_len), max_tokens)
+    _generate(engine, make_prompts(1, context_len), NUM_WARMUP_TOKENS)
+    elapsed_s, num_tokens, _ = _generate(engine, make_prompts(1, context_len), max_tokens)
     result = {
         "context_tokens": context_len,
         "new_tokens": max_tokens,
@@ -280,12 +174,6 @@ def measure_one_request(model_dir: Path, base, device, context_len: int, max_tok
     del engine
     _release(device)
     return result
-
-
-def _weight_format(engine) -> str:
-    if engine.config.quantization is not None:
-        return f"awq-int4-g{engine.config.quantization.group_size}"
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(engine.dtype, str(engine.dtype))
 
 
 def run_speed_bench(
@@ -309,21 +197,16 @@ def run_speed_bench(
 ) -> dict:
     """Measure prefill and decode speed through LLMEngine; returns the JSON-ready record.
 
-    model: a model directory or hub id; None writes random weights of `shape` (a name from
-        `lowvram.models.shapes.SHAPES`, or "tiny"; default r1-distill-qwen-1.5b).
-    quantize: make the checkpoint AWQ INT4 first (`calib_samples` calibration blocks);
-        `fp16_budget_mib` and `rank` replace the profile's FP16-kept layers and compensation
-        rank (0 and 0: every linear INT4 without compensation, as a published AutoAWQ checkpoint is).
-    profile, device, emulate_vram_gib: as for LLMEngine.
-    batch_sizes, context_lens, max_tokens: decode is measured for every batch size at every
-        context length, `max_tokens` tokens per request; prefill at every context length.
-    cuda_graphs: override the profile's enable_cuda_graphs (None keeps it).
-    Raises ConfigError for an unknown shape or bad sizes, ModelLoadError for a missing model.
+    The options are `lowvram bench speed`'s; model None: random weights of `shape` (default
+    r1-distill-qwen-1.5b); `fp16_budget_mib` and `rank` replace the profile's when quantizing.
     """
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine
     from lowvram.memory.device import pick_device
+    from lowvram.memory.environment import measure_cuda_context_bytes
     from lowvram.models.config import load_model_config
+    from lowvram.models.loader import resolve_model_path
+    from lowvram.models.shapes import SHAPES
 
     say = progress or (lambda message: None)
     batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens))
@@ -331,7 +214,12 @@ def run_speed_bench(
         raise ConfigError(f"batch sizes {batch_sizes} and context lengths {context_lens} must be integers >= 1")
     if max_tokens < 2:
         raise ConfigError(f"max_tokens = {max_tokens} must be at least 2: decode starts after the first token")
-    check_source(model, shape)
+    if model is not None and shape is not None:
+        raise ConfigError("give a model or a shape, not both")
+    shape_name = None if model is not None else (shape or DEFAULT_SHAPE)
+    if shape_name not in (None, *SHAPES, TINY_SHAPE):
+        raise ConfigError(f"unknown shape {shape!r}; known shapes: {', '.join([*SHAPES, TINY_SHAPE])}")
+    model_dir = None if model is None else resolve_model_path(model)
     started = time.perf_counter()
     base = load_profile(profile).replace(
         device=device, emulate_vram_gib=emulate_vram_gib, enable_cuda_graphs=cuda_graphs
@@ -342,69 +230,91 @@ def run_speed_bench(
         max_num_seqs=max(batch_sizes) if base.max_num_seqs < max(batch_sizes) else None,
     )
     compute_device = pick_device(base.device)
-    context_bytes = None
-    if compute_device.type == "cuda":
-        from lowvram.memory.environment import measure_cuda_context_bytes
-
-        context_bytes = measure_cuda_context_bytes(compute_device.index or 0)
+    is_cuda = compute_device.type == "cuda"
+    context_bytes = measure_cuda_context_bytes(compute_device.index or 0) if is_cuda else None
     record = run_metadata(command)
     say("measuring the copy bandwidth")
     copy_gbps = measure_copy_bandwidth_gbps(COPY_BYTES[compute_device.type], compute_device)
     with tempfile.TemporaryDirectory(prefix="lowvram-bench-speed-") as work:
         work_dir = Path(work)
-        if model is None:
-            say(f"writing random weights of {shape or DEFAULT_SHAPE}")
-        model_dir, label = prepare_checkpoint(model, shape, work_dir)
-        max_positions = load_model_config(model_dir)[0].max_position_embeddings
-        if max_positions < needed_len:
+        label = str(model)
+        if model_dir is None:
+            from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
+            from lowvram.testing import make_tiny_model
+
+            say(f"writing random weights of {shape_name}")
+            label = f"{shape_name} (random weights)"
+            if shape_name == TINY_SHAPE:
+                model_dir = make_tiny_model(work_dir / "model", "qwen2", num_layers=2)
+            else:  # shared with other benchmarks of this session where the checkpoint cache is set
+                model_dir = cached_checkpoint(
+                    f"{shape_name}-bf16", lambda d: write_random_checkpoint(d, shape_name), work_dir
+                )
+        source = load_model_config(model_dir)[0]
+        if source.max_position_embeddings < needed_len:
             raise ConfigError(
                 f"{max(context_lens)} context tokens plus {max_tokens} new ones need {needed_len} "
-                f"positions, but this model has {max_positions}; use shorter --context-lens"
+                f"positions, but this model has {source.max_position_embeddings}; use shorter --context-lens"
             )
         quantization = None
         if quantize:
+            from lowvram.models.shapes import random_awq_checkpoint
+            from lowvram.quant.quantize import fitting_group_sizes, quantize_model
+
             say(f"quantizing to AWQ INT4 ({calib_samples} calibration samples)")
-            model_dir, quantization = quantize_checkpoint(
-                model_dir,
-                work_dir / "awq",
-                compute_device.type,
-                emulate_vram_gib,
-                shape=(shape or DEFAULT_SHAPE) if model is None and shape != TINY_SHAPE else None,
-                num_samples=calib_samples,
-                fp16_budget_mib=base.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib,
-                rank=base.compensation_rank if rank is None else rank,
-            )
-        _release(compute_device)
-        if compute_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(compute_device)
+            fitting = fitting_group_sizes(source)
+            if source.quantization is not None:
+                quantization = {"note": "the checkpoint is already AWQ INT4; used as is"}
+            elif not fitting:
+                raise ConfigError(
+                    "no AWQ group size (32, 64, 128) divides this model's hidden, intermediate and attention sizes "
+                    f"{(source.hidden_size, source.intermediate_size, source.q_size)}; it cannot be quantized"
+                )
+            else:
+                quantization = dict(
+                    num_samples=calib_samples,
+                    fp16_budget_mib=base.fp16_budget_mib if fp16_budget_mib is None else fp16_budget_mib,
+                    rank=base.compensation_rank if rank is None else rank,
+                    group_size=max(fitting),
+                )
+                options = dict(device=compute_device.type, emulate_vram_gib=emulate_vram_gib, **quantization)
+                if shape_name not in (None, TINY_SHAPE):  # random weights of a shape: shared through the cache
+                    model_dir = random_awq_checkpoint(shape_name, work_dir, **options)[1]
+                else:
+                    report = quantize_model(model_dir, work_dir / "awq", **options)
+                    model_dir = work_dir / "awq"
+                    quantization.update(seconds=round(report.seconds, 2), peak_device_bytes=report.peak_device_bytes)
+        _release(compute_device, is_peak_reset=True)
         say("loading the engine")
         engine = LLMEngine(str(model_dir), base)
-        report = engine.model.weight_report
+        config, report, p = engine.config, engine.model.weight_report, engine.profile
         # A tied head reads the whole embedding table; otherwise a step reads one row of it.
-        weight_read_bytes = report.total_bytes - (0 if engine.config.is_tied_head else report.embedding_bytes)
-        prompts = _Prompts(engine.config.vocab_size, seed)
+        weight_read_bytes = report.total_bytes - (0 if config.is_tied_head else report.embedding_bytes)
+        pool = engine.kv_pool
+        step_bytes = (weight_read_bytes, pool.shape.block_bytes(engine.kv_precision) // pool.block_size)
+        make_prompts = _prompt_maker(config.vocab_size, seed)
         prefill = []
         for context_len in context_lens:
             say(f"prefill: {context_len} tokens")
-            prefill.append(time_prefill(engine, prompts, context_len))
+            prefill.append(time_prefill(engine, make_prompts, context_len))
         decode = []
-        for context_len in context_lens:
-            for batch_size in batch_sizes:
-                say(f"decode: batch {batch_size} at {context_len} tokens of context")
-                decode.append(
-                    time_decode(engine, prompts, context_len, batch_size, max_tokens, weight_read_bytes, copy_gbps)
-                )
-        p = engine.profile
+        for context_len, batch_size in itertools.product(context_lens, batch_sizes):
+            say(f"decode: batch {batch_size} at {context_len} tokens of context")
+            decode.append(time_decode(engine, make_prompts, context_len, batch_size, max_tokens, step_bytes, copy_gbps))
+        dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+        weight_format = dtypes.get(engine.dtype, str(engine.dtype))
+        if config.quantization is not None:
+            weight_format = f"awq-int4-g{config.quantization.group_size}"
         record.update(
             device=str(engine.device),
             copy_bandwidth_gbps=round(copy_gbps, 1),
             model={
                 "name": label,
-                "shape": None if model is not None else (shape or DEFAULT_SHAPE),
-                "architecture": engine.config.architecture,
-                "num_layers": engine.config.num_layers,
-                "num_params": engine.config.num_params(),
-                "weight_format": _weight_format(engine),
+                "shape": shape_name,
+                "architecture": config.architecture,
+                "num_layers": config.num_layers,
+                "num_params": config.num_params(),
+                "weight_format": weight_format,
                 "quantization": quantization,
                 "weight_bytes": report.as_dict(),
                 "weight_bytes_read_per_step": weight_read_bytes,
@@ -421,7 +331,7 @@ def run_speed_bench(
                 "enable_cuda_graphs": p.enable_cuda_graphs,
                 "pipelined_decode": engine.pipelines_decode,
             },
-            kv_bytes_per_token=_kv_bytes_per_token(engine),
+            kv_bytes_per_token=step_bytes[1],
             max_tokens=max_tokens,
             prefill=prefill,
             decode=decode,
@@ -470,45 +380,37 @@ def write_markdown(result: dict) -> str:
             f" Quantized here: {quantized['fp16_budget_mib']:g} MiB of layers kept FP16, compensation rank "
             f"{quantized['rank']}, lm_head FP16."
         )
-    lines = [
-        f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on "
-        f"{result.get('gpu') or result.get('device', 'cpu')}",
-        "",
-        setup,
-        "",
-        "| prompt tokens | TTFT ms | prefill tokens/s |",
-        "|---:|---:|---:|",
-        *(
-            f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |"
-            for r in result["prefill"]
-        ),
-        "",
-        f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
-        "steps after every prefill are timed.",
-        "",
-        "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+    prefill = [
+        f"| {r['prompt_tokens']} | {r['ttft_ms']:.1f} | {r['prefill_tokens_per_s']:,.0f} |" for r in result["prefill"]
     ]
+    decode = []
     for r in result["decode"]:
         fraction = "-" if r["fraction_of_copy"] is None else f"{100 * r['fraction_of_copy']:.1f}%"
-        lines.append(
+        decode.append(
             f"| {r['context_tokens']} | {r['batch_size']} | {r['decode_tokens_per_s']:,.1f} | "
             f"{r['step_ms']:.2f} | {r['bytes_per_step'] / MB:,.1f} | {r['achieved_gbps']:,.1f} | {fraction} |"
         )
-    lines += ["", f"Memory: {_memory_text(result['memory'])}."]
+    blocks = [
+        f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on "
+        f"{result.get('gpu') or result.get('device', 'cpu')}",
+        setup,
+        "\n".join(["| prompt tokens | TTFT ms | prefill tokens/s |", "|---:|---:|---:|", *prefill]),
+        f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
+        "steps after every prefill are timed.",
+        "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |\n"
+        + "\n".join(["|---:|---:|---:|---:|---:|---:|---:|", *decode]),
+        f"Memory: {_memory_text(result['memory'])}.",
+    ]
     one = result.get("one_request")
     if one:
         speed = f", decode {one['decode_tokens_per_s']:,.1f} tokens/s" if one.get("decode_tokens_per_s") else ""
-        lines += [
-            "",
+        blocks.append(
             f"One request of {one['context_tokens']} + {one['new_tokens']} tokens with the KV pool sized "
-            f"for it alone: {_memory_text(one)}{speed}.",
-        ]
+            f"for it alone: {_memory_text(one)}{speed}."
+        )
     versions = result.get("versions", {})
-    lines += [
-        "",
+    blocks.append(
         f"Produced by `{result['command']}` on {result['date']}, commit {result['git_commit']}, "
-        f"torch {versions.get('torch')}, triton {versions.get('triton')}, {result['elapsed_s']} s.",
-        "",
-    ]
-    return "\n".join(lines)
+        f"torch {versions.get('torch')}, triton {versions.get('triton')}, {result['elapsed_s']} s."
+    )
+    return "\n\n".join(blocks) + "\n"

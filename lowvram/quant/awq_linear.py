@@ -1,20 +1,9 @@
-"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors.
+"""AwqLinear: an nn.Linear whose weight stays packed as AutoAWQ GEMM INT4 tensors (the
+checkpoint's `qweight`, `qzeros`, `scales`, `bias`), run by `lowvram.kernels.w4a16.awq_linear`.
 
-The buffers carry the checkpoint's names and are the tensors read from disk, unchanged:
-`qweight` int32 [K, N/8], `qzeros` int32 [K/G, N/8], `scales` float16 [K/G, N], plus `bias`
-[N] when the layer has one. The forward pass is `lowvram.kernels.w4a16.awq_linear` (Triton on
-CUDA, plain torch elsewhere; it logs which once).
-
-Residual compensation (written by `lowvram quantize`) corrects the INT4 error with two
-optional extras, stored beside the AWQ tensors under names no other loader knows:
-- `lowvram_lora_a` [r, K] and `lowvram_lora_b` [N, r]: a rank-r term, y += (x A^T) B^T;
-- `lowvram_bias_correction` [N]: y += c, the INT4 error's mean effect on the output.
-
-Both run inside the INT4 kernel's one launch. The correction is folded into the bias when it
-is attached (bias := bias + c, or c when the layer has none), so it costs nothing at all. B is
-kept transposed: `lowvram_lora_b` is a [N, r] view of a contiguous [r, N] tensor, `lora_bt`,
-which the decode kernel reads a column block at a time. The files keep the names and layouts
-`lowvram quantize` wrote; only the modules hold them this way.
+Compensation from `lowvram quantize`, under names other loaders ignore: `lowvram_lora_a` [r, K]
+and `lowvram_lora_b` [N, r] add (x A^T) B^T inside the INT4 kernel (B held as a view of a
+contiguous [r, N], `lora_bt`); `lowvram_bias_correction` [N] is folded into the bias.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ from torch import nn
 
 from lowvram.errors import ModelLoadError
 from lowvram.kernels.awq_format import PACK_FACTOR
-from lowvram.kernels.w4a16 import InputNorm, RopeKVWrite, awq_linear, awq_linear_one_row, can_fuse_one_row
+from lowvram.kernels.w4a16 import InputNorm, awq_linear, awq_linear_one_row, can_fuse_one_row
 
 LORA_A = "lowvram_lora_a"
 LORA_B = "lowvram_lora_b"
@@ -35,16 +24,8 @@ AWQ_NAMES = ("qweight", "qzeros", "scales")
 
 
 class AwqLinear(nn.Module):
-    """y = x W^T + bias with W = (q - z) * s held as packed INT4.
-
-    Args:
-        in_features: K; must be a multiple of group_size.
-        out_features: N; must be a multiple of 8 (eight 4-bit columns per int32).
-        group_size: inputs sharing one scale and zero point (32, 64 or 128).
-        has_bias: whether the checkpoint's layer has a bias (Qwen2's q/k/v do); a bias
-            correction gives a layer without one a bias made of the correction.
-    The buffers start empty; the loader assigns the checkpoint's tensors.
-    """
+    """y = x W^T + bias with W = (q - z) * s held as packed INT4 (K % group_size == 0, N % 8 == 0);
+    the buffers start empty for the loader to fill."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int, has_bias: bool = False):
         super().__init__()
@@ -67,114 +48,77 @@ class AwqLinear(nn.Module):
 
     @property
     def has_compensation(self) -> bool:
-        return self.is_bias_corrected or any(getattr(self, name) is not None for name in LORA_NAMES)
+        return self.is_bias_corrected or self.lowvram_lora_a is not None or self.lowvram_lora_b is not None
 
     @property
     def lora_rank(self) -> int:
-        lora_a = getattr(self, LORA_A)
-        return 0 if lora_a is None else lora_a.shape[0]
+        return 0 if self.lowvram_lora_a is None else self.lowvram_lora_a.shape[0]
 
     @property
     def lora_bt(self) -> torch.Tensor | None:
         """B^T [r, N], contiguous as set_compensation stores it."""
-        lora_b = getattr(self, LORA_B)
-        return None if lora_b is None else lora_b.t()
+        return None if self.lowvram_lora_b is None else self.lowvram_lora_b.t()
 
     def set_compensation(self, name: str, tensor: torch.Tensor) -> None:
-        """Attach one compensation tensor, checking its shape against the layer.
-
-        A bias correction is added to the bias here, so the bias must already hold its
-        checkpoint value (the loader attaches compensation after every other tensor).
-        """
-        expected = {
-            LORA_A: (None, self.in_features),
-            LORA_B: (self.out_features, None),
-            BIAS_CORRECTION: (self.out_features,),
-        }[name]
+        """Attach one compensation tensor, checking its shape; a bias correction is added to
+        the bias, which must already be loaded."""
+        num_inputs, num_outputs = self.in_features, self.out_features
+        expected = {LORA_A: (None, num_inputs), LORA_B: (num_outputs, None), BIAS_CORRECTION: (num_outputs,)}[name]
         shape = tuple(tensor.shape)
         if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
             readable = ["r" if e is None else e for e in expected]
             raise ValueError(f"{name} has shape {list(shape)}, expected {readable}")
-        if name == BIAS_CORRECTION:
-            self._fold_bias_correction(tensor)
-        elif name == LORA_B:
+        if name == LORA_B:
             self.register_buffer(name, tensor.t().contiguous().t())  # [N, r] over a contiguous [r, N]
-        else:
+        elif name == LORA_A:
             self.register_buffer(name, tensor.contiguous())
-
-    def _fold_bias_correction(self, correction: torch.Tensor) -> None:
-        if self.bias is None:
-            folded = correction.clone()
+        elif self.bias is None:
+            self.bias = nn.Parameter(tensor.clone(), requires_grad=False)
+            self.is_bias_corrected = True
         elif self.bias.is_meta:
             raise ValueError(f"{BIAS_CORRECTION} was attached before the bias was loaded; attach it after")
         else:
             # one rounding to the bias dtype instead of one per add in the forward pass
-            folded = (self.bias.float() + correction.to(self.bias.device).float()).to(self.bias.dtype)
-        self.bias = nn.Parameter(folded, requires_grad=False)
-        self.is_bias_corrected = True
+            folded = (self.bias.float() + tensor.to(self.bias.device).float()).to(self.bias.dtype)
+            self.bias = nn.Parameter(folded, requires_grad=False)
+            self.is_bias_corrected = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # On the CPU the model always takes the plain-torch path: Triton there is only the
-        # interpreter, which tests use to check the kernels themselves.
-        # the rank-r term costs r * (K + N) per token, a few percent of the INT4 matmul
+        # plain torch on the CPU: Triton there is only the interpreter, which tests use on the kernels
         return awq_linear(
-            x,
-            self.qweight,
-            self.qzeros,
-            self.scales,
-            self.group_size,
-            self.bias,
-            **self._lora(),
-            use_reference=not x.is_cuda,
-            batch_invariant=self.is_batch_invariant,
+            x, *self._packed(), **self._lora(), use_reference=not x.is_cuda, batch_invariant=self.is_batch_invariant
         )
 
     def can_fuse_input(self, x: torch.Tensor) -> bool:
-        """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside
-        the batch-invariant mode (which keeps one kernel form for every row count)."""
+        """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside the
+        batch-invariant mode (one kernel form for every row count)."""
         return not self.is_batch_invariant and x.is_cuda and can_fuse_one_row(x)
 
     def forward_normed(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        rope_kv: RopeKVWrite | None = None,
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, rope_kv=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(RMSNorm(h + residual)), h + residual) in one kernel: RMSNorm.add_and_norm and
-        this layer fused; with no residual (the first layer) the sum is h itself. `rope_kv`: a
-        fused q/k/v layer's output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
+        """(self(RMSNorm(h + residual)), h + residual) in one kernel (no residual: h itself);
+        `rope_kv`: a fused q/k/v output also rotated and its k, v stored (w4a16.RopeKVWrite)."""
         total = None if residual is None else torch.empty_like(h)
-        y = awq_linear_one_row(
-            h,
-            self.qweight,
-            self.qzeros,
-            self.scales,
-            self.group_size,
-            self.bias,
-            **self._lora(),
-            norm=InputNorm(norm_weight, eps, residual, total),
-            rope_kv=rope_kv,
-        )
+        norm = InputNorm(norm_weight, eps, residual, total)
+        y = awq_linear_one_row(h, *self._packed(), **self._lora(), norm=norm, rope_kv=rope_kv)
         return y, (h if total is None else total)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of a fused gate/up output [1, 2K], in one kernel."""
-        return awq_linear_one_row(
-            gate_up, self.qweight, self.qzeros, self.scales, self.group_size, self.bias, **self._lora(), is_gated=True
-        )
+        return awq_linear_one_row(gate_up, *self._packed(), **self._lora(), is_gated=True)
+
+    def _packed(self) -> tuple:
+        return self.qweight, self.qzeros, self.scales, self.group_size, self.bias
 
     def _lora(self) -> dict:
-        lora_a, lora_bt = getattr(self, LORA_A), self.lora_bt
-        if lora_a is None or lora_bt is None:
+        if self.lowvram_lora_a is None or self.lowvram_lora_b is None:
             return {}
-        return {"lora_a": lora_a, "lora_bt": lora_bt}
+        return {"lora_a": self.lowvram_lora_a, "lora_bt": self.lora_bt}
 
     def extra_repr(self) -> str:
         extras = f", lora_rank={self.lora_rank}" if self.lora_rank else ""
-        if self.is_bias_corrected:
-            extras += ", bias_correction=True"
+        extras += ", bias_correction=True" if self.is_bias_corrected else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"group_size={self.group_size}, bias={self.bias is not None}{extras}"

@@ -1,22 +1,10 @@
 """Residual compensation: correct a Linear's INT4 error E = W - Q(W) with small FP16 terms.
 
-Two published corrections, chosen per layer on the calibration set:
-- bias correction: add c = E mu, the error's mean effect on the output (mu = mean input);
-- low-rank error reconstruction (LQER/L2QER, QERA, EoRA): keep a rank-r pair with
-  E ~ B A, chosen to minimise the output error ||(E - B A) x||^2 over the calibration inputs.
-  With H = E[x x^T] = L L^T (Cholesky), that is a plain truncated SVD of E L:
-  E L ~ U S V^T gives B = U sqrt(S), A = sqrt(S) V^T L^-1, the exact optimum, not a heuristic
-  weighting. When bias correction is also on, H is the covariance, since c already removes
-  the mean part of the error.
-
-The calibration tokens are split by sample into a fit half (factors and c are computed on
-it) and an evaluation half (the choice is made on it), so a correction that only fits noise
-is not kept. Candidates: rank 0, R/4, R/2 and R (R = the rank asked for), a scale gamma in
-0.25..1 on the low-rank term, with and without the bias (when asked for); each one's
-held-out error is computed in closed form from the evaluation half's moments. The smallest
-rank that reaches 90% of the best error reduction wins (a rank costs r * (N + K) FP16
-values per layer); nothing is kept when nothing helps. The bias fits the calibration mix's
-mean input, which other text need not share, so it is off unless asked for.
+Bias correction c = E mu (mu: mean input), and low rank (LQER, QERA, EoRA): with
+H = E[x x^T] = L L^T (the covariance when c is on), the truncated SVD E L ~ U S V^T gives
+the optimal B = U sqrt(S), A = sqrt(S) V^T L^-1. Fitted on even samples, chosen in closed
+form on odd ones among ranks 0, R/4, R/2, R, scales 0.25..1, with or without c: the smallest
+rank reaching 90% of the best gain wins; nothing is kept when nothing helps.
 """
 
 from __future__ import annotations
@@ -33,14 +21,10 @@ MIN_LOWRANK_SVD_SIZE = 512
 
 
 class InputStats:
-    """First and second moments of a Linear's inputs, kept separately for the fit and eval halves.
-
-    Linears that read the same input (q/k/v, gate/up) share one InputStats, and with it the
-    Cholesky factor of the fit half's weighting, computed once.
-    """
+    """First and second moments of a Linear's inputs, for the fit and eval halves apart.
+    Linears reading one input share it, and with it the fit half's Cholesky factor."""
 
     def __init__(self, num_features: int, device: torch.device):
-        self.num_features = num_features
         self.sums = [torch.zeros(num_features, dtype=torch.float64, device=device) for _ in range(2)]
         self.second = [torch.zeros(num_features, num_features, dtype=torch.float32, device=device) for _ in range(2)]
         self.counts = [0, 0]
@@ -48,11 +32,7 @@ class InputStats:
         self._cholesky: dict[bool, torch.Tensor | None] = {}
 
     def add(self, x: torch.Tensor, is_fit: bool) -> None:
-        """x [T, K], tokens of one half."""
-        if self._is_normalized:
-            raise RuntimeError("InputStats.add after moments() were read")
-        if x.shape[0] == 0:
-            return
+        """x [T, K], tokens of one half; only before moments() is read."""
         half = 0 if is_fit else 1
         xf = x.to(torch.float32)
         self.sums[half] += xf.sum(dim=0, dtype=torch.float64)
@@ -61,14 +41,12 @@ class InputStats:
 
     def moments(self, is_fit: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean [K], E[x x^T] [K, K]), float32; the other half's when this one is empty."""
-        if not self._is_normalized:
-            # in place: for a wide layer (K = 8960) each second moment is 320 MB
+        if not self._is_normalized:  # in place: for K = 8960 a second moment is 320 MB
             for half in range(2):
                 self.second[half] /= max(self.counts[half], 1)
             self._is_normalized = True
         half = 0 if is_fit else 1
-        if self.counts[half] == 0:
-            half = 1 - half
+        half = half if self.counts[half] else 1 - half
         mean = (self.sums[half] / max(self.counts[half], 1)).to(torch.float32)
         return mean, self.second[half]
 
@@ -83,7 +61,6 @@ class InputStats:
             diagonal = weighting.diagonal()
             damp = DAMPING * diagonal.mean().clamp(min=1e-8)
             diagonal.add_(damp)
-            chol = None
             for _ in range(4):  # float32 rounding can leave a nearly singular H indefinite: damp harder
                 chol, info = torch.linalg.cholesky_ex(weighting)
                 if int(info) == 0:
@@ -97,41 +74,16 @@ class InputStats:
 
 @dataclass
 class Compensation:
-    """The kept correction of one Linear and what it bought on the held-out half."""
-
     lora_a: torch.Tensor | None  # [r, K]
     lora_b: torch.Tensor | None  # [N, r], the scale already applied
     bias_correction: torch.Tensor | None  # [N]
     rank: int
     scale: float
-    error_before: float  # held-out mean ||(W - Q(W)) x||^2 per token
-    error_after: float
-
-    @property
-    def error_reduction(self) -> float:
-        """Share of the INT4 output error removed on the held-out half (0..1)."""
-        return 1.0 - self.error_after / self.error_before if self.error_before > 0 else 0.0
-
-
-def _low_rank_factors(error: torch.Tensor, chol: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """B [N, R], A [R, K] minimising ||(E - B A) L||_F, i.e. tr((E - B A) H (E - B A)^T), H = L L^T."""
-    weighted = error @ chol  # [N, K]
-    rank = min(max_rank, *weighted.shape)
-    if min(weighted.shape) > MIN_LOWRANK_SVD_SIZE:
-        u, s, v = torch.svd_lowrank(weighted, q=min(rank + 8, min(weighted.shape)), niter=4)
-        u, s, vt = u[:, :rank], s[:rank], v[:, :rank].t()
-    else:
-        u, s, vt = torch.linalg.svd(weighted, full_matrices=False)
-        u, s, vt = u[:, :rank], s[:rank], vt[:rank]
-    root = s.sqrt()
-    lora_b = u * root  # [N, R]
-    # A L = sqrt(S) V^T  ->  A = sqrt(S) V^T L^-1
-    lora_a = torch.linalg.solve_triangular(chol, root[:, None] * vt, upper=False, left=False)  # [R, K]
-    return lora_b, lora_a
+    error_reduction: float  # share of the INT4 output error removed on the held-out half (0..1)
 
 
 def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_bias: bool) -> Compensation | None:
-    """Choose and fit the correction of one Linear, or None when no candidate lowers the held-out error.
+    """The correction of one Linear, or None when no candidate lowers the held-out error.
 
     error: W - Q(W) [N, K] as the layer computes it (float32); stats: moments of its inputs.
     """
@@ -139,12 +91,10 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
     max_rank = min(max_rank, *error.shape)
     mean_fit, _ = stats.moments(is_fit=True)
     mean_eval, second_eval = stats.moments(is_fit=False)
-    num_outputs = error.shape[0]
 
     # Held-out error of E - gamma * M_r with bias b, in closed form:
     # tr(E He E^T) - 2 gamma c_r + gamma^2 q_r - 2 b.(E mu_e - gamma M_r mu_e) + |b|^2
-    error_eval = error @ second_eval  # [N, K]
-    base = float((error * error_eval).sum())
+    base = float((error * (error @ second_eval)).sum())
     error_mean_eval, error_mean_fit = error @ mean_eval, error @ mean_fit
 
     ranks = sorted({0, max(1, max_rank // 4), max(1, max_rank // 2), max_rank}) if max_rank > 0 else [0]
@@ -152,7 +102,19 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
     if chol is None:
         ranks = [0]
     else:
-        lora_b, lora_a = _low_rank_factors(error, chol, ranks[-1])
+        # B [N, R], A [R, K] minimising ||(E - B A) L||_F
+        weighted = error @ chol  # [N, K]
+        top = min(ranks[-1], *weighted.shape)
+        if min(weighted.shape) > MIN_LOWRANK_SVD_SIZE:
+            u, s, v = torch.svd_lowrank(weighted, q=min(top + 8, min(weighted.shape)), niter=4)
+            u, s, vt = u[:, :top], s[:top], v[:, :top].t()
+        else:
+            u, s, vt = torch.linalg.svd(weighted, full_matrices=False)
+            u, s, vt = u[:, :top], s[:top], vt[:top]
+        root = s.sqrt()
+        lora_b = u * root
+        # A L = sqrt(S) V^T  ->  A = sqrt(S) V^T L^-1
+        lora_a = torch.linalg.solve_triangular(chol, root[:, None] * vt, upper=False, left=False)
         a_second = lora_a @ second_eval  # [R, K]
         gram_a = a_second @ lora_a.t()  # [R, R]
         gram_b = lora_b.t() @ lora_b  # [R, R]
@@ -161,16 +123,13 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
 
     candidates = []  # (error, rank, gamma, has_bias)
     for rank in ranks:
-        scales = SCALE_CANDIDATES if rank else (0.0,)
-        for gamma in scales:
+        for gamma in SCALE_CANDIDATES if rank else (0.0,):
+            c = q = low_rank_mean_eval = low_rank_mean_fit = 0.0
             if rank:
                 c = float(cross[:rank].sum())
                 q = float((gram_b[:rank, :rank] * gram_a[:rank, :rank]).sum())
                 low_rank_mean_eval = lora_b[:, :rank] @ a_mean_eval[:rank]
                 low_rank_mean_fit = lora_b[:, :rank] @ a_mean_fit[:rank]
-            else:
-                c = q = 0.0
-                low_rank_mean_eval = low_rank_mean_fit = torch.zeros(num_outputs, device=error.device)
             quadratic = base - 2 * gamma * c + gamma * gamma * q
             candidates.append((quadratic, rank, gamma, False))
             if use_bias:
@@ -196,6 +155,5 @@ def fit_compensation(error: torch.Tensor, stats: InputStats, max_rank: int, use_
         bias_correction=bias_correction,
         rank=rank,
         scale=gamma if rank else 0.0,
-        error_before=base,
-        error_after=value,
+        error_reduction=1.0 - value / base,
     )

@@ -1,8 +1,5 @@
-"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`.
-
-The source checkpoint is read tensor by tensor (memory-mapped), so only the layer being
-quantized is on the device; cached activations beyond a budget go to pinned host memory.
-"""
+"""One decoder layer run densely over whole calibration samples, for `lowvram quantize`, its
+weights read tensor by tensor from the (memory-mapped) source checkpoint."""
 
 from __future__ import annotations
 
@@ -15,18 +12,10 @@ from lowvram.errors import ModelLoadError
 from lowvram.models.checkpoint import weight_files
 from lowvram.models.config import ModelConfig
 from lowvram.models.dense import Rotary
-from lowvram.models.loader import QUANTIZABLE_LINEARS
 
-# The input each Linear reads, as LayerRunner.inputs names it.
-INPUT_OF = {
-    "self_attn.q_proj": "attn_in",
-    "self_attn.k_proj": "attn_in",
-    "self_attn.v_proj": "attn_in",
-    "self_attn.o_proj": "o_in",
-    "mlp.gate_proj": "mlp_in",
-    "mlp.up_proj": "mlp_in",
-    "mlp.down_proj": "down_in",
-}
+# Every quantized Linear -> the input it reads, as LayerRunner.inputs names it.
+INPUT_OF = dict.fromkeys([f"self_attn.{p}_proj" for p in "qkv"], "attn_in") | {"self_attn.o_proj": "o_in"}
+INPUT_OF |= {"mlp.gate_proj": "mlp_in", "mlp.up_proj": "mlp_in", "mlp.down_proj": "down_in"}
 NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 
@@ -51,36 +40,15 @@ class SourceCheckpoint:
 
     def layer(self, config: ModelConfig, index: int, device: torch.device) -> dict:
         """Float32 weights of one decoder layer on the device, keyed by name within the layer."""
-        names = [*NORMS, *(f"{linear}.weight" for linear in QUANTIZABLE_LINEARS)]
+        names = [*NORMS, *(f"{linear}.weight" for linear in INPUT_OF)]
         if config.has_qkv_bias:
             names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         return {name: self.get(f"model.layers.{index}.{name}").to(device, torch.float32) for name in names}
 
 
-class ActivationStore:
-    """Keeps activations on the device while under budget, in pinned host memory beyond it."""
-
-    def __init__(self, device: torch.device, max_resident_bytes: int | None):
-        self.device = device
-        self.max_resident_bytes = max_resident_bytes
-
-    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda" or torch.cuda.memory_allocated(self.device) <= self.max_resident_bytes:
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor)
-        return host
-
-    def load(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
-
-
 class LayerRunner:
-    """One decoder layer's forward over calibration samples [b, L, hidden], without a KV cache.
-
-    Weights come in as a dict (name within the layer -> tensor in the compute dtype), so a
-    search can swap in trial weights without touching the model.
-    """
+    """One decoder layer's forward over samples [b, L, hidden] without a KV cache; the weights
+    come as a dict (name within the layer -> tensor), so a search can swap in trial weights."""
 
     def __init__(self, config: ModelConfig, seq_len: int, device: torch.device):
         self.config = config
@@ -110,7 +78,7 @@ class LayerRunner:
         k = k.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
         v = v.reshape(batch, length, num_kv_heads, head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=head_dim**-0.5)
-        return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)  # [b, H, L, D] -> [b, L, H*D]
+        return out.transpose(1, 2).reshape(batch, length, num_heads * head_dim)
 
     def attention(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
         return self.linear(weights, "self_attn.o_proj", self.attention_context(weights, x))
@@ -121,23 +89,23 @@ class LayerRunner:
     def mlp(self, weights: dict, x: torch.Tensor) -> torch.Tensor:
         return self.linear(weights, "mlp.down_proj", self.mlp_hidden(weights, x))
 
-    def layer(self, weights: dict, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.attention(weights, self.rms_norm(h, weights["input_layernorm.weight"]))
-        return h + self.mlp(weights, self.rms_norm(h, weights["post_attention_layernorm.weight"]))
+    def blocks(self, weights: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(attention output, MLP output, layer output) for the layer's input h."""
+        attn = self.attention(weights, self.rms_norm(h, weights["input_layernorm.weight"]))
+        mlp = self.mlp(weights, self.rms_norm(h + attn, weights["post_attention_layernorm.weight"]))
+        return attn, mlp, h + attn + mlp
 
-    def block(self, target: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
-        """The output a scale group is scored on (awq.ScaleGroup.target), from that group's input x."""
-        if target == "attn":
+    def block(self, kind: str, weights: dict, x: torch.Tensor) -> torch.Tensor:
+        """The output of the block that input x of `kind` (a value of INPUT_OF) feeds."""
+        if kind == "attn_in":
             return self.attention(weights, x)
-        if target == "o":
-            return self.linear(weights, "self_attn.o_proj", x)
-        if target == "mlp":
+        if kind == "mlp_in":
             return self.mlp(weights, x)
-        return self.linear(weights, "mlp.down_proj", x)
+        return self.linear(weights, "self_attn.o_proj" if kind == "o_in" else "mlp.down_proj", x)
 
     def inputs(self, weights: dict, h: torch.Tensor, attn: torch.Tensor | None, kinds) -> dict[str, torch.Tensor]:
-        """The Linears' inputs of `kinds` (values of INPUT_OF), given the layer's input h and
-        its attention output attn (which the MLP's inputs depend on)."""
+        """The Linears' inputs of `kinds` (values of INPUT_OF) from the layer's input h and its
+        attention output attn (which the MLP's inputs depend on)."""
         found = {"attn_in": self.rms_norm(h, weights["input_layernorm.weight"])}
         if "o_in" in kinds:
             found["o_in"] = self.attention_context(weights, found["attn_in"])

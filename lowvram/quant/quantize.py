@@ -1,19 +1,9 @@
 """`lowvram quantize MODEL OUT`: AWQ INT4 in the AutoAWQ GEMM layout, one layer at a time.
 
-Per decoder layer, with calibration activations (default 128 samples x 512 tokens):
-1. run the layer in full precision and keep its block outputs (attention, MLP, layer);
-2. AWQ: search and fold the input-channel scales of each scale group (`lowvram.quant.awq`),
-   then search per-group clipping for every Linear but q/k (skipped with --method rtn);
-3. quantize every Linear to INT4 (group size 128 by default) in the exact packed form;
-4. with --fp16-budget-mib: score each fused group (q/k/v, o, gate/up, down) by the error
-   quantizing it alone adds to the layer's output, relative to that output per token;
-5. with --rank (and --bias-correction): fit the residual compensation of each Linear
-   (`lowvram.quant.compensation`);
-6. pass the full-precision output on as the next layer's input (as AutoAWQ does, so every
-   layer sees the activations of the original model).
-After the last layer the most sensitive groups that fit --fp16-budget-mib stay in FP16 and
-are listed in `modules_to_not_convert`, with the fused names vLLM gives them (`qkv_proj`,
-`gate_up_proj`), so vLLM keeps the whole fused layer in FP16 too (`lowvram.quant.writer`).
+Per decoder layer, on calibration activations: full-precision reference outputs, AWQ search
+(`awq`), INT4 for every Linear, sensitivity of each fused group (with --fp16-budget-mib),
+`compensation` (with --rank / --bias-correction); the next layer gets the full-precision output
+(as in AutoAWQ). The most sensitive groups within the budget stay FP16 (`writer`).
 """
 
 from __future__ import annotations
@@ -31,38 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from lowvram.errors import ConfigError, ModelLoadError, OutOfMemoryError, UnsupportedModelError
-from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, AwqTensors, quantize_rtn
-from lowvram.models.config import AwqConfig, ModelConfig, load_model_config
-from lowvram.models.loader import QUANTIZABLE_LINEARS
-from lowvram.quant.awq import (
-    MAX_CLIP_TOKENS,
-    NO_CLIP_LINEARS,
-    ScaleGroup,
-    clip_weight,
-    fake_quantize,
-    fold_scales,
-    layer_scale_groups,
-    sample_tokens,
-    search_clip,
-    search_scales,
-)
+from lowvram.kernels.awq_format import PACK_FACTOR, SUPPORTED_GROUP_SIZES, quantize_rtn
+from lowvram.models.config import ModelConfig, load_model_config
+from lowvram.quant import awq, writer
 from lowvram.quant.calibration import calibration_blocks, load_calibration_records
-from lowvram.quant.compensation import Compensation, InputStats, fit_compensation
-from lowvram.quant.layer import INPUT_OF, NORMS, ActivationStore, LayerRunner, SourceCheckpoint
-from lowvram.quant.writer import (
-    FUSED_GROUPS,
-    GIB,
-    MIB,
-    LayerResult,
-    LinearResult,
-    QuantizeReport,
-    assemble,
-    choose_fp16_groups,
-    float16,
-    group_bytes,
-    modules_to_not_convert,
-    write_output,
-)
+from lowvram.quant.compensation import InputStats, fit_compensation
+from lowvram.quant.layer import INPUT_OF, NORMS, LayerRunner, SourceCheckpoint
+from lowvram.quant.writer import GIB, MIB, LinearResult, QuantizeReport, float16
 
 log = logging.getLogger("lowvram")
 
@@ -84,135 +49,91 @@ def _mse(run: Callable, inputs: list, refs: list, load: Callable) -> float:
     return total / count
 
 
+def _packed(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """The AutoAWQ tensors of a weight [N, K], on the host."""
+    packed = quantize_rtn(weight, group_size)
+    return {attr: getattr(packed, attr).cpu() for attr in ("qweight", "qzeros", "scales")}
+
+
 class Quantizer:
-    """Runs the per-layer pipeline over the calibration activations; see the module docstring."""
+    """Runs the per-layer pipeline over the calibration activations (see the module docstring)
+    with the settings of `report`, into which it writes the AWQ alphas and sensitivity scores."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        source: SourceCheckpoint,
-        device: torch.device,
-        *,
-        method: str,
-        group_size: int,
-        rank: int,
-        use_bias_correction: bool,
-        is_sensitivity_needed: bool,
-        seq_len: int,
-        max_resident_bytes: int | None,
-    ):
-        self.config, self.source, self.device = config, source, device
-        self.method, self.group_size = method, group_size
-        self.rank, self.use_bias_correction = rank, use_bias_correction
-        self.is_sensitivity_needed = is_sensitivity_needed
+    def __init__(self, config: ModelConfig, source: SourceCheckpoint, report: QuantizeReport, device: torch.device):
+        self.config, self.source, self.report, self.device = config, source, report, device
+        self.group_size, self.is_awq = report.group_size, report.method == "awq"
+        self.is_compensated = report.rank > 0 or report.has_bias_correction
         self.dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.runner = LayerRunner(config, seq_len, device)
-        self.store = ActivationStore(device, max_resident_bytes)
-        self.groups = layer_scale_groups(config.num_heads, config.num_kv_heads)
-        self.alphas: dict[str, float | None] = {}
+        self.runner = LayerRunner(config, report.seq_len, device)
+        self.max_resident_bytes: int | None = None  # cached activations beyond it go to pinned host memory
 
-    @property
-    def is_compensated(self) -> bool:
-        return self.rank > 0 or self.use_bias_correction
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda" or torch.cuda.memory_allocated(self.device) <= self.max_resident_bytes:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)
+        return host
+
+    def load(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
 
     def _cast(self, weights: dict) -> dict:
         return {name: tensor.to(self.dtype) for name, tensor in weights.items()}
 
-    def embed(self, ids: torch.Tensor, samples_per_chunk: int) -> list[torch.Tensor]:
-        """Layer-0 inputs, one tensor [b, L, hidden] per chunk of samples."""
-        table = self.source.get("model.embed_tokens.weight")
-        return [
-            self.store.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(self.device, self.dtype))
-            for i in range(0, ids.shape[0], samples_per_chunk)
-        ]
-
-    def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[LayerResult, list[torch.Tensor]]:
-        """Quantize layer `index` given its inputs; returns its result and the next layer's inputs."""
+    def quantize_layer(self, index: int, hs: list[torch.Tensor]) -> tuple[dict, dict, list[torch.Tensor]]:
+        """Quantize layer `index` from its inputs: (its norms, {linear: LinearResult}, the next layer's inputs)."""
         weights = self.source.layer(self.config, index, self.device)
         compute = self._cast(weights)
-        attn_ref, mlp_ref, next_hs = self._reference_pass(index, compute, hs)
-        refs = {"attn": attn_ref, "o": attn_ref, "mlp": mlp_ref, "down": mlp_ref}
-
-        input_scales: dict[str, torch.Tensor] = {}
-        output_scales: dict[str, torch.Tensor] = {}
-        if self.method == "awq":
-            for group in self.groups:
-                inputs = [self.store.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
-                scales = self._search_group(index, group, weights, compute, inputs, refs[group.target])
-                del inputs
-                fold_scales(weights, group, scales)
-                compute = self._cast(weights)
-                input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
-                if not group.is_prev_norm:
-                    output_scales[group.prev] = scales.cpu()
-
-        samples, stats = self._input_statistics(compute, hs, attn_ref)
-        dequantized, packed = self._quantize_linears(weights, samples)
-        scores = self._sensitivity(compute, dequantized, hs, next_hs) if self.is_sensitivity_needed else {}
-        linears = {}
-        for name in QUANTIZABLE_LINEARS:
-            bias = weights.get(f"{name}.bias")
-            compensation = None
-            if self.is_compensated:
-                error = weights[f"{name}.weight"] - dequantized[name]
-                found = fit_compensation(error, stats[INPUT_OF[name]], self.rank, self.use_bias_correction)
-                compensation = _to_host(found)
-            linears[name] = LinearResult(
-                packed=packed[name],
-                bias=None if bias is None else float16(bias, f"model.layers.{index}.{name}.bias"),
-                input_scales=input_scales.get(name),
-                output_scales=output_scales.get(name),
-                compensation=compensation,
-            )
-        norms = {name: float16(weights[name], f"model.layers.{index}.{name}") for name in NORMS}
-        return LayerResult(norms, linears, scores), next_hs
-
-    def _reference_pass(self, index: int, compute: dict, hs: list) -> tuple[list, list, list]:
-        """The full-precision layer's attention and MLP outputs and its output, per chunk."""
-        runner, store = self.runner, self.store
         attn_ref, mlp_ref, next_hs = [], [], []
         for chunk in hs:
-            h = store.load(chunk)
-            attn = runner.attention(compute, runner.rms_norm(h, compute["input_layernorm.weight"]))
-            mid = h + attn
-            mlp = runner.mlp(compute, runner.rms_norm(mid, compute["post_attention_layernorm.weight"]))
-            out = mid + mlp
+            attn, mlp, out = self.runner.blocks(compute, self.load(chunk))
             if not torch.isfinite(out).all():
                 raise UnsupportedModelError(
                     f"layer {index} overflows {self.dtype} on the calibration text; quantize with --device cpu "
                     "(float32), or check the checkpoint"
                 )
-            attn_ref.append(store.keep(attn))
-            mlp_ref.append(store.keep(mlp))
-            next_hs.append(store.keep(out))
-        return attn_ref, mlp_ref, next_hs
+            attn_ref.append(self.keep(attn))
+            mlp_ref.append(self.keep(mlp))
+            next_hs.append(self.keep(out))
 
-    def _inputs(self, compute: dict, hs: list, attn_ref: list, kinds: list[str]):
-        """Per chunk, the inputs of `kinds` as the layer, folded so far, computes them."""
-        needs_attn = "mlp_in" in kinds or "down_in" in kinds  # the MLP reads h + attention
-        for chunk, attn in zip(hs, attn_ref):
-            attn = self.store.load(attn) if needs_attn else None
-            yield self.runner.inputs(compute, self.store.load(chunk), attn, kinds)
+        input_scales, output_scales = {}, {}  # linear -> [K] scales of its columns, [N] divisors of its rows
+        for group in awq.layer_scale_groups(self.config.num_heads, self.config.num_kv_heads) if self.is_awq else ():
+            inputs = [self.keep(x[group.inputs]) for x in self._inputs(compute, hs, attn_ref, [group.inputs])]
+            refs = attn_ref if group.inputs in ("attn_in", "o_in") else mlp_ref
+            scales = self._search_group(index, group, weights, compute, inputs, refs)
+            del inputs
+            awq.fold_scales(weights, group, scales)
+            compute = self._cast(weights)
+            input_scales.update(dict.fromkeys(group.linears, scales.cpu()))
+            if not group.prev.endswith("norm"):
+                output_scales[group.prev] = scales.cpu()
 
-    def _quantize_linears(self, weights: dict, samples: dict) -> tuple[dict, dict]:
-        """Clip (AWQ) and quantize every Linear: (dequantized float32 weights on the device, packed on the host)."""
-        dequantized, packed = {}, {}
-        for name in QUANTIZABLE_LINEARS:
+        samples, stats = self._input_statistics(compute, hs, attn_ref)
+        dequantized, linears = {}, {}
+        for name, kind in INPUT_OF.items():
             weight = weights[f"{name}.weight"]
-            if self.method == "awq" and name not in NO_CLIP_LINEARS:
-                max_abs = search_clip(weight, samples[INPUT_OF[name]], self.group_size)
-                weight = clip_weight(weight, self.group_size, max_abs)
-            dequantized[name] = fake_quantize(weight, self.group_size)
-            packed[name] = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
-        return dequantized, packed
+            if self.is_awq and name not in awq.NO_CLIP_LINEARS:
+                max_abs = awq.search_clip(weight, samples[kind], self.group_size)
+                weight = awq.clip_weight(weight, self.group_size, max_abs)
+            dequantized[name] = awq.fake_quantize(weight, self.group_size)
+            bias = weights.get(f"{name}.bias")
+            bias = None if bias is None else float16(bias, f"model.layers.{index}.{name}.bias")
+            packed = _packed(weight, self.group_size)
+            linears[name] = LinearResult(packed, bias, input_scales.get(name), output_scales.get(name))
+        if int(self.report.fp16_budget_mib * MIB) > 0:
+            self._sensitivity(index, compute, dequantized, hs, next_hs)
+        for name, kind in INPUT_OF.items() if self.is_compensated else ():
+            error = weights[f"{name}.weight"] - dequantized[name]
+            found = fit_compensation(error, stats[kind], self.report.rank, self.report.has_bias_correction)
+            linears[name].compensation = _to_host(found)
+        norms = {name: float16(weights[name], f"model.layers.{index}.{name}") for name in NORMS}
+        return norms, linears, next_hs
 
-    def _search_group(
-        self, index: int, group: ScaleGroup, weights: dict, compute: dict, inputs: list, refs: list
-    ) -> torch.Tensor:
+    def _search_group(self, index: int, group, weights: dict, compute: dict, inputs: list, refs: list) -> torch.Tensor:
         num_tokens = 0
         x_sum = torch.zeros(inputs[0].shape[-1], dtype=torch.float32, device=self.device)
         for x in inputs:
-            x = self.store.load(x)
+            x = self.load(x)
             x_sum += x.abs().float().sum(dim=(0, 1))
             num_tokens += x.shape[0] * x.shape[1]
 
@@ -220,63 +141,61 @@ class Quantizer:
             swapped = dict(compute)
             for name, weight in zip(group.linears, trial):
                 swapped[f"{name}.weight"] = weight.to(self.dtype)
-            return _mse(lambda x: self.runner.block(group.target, swapped, x), inputs, refs, self.store.load)
+            return _mse(lambda x: self.runner.block(group.inputs, swapped, x), inputs, refs, self.load)
 
         linears = [weights[f"{n}.weight"] for n in group.linears]
-        found = search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
-        self.alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = found.alpha
-        return found.scales
+        scales, alpha = awq.search_scales(x_sum / num_tokens, linears, self.group_size, loss_fn)
+        self.report.awq_alphas[f"model.layers.{index}.{group.prev}->{','.join(group.linears)}"] = alpha
+        return scales
+
+    def _inputs(self, compute: dict, hs: list, attn_ref: list, kinds: list[str]):
+        """Per chunk, the inputs of `kinds` as the layer, folded so far, computes them."""
+        needs_attn = "mlp_in" in kinds or "down_in" in kinds  # the MLP reads h + attention
+        for chunk, attn in zip(hs, attn_ref):
+            attn = self.load(attn) if needs_attn else None
+            yield self.runner.inputs(compute, self.load(chunk), attn, kinds)
 
     def _input_statistics(self, compute: dict, hs: list, attn_ref: list) -> tuple[dict, dict]:
         """Clipping samples (AWQ) and fit/eval moments (compensation) of every input kind."""
-        if self.method != "awq" and not self.is_compensated:
+        if not self.is_awq and not self.is_compensated:
             return {}, {}
         c = self.config
         widths = {"attn_in": c.hidden_size, "o_in": c.q_size, "mlp_in": c.hidden_size, "down_in": c.intermediate_size}
         stats = {kind: InputStats(width, self.device) for kind, width in widths.items()} if self.is_compensated else {}
         samples = {kind: [] for kind in widths}
-        per_chunk = math.ceil(MAX_CLIP_TOKENS / len(hs))
+        per_chunk = math.ceil(awq.MAX_CLIP_TOKENS / len(hs))
         first_sample = 0
         for inputs in self._inputs(compute, hs, attn_ref, list(widths)):
             batch, length = inputs["attn_in"].shape[:2]
             # even samples fit the compensation, odd ones judge it
             is_fit = torch.arange(first_sample, first_sample + batch, device=self.device) % 2 == 0
             for kind, x in inputs.items():
-                samples[kind].append(sample_tokens(x.reshape(batch * length, -1), per_chunk))
+                samples[kind].append(awq.sample_tokens(x.reshape(batch * length, -1), per_chunk))
                 if stats:
                     stats[kind].add(x[is_fit].reshape(-1, x.shape[-1]), is_fit=True)
                     stats[kind].add(x[~is_fit].reshape(-1, x.shape[-1]), is_fit=False)
             first_sample += batch
-        return {kind: torch.cat(parts)[:MAX_CLIP_TOKENS] for kind, parts in samples.items()}, stats
+        return {kind: torch.cat(parts)[: awq.MAX_CLIP_TOKENS] for kind, parts in samples.items()}, stats
 
-    def _sensitivity(self, compute: dict, dequantized: dict, hs: list, outs: list) -> dict[str, float]:
-        """Per fused group, with only that group in INT4: mean over tokens of |error of h|^2 / |h|^2.
-
-        Per token, because the next layer reads h through an RMSNorm: what it sees of an
-        error is the error relative to that token's h.
-        """
-        scores = {}
-        for group_name, members in FUSED_GROUPS.items():
+    def _sensitivity(self, index: int, compute: dict, dequantized: dict, hs: list, outs: list) -> None:
+        """Per fused group, with only that group in INT4: mean over tokens of |error of h|^2 / |h|^2
+        (per token: the next layer reads h through an RMSNorm)."""
+        for group_name, members in writer.FUSED_GROUPS.items():
             swapped = dict(compute)
             for name in members:
                 swapped[f"{name}.weight"] = dequantized[name].to(self.dtype)
             total, num_tokens = 0.0, 0
             for chunk, ref in zip(hs, outs):
-                ref = self.store.load(ref).float()
-                out = self.runner.layer(swapped, self.store.load(chunk)).float()
+                ref = self.load(ref).float()
+                out = self.runner.blocks(swapped, self.load(chunk))[2].float()
                 per_token = (out - ref).pow(2).sum(-1) / ref.pow(2).sum(-1).clamp(min=1e-30)
                 total += float(per_token.sum())
                 num_tokens += per_token.numel()
-            scores[group_name] = total / num_tokens
-        return scores
+            self.report.sensitivity[f"model.layers.{index}.{group_name}"] = total / num_tokens
 
-    def quantize_head(self, hs: list[torch.Tensor]) -> tuple[AwqTensors, torch.Tensor]:
-        """AWQ for lm_head, its scales folded into the final norm; returns (packed head, folded norm weight).
-
-        The search holds the head in float32 several times over ([vocab, hidden]: 0.9 GiB each
-        for a 152K vocabulary), more than a 4 GB card has beside the calibration data; where
-        the device runs out, the head is quantized in host memory instead (slower, same method).
-        """
+    def quantize_head(self, hs: list[torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """AWQ for lm_head, its scales folded into the final norm: (packed head, folded norm weight);
+        in host memory where the device runs out (the search holds [vocab, hidden] float32 copies)."""
         try:
             return self._quantize_head(hs, self.device)
         except torch.cuda.OutOfMemoryError:
@@ -286,44 +205,40 @@ class Quantizer:
             torch.cuda.empty_cache()
             return self._quantize_head(hs, torch.device("cpu"))
 
-    def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[AwqTensors, torch.Tensor]:
+    def _quantize_head(self, hs: list[torch.Tensor], device: torch.device) -> tuple[dict, torch.Tensor]:
         on_device = device == self.device
         dtype = self.dtype if device.type == "cuda" else torch.float32
-        keep = self.store.keep if on_device else (lambda t: t)
-        load = self.store.load if on_device else (lambda t: t.to(device))
+        keep = self.keep if on_device else (lambda t: t)
+        load = self.load if on_device else (lambda t: t.to(device))
         norm = self.source.get("model.norm.weight").to(device, torch.float32)
         weight = self.source.get("lm_head.weight").to(device, torch.float32)
         per_chunk = math.ceil(MAX_HEAD_TOKENS / len(hs))
         normed = [self.runner.rms_norm(load(h).to(dtype), norm.to(dtype)).reshape(-1, norm.shape[0]) for h in hs]
-        x = torch.cat([sample_tokens(n, per_chunk) for n in normed])[:MAX_HEAD_TOKENS]
+        x = torch.cat([awq.sample_tokens(n, per_chunk) for n in normed])[:MAX_HEAD_TOKENS]
         del normed
         pieces = list(torch.split(x, HEAD_CHUNK_TOKENS))
         compute_weight = weight.to(dtype)
         refs = [keep(F.linear(piece, compute_weight)) for piece in pieces]
         del compute_weight
-        if self.method == "awq":
+        if self.is_awq:
 
             def loss_fn(trial):
                 trial_weight = trial[0].to(dtype)
                 return _mse(lambda piece: F.linear(piece, trial_weight), pieces, refs, load)
 
-            found = search_scales(x.abs().float().mean(dim=0), [weight], self.group_size, loss_fn)
-            self.alphas["model.norm->lm_head"] = found.alpha
-            norm, weight = norm / found.scales, weight * found.scales
-            max_abs = search_clip(weight, sample_tokens(x / found.scales.to(x.dtype)), self.group_size)
-            weight = clip_weight(weight, self.group_size, max_abs)
-        packed = _to_host_packed(quantize_rtn(weight, self.group_size), self.group_size)
-        return packed, float16(norm, "model.norm.weight")
+            x_mean = x.abs().float().mean(dim=0)
+            scales, self.report.awq_alphas["model.norm->lm_head"] = awq.search_scales(
+                x_mean, [weight], self.group_size, loss_fn
+            )
+            norm, weight = norm / scales, weight * scales
+            max_abs = awq.search_clip(weight, awq.sample_tokens(x / scales.to(x.dtype)), self.group_size)
+            weight = awq.clip_weight(weight, self.group_size, max_abs)
+        return _packed(weight, self.group_size), float16(norm, "model.norm.weight")
 
 
-def _to_host_packed(tensors: AwqTensors, group_size: int) -> AwqTensors:
-    return AwqTensors(tensors.qweight.cpu(), tensors.qzeros.cpu(), tensors.scales.cpu(), group_size)
-
-
-def _to_host(compensation: Compensation | None) -> Compensation | None:
-    if compensation is None:
-        return None
-    for name in ("lora_a", "lora_b", "bias_correction"):
+def _to_host(compensation):
+    """The compensation's terms as float16 on the host; None where one overflows float16."""
+    for name in ("lora_a", "lora_b", "bias_correction") if compensation else ():
         tensor = getattr(compensation, name)
         if tensor is not None:
             half = tensor.to(device="cpu", dtype=torch.float16).contiguous()
@@ -334,7 +249,10 @@ def _to_host(compensation: Compensation | None) -> Compensation | None:
     return compensation
 
 
-# -- checks before any work ---------------------------------------------------------------------
+def fitting_group_sizes(config: ModelConfig) -> list[int]:
+    """The supported group sizes dividing every Linear's input size (K), smallest first."""
+    sizes = (config.hidden_size, config.intermediate_size, config.q_size)
+    return [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in sizes)]
 
 
 def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: bool) -> None:
@@ -346,14 +264,11 @@ def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: b
         )
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"--group-size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}")
-    inputs = {
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads * head_dim": config.q_size,
-    }
+    inputs = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size}
+    inputs["num_attention_heads * head_dim"] = config.q_size
     for name, value in inputs.items():
         if value % group_size:
-            fitting = [g for g in SUPPORTED_GROUP_SIZES if all(v % g == 0 for v in inputs.values())]
+            fitting = fitting_group_sizes(config)
             hint = f"; use --group-size {fitting[-1]}" if fitting else "; no supported group size divides all of them"
             raise ConfigError(
                 f"--group-size {group_size} does not divide the model's {name} ({value}), which is "
@@ -374,17 +289,6 @@ def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: b
         )
 
 
-def _check_output(model_dir: Path, out_dir: Path, is_forced: bool) -> None:
-    if out_dir.resolve() == model_dir.resolve():
-        raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
-    if not out_dir.parent.is_dir():
-        raise ConfigError(f"the parent of OUT ({out_dir.parent}) does not exist; create it first")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"OUT {out_dir} exists and is not a directory")
-    if out_dir.exists() and any(out_dir.iterdir()) and not is_forced:
-        raise ConfigError(f"OUT {out_dir} already exists and is not empty; pass --force to replace it")
-
-
 def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[torch.device, int | None]:
     """The device to compute on and the bytes it may use (None on the CPU), capped as emulated."""
     from lowvram.memory.device import pick_device
@@ -392,8 +296,9 @@ def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[tor
     device = pick_device(requested)
     if device.type != "cuda":
         return device, None
-    if device.index is None:  # set_per_process_memory_fraction insists on an explicit index
-        device = torch.device("cuda", torch.cuda.current_device())
+    # set_per_process_memory_fraction insists on an explicit index
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    torch.cuda.reset_peak_memory_stats(device)
     total = torch.cuda.get_device_properties(device).total_memory
     if emulate_vram_gib is None:
         return device, total
@@ -404,18 +309,6 @@ def _compute_device(requested: str, emulate_vram_gib: float | None) -> tuple[tor
         )
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return device, int(emulate_vram_gib * GIB)
-
-
-def _peak_host_bytes() -> int | None:
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-# -- the entry point ------------------------------------------------------------------------------
 
 
 def quantize_model(
@@ -440,28 +333,10 @@ def quantize_model(
 ) -> QuantizeReport:
     """Quantize an FP16/BF16 checkpoint to AWQ INT4 (AutoAWQ GEMM layout) in `out_dir`.
 
-    Args:
-        method: "awq" (scale and clipping search) or "rtn" (plain round-to-nearest).
-        group_size: inputs per scale and zero point: 32, 64 or 128; must divide the model's
-            hidden, intermediate and attention sizes.
-        fp16_budget_mib: extra MiB (over INT4) that the most quantization-sensitive layers
-            may take to stay FP16; 0 keeps every decoder Linear in INT4.
-        rank: the largest rank of the low-rank error correction per Linear; 0 turns it off.
-        bias_correction: also offer each Linear a bias correction (the INT4 error's mean
-            output on the calibration set), kept where it helps there. Off by default: it fits
-            the calibration mix's mean input, which other text need not share.
-        quantize_head: quantize lm_head too (other loaders, vLLM included, then cannot load
-            the checkpoint: they keep lm_head in FP16). Embeddings always stay FP16.
-        calib_texts / calib_path: calibration text (a list of strings, or a .jsonl/.txt file);
-            neither means the corpus shipped with lowvram.
-        num_samples, seq_len: calibration blocks and their length in tokens.
-        device: where the computation runs ("auto", "cuda", "cpu"); the model stays on the host.
-        emulate_vram_gib: cap this process's CUDA allocator to behave like a card this size.
-        force: replace a non-empty `out_dir`.
-        show_progress: draw a progress bar per layer on stderr.
-        on_layer: called with (layers done, number of layers) after each layer, for UIs.
-    Raises ConfigError, ModelLoadError, UnsupportedModelError with what to do; on any error
-    no output directory is left behind.
+    The options are the CLI's (`lowvram quantize --help`); calib_texts (strings) replace the
+    calibration file; show_progress draws a bar on stderr; on_layer(done, total) follows each
+    layer. Raises ConfigError, ModelLoadError, UnsupportedModelError saying what to do; on any
+    error no output directory is left behind.
     """
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir).expanduser(), Path(out_dir).expanduser()
@@ -476,12 +351,18 @@ def quantize_model(
         )
     config, raw_config = load_model_config(model_dir)
     check_quantizable(config, group_size, quantize_head)
-    _check_output(model_dir, out_dir, force)
-    budget_bytes = int(fp16_budget_mib * MIB)
+    if out_dir.resolve() == model_dir.resolve():
+        raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
+    if not out_dir.parent.is_dir():
+        raise ConfigError(f"the parent of OUT ({out_dir.parent}) does not exist; create it first")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"OUT {out_dir} exists and is not a directory")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise ConfigError(f"OUT {out_dir} already exists and is not empty; pass --force to replace it")
     free_bytes = shutil.disk_usage(out_dir.parent).free
-    linear_int4 = sum(group_bytes(config, group_size, members)[1] for members in FUSED_GROUPS.values())
+    linear_int4 = sum(writer.group_bytes(config, group_size, members)[1] for members in writer.FUSED_GROUPS.values())
     embeddings = config.vocab_size * config.hidden_size * 2 * (1 if config.is_tied_head else 2)
-    needed_bytes = config.num_layers * linear_int4 + embeddings + budget_bytes
+    needed_bytes = config.num_layers * linear_int4 + embeddings + int(fp16_budget_mib * MIB)
     if free_bytes < needed_bytes:
         raise ConfigError(
             f"the disk holding {out_dir.parent} has {free_bytes / MIB:.0f} MiB free but the checkpoint "
@@ -489,9 +370,6 @@ def quantize_model(
         )
 
     compute_device, cap_bytes = _compute_device(device, emulate_vram_gib)
-    if compute_device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(compute_device)
-
     from lowvram.engine.tokenizer import Tokenizer
 
     records = [{"text": t} for t in calib_texts] if calib_texts is not None else load_calibration_records(calib_path)
@@ -503,25 +381,27 @@ def quantize_model(
         )
     num_samples, seq_len = ids.shape
     source = SourceCheckpoint(model_dir)
-    quantizer = Quantizer(
-        config,
-        source,
-        compute_device,
-        method=method,
-        group_size=group_size,
-        rank=rank,
-        use_bias_correction=bias_correction,
-        is_sensitivity_needed=budget_bytes > 0,
-        seq_len=seq_len,
-        max_resident_bytes=int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None,
-    )
+    settings = (method, group_size, str(compute_device), num_samples, seq_len, rank, bias_correction)
+    report = QuantizeReport(str(model_dir), str(out_dir), *settings, fp16_budget_mib, quantize_head)
+    quantizer = Quantizer(config, source, report, compute_device)
+    quantizer.max_resident_bytes = int(MAX_RESIDENT_SHARE * cap_bytes) if cap_bytes else None
     samples_per_chunk = max(1, CHUNK_TOKENS[compute_device.type] // seq_len)
-    layers: list[LayerResult] = []
+    indices = range(config.num_layers)
+    if show_progress:
+        from rich.console import Console
+        from rich.progress import track
+
+        indices = track(indices, description="quantizing layers", console=Console(stderr=True))
+    layers = []  # (norms, linears) per layer
     try:
         with torch.inference_mode():
-            hs = quantizer.embed(ids, samples_per_chunk)
-            for index in _progress(range(config.num_layers), show_progress):
-                result, hs = quantizer.quantize_layer(index, hs)
+            table = source.get("model.embed_tokens.weight")
+            hs = [  # layer 0's inputs, [b, L, hidden] per chunk of samples
+                quantizer.keep(F.embedding(ids[i : i + samples_per_chunk], table).to(compute_device, quantizer.dtype))
+                for i in range(0, num_samples, samples_per_chunk)
+            ]
+            for index in indices:
+                *result, hs = quantizer.quantize_layer(index, hs)
                 layers.append(result)
                 if on_layer is not None:
                     on_layer(index + 1, config.num_layers)
@@ -533,50 +413,18 @@ def quantize_model(
             f"quantizing layer {len(layers)} ran out of device memory ({cap}) with {num_samples} x {seq_len} "
             "calibration tokens; lower --num-samples or --seq-len, or use --device cpu"
         ) from None
-
-    scores = {(index, group): score for index, layer in enumerate(layers) for group, score in layer.scores.items()}
-    chosen = choose_fp16_groups(scores, config, group_size, budget_bytes) if budget_bytes else []
-    skipped = modules_to_not_convert(chosen)
-    report = QuantizeReport(
-        model_dir=str(model_dir),
-        out_dir=str(out_dir),
-        method=method,
-        group_size=group_size,
-        device=str(compute_device),
-        num_samples=num_samples,
-        seq_len=seq_len,
-        rank=rank,
-        has_bias_correction=bias_correction,
-        fp16_budget_mib=fp16_budget_mib,
-        is_head_quantized=quantize_head,
-        sensitivity={f"model.layers.{layer}.{group}": score for (layer, group), score in scores.items()},
-        fp16_groups=[
-            {"name": f"model.layers.{layer}.{group}", "score": score, "extra_mib": extra / MIB}
-            for layer, group, score, extra in chosen
-        ],
-        awq_alphas=quantizer.alphas,
-    )
-    tensors, extras = assemble(source, config, layers, set(skipped), head, report)
+    skipped = writer.choose_fp16_groups(report, config)
+    tensors, extras = writer.assemble(source, config, layers, set(skipped), head, report)
     report.seconds = time.perf_counter() - start
     if compute_device.type == "cuda":
         report.peak_device_bytes = torch.cuda.max_memory_allocated(compute_device)
-    report.peak_host_bytes = _peak_host_bytes()
-    quant = AwqConfig(group_size=group_size, modules_to_not_convert=tuple(skipped))
-    write_output(model_dir, out_dir, raw_config, quant, tensors, extras, report)
+    if sys.platform != "win32":  # no resource module there
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        report.peak_host_bytes = peak if sys.platform == "darwin" else peak * 1024
+    writer.write_output(model_dir, out_dir, raw_config, skipped, tensors, extras, report)
     return report
-
-
-def _progress(layers: range, is_shown: bool):
-    """The layers, with a progress bar on stderr when shown."""
-    if not is_shown:
-        return layers
-    from rich.console import Console
-    from rich.progress import track
-
-    return track(layers, description="quantizing layers", console=Console(stderr=True))
-
-
-# -- command line -----------------------------------------------------------------------------
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
@@ -591,53 +439,26 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer)")
     add("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
-    add(
-        "--group-size",
-        type=int,
-        default=128,
-        choices=SUPPORTED_GROUP_SIZES,
-        help="inputs sharing one scale and zero point (default 128)",
+    group_help = "inputs sharing one scale and zero point (default 128)"
+    add("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    calib_help = (
+        "calibration text: .jsonl ({'text'} or {'messages'} records) or plain text (default: the shipped corpus)"
     )
-    add(
-        "--calib",
-        metavar="FILE",
-        help="calibration text: .jsonl ({'text'} or {'messages'} records) or plain text; default: the corpus shipped with lowvram",
-    )
+    add("--calib", metavar="FILE", help=calib_help)
     add("--num-samples", type=int, default=128, help="calibration blocks (default 128)")
     add("--seq-len", type=int, default=512, help="tokens per calibration block (default 512)")
-    add(
-        "--fp16-budget-mib",
-        type=float,
-        default=0.0,
-        help="extra MiB the most sensitive layers may use to stay FP16 (default 0: none)",
-    )
+    budget_help = "extra MiB the most sensitive layers may use to stay FP16 (default 0: none)"
+    add("--fp16-budget-mib", type=float, default=0.0, help=budget_help)
     head = parser.add_mutually_exclusive_group()
-    head.add_argument(
-        "--keep-head",
-        dest="quantize_head",
-        action="store_false",
-        help="keep lm_head in FP16 (default; what vLLM and transformers expect)",
-    )
-    head.add_argument(
-        "--quantize-head", action="store_true", help="quantize lm_head too (smaller, but only lowvram loads the result)"
-    )
-    add(
-        "--rank",
-        type=int,
-        default=0,
-        help="largest rank of the per-layer low-rank INT4 error correction (default 0: off)",
-    )
-    add(
-        "--bias-correction",
-        action="store_true",
-        help="also correct each layer's mean INT4 error with a bias (off by default: it fits the calibration text's mean input, which other text may not share)",
-    )
-    add(
-        "--device",
-        choices=["auto", "cuda", "cpu"],
-        default="auto",
-        help="where to compute (the model itself stays in host memory)",
-    )
+    keep_help = "keep lm_head in FP16 (default; what vLLM and transformers expect)"
+    head.add_argument("--keep-head", dest="quantize_head", action="store_false", help=keep_help)
+    quantize_help = "quantize lm_head too (smaller, but only lowvram loads the result)"
+    head.add_argument("--quantize-head", action="store_true", help=quantize_help)
+    add("--rank", type=int, default=0, help="largest rank of the low-rank INT4 error correction (default 0: off)")
+    bias_help = "also correct each layer's mean INT4 error with a bias (off: it fits the calibration text's mean input)"
+    add("--bias-correction", action="store_true", help=bias_help)
+    where_help = "where to compute (the model itself stays in host memory)"
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help=where_help)
     add("--emulate-vram-gib", type=float, help="behave like a card with this much memory")
     add("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(func=cmd_quantize, quantize_head=False)
@@ -651,11 +472,8 @@ CLI_OPTIONS += ("num_samples", "seq_len", "device", "emulate_vram_gib", "force")
 
 def cmd_quantize(args) -> int:
     if args.quantize_head:
-        print(
-            "lowvram: --quantize-head: vLLM and transformers keep lm_head in FP16 and will not load this "
-            "checkpoint; lowvram will",
-            file=sys.stderr,
-        )
+        warning = "vLLM and transformers keep lm_head in FP16 and will not load this checkpoint; lowvram will"
+        print(f"lowvram: --quantize-head: {warning}", file=sys.stderr)
     options = {name: getattr(args, name) for name in CLI_OPTIONS}
     report = quantize_model(args.model, args.out, calib_path=args.calib, show_progress=True, **options)
     print(report.summary())

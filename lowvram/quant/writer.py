@@ -1,11 +1,7 @@
-"""What `lowvram quantize` writes: the FP16-kept groups, the AutoAWQ GEMM checkpoint and its report.
-
-The output directory is the AutoAWQ GEMM layout exactly (`model.safetensors` with
-`*.qweight` int32 [K, N/8], `*.qzeros` int32 [K/G, N/8], `*.scales` float16 [K/G, N], FP16
-everything else; `quantization_config` in config.json), plus the tokenizer files, the
-compensation tensors in `lowvram_compensation.st` (a file vLLM and transformers never
-read) and `lowvram_quantize.json` (what was chosen and why). It is written into
-OUT.partial-XXXX and renamed into place at the end; on any error that directory is removed.
+"""What `lowvram quantize` writes: the AutoAWQ GEMM checkpoint exactly (`model.safetensors`,
+`quantization_config`), the tokenizer files, the compensation in `lowvram_compensation.st` (a
+file vLLM and transformers never read) and `lowvram_quantize.json`; staged in OUT.partial-XXXX
+and renamed into place, so an error leaves nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from pathlib import Path
 import torch
 
 from lowvram.errors import ConfigError, UnsupportedModelError
-from lowvram.kernels.awq_format import AwqTensors
 from lowvram.models.checkpoint import COMPENSATION_FILE
 from lowvram.models.config import AwqConfig, ModelConfig
 from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A, LORA_B
@@ -33,10 +28,9 @@ WEIGHTS_FILE = "model.safetensors"
 REPORT_FILE = "lowvram_quantize.json"
 # Files of the input directory that are not copied: weights, and configs that are rewritten.
 SKIPPED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".st")
-SKIPPED_FILES = ("config.json", "quant_config.json", "model.safetensors.index.json", REPORT_FILE)
+SKIPPED_FILES = ("config.json", "quant_config.json", "model.safetensors.index.json")  # and lowvram_* files
 
-# Linears that vLLM fuses into one module must share a precision: one INT4/FP16 decision
-# covers the whole group. Named as vLLM names the module -> its checkpoint Linears.
+# Linears that vLLM fuses into one module share one INT4/FP16 decision: vLLM's name -> ours.
 FUSED_GROUPS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
@@ -77,9 +71,6 @@ class QuantizeReport:
     def total_bytes(self) -> int:
         return self.int4_bytes + self.fp16_layer_bytes + self.compensation_bytes + self.other_bytes
 
-    def to_json(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total_bytes}
-
     def summary(self) -> str:
         lines = [
             f"quantized {self.model_dir} -> {self.out_dir} ({self.method.upper()} INT4, group size "
@@ -96,8 +87,7 @@ class QuantizeReport:
         elif self.fp16_budget_mib > 0:
             lines.append(f"  no layer fits the FP16 budget of {self.fp16_budget_mib:g} MiB")
         if self.compensation:
-            ranks = [c["rank"] for c in self.compensation.values()]
-            reductions = [c["error_reduction"] for c in self.compensation.values()]
+            ranks, reductions = zip(*((c["rank"], c["error_reduction"]) for c in self.compensation.values()))
             lines.append(
                 f"  compensation on {len(ranks)} linears: mean rank {sum(ranks) / len(ranks):.1f}, "
                 f"held-out INT4 error reduced by {100 * sum(reductions) / len(reductions):.0f}% on average"
@@ -110,23 +100,20 @@ class QuantizeReport:
         return "\n".join([*lines, time])
 
 
-# -- choosing the FP16 groups -----------------------------------------------------------------
-
-
 def group_bytes(config: ModelConfig, group_size: int, members: tuple[str, ...]) -> tuple[int, int]:
     """(FP16 bytes, INT4 bytes) of a fused group's weights."""
+    c = config
     shapes = {  # [N, K]
-        "self_attn.q_proj": (config.q_size, config.hidden_size),
-        "self_attn.k_proj": (config.kv_size, config.hidden_size),
-        "self_attn.v_proj": (config.kv_size, config.hidden_size),
-        "self_attn.o_proj": (config.hidden_size, config.q_size),
-        "mlp.gate_proj": (config.intermediate_size, config.hidden_size),
-        "mlp.up_proj": (config.intermediate_size, config.hidden_size),
-        "mlp.down_proj": (config.hidden_size, config.intermediate_size),
+        "self_attn.q_proj": (c.q_size, c.hidden_size),
+        "self_attn.k_proj": (c.kv_size, c.hidden_size),
+        "self_attn.v_proj": (c.kv_size, c.hidden_size),
+        "self_attn.o_proj": (c.hidden_size, c.q_size),
+        "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj": (c.hidden_size, c.intermediate_size),
     }
     fp16 = int4 = 0
-    for name in members:
-        num_outputs, num_inputs = shapes[name]
+    for num_outputs, num_inputs in (shapes[name] for name in members):
         num_groups = num_inputs // group_size
         fp16 += num_outputs * num_inputs * 2
         # packed codes, packed zeros, float16 scales
@@ -134,51 +121,33 @@ def group_bytes(config: ModelConfig, group_size: int, members: tuple[str, ...]) 
     return fp16, int4
 
 
-def choose_fp16_groups(
-    scores: dict[tuple[int, str], float], config: ModelConfig, group_size: int, budget_bytes: int
-) -> list[tuple[int, str, float, int]]:
-    """The most sensitive fused groups whose extra bytes (FP16 minus INT4) fit the budget.
-
-    Greedy by score: a group that does not fit is skipped and smaller ones are still tried.
-    Returns (layer, group, score, extra_bytes), most sensitive first.
-    """
+def choose_fp16_groups(report: QuantizeReport, config: ModelConfig) -> list[str]:
+    """Fill report.fp16_groups with the most sensitive fused groups whose extra bytes (FP16
+    minus INT4) fit the budget, greedily by score (a group that does not fit is skipped);
+    returns modules_to_not_convert: their Linears' names plus the fused names vLLM matches."""
     chosen, used = [], 0
-    for (layer, group), score in sorted(scores.items(), key=lambda item: -item[1]):
-        fp16, int4 = group_bytes(config, group_size, FUSED_GROUPS[group])
-        if used + fp16 - int4 <= budget_bytes:
-            chosen.append((layer, group, score, fp16 - int4))
+    for name, score in sorted(report.sensitivity.items(), key=lambda item: -item[1]):
+        layer, group = name.split(".", 3)[2:]
+        fp16, int4 = group_bytes(config, report.group_size, FUSED_GROUPS[group])
+        if used + fp16 - int4 <= int(report.fp16_budget_mib * MIB):
+            report.fp16_groups.append({"name": name, "score": score, "extra_mib": (fp16 - int4) / MIB})
+            chosen.append((int(layer), list(FUSED_GROUPS).index(group), group))
             used += fp16 - int4
-    return chosen
-
-
-def modules_to_not_convert(chosen: list[tuple[int, str, float, int]]) -> list[str]:
-    """The kept Linears' checkpoint names, plus the fused names vLLM matches against."""
     names = []
-    for layer, group, _, _ in sorted(chosen, key=lambda c: (c[0], list(FUSED_GROUPS).index(c[1]))):
-        members = FUSED_GROUPS[group]
-        names += [f"model.layers.{layer}.{name}" for name in members]
-        if group not in members:
+    for layer, _, group in sorted(chosen):
+        names += [f"model.layers.{layer}.{name}" for name in FUSED_GROUPS[group]]
+        if group not in FUSED_GROUPS[group]:
             names.append(f"model.layers.{layer}.{group}")
     return names
 
 
-# -- assembling and writing --------------------------------------------------------------------
-
-
 @dataclass
 class LinearResult:
-    packed: AwqTensors  # on the host
+    packed: dict[str, torch.Tensor]  # qweight, qzeros, scales on the host
     bias: torch.Tensor | None  # float16, folded
     input_scales: torch.Tensor | None  # [K] AWQ scale applied to the weight's columns
     output_scales: torch.Tensor | None  # [N] divisor folded into the weight's rows (prev of a later group)
     compensation: Compensation | None = None
-
-
-@dataclass
-class LayerResult:
-    norms: dict[str, torch.Tensor]  # folded, float16
-    linears: dict[str, LinearResult]
-    scores: dict[str, float]  # fused group -> sensitivity
 
 
 def float16(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -192,12 +161,10 @@ def float16(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return half
 
 
-def assemble(source, config: ModelConfig, layers: list[LayerResult], fp16_names: set[str], head, report):
-    """(output tensors under AutoAWQ names, compensation tensors); fills the report's byte counts.
-
-    A Linear in `fp16_names` is re-read from `source` (a layer.SourceCheckpoint) with its AWQ
-    scales folded in; `head` is (packed lm_head, folded final norm) or None.
-    """
+def assemble(source, config: ModelConfig, layers: list, fp16_names: set[str], head, report: QuantizeReport):
+    """(tensors under AutoAWQ names, compensation tensors), counting bytes in the report, from
+    (norms, {linear: LinearResult}) per layer and `head` (packed lm_head, folded norm) or None;
+    a Linear in `fp16_names` is re-read from `source` with its AWQ scales folded in."""
     tensors, extras = {}, {}
 
     def add(name: str, tensor: torch.Tensor, kind: str) -> None:
@@ -208,10 +175,10 @@ def assemble(source, config: ModelConfig, layers: list[LayerResult], fp16_names:
         return float16(source.get(name), name)
 
     add("model.embed_tokens.weight", original("model.embed_tokens.weight"), "other_bytes")
-    for index, layer in enumerate(layers):
-        for name, tensor in layer.norms.items():
+    for index, (norms, linears) in enumerate(layers):
+        for name, tensor in norms.items():
             add(f"model.layers.{index}.{name}", tensor, "other_bytes")
-        for name, result in layer.linears.items():
+        for name, result in linears.items():
             prefix = f"model.layers.{index}.{name}"
             kind = "fp16_layer_bytes" if prefix in fp16_names else "int4_bytes"
             if prefix in fp16_names:
@@ -223,8 +190,8 @@ def assemble(source, config: ModelConfig, layers: list[LayerResult], fp16_names:
                 add(f"{prefix}.weight", float16(weight, f"{prefix}.weight"), kind)
             else:
                 report.num_int4_linears += 1
-                for attr in ("qweight", "qzeros", "scales"):
-                    add(f"{prefix}.{attr}", getattr(result.packed, attr), kind)
+                for attr, tensor in result.packed.items():
+                    add(f"{prefix}.{attr}", tensor, kind)
             if result.bias is not None:
                 add(f"{prefix}.bias", result.bias, kind)
             comp = result.compensation
@@ -241,10 +208,9 @@ def assemble(source, config: ModelConfig, layers: list[LayerResult], fp16_names:
                 "error_reduction": round(comp.error_reduction, 4),
             }
     if head is not None:
-        packed, norm = head
-        add("model.norm.weight", norm, "other_bytes")
-        for attr in ("qweight", "qzeros", "scales"):
-            add(f"lm_head.{attr}", getattr(packed, attr), "int4_bytes")
+        add("model.norm.weight", head[1], "other_bytes")
+        for attr, tensor in head[0].items():
+            add(f"lm_head.{attr}", tensor, "int4_bytes")
     else:
         add("model.norm.weight", original("model.norm.weight"), "other_bytes")
         if not config.is_tied_head:
@@ -259,26 +225,36 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def write_output(
-    model_dir: Path, out_dir: Path, raw_config: dict, quant: AwqConfig, tensors: dict, extras: dict, report
-) -> None:
-    """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure."""
+def write_output(model_dir: Path, out_dir: Path, raw_config: dict, skipped: list, tensors: dict, extras: dict, report):
+    """Write everything into OUT.partial-XXXX, then rename it to OUT; remove it on any failure.
+    `skipped`: the FP16-kept modules (quantization_config.modules_to_not_convert)."""
     staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         config = {key: value for key, value in raw_config.items() if key != "quantization_config"}
+        quant = AwqConfig(group_size=report.group_size, modules_to_not_convert=tuple(skipped))
         config.update(quantization_config=quant.to_config_dict(), torch_dtype="float16", dtype="float16")
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_tensors(tensors, staging / WEIGHTS_FILE)
         if extras:
             write_tensors(extras, staging / COMPENSATION_FILE)
         for path in sorted(model_dir.iterdir()):
-            is_skipped = (
-                path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES or path.name.startswith("lowvram_")
-            )
-            if path.is_file() and not is_skipped:
+            is_skipped = path.name in SKIPPED_FILES or path.suffix in SKIPPED_SUFFIXES
+            if path.is_file() and not is_skipped and not path.name.startswith("lowvram_"):
                 shutil.copy2(path, staging / path.name)
-        (staging / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-        _move_into_place(staging, out_dir)
+        report_json = {**asdict(report), "total_bytes": report.total_bytes}
+        (staging / REPORT_FILE).write_text(json.dumps(report_json, indent=2) + "\n", encoding="utf-8")
+        if out_dir.exists():  # swapped in, the old one put back if the rename fails
+            old = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            try:
+                os.replace(staging, out_dir)
+            except BaseException:
+                os.replace(old / out_dir.name, out_dir)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out_dir)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if not isinstance(exc, OSError):
@@ -289,18 +265,3 @@ def write_output(
                 f"{report.total_bytes / MIB:.0f} MiB); free some space or choose another OUT. Nothing was written."
             ) from None
         raise ConfigError(f"cannot write the checkpoint under {out_dir.parent}: {exc}. Nothing was written.") from None
-
-
-def _move_into_place(staging: Path, out_dir: Path) -> None:
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, old / out_dir.name)
-    try:
-        os.replace(staging, out_dir)
-    except BaseException:
-        os.replace(old / out_dir.name, out_dir)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
