@@ -35,13 +35,18 @@ QUANTIZABLE_LINEARS = (*(f"self_attn.{n}_proj" for n in "qkvo"), "mlp.gate_proj"
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local directory as is, a hub id fetched through huggingface_hub, or (None) the demo model."""
+    """A local directory as is, a GGUF file converted once (models/gguf.py), a hub id fetched
+    through huggingface_hub, or (None) the demo model."""
     if model is None:
         return demo_model_path()
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf":
+        from lowvram.models.gguf import convert_gguf
+
+        return convert_gguf(path)
     looks_like_path = (
         path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep == "\\" and "\\" in text
     )
@@ -55,7 +60,7 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         raise ModelLoadError(
             f"could not fetch {text!r} from the Hugging Face hub ({reason}). If this machine is offline, "
-            f"download the model elsewhere (huggingface-cli download {text} --local-dir DIR), copy DIR here "
+            f"download the model elsewhere (hf download {text} --local-dir DIR), copy DIR here "
             f"and pass --model DIR"
         ) from None
 
