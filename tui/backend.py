@@ -86,7 +86,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     from lowvram.kv.conversation_store import model_identity
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
-    from lowvram.quant.quantize import quantize_model
+    from lowvram.quant.quantize import fitting_group_sizes, quantize_model
 
     model_dir = resolve_model_path(spec.model)
     config, _ = load_model_config(model_dir)
@@ -94,11 +94,9 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         on_stage(f"{spec.model_label} is already AWQ INT4")
         return str(model_dir)
     profile = load_profile(spec.profile)
-    base = user_data_dir("quantized")
-    out = (
-        base
-        / f"{model_dir.name}-awq-g128-f{profile.fp16_budget_mib}-r{profile.compensation_rank}-{model_identity(model_dir)[:12]}"
-    )
+    group_size = max(fitting_group_sizes(config), default=128)
+    settings = f"awq-g{group_size}-f{profile.fp16_budget_mib}-r{profile.compensation_rank}"
+    out = user_data_dir("quantized") / f"{model_dir.name}-{settings}-{model_identity(model_dir)[:12]}"
     if (out / "config.json").is_file():
         on_stage(f"using the AWQ INT4 copy made earlier: {out}")
         return str(out)
@@ -107,6 +105,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     quantize_model(
         model_dir,
         out,
+        group_size=group_size,
         fp16_budget_mib=profile.fp16_budget_mib,
         rank=profile.compensation_rank,
         num_samples=spec.num_calib_samples,

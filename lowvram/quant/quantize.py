@@ -316,7 +316,7 @@ def quantize_model(
     out_dir: str | Path,
     *,
     method: str = "awq",
-    group_size: int = 128,
+    group_size: int | None = None,
     fp16_budget_mib: float = 0.0,
     rank: int = 0,
     bias_correction: bool = False,
@@ -340,6 +340,10 @@ def quantize_model(
     """
     start = time.perf_counter()
     model_dir, out_dir = Path(model_dir).expanduser(), Path(out_dir).expanduser()
+    if model_dir.suffix.lower() == ".gguf":
+        from lowvram.models.gguf import convert_gguf
+
+        model_dir = convert_gguf(model_dir)
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} is not supported; use one of {list(METHODS)}")
     if rank < 0 or fp16_budget_mib < 0:
@@ -350,6 +354,8 @@ def quantize_model(
             "(config.json, *.safetensors, tokenizer files)"
         )
     config, raw_config = load_model_config(model_dir)
+    if group_size is None:  # 128, or the largest that divides the model's sizes (SmolLM2's 576: 64)
+        group_size = max(fitting_group_sizes(config), default=128)
     check_quantizable(config, group_size, quantize_head)
     if out_dir.resolve() == model_dir.resolve():
         raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
@@ -436,11 +442,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
         "the most sensitive layers in FP16 and adding a low-rank correction of the INT4 error.",
     )
     add = parser.add_argument
-    add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer)")
+    add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer) or GGUF file")
     add("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
-    group_help = "inputs sharing one scale and zero point (default 128)"
-    add("--group-size", type=int, default=128, choices=SUPPORTED_GROUP_SIZES, help=group_help)
+    group_help = "inputs sharing one scale and zero point (default 128, or the largest that divides the model's sizes)"
+    add("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, help=group_help)
     calib_help = (
         "calibration text: .jsonl ({'text'} or {'messages'} records) or plain text (default: the shipped corpus)"
     )
