@@ -1,10 +1,8 @@
 """`lowvram serve`: the OpenAI-compatible server under uvicorn.
 
-Binding beyond loopback exposes the model to the network, so it needs an API
-key unless the user says --insecure-no-auth. SIGINT/SIGTERM stop admissions at
-once (new requests get 503), let in-flight requests finish for
---shutdown-grace-s seconds, then end the rest cleanly (a streamed error event
-and `data: [DONE]`) before the process exits; a second Ctrl-C quits at once.
+Beyond loopback it needs an API key unless --insecure-no-auth. SIGINT/SIGTERM stop admissions (503),
+give in-flight requests --shutdown-grace-s seconds, then end the rest cleanly; a second Ctrl-C quits.
+Cheap to import (the CLI parser needs it); the app imports its defaults from here.
 """
 
 from __future__ import annotations
@@ -17,16 +15,15 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from lowvram.errors import ConfigError
-from lowvram.server.defaults import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_SHUTDOWN_GRACE_S,
-)
 
 API_KEY_ENV = "LOWVRAM_API_KEY"
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a 4 GB card's context
+DEFAULT_MAX_TOKENS = 4096  # when a request gives no max_tokens; never more than the context left
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def is_loopback(host: str) -> bool:
@@ -100,14 +97,12 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
                     signal.signal(sig, handler)
 
     # uvicorn's own grace period is a backstop behind the app's: it cancels what is still running.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=access_log,
-        lifespan="on",
-        timeout_graceful_shutdown=int(state.shutdown_grace_s) + 5,
+    grace_s = int(state.shutdown_grace_s) + 5
+    return Server(
+        uvicorn.Config(
+            app, log_level=log_level, access_log=access_log, lifespan="on", timeout_graceful_shutdown=grace_s
+        )
     )
-    return Server(config)
 
 
 class BackgroundServer:
@@ -118,30 +113,24 @@ class BackgroundServer:
     """
 
     def __init__(self, app, sock: socket.socket, *, log_level: str = "warning"):
-        self.app, self.sock = app, sock
+        self.app = app
         self.port = sock.getsockname()[1]
         self.server = _uvicorn_server(app, log_level=log_level, access_log=False)
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, name="lowvram-server", daemon=True
-        )
+        self._thread = threading.Thread(target=self.server.run, args=([sock],), name="lowvram-server", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         self._thread.start()
-        for _ in range(int(timeout_s / 0.02)):
-            if self.server.started or not self._thread.is_alive():
-                break
-            threading.Event().wait(0.02)
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         if not self.server.started:
             raise RuntimeError("the server did not start")
         return self
 
-    def request_stop(self) -> None:
-        """Begin shutting down as SIGTERM would: drain, then end what is left after the grace period."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut down as SIGTERM would: drain, end what is left after the grace period, then wait."""
         self.app.state.lowvram.begin_shutdown()
         self.server.should_exit = True
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.request_stop()
         self._thread.join(timeout_s)
 
     @property
@@ -190,33 +179,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="the model id clients send (default: the model directory's name); use the same name "
         "with vLLM's --served-model-name to move clients unchanged",
     )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help="most requests held at once, running or waiting; more get 429 with Retry-After "
-        f"(default {DEFAULT_MAX_QUEUE})",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="completion length when a request gives no max_tokens, at most the context left "
-        f"(default {DEFAULT_MAX_TOKENS})",
-    )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are ended "
-        f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})",
-    )
+    for flag, kind, default, help_text in (
+        ("--max-queue", int, DEFAULT_MAX_QUEUE, "most requests held at once, running or waiting; more get 429"),
+        ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413"),
+        ("--default-max-tokens", int, DEFAULT_MAX_TOKENS, "length of a reply whose request gives no max_tokens"),
+        ("--shutdown-grace-s", float, DEFAULT_SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -228,9 +197,10 @@ def cmd_serve(args) -> int:
     from lowvram.server.app import create_app
 
     check_exposure(args.host, args.api_key, args.insecure_no_auth)
-    for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)} must be a positive integer")
+    limits = {k: vars(args)[k] for k in ("max_queue", "max_body_bytes", "default_max_tokens", "shutdown_grace_s")}
+    for name, value in list(limits.items())[:3]:
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} = {value} must be a positive integer")
     if args.shutdown_grace_s < 0:
         raise ConfigError(f"--shutdown-grace-s = {args.shutdown_grace_s:g} must be zero or more")
     sock = bind_socket(args.host, args.port)
@@ -248,15 +218,7 @@ def cmd_serve(args) -> int:
     model_name = args.served_model_name or engine.model_dir.name
     async_engine = AsyncLLMEngine(engine).start()
     try:
-        app = create_app(
-            async_engine,
-            model_name=model_name,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            default_max_tokens=args.default_max_tokens,
-            shutdown_grace_s=args.shutdown_grace_s,
-        )
+        app = create_app(async_engine, model_name=model_name, api_key=args.api_key, **limits)
         host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
         port = sock.getsockname()[1]
         auth = "API key required" if args.api_key else "no API key"

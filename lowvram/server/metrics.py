@@ -1,9 +1,6 @@
-"""Server metrics in the Prometheus text format (version 0.0.4), written by hand.
-
-The format is a few lines per metric, so a client library would add a
-dependency for little. Everything here is touched only from the server's event
-loop thread, hence no locks. Engine-side gauges (pages, precision, batch,
-controller) are read from the engine's latest snapshot at scrape time.
+"""Server metrics in the Prometheus text format (0.0.4), written by hand: a client library would be
+a dependency for a few lines. Only the event loop thread touches them, hence no locks; engine gauges
+come from the engine's latest snapshot at scrape time.
 """
 
 from __future__ import annotations
@@ -87,36 +84,20 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.requests = Counter(
-            "lowvram_http_requests_total",
-            "HTTP requests answered, by endpoint and status code.",
-            ("endpoint", "status"),
-        )
-        self.finished = Counter(
-            "lowvram_requests_finished_total",
-            "Generation requests ended, by reason (stop, length, abort, error, shutdown).",
-            ("finish_reason",),
-        )
+        answered = "HTTP requests answered, by endpoint and status code."
+        self.requests = Counter("lowvram_http_requests_total", answered, ("endpoint", "status"))
+        finished = "Generation requests ended, by reason (stop, length, abort, error, shutdown)."
+        self.finished = Counter("lowvram_requests_finished_total", finished, ("finish_reason",))
         self.prompt_tokens = Counter("lowvram_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("lowvram_generation_tokens_total", "Tokens generated and delivered.")
-        self.rejected = Counter(
-            "lowvram_requests_rejected_total",
-            "Requests refused before generation because the queue was full or the server was stopping.",
-            ("reason",),
-        )
-        self.ttft = Histogram(
-            "lowvram_time_to_first_token_seconds", "Time from admission to the first generated token.", TTFT_BUCKETS_S
-        )
-        self.token_latency = Histogram(
-            "lowvram_inter_token_latency_seconds",
-            "Time between consecutive tokens of one request.",
-            TOKEN_LATENCY_BUCKETS_S,
-        )
-        self.controller_events = Counter(
-            "lowvram_controller_events_total",
-            "Controller decisions seen in engine snapshots, by decision.",
-            ("decision",),
-        )
+        rejected = "Requests refused before generation because the queue was full or the server was stopping."
+        self.rejected = Counter("lowvram_requests_rejected_total", rejected, ("reason",))
+        ttft = "Time from admission to the first generated token."
+        self.ttft = Histogram("lowvram_time_to_first_token_seconds", ttft, TTFT_BUCKETS_S)
+        latency = "Time between consecutive tokens of one request."
+        self.token_latency = Histogram("lowvram_inter_token_latency_seconds", latency, TOKEN_LATENCY_BUCKETS_S)
+        decisions = "Controller decisions seen in engine snapshots, by decision."
+        self.controller_events = Counter("lowvram_controller_events_total", decisions, ("decision",))
         self._last_decision: str | None = None
 
     def observe_snapshot(self, snapshot: EngineSnapshot) -> None:

@@ -1,12 +1,8 @@
-"""OpenAI request and response bodies, as pydantic models.
+"""OpenAI request and response bodies.
 
-Requests are validated strictly: no type coercion ("5" is not 5, true is not 1),
-no NaN or infinity, and unknown parameters are refused, so that a typo is a 400
-that names the field rather than a silently different generation. OpenAI
-parameters that lowvram cannot honour are accepted only at the value that means
-"off" (n = 1, logprobs = false, no tools, ...); any other value is a 400 that
-says it is not supported. top_k, min_p, repetition_penalty and ignore_eos are
-accepted as in vLLM, so the same request body runs on both.
+Requests are validated strictly (no coercion, no NaN, unknown parameters refused), so a typo is a 400
+naming the field. OpenAI parameters lowvram cannot honour are accepted only at their "off" value.
+vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body runs on both.
 """
 
 from __future__ import annotations
@@ -77,11 +73,11 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
     "metadata": ((None, {}), "metadata is only used with stored completions, which are not supported"),
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
 }
-
-
 _CHAT_ONLY = frozenset(
     {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
 )
+_SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k")
+_SAMPLING_FIELDS += ("min_p", "repetition_penalty", "ignore_eos")
 
 
 class _GenerationRequest(_Strict):
@@ -129,35 +125,12 @@ class _GenerationRequest(_Strict):
                 raise UnsupportedParameter(f"'{name}' = {shown} is not supported by this server: {reason}", name)
         return {key: value for key, value in data.items() if key not in cls.noop_params}
 
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def sampling_kwargs(self) -> dict:
-        """SamplingParams arguments, with OpenAI's defaults for what was left out."""
-        defaults = dict(
-            temperature=1.0,
-            top_p=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            top_k=0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            ignore_eos=False,
-        )
-        kwargs = {
-            name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()
-        }
-        kwargs["stop"] = self.stop
-        kwargs["seed"] = self.seed
-        return kwargs
+        """SamplingParams arguments; what was left out keeps SamplingParams' defaults, which are OpenAI's."""
+        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -251,8 +224,7 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     return (f"'{path}': {first['msg']}", path) if path else (first["msg"], None)
 
 
-# -- responses -----------------------------------------------------------------
-# Plain dicts in OpenAI's field order; `json_bytes` writes them as pydantic would.
+# -- responses: plain dicts in OpenAI's field order ---------------------------------
 
 
 def json_bytes(body: dict) -> bytes:
@@ -260,26 +232,17 @@ def json_bytes(body: dict) -> bytes:
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-    }
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def model_card(model: str, created: int, max_model_len: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": "lowvram", "max_model_len": max_model_len}
+    total = num_prompt_tokens + num_completion_tokens
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens, "total_tokens": total}
 
 
 class CompletionShape:
-    """The response objects of one /v1/completions request: 'text_completion', streamed or whole.
-    Streamed chunks carry `"usage": null` until the last, which the stream drops unless asked for."""
+    """The response objects of one /v1/completions request, streamed or whole. Streamed chunks
+    carry `"usage": null` until the last, which the stream drops unless asked for."""
 
+    request_type = CompletionRequest
     id_prefix = "cmpl-"
+    object = chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str):
         self.request_id, self.model, self.created = request_id, model, int(time.time())
@@ -294,36 +257,39 @@ class CompletionShape:
             "usage": usage,
         }
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("text_completion", [choice])
+    def _choice(self, key: str, value, finish_reason: str | None = None) -> dict:
+        return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+
+    def _chunk(self, value, finish_reason: str | None = None) -> dict:
+        return self._body(self.chunk_object, [self._choice("text", value, finish_reason)])
 
     def first(self) -> dict | None:
         """What a stream starts with before any token, if anything."""
         return None
 
     def delta(self, text: str) -> dict:
-        return self._chunk(text, None)
+        return self._chunk(text)
 
     def finish(self, finish_reason: str) -> dict:
         return self._chunk("", finish_reason)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._body("text_completion", [], usage)
+        return self._body(self.chunk_object, [], usage)
 
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return {**self._chunk(text, finish_reason), "usage": usage}
+        return self._body(self.object, [self._choice("text", text, finish_reason)], usage)
 
 
 class ChatShape(CompletionShape):
-    """The response objects of one /v1/chat/completions request: 'chat.completion' and its chunks."""
+    """The same for /v1/chat/completions: 'chat.completion' and its chunks, whose deltas carry only
+    what changed (the last one is {})."""
 
+    request_type = ChatCompletionRequest
     id_prefix = "chatcmpl-"
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        # OpenAI's deltas carry only what changed: the last one is {}.
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("chat.completion.chunk", [choice])
+        return self._body(self.chunk_object, [self._choice("delta", delta, finish_reason)])
 
     def first(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""})
@@ -334,10 +300,6 @@ class ChatShape(CompletionShape):
     def finish(self, finish_reason: str) -> dict:
         return self._chunk({}, finish_reason)
 
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._body("chat.completion.chunk", [], usage)
-
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("chat.completion", [choice], usage)
+        return self._body(self.object, [self._choice("message", message, finish_reason)], usage)
