@@ -62,9 +62,6 @@ class LoadingScreen(Screen):
     def on_mount(self) -> None:
         self.set_interval(0.5, self._tick)
 
-    def set_stage(self, text: str) -> None:
-        self.query_one("#loading-stage", Static).update(text)
-
     def _tick(self) -> None:
         self.query_one("#loading-elapsed", Static).update(f"{time.monotonic() - self._started:.0f} s")
 

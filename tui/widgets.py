@@ -72,6 +72,8 @@ class AssistantMessage(Markdown):
         self.text = text
         self.border_title = model_label
         self._stream = None
+        self.worker = None  # while it streams: the worker whose cancellation stops it
+        self.num_tokens = 0
 
     def start_streaming(self) -> None:
         self.add_class("-streaming")
