@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("NAME|PATH", "reload the model under another profile"),
     "quit": ("", "leave the chat"),
 }
+SETTING_COMMANDS = {"system": ("system_prompt", str), "temp": ("temperature", float), "max": ("max_tokens", int)}
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ def parse_command(text: str) -> Command | None:
     name = name.strip().lower()
     if name not in COMMANDS:
         raise RequestError(f"unknown command /{name}; /help lists the commands")
-    arg = arg.strip()
-    if COMMANDS[name][0] and not COMMANDS[name][0].startswith("[") and not arg:
-        raise RequestError(f"/{name} needs {COMMANDS[name][0]}")
+    usage, arg = COMMANDS[name][0], arg.strip()
+    if usage and not usage.startswith("[") and not arg:
+        raise RequestError(f"/{name} needs {usage}")
     return Command(name, arg)
 
 
@@ -46,22 +47,15 @@ def message_text(text: str) -> str:
     return text[1:] if text.startswith("//") else text
 
 
-def parse_number(command: Command, kind: type):
+def setting_changes(command: Command) -> dict | None:
+    """The ChatSettings field a /system, /temp or /max command sets; None for other commands."""
+    if command.name not in SETTING_COMMANDS:
+        return None
+    field, kind = SETTING_COMMANDS[command.name]
     try:
-        return kind(command.arg)
+        return {field: kind(command.arg)}
     except ValueError:
         raise RequestError(f"/{command.name} needs a number, got {command.arg!r}") from None
-
-
-def setting_changes(command: Command) -> dict | None:
-    """ChatSettings fields a /system, /temp or /max command sets; None for other commands."""
-    if command.name == "system":
-        return {"system_prompt": command.arg}
-    if command.name == "temp":
-        return {"temperature": parse_number(command, float)}
-    if command.name == "max":
-        return {"max_tokens": parse_number(command, int)}
-    return None
 
 
 def help_lines() -> list[tuple[str, str]]:

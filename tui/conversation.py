@@ -1,9 +1,5 @@
-"""A chat conversation: its settings, its turns, and its transcript files.
-
-A transcript is saved twice: Markdown for people, JSON for `load_transcript`,
-which gives back exactly what was saved (settings included), so a chat can be
-picked up where it was left.
-"""
+"""A chat: its settings, its turns, and its transcript files (Markdown for people, JSON that
+`load_transcript` reads back exactly, settings included, so a chat can be picked up where it was left)."""
 
 from __future__ import annotations
 
@@ -24,12 +20,7 @@ ROLES = ("user", "assistant")
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """What shapes the replies; changed with F2/F3 or /system, /temp, /max.
-
-    system_prompt: sent first through the chat template ("" = none).
-    temperature: 0 = greedy (the same question gets the same answer); higher = more varied.
-    max_tokens: the longest reply in tokens; a reply cut here ends with "max tokens".
-    """
+    """What shapes the replies (F2/F3, /system, /temp, /max); system_prompt "" is none, temperature 0 greedy."""
 
     system_prompt: str = ""
     temperature: float = 0.0
@@ -76,15 +67,10 @@ class Conversation:
         return Conversation(self.settings, model=self.model, profile=self.profile)
 
     def to_json(self) -> dict:
-        return {
-            "format": TRANSCRIPT_FORMAT,
-            "version": TRANSCRIPT_VERSION,
-            "model": self.model,
-            "profile": self.profile,
-            "started_at": self.started_at,
-            "settings": asdict(self.settings),
-            "turns": [{k: v for k, v in asdict(t).items() if v is not None} for t in self.turns],
-        }
+        turns = [{k: v for k, v in asdict(t).items() if v is not None} for t in self.turns]
+        head = {"format": TRANSCRIPT_FORMAT, "version": TRANSCRIPT_VERSION}
+        head.update(model=self.model, profile=self.profile, started_at=self.started_at)
+        return {**head, "settings": asdict(self.settings), "turns": turns}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "transcript") -> Conversation:
@@ -98,24 +84,16 @@ class Conversation:
                 f"{source} has transcript version {data.get('version')!r}; this lowvram reads version "
                 f"{TRANSCRIPT_VERSION}"
             )
-        settings_data = data.get("settings", {})
-        unknown = set(settings_data) - set(ChatSettings.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown settings {sorted(unknown)}; allowed: {sorted(ChatSettings.__dataclass_fields__)}"
-            )
-        turns = []
-        for i, raw in enumerate(data.get("turns", [])):
+        settings, allowed = data.get("settings", {}), sorted(ChatSettings.__dataclass_fields__)
+        if unknown := set(settings) - set(allowed):
+            raise ConfigError(f"{source}: unknown settings {sorted(unknown)}; allowed: {allowed}")
+        turns = data.get("turns", [])
+        for i, raw in enumerate(turns):
             if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
                 raise ConfigError(f"{source}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
-            turns.append(Turn(raw["role"], raw["content"], raw.get("finish_reason")))
-        return cls(
-            ChatSettings(**settings_data),
-            turns,
-            str(data.get("model", "")),
-            str(data.get("profile", "")),
-            str(data.get("started_at", "")),
-        )
+        turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason")) for raw in turns]
+        strings = [str(data.get(key, "")) for key in ("model", "profile", "started_at")]
+        return cls(ChatSettings(**settings), turns, *strings)
 
     def to_markdown(self) -> str:
         s = self.settings
@@ -136,21 +114,15 @@ class Conversation:
 
 
 def default_transcript_dir() -> Path:
-    """$XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/lowvram/transcripts."""
-    return user_data_dir("transcripts")
+    return user_data_dir("transcripts")  # $XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/...
 
 
 def save_transcript(conversation: Conversation, target: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """Write the conversation as Markdown and JSON; returns (markdown_path, json_path).
-
-    target: a directory (the files get a timestamped name), a file name whose
-    extension is replaced by .md and .json, or None for `default_transcript_dir()`.
-    """
+    target: a directory (timestamped file names), a .md or .json file name, or None for the default directory."""
     path = Path(target).expanduser() if target else default_transcript_dir()
-    if path.suffix.lower() in (".md", ".json"):
-        stem = path.with_suffix("")
-    else:
-        stem = path / ("chat-" + time.strftime("%Y%m%d-%H%M%S"))
+    is_file = path.suffix.lower() in (".md", ".json")
+    stem = path.with_suffix("") if is_file else path / ("chat-" + time.strftime("%Y%m%d-%H%M%S"))
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
         markdown_path, json_path = stem.with_suffix(".md"), stem.with_suffix(".json")
@@ -180,7 +152,4 @@ def load_transcript(path: str | os.PathLike) -> Conversation:
 def recent_transcripts(directory: Path | None = None, max_count: int = 20) -> list[Path]:
     """The newest JSON transcripts first."""
     directory = directory or default_transcript_dir()
-    if not directory.is_dir():
-        return []
-    files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return files[:max_count]
+    return sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[:max_count]

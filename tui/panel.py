@@ -1,10 +1,9 @@
-"""The side panel: what the engine is doing, from its snapshots.
-
-Colours come from component classes styled in chat.tcss; the drawing is plain
-functions over numbers so it can be checked without a terminal.
-"""
+"""The side panel: what the engine is doing, from its snapshots. Colours are component classes styled in
+chat.tcss; the drawing is plain functions over numbers, so it can be checked without a terminal."""
 
 from __future__ import annotations
+
+import contextlib
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -17,18 +16,14 @@ from lowvram.engine.engine import EngineSnapshot
 
 BAR_CHARS = " ▁▂▃▄▅▆▇█"
 THRESHOLD_CHAR = "┈"
-# Headroom above the larger of the peak and the threshold, so the threshold line is never the top edge.
-SCALE_HEADROOM = 1.15
+SCALE_HEADROOM = 1.15  # above the larger of peak and threshold, so the threshold line is never the top edge
 
 
 def sparkline_cells(
     values: list[float], threshold: float, num_rows: int, is_high_bad: bool
 ) -> list[list[tuple[str, str]]]:
-    """Rows (top first) of (character, kind) cells, one column per value.
-
-    kind: "bar", "bad" (a bar on the wrong side of the threshold), "threshold"
-    (the dotted line, drawn where no bar covers it) or "empty".
-    """
+    """Rows (top first) of (character, kind) cells, one column per value; kind is "bar", "bad" (a bar on the
+    wrong side of the threshold), "threshold" (the dotted line, where no bar covers it) or "empty"."""
     top = max(max(values, default=0.0), threshold) * SCALE_HEADROOM
     num_levels = num_rows * 8
     threshold_row = num_rows - 1 - min(int(threshold / top * num_levels) // 8, num_rows - 1) if top > 0 else None
@@ -51,18 +46,13 @@ def sparkline_cells(
 def gauge_cells(fraction: float, width: int) -> tuple[int, int]:
     """(filled, empty) cell counts of a bar `width` wide; any use shows at least one cell."""
     fraction = min(max(fraction, 0.0), 1.0)
-    filled = round(fraction * width)
-    if fraction > 0 and filled == 0:
-        filled = 1
+    filled = max(round(fraction * width), 1 if fraction > 0 else 0)
     return filled, width - filled
 
 
 class ThresholdSparkline(Widget):
-    """Recent values as bars, a few rows high, with the threshold drawn as a dotted line.
-
-    is_high_bad: True when values above the threshold are bad (latency), False when
-    values below it are (tokens/s).
-    """
+    """Recent values as bars a few rows high, the threshold a dotted line. is_high_bad: values above the
+    threshold are bad (latency), else those below it (tokens/s)."""
 
     COMPONENT_CLASSES = {"sparkline--bar", "sparkline--bad", "sparkline--threshold"}
 
@@ -146,10 +136,8 @@ class EnginePanel(Vertical):
         self.border_title = "engine"
 
     def show(self, snap: EngineSnapshot, profile_name: str) -> None:
-        try:
+        with contextlib.suppress(NoMatches):  # the lines are still being mounted; the next refresh fills them in
             self._show(snap, profile_name)
-        except NoMatches:  # the lines are still being mounted; the next refresh fills them in
-            pass
 
     def _show(self, snap: EngineSnapshot, profile_name: str) -> None:
         self._set("#device", f"{snap.device} · profile {profile_name}")

@@ -1,17 +1,12 @@
-"""The line-oriented chat, for scripts and pipes: `echo "hi" | lowvram chat --plain`.
-
-Each input line is one message of a multi-turn conversation; its reply streams to
-stdout followed by a newline. Nothing else goes to stdout: notes, prompts and
-errors go to stderr. Slash commands work as in the terminal UI. Ctrl-C stops
-the reply being written (its pages are freed) and the chat goes on.
-"""
+"""The line-oriented chat for scripts and pipes (`echo "hi" | lowvram chat --plain`): each input line is a
+message, its reply streams to stdout; notes, prompts and errors go to stderr. Slash commands work as in the
+terminal UI; Ctrl-C stops the reply being written (freeing its pages) and the chat goes on."""
 
 from __future__ import annotations
 
 import itertools
 import sys
 from pathlib import Path
-from typing import TextIO
 
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
@@ -135,16 +130,7 @@ class PlainChat:
             self.note(f"profile {self.engine.profile.name}")
 
 
-def run_plain(
-    spec: EngineSpec,
-    settings: ChatSettings,
-    *,
-    transcript_dir: Path | None = None,
-    stdin: TextIO | None = None,
-    stdout: TextIO | None = None,
-    stderr: TextIO | None = None,
-) -> int:
+def run_plain(spec: EngineSpec, settings: ChatSettings, *, transcript_dir=None, stdin=None, stdout=None, stderr=None):
     """Chat line by line (the standard streams by default); the exit status of `PlainChat.run`."""
-    return PlainChat(
-        spec, settings, transcript_dir, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    ).run()
+    streams = (stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
+    return PlainChat(spec, settings, transcript_dir, *streams).run()
