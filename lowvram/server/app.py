@@ -1,11 +1,7 @@
-"""The OpenAI-compatible HTTP app: routes, admission, streaming and errors.
-
-Each admitted request is a `_Generation`: a task pumps the engine's stream into a queue that the handler
-reads, so a client disconnect or the shutdown timer can end it at any moment (cancelling the pump aborts
-the request and frees its KV pages). At most `max_queue` are held; more get 429 with Retry-After.
-Requests are validated and tokenized before admission, so every mistake is a 4xx sent before any
-streamed byte. The model is fixed when the app is built: `model` only selects the name /v1/models lists.
-"""
+"""The OpenAI-compatible HTTP app. Each admitted request is a `_Generation`: a task pumps the engine's stream
+into a queue the handler reads, so a disconnect or the shutdown timer can end it at any moment (cancelling the
+pump aborts the request, freeing its KV pages). Requests are validated and tokenized before admission, so every
+mistake is a 4xx before any streamed byte; `model` only selects the one name the app was built with."""
 
 from __future__ import annotations
 
@@ -31,17 +27,8 @@ from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import LowvramError, RequestError
 from lowvram.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
-from lowvram.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from lowvram.server.metrics import ServerMetrics
-from lowvram.server.schemas import (
-    ChatCompletionRequest,
-    ChatShape,
-    CompletionRequest,
-    CompletionShape,
-    describe_validation_error,
-    json_bytes,
-    usage,
-)
+from lowvram.server.metrics import CONTENT_TYPE, ServerMetrics
+from lowvram.server.schemas import ChatCompletionRequest, ChatShape, CompletionShape, describe_validation_error
 
 log = logging.getLogger("lowvram")
 
@@ -59,12 +46,16 @@ def _printable(text: str | None, max_chars: int = 300) -> str | None:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
+def _json_bytes(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json_bytes(body), status_code=status, headers=headers, media_type="application/json")
+    return Response(_json_bytes(body), status_code=status, headers=headers, media_type="application/json")
 
 
 def _sse(body: dict) -> bytes:
-    return b"data: " + json_bytes(body) + b"\n\n"
+    return b"data: " + _json_bytes(body) + b"\n\n"
 
 
 class ApiError(Exception):
@@ -96,30 +87,24 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 
 class _Generation:
-    """One admitted request on the engine; `next_output()` yields its outputs in order.
+    """One admitted request on the engine; `next_output()` yields its outputs in order. `end(reason)` cancels
+    the pump (aborting the request) and the reader gets `_Ended(reason)` after what is already queued.
+    `close()` gives the queue slot back."""
 
-    `end(reason)` cancels the pump (which aborts the request in the engine) and makes the reader
-    get `_Ended(reason)` after what is already queued. `close()` gives the queue slot back.
-    """
-
-    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams):
         self.state = state
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
+        self.num_prompt_tokens, self.num_output_tokens = len(ids), 0
         self.finish_reason: str | None = None
         self.admitted_at = time.perf_counter()
         self._last_token_at: float | None = None
         self._items: asyncio.Queue = asyncio.Queue()
-        self._is_closed = False
         state.generations.add(self)
         state.metrics.prompt_tokens.inc(amount=self.num_prompt_tokens)
-        self._task = asyncio.create_task(self._pump(request_id, prompt_token_ids, params))
+        self._task = asyncio.create_task(self._pump(request_id, ids, params))
 
-    async def _pump(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         try:
-            async for out in self.state.async_engine.generate(
-                request_id, None, params, prompt_token_ids=prompt_token_ids
-            ):
+            async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
                 self._items.put_nowait(out)
         except asyncio.CancelledError:
             pass  # end() was called; cancelling the engine stream has already aborted the request
@@ -151,16 +136,16 @@ class _Generation:
         return item
 
     def close(self) -> None:
-        if self._is_closed:
+        if self not in self.state.generations:
             return
-        self._is_closed = True
         self._task.cancel()
         self.state.generations.discard(self)
         self.state.num_in_flight -= 1
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
     def usage(self) -> dict:
-        return usage(self.num_prompt_tokens, self.num_output_tokens)
+        prompt, completion = self.num_prompt_tokens, self.num_output_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _watch_disconnect(receive, generation: _Generation) -> None:
@@ -174,16 +159,11 @@ class ServerState:
     """Everything the routes share. Built by `create_app`, found at `app.state.lowvram`."""
 
     def __init__(self, async_engine, model_name, api_key, max_queue, max_body_bytes, default_max_tokens, grace_s):
-        self.async_engine = async_engine
-        self.tokenizer = async_engine.engine.tokenizer
-        self.max_model_len = async_engine.engine.max_model_len
-        self.vocab_size = async_engine.engine.config.vocab_size
-        self.model_name = model_name
+        self.async_engine, self.engine, self.model_name = async_engine, async_engine.engine, model_name
+        self.max_model_len = self.engine.max_model_len
         self._api_key = api_key.encode("utf-8") if api_key else None
-        self.max_queue = max_queue
-        self.max_body_bytes = max_body_bytes
-        self.default_max_tokens = default_max_tokens
-        self.shutdown_grace_s = grace_s
+        self.max_queue, self.max_body_bytes = max_queue, max_body_bytes
+        self.default_max_tokens, self.shutdown_grace_s = default_max_tokens, grace_s
         self.metrics = ServerMetrics(model_name)
         self.generations: set[_Generation] = set()
         self.num_in_flight = 0  # admitted requests, including those still being tokenized
@@ -214,13 +194,8 @@ class ServerState:
             raise ApiError(404, message, param="model", code="model_not_found")
 
     def model_card(self) -> dict:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "lowvram",
-            "max_model_len": self.max_model_len,
-        }
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lowvram"}
+        return {**card, "max_model_len": self.max_model_len}
 
     def admit(self) -> None:
         if self.is_draining:
@@ -251,48 +226,41 @@ class ServerState:
         for generation in list(self.generations):
             generation.end(reason)
 
-    def encode(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def encode(self, request) -> list[int]:
         """Prompt token ids; runs in a worker thread (tokenizing a long prompt takes a while)."""
         if isinstance(request, ChatCompletionRequest):
             param = "messages"
             try:
-                ids = self.tokenizer.apply_chat_template([m.for_template() for m in request.messages])
+                ids = self.engine.tokenizer.apply_chat_template([m.for_template() for m in request.messages])
             except LowvramError:
                 raise
             except Exception as exc:  # templates reject conversations with jinja's raise_exception
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
         else:
             param, ids = "prompt", request.prompt_input()
+            vocab_size = self.engine.config.vocab_size
             if isinstance(ids, str):
-                ids = self.tokenizer.encode(ids)
-            elif any(not 0 <= t < self.vocab_size for t in ids):
-                raise ApiError(400, f"prompt token ids must be in 0..{self.vocab_size - 1}", param="prompt")
+                ids = self.engine.tokenizer.encode(ids)
+            elif any(not 0 <= t < vocab_size for t in ids):
+                raise ApiError(400, f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)
         if len(ids) >= self.max_model_len:
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {len(ids)} tokens; shorten it",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise self._too_long(param, f"the prompt has {len(ids)} tokens; shorten it")
         return ids
 
-    def sampling_params(self, request: CompletionRequest | ChatCompletionRequest, num_prompt: int) -> SamplingParams:
+    def _too_long(self, param: str, detail: str) -> ApiError:
+        message = f"this model's maximum context length is {self.max_model_len} tokens, but {detail}"
+        return ApiError(400, message, param=param, code="context_length_exceeded")
+
+    def sampling_params(self, request, num_prompt: int) -> SamplingParams:
         room = self.max_model_len - num_prompt
         max_tokens = request.requested_max_tokens()
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, {max_tokens} "
-                "for the completion); reduce the prompt or max_tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+            asked = f"({num_prompt} in the prompt, {max_tokens} for the completion); reduce the prompt or max_tokens"
+            raise self._too_long("max_tokens", f"{num_prompt + max_tokens} were requested {asked}")
         return SamplingParams(max_tokens=max_tokens, **request.sampling_kwargs())
 
 
@@ -456,7 +424,7 @@ async def _health(request: Request, state: ServerState) -> Response:
 async def _metrics(request: Request, state: ServerState) -> Response:
     snapshot = state.async_engine.snapshot()
     text = state.metrics.render(snapshot, num_in_flight=state.num_in_flight, max_queue=state.max_queue)
-    return Response(text, media_type=METRICS_CONTENT_TYPE)
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 def _route(path: str, handler, method: str = "GET", *, needs_auth: bool = True) -> Route:

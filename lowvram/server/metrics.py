@@ -109,28 +109,26 @@ class ServerMetrics:
 
     def render(self, snapshot: EngineSnapshot, *, num_in_flight: int, max_queue: int) -> str:
         self.observe_snapshot(snapshot)
-        s = snapshot
-        num_on_host = s.num_kv_blocks_on_host
+        s, on_host = snapshot, snapshot.num_kv_blocks_on_host
         lines = _gauge("lowvram_model_info", "The served model (value is always 1).", 1, model=self.model_name)
         for metric in (self.requests, self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
             lines += metric.render()
         lines += self.ttft.render() + self.token_latency.render()
-        lines += _gauge(
-            "lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.", num_in_flight
-        )
-        lines += _gauge("lowvram_queue_capacity", "Most requests the server holds at once; more get 429.", max_queue)
-        lines += _gauge(
-            "lowvram_queue_depth", "Requests waiting in the engine's scheduler for a batch slot.", s.num_waiting
-        )
-        lines += _gauge("lowvram_batch_size", "Requests in the running batch.", s.num_running)
-        lines += _gauge(
-            "lowvram_decode_tokens_per_second",
-            "Decode speed over the last steps, all requests together.",
-            s.decode_tokens_per_s,
-        )
+        for name, help_text, value in (
+            ("requests_in_flight", "Requests admitted by the server and not yet finished.", num_in_flight),
+            ("queue_capacity", "Most requests the server holds at once; more get 429.", max_queue),
+            ("queue_depth", "Requests waiting in the engine's scheduler for a batch slot.", s.num_waiting),
+            ("batch_size", "Requests in the running batch.", s.num_running),
+            (
+                "decode_tokens_per_second",
+                "Decode speed over the last steps, all requests together.",
+                s.decode_tokens_per_s,
+            ),
+        ):
+            lines += _gauge(f"lowvram_{name}", help_text, value)
         pages = "KV cache pages in use, by where they live."
-        lines += _gauge("lowvram_kv_pages", pages, s.num_kv_blocks_used - num_on_host, location="device")
-        lines.append(f'lowvram_kv_pages{{location="host"}} {_number(num_on_host)}')
+        lines += _gauge("lowvram_kv_pages", pages, s.num_kv_blocks_used - on_host, location="device")
+        lines.append(f'lowvram_kv_pages{{location="host"}} {_number(on_host)}')
         lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", s.num_kv_blocks)
         lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", s.kv_block_size)
         info = "KV cache precision in use (value is always 1)."

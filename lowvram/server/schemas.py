@@ -7,7 +7,6 @@ vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -106,10 +105,8 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _temperature_is_zero_or_usable(cls, value: float | None) -> float | None:
         if value is not None and 0.0 < value < MIN_SAMPLING_TEMPERATURE:
-            raise ValueError(
-                f"= {value!r} is too small to sample with; use 0 for greedy decoding or at least "
-                f"{MIN_SAMPLING_TEMPERATURE}"
-            )
+            use = f"use 0 for greedy decoding or at least {MIN_SAMPLING_TEMPERATURE}"
+            raise ValueError(f"= {value!r} is too small to sample with; {use}")
         return value
 
     @classmethod
@@ -180,13 +177,10 @@ class ChatCompletionRequest(_GenerationRequest):
     noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
 
     def requested_max_tokens(self) -> int | None:
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
+        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        if len(given) > 1:
             raise RequestError("give max_tokens or max_completion_tokens, not both with different values")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return given.pop() if given else None
 
 
 # Fields whose type is a union: pydantic reports one error per member, which reads badly.
@@ -225,15 +219,6 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
 
 
 # -- responses: plain dicts in OpenAI's field order ---------------------------------
-
-
-def json_bytes(body: dict) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    total = num_prompt_tokens + num_completion_tokens
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens, "total_tokens": total}
 
 
 class CompletionShape:
