@@ -11,37 +11,27 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, OptionList, Static
 from textual.widgets.option_list import Option
 
-from lowvram.errors import (
-    ConfigError,
-    LowvramError,
-    ModelLoadError,
-    OutOfMemoryError,
-    RequestError,
-    UnsupportedModelError,
-)
+from lowvram import errors
 from lowvram.tui.commands import help_lines
 from lowvram.tui.conversation import ChatSettings
 
 # What to try next, by error type; the error's own message names the value at fault.
 ERROR_HINTS = {
-    OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
-    ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
+    errors.OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
+    errors.ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
     "safetensors weights and tokenizer files.",
-    UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; pass one with --model.",
-    ConfigError: "`lowvram profiles` lists the built-in profiles; `lowvram profiles --fields` explains every field.",
-    RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
+    errors.UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; pass one with --model.",
+    errors.ConfigError: "`lowvram profiles` lists the built-in profiles; `lowvram profiles --fields` explains every field.",
+    errors.RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
 }
 
 
 def describe_error(error: BaseException) -> tuple[str, str]:
     """(message, suggested fix) for a dialog; never a traceback."""
-    if not isinstance(error, LowvramError):
-        return (
-            f"{type(error).__name__}: {error}",
-            "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them.",
-        )
-    hint = next((h for kind, h in ERROR_HINTS.items() if isinstance(error, kind)), "")
-    return str(error), hint
+    if not isinstance(error, errors.LowvramError):
+        bug = "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them."
+        return f"{type(error).__name__}: {error}", bug
+    return str(error), next((hint for kind, hint in ERROR_HINTS.items() if isinstance(error, kind)), "")
 
 
 class LoadingScreen(Screen):
@@ -60,10 +50,8 @@ class LoadingScreen(Screen):
             yield Static("", id="loading-elapsed")
 
     def on_mount(self) -> None:
-        self.set_interval(0.5, self._tick)
-
-    def _tick(self) -> None:
-        self.query_one("#loading-elapsed", Static).update(f"{time.monotonic() - self._started:.0f} s")
+        elapsed = self.query_one("#loading-elapsed", Static)
+        self.set_interval(0.5, lambda: elapsed.update(f"{time.monotonic() - self._started:.0f} s"))
 
 
 class Dialog(ModalScreen):
@@ -82,9 +70,8 @@ class ErrorDialog(ModalScreen[str]):
 
     def __init__(self, title: str, error: BaseException, buttons: list[tuple[str, str]]):
         super().__init__()
-        self.title_text = title
+        self.title_text, self.buttons = title, buttons
         self.message, self.hint = describe_error(error)
-        self.buttons = buttons
 
     def compose(self) -> ComposeResult:
         with Vertical(id="error-box"):
@@ -128,12 +115,11 @@ class HelpScreen(Dialog):
 class TextPrompt(Dialog):
     """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
 
+    AUTO_FOCUS = "#prompt-input"
+
     def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
         super().__init__()
-        self.title_text = title
-        self.value = value
-        self.placeholder = placeholder
-        self.choices = list(choices)
+        self.title_text, self.value, self.placeholder, self.choices = title, value, placeholder, choices
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box", classes="dialog"):
@@ -142,9 +128,6 @@ class TextPrompt(Dialog):
                 yield OptionList(*(Option(label, id=value) for value, label in self.choices), id="prompt-choices")
             yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
             yield Static("Enter accepts · Esc cancels", classes="dialog-help")
-
-    def on_mount(self) -> None:
-        self.query_one("#prompt-input", Input).focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
@@ -155,6 +138,8 @@ class TextPrompt(Dialog):
 
 class SettingsDialog(Dialog):
     """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
+
+    AUTO_FOCUS = "#temperature"
 
     def __init__(self, settings: ChatSettings):
         super().__init__()
@@ -170,18 +155,12 @@ class SettingsDialog(Dialog):
             yield Static("", id="settings-error", markup=False)
             yield Static("Enter saves · Esc cancels", classes="dialog-help")
 
-    def on_mount(self) -> None:
-        self.query_one("#temperature", Input).focus()
-
     def on_input_submitted(self, event: Input.Submitted) -> None:
         temperature = self.query_one("#temperature", Input).value
         max_tokens = self.query_one("#max-tokens", Input).value
         try:
-            settings = self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens))
+            self.dismiss(self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens)))
         except ValueError:
             self.query_one("#settings-error", Static).update("temperature needs a number and max tokens a whole number")
-            return
-        except LowvramError as exc:
+        except errors.LowvramError as exc:
             self.query_one("#settings-error", Static).update(str(exc))
-            return
-        self.dismiss(settings)

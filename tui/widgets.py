@@ -12,14 +12,14 @@ class ChatInput(Input):
     """The message box. Up and Down walk through what was sent before; the unsent draft comes back last."""
 
     BINDINGS = [
-        Binding("up", "history_previous", "Previous message", show=False),
-        Binding("down", "history_next", "Next message", show=False),
+        Binding("up", "history(-1)", "Previous message", show=False),
+        Binding("down", "history(1)", "Next message", show=False),
     ]
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.history: list[str] = []
-        self._history_index: int | None = None
+        self._history_index: int | None = None  # None: showing the draft
         self._draft = ""
 
     def remember(self, text: str) -> None:
@@ -27,27 +27,17 @@ class ChatInput(Input):
             self.history.append(text)
         self._history_index = None
 
-    def action_history_previous(self) -> None:
-        if not self.history or self._history_index == 0:
-            return
+    def action_history(self, step: int) -> None:
         if self._history_index is None:
+            if step > 0 or not self.history:
+                return
             self._draft, self._history_index = self.value, len(self.history)
-        self._history_index -= 1
-        self._show(self.history[self._history_index])
-
-    def action_history_next(self) -> None:
-        if self._history_index is None:
+        index = self._history_index + step
+        if index < 0:
             return
-        self._history_index += 1
-        if self._history_index >= len(self.history):
-            self._history_index = None
-            self._show(self._draft)
-        else:
-            self._show(self.history[self._history_index])
-
-    def _show(self, text: str) -> None:
-        self.value = text
-        self.cursor_position = len(text)
+        self._history_index = index if index < len(self.history) else None
+        self.value = self.history[index] if index < len(self.history) else self._draft
+        self.cursor_position = len(self.value)
 
 
 class UserMessage(Static):

@@ -161,7 +161,7 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
     def for_template(self) -> dict:
-        """The message as the chat template expects it: string content; 'developer' is OpenAI's new name for 'system'."""
+        """The message as the chat template takes it: text content, and 'developer' (OpenAI's new name) as 'system'."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
