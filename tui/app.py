@@ -20,10 +20,8 @@ from textual.widgets import Footer, Header, Input, Static
 from lowvram.config import builtin_profile_names, load_profile
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import LowvramError
+from lowvram.tui import conversation as chat
 from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
-from lowvram.tui.commands import Command, message_text, parse_command, setting_changes
-from lowvram.tui.conversation import ChatSettings, Conversation, Turn, recent_transcripts, save_transcript
-from lowvram.tui.conversation import load_transcript as read_transcript
 from lowvram.tui.panel import EnginePanel
 from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt
 from lowvram.tui.widgets import AssistantMessage, ChatInput, UserMessage
@@ -65,14 +63,14 @@ class ChatApp(App):
     def __init__(
         self,
         spec: EngineSpec | None = None,
-        settings: ChatSettings | None = None,
+        settings: chat.ChatSettings | None = None,
         *,
         transcript_dir=None,
         loader=load_backend,
     ):
         super().__init__()
         self.spec = spec or EngineSpec()
-        self.conversation = Conversation(settings or ChatSettings(), model=self.spec.model_label)
+        self.conversation = chat.Conversation(settings or chat.ChatSettings(), model=self.spec.model_label)
         self.transcript_dir = transcript_dir
         self.loader = loader
         self.backend: ChatBackend | None = None
@@ -183,12 +181,12 @@ class ChatApp(App):
         event.input.remember(text)
         event.input.value = ""
         try:
-            command = parse_command(text)
+            command = chat.parse_command(text)
             if command is not None:
                 return await self._run_command(command)
         except LowvramError as exc:
             return self.notify(str(exc), title="command", severity="error")
-        await self.send(message_text(text))
+        await self.send(chat.message_text(text))
 
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
@@ -206,7 +204,7 @@ class ChatApp(App):
             return
         user_view = self._queue.popleft()
         user_view.set_queued(False)
-        self.conversation.turns.append(Turn("user", user_view.text))
+        self.conversation.turns.append(chat.Turn("user", user_view.text))
         view = AssistantMessage(self.backend.model_label)
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
@@ -244,7 +242,7 @@ class ChatApp(App):
         view, self._reply = self._reply, None
         await view.finish(finish_reason, f"{view.num_tokens} token{'' if view.num_tokens == 1 else 's'}")
         if error is None:
-            self.conversation.turns.append(Turn("assistant", view.text, finish_reason))
+            self.conversation.turns.append(chat.Turn("assistant", view.text, finish_reason))
         else:
             self.conversation.turns.pop()  # the question goes back out of the history with its failed reply
             self.push_screen(ErrorDialog("The reply failed", error, [("ok", "OK")]))
@@ -277,7 +275,7 @@ class ChatApp(App):
 
     def action_save(self, target: str | None = None) -> None:
         try:
-            markdown_path, json_path = save_transcript(self.conversation, target or self.transcript_dir)
+            markdown_path, json_path = chat.save_transcript(self.conversation, target or self.transcript_dir)
         except LowvramError as exc:
             return self.push_screen(ErrorDialog("Could not save the transcript", exc, [("ok", "OK")]))
         self.notify(f"{markdown_path}\n{json_path}", title="saved the transcript")
@@ -293,7 +291,7 @@ class ChatApp(App):
         self.notify(str(saved), title="saved the KV pages")
 
     def action_load(self) -> None:
-        choices = [(str(p), p.stem) for p in recent_transcripts(self.transcript_dir)]
+        choices = [(str(p), p.stem) for p in chat.recent_transcripts(self.transcript_dir)]
         prompt = TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
         self.push_screen(prompt, self.load_transcript)
 
@@ -302,7 +300,7 @@ class ChatApp(App):
         if not path:
             return
         try:
-            conversation = read_transcript(path)
+            conversation = chat.load_transcript(path)
         except LowvramError as exc:
             return self.push_screen(ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
         await self.action_stop()
@@ -343,7 +341,7 @@ class ChatApp(App):
     def _change_settings(self, **changes) -> None:
         self._set_settings(self.conversation.settings.with_changes(**changes))
 
-    def _set_settings(self, settings: ChatSettings | None) -> None:
+    def _set_settings(self, settings: chat.ChatSettings | None) -> None:
         if settings is not None:
             self.conversation.settings = settings
             self._update_status()
@@ -378,9 +376,9 @@ class ChatApp(App):
         else:
             view.scroll_page_down()
 
-    async def _run_command(self, command: Command) -> None:
+    async def _run_command(self, command: chat.Command) -> None:
         name, arg = command.name, command.arg
-        if (changes := setting_changes(command)) is not None:
+        if (changes := chat.setting_changes(command)) is not None:
             self._change_settings(**changes)
         elif name == "save":
             self.action_save(arg or None)

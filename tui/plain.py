@@ -10,21 +10,22 @@ from pathlib import Path
 
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
+from lowvram.tui import conversation as chat
 from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, load_engine, plain_prompt
-from lowvram.tui.commands import help_lines, message_text, parse_command, setting_changes
-from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_transcript, save_transcript
 
 
 class PlainChat:
     """One conversation against one engine, read from and written to text streams."""
 
-    def __init__(self, spec: EngineSpec, settings: ChatSettings, transcript_dir: Path | None, stdin, stdout, stderr):
+    def __init__(
+        self, spec: EngineSpec, settings: chat.ChatSettings, transcript_dir: Path | None, stdin, stdout, stderr
+    ):
         self.spec = spec
         self.transcript_dir = transcript_dir
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.is_interactive = stdin.isatty()
         self.engine = self._load(spec)
-        self.conversation = Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
+        self.conversation = chat.Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
         self._request_ids = itertools.count()
 
     def note(self, text: str) -> None:
@@ -54,9 +55,9 @@ class PlainChat:
             if not text:
                 continue
             try:
-                command = parse_command(text)
+                command = chat.parse_command(text)
                 if command is None:
-                    self.reply(message_text(text))
+                    self.reply(chat.message_text(text))
                 elif command.name == "quit":
                     return 1 if num_failed else 0
                 else:
@@ -67,7 +68,7 @@ class PlainChat:
 
     def reply(self, text: str) -> str:
         """Stream the reply to `text` to stdout; returns its finish reason."""
-        self.conversation.turns.append(Turn("user", text))
+        self.conversation.turns.append(chat.Turn("user", text))
         request_id = f"plain-{next(self._request_ids)}"
         messages = self.conversation.messages()
         params = self.conversation.settings.sampling_params()
@@ -93,16 +94,16 @@ class PlainChat:
             self.note("stopped")
         self.stdout.write("\n")
         self.stdout.flush()
-        self.conversation.turns.append(Turn("assistant", reply, finish_reason))
+        self.conversation.turns.append(chat.Turn("assistant", reply, finish_reason))
         return finish_reason
 
     def run_command(self, command) -> None:
-        changes = setting_changes(command)
+        changes = chat.setting_changes(command)
         if changes is not None:
             self.conversation.settings = self.conversation.settings.with_changes(**changes)
             self.note(self.conversation.settings.describe())
         elif command.name == "help":
-            for usage, doc in help_lines():
+            for usage, doc in chat.help_lines():
                 print(f"  {usage:18} {doc}", file=self.stderr)
         elif command.name == "new":
             self.conversation = self.conversation.cleared()
@@ -110,10 +111,10 @@ class PlainChat:
         elif command.name == "stop":
             self.note("nothing is being written; Ctrl-C stops a reply")
         elif command.name == "save":
-            markdown_path, json_path = save_transcript(self.conversation, command.arg or self.transcript_dir)
+            markdown_path, json_path = chat.save_transcript(self.conversation, command.arg or self.transcript_dir)
             self.note(f"saved {markdown_path} and {json_path}")
         elif command.name == "load":
-            loaded = load_transcript(command.arg)
+            loaded = chat.load_transcript(command.arg)
             loaded.model, loaded.profile = self.conversation.model, self.conversation.profile
             self.conversation = loaded
             self.note(f"loaded {len(loaded.turns)} messages")
@@ -130,7 +131,9 @@ class PlainChat:
             self.note(f"profile {self.engine.profile.name}")
 
 
-def run_plain(spec: EngineSpec, settings: ChatSettings, *, transcript_dir=None, stdin=None, stdout=None, stderr=None):
+def run_plain(
+    spec: EngineSpec, settings: chat.ChatSettings, *, transcript_dir=None, stdin=None, stdout=None, stderr=None
+):
     """Chat line by line (the standard streams by default); the exit status of `PlainChat.run`."""
     streams = (stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
     return PlainChat(spec, settings, transcript_dir, *streams).run()

@@ -12,16 +12,17 @@ from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, O
 from textual.widgets.option_list import Option
 
 from lowvram import errors
-from lowvram.tui.commands import help_lines
-from lowvram.tui.conversation import ChatSettings
+from lowvram.tui.conversation import ChatSettings, help_lines
 
 # What to try next, by error type; the error's own message names the value at fault.
 ERROR_HINTS = {
     errors.OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
     errors.ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
     "safetensors weights and tokenizer files.",
-    errors.UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; pass one with --model.",
-    errors.ConfigError: "`lowvram profiles` lists the built-in profiles; `lowvram profiles --fields` explains every field.",
+    errors.UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; "
+    "pass one with --model.",
+    errors.ConfigError: "`lowvram profiles` lists the built-in profiles; "
+    "`lowvram profiles --fields` explains every field.",
     errors.RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
 }
 

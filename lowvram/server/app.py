@@ -26,7 +26,7 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import LowvramError, RequestError
-from lowvram.server.cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
+from lowvram.server import defaults
 from lowvram.server.metrics import CONTENT_TYPE, ServerMetrics
 from lowvram.server.schemas import ChatCompletionRequest, ChatShape, CompletionShape, describe_validation_error
 
@@ -484,10 +484,10 @@ def create_app(
     *,
     model_name: str,
     api_key: str | None = None,
-    max_queue: int = DEFAULT_MAX_QUEUE,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    max_queue: int = defaults.MAX_QUEUE,
+    max_body_bytes: int = defaults.MAX_BODY_BYTES,
+    default_max_tokens: int = defaults.MAX_TOKENS,
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app over a running (or startable) AsyncLLMEngine.
 

@@ -2,7 +2,7 @@
 
 Beyond loopback it needs an API key unless --insecure-no-auth. SIGINT/SIGTERM stop admissions (503),
 give in-flight requests --shutdown-grace-s seconds, then end the rest cleanly; a second Ctrl-C quits.
-Cheap to import (the CLI parser needs it); the app imports its defaults from here.
+Cheap to import: the CLI parser needs it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ import threading
 import time
 
 from lowvram.errors import ConfigError
+from lowvram.server import defaults
 
 API_KEY_ENV = "LOWVRAM_API_KEY"
-DEFAULT_MAX_QUEUE = 64
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a 4 GB card's context
-DEFAULT_MAX_TOKENS = 4096  # when a request gives no max_tokens; never more than the context left
-DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def is_loopback(host: str) -> bool:
@@ -156,34 +153,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (overrides the profile)")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only); others need --api-key",
-    )
+    host = "address to listen on (default 127.0.0.1: this machine only); others need --api-key"
+    p.add_argument("--host", default="127.0.0.1", help=host)
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); "
-        "prefer the variable: arguments are visible to other users in the process list",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="allow a non-loopback --host without an API key (anyone who can reach it can use it)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send (default: the model directory's name); use the same name "
-        "with vLLM's --served-model-name to move clients unchanged",
-    )
+    key = f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); prefer the "
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=key + "variable: others see arguments")
+    no_auth = "allow a non-loopback --host without an API key (anyone who can reach it can use it)"
+    p.add_argument("--insecure-no-auth", action="store_true", help=no_auth)
+    name = "the model id clients send (default: the model directory's name); vLLM's value moves clients unchanged"
+    p.add_argument("--served-model-name", help=name)
     for flag, kind, default, help_text in (
-        ("--max-queue", int, DEFAULT_MAX_QUEUE, "most requests held at once, running or waiting; more get 429"),
-        ("--max-body-bytes", int, DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413"),
-        ("--default-max-tokens", int, DEFAULT_MAX_TOKENS, "length of a reply whose request gives no max_tokens"),
-        ("--shutdown-grace-s", float, DEFAULT_SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
+        ("--max-queue", int, defaults.MAX_QUEUE, "most requests held at once, running or waiting; more get 429"),
+        ("--max-body-bytes", int, defaults.MAX_BODY_BYTES, "larger request bodies get 413"),
+        ("--default-max-tokens", int, defaults.MAX_TOKENS, "length of a reply whose request gives no max_tokens"),
+        ("--shutdown-grace-s", float, defaults.SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
     p.set_defaults(func=cmd_serve)
@@ -205,11 +188,8 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--shutdown-grace-s = {args.shutdown_grace_s:g} must be zero or more")
     sock = bind_socket(args.host, args.port)
     if args.model is None:
-        print(
-            "lowvram: serving the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
-            "not a real DeepSeek model); pass --model for a real one",
-            file=sys.stderr,
-        )
+        demo = "a few-million-parameter model trained for lowvram's tests, not a real DeepSeek model"
+        print(f"lowvram: serving the bundled demo model ({demo}); pass --model for a real one", file=sys.stderr)
     try:
         engine = LLMEngine(args.model, args.profile, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
     except BaseException:
@@ -224,14 +204,10 @@ def cmd_serve(args) -> int:
         auth = "API key required" if args.api_key else "no API key"
         if not is_loopback(args.host) and not args.api_key:
             print(f"lowvram: WARNING: serving on {args.host} without an API key (--insecure-no-auth)", file=sys.stderr)
-        print(
-            f"lowvram: serving '{model_name}' ({engine.profile.name} profile, {engine.device}) at "
-            f"http://{host}:{port}/v1 ({auth}); Ctrl-C to stop",
-            file=sys.stderr,
-        )
+        where = f"({engine.profile.name} profile, {engine.device}) at http://{host}:{port}/v1 ({auth})"
+        print(f"lowvram: serving '{model_name}' {where}; Ctrl-C to stop", file=sys.stderr)
         is_verbose = getattr(args, "verbose", False)
-        server = _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose)
-        server.run(sockets=[sock])
+        _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose).run([sock])
     finally:
         async_engine.stop()
         sock.close()
