@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.css.query import NoMatches
+from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static
 
@@ -55,17 +56,12 @@ class ThresholdSparkline(Widget):
     threshold are bad (latency), else those below it (tokens/s)."""
 
     COMPONENT_CLASSES = {"sparkline--bar", "sparkline--bad", "sparkline--threshold"}
+    values: reactive[list[float]] = reactive(list)
+    threshold = reactive(0.0)
 
     def __init__(self, *, is_high_bad: bool, id: str | None = None):
         super().__init__(id=id)
         self.is_high_bad = is_high_bad
-        self.values: list[float] = []
-        self.threshold = 0.0
-
-    def set_data(self, values: list[float], threshold: float) -> None:
-        if values != self.values or threshold != self.threshold:
-            self.values, self.threshold = list(values), threshold
-            self.refresh()
 
     def render(self) -> Text:
         width, num_rows = self.content_size.width, max(self.content_size.height, 1)
@@ -88,20 +84,12 @@ class Gauge(Widget):
     """A horizontal bar of used against available."""
 
     COMPONENT_CLASSES = {"gauge--fill", "gauge--high", "gauge--empty"}
-
-    def __init__(self, *, high_fraction: float = 0.9, id: str | None = None):
-        super().__init__(id=id)
-        self.fraction = 0.0
-        self.high_fraction = high_fraction
-
-    def set_fraction(self, fraction: float) -> None:
-        if fraction != self.fraction:
-            self.fraction = fraction
-            self.refresh()
+    HIGH_FRACTION = 0.9
+    fraction = reactive(0.0)
 
     def render(self) -> Text:
         filled, empty = gauge_cells(self.fraction, self.content_size.width)
-        fill_class = "gauge--high" if self.fraction >= self.high_fraction else "gauge--fill"
+        fill_class = "gauge--high" if self.fraction >= self.HIGH_FRACTION else "gauge--fill"
         return Text.assemble(
             ("█" * filled, self.get_component_rich_style(fill_class)),
             ("░" * empty, self.get_component_rich_style("gauge--empty")),
@@ -140,34 +128,29 @@ class EnginePanel(Vertical):
             self._show(snap, profile_name)
 
     def _show(self, snap: EngineSnapshot, profile_name: str) -> None:
-        self._set("#device", f"{snap.device} · profile {profile_name}")
-        memory_fraction = snap.memory_used_bytes / snap.memory_budget_bytes if snap.memory_budget_bytes else 0.0
-        self._set(
-            "#memory-label", f"memory {format_bytes(snap.memory_used_bytes)} / {format_bytes(snap.memory_budget_bytes)}"
-        )
-        self.query_one("#memory", Gauge).set_fraction(memory_fraction)
-        self._set(
-            "#kv-label", f"KV pages {snap.num_kv_blocks_used}/{snap.num_kv_blocks} · host {snap.num_kv_blocks_on_host}"
-        )
-        self.query_one("#kv", Gauge).set_fraction(
-            snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
-        )
-        self._set("#kv-precision", f"KV {snap.kv_precision} · {snap.kv_block_size} tokens/page")
-        self._set("#batch", f"batch {snap.num_running} running · {snap.num_waiting} waiting")
+        used, budget = snap.memory_used_bytes, snap.memory_budget_bytes
         # Per-token latency and decode speed are the same measurement; the floor on speed is the latency limit.
         speed_floor = 1000 / snap.latency_high_ms if snap.latency_high_ms else 0.0
-        speeds = [1000 / ms for ms in snap.recent_token_latency_ms if ms > 0]
-        self._set("#decode-label", f"decode {snap.decode_tokens_per_s:.1f} tok/s (floor {speed_floor:.1f})")
-        self.query_one("#decode-spark", ThresholdSparkline).set_data(speeds, speed_floor)
         latency = "-" if snap.token_latency_ms is None else f"{snap.token_latency_ms:.1f}"
-        self._set("#latency-label", f"latency {latency} ms (limit {snap.latency_high_ms:g})")
-        self.query_one("#latency-spark", ThresholdSparkline).set_data(
-            snap.recent_token_latency_ms, snap.latency_high_ms
-        )
-        self._set("#controller", f"controller {snap.controller_mode}")
-        self._set("#decision", f"last: {snap.last_decision or 'no decision yet'}")
-
-    def _set(self, selector: str, text: str) -> None:
-        widget = self.query_one(selector, Static)
-        if widget.content != text:
-            widget.update(text)
+        texts = {
+            "device": f"{snap.device} · profile {profile_name}",
+            "memory-label": f"memory {format_bytes(used)} / {format_bytes(budget)}",
+            "kv-label": f"KV pages {snap.num_kv_blocks_used}/{snap.num_kv_blocks} · host {snap.num_kv_blocks_on_host}",
+            "kv-precision": f"KV {snap.kv_precision} · {snap.kv_block_size} tokens/page",
+            "batch": f"batch {snap.num_running} running · {snap.num_waiting} waiting",
+            "decode-label": f"decode {snap.decode_tokens_per_s:.1f} tok/s (floor {speed_floor:.1f})",
+            "latency-label": f"latency {latency} ms (limit {snap.latency_high_ms:g})",
+            "controller": f"controller {snap.controller_mode}",
+            "decision": f"last: {snap.last_decision or 'no decision yet'}",
+        }
+        for widget_id, text in texts.items():
+            widget = self.query_one(f"#{widget_id}", Static)
+            if widget.content != text:
+                widget.update(text)
+        self.query_one("#memory", Gauge).fraction = used / budget if budget else 0.0
+        kv = self.query_one("#kv", Gauge)
+        kv.fraction = snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
+        decode = self.query_one("#decode-spark", ThresholdSparkline)
+        decode.values, decode.threshold = [1000 / ms for ms in snap.recent_token_latency_ms if ms > 0], speed_floor
+        latency_spark = self.query_one("#latency-spark", ThresholdSparkline)
+        latency_spark.values, latency_spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms
