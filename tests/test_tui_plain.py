@@ -26,11 +26,11 @@ from lowvram.tui.conversation import (  # noqa: E402
     Turn,
     default_transcript_dir,
     load_transcript,
-    parse_command,  # noqa: E402
+    parse_command,
     save_transcript,
 )
-from lowvram.tui.panel import THRESHOLD_CHAR, gauge_cells, sparkline_cells  # noqa: E402
 from lowvram.tui.plain import run_plain  # noqa: E402
+from lowvram.tui.widgets import THRESHOLD_CHAR, gauge_cells, sparkline_cells  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 DEMO_WEIGHTS = Path(lowvram.__file__).parent / "demo_model" / "model.safetensors"

@@ -22,9 +22,8 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
 from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
-from lowvram.tui.panel import EnginePanel
 from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt
-from lowvram.tui.widgets import AssistantMessage, ChatInput, UserMessage
+from lowvram.tui.widgets import AssistantMessage, ChatInput, EnginePanel, UserMessage
 
 PANEL_REFRESH_S = 0.25
 KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
