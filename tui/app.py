@@ -290,7 +290,9 @@ class ChatApp(App):
         self.notify(str(saved), title="saved the KV pages")
 
     def action_load(self) -> None:
-        choices = [(str(p), p.stem) for p in chat.recent_transcripts(self.transcript_dir)]
+        files = (self.transcript_dir or chat.default_transcript_dir()).glob("*.json")
+        recent = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)[:20]  # the newest first
+        choices = [(str(p), p.stem) for p in recent]
         prompt = TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
         self.push_screen(prompt, self.load_transcript)
 

@@ -72,29 +72,6 @@ class Conversation:
         head.update(model=self.model, profile=self.profile, started_at=self.started_at)
         return {**head, "settings": asdict(self.settings), "turns": turns}
 
-    @classmethod
-    def from_json(cls, data: dict, source: str = "transcript") -> Conversation:
-        if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
-            raise ConfigError(
-                f'{source} is not a lowvram chat transcript (no "format": "{TRANSCRIPT_FORMAT}"); '
-                "load a .json file written by the chat's save"
-            )
-        if data.get("version") != TRANSCRIPT_VERSION:
-            raise ConfigError(
-                f"{source} has transcript version {data.get('version')!r}; this lowvram reads version "
-                f"{TRANSCRIPT_VERSION}"
-            )
-        settings, allowed = data.get("settings", {}), sorted(ChatSettings.__dataclass_fields__)
-        if unknown := set(settings) - set(allowed):
-            raise ConfigError(f"{source}: unknown settings {sorted(unknown)}; allowed: {allowed}")
-        turns = data.get("turns", [])
-        for i, raw in enumerate(turns):
-            if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
-                raise ConfigError(f"{source}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
-        turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason")) for raw in turns]
-        strings = [str(data.get(key, "")) for key in ("model", "profile", "started_at")]
-        return cls(ChatSettings(**settings), turns, *strings)
-
     def to_markdown(self) -> str:
         s = self.settings
         lines = [
@@ -146,13 +123,25 @@ def load_transcript(path: str | os.PathLike) -> Conversation:
         raise ConfigError(f"transcript {path} does not exist; saved chats are in {default_transcript_dir()}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"could not read transcript {path}: {exc}") from None
-    return Conversation.from_json(data, source=str(path))
-
-
-def recent_transcripts(directory: Path | None = None, max_count: int = 20) -> list[Path]:
-    """The newest JSON transcripts first."""
-    directory = directory or default_transcript_dir()
-    return sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[:max_count]
+    if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
+        raise ConfigError(
+            f'{path} is not a lowvram chat transcript (no "format": "{TRANSCRIPT_FORMAT}"); '
+            "load a .json file written by the chat's save"
+        )
+    if data.get("version") != TRANSCRIPT_VERSION:
+        raise ConfigError(
+            f"{path} has transcript version {data.get('version')!r}; this lowvram reads version {TRANSCRIPT_VERSION}"
+        )
+    settings, allowed = data.get("settings", {}), sorted(ChatSettings.__dataclass_fields__)
+    if unknown := set(settings) - set(allowed):
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; allowed: {allowed}")
+    turns = data.get("turns", [])
+    for i, raw in enumerate(turns):
+        if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
+            raise ConfigError(f"{path}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
+    turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason")) for raw in turns]
+    strings = [str(data.get(key, "")) for key in ("model", "profile", "started_at")]
+    return Conversation(ChatSettings(**settings), turns, *strings)
 
 
 # -- slash commands typed in the chat input -------------------------------------------

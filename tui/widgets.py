@@ -210,10 +210,6 @@ class EnginePanel(Vertical):
         self.border_title = "engine"
 
     def show(self, snap: EngineSnapshot, profile_name: str) -> None:
-        with contextlib.suppress(NoMatches):  # the lines are still being mounted; the next refresh fills them in
-            self._show(snap, profile_name)
-
-    def _show(self, snap: EngineSnapshot, profile_name: str) -> None:
         used, budget = snap.memory_used_bytes, snap.memory_budget_bytes
         # Per-token latency and decode speed are the same measurement; the floor on speed is the latency limit.
         speed_floor = 1000 / snap.latency_high_ms if snap.latency_high_ms else 0.0
@@ -229,14 +225,16 @@ class EnginePanel(Vertical):
             "controller": f"controller {snap.controller_mode}",
             "decision": f"last: {snap.last_decision or 'no decision yet'}",
         }
-        for widget_id, text in texts.items():
-            widget = self.query_one(f"#{widget_id}", Static)
-            if widget.content != text:
-                widget.update(text)
-        self.query_one("#memory", Gauge).fraction = used / budget if budget else 0.0
-        kv = self.query_one("#kv", Gauge)
-        kv.fraction = snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
-        decode = self.query_one("#decode-spark", ThresholdSparkline)
-        decode.values, decode.threshold = [1000 / ms for ms in snap.recent_token_latency_ms if ms > 0], speed_floor
-        latency_spark = self.query_one("#latency-spark", ThresholdSparkline)
-        latency_spark.values, latency_spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms
+        with contextlib.suppress(NoMatches):  # the lines are still being mounted; the next refresh fills them in
+            for widget_id, text in texts.items():
+                widget = self.query_one(f"#{widget_id}", Static)
+                if widget.content != text:
+                    widget.update(text)
+            self.query_one("#memory", Gauge).fraction = used / budget if budget else 0.0
+            kv = self.query_one("#kv", Gauge)
+            kv.fraction = snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
+            speeds = [1000 / ms for ms in snap.recent_token_latency_ms if ms > 0]
+            decode = self.query_one("#decode-spark", ThresholdSparkline)
+            decode.values, decode.threshold = speeds, speed_floor
+            spark = self.query_one("#latency-spark", ThresholdSparkline)
+            spark.values, spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms

@@ -237,8 +237,13 @@ class ServerState:
             except Exception as exc:  # templates reject conversations with jinja's raise_exception
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
         else:
-            param, ids = "prompt", request.prompt_input()
-            vocab_size = self.engine.config.vocab_size
+            param, ids, vocab_size = "prompt", request.prompt, self.engine.config.vocab_size
+            if ids == []:
+                raise RequestError("'prompt' is an empty list; send a string or a list of token ids")
+            if isinstance(ids, list) and isinstance(ids[0], list | str):  # a batch, or a list of one string
+                if len(ids) > 1:
+                    raise RequestError(f"'prompt' holds {len(ids)} prompts; this server takes one prompt per request")
+                ids = ids[0]
             if isinstance(ids, str):
                 ids = self.engine.tokenizer.encode(ids)
             elif any(not 0 <= t < vocab_size for t in ids):

@@ -16,12 +16,9 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _labels(labels: dict[str, str]) -> str:
-    return "{" + ",".join(f'{n}="{_escape(str(v))}"' for n, v in labels.items()) + "}" if labels else ""
+    escaped = {n: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for n, v in labels.items()}
+    return "{" + ",".join(f'{n}="{v}"' for n, v in escaped.items()) + "}" if labels else ""
 
 
 def _number(value: float) -> str:

@@ -136,19 +136,6 @@ class CompletionRequest(_GenerationRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt, as text or token ids; batched prompts are refused."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
-            raise RequestError("'prompt' is an empty list; send a string or a list of token ids")
-        if isinstance(prompt[0], int):
-            return list(prompt)
-        if len(prompt) > 1:
-            raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request")
-        return prompt[0]
-
 
 class TextPart(_Strict):
     type: Literal["text"]
