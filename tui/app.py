@@ -21,9 +21,8 @@ from lowvram.config import builtin_profile_names, load_profile
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
+from lowvram.tui import widgets as ui
 from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
-from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt
-from lowvram.tui.widgets import AssistantMessage, ChatInput, EnginePanel, UserMessage
 
 PANEL_REFRESH_S = 0.25
 KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
@@ -75,8 +74,8 @@ class ChatApp(App):
         self.backend: ChatBackend | None = None
         self.load_error: BaseException | None = None
         self.last_kv_restore = None  # the result of restoring a loaded transcript's KV pages
-        self._reply: AssistantMessage | None = None  # the reply streaming now
-        self._queue: deque[UserMessage] = deque()
+        self._reply: ui.AssistantMessage | None = None  # the reply streaming now
+        self._queue: deque[ui.UserMessage] = deque()
         # Engine warnings become notifications (thread-safe): a line on stderr would tear the screen.
         self._log_forwarder = LogForwarder(
             logging.WARNING, lambda text: self.notify(text, title="engine", severity="warning")
@@ -89,8 +88,8 @@ class ChatApp(App):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="conversation")
                 yield Static("", id="status", markup=False)
-                yield ChatInput(placeholder="Ask something · /help lists the commands", id="prompt")
-            yield EnginePanel(id="panel")
+                yield ui.ChatInput(placeholder="Ask something · /help lists the commands", id="prompt")
+            yield ui.EnginePanel(id="panel")
         yield Footer()
 
     @property
@@ -124,7 +123,7 @@ class ChatApp(App):
     def _start_loading(self, old_backend: ChatBackend | None = None) -> None:
         self.sub_title = f"{self.spec.model_label} · loading"
         self.load_error = None
-        self.push_screen(LoadingScreen(self.spec.model_label, self.spec.profile))
+        self.push_screen(ui.LoadingScreen(self.spec.model_label, self.spec.profile))
         self._update_status()
         self._load(self.spec, old_backend)
 
@@ -141,29 +140,29 @@ class ChatApp(App):
             backend.stop()  # the app closed while loading
 
     def _show_stage(self, text: str) -> None:
-        if isinstance(self.screen, LoadingScreen):
+        if isinstance(self.screen, ui.LoadingScreen):
             self.screen.query_one("#loading-stage", Static).update(text)
 
     async def _engine_ready(self, backend: ChatBackend) -> None:
         self.backend = backend
         self.load_error = None
-        if isinstance(self.screen, LoadingScreen):
+        if isinstance(self.screen, ui.LoadingScreen):
             self.pop_screen()
         self.conversation.model = backend.model_label
         self.conversation.profile = backend.profile_name
         self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
         self._refresh_panel()
-        self.main_screen.query_one(ChatInput).focus()
+        self.main_screen.query_one(ui.ChatInput).focus()
         self._update_status()
         await self._pump()
 
     def _load_failed(self, error: BaseException) -> None:
         self.load_error = error
-        if isinstance(self.screen, LoadingScreen):
+        if isinstance(self.screen, ui.LoadingScreen):
             self.pop_screen()
         self.sub_title = f"{self.spec.model_label} · not loaded"
         self._update_status()
-        dialog = ErrorDialog("Could not load the model", error, [("profile", "Pick a profile"), ("quit", "Quit")])
+        dialog = ui.ErrorDialog("Could not load the model", error, [("profile", "Pick a profile"), ("quit", "Quit")])
         self.push_screen(dialog, self._after_load_error)
 
     def _after_load_error(self, choice: str | None) -> None:
@@ -175,7 +174,7 @@ class ChatApp(App):
     # -- sending and streaming ------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
-        if not isinstance(event.input, ChatInput) or not text:
+        if not isinstance(event.input, ui.ChatInput) or not text:
             return
         event.input.remember(text)
         event.input.value = ""
@@ -190,7 +189,7 @@ class ChatApp(App):
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
         is_waiting = self._reply is not None or self.backend is None or bool(self._queue)
-        view = UserMessage(text, is_queued=is_waiting)
+        view = ui.UserMessage(text, is_queued=is_waiting)
         self._queue.append(view)
         await self.conversation_view.mount(view)
         self.conversation_view.anchor()  # sending is a jump to the newest message
@@ -204,7 +203,7 @@ class ChatApp(App):
         user_view = self._queue.popleft()
         user_view.set_queued(False)
         self.conversation.turns.append(chat.Turn("user", user_view.text))
-        view = AssistantMessage(self.backend.model_label)
+        view = ui.AssistantMessage(self.backend.model_label)
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
         self._reply = view
@@ -213,7 +212,7 @@ class ChatApp(App):
         self._update_status()
 
     @work(group="reply")
-    async def _stream_reply(self, view: AssistantMessage, messages: list[dict], params: SamplingParams) -> None:
+    async def _stream_reply(self, view: ui.AssistantMessage, messages: list[dict], params: SamplingParams) -> None:
         finish_reason, error, num_tokens = "abort", None, 0
         try:
             async for out in self.backend.stream(messages, params):
@@ -244,7 +243,7 @@ class ChatApp(App):
             self.conversation.turns.append(chat.Turn("assistant", view.text, finish_reason))
         else:
             self.conversation.turns.pop()  # the question goes back out of the history with its failed reply
-            self.push_screen(ErrorDialog("The reply failed", error, [("ok", "OK")]))
+            self.push_screen(ui.ErrorDialog("The reply failed", error, [("ok", "OK")]))
         self._update_status()
         self._refresh_panel()
         await self._pump()
@@ -276,7 +275,7 @@ class ChatApp(App):
         try:
             markdown_path, json_path = chat.save_transcript(self.conversation, target or self.transcript_dir)
         except LowvramError as exc:
-            return self.push_screen(ErrorDialog("Could not save the transcript", exc, [("ok", "OK")]))
+            return self.push_screen(ui.ErrorDialog("Could not save the transcript", exc, [("ok", "OK")]))
         self.notify(f"{markdown_path}\n{json_path}", title="saved the transcript")
         if self.backend is not None and self.backend.has_chat_template and self.conversation.turns:
             self.run_worker(self._save_kv(json_path.with_suffix(".kv")), group="kv-files")
@@ -293,7 +292,7 @@ class ChatApp(App):
         files = (self.transcript_dir or chat.default_transcript_dir()).glob("*.json")
         recent = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)[:20]  # the newest first
         choices = [(str(p), p.stem) for p in recent]
-        prompt = TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
+        prompt = ui.TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
         self.push_screen(prompt, self.load_transcript)
 
     async def load_transcript(self, path: str | None) -> None:
@@ -303,7 +302,7 @@ class ChatApp(App):
         try:
             conversation = chat.load_transcript(path)
         except LowvramError as exc:
-            return self.push_screen(ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
+            return self.push_screen(ui.ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
         await self.action_stop()
         conversation.model, conversation.profile = self.conversation.model, self.conversation.profile
         self.conversation = conversation
@@ -312,9 +311,9 @@ class ChatApp(App):
         views = []
         for turn in conversation.turns:
             if turn.role == "user":
-                views.append(UserMessage(turn.content))
+                views.append(ui.UserMessage(turn.content))
             else:
-                views.append(AssistantMessage(label, turn.content))
+                views.append(ui.AssistantMessage(label, turn.content))
                 views[-1].show_finish(turn.finish_reason)
         await self.conversation_view.mount_all(views)
         self.conversation_view.anchor()
@@ -327,7 +326,7 @@ class ChatApp(App):
 
     def action_system_prompt(self) -> None:
         system_prompt = self.conversation.settings.system_prompt
-        prompt = TextPrompt(
+        prompt = ui.TextPrompt(
             "System prompt (empty = none)", system_prompt, placeholder="e.g. You are a concise assistant."
         )
         self.push_screen(prompt, self._set_system_prompt)
@@ -337,7 +336,7 @@ class ChatApp(App):
             self._change_settings(system_prompt=text.strip())
 
     def action_settings(self) -> None:
-        self.push_screen(SettingsDialog(self.conversation.settings), self._set_settings)
+        self.push_screen(ui.SettingsDialog(self.conversation.settings), self._set_settings)
 
     def _change_settings(self, **changes) -> None:
         self._set_settings(self.conversation.settings.with_changes(**changes))
@@ -350,7 +349,7 @@ class ChatApp(App):
 
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
-        prompt = TextPrompt(
+        prompt = ui.TextPrompt(
             "Profile (the model reloads)", placeholder="or a path to a profile YAML file", choices=choices
         )
         self.push_screen(prompt, self._switch_profile)
@@ -366,7 +365,7 @@ class ChatApp(App):
         self._start_loading(old_backend)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen([(key_label(b.key), b.description) for b in self.BINDINGS]))
+        self.push_screen(ui.HelpScreen([(key_label(b.key), b.description) for b in self.BINDINGS]))
 
     def action_scroll_conversation(self, direction: int) -> None:
         view = self.conversation_view
@@ -394,7 +393,7 @@ class ChatApp(App):
     def _refresh_panel(self) -> None:
         if not self.screen_stack:  # the timer can fire once more after the app's screens are gone
             return
-        panels = self.main_screen.query(EnginePanel)  # none while the app closes
+        panels = self.main_screen.query(ui.EnginePanel)  # none while the app closes
         if self.backend is not None and panels:
             panels.first().show(self.backend.snapshot(), self.backend.profile_name)
 

@@ -47,7 +47,7 @@ def cmd_chat(args) -> int:
         return run_plain(spec, settings, transcript_dir=transcript_dir)
 
     from lowvram.tui.app import ChatApp
-    from lowvram.tui.screens import describe_error
+    from lowvram.tui.widgets import describe_error
 
     app = ChatApp(spec, settings, transcript_dir=transcript_dir)
     app.run()
