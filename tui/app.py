@@ -308,14 +308,10 @@ class ChatApp(App):
         self.conversation = conversation
         await self.conversation_view.remove_children()
         label = self.backend.model_label if self.backend else self.spec.model_label
-        views = []
-        for turn in conversation.turns:
-            if turn.role == "user":
-                views.append(ui.UserMessage(turn.content))
-            else:
-                views.append(ui.AssistantMessage(label, turn.content))
-                views[-1].show_finish(turn.finish_reason)
-        await self.conversation_view.mount_all(views)
+        await self.conversation_view.mount_all(
+            ui.UserMessage(t.content) if t.role == "user" else ui.AssistantMessage(label, t.content, t.finish_reason)
+            for t in conversation.turns
+        )
         self.conversation_view.anchor()
         self.notify(f"{len(conversation.turns)} messages from {path}", title="loaded")
         kv_path = Path(path).with_suffix(".kv")

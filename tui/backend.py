@@ -42,9 +42,9 @@ class LogForwarder(logging.Handler):
     """Hands each log line at `level` or above to `callback`; lines from `passes_on_at` up also go on to
     the root logger (what the terminal would have shown anyway)."""
 
-    def __init__(self, level: int, callback: Callable[[str], None]):
+    def __init__(self, level: int, callback: Callable[[str], None], passes_on_at: int | None = None):
         super().__init__(level)
-        self.callback, self.passes_on_at = callback, None
+        self.callback, self.passes_on_at = callback, passes_on_at
 
     def emit(self, record: logging.LogRecord) -> None:
         self.callback(record.getMessage())
@@ -57,12 +57,11 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
     on_stage(f"resolving {spec.model_label}, loading its weights and planning the KV pool")
     logger = logging.getLogger("lowvram")
     level, is_propagating = logger.level, logger.propagate
-    handler = LogForwarder(logging.INFO, on_stage)
+    # INFO lines go to on_stage; the terminal still gets only what its own level shows
+    handler = LogForwarder(logging.INFO, on_stage, logger.getEffectiveLevel() if is_propagating else None)
     logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:  # INFO lines go to on_stage only, not to a quieter terminal
-        handler.passes_on_at = logger.getEffectiveLevel() if is_propagating else None
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    logger.propagate = False
     try:
         model = quantized_model_dir(spec, on_stage) if spec.is_quantized_on_load else spec.model
         return LLMEngine(model, spec.profile, **spec.engine_kwargs)
@@ -118,9 +117,7 @@ class ChatBackend:
     def stream(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Token outputs of one reply; closing or cancelling the iterator aborts it and frees its pages."""
         request_id = self.async_engine.new_request_id("chat")
-        if self.has_chat_template:
-            return self.async_engine.generate(request_id, params=params, messages=messages)
-        return self.async_engine.generate(request_id, plain_prompt(messages), params)
+        return self.async_engine.generate(request_id, params=params, **chat_input(self.has_chat_template, messages))
 
     async def save_kv(self, messages: list[dict], path) -> Path:
         """Save the conversation's KV pages next to its transcript (see lowvram.kv.conversation_store)."""
@@ -147,10 +144,12 @@ class ChatBackend:
         self.async_engine = self.llm_engine = None
 
 
-def plain_prompt(messages: list[dict]) -> str:
-    """A transcript-style prompt for base models that have no chat template."""
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n\n".join(lines) + "\n\nAssistant:"
+def chat_input(has_chat_template: bool, messages: list[dict]) -> dict:
+    """The request's input: the messages for the chat template, or for base models that have none,
+    a transcript-style prompt."""
+    if has_chat_template:
+        return {"messages": messages}
+    return {"prompt": "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages) + "\n\nAssistant:"}
 
 
 def load_backend(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> ChatBackend:

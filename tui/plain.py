@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import itertools
 import sys
-from pathlib import Path
 
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
-from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, load_engine, plain_prompt
+from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, chat_input, load_engine
 
 
 class PlainChat:
     """One conversation against one engine, read from and written to text streams."""
 
-    def __init__(
-        self, spec: EngineSpec, settings: chat.ChatSettings, transcript_dir: Path | None, stdin, stdout, stderr
-    ):
-        self.spec = spec
-        self.transcript_dir = transcript_dir
+    def __init__(self, spec: EngineSpec, settings: chat.ChatSettings, transcript_dir, stdin, stdout, stderr):
+        self.spec, self.transcript_dir = spec, transcript_dir
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.is_interactive = stdin.isatty()
         self.engine = self._load(spec)
@@ -33,10 +29,8 @@ class PlainChat:
 
     def _load(self, spec: EngineSpec) -> LLMEngine:
         if spec.model is None:
-            self.note(
-                f"using the {BUNDLED_MODEL_LABEL} (a small model trained for lowvram's tests, "
-                "not a real DeepSeek model); pass --model for a real one"
-            )
+            demo = "a small model trained for lowvram's tests, not a real DeepSeek model"
+            self.note(f"using the {BUNDLED_MODEL_LABEL} ({demo}); pass --model for a real one")
         if self.is_interactive:
             self.note(f"loading {spec.model_label}...")
         return load_engine(spec)
@@ -73,10 +67,9 @@ class PlainChat:
         messages = self.conversation.messages()
         params = self.conversation.settings.sampling_params()
         try:
-            if self.engine.tokenizer.has_chat_template:
-                self.engine.add_request(request_id, params=params, messages=messages)
-            else:
-                self.engine.add_request(request_id, plain_prompt(messages), params)
+            self.engine.add_request(
+                request_id, params=params, **chat_input(self.engine.tokenizer.has_chat_template, messages)
+            )
         except LowvramError:
             self.conversation.turns.pop()
             raise

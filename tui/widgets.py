@@ -74,13 +74,14 @@ class UserMessage(Static):
 class AssistantMessage(Markdown):
     """A reply, rendered as Markdown (code blocks highlighted) while it streams in."""
 
-    def __init__(self, model_label: str, text: str = ""):
+    def __init__(self, model_label: str, text: str = "", finish_reason: str | None = None):
         super().__init__(text)
         self.text = text
         self.border_title = model_label
         self._stream = None
         self.worker = None  # while it streams: the worker whose cancellation stops it
         self.num_tokens = 0
+        self.show_finish(finish_reason)
 
     def start_streaming(self) -> None:
         self.add_class("-streaming")
@@ -111,9 +112,7 @@ THRESHOLD_CHAR = "┈"
 SCALE_HEADROOM = 1.15  # above the larger of peak and threshold, so the threshold line is never the top edge
 
 
-def sparkline_cells(
-    values: list[float], threshold: float, num_rows: int, is_high_bad: bool
-) -> list[list[tuple[str, str]]]:
+def sparkline_cells(values: list[float], threshold: float, num_rows: int, is_high_bad: bool) -> list[list]:
     """Rows (top first) of (character, kind) cells, one column per value; kind is "bar", "bad" (a bar on the
     wrong side of the threshold), "threshold" (the dotted line, where no bar covers it) or "empty"."""
     top = max(max(values, default=0.0), threshold) * SCALE_HEADROOM
