@@ -1,9 +1,6 @@
-"""`lowvram serve`: the OpenAI-compatible server under uvicorn.
-
-Beyond loopback it needs an API key unless --insecure-no-auth. SIGINT/SIGTERM stop admissions (503),
-give in-flight requests --shutdown-grace-s seconds, then end the rest cleanly; a second Ctrl-C quits.
-Cheap to import: the CLI parser needs it.
-"""
+"""`lowvram serve`: the OpenAI-compatible server under uvicorn (cheap to import: the CLI parser needs it).
+Beyond loopback it needs an API key unless --insecure-no-auth. SIGINT/SIGTERM stop admissions (503), give
+in-flight requests --shutdown-grace-s seconds, then end the rest cleanly; a second Ctrl-C quits."""
 
 from __future__ import annotations
 
@@ -24,10 +21,8 @@ API_KEY_ENV = "LOWVRAM_API_KEY"
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a host name other than localhost may resolve anywhere
         return False
 
@@ -71,11 +66,8 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit and threading.current_thread() is threading.main_thread():
                 # os.write, unlike print, is safe inside a signal handler
-                os.write(
-                    2,
-                    f"lowvram: stopping: {state.num_in_flight} requests in flight get up to "
-                    f"{state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now\n".encode(),
-                )
+                grace = f"get up to {state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now"
+                os.write(2, f"lowvram: stopping: {state.num_in_flight} requests in flight {grace}\n".encode())
             state.begin_shutdown()
             super().handle_exit(sig, frame)
 
@@ -94,20 +86,14 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
                     signal.signal(sig, handler)
 
     # uvicorn's own grace period is a backstop behind the app's: it cancels what is still running.
-    grace_s = int(state.shutdown_grace_s) + 5
-    return Server(
-        uvicorn.Config(
-            app, log_level=log_level, access_log=access_log, lifespan="on", timeout_graceful_shutdown=grace_s
-        )
-    )
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    config.timeout_graceful_shutdown = int(state.shutdown_grace_s) + 5
+    return Server(config)
 
 
 class BackgroundServer:
-    """Serve an app from a background thread on a bound socket (embedding, tests).
-
-    with BackgroundServer(app, sock) as server:
-        ... http://127.0.0.1:{server.port}/v1 ...
-    """
+    """Serve an app from a background thread on a bound socket (embedding, tests):
+    `with BackgroundServer(app, sock) as server:` ... http://127.0.0.1:{server.port}/v1 ..."""
 
     def __init__(self, app, sock: socket.socket, *, log_level: str = "warning"):
         self.app = app

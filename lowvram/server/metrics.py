@@ -1,7 +1,5 @@
-"""Server metrics in the Prometheus text format (0.0.4), written by hand: a client library would be
-a dependency for a few lines. Only the event loop thread touches them, hence no locks; engine gauges
-come from the engine's latest snapshot at scrape time.
-"""
+"""Server metrics in the Prometheus text format (0.0.4), written by hand: a client library would be a dependency
+for a few lines. Only the event loop thread touches them (no locks); engine gauges come from its latest snapshot."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""OpenAI request and response bodies.
-
-Requests are validated strictly (no coercion, no NaN, unknown parameters refused), so a typo is a 400
-naming the field. OpenAI parameters lowvram cannot honour are accepted only at their "off" value.
-vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body runs on both.
-"""
+"""OpenAI request and response bodies. Requests are validated strictly (no coercion, no NaN, unknown parameters
+refused), so a typo is a 400 naming the field; OpenAI parameters lowvram cannot honour are accepted only at their
+"off" value. vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body runs on both."""
 
 from __future__ import annotations
 
@@ -27,9 +24,7 @@ def _require_utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_require_utf8)]
 
 MAX_SEED = 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
-# Below this, logits / temperature overflows to inf and sampling fails for the whole batch;
-# it is vLLM's floor too. 0 still means greedy.
-MIN_SAMPLING_TEMPERATURE = 1e-2
+MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's floor too: below it logits / temperature overflows (0 is greedy)
 
 
 class UnsupportedParameter(RequestError):
@@ -186,10 +181,7 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     loc = list(first["loc"])
     path, cut_at_union = "", None
     for item in loc:
-        if isinstance(item, int):
-            path += f"[{item}]"
-        else:
-            path += f".{item}" if path else str(item)
+        path += f"[{item}]" if isinstance(item, int) else f".{item}" if path else str(item)
         if item in _UNION_FIELDS:
             cut_at_union = item
             break
