@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 from textual import work
@@ -58,14 +59,7 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
-    def __init__(
-        self,
-        spec: EngineSpec | None = None,
-        settings: chat.ChatSettings | None = None,
-        *,
-        transcript_dir=None,
-        loader=load_backend,
-    ):
+    def __init__(self, spec: EngineSpec | None = None, settings=None, *, transcript_dir=None, loader=load_backend):
         super().__init__()
         self.spec = spec or EngineSpec()
         self.conversation = chat.Conversation(settings or chat.ChatSettings(), model=self.spec.model_label)
@@ -77,9 +71,7 @@ class ChatApp(App):
         self._reply: ui.AssistantMessage | None = None  # the reply streaming now
         self._queue: deque[ui.UserMessage] = deque()
         # Engine warnings become notifications (thread-safe): a line on stderr would tear the screen.
-        self._log_forwarder = LogForwarder(
-            logging.WARNING, lambda text: self.notify(text, title="engine", severity="warning")
-        )
+        self._log_forwarder = LogForwarder(logging.WARNING, partial(self.notify, title="engine", severity="warning"))
         self._was_propagating = True
 
     def compose(self) -> ComposeResult:
@@ -134,36 +126,31 @@ class ChatApp(App):
         try:
             backend = self.loader(spec, lambda text: self.call_later(self._show_stage, text))
         except Exception as exc:  # every failure reaches the dialog; a traceback would tear the screen
-            self.call_later(self._load_failed, exc)
+            self.call_later(self._loaded, None, exc)
             return
-        if not self.call_later(self._engine_ready, backend):
+        if not self.call_later(self._loaded, backend):
             backend.stop()  # the app closed while loading
 
     def _show_stage(self, text: str) -> None:
         if isinstance(self.screen, ui.LoadingScreen):
             self.screen.query_one("#loading-stage", Static).update(text)
 
-    async def _engine_ready(self, backend: ChatBackend) -> None:
-        self.backend = backend
-        self.load_error = None
+    async def _loaded(self, backend: ChatBackend | None, error: BaseException | None = None) -> None:
+        self.backend, self.load_error = backend, error
         if isinstance(self.screen, ui.LoadingScreen):
             self.pop_screen()
-        self.conversation.model = backend.model_label
-        self.conversation.profile = backend.profile_name
+        self._update_status()
+        if error is not None:
+            self.sub_title = f"{self.spec.model_label} · not loaded"
+            dialog = ui.ErrorDialog(
+                "Could not load the model", error, [("profile", "Pick a profile"), ("quit", "Quit")]
+            )
+            return self.push_screen(dialog, self._after_load_error)
+        self.conversation.model, self.conversation.profile = backend.model_label, backend.profile_name
         self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
         self._refresh_panel()
         self.main_screen.query_one(ui.ChatInput).focus()
-        self._update_status()
         await self._pump()
-
-    def _load_failed(self, error: BaseException) -> None:
-        self.load_error = error
-        if isinstance(self.screen, ui.LoadingScreen):
-            self.pop_screen()
-        self.sub_title = f"{self.spec.model_label} · not loaded"
-        self._update_status()
-        dialog = ui.ErrorDialog("Could not load the model", error, [("profile", "Pick a profile"), ("quit", "Quit")])
-        self.push_screen(dialog, self._after_load_error)
 
     def _after_load_error(self, choice: str | None) -> None:
         if choice == "profile":
@@ -321,10 +308,8 @@ class ChatApp(App):
         self._update_status()
 
     def action_system_prompt(self) -> None:
-        system_prompt = self.conversation.settings.system_prompt
-        prompt = ui.TextPrompt(
-            "System prompt (empty = none)", system_prompt, placeholder="e.g. You are a concise assistant."
-        )
+        text = self.conversation.settings.system_prompt
+        prompt = ui.TextPrompt("System prompt (empty = none)", text, placeholder="e.g. You are a concise assistant.")
         self.push_screen(prompt, self._set_system_prompt)
 
     def _set_system_prompt(self, text: str | None) -> None:
