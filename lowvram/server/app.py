@@ -177,14 +177,10 @@ class ServerState:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # compare_digest takes time independent of where the strings differ
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8"), self._api_key):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
-                "the server was started with",
-                type="authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
+            message += "server was started with"
+            headers = {"WWW-Authenticate": "Bearer"}
+            raise ApiError(401, message, type="authentication_error", code="invalid_api_key", headers=headers)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -203,14 +199,10 @@ class ServerState:
             raise _shutting_down("the server is shutting down and takes no new requests")
         if self.num_in_flight >= self.max_queue:
             self.metrics.rejected.inc("queue_full")
-            raise ApiError(
-                429,
-                f"the server is busy: {self.num_in_flight} requests are in flight, the most it queues "
-                f"(max_queue = {self.max_queue}); retry after a moment",
-                type="rate_limit_error",
-                code="server_overloaded",
-                headers={"Retry-After": str(RETRY_AFTER_FULL_S)},
-            )
+            busy = f"{self.num_in_flight} requests are in flight, the most it queues (max_queue = {self.max_queue})"
+            headers = {"Retry-After": str(RETRY_AFTER_FULL_S)}
+            message = f"the server is busy: {busy}; retry after a moment"
+            raise ApiError(429, message, type="rate_limit_error", code="server_overloaded", headers=headers)
         self.num_in_flight += 1
 
     def begin_shutdown(self, grace_s: float | None = None) -> None:
@@ -289,8 +281,7 @@ class _EventStream(Response):
 
     def __init__(self, generation: _Generation, shape: CompletionShape, *, include_usage: bool):
         self.generation, self.shape, self.include_usage = generation, shape, include_usage
-        self.status_code = 200
-        self.background = None
+        self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self):
@@ -354,13 +345,11 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
         raise ValueError(f"{name} is not valid JSON")
 
     def checked_object(pairs: list[tuple[str, object]]) -> dict:
-        for key, _ in pairs:
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(
-                    400, "a key in the request body contains an unpaired UTF-16 surrogate (a broken \\u escape)"
-                ) from None
+        try:
+            "".join(key for key, _ in pairs).encode("utf-8")  # surrogates stay unpaired when joined
+        except UnicodeEncodeError:
+            surrogate = "an unpaired UTF-16 surrogate (a broken \\u escape)"
+            raise ApiError(400, f"a key in the request body contains {surrogate}") from None
         return dict(pairs)
 
     try:
