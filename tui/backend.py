@@ -108,9 +108,7 @@ class ChatBackend:
     """A running engine loop plus the names the side panel shows."""
 
     def __init__(self, engine: LLMEngine, model_label: str):
-        self.llm_engine = engine
-        self.model_label = model_label
-        self.profile_name = engine.profile.name
+        self.llm_engine, self.model_label, self.profile_name = engine, model_label, engine.profile.name
         self.has_chat_template = engine.tokenizer.has_chat_template
         self.async_engine = AsyncLLMEngine(engine).start()
 

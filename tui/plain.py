@@ -40,13 +40,10 @@ class PlainChat:
         num_failed = 0
         while True:
             if self.is_interactive:
-                self.stderr.write("you> ")
-                self.stderr.flush()
-            line = self.stdin.readline()
-            if not line:
+                print("you> ", end="", file=self.stderr, flush=True)
+            if not (line := self.stdin.readline()):
                 return 1 if num_failed else 0
-            text = line.strip()
-            if not text:
+            if not (text := line.strip()):
                 continue
             try:
                 command = chat.parse_command(text)
@@ -91,13 +88,11 @@ class PlainChat:
         return finish_reason
 
     def run_command(self, command) -> None:
-        changes = chat.setting_changes(command)
-        if changes is not None:
+        if (changes := chat.setting_changes(command)) is not None:
             self.conversation.settings = self.conversation.settings.with_changes(**changes)
             self.note(self.conversation.settings.describe())
         elif command.name == "help":
-            for usage, doc in chat.help_lines():
-                print(f"  {usage:18} {doc}", file=self.stderr)
+            print("\n".join(f"  {usage:18} {doc}" for usage, doc in chat.help_lines()), file=self.stderr)
         elif command.name == "new":
             self.conversation = self.conversation.cleared()
             self.note("new chat")
