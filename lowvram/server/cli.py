@@ -143,15 +143,26 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help=host)
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     key = f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); prefer the "
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=key + "variable: others see arguments")
+    key += "variable: arguments are visible to other users in the process list"
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=key)
     no_auth = "allow a non-loopback --host without an API key (anyone who can reach it can use it)"
     p.add_argument("--insecure-no-auth", action="store_true", help=no_auth)
     name = "the model id clients send (default: the model directory's name); vLLM's value moves clients unchanged"
     p.add_argument("--served-model-name", help=name)
     for flag, kind, default, help_text in (
-        ("--max-queue", int, defaults.MAX_QUEUE, "most requests held at once, running or waiting; more get 429"),
+        (
+            "--max-queue",
+            int,
+            defaults.MAX_QUEUE,
+            "most requests held, running or waiting; more get 429 with Retry-After",
+        ),
         ("--max-body-bytes", int, defaults.MAX_BODY_BYTES, "larger request bodies get 413"),
-        ("--default-max-tokens", int, defaults.MAX_TOKENS, "length of a reply whose request gives no max_tokens"),
+        (
+            "--default-max-tokens",
+            int,
+            defaults.MAX_TOKENS,
+            "completion length without max_tokens, at most the context left",
+        ),
         ("--shutdown-grace-s", float, defaults.SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
