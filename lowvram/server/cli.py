@@ -150,19 +150,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     name = "the model id clients send (default: the model directory's name); vLLM's value moves clients unchanged"
     p.add_argument("--served-model-name", help=name)
     for flag, kind, default, help_text in (
-        (
-            "--max-queue",
-            int,
-            defaults.MAX_QUEUE,
-            "most requests held, running or waiting; more get 429 with Retry-After",
-        ),
+        ("--max-queue", int, defaults.MAX_QUEUE, "most requests running or waiting; more get 429 with Retry-After"),
         ("--max-body-bytes", int, defaults.MAX_BODY_BYTES, "larger request bodies get 413"),
-        (
-            "--default-max-tokens",
-            int,
-            defaults.MAX_TOKENS,
-            "completion length without max_tokens, at most the context left",
-        ),
+        ("--default-max-tokens", int, defaults.MAX_TOKENS, "reply length without max_tokens, at most the context left"),
         ("--shutdown-grace-s", float, defaults.SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
