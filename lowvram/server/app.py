@@ -453,24 +453,23 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
-class _CountResponses:
+def _count_responses(app, metrics: ServerMetrics):
     """ASGI middleware: counts answers by endpoint and status code for /metrics."""
 
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
+    async def counting_app(scope, receive, send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            return await app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.inc(endpoint, str(message["status"]))
+                metrics.requests.inc(endpoint, str(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        await app(scope, receive, counting_send)
+
+    return counting_app
 
 
 def create_app(
@@ -513,7 +512,7 @@ def create_app(
         _route("/health", _health, needs_auth=False),
         _route("/metrics", _metrics),
     ]
-    middleware = [Middleware(_CountResponses, metrics=state.metrics)]
+    middleware = [Middleware(_count_responses, metrics=state.metrics)]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}, middleware=middleware
     )
