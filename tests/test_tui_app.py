@@ -29,9 +29,18 @@ from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from lowvram.tui.app import ChatApp  # noqa: E402
 from lowvram.tui.backend import ChatBackend, EngineSpec, load_backend  # noqa: E402
 from lowvram.tui.conversation import ChatSettings, load_transcript  # noqa: E402
-from lowvram.tui.panel import EnginePanel, ThresholdSparkline  # noqa: E402
-from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt  # noqa: E402
-from lowvram.tui.widgets import AssistantMessage, ChatInput, UserMessage  # noqa: E402
+from lowvram.tui.widgets import (  # noqa: E402
+    AssistantMessage,
+    ChatInput,
+    EnginePanel,
+    ErrorDialog,
+    HelpScreen,
+    LoadingScreen,
+    SettingsDialog,
+    TextPrompt,
+    ThresholdSparkline,
+    UserMessage,
+)
 
 DEMO_WEIGHTS = Path(lowvram.__file__).parent / "demo_model" / "model.safetensors"
 SNAPSHOT_DIR = Path(__file__).parent / "snapshots"

@@ -20,17 +20,17 @@ import lowvram  # noqa: E402
 from lowvram import LLM  # noqa: E402
 from lowvram.errors import ConfigError, RequestError  # noqa: E402
 from lowvram.tui.backend import EngineSpec  # noqa: E402
-from lowvram.tui.commands import parse_command  # noqa: E402
 from lowvram.tui.conversation import (  # noqa: E402
     ChatSettings,
     Conversation,
     Turn,
     default_transcript_dir,
     load_transcript,
+    parse_command,
     save_transcript,
 )
-from lowvram.tui.panel import THRESHOLD_CHAR, gauge_cells, sparkline_cells  # noqa: E402
 from lowvram.tui.plain import run_plain  # noqa: E402
+from lowvram.tui.widgets import THRESHOLD_CHAR, gauge_cells, sparkline_cells  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 DEMO_WEIGHTS = Path(lowvram.__file__).parent / "demo_model" / "model.safetensors"
@@ -261,7 +261,7 @@ def test_the_chat_runs_in_a_real_terminal(model_args):
 def test_every_key_binding_is_documented():
     pytest.importorskip("textual")
     from lowvram.tui.app import ChatApp, key_label
-    from lowvram.tui.commands import COMMANDS
+    from lowvram.tui.conversation import COMMANDS
 
     for doc in (ROOT / "docs" / "chat.md", ROOT / "README.md"):
         text = doc.read_text()

@@ -1,100 +1,42 @@
 """`lowvram chat`: the conversation on the left, what the engine is doing on the right.
 
-Nothing slow runs on the UI's event loop. Loading the model is one blocking call,
-made in a thread worker. Replies are computed by the engine's own loop thread
-(AsyncLLMEngine); an async worker relays each token as a message, and cancelling
-that worker aborts the request, which frees its KV pages. A message sent while a
-reply streams waits in a visible queue; Esc stops the reply and drops the queue.
+The model loads in a thread worker; replies come from the engine's own loop thread through an async worker,
+and cancelling that worker aborts the request (freeing its KV pages). Both hand their results to the UI with
+`call_later`. A message sent while a reply streams waits in a visible queue; Esc stops the reply and the queue.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
-from textual.worker import Worker
 
 from lowvram.config import builtin_profile_names, load_profile
 from lowvram.core.sampling_params import SamplingParams
-from lowvram.errors import LowvramError, RequestError
+from lowvram.errors import LowvramError
+from lowvram.tui import conversation as chat
+from lowvram.tui import widgets as ui
 from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
-from lowvram.tui.commands import Command, message_text, parse_command, setting_changes
-from lowvram.tui.conversation import (
-    ChatSettings,
-    Conversation,
-    Turn,
-    load_transcript,
-    recent_transcripts,
-    save_transcript,
-)
-from lowvram.tui.panel import EnginePanel
-from lowvram.tui.screens import ErrorDialog, HelpScreen, LoadingScreen, SettingsDialog, TextPrompt
-from lowvram.tui.widgets import AssistantMessage, ChatInput, UserMessage
 
 PANEL_REFRESH_S = 0.25
-
-
-@dataclass
-class LoadingStage(Message):
-    text: str
-
-
-@dataclass
-class EngineReady(Message):
-    backend: ChatBackend
-
-
-@dataclass
-class EngineFailed(Message):
-    error: BaseException
-
-
-@dataclass
-class ReplyUpdate(Message):
-    """New text of a reply; with finish_reason set, its end."""
-
-    reply_id: int
-    text: str
-    num_tokens: int
-    finish_reason: str | None = None
-    error: BaseException | None = None
-
-
-@dataclass
-class EngineLog(Message):
-    text: str
-
-
-@dataclass
-class ActiveReply:
-    reply_id: int
-    view: AssistantMessage
-    worker: Worker
-    num_tokens: int = 0
-
-
 KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
+# The slash commands that are the same as a key's action.
+COMMAND_ACTIONS = {"help": "help", "new": "new_chat", "stop": "stop", "profile": "pick_profile", "quit": "quit"}
 
 
 def key_label(keys: str) -> str:
     """'ctrl+n' -> 'Ctrl+N', 'escape' -> 'Esc', as the help screen and the docs show them."""
-
-    def one(key: str) -> str:
-        return "+".join(
-            KEY_NAMES.get(part, part.capitalize() if len(part) > 1 else part.upper()) for part in key.split("+")
-        )
-
-    return " / ".join(one(key) for key in keys.split(","))
+    return " / ".join(
+        "+".join(KEY_NAMES.get(part, part.capitalize() if len(part) > 1 else part.upper()) for part in key.split("+"))
+        for key in keys.split(",")
+    )
 
 
 class ChatApp(App):
@@ -117,27 +59,19 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
-    def __init__(
-        self,
-        spec: EngineSpec | None = None,
-        settings: ChatSettings | None = None,
-        *,
-        transcript_dir: Path | None = None,
-        loader: Callable[[EngineSpec, Callable[[str], None]], ChatBackend] = load_backend,
-    ):
+    def __init__(self, spec: EngineSpec | None = None, settings=None, *, transcript_dir=None, loader=load_backend):
         super().__init__()
         self.spec = spec or EngineSpec()
-        self.conversation = Conversation(settings or ChatSettings(), model=self.spec.model_label)
+        self.conversation = chat.Conversation(settings or chat.ChatSettings(), model=self.spec.model_label)
         self.transcript_dir = transcript_dir
         self.loader = loader
         self.backend: ChatBackend | None = None
         self.load_error: BaseException | None = None
         self.last_kv_restore = None  # the result of restoring a loaded transcript's KV pages
-        self._reply: ActiveReply | None = None
-        self._queue: deque[UserMessage] = deque()
-        self._reply_ids = itertools.count()
-        # Engine warnings become notifications: a line on stderr would tear the screen.
-        self._log_forwarder = LogForwarder(logging.WARNING, lambda text: self.post_message(EngineLog(text)))
+        self._reply: ui.AssistantMessage | None = None  # the reply streaming now
+        self._queue: deque[ui.UserMessage] = deque()
+        # Engine warnings become notifications (thread-safe): a line on stderr would tear the screen.
+        self._log_forwarder = LogForwarder(logging.WARNING, partial(self.notify, title="engine", severity="warning"))
         self._was_propagating = True
 
     def compose(self) -> ComposeResult:
@@ -146,8 +80,8 @@ class ChatApp(App):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="conversation")
                 yield Static("", id="status", markup=False)
-                yield ChatInput(placeholder="Ask something · /help lists the commands", id="prompt")
-            yield EnginePanel(id="panel")
+                yield ui.ChatInput(placeholder="Ask something · /help lists the commands", id="prompt")
+            yield ui.EnginePanel(id="panel")
         yield Footer()
 
     @property
@@ -181,7 +115,7 @@ class ChatApp(App):
     def _start_loading(self, old_backend: ChatBackend | None = None) -> None:
         self.sub_title = f"{self.spec.model_label} · loading"
         self.load_error = None
-        self.push_screen(LoadingScreen(self.spec.model_label, self.spec.profile))
+        self.push_screen(ui.LoadingScreen(self.spec.model_label, self.spec.profile))
         self._update_status()
         self._load(self.spec, old_backend)
 
@@ -190,40 +124,33 @@ class ChatApp(App):
         if old_backend is not None:
             old_backend.stop()  # its pages and weights go before the next model's arrive
         try:
-            backend = self.loader(spec, lambda text: self.post_message(LoadingStage(text)))
+            backend = self.loader(spec, lambda text: self.call_later(self._show_stage, text))
         except Exception as exc:  # every failure reaches the dialog; a traceback would tear the screen
-            self.post_message(EngineFailed(exc))
+            self.call_later(self._loaded, None, exc)
             return
-        if not self.post_message(EngineReady(backend)):
+        if not self.call_later(self._loaded, backend):
             backend.stop()  # the app closed while loading
 
-    def on_loading_stage(self, message: LoadingStage) -> None:
-        if isinstance(self.screen, LoadingScreen):
-            self.screen.set_stage(message.text)
+    def _show_stage(self, text: str) -> None:
+        if isinstance(self.screen, ui.LoadingScreen):
+            self.screen.query_one("#loading-stage", Static).update(text)
 
-    async def on_engine_ready(self, message: EngineReady) -> None:
-        self.backend = message.backend
-        self.load_error = None
-        if isinstance(self.screen, LoadingScreen):
+    async def _loaded(self, backend: ChatBackend | None, error: BaseException | None = None) -> None:
+        self.backend, self.load_error = backend, error
+        if isinstance(self.screen, ui.LoadingScreen):
             self.pop_screen()
-        self.conversation.model = self.backend.model_label
-        self.conversation.profile = self.backend.profile_name
-        self.sub_title = f"{self.backend.model_label} · profile {self.backend.profile_name}"
+        self._update_status()
+        if error is not None:
+            self.sub_title = f"{self.spec.model_label} · not loaded"
+            dialog = ui.ErrorDialog(
+                "Could not load the model", error, [("profile", "Pick a profile"), ("quit", "Quit")]
+            )
+            return self.push_screen(dialog, self._after_load_error)
+        self.conversation.model, self.conversation.profile = backend.model_label, backend.profile_name
+        self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
         self._refresh_panel()
-        self.main_screen.query_one(ChatInput).focus()
-        self._update_status()
+        self.main_screen.query_one(ui.ChatInput).focus()
         await self._pump()
-
-    def on_engine_failed(self, message: EngineFailed) -> None:
-        self.load_error = message.error
-        if isinstance(self.screen, LoadingScreen):
-            self.pop_screen()
-        self.sub_title = f"{self.spec.model_label} · not loaded"
-        self._update_status()
-        dialog = ErrorDialog(
-            "Could not load the model", message.error, [("profile", "Pick a profile"), ("quit", "Quit")]
-        )
-        self.push_screen(dialog, self._after_load_error)
 
     def _after_load_error(self, choice: str | None) -> None:
         if choice == "profile":
@@ -231,36 +158,28 @@ class ChatApp(App):
         else:
             self.exit(return_code=2)
 
-    def on_engine_log(self, message: EngineLog) -> None:
-        self.notify(message.text, title="engine", severity="warning")
-
     # -- sending and streaming ------------------------------------------------
     async def on_input_submitted(self, event: Input.Submitted) -> None:
-        if not isinstance(event.input, ChatInput):
-            return
         text = event.value.strip()
-        if not text:
+        if not isinstance(event.input, ui.ChatInput) or not text:
             return
         event.input.remember(text)
         event.input.value = ""
         try:
-            command = parse_command(text)
+            command = chat.parse_command(text)
             if command is not None:
-                await self._run_command(command)
-                return
+                return await self._run_command(command)
         except LowvramError as exc:
-            self.notify(str(exc), title="command", severity="error")
-            return
-        await self.send(message_text(text))
+            return self.notify(str(exc), title="command", severity="error")
+        await self.send(chat.message_text(text))
 
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
         is_waiting = self._reply is not None or self.backend is None or bool(self._queue)
-        view = UserMessage(text, is_queued=is_waiting)
+        view = ui.UserMessage(text, is_queued=is_waiting)
         self._queue.append(view)
-        conversation_view = self.conversation_view
-        await conversation_view.mount(view)
-        conversation_view.anchor()  # sending is a jump to the newest message
+        await self.conversation_view.mount(view)
+        self.conversation_view.anchor()  # sending is a jump to the newest message
         if is_waiting:
             self._update_status()
         await self._pump()
@@ -270,50 +189,48 @@ class ChatApp(App):
             return
         user_view = self._queue.popleft()
         user_view.set_queued(False)
-        self.conversation.turns.append(Turn("user", user_view.text))
-        view = AssistantMessage(self.backend.model_label)
+        self.conversation.turns.append(chat.Turn("user", user_view.text))
+        view = ui.AssistantMessage(self.backend.model_label)
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
-        reply_id = next(self._reply_ids)
-        worker = self._stream_reply(
-            reply_id, self.conversation.messages(), self.conversation.settings.sampling_params()
-        )
-        self._reply = ActiveReply(reply_id, view, worker)
+        self._reply = view
+        params = self.conversation.settings.sampling_params()
+        view.worker = self._stream_reply(view, self.conversation.messages(), params)
         self._update_status()
 
     @work(group="reply")
-    async def _stream_reply(self, reply_id: int, messages: list[dict], params: SamplingParams) -> None:
+    async def _stream_reply(self, view: ui.AssistantMessage, messages: list[dict], params: SamplingParams) -> None:
         finish_reason, error, num_tokens = "abort", None, 0
         try:
             async for out in self.backend.stream(messages, params):
                 num_tokens = len(out.outputs[0].token_ids)
                 if out.text_delta:
-                    self.post_message(ReplyUpdate(reply_id, out.text_delta, num_tokens))
+                    self.call_later(self._on_reply, view, out.text_delta, num_tokens)
                 if out.finished:
                     finish_reason = out.outputs[0].finish_reason or "stop"
         except Exception as exc:  # shown in a dialog; the chat goes on
             finish_reason, error = "error", exc
         finally:
-            self.post_message(ReplyUpdate(reply_id, "", num_tokens, finish_reason, error))
+            self.call_later(self._on_reply, view, "", num_tokens, finish_reason, error)
 
-    async def on_reply_update(self, message: ReplyUpdate) -> None:
-        reply = self._reply
-        if reply is None or reply.reply_id != message.reply_id:  # a stopped reply's last words
+    async def _on_reply(self, view, text: str, num_tokens: int, finish_reason=None, error=None) -> None:
+        """New text of a reply; with finish_reason set, its end."""
+        if view is not self._reply:  # a stopped reply's last words
             return
-        reply.num_tokens = message.num_tokens
-        if message.text:
-            await reply.view.write(message.text)
-        if message.finish_reason is not None:
-            await self._finish_reply(message.finish_reason, message.error)
+        view.num_tokens = num_tokens
+        if text:
+            await view.write(text)
+        if finish_reason is not None:
+            await self._finish_reply(finish_reason, error)
 
     async def _finish_reply(self, finish_reason: str, error: BaseException | None = None) -> None:
-        reply, self._reply = self._reply, None
-        await reply.view.finish(finish_reason, f"{reply.num_tokens} token{'' if reply.num_tokens == 1 else 's'}")
+        view, self._reply = self._reply, None
+        await view.finish(finish_reason, f"{view.num_tokens} token{'' if view.num_tokens == 1 else 's'}")
         if error is None:
-            self.conversation.turns.append(Turn("assistant", reply.view.text, finish_reason))
+            self.conversation.turns.append(chat.Turn("assistant", view.text, finish_reason))
         else:
             self.conversation.turns.pop()  # the question goes back out of the history with its failed reply
-            self.push_screen(ErrorDialog("The reply failed", error, [("ok", "OK")]))
+            self.push_screen(ui.ErrorDialog("The reply failed", error, [("ok", "OK")]))
         self._update_status()
         self._refresh_panel()
         await self._pump()
@@ -325,14 +242,14 @@ class ChatApp(App):
         for view in self._queue:
             await view.remove()
         self._queue.clear()
+        dropped = f"dropped {num_dropped} queued message(s)" if num_dropped else ""
         if self._reply is None:
             if num_dropped:
-                self.notify(f"dropped {num_dropped} queued message(s); Up recalls them")
+                self.notify(f"{dropped}; Up recalls them")
             return
         self._reply.worker.cancel()
         await self._finish_reply("abort")
-        note = f"; dropped {num_dropped} queued message(s), Up recalls them" if num_dropped else ""
-        self.notify("stopped" + note)
+        self.notify("stopped" + (f"; {dropped}, Up recalls them" if num_dropped else ""))
 
     async def action_new_chat(self) -> None:
         await self.action_stop()
@@ -341,75 +258,58 @@ class ChatApp(App):
         self.notify("new chat")
         self._update_status()
 
-    def action_save(self) -> None:
-        self._save(None)
-
-    def _save(self, target: str | None) -> None:
+    def action_save(self, target: str | None = None) -> None:
         try:
-            markdown_path, json_path = save_transcript(self.conversation, target or self.transcript_dir)
+            markdown_path, json_path = chat.save_transcript(self.conversation, target or self.transcript_dir)
         except LowvramError as exc:
-            self.push_screen(ErrorDialog("Could not save the transcript", exc, [("ok", "OK")]))
-            return
+            return self.push_screen(ui.ErrorDialog("Could not save the transcript", exc, [("ok", "OK")]))
         self.notify(f"{markdown_path}\n{json_path}", title="saved the transcript")
         if self.backend is not None and self.backend.has_chat_template and self.conversation.turns:
             self.run_worker(self._save_kv(json_path.with_suffix(".kv")), group="kv-files")
 
-    async def _save_kv(self, path) -> None:
+    async def _save_kv(self, path: Path) -> None:
         """The conversation's KV pages beside the transcript: loading it later skips the prefill."""
         try:
             saved = await self.backend.save_kv(self.conversation.messages(), path)
         except LowvramError as exc:
-            self.notify(str(exc), title="KV pages not saved", severity="warning")
-            return
+            return self.notify(str(exc), title="KV pages not saved", severity="warning")
         self.notify(str(saved), title="saved the KV pages")
 
     def action_load(self) -> None:
-        choices = [(str(p), p.stem) for p in recent_transcripts(self.transcript_dir)]
-        prompt = TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
-        self.push_screen(prompt, self._load_chosen)
+        files = (self.transcript_dir or chat.default_transcript_dir()).glob("*.json")
+        recent = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)[:20]  # the newest first
+        choices = [(str(p), p.stem) for p in recent]
+        prompt = ui.TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
+        self.push_screen(prompt, self.load_transcript)
 
-    async def _load_chosen(self, path: str | None) -> None:
-        if path:
-            await self.load_transcript(path)
-
-    async def load_transcript(self, path: str) -> None:
+    async def load_transcript(self, path: str | None) -> None:
         """Replace the chat with a saved one (its settings included) and continue it."""
-        try:
-            conversation = load_transcript(path)
-        except LowvramError as exc:
-            self.push_screen(ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
+        if not path:
             return
+        try:
+            conversation = chat.load_transcript(path)
+        except LowvramError as exc:
+            return self.push_screen(ui.ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
         await self.action_stop()
-        conversation.model = self.conversation.model
-        conversation.profile = self.conversation.profile
+        conversation.model, conversation.profile = self.conversation.model, self.conversation.profile
         self.conversation = conversation
-        conversation_view = self.conversation_view
-        await conversation_view.remove_children()
+        await self.conversation_view.remove_children()
         label = self.backend.model_label if self.backend else self.spec.model_label
-        views = []
-        for turn in conversation.turns:
-            if turn.role == "user":
-                views.append(UserMessage(turn.content))
-            else:
-                view = AssistantMessage(label, turn.content)
-                view.show_finish(turn.finish_reason)
-                views.append(view)
-        await conversation_view.mount_all(views)
-        conversation_view.anchor()
+        await self.conversation_view.mount_all(
+            ui.UserMessage(t.content) if t.role == "user" else ui.AssistantMessage(label, t.content, t.finish_reason)
+            for t in conversation.turns
+        )
+        self.conversation_view.anchor()
         self.notify(f"{len(conversation.turns)} messages from {path}", title="loaded")
         kv_path = Path(path).with_suffix(".kv")
         if self.backend is not None and kv_path.is_file():
-            result = await self.backend.restore_kv(kv_path)
-            self.last_kv_restore = result
+            result = self.last_kv_restore = await self.backend.restore_kv(kv_path)
             self.notify(result.message, title="KV pages", severity="information" if result.is_restored else "warning")
         self._update_status()
 
     def action_system_prompt(self) -> None:
-        prompt = TextPrompt(
-            "System prompt (empty = none)",
-            self.conversation.settings.system_prompt,
-            placeholder="e.g. You are a concise assistant.",
-        )
+        text = self.conversation.settings.system_prompt
+        prompt = ui.TextPrompt("System prompt (empty = none)", text, placeholder="e.g. You are a concise assistant.")
         self.push_screen(prompt, self._set_system_prompt)
 
     def _set_system_prompt(self, text: str | None) -> None:
@@ -417,20 +317,20 @@ class ChatApp(App):
             self._change_settings(system_prompt=text.strip())
 
     def action_settings(self) -> None:
-        self.push_screen(SettingsDialog(self.conversation.settings), self._set_settings)
-
-    def _set_settings(self, settings: ChatSettings | None) -> None:
-        if settings is not None:
-            self._change_settings(temperature=settings.temperature, max_tokens=settings.max_tokens)
+        self.push_screen(ui.SettingsDialog(self.conversation.settings), self._set_settings)
 
     def _change_settings(self, **changes) -> None:
-        self.conversation.settings = self.conversation.settings.with_changes(**changes)
-        self._update_status()
-        self.notify("applies to the next reply", title="settings changed")
+        self._set_settings(self.conversation.settings.with_changes(**changes))
+
+    def _set_settings(self, settings: chat.ChatSettings | None) -> None:
+        if settings is not None:
+            self.conversation.settings = settings
+            self._update_status()
+            self.notify("applies to the next reply", title="settings changed")
 
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
-        prompt = TextPrompt(
+        prompt = ui.TextPrompt(
             "Profile (the model reloads)", placeholder="or a path to a profile YAML file", choices=choices
         )
         self.push_screen(prompt, self._switch_profile)
@@ -446,8 +346,7 @@ class ChatApp(App):
         self._start_loading(old_backend)
 
     def action_help(self) -> None:
-        bindings = [(key_label(b.key), b.description) for b in self.BINDINGS]
-        self.push_screen(HelpScreen(bindings))
+        self.push_screen(ui.HelpScreen([(key_label(b.key), b.description) for b in self.BINDINGS]))
 
     def action_scroll_conversation(self, direction: int) -> None:
         view = self.conversation_view
@@ -458,35 +357,24 @@ class ChatApp(App):
         else:
             view.scroll_page_down()
 
-    async def _run_command(self, command: Command) -> None:
+    async def _run_command(self, command: chat.Command) -> None:
         name, arg = command.name, command.arg
-        if name == "help":
-            self.action_help()
-        elif name == "new":
-            await self.action_new_chat()
-        elif name == "stop":
-            await self.action_stop()
+        if (changes := chat.setting_changes(command)) is not None:
+            self._change_settings(**changes)
         elif name == "save":
-            self._save(arg or None)
+            self.action_save(arg or None)
         elif name == "load":
             await self.load_transcript(arg)
-        elif setting_changes(command) is not None:
-            self._change_settings(**setting_changes(command))
-        elif name == "profile":
-            if arg:
-                await self._switch_profile(arg)
-            else:
-                self.action_pick_profile()
-        elif name == "quit":
-            self.exit()
-        else:  # pragma: no cover - parse_command admits only the names above
-            raise RequestError(f"/{name} is not handled")
+        elif name == "profile" and arg:
+            await self._switch_profile(arg)
+        else:
+            await self.run_action(COMMAND_ACTIONS[name])
 
     # -- gauges and status -------------------------------------------------------
     def _refresh_panel(self) -> None:
         if not self.screen_stack:  # the timer can fire once more after the app's screens are gone
             return
-        panels = self.main_screen.query(EnginePanel)  # none while the app closes
+        panels = self.main_screen.query(ui.EnginePanel)  # none while the app closes
         if self.backend is not None and panels:
             panels.first().show(self.backend.snapshot(), self.backend.profile_name)
 

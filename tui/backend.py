@@ -1,11 +1,8 @@
-"""The engine as the chat sees it: load it (a long blocking call), stream replies, read gauges.
-
-Loading is one call into LLMEngine; its progress is the engine's own log lines
-(weights loaded, KV pool planned), forwarded as stage text while it runs.
-"""
+"""The engine as the chat sees it: load it (its own log lines report the stages), stream replies, read gauges."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -15,6 +12,7 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
 from lowvram.engine.outputs import RequestOutput
+from lowvram.kv.conversation_store import model_identity, restore_conversation, save_conversation
 from lowvram.paths import user_data_dir
 
 BUNDLED_MODEL_LABEL = "bundled demo model"
@@ -41,13 +39,12 @@ class EngineSpec:
 
 
 class LogForwarder(logging.Handler):
-    """Hands each log line at `level` or above to `callback`; from `passes_on_at` up, lines go on to
-    the root logger too (what the terminal would have shown anyway)."""
+    """Hands each log line at `level` or above to `callback`; lines from `passes_on_at` up also go on to
+    the root logger (what the terminal would have shown anyway)."""
 
-    def __init__(self, level: int, callback: Callable[[str], None]):
+    def __init__(self, level: int, callback: Callable[[str], None], passes_on_at: int | None = None):
         super().__init__(level)
-        self.callback = callback
-        self.passes_on_at: int | None = None
+        self.callback, self.passes_on_at = callback, passes_on_at
 
     def emit(self, record: logging.LogRecord) -> None:
         self.callback(record.getMessage())
@@ -59,14 +56,12 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
     """Build the LLMEngine, reporting stages through `on_stage`. Raises LowvramError subclasses."""
     on_stage(f"resolving {spec.model_label}, loading its weights and planning the KV pool")
     logger = logging.getLogger("lowvram")
-    handler = LogForwarder(logging.INFO, on_stage)
     level, is_propagating = logger.level, logger.propagate
+    # INFO lines go to on_stage; the terminal still gets only what its own level shows
+    handler = LogForwarder(logging.INFO, on_stage, logger.getEffectiveLevel() if is_propagating else None)
     logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        # INFO lines are raised for on_stage only: the terminal keeps its quieter level.
-        handler.passes_on_at = logger.getEffectiveLevel() if is_propagating else None
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+    logger.propagate = False
     try:
         model = quantized_model_dir(spec, on_stage) if spec.is_quantized_on_load else spec.model
         return LLMEngine(model, spec.profile, **spec.engine_kwargs)
@@ -77,13 +72,9 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
 
 
 def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> str:
-    """An AWQ INT4 copy of the model, made once and kept under the user's data dir.
-
-    An AWQ checkpoint is used as it is. The profile's fp16_budget_mib and
-    compensation_rank choose the FP16-kept layers and the residual's rank.
-    """
+    """An AWQ INT4 copy of the model, made once and kept under the user's data dir (an AWQ checkpoint is used
+    as it is). The profile's fp16_budget_mib and compensation_rank choose the FP16 layers and the residual's rank."""
     from lowvram.config import load_profile
-    from lowvram.kv.conversation_store import model_identity
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
     from lowvram.quant.quantize import fitting_group_sizes, quantize_model
@@ -119,42 +110,31 @@ class ChatBackend:
     """A running engine loop plus the names the side panel shows."""
 
     def __init__(self, engine: LLMEngine, model_label: str):
-        self.llm_engine = engine
-        self.model_label = model_label
-        self.profile_name = engine.profile.name
+        self.llm_engine, self.model_label, self.profile_name = engine, model_label, engine.profile.name
         self.has_chat_template = engine.tokenizer.has_chat_template
         self.async_engine = AsyncLLMEngine(engine).start()
 
     def stream(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Token outputs of one reply; closing or cancelling the iterator aborts it and frees its pages."""
         request_id = self.async_engine.new_request_id("chat")
-        if self.has_chat_template:
-            return self.async_engine.generate(request_id, params=params, messages=messages)
-        return self.async_engine.generate(request_id, plain_prompt(messages), params)
+        return self.async_engine.generate(request_id, params=params, **chat_input(self.has_chat_template, messages))
 
     async def save_kv(self, messages: list[dict], path) -> Path:
         """Save the conversation's KV pages next to its transcript (see lowvram.kv.conversation_store)."""
-        from lowvram.kv.conversation_store import save_conversation
-
         return await self.async_engine.call(
             lambda engine: save_conversation(engine, engine.tokenizer.apply_chat_template(messages, False), path)
         )
 
     async def restore_kv(self, path):
         """Load saved KV pages into the prefix cache; a mismatch is reported, not fatal."""
-        from lowvram.kv.conversation_store import restore_conversation
-
         return await self.async_engine.call(lambda engine: restore_conversation(engine, path))
 
     def snapshot(self) -> EngineSnapshot:
+        # The loop's copy is taken after steps only, so after an abort it still counts the freed pages;
+        # with nothing running the engine is not stepping and can be read directly.
         if self.async_engine.num_unfinished == 0:
-            # The loop's copy is taken after steps only, so after an abort it still
-            # counts the freed pages; with nothing running the engine is not stepping
-            # and can be read directly.
-            try:
+            with contextlib.suppress(RuntimeError):  # a latency deque appended to mid-read: use the loop's copy
                 return self.llm_engine.snapshot()
-            except RuntimeError:  # a latency deque appended to mid-read: use the loop's copy
-                pass
         return self.async_engine.snapshot()
 
     def stop(self) -> None:
@@ -164,10 +144,12 @@ class ChatBackend:
         self.async_engine = self.llm_engine = None
 
 
-def plain_prompt(messages: list[dict]) -> str:
-    """A transcript-style prompt for base models that have no chat template."""
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n\n".join(lines) + "\n\nAssistant:"
+def chat_input(has_chat_template: bool, messages: list[dict]) -> dict:
+    """The request's input: the messages for the chat template, or for base models that have none,
+    a transcript-style prompt."""
+    if has_chat_template:
+        return {"messages": messages}
+    return {"prompt": "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages) + "\n\nAssistant:"}
 
 
 def load_backend(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> ChatBackend:

@@ -1,8 +1,5 @@
-"""`lowvram chat`: the terminal UI, or the plain line mode when there is no terminal.
-
-Importing this module is cheap (no Textual, no torch): lowvram's CLI imports it
-to register the subcommand.
-"""
+"""`lowvram chat`: the terminal UI, or the plain line mode without a terminal. Cheap to import (no Textual,
+no torch): lowvram's CLI imports it to register the subcommand."""
 
 from __future__ import annotations
 
@@ -27,24 +24,12 @@ def add_chat_parser(subparsers) -> None:
     p.add_argument("--system", default="", help="system prompt (F2 or /system changes it in the chat)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default); F3 or /temp changes it")
     p.add_argument("--max-tokens", "-n", type=int, default=512, help="most tokens per reply (default 512)")
-    p.add_argument(
-        "--plain",
-        action="store_true",
-        help="line mode: each input line is a message, replies go to stdout "
-        "(automatic when stdin or stdout is not a terminal)",
-    )
-    p.add_argument(
-        "--quantize",
-        action="store_true",
-        help="quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)",
-    )
-    p.add_argument(
-        "--transcripts",
-        default=None,
-        metavar="DIR",
-        help="where Ctrl+S saves transcripts (default: $XDG_DATA_HOME/lowvram/transcripts, "
-        "else ~/.local/share/lowvram/transcripts)",
-    )
+    plain = "line mode: each input line is a message, replies go to stdout (automatic without a terminal)"
+    p.add_argument("--plain", action="store_true", help=plain)
+    quantize = "quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)"
+    p.add_argument("--quantize", action="store_true", help=quantize)
+    where = "$XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/lowvram/transcripts"
+    p.add_argument("--transcripts", metavar="DIR", help=f"where Ctrl+S saves transcripts (default: {where})")
     p.set_defaults(func=cmd_chat)
 
 
@@ -62,7 +47,7 @@ def cmd_chat(args) -> int:
         return run_plain(spec, settings, transcript_dir=transcript_dir)
 
     from lowvram.tui.app import ChatApp
-    from lowvram.tui.screens import describe_error
+    from lowvram.tui.widgets import describe_error
 
     app = ChatApp(spec, settings, transcript_dir=transcript_dir)
     app.run()

@@ -1,9 +1,5 @@
-"""A chat conversation: its settings, its turns, and its transcript files.
-
-A transcript is saved twice: Markdown for people, JSON for `load_transcript`,
-which gives back exactly what was saved (settings included), so a chat can be
-picked up where it was left.
-"""
+"""A chat as the terminal UI and the plain mode share it: its settings, its turns, its slash commands, and its
+transcript files (Markdown for people, JSON that `load_transcript` reads back exactly, settings included)."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from lowvram.core.sampling_params import SamplingParams
-from lowvram.errors import ConfigError
+from lowvram.errors import ConfigError, RequestError
 from lowvram.paths import user_data_dir
 
 TRANSCRIPT_FORMAT = "lowvram-chat-transcript"
@@ -24,12 +20,7 @@ ROLES = ("user", "assistant")
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """What shapes the replies; changed with F2/F3 or /system, /temp, /max.
-
-    system_prompt: sent first through the chat template ("" = none).
-    temperature: 0 = greedy (the same question gets the same answer); higher = more varied.
-    max_tokens: the longest reply in tokens; a reply cut here ends with "max tokens".
-    """
+    """What shapes the replies (F2/F3, /system, /temp, /max); system_prompt "" is none, temperature 0 greedy."""
 
     system_prompt: str = ""
     temperature: float = 0.0
@@ -76,46 +67,10 @@ class Conversation:
         return Conversation(self.settings, model=self.model, profile=self.profile)
 
     def to_json(self) -> dict:
-        return {
-            "format": TRANSCRIPT_FORMAT,
-            "version": TRANSCRIPT_VERSION,
-            "model": self.model,
-            "profile": self.profile,
-            "started_at": self.started_at,
-            "settings": asdict(self.settings),
-            "turns": [{k: v for k, v in asdict(t).items() if v is not None} for t in self.turns],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict, source: str = "transcript") -> Conversation:
-        if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
-            raise ConfigError(
-                f'{source} is not a lowvram chat transcript (no "format": "{TRANSCRIPT_FORMAT}"); '
-                "load a .json file written by the chat's save"
-            )
-        if data.get("version") != TRANSCRIPT_VERSION:
-            raise ConfigError(
-                f"{source} has transcript version {data.get('version')!r}; this lowvram reads version "
-                f"{TRANSCRIPT_VERSION}"
-            )
-        settings_data = data.get("settings", {})
-        unknown = set(settings_data) - set(ChatSettings.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown settings {sorted(unknown)}; allowed: {sorted(ChatSettings.__dataclass_fields__)}"
-            )
-        turns = []
-        for i, raw in enumerate(data.get("turns", [])):
-            if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
-                raise ConfigError(f"{source}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
-            turns.append(Turn(raw["role"], raw["content"], raw.get("finish_reason")))
-        return cls(
-            ChatSettings(**settings_data),
-            turns,
-            str(data.get("model", "")),
-            str(data.get("profile", "")),
-            str(data.get("started_at", "")),
-        )
+        turns = [{k: v for k, v in asdict(t).items() if v is not None} for t in self.turns]
+        head = {"format": TRANSCRIPT_FORMAT, "version": TRANSCRIPT_VERSION}
+        head.update(model=self.model, profile=self.profile, started_at=self.started_at)
+        return {**head, "settings": asdict(self.settings), "turns": turns}
 
     def to_markdown(self) -> str:
         s = self.settings
@@ -136,21 +91,15 @@ class Conversation:
 
 
 def default_transcript_dir() -> Path:
-    """$XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/lowvram/transcripts."""
-    return user_data_dir("transcripts")
+    return user_data_dir("transcripts")  # $XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/...
 
 
 def save_transcript(conversation: Conversation, target: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """Write the conversation as Markdown and JSON; returns (markdown_path, json_path).
-
-    target: a directory (the files get a timestamped name), a file name whose
-    extension is replaced by .md and .json, or None for `default_transcript_dir()`.
-    """
+    target: a directory (timestamped file names), a .md or .json file name, or None for the default directory."""
     path = Path(target).expanduser() if target else default_transcript_dir()
-    if path.suffix.lower() in (".md", ".json"):
-        stem = path.with_suffix("")
-    else:
-        stem = path / ("chat-" + time.strftime("%Y%m%d-%H%M%S"))
+    is_file = path.suffix.lower() in (".md", ".json")
+    stem = path.with_suffix("") if is_file else path / ("chat-" + time.strftime("%Y%m%d-%H%M%S"))
     try:
         stem.parent.mkdir(parents=True, exist_ok=True)
         markdown_path, json_path = stem.with_suffix(".md"), stem.with_suffix(".json")
@@ -174,13 +123,79 @@ def load_transcript(path: str | os.PathLike) -> Conversation:
         raise ConfigError(f"transcript {path} does not exist; saved chats are in {default_transcript_dir()}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"could not read transcript {path}: {exc}") from None
-    return Conversation.from_json(data, source=str(path))
+    if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
+        raise ConfigError(
+            f'{path} is not a lowvram chat transcript (no "format": "{TRANSCRIPT_FORMAT}"); '
+            "load a .json file written by the chat's save"
+        )
+    if data.get("version") != TRANSCRIPT_VERSION:
+        raise ConfigError(
+            f"{path} has transcript version {data.get('version')!r}; this lowvram reads version {TRANSCRIPT_VERSION}"
+        )
+    settings, allowed = data.get("settings", {}), sorted(ChatSettings.__dataclass_fields__)
+    if unknown := set(settings) - set(allowed):
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; allowed: {allowed}")
+    turns = data.get("turns", [])
+    for i, raw in enumerate(turns):
+        if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
+            raise ConfigError(f"{path}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
+    turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason")) for raw in turns]
+    strings = [str(data.get(key, "")) for key in ("model", "profile", "started_at")]
+    return Conversation(ChatSettings(**settings), turns, *strings)
 
 
-def recent_transcripts(directory: Path | None = None, max_count: int = 20) -> list[Path]:
-    """The newest JSON transcripts first."""
-    directory = directory or default_transcript_dir()
-    if not directory.is_dir():
-        return []
-    files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return files[:max_count]
+# -- slash commands typed in the chat input -------------------------------------------
+# name -> (argument, what it does); the help screen and `/help` print this table.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "help": ("", "list the commands and key bindings"),
+    "new": ("", "start a new chat (settings are kept)"),
+    "stop": ("", "stop the reply now and free its KV pages"),
+    "save": ("[PATH]", "save the transcript as Markdown and JSON"),
+    "load": ("PATH", "load a JSON transcript and continue it"),
+    "system": ("[TEXT]", "set the system prompt (no text clears it)"),
+    "temp": ("VALUE", "set the temperature (0 = greedy)"),
+    "max": ("N", "set the most tokens per reply"),
+    "profile": ("NAME|PATH", "reload the model under another profile"),
+    "quit": ("", "leave the chat"),
+}
+SETTING_COMMANDS = {"system": ("system_prompt", str), "temp": ("temperature", float), "max": ("max_tokens", int)}
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str = ""
+
+
+def parse_command(text: str) -> Command | None:
+    """A Command for '/name arg', None for an ordinary message ('//x' sends '/x')."""
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    name, _, arg = text[1:].partition(" ")
+    name = name.strip().lower()
+    if name not in COMMANDS:
+        raise RequestError(f"unknown command /{name}; /help lists the commands")
+    usage, arg = COMMANDS[name][0], arg.strip()
+    if usage and not usage.startswith("[") and not arg:
+        raise RequestError(f"/{name} needs {usage}")
+    return Command(name, arg)
+
+
+def message_text(text: str) -> str:
+    """The message a line sends: a leading '//' escapes a literal '/'."""
+    return text[1:] if text.startswith("//") else text
+
+
+def setting_changes(command: Command) -> dict | None:
+    """The ChatSettings field a /system, /temp or /max command sets; None for other commands."""
+    if command.name not in SETTING_COMMANDS:
+        return None
+    field, kind = SETTING_COMMANDS[command.name]
+    try:
+        return {field: kind(command.arg)}
+    except ValueError:
+        raise RequestError(f"/{command.name} needs a number, got {command.arg!r}") from None
+
+
+def help_lines() -> list[tuple[str, str]]:
+    return [(f"/{name} {arg}".rstrip(), doc) for name, (arg, doc) in COMMANDS.items()]

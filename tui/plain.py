@@ -1,35 +1,27 @@
-"""The line-oriented chat, for scripts and pipes: `echo "hi" | lowvram chat --plain`.
-
-Each input line is one message of a multi-turn conversation; its reply streams to
-stdout followed by a newline. Nothing else goes to stdout: notes, prompts and
-errors go to stderr. Slash commands work as in the terminal UI. Ctrl-C stops
-the reply being written (its pages are freed) and the chat goes on.
-"""
+"""The line-oriented chat for scripts and pipes (`echo "hi" | lowvram chat --plain`): each input line is a
+message, its reply streams to stdout; notes, prompts and errors go to stderr. Slash commands work as in the
+terminal UI; Ctrl-C stops the reply being written (freeing its pages) and the chat goes on."""
 
 from __future__ import annotations
 
 import itertools
 import sys
-from pathlib import Path
-from typing import TextIO
 
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
-from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, load_engine, plain_prompt
-from lowvram.tui.commands import help_lines, message_text, parse_command, setting_changes
-from lowvram.tui.conversation import ChatSettings, Conversation, Turn, load_transcript, save_transcript
+from lowvram.tui import conversation as chat
+from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, chat_input, load_engine
 
 
 class PlainChat:
     """One conversation against one engine, read from and written to text streams."""
 
-    def __init__(self, spec: EngineSpec, settings: ChatSettings, transcript_dir: Path | None, stdin, stdout, stderr):
-        self.spec = spec
-        self.transcript_dir = transcript_dir
+    def __init__(self, spec: EngineSpec, settings: chat.ChatSettings, transcript_dir, stdin, stdout, stderr):
+        self.spec, self.transcript_dir = spec, transcript_dir
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.is_interactive = stdin.isatty()
         self.engine = self._load(spec)
-        self.conversation = Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
+        self.conversation = chat.Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
         self._request_ids = itertools.count()
 
     def note(self, text: str) -> None:
@@ -37,10 +29,8 @@ class PlainChat:
 
     def _load(self, spec: EngineSpec) -> LLMEngine:
         if spec.model is None:
-            self.note(
-                f"using the {BUNDLED_MODEL_LABEL} (a small model trained for lowvram's tests, "
-                "not a real DeepSeek model); pass --model for a real one"
-            )
+            demo = "a small model trained for lowvram's tests, not a real DeepSeek model"
+            self.note(f"using the {BUNDLED_MODEL_LABEL} ({demo}); pass --model for a real one")
         if self.is_interactive:
             self.note(f"loading {spec.model_label}...")
         return load_engine(spec)
@@ -50,18 +40,15 @@ class PlainChat:
         num_failed = 0
         while True:
             if self.is_interactive:
-                self.stderr.write("you> ")
-                self.stderr.flush()
-            line = self.stdin.readline()
-            if not line:
+                print("you> ", end="", file=self.stderr, flush=True)
+            if not (line := self.stdin.readline()):
                 return 1 if num_failed else 0
-            text = line.strip()
-            if not text:
+            if not (text := line.strip()):
                 continue
             try:
-                command = parse_command(text)
+                command = chat.parse_command(text)
                 if command is None:
-                    self.reply(message_text(text))
+                    self.reply(chat.message_text(text))
                 elif command.name == "quit":
                     return 1 if num_failed else 0
                 else:
@@ -72,15 +59,14 @@ class PlainChat:
 
     def reply(self, text: str) -> str:
         """Stream the reply to `text` to stdout; returns its finish reason."""
-        self.conversation.turns.append(Turn("user", text))
+        self.conversation.turns.append(chat.Turn("user", text))
         request_id = f"plain-{next(self._request_ids)}"
         messages = self.conversation.messages()
         params = self.conversation.settings.sampling_params()
         try:
-            if self.engine.tokenizer.has_chat_template:
-                self.engine.add_request(request_id, params=params, messages=messages)
-            else:
-                self.engine.add_request(request_id, plain_prompt(messages), params)
+            self.engine.add_request(
+                request_id, params=params, **chat_input(self.engine.tokenizer.has_chat_template, messages)
+            )
         except LowvramError:
             self.conversation.turns.pop()
             raise
@@ -98,27 +84,25 @@ class PlainChat:
             self.note("stopped")
         self.stdout.write("\n")
         self.stdout.flush()
-        self.conversation.turns.append(Turn("assistant", reply, finish_reason))
+        self.conversation.turns.append(chat.Turn("assistant", reply, finish_reason))
         return finish_reason
 
     def run_command(self, command) -> None:
-        changes = setting_changes(command)
-        if changes is not None:
+        if (changes := chat.setting_changes(command)) is not None:
             self.conversation.settings = self.conversation.settings.with_changes(**changes)
             self.note(self.conversation.settings.describe())
         elif command.name == "help":
-            for usage, doc in help_lines():
-                print(f"  {usage:18} {doc}", file=self.stderr)
+            print("\n".join(f"  {usage:18} {doc}" for usage, doc in chat.help_lines()), file=self.stderr)
         elif command.name == "new":
             self.conversation = self.conversation.cleared()
             self.note("new chat")
         elif command.name == "stop":
             self.note("nothing is being written; Ctrl-C stops a reply")
         elif command.name == "save":
-            markdown_path, json_path = save_transcript(self.conversation, command.arg or self.transcript_dir)
+            markdown_path, json_path = chat.save_transcript(self.conversation, command.arg or self.transcript_dir)
             self.note(f"saved {markdown_path} and {json_path}")
         elif command.name == "load":
-            loaded = load_transcript(command.arg)
+            loaded = chat.load_transcript(command.arg)
             loaded.model, loaded.profile = self.conversation.model, self.conversation.profile
             self.conversation = loaded
             self.note(f"loaded {len(loaded.turns)} messages")
@@ -136,15 +120,8 @@ class PlainChat:
 
 
 def run_plain(
-    spec: EngineSpec,
-    settings: ChatSettings,
-    *,
-    transcript_dir: Path | None = None,
-    stdin: TextIO | None = None,
-    stdout: TextIO | None = None,
-    stderr: TextIO | None = None,
-) -> int:
+    spec: EngineSpec, settings: chat.ChatSettings, *, transcript_dir=None, stdin=None, stdout=None, stderr=None
+):
     """Chat line by line (the standard streams by default); the exit status of `PlainChat.run`."""
-    return PlainChat(
-        spec, settings, transcript_dir, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    ).run()
+    streams = (stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
+    return PlainChat(spec, settings, transcript_dir, *streams).run()

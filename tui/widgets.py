@@ -1,9 +1,26 @@
-"""The conversation's widgets: the input box and the two kinds of message."""
+"""The chat's widgets and screens: the input box, the two kinds of message, the side panel that shows what the
+engine is doing, and the loading, error, help and settings screens. Colours are component classes styled in
+chat.tcss; the panel's drawing is plain functions over numbers, so it can be checked without a terminal."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
+from rich.text import Text
+from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Input, Markdown, Static
+from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.reactive import reactive
+from textual.screen import ModalScreen, Screen
+from textual.widget import Widget
+from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, Markdown, OptionList, Static
+from textual.widgets.option_list import Option
+
+from lowvram import errors
+from lowvram.engine.engine import EngineSnapshot
+from lowvram.tui.conversation import ChatSettings, help_lines
 
 FINISH_NOTES = {"abort": "stopped", "length": "cut at max tokens", "error": "failed"}
 
@@ -12,14 +29,14 @@ class ChatInput(Input):
     """The message box. Up and Down walk through what was sent before; the unsent draft comes back last."""
 
     BINDINGS = [
-        Binding("up", "history_previous", "Previous message", show=False),
-        Binding("down", "history_next", "Next message", show=False),
+        Binding("up", "history(-1)", "Previous message", show=False),
+        Binding("down", "history(1)", "Next message", show=False),
     ]
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.history: list[str] = []
-        self._history_index: int | None = None
+        self._history_index: int | None = None  # None: showing the draft
         self._draft = ""
 
     def remember(self, text: str) -> None:
@@ -27,27 +44,17 @@ class ChatInput(Input):
             self.history.append(text)
         self._history_index = None
 
-    def action_history_previous(self) -> None:
-        if not self.history or self._history_index == 0:
-            return
+    def action_history(self, step: int) -> None:
         if self._history_index is None:
+            if step > 0 or not self.history:
+                return
             self._draft, self._history_index = self.value, len(self.history)
-        self._history_index -= 1
-        self._show(self.history[self._history_index])
-
-    def action_history_next(self) -> None:
-        if self._history_index is None:
+        index = self._history_index + step
+        if index < 0:
             return
-        self._history_index += 1
-        if self._history_index >= len(self.history):
-            self._history_index = None
-            self._show(self._draft)
-        else:
-            self._show(self.history[self._history_index])
-
-    def _show(self, text: str) -> None:
-        self.value = text
-        self.cursor_position = len(text)
+        self._history_index = index if index < len(self.history) else None
+        self.value = self.history[index] if index < len(self.history) else self._draft
+        self.cursor_position = len(self.value)
 
 
 class UserMessage(Static):
@@ -67,11 +74,14 @@ class UserMessage(Static):
 class AssistantMessage(Markdown):
     """A reply, rendered as Markdown (code blocks highlighted) while it streams in."""
 
-    def __init__(self, model_label: str, text: str = ""):
+    def __init__(self, model_label: str, text: str = "", finish_reason: str | None = None):
         super().__init__(text)
         self.text = text
         self.border_title = model_label
         self._stream = None
+        self.worker = None  # while it streams: the worker whose cancellation stops it
+        self.num_tokens = 0
+        self.show_finish(finish_reason)
 
     def start_streaming(self) -> None:
         self.add_class("-streaming")
@@ -94,3 +104,295 @@ class AssistantMessage(Markdown):
         note = FINISH_NOTES.get(finish_reason or "", "")
         self.set_class(finish_reason in FINISH_NOTES, "-cut")
         self.border_subtitle = " · ".join(part for part in (note, detail) if part)
+
+
+# -- the engine panel ------------------------------------------------------------------
+BAR_CHARS = " ▁▂▃▄▅▆▇█"
+THRESHOLD_CHAR = "┈"
+SCALE_HEADROOM = 1.15  # above the larger of peak and threshold, so the threshold line is never the top edge
+
+
+def sparkline_cells(values: list[float], threshold: float, num_rows: int, is_high_bad: bool) -> list[list]:
+    """Rows (top first) of (character, kind) cells, one column per value; kind is "bar", "bad" (a bar on the
+    wrong side of the threshold), "threshold" (the dotted line, where no bar covers it) or "empty"."""
+    top = max(max(values, default=0.0), threshold) * SCALE_HEADROOM
+    num_levels = num_rows * 8
+    threshold_row = num_rows - 1 - min(int(threshold / top * num_levels) // 8, num_rows - 1) if top > 0 else None
+    rows: list[list[tuple[str, str]]] = [[] for _ in range(num_rows)]
+    for value in values:
+        level = round(value / top * num_levels) if top > 0 else 0
+        level = max(level, 1) if value > 0 else level  # anything measured shows at least a sliver
+        is_bad = value > threshold if is_high_bad else value < threshold
+        for row in range(num_rows):
+            fill = min(max(level - (num_rows - 1 - row) * 8, 0), 8)
+            if fill:
+                rows[row].append((BAR_CHARS[fill], "bad" if is_bad else "bar"))
+            elif row == threshold_row:
+                rows[row].append((THRESHOLD_CHAR, "threshold"))
+            else:
+                rows[row].append((" ", "empty"))
+    return rows
+
+
+def gauge_cells(fraction: float, width: int) -> tuple[int, int]:
+    """(filled, empty) cell counts of a bar `width` wide; any use shows at least one cell."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    filled = max(round(fraction * width), 1 if fraction > 0 else 0)
+    return filled, width - filled
+
+
+class ThresholdSparkline(Widget):
+    """Recent values as bars a few rows high, the threshold a dotted line. is_high_bad: values above the
+    threshold are bad (latency), else those below it (tokens/s)."""
+
+    COMPONENT_CLASSES = {"sparkline--bar", "sparkline--bad", "sparkline--threshold"}
+    values: reactive[list[float]] = reactive(list)
+    threshold = reactive(0.0)
+
+    def __init__(self, *, is_high_bad: bool, id: str | None = None):
+        super().__init__(id=id)
+        self.is_high_bad = is_high_bad
+
+    def render(self) -> Text:
+        width, num_rows = self.content_size.width, max(self.content_size.height, 1)
+        if width <= 0:
+            return Text()
+        rows = sparkline_cells(self.values[-width:], self.threshold, num_rows, self.is_high_bad)
+        styles = {kind: self.get_component_rich_style(f"sparkline--{kind}") for kind in ("bar", "bad", "threshold")}
+        text = Text()
+        for i, row in enumerate(rows):
+            for char, kind in row:
+                text.append(char, styles.get(kind))
+            if not row:  # nothing measured yet: the threshold alone marks the scale
+                text.append(THRESHOLD_CHAR * width if i == num_rows - 1 else "", styles["threshold"])
+            if i < num_rows - 1:
+                text.append("\n")
+        return text
+
+
+class Gauge(Widget):
+    """A horizontal bar of used against available."""
+
+    COMPONENT_CLASSES = {"gauge--fill", "gauge--high", "gauge--empty"}
+    HIGH_FRACTION = 0.9
+    fraction = reactive(0.0)
+
+    def render(self) -> Text:
+        filled, empty = gauge_cells(self.fraction, self.content_size.width)
+        fill_class = "gauge--high" if self.fraction >= self.HIGH_FRACTION else "gauge--fill"
+        return Text.assemble(
+            ("█" * filled, self.get_component_rich_style(fill_class)),
+            ("░" * empty, self.get_component_rich_style("gauge--empty")),
+        )
+
+
+def format_bytes(num_bytes: int) -> str:
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:.2f} GiB"
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+class EnginePanel(Vertical):
+    """Memory, KV pages, batch, decode speed and latency, and the controller."""
+
+    def compose(self) -> ComposeResult:
+        yield Static("", markup=False, id="device")
+        yield Static("", markup=False, id="memory-label", classes="label")
+        yield Gauge(id="memory")
+        yield Static("", markup=False, id="kv-label", classes="label")
+        yield Gauge(id="kv")
+        yield Static("", markup=False, id="kv-precision")
+        yield Static("", markup=False, id="batch")
+        yield Static("", markup=False, id="decode-label", classes="label")
+        yield ThresholdSparkline(is_high_bad=False, id="decode-spark")
+        yield Static("", markup=False, id="latency-label", classes="label")
+        yield ThresholdSparkline(is_high_bad=True, id="latency-spark")
+        yield Static("", markup=False, id="controller", classes="label")
+        yield Static("", markup=False, id="decision")
+
+    def on_mount(self) -> None:
+        self.border_title = "engine"
+
+    def show(self, snap: EngineSnapshot, profile_name: str) -> None:
+        used, budget = snap.memory_used_bytes, snap.memory_budget_bytes
+        # Per-token latency and decode speed are the same measurement; the floor on speed is the latency limit.
+        speed_floor = 1000 / snap.latency_high_ms if snap.latency_high_ms else 0.0
+        latency = "-" if snap.token_latency_ms is None else f"{snap.token_latency_ms:.1f}"
+        texts = {
+            "device": f"{snap.device} · profile {profile_name}",
+            "memory-label": f"memory {format_bytes(used)} / {format_bytes(budget)}",
+            "kv-label": f"KV pages {snap.num_kv_blocks_used}/{snap.num_kv_blocks} · host {snap.num_kv_blocks_on_host}",
+            "kv-precision": f"KV {snap.kv_precision} · {snap.kv_block_size} tokens/page",
+            "batch": f"batch {snap.num_running} running · {snap.num_waiting} waiting",
+            "decode-label": f"decode {snap.decode_tokens_per_s:.1f} tok/s (floor {speed_floor:.1f})",
+            "latency-label": f"latency {latency} ms (limit {snap.latency_high_ms:g})",
+            "controller": f"controller {snap.controller_mode}",
+            "decision": f"last: {snap.last_decision or 'no decision yet'}",
+        }
+        with contextlib.suppress(NoMatches):  # the lines are still being mounted; the next refresh fills them in
+            for widget_id, text in texts.items():
+                widget = self.query_one(f"#{widget_id}", Static)
+                if widget.content != text:
+                    widget.update(text)
+            self.query_one("#memory", Gauge).fraction = used / budget if budget else 0.0
+            kv = self.query_one("#kv", Gauge)
+            kv.fraction = snap.num_kv_blocks_used / snap.num_kv_blocks if snap.num_kv_blocks else 0.0
+            speeds = [1000 / ms for ms in snap.recent_token_latency_ms if ms > 0]
+            decode = self.query_one("#decode-spark", ThresholdSparkline)
+            decode.values, decode.threshold = speeds, speed_floor
+            spark = self.query_one("#latency-spark", ThresholdSparkline)
+            spark.values, spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms
+
+
+# -- screens over the chat ----------------------------------------------------------------
+# What to try next, by error type; the error's own message names the value at fault.
+ERROR_HINTS = {
+    errors.OutOfMemoryError: "Pick a smaller profile (F4), or lower --max-model-len.",
+    errors.ModelLoadError: "Check that --model names a Hugging Face model directory with config.json, "
+    "safetensors weights and tokenizer files.",
+    errors.UnsupportedModelError: "lowvram runs Llama- and Qwen2-architecture DeepSeek checkpoints; "
+    "pass one with --model.",
+    errors.ConfigError: "`lowvram profiles` lists the built-in profiles; "
+    "`lowvram profiles --fields` explains every field.",
+    errors.RequestError: "Shorten the conversation (Ctrl+N starts a new chat) or change the settings (F3).",
+}
+
+
+def describe_error(error: BaseException) -> tuple[str, str]:
+    """(message, suggested fix) for a dialog; never a traceback."""
+    if not isinstance(error, errors.LowvramError):
+        bug = "This is a bug in lowvram. Run `lowvram -v chat --plain` to see the details, and report them."
+        return f"{type(error).__name__}: {error}", bug
+    return str(error), next((hint for kind, hint in ERROR_HINTS.items() if isinstance(error, kind)), "")
+
+
+class LoadingScreen(Screen):
+    """Shown while the model loads; the stage line is the engine's own progress report."""
+
+    def __init__(self, model_label: str, profile: str | None):
+        super().__init__()
+        self.title_text = f"Loading {model_label} · profile {profile or 'default for this machine'}"
+        self._started = time.monotonic()
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="loading-box"):
+            yield Label(self.title_text, id="loading-title", markup=False)
+            yield LoadingIndicator()
+            yield Static("", id="loading-stage", markup=False)
+            yield Static("", id="loading-elapsed")
+
+    def on_mount(self) -> None:
+        elapsed = self.query_one("#loading-elapsed", Static)
+        self.set_interval(0.5, lambda: elapsed.update(f"{time.monotonic() - self._started:.0f} s"))
+
+
+class Dialog(ModalScreen):
+    """A modal screen that Esc dismisses with None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ErrorDialog(ModalScreen[str]):
+    """An error as a readable dialog: what happened, what to do, and buttons; dismissed with the button id."""
+
+    BINDINGS = [Binding("escape", "dismiss_default", "Close")]
+
+    def __init__(self, title: str, error: BaseException, buttons: list[tuple[str, str]]):
+        super().__init__()
+        self.title_text, self.buttons = title, buttons
+        self.message, self.hint = describe_error(error)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="error-box"):
+            yield Label(self.title_text, id="error-title", markup=False)
+            yield Static(self.message, id="error-message", markup=False)
+            if self.hint:
+                yield Static("Fix: " + self.hint, id="error-hint", markup=False)
+            with Horizontal(id="error-buttons"):
+                for button_id, label in self.buttons:
+                    yield Button(label, id=button_id)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id)
+
+    def action_dismiss_default(self) -> None:
+        self.dismiss(self.buttons[-1][0])
+
+
+class HelpScreen(Dialog):
+    """Every key binding and slash command."""
+
+    BINDINGS = [Binding("escape,f1,q", "cancel", "Close")]
+
+    def __init__(self, bindings: list[tuple[str, str]]):
+        super().__init__()
+        self.bindings = bindings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-box"):
+            yield Label("Keys and commands", id="help-title")
+            yield DataTable(id="help-table", show_cursor=False, zebra_stripes=True)
+            yield Static("Esc closes this help", id="help-footer")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("key or command", "what it does")
+        for key, doc in self.bindings + help_lines():
+            table.add_row(key, doc)
+
+
+class TextPrompt(Dialog):
+    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
+
+    AUTO_FOCUS = "#prompt-input"
+
+    def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
+        super().__init__()
+        self.title_text, self.value, self.placeholder, self.choices = title, value, placeholder, choices
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="prompt-box", classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title", markup=False)
+            if self.choices:
+                yield OptionList(*(Option(label, id=value) for value, label in self.choices), id="prompt-choices")
+            yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+            yield Static("Enter accepts · Esc cancels", classes="dialog-help")
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+
+class SettingsDialog(Dialog):
+    """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
+
+    AUTO_FOCUS = "#temperature"
+
+    def __init__(self, settings: ChatSettings):
+        super().__init__()
+        self.settings = settings
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="settings-box", classes="dialog"):
+            yield Label("Reply settings", classes="dialog-title")
+            yield Label("temperature (0 = greedy)")
+            yield Input(f"{self.settings.temperature:g}", id="temperature")
+            yield Label("max tokens per reply")
+            yield Input(str(self.settings.max_tokens), id="max-tokens")
+            yield Static("", id="settings-error", markup=False)
+            yield Static("Enter saves · Esc cancels", classes="dialog-help")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        temperature = self.query_one("#temperature", Input).value
+        max_tokens = self.query_one("#max-tokens", Input).value
+        try:
+            self.dismiss(self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens)))
+        except ValueError:
+            self.query_one("#settings-error", Static).update("temperature needs a number and max tokens a whole number")
+        except errors.LowvramError as exc:
+            self.query_one("#settings-error", Static).update(str(exc))

@@ -1,19 +1,7 @@
-"""The OpenAI-compatible HTTP app: routes, admission, streaming and errors.
-
-Design. Every admitted request becomes a `_Generation`: a task pumps the
-engine's token stream into a queue and the handler reads that queue. The server
-can therefore end a request at any moment, whatever the handler is waiting on:
-a disconnect watcher (the client went away) or the shutdown timer cancels the
-pump task, which aborts the request in the engine and frees its KV pages. Each
-generation holds one slot of a bounded queue (`max_queue`); a request that finds
-no slot gets 429 with Retry-After instead of waiting unboundedly.
-
-Requests are parsed, validated and tokenized here, before admission to the
-engine, so that every mistake in a request is a 4xx with an OpenAI error object
-sent before any streamed byte. The model is fixed when the app is built: the
-`model` field only selects among the names listed by /v1/models, so no request
-can make the server open a path.
-"""
+"""The OpenAI-compatible HTTP app. Each admitted request is a `_Generation`: a task pumps the engine's stream
+into a queue the handler reads, so a disconnect or the shutdown timer can end it at any moment (cancelling the
+pump aborts the request, freeing its KV pages). Requests are validated and tokenized before admission, so every
+mistake is a 4xx before any streamed byte; `model` only selects the one name the app was built with."""
 
 from __future__ import annotations
 
@@ -24,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from functools import partial
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -38,31 +26,16 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import LowvramError, RequestError
-from lowvram.server.defaults import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_SHUTDOWN_GRACE_S,
-)
-from lowvram.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from lowvram.server.metrics import ServerMetrics
-from lowvram.server.schemas import (
-    ChatCompletionRequest,
-    ChatShape,
-    CompletionRequest,
-    CompletionShape,
-    describe_validation_error,
-    error_body,
-    json_bytes,
-    model_card,
-    usage,
-)
+from lowvram.server import defaults
+from lowvram.server.metrics import CONTENT_TYPE, ServerMetrics
+from lowvram.server.schemas import ChatCompletionRequest, ChatShape, CompletionShape, describe_validation_error
 
 log = logging.getLogger("lowvram")
 
 RETRY_AFTER_FULL_S = 1
 RETRY_AFTER_SHUTDOWN_S = 5
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _printable(text: str | None, max_chars: int = 300) -> str | None:
@@ -73,70 +46,65 @@ def _printable(text: str | None, max_chars: int = 300) -> str | None:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
+def _json_bytes(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
 def _json_response(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json_bytes(body), status_code=status, headers=headers, media_type="application/json")
+    return Response(_json_bytes(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + _json_bytes(body) + b"\n\n"
 
 
 class ApiError(Exception):
     """Answered as an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
+    def __init__(self, status: int, message: str, *, type="invalid_request_error", param=None, code=None, headers=None):
         super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type, param, code
-        self.headers = headers or {}
+        self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers or {}
 
     def body(self) -> dict:
-        return error_body(_printable(str(self), 2000), type=self.type, param=_printable(self.param), code=self.code)
+        message, param = _printable(str(self), 2000), _printable(self.param)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
 
     def response(self) -> Response:
         return _json_response(self.body(), self.status, self.headers)
 
 
-class _Ended(Exception):
-    """The server ended a generation before the engine finished it: 'disconnect' or 'shutdown'."""
+def _shutting_down(message: str) -> ApiError:
+    headers = {"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)}
+    return ApiError(503, message, type="server_error", code="server_shutting_down", headers=headers)
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+
+class _Ended(Exception):
+    """The server ended a generation before the engine finished it; args[0] is 'disconnect' or 'shutdown'."""
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return isinstance(exc, _Ended) and exc.args[0] == "disconnect"
 
 
 class _Generation:
-    """One admitted request on the engine. `next_output()` yields its outputs in order.
+    """One admitted request on the engine; `next_output()` yields its outputs in order. `end(reason)` cancels
+    the pump (aborting the request) and the reader gets `_Ended(reason)` after what is already queued.
+    `close()` gives the queue slot back."""
 
-    `end(reason)` may be called from anywhere on the event loop: the pump task is
-    cancelled (the engine stream's cleanup aborts the request and frees its
-    pages) and the reader gets `_Ended(reason)` after the outputs already queued.
-    `close()` must run once the handler is done; it gives the queue slot back.
-    """
-
-    def __init__(self, state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams):
         self.state = state
-        self.request_id = request_id
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
+        self.num_prompt_tokens, self.num_output_tokens = len(ids), 0
         self.finish_reason: str | None = None
         self.admitted_at = time.perf_counter()
         self._last_token_at: float | None = None
         self._items: asyncio.Queue = asyncio.Queue()
-        self._is_closed = False
         state.generations.add(self)
         state.metrics.prompt_tokens.inc(amount=self.num_prompt_tokens)
-        self._task = asyncio.create_task(self._pump(prompt_token_ids, params))
+        self._task = asyncio.create_task(self._pump(request_id, ids, params))
 
-    async def _pump(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         try:
-            async for out in self.state.async_engine.generate(
-                self.request_id, None, params, prompt_token_ids=prompt_token_ids
-            ):
+            async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
                 self._items.put_nowait(out)
         except asyncio.CancelledError:
             pass  # end() was called; cancelling the engine stream has already aborted the request
@@ -144,15 +112,14 @@ class _Generation:
             self._items.put_nowait(exc)
 
     def end(self, reason: str) -> None:
-        if not self._task.done():
-            self._task.cancel()
+        self._task.cancel()
         self._items.put_nowait(_Ended(reason))
 
     async def next_output(self) -> RequestOutput:
         """The next output; raises _Ended if the server ended the request, or the engine's error."""
         item = await self._items.get()
         if isinstance(item, BaseException):
-            self.finish_reason = self.finish_reason or (item.reason if isinstance(item, _Ended) else "error")
+            self.finish_reason = self.finish_reason or (item.args[0] if isinstance(item, _Ended) else "error")
             raise item
         now = time.perf_counter()
         metrics = self.state.metrics
@@ -169,53 +136,34 @@ class _Generation:
         return item
 
     def close(self) -> None:
-        if self._is_closed:
+        if self not in self.state.generations:
             return
-        self._is_closed = True
-        if not self._task.done():
-            self._task.cancel()
+        self._task.cancel()
         self.state.generations.discard(self)
-        self.state.release()
+        self.state.num_in_flight -= 1
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
     def usage(self) -> dict:
-        return usage(self.num_prompt_tokens, self.num_output_tokens)
+        prompt, completion = self.num_prompt_tokens, self.num_output_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _watch_disconnect(receive, generation: _Generation) -> None:
     """End the generation when the client goes away (uvicorn reports it as http.disconnect)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            generation.end("disconnect")
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    generation.end("disconnect")
 
 
 class ServerState:
     """Everything the routes share. Built by `create_app`, found at `app.state.lowvram`."""
 
-    def __init__(
-        self,
-        async_engine: AsyncLLMEngine,
-        *,
-        model_name: str,
-        api_key: str | None,
-        max_queue: int,
-        max_body_bytes: int,
-        default_max_tokens: int,
-        shutdown_grace_s: float,
-    ):
-        self.async_engine = async_engine
-        engine = async_engine.engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.config.vocab_size
-        self.model_name = model_name
+    def __init__(self, async_engine, model_name, api_key, max_queue, max_body_bytes, default_max_tokens, grace_s):
+        self.async_engine, self.engine, self.model_name = async_engine, async_engine.engine, model_name
+        self.max_model_len = self.engine.max_model_len
         self._api_key = api_key.encode("utf-8") if api_key else None
-        self.max_queue = max_queue
-        self.max_body_bytes = max_body_bytes
-        self.default_max_tokens = default_max_tokens
-        self.shutdown_grace_s = shutdown_grace_s
+        self.max_queue, self.max_body_bytes = max_queue, max_body_bytes
+        self.default_max_tokens, self.shutdown_grace_s = default_max_tokens, grace_s
         self.metrics = ServerMetrics(model_name)
         self.generations: set[_Generation] = set()
         self.num_in_flight = 0  # admitted requests, including those still being tokenized
@@ -223,62 +171,43 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
 
-    # -- admission ---------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
         if self._api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # compare_digest takes time independent of where the strings differ
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8"), self._api_key):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key "
-                "the server was started with",
-                type="authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            message = "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
+            message += "server was started with"
+            headers = {"WWW-Authenticate": "Bearer"}
+            raise ApiError(401, message, type="authentication_error", code="invalid_api_key", headers=headers)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise ApiError(
-                404,
-                f"the model '{name}' does not exist on this server; it serves '{self.model_name}' (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
+            message = (
+                f"the model '{name}' does not exist on this server; it serves '{self.model_name}' (see GET /v1/models)"
             )
+            raise ApiError(404, message, param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lowvram"}
+        return {**card, "max_model_len": self.max_model_len}
 
     def admit(self) -> None:
         if self.is_draining:
             self.metrics.rejected.inc("shutdown")
-            raise ApiError(
-                503,
-                "the server is shutting down and takes no new requests",
-                type="server_error",
-                code="server_shutting_down",
-                headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
-            )
+            raise _shutting_down("the server is shutting down and takes no new requests")
         if self.num_in_flight >= self.max_queue:
             self.metrics.rejected.inc("queue_full")
-            raise ApiError(
-                429,
-                f"the server is busy: {self.num_in_flight} requests are in flight, the most it queues "
-                f"(max_queue = {self.max_queue}); retry after a moment",
-                type="rate_limit_error",
-                code="server_overloaded",
-                headers={"Retry-After": str(RETRY_AFTER_FULL_S)},
-            )
+            busy = f"{self.num_in_flight} requests are in flight, the most it queues (max_queue = {self.max_queue})"
+            headers = {"Retry-After": str(RETRY_AFTER_FULL_S)}
+            message = f"the server is busy: {busy}; retry after a moment"
+            raise ApiError(429, message, type="rate_limit_error", code="server_overloaded", headers=headers)
         self.num_in_flight += 1
 
-    def release(self) -> None:
-        self.num_in_flight -= 1
-
-    # -- shutdown ----------------------------------------------------------------
     def begin_shutdown(self, grace_s: float | None = None) -> None:
         """Refuse new requests; in-flight ones get `grace_s` to finish, then are ended cleanly.
-
-        Safe to call from a signal handler or another thread.
-        """
+        Safe to call from a signal handler or another thread."""
         self.is_draining = True
         grace_s = self.shutdown_grace_s if grace_s is None else grace_s
         if self.loop is not None and not self.loop.is_closed():
@@ -289,79 +218,53 @@ class ServerState:
         for generation in list(self.generations):
             generation.end(reason)
 
-    # -- turning a request into engine input -------------------------------------
-    def encode(self, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def encode(self, request) -> list[int]:
         """Prompt token ids; runs in a worker thread (tokenizing a long prompt takes a while)."""
         if isinstance(request, ChatCompletionRequest):
-            messages = [m.for_template() for m in request.messages]
+            param = "messages"
             try:
-                ids = self.tokenizer.apply_chat_template(messages)
+                ids = self.engine.tokenizer.apply_chat_template([m.for_template() for m in request.messages])
             except LowvramError:
                 raise
             except Exception as exc:  # templates reject conversations with jinja's raise_exception
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
-            param = "messages"
         else:
-            prompt = request.prompt_input()
-            param = "prompt"
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-            else:
-                if any(not 0 <= t < self.vocab_size for t in prompt):
-                    raise ApiError(400, f"prompt token ids must be in 0..{self.vocab_size - 1}", param="prompt")
-                ids = prompt
+            param, ids, vocab_size = "prompt", request.prompt, self.engine.config.vocab_size
+            if ids == []:
+                raise RequestError("'prompt' is an empty list; send a string or a list of token ids")
+            if isinstance(ids, list) and isinstance(ids[0], list | str):  # a batch, or a list of one string
+                if len(ids) > 1:
+                    raise RequestError(f"'prompt' holds {len(ids)} prompts; this server takes one prompt per request")
+                ids = ids[0]
+            if isinstance(ids, str):
+                ids = self.engine.tokenizer.encode(ids)
+            elif any(not 0 <= t < vocab_size for t in ids):
+                raise ApiError(400, f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)
         if len(ids) >= self.max_model_len:
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"has {len(ids)} tokens; shorten it",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise self._too_long(param, f"the prompt has {len(ids)} tokens; shorten it")
         return ids
 
-    def sampling_params(
-        self, request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int
-    ) -> SamplingParams:
-        room = self.max_model_len - num_prompt_tokens
-        asked = request.requested_max_tokens()
-        if asked is None:
+    def _too_long(self, param: str, detail: str) -> ApiError:
+        message = f"this model's maximum context length is {self.max_model_len} tokens, but {detail}"
+        return ApiError(400, message, param=param, code="context_length_exceeded")
+
+    def sampling_params(self, request, num_prompt: int) -> SamplingParams:
+        room = self.max_model_len - num_prompt
+        max_tokens = request.requested_max_tokens()
+        if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
-        elif asked > room:
-            raise ApiError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{num_prompt_tokens + asked} were requested ({num_prompt_tokens} in the prompt, {asked} "
-                "for the completion); reduce the prompt or max_tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        else:
-            max_tokens = asked
+        elif max_tokens > room:
+            asked = f"({num_prompt} in the prompt, {max_tokens} for the completion); reduce the prompt or max_tokens"
+            raise self._too_long("max_tokens", f"{num_prompt + max_tokens} were requested {asked}")
         return SamplingParams(max_tokens=max_tokens, **request.sampling_kwargs())
-
-
-# -- streaming -------------------------------------------------------------------
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _sse(body: dict) -> bytes:
-    return b"data: " + json_bytes(body) + b"\n\n"
 
 
 def _failure(exc: BaseException) -> ApiError:
     """The error answer for a generation that failed or was ended by the server."""
     if isinstance(exc, _Ended):
-        return ApiError(
-            503,
-            "the server is shutting down; the response was cut short",
-            type="server_error",
-            code="server_shutting_down",
-            headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)},
-        )
+        return _shutting_down("the server is shutting down; the response was cut short")
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc))
     if isinstance(exc, LowvramError):
@@ -371,23 +274,18 @@ def _failure(exc: BaseException) -> ApiError:
 
 
 class _EventStream(Response):
-    """Server-sent events for one generation, in OpenAI's chunk format, ending with `data: [DONE]`.
-
-    Watches for the client going away while it streams, so that a dropped
-    connection aborts the request at once rather than at the next token.
-    """
+    """Server-sent events for one generation in OpenAI's chunk format, ending with `data: [DONE]`.
+    Watches for the client going away, so a dropped connection aborts the request at once."""
 
     media_type = "text/event-stream"
 
     def __init__(self, generation: _Generation, shape: CompletionShape, *, include_usage: bool):
         self.generation, self.shape, self.include_usage = generation, shape, include_usage
-        self.status_code = 200
-        self.background = None
+        self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self) -> AsyncIterator[bytes]:
-        first = self.shape.first()
-        if first is not None:
+    async def _events(self):
+        if (first := self.shape.first()) is not None:
             yield self._chunk(first)
         try:
             while True:
@@ -398,7 +296,7 @@ class _EventStream(Response):
                     yield self._chunk(self.shape.finish(out.outputs[0].finish_reason))
                     break
         except Exception as exc:  # the headers are gone: report in-band, as OpenAI does
-            if not (isinstance(exc, _Ended) and exc.reason == "disconnect"):  # else nobody is listening
+            if not _is_disconnect(exc):  # else nobody is listening
                 yield _sse(_failure(exc).body())
                 yield SSE_DONE
             return
@@ -428,33 +326,6 @@ class _EventStream(Response):
             self.generation.close()
 
 
-# -- routes ------------------------------------------------------------------------
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.lowvram
-
-
-def _answer_errors(handler):
-    """Turn every failure of a route into an OpenAI error object; nothing reaches the ASGI server."""
-
-    async def route(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            return exc.response()
-        except RequestError as exc:
-            return ApiError(400, str(exc), param=getattr(exc, "param", None)).response()
-        except Exception:
-            log.exception("error while answering %s %s", request.method, request.url.path)
-            return ApiError(
-                500, "internal server error; the server log has the details", type="server_error"
-            ).response()
-
-    route.__name__ = handler.__name__
-    return route
-
-
 async def _read_json(request: Request, max_body_bytes: int) -> dict:
     too_large = ApiError(
         413, f"the request body is larger than the server's limit of {max_body_bytes} bytes", code="request_too_large"
@@ -462,13 +333,11 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise too_large
-    chunks, num_bytes = [], 0
+    body = b""
     async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_body_bytes:
+        body += chunk
+        if len(body) > max_body_bytes:
             raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
 
@@ -476,13 +345,11 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
         raise ValueError(f"{name} is not valid JSON")
 
     def checked_object(pairs: list[tuple[str, object]]) -> dict:
-        for key, _ in pairs:
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(
-                    400, "a key in the request body contains an unpaired UTF-16 surrogate (a broken \\u escape)"
-                ) from None
+        try:
+            "".join(key for key, _ in pairs).encode("utf-8")  # surrogates stay unpaired when joined
+        except UnicodeEncodeError:
+            surrogate = "an unpaired UTF-16 surrogate (a broken \\u escape)"
+            raise ApiError(400, f"a key in the request body contains {surrogate}") from None
         return dict(pairs)
 
     try:
@@ -495,40 +362,35 @@ async def _read_json(request: Request, max_body_bytes: int) -> dict:
     return data
 
 
-def _parse(model: type[CompletionRequest] | type[ChatCompletionRequest], data: dict):
+async def _generate(request: Request, state: ServerState, shape_type: type[CompletionShape]) -> Response:
+    model = shape_type.request_type
     try:
-        request = model.model_validate(model.without_noop_params(data))
+        body = model.model_validate(model.without_noop_params(await _read_json(request, state.max_body_bytes)))
     except ValidationError as exc:
         message, param = describe_validation_error(exc)
         raise ApiError(400, message, param=param) from None
-    if request.stream_options is not None and not request.is_stream:
+    if body.stream_options is not None and not body.stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return request
-
-
-async def _generate(request: Request, request_model, shape_type: type[CompletionShape]) -> Response:
-    state = _state(request)
-    state.check_auth(request)
-    body = _parse(request_model, await _read_json(request, state.max_body_bytes))
     state.check_model(body.model)
     state.admit()
     try:
         prompt_token_ids = await asyncio.to_thread(state.encode, body)
         params = state.sampling_params(body, len(prompt_token_ids))
     except BaseException:
-        state.release()
+        state.num_in_flight -= 1
         raise
     request_id = shape_type.id_prefix + uuid.uuid4().hex
     generation = _Generation(state, request_id, prompt_token_ids, params)
     shape = shape_type(request_id, state.model_name)
-    if body.is_stream:
-        return _EventStream(generation, shape, include_usage=body.include_usage)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _EventStream(generation, shape, include_usage=include_usage)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
     try:
         while not (out := await generation.next_output()).finished:
             pass
     except Exception as exc:
-        if isinstance(exc, _Ended) and exc.reason == "disconnect":
+        if _is_disconnect(exc):
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         return _failure(exc).response()
     finally:
@@ -538,51 +400,47 @@ async def _generate(request: Request, request_model, shape_type: type[Completion
     return _json_response(shape.whole(completion.text, completion.finish_reason, generation.usage()))
 
 
-@_answer_errors
-async def completions(request: Request) -> Response:
-    return await _generate(request, CompletionRequest, CompletionShape)
+async def _list_models(request: Request, state: ServerState) -> Response:
+    return _json_response({"object": "list", "data": [state.model_card()]})
 
 
-@_answer_errors
-async def chat_completions(request: Request) -> Response:
-    return await _generate(request, ChatCompletionRequest, ChatShape)
-
-
-def _model_card(state: ServerState) -> dict:
-    return model_card(state.model_name, state.created, state.max_model_len)
-
-
-@_answer_errors
-async def list_models(request: Request) -> Response:
-    state = _state(request)
-    state.check_auth(request)
-    return _json_response({"object": "list", "data": [_model_card(state)]})
-
-
-@_answer_errors
-async def retrieve_model(request: Request) -> Response:
-    state = _state(request)
-    state.check_auth(request)
+async def _retrieve_model(request: Request, state: ServerState) -> Response:
     state.check_model(request.path_params["model"])
-    return _json_response(_model_card(state))
+    return _json_response(state.model_card())
 
 
-@_answer_errors
-async def health(request: Request) -> Response:
-    state = _state(request)
-    status = "draining" if state.is_draining else "ok"
-    body = {"status": status, "model": state.model_name, "requests_in_flight": state.num_in_flight}
+async def _health(request: Request, state: ServerState) -> Response:
+    body = {"status": "draining" if state.is_draining else "ok", "model": state.model_name}
+    body["requests_in_flight"] = state.num_in_flight
     return _json_response(body, 503 if state.is_draining else 200)
 
 
-@_answer_errors
-async def metrics(request: Request) -> Response:
-    state = _state(request)
-    state.check_auth(request)
-    text = state.metrics.render(
-        state.async_engine.snapshot(), num_in_flight=state.num_in_flight, max_queue=state.max_queue
-    )
-    return Response(text, media_type=METRICS_CONTENT_TYPE)
+async def _metrics(request: Request, state: ServerState) -> Response:
+    snapshot = state.async_engine.snapshot()
+    text = state.metrics.render(snapshot, num_in_flight=state.num_in_flight, max_queue=state.max_queue)
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+def _route(path: str, handler, method: str = "GET", *, needs_auth: bool = True) -> Route:
+    """A route whose every failure is an OpenAI error object; nothing reaches the ASGI server."""
+
+    async def endpoint(request: Request) -> Response:
+        state = request.app.state.lowvram
+        try:
+            if needs_auth:
+                state.check_auth(request)
+            return await handler(request, state)
+        except ApiError as exc:
+            return exc.response()
+        except RequestError as exc:
+            return ApiError(400, str(exc), param=getattr(exc, "param", None)).response()
+        except Exception:
+            log.exception("error while answering %s %s", request.method, request.url.path)
+            return ApiError(
+                500, "internal server error; the server log has the details", type="server_error"
+            ).response()
+
+    return Route(path, endpoint, methods=[method])
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -595,25 +453,23 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
-class _CountResponses:
+def _count_responses(app, metrics: ServerMetrics):
     """ASGI middleware: counts answers by endpoint and status code for /metrics."""
 
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
+    async def counting_app(scope, receive, send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return await app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.requests.inc(endpoint, str(message["status"]))
+                metrics.requests.inc(endpoint, str(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        await app(scope, receive, counting_send)
+
+    return counting_app
 
 
 def create_app(
@@ -621,10 +477,10 @@ def create_app(
     *,
     model_name: str,
     api_key: str | None = None,
-    max_queue: int = DEFAULT_MAX_QUEUE,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    max_queue: int = defaults.MAX_QUEUE,
+    max_body_bytes: int = defaults.MAX_BODY_BYTES,
+    default_max_tokens: int = defaults.MAX_TOKENS,
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app over a running (or startable) AsyncLLMEngine.
 
@@ -638,15 +494,8 @@ def create_app(
     """
     if max_queue < 1 or max_body_bytes < 1 or default_max_tokens < 1 or shutdown_grace_s < 0:
         raise ValueError("max_queue, max_body_bytes and default_max_tokens must be positive, shutdown_grace_s >= 0")
-    state = ServerState(
-        async_engine,
-        model_name=model_name,
-        api_key=api_key,
-        max_queue=max_queue,
-        max_body_bytes=max_body_bytes,
-        default_max_tokens=default_max_tokens,
-        shutdown_grace_s=shutdown_grace_s,
-    )
+    limits = (max_queue, max_body_bytes, default_max_tokens, shutdown_grace_s)
+    state = ServerState(async_engine, model_name, api_key, *limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -656,18 +505,16 @@ def create_app(
         state.end_all("shutdown")  # only what outlived the ASGI server's own grace period
 
     routes = [
-        Route("/v1/models", list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        _route("/v1/models", _list_models),
+        _route("/v1/models/{model:path}", _retrieve_model),
+        _route("/v1/completions", partial(_generate, shape_type=CompletionShape), "POST"),
+        _route("/v1/chat/completions", partial(_generate, shape_type=ChatShape), "POST"),
+        _route("/health", _health, needs_auth=False),
+        _route("/metrics", _metrics),
     ]
+    middleware = [Middleware(_count_responses, metrics=state.metrics)]
     app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={HTTPException: _http_error},
-        middleware=[Middleware(_CountResponses, metrics=state.metrics)],
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}, middleware=middleware
     )
     app.state.lowvram = state
     return app

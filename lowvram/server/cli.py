@@ -1,11 +1,6 @@
-"""`lowvram serve`: the OpenAI-compatible server under uvicorn.
-
-Binding beyond loopback exposes the model to the network, so it needs an API
-key unless the user says --insecure-no-auth. SIGINT/SIGTERM stop admissions at
-once (new requests get 503), let in-flight requests finish for
---shutdown-grace-s seconds, then end the rest cleanly (a streamed error event
-and `data: [DONE]`) before the process exits; a second Ctrl-C quits at once.
-"""
+"""`lowvram serve`: the OpenAI-compatible server under uvicorn (cheap to import: the CLI parser needs it).
+Beyond loopback it needs an API key unless --insecure-no-auth. SIGINT/SIGTERM stop admissions (503), give
+in-flight requests --shutdown-grace-s seconds, then end the rest cleanly; a second Ctrl-C quits."""
 
 from __future__ import annotations
 
@@ -17,23 +12,17 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from lowvram.errors import ConfigError
-from lowvram.server.defaults import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_SHUTDOWN_GRACE_S,
-)
+from lowvram.server import defaults
 
 API_KEY_ENV = "LOWVRAM_API_KEY"
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a host name other than localhost may resolve anywhere
         return False
 
@@ -77,11 +66,8 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit and threading.current_thread() is threading.main_thread():
                 # os.write, unlike print, is safe inside a signal handler
-                os.write(
-                    2,
-                    f"lowvram: stopping: {state.num_in_flight} requests in flight get up to "
-                    f"{state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now\n".encode(),
-                )
+                grace = f"get up to {state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now"
+                os.write(2, f"lowvram: stopping: {state.num_in_flight} requests in flight {grace}\n".encode())
             state.begin_shutdown()
             super().handle_exit(sig, frame)
 
@@ -100,48 +86,34 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
                     signal.signal(sig, handler)
 
     # uvicorn's own grace period is a backstop behind the app's: it cancels what is still running.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=access_log,
-        lifespan="on",
-        timeout_graceful_shutdown=int(state.shutdown_grace_s) + 5,
-    )
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    config.timeout_graceful_shutdown = int(state.shutdown_grace_s) + 5
     return Server(config)
 
 
 class BackgroundServer:
-    """Serve an app from a background thread on a bound socket (embedding, tests).
-
-    with BackgroundServer(app, sock) as server:
-        ... http://127.0.0.1:{server.port}/v1 ...
-    """
+    """Serve an app from a background thread on a bound socket (embedding, tests):
+    `with BackgroundServer(app, sock) as server:` ... http://127.0.0.1:{server.port}/v1 ..."""
 
     def __init__(self, app, sock: socket.socket, *, log_level: str = "warning"):
-        self.app, self.sock = app, sock
+        self.app = app
         self.port = sock.getsockname()[1]
         self.server = _uvicorn_server(app, log_level=log_level, access_log=False)
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, name="lowvram-server", daemon=True
-        )
+        self._thread = threading.Thread(target=self.server.run, args=([sock],), name="lowvram-server", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:
         self._thread.start()
-        for _ in range(int(timeout_s / 0.02)):
-            if self.server.started or not self._thread.is_alive():
-                break
-            threading.Event().wait(0.02)
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         if not self.server.started:
             raise RuntimeError("the server did not start")
         return self
 
-    def request_stop(self) -> None:
-        """Begin shutting down as SIGTERM would: drain, then end what is left after the grace period."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut down as SIGTERM would: drain, end what is left after the grace period, then wait."""
         self.app.state.lowvram.begin_shutdown()
         self.server.should_exit = True
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.request_stop()
         self._thread.join(timeout_s)
 
     @property
@@ -167,56 +139,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="most requests in one batch (overrides the profile)")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only); others need --api-key",
-    )
+    host = "address to listen on (default 127.0.0.1: this machine only); others need --api-key"
+    p.add_argument("--host", default="127.0.0.1", help=host)
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); "
-        "prefer the variable: arguments are visible to other users in the process list",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="allow a non-loopback --host without an API key (anyone who can reach it can use it)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model id clients send (default: the model directory's name); use the same name "
-        "with vLLM's --served-model-name to move clients unchanged",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help="most requests held at once, running or waiting; more get 429 with Retry-After "
-        f"(default {DEFAULT_MAX_QUEUE})",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=DEFAULT_MAX_TOKENS,
-        help="completion length when a request gives no max_tokens, at most the context left "
-        f"(default {DEFAULT_MAX_TOKENS})",
-    )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=DEFAULT_SHUTDOWN_GRACE_S,
-        help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are ended "
-        f"(default {DEFAULT_SHUTDOWN_GRACE_S:g})",
-    )
+    key = f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}); prefer the "
+    key += "variable: arguments are visible to other users in the process list"
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=key)
+    no_auth = "allow a non-loopback --host without an API key (anyone who can reach it can use it)"
+    p.add_argument("--insecure-no-auth", action="store_true", help=no_auth)
+    name = "the model id clients send (default: the model directory's name); vLLM's value moves clients unchanged"
+    p.add_argument("--served-model-name", help=name)
+    for flag, kind, default, help_text in (
+        ("--max-queue", int, defaults.MAX_QUEUE, "most requests running or waiting; more get 429 with Retry-After"),
+        ("--max-body-bytes", int, defaults.MAX_BODY_BYTES, "larger request bodies get 413"),
+        ("--default-max-tokens", int, defaults.MAX_TOKENS, "reply length without max_tokens, at most the context left"),
+        ("--shutdown-grace-s", float, defaults.SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -228,18 +167,16 @@ def cmd_serve(args) -> int:
     from lowvram.server.app import create_app
 
     check_exposure(args.host, args.api_key, args.insecure_no_auth)
-    for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} = {getattr(args, name)} must be a positive integer")
+    limits = {k: vars(args)[k] for k in ("max_queue", "max_body_bytes", "default_max_tokens", "shutdown_grace_s")}
+    for name, value in list(limits.items())[:3]:
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} = {value} must be a positive integer")
     if args.shutdown_grace_s < 0:
         raise ConfigError(f"--shutdown-grace-s = {args.shutdown_grace_s:g} must be zero or more")
     sock = bind_socket(args.host, args.port)
     if args.model is None:
-        print(
-            "lowvram: serving the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
-            "not a real DeepSeek model); pass --model for a real one",
-            file=sys.stderr,
-        )
+        demo = "a few-million-parameter model trained for lowvram's tests, not a real DeepSeek model"
+        print(f"lowvram: serving the bundled demo model ({demo}); pass --model for a real one", file=sys.stderr)
     try:
         engine = LLMEngine(args.model, args.profile, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
     except BaseException:
@@ -248,28 +185,16 @@ def cmd_serve(args) -> int:
     model_name = args.served_model_name or engine.model_dir.name
     async_engine = AsyncLLMEngine(engine).start()
     try:
-        app = create_app(
-            async_engine,
-            model_name=model_name,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            max_body_bytes=args.max_body_bytes,
-            default_max_tokens=args.default_max_tokens,
-            shutdown_grace_s=args.shutdown_grace_s,
-        )
+        app = create_app(async_engine, model_name=model_name, api_key=args.api_key, **limits)
         host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
         port = sock.getsockname()[1]
         auth = "API key required" if args.api_key else "no API key"
         if not is_loopback(args.host) and not args.api_key:
             print(f"lowvram: WARNING: serving on {args.host} without an API key (--insecure-no-auth)", file=sys.stderr)
-        print(
-            f"lowvram: serving '{model_name}' ({engine.profile.name} profile, {engine.device}) at "
-            f"http://{host}:{port}/v1 ({auth}); Ctrl-C to stop",
-            file=sys.stderr,
-        )
+        where = f"({engine.profile.name} profile, {engine.device}) at http://{host}:{port}/v1 ({auth})"
+        print(f"lowvram: serving '{model_name}' {where}; Ctrl-C to stop", file=sys.stderr)
         is_verbose = getattr(args, "verbose", False)
-        server = _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose)
-        server.run(sockets=[sock])
+        _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose).run([sock])
     finally:
         async_engine.stop()
         sock.close()

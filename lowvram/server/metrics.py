@@ -1,10 +1,5 @@
-"""Server metrics in the Prometheus text format (version 0.0.4), written by hand.
-
-The format is a few lines per metric, so a client library would add a
-dependency for little. Everything here is touched only from the server's event
-loop thread, hence no locks. Engine-side gauges (pages, precision, batch,
-controller) are read from the engine's latest snapshot at scrape time.
-"""
+"""Server metrics in the Prometheus text format (0.0.4), written by hand: a client library would be a dependency
+for a few lines. Only the event loop thread touches them (no locks); engine gauges come from its latest snapshot."""
 
 from __future__ import annotations
 
@@ -19,12 +14,9 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _labels(labels: dict[str, str]) -> str:
-    return "{" + ",".join(f'{n}="{_escape(str(v))}"' for n, v in labels.items()) + "}" if labels else ""
+    escaped = {n: str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for n, v in labels.items()}
+    return "{" + ",".join(f'{n}="{v}"' for n, v in escaped.items()) + "}" if labels else ""
 
 
 def _number(value: float) -> str:
@@ -87,36 +79,20 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.requests = Counter(
-            "lowvram_http_requests_total",
-            "HTTP requests answered, by endpoint and status code.",
-            ("endpoint", "status"),
-        )
-        self.finished = Counter(
-            "lowvram_requests_finished_total",
-            "Generation requests ended, by reason (stop, length, abort, error, shutdown).",
-            ("finish_reason",),
-        )
+        answered = "HTTP requests answered, by endpoint and status code."
+        self.requests = Counter("lowvram_http_requests_total", answered, ("endpoint", "status"))
+        finished = "Generation requests ended, by reason (stop, length, abort, error, shutdown)."
+        self.finished = Counter("lowvram_requests_finished_total", finished, ("finish_reason",))
         self.prompt_tokens = Counter("lowvram_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = Counter("lowvram_generation_tokens_total", "Tokens generated and delivered.")
-        self.rejected = Counter(
-            "lowvram_requests_rejected_total",
-            "Requests refused before generation because the queue was full or the server was stopping.",
-            ("reason",),
-        )
-        self.ttft = Histogram(
-            "lowvram_time_to_first_token_seconds", "Time from admission to the first generated token.", TTFT_BUCKETS_S
-        )
-        self.token_latency = Histogram(
-            "lowvram_inter_token_latency_seconds",
-            "Time between consecutive tokens of one request.",
-            TOKEN_LATENCY_BUCKETS_S,
-        )
-        self.controller_events = Counter(
-            "lowvram_controller_events_total",
-            "Controller decisions seen in engine snapshots, by decision.",
-            ("decision",),
-        )
+        rejected = "Requests refused before generation because the queue was full or the server was stopping."
+        self.rejected = Counter("lowvram_requests_rejected_total", rejected, ("reason",))
+        ttft = "Time from admission to the first generated token."
+        self.ttft = Histogram("lowvram_time_to_first_token_seconds", ttft, TTFT_BUCKETS_S)
+        latency = "Time between consecutive tokens of one request."
+        self.token_latency = Histogram("lowvram_inter_token_latency_seconds", latency, TOKEN_LATENCY_BUCKETS_S)
+        decisions = "Controller decisions seen in engine snapshots, by decision."
+        self.controller_events = Counter("lowvram_controller_events_total", decisions, ("decision",))
         self._last_decision: str | None = None
 
     def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
@@ -128,28 +104,26 @@ class ServerMetrics:
 
     def render(self, snapshot: EngineSnapshot, *, num_in_flight: int, max_queue: int) -> str:
         self.observe_snapshot(snapshot)
-        s = snapshot
-        num_on_host = s.num_kv_blocks_on_host
+        s, on_host = snapshot, snapshot.num_kv_blocks_on_host
         lines = _gauge("lowvram_model_info", "The served model (value is always 1).", 1, model=self.model_name)
         for metric in (self.requests, self.finished, self.rejected, self.prompt_tokens, self.generation_tokens):
             lines += metric.render()
         lines += self.ttft.render() + self.token_latency.render()
-        lines += _gauge(
-            "lowvram_requests_in_flight", "Requests admitted by the server and not yet finished.", num_in_flight
-        )
-        lines += _gauge("lowvram_queue_capacity", "Most requests the server holds at once; more get 429.", max_queue)
-        lines += _gauge(
-            "lowvram_queue_depth", "Requests waiting in the engine's scheduler for a batch slot.", s.num_waiting
-        )
-        lines += _gauge("lowvram_batch_size", "Requests in the running batch.", s.num_running)
-        lines += _gauge(
-            "lowvram_decode_tokens_per_second",
-            "Decode speed over the last steps, all requests together.",
-            s.decode_tokens_per_s,
-        )
+        for name, help_text, value in (
+            ("requests_in_flight", "Requests admitted by the server and not yet finished.", num_in_flight),
+            ("queue_capacity", "Most requests the server holds at once; more get 429.", max_queue),
+            ("queue_depth", "Requests waiting in the engine's scheduler for a batch slot.", s.num_waiting),
+            ("batch_size", "Requests in the running batch.", s.num_running),
+            (
+                "decode_tokens_per_second",
+                "Decode speed over the last steps, all requests together.",
+                s.decode_tokens_per_s,
+            ),
+        ):
+            lines += _gauge(f"lowvram_{name}", help_text, value)
         pages = "KV cache pages in use, by where they live."
-        lines += _gauge("lowvram_kv_pages", pages, s.num_kv_blocks_used - num_on_host, location="device")
-        lines.append(f'lowvram_kv_pages{{location="host"}} {_number(num_on_host)}')
+        lines += _gauge("lowvram_kv_pages", pages, s.num_kv_blocks_used - on_host, location="device")
+        lines.append(f'lowvram_kv_pages{{location="host"}} {_number(on_host)}')
         lines += _gauge("lowvram_kv_pages_capacity", "KV cache pages in the pool.", s.num_kv_blocks)
         lines += _gauge("lowvram_kv_page_size_tokens", "Tokens per KV cache page.", s.kv_block_size)
         info = "KV cache precision in use (value is always 1)."

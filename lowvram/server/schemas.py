@@ -1,17 +1,9 @@
-"""OpenAI request and response bodies, as pydantic models.
-
-Requests are validated strictly: no type coercion ("5" is not 5, true is not 1),
-no NaN or infinity, and unknown parameters are refused, so that a typo is a 400
-that names the field rather than a silently different generation. OpenAI
-parameters that lowvram cannot honour are accepted only at the value that means
-"off" (n = 1, logprobs = false, no tools, ...); any other value is a 400 that
-says it is not supported. top_k, min_p, repetition_penalty and ignore_eos are
-accepted as in vLLM, so the same request body runs on both.
-"""
+"""OpenAI request and response bodies. Requests are validated strictly (no coercion, no NaN, unknown parameters
+refused), so a typo is a 400 naming the field; OpenAI parameters lowvram cannot honour are accepted only at their
+"off" value. vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body runs on both."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -32,9 +24,7 @@ def _require_utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_require_utf8)]
 
 MAX_SEED = 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
-# Below this, logits / temperature overflows to inf and sampling fails for the whole batch;
-# it is vLLM's floor too. 0 still means greedy.
-MIN_SAMPLING_TEMPERATURE = 1e-2
+MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's floor too: below it logits / temperature overflows (0 is greedy)
 
 
 class UnsupportedParameter(RequestError):
@@ -77,11 +67,11 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
     "metadata": ((None, {}), "metadata is only used with stored completions, which are not supported"),
     "service_tier": ((None, "auto", "default"), "service tiers are not supported"),
 }
-
-
 _CHAT_ONLY = frozenset(
     {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
 )
+_SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k")
+_SAMPLING_FIELDS += ("min_p", "repetition_penalty", "ignore_eos")
 
 
 class _GenerationRequest(_Strict):
@@ -110,10 +100,8 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _temperature_is_zero_or_usable(cls, value: float | None) -> float | None:
         if value is not None and 0.0 < value < MIN_SAMPLING_TEMPERATURE:
-            raise ValueError(
-                f"= {value!r} is too small to sample with; use 0 for greedy decoding or at least "
-                f"{MIN_SAMPLING_TEMPERATURE}"
-            )
+            use = f"use 0 for greedy decoding or at least {MIN_SAMPLING_TEMPERATURE}"
+            raise ValueError(f"= {value!r} is too small to sample with; {use}")
         return value
 
     @classmethod
@@ -129,35 +117,12 @@ class _GenerationRequest(_Strict):
                 raise UnsupportedParameter(f"'{name}' = {shown} is not supported by this server: {reason}", name)
         return {key: value for key, value in data.items() if key not in cls.noop_params}
 
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.stream)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def sampling_kwargs(self) -> dict:
-        """SamplingParams arguments, with OpenAI's defaults for what was left out."""
-        defaults = dict(
-            temperature=1.0,
-            top_p=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            top_k=0,
-            min_p=0.0,
-            repetition_penalty=1.0,
-            ignore_eos=False,
-        )
-        kwargs = {
-            name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()
-        }
-        kwargs["stop"] = self.stop
-        kwargs["seed"] = self.seed
-        return kwargs
+        """SamplingParams arguments; what was left out keeps SamplingParams' defaults, which are OpenAI's."""
+        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -165,19 +130,6 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
     noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
-
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt, as text or token ids; batched prompts are refused."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
-            raise RequestError("'prompt' is an empty list; send a string or a list of token ids")
-        if isinstance(prompt[0], int):
-            return list(prompt)
-        if len(prompt) > 1:
-            raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request")
-        return prompt[0]
 
 
 class TextPart(_Strict):
@@ -191,7 +143,7 @@ class ChatMessage(_Strict):
     name: Text | None = None
 
     def for_template(self) -> dict:
-        """The message as the chat template expects it: string content; 'developer' is OpenAI's new name for 'system'."""
+        """The message as the chat template takes it: text content, and 'developer' (OpenAI's new name) as 'system'."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
@@ -207,13 +159,10 @@ class ChatCompletionRequest(_GenerationRequest):
     noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
 
     def requested_max_tokens(self) -> int | None:
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
+        given = {self.max_tokens, self.max_completion_tokens} - {None}
+        if len(given) > 1:
             raise RequestError("give max_tokens or max_completion_tokens, not both with different values")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return given.pop() if given else None
 
 
 # Fields whose type is a union: pydantic reports one error per member, which reads badly.
@@ -232,10 +181,7 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     loc = list(first["loc"])
     path, cut_at_union = "", None
     for item in loc:
-        if isinstance(item, int):
-            path += f"[{item}]"
-        else:
-            path += f".{item}" if path else str(item)
+        path += f"[{item}]" if isinstance(item, int) else f".{item}" if path else str(item)
         if item in _UNION_FIELDS:
             cut_at_union = item
             break
@@ -251,35 +197,16 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
     return (f"'{path}': {first['msg']}", path) if path else (first["msg"], None)
 
 
-# -- responses -----------------------------------------------------------------
-# Plain dicts in OpenAI's field order; `json_bytes` writes them as pydantic would.
-
-
-def json_bytes(body: dict) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-    }
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def model_card(model: str, created: int, max_model_len: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": "lowvram", "max_model_len": max_model_len}
+# -- responses: plain dicts in OpenAI's field order ---------------------------------
 
 
 class CompletionShape:
-    """The response objects of one /v1/completions request: 'text_completion', streamed or whole.
-    Streamed chunks carry `"usage": null` until the last, which the stream drops unless asked for."""
+    """The response objects of one /v1/completions request, streamed or whole. Streamed chunks
+    carry `"usage": null` until the last, which the stream drops unless asked for."""
 
+    request_type = CompletionRequest
     id_prefix = "cmpl-"
+    object = chunk_object = "text_completion"
 
     def __init__(self, request_id: str, model: str):
         self.request_id, self.model, self.created = request_id, model, int(time.time())
@@ -294,36 +221,39 @@ class CompletionShape:
             "usage": usage,
         }
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("text_completion", [choice])
+    def _choice(self, key: str, value, finish_reason: str | None = None) -> dict:
+        return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+
+    def _chunk(self, value, finish_reason: str | None = None) -> dict:
+        return self._body(self.chunk_object, [self._choice("text", value, finish_reason)])
 
     def first(self) -> dict | None:
         """What a stream starts with before any token, if anything."""
         return None
 
     def delta(self, text: str) -> dict:
-        return self._chunk(text, None)
+        return self._chunk(text)
 
     def finish(self, finish_reason: str) -> dict:
         return self._chunk("", finish_reason)
 
     def usage_chunk(self, usage: dict) -> dict:
-        return self._body("text_completion", [], usage)
+        return self._body(self.chunk_object, [], usage)
 
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return {**self._chunk(text, finish_reason), "usage": usage}
+        return self._body(self.object, [self._choice("text", text, finish_reason)], usage)
 
 
 class ChatShape(CompletionShape):
-    """The response objects of one /v1/chat/completions request: 'chat.completion' and its chunks."""
+    """The same for /v1/chat/completions: 'chat.completion' and its chunks, whose deltas carry only
+    what changed (the last one is {})."""
 
+    request_type = ChatCompletionRequest
     id_prefix = "chatcmpl-"
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
 
     def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        # OpenAI's deltas carry only what changed: the last one is {}.
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("chat.completion.chunk", [choice])
+        return self._body(self.chunk_object, [self._choice("delta", delta, finish_reason)])
 
     def first(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""})
@@ -334,10 +264,6 @@ class ChatShape(CompletionShape):
     def finish(self, finish_reason: str) -> dict:
         return self._chunk({}, finish_reason)
 
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._body("chat.completion.chunk", [], usage)
-
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        return self._body("chat.completion", [choice], usage)
+        return self._body(self.object, [self._choice("message", message, finish_reason)], usage)
