@@ -1,28 +1,13 @@
-"""The feedback controller: a pure function from (state, observation) to (state, events).
+"""The feedback controller: a pure function (state, observation) -> (state, events) that
+keeps a 4 GB card out of OOM and per-token latency near the profile's target.
 
-It keeps a 4 GB card out of OOM and per-token latency near the profile's target.
-
-Escalation ladder (one rung per decision, while pressure persists for
-`patience_tokens` consecutive observations):
-  memory pressure:  compress KV one level (fp16 -> int8 -> int4), then spill cold
-                    pages, then halve the batch limit, then throttle admission;
-  latency pressure: halve the batch limit (down to one), then throttle admission.
-Relaxing walks the same rungs back in reverse order, one per `cooldown_steps`
-observations spent below both low-water marks. Between the high and the low marks
-nothing changes (hysteresis), and after any action the pressure counter restarts,
-so a constant load can cause at most one action per `patience_tokens` steps and
-the ladder has a fixed height: the number of switches under constant load is
-bounded. No action drops a request: halving the batch preempts (the request
-resumes later) and throttling only delays admission.
-
-Storing KV at a higher precision again makes the same live pages larger, so that
-rung is relaxed only when the memory it would bring back still lands below the
-low-water mark (the engine reports the live KV's size at every precision). Without
-this look-ahead a long-context load that INT8 just relieved flips back to FP16,
-is over the high-water mark again within `patience_tokens` steps, and re-quantizes
-every page twice per cooldown for as long as the load lasts.
-
-No torch here; the engine gathers observations and applies the actions.
+One rung per decision, after `patience_tokens` consecutive observations of pressure:
+memory: compress KV (fp16 -> int8 -> int4), spill cold pages, halve the batch limit, throttle
+admission; latency: halve the batch limit, throttle. Relaxing undoes the last rung after
+`cooldown_steps` observations below both low-water marks; between the marks nothing changes
+(hysteresis), so a constant load makes a bounded number of switches. No action drops a request.
+KV is stored at a higher precision again only when the projected size stays below the low
+mark; otherwise a long context that INT8 just relieved would flip back and forth.
 """
 
 from __future__ import annotations
@@ -66,8 +51,6 @@ class Event:
     step: int
     action: Action
     reason: str
-    memory_fraction: float
-    token_latency_ms: float | None
     mode: str
 
 
@@ -130,9 +113,7 @@ def _relaxed_kv_fits(state: ControllerState, obs: Observation, config: Controlle
     return projected < config.memory_low_water * obs.memory_budget_bytes
 
 
-def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str] | None:
-    if not state.applied:
-        return None
+def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str]:
     last = state.applied[-1]
     state = replace(state, applied=state.applied[:-1])
     if last == "throttle":
@@ -140,11 +121,8 @@ def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, 
     if last == "batch_limit":
         limit = min(max_num_seqs, state.batch_limit * 2)
         new = 0 if limit >= max_num_seqs else limit
-        return (
-            replace(state, batch_limit=new),
-            Action("batch_limit", new or max_num_seqs),
-            f"raise the batch limit to {new or max_num_seqs}",
-        )
+        shown = new or max_num_seqs
+        return replace(state, batch_limit=new), Action("batch_limit", shown), f"raise the batch limit to {shown}"
     if last == "spill":
         return replace(state, is_spilling=False), Action("spill", False), "stop spilling KV pages"
     prev = KV_LADDER[KV_LADDER.index(state.kv_precision) - 1]
@@ -187,22 +165,22 @@ def decide(
         and state.applied
         and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config))
     ):
-        step = _relax(state, max_num_seqs)
+        new_state, action, what = _relax(state, max_num_seqs)
         reason = (
             f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
             f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps"
         )
-        if step is not None:
-            new_state, action, what = step
-            new_state = replace(new_state, calm_streak=0)
-            return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
-    if step is None:
-        return state, []
-    new_state, action, what = step
+        new_state = replace(new_state, calm_streak=0)
+        return new_state, [Event(obs.step, action, f"{what}: {reason}", new_state.mode)]
+    return _take(state, step, obs.step, reason) if step is not None else (state, [])
+
+
+def _take(state, rung, step: int, reason: str) -> tuple[ControllerState, list[Event]]:
+    new_state, action, what = rung
     new_state = replace(
         new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
     )
-    return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
+    return new_state, [Event(step, action, f"{what}: {reason}", new_state.mode)]
 
 
 def escalate_after_oom(
@@ -212,8 +190,4 @@ def escalate_after_oom(
     rung = _escalate_memory(state, max_num_seqs, min_precision)
     if rung is None:
         return state, []
-    new_state, action, what = rung
-    new_state = replace(
-        new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
-    )
-    return new_state, [Event(step, action, f"{what}: a step ran out of device memory", 1.0, None, new_state.mode)]
+    return _take(state, rung, step, "a step ran out of device memory")

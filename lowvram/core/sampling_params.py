@@ -41,21 +41,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
             raise RequestError(
                 f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
                 f"or at least {MIN_TEMPERATURE}"
             )
-        if (
-            self.seed is not None
-            and not isinstance(self.seed, bool)
-            and isinstance(self.seed, int)
-            and not 0 <= self.seed < 2**63
-        ):
-            raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
         checks = [
             ("temperature", self.temperature, 0.0, 100.0),
             ("top_p", self.top_p, 1e-9, 1.0),
@@ -65,12 +56,8 @@ class SamplingParams:
             ("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
         ]
         for name, value, low, high in checks:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or not low <= value <= high
-            ):
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (is_number and math.isfinite(value) and low <= value <= high):
                 raise RequestError(f"{name} = {value!r} is invalid; allowed: {low} to {high}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k = {self.top_k!r} is invalid; use -1 or 0 for all tokens, or a positive count")
@@ -78,8 +65,11 @@ class SamplingParams:
             raise RequestError(f"max_tokens = {self.max_tokens!r} is invalid; it must be a positive integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise RequestError(f"seed = {self.seed!r} must be an integer")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise RequestError(f"seed = {self.seed!r} must be an integer")
+            if not 0 <= self.seed < 2**63:
+                raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
 
     @property
     def is_greedy(self) -> bool:

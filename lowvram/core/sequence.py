@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from lowvram.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine's objects, carried here, never used: the core needs no torch
+if TYPE_CHECKING:  # carried, never used: the core needs no torch
     import torch
 
     from lowvram.engine.tokenizer import Detokenizer
@@ -24,11 +24,7 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     """One request (n = 1). KV is cached for the first `num_computed_tokens` tokens.
-
-    Sequences compare by identity: the scheduler's queues ask `seq in running` every
-    step, and comparing every field of two requests to tell them apart cost more than
-    the rest of the scheduling.
-    """
+    Compared by identity: comparing fields in `seq in running` cost more than scheduling."""
 
     seq_id: int
     request_id: str

@@ -1,37 +1,17 @@
 """Which KV pages stay on the device and which spill to the host. Plain Python, no torch.
 
-Design
-- The policy learns from every step which pages it read: each scheduled sequence's
-  whole block table (attention reads the whole context). A table is touched from its
-  first page to its last, so within one step an old position counts as less recently
-  used than a new one, and a long context gives up its oldest pages first.
-- The last `num_hot_blocks` pages of each scheduled sequence (the page being written
-  and the ones just before it, near the decode position) are hot. They stay hot while
-  the sequence holds pages, also through steps that do not schedule it (a prefill
-  step does not schedule the decoding sequences).
-- Eviction order: pages never read (fresh, or forgotten) first, lowest id first; then
-  cold pages, least recently used first; hot pages last. Pages of waiting or preempted
-  sequences are not read, so they age to the front by themselves. A page the caller
-  protects (the ones the current step reads) is never offered.
-- Admission order, for when a step needs more pages than fit on the device and the
-  rest can be read where they are: the reverse of eviction order (hot pages first,
-  then the most recently used), so the oldest positions are the ones read over the bus.
-- Learning is deferred. Every step reads every page of every scheduled table, so
-  writing that down page by page costs a walk of the whole context per step, while
-  the order is needed only when pages must move. A decode step reads the same table
-  as the step before, grown at its end, so each sequence keeps a run: its table, and
-  whether it was read since it was last written down. A run is written down (its pages
-  moved to the recent end in table order) when a query needs the order or when the run
-  ends: the sequence was not scheduled, or its table no longer extends the run's. Open
-  runs all end at the latest step, so writing them down in that step's table order
-  gives exactly the per-step order.
-
-Ids are whatever unit the pool moves (a page, or a group of pages that share an OS
-memory page); the policy does not care.
+Every step reads each scheduled sequence's whole table, first page to last, so a long
+context gives up its oldest pages first. The last `num_hot_blocks` pages of each sequence
+(near its decode position) are hot while it holds pages. Eviction order: pages never read
+(lowest id first), then cold pages LRU-first, then hot ones; admission order is the reverse.
+Learning is deferred: a decode step reads the previous table grown at its end, so each
+sequence keeps a run, written down (moved to the recent end) only when the order is asked
+for or the run ends. Ids are whatever unit the pool moves; the policy does not care.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
@@ -68,14 +48,10 @@ class SpillPolicy:
         self._recency: OrderedDict[int, None] = OrderedDict()  # least recently read first (written-down reads)
         self._hot_by_seq: dict[int, tuple[int, ...]] = {}
         self._runs: dict[int, _Run] = {}  # seq id -> reads not yet written down, in the latest step's order
-        self.num_steps = 0
 
     def record_step(self, tables: Mapping[int, Sequence[int]], live_seq_ids: Collection[int] | None = None) -> None:
-        """One step read these tables (seq id -> its page ids, oldest position first).
-
-        `live_seq_ids`, when given, are the sequences that still hold pages; hot windows
-        of the others are dropped.
-        """
+        """One step read these tables (seq id -> page ids, oldest first); hot windows of
+        sequences not in `live_seq_ids` (when given) are dropped."""
         runs: dict[int, _Run] = {}
         for seq_id, table in tables.items():
             run = self._runs.get(seq_id)
@@ -89,9 +65,7 @@ class SpillPolicy:
                 self._write_down(run)
         self._runs = runs
         if live_seq_ids is not None:
-            for seq_id in [s for s in self._hot_by_seq if s not in live_seq_ids]:
-                del self._hot_by_seq[seq_id]
-        self.num_steps += 1
+            self._hot_by_seq = {s: w for s, w in self._hot_by_seq.items() if s in live_seq_ids}
 
     def _write_down(self, run: _Run) -> None:
         """Move a run's pages to the recent end of the order, if it was read since last time."""
@@ -108,17 +82,13 @@ class SpillPolicy:
 
     @property
     def hot_pages(self) -> set[int]:
-        hot: set[int] = set()
-        for window in self._hot_by_seq.values():
-            hot.update(window)
-        return hot
+        return set(itertools.chain.from_iterable(self._hot_by_seq.values()))
 
-    def eviction_order(self, candidates: Iterable[int], protected: Collection[int] = ()) -> list[int]:
-        """`candidates` least worth keeping first: never read, then cold LRU-first, then hot LRU-first.
-        Protected pages are left out."""
+    def eviction_order(self, candidates: Iterable[int]) -> list[int]:
+        """`candidates` least worth keeping first: never read, then cold LRU-first, then hot LRU-first."""
         for run in self._runs.values():
             self._write_down(run)
-        pool = set(candidates).difference(protected)
+        pool = set(candidates)
         hot = self.hot_pages
         fresh = sorted(p for p in pool if p not in self._recency)
         cold, warm = [], []
