@@ -174,11 +174,11 @@ def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny
     token_ids = [(37 * i) % (engine.config.vocab_size - 10) + 5 for i in range(24)]
     # Every step writes its own token's KV at position 40 before reading it: steps are independent.
     with torch.inference_mode():
-        runner.graphs.run(key, [token_ids[0]], [40], [slot], [table], [41], runner.kv_pool.pages)  # captures
+        runner.graphs.run(key, [token_ids[0]], [40], [slot], [41], [table], runner.kv_pool.pages)  # captures
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of every copy below
         replayed = [
-            runner.graphs.run(key, [t], [40], [slot], [table], [41], runner.kv_pool.pages).clone() for t in token_ids
+            runner.graphs.run(key, [t], [40], [slot], [41], [table], runner.kv_pool.pages).clone() for t in token_ids
         ]
         eager = []
         dev = engine.device

@@ -1,28 +1,20 @@
 """Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token.
 
-Before the forward pass the pages the batch reads are made resident in the KV pool
-(`KVPool.ensure_resident`), and the pool's spill policy learns from the batch which
-pages were read. While a step computes, the pages the next one will likely read
-come back on the pool's side stream (double buffering): the pages of sequences that
-hold pages but are not in this step, or, when one batch reads more pages than the
-device share (`max_blocks_per_step`, the pinned backend) and runs in parts, the
-next part's.
+The pages a batch reads are made resident first (`KVPool.ensure_resident`) and teach the
+spill policy; while a step computes, the pages the next one likely reads come back on the
+pool's side stream: those of sequences not in this step or, when a batch reads more pages
+than the device share (`max_blocks_per_step`) and runs in parts, the next part's.
 
-Pipelined decode (`is_pipelined`): when every token of a steady decode step (see
-ScheduledBatch.is_steady) is sampled on the device, the runner queues the next step,
-whose input ids are those tokens still on the device, before the host reads them, so
-the GPU does not wait for the host between steps. The next `step` call uses the queued
-step when it asks for what was guessed (the same sequences, one position on; the
-scheduler holds the page ahead, Scheduler.num_lookahead_tokens) and drops it otherwise.
-A seeded generator that drew for a dropped row is wound back, so the step that computes
-that token again draws the same.
+Pipelined decode (`is_pipelined`): when a steady decode step samples every token on the
+device, the next step is queued with those tokens as its input ids before the host reads
+them. The next `step` uses it when it asks for the same sequences one position on (the
+scheduler holds the page ahead) and drops it otherwise, winding seeded generators back.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -70,15 +62,10 @@ class _Launched:
 class ModelRunner:
     """Runs scheduled batches through the model over the KV pool.
 
-    Args:
-        max_num_seqs, max_model_len: the largest decode batch and context; with
-            `use_cuda_graphs` they size the decode graphs (`lowvram.engine.cuda_graphs`).
-        use_cuda_graphs: replay decode steps from CUDA graphs (CUDA devices, models that
-            allow it); prefill steps and anything a graph cannot hold run eagerly.
-        max_prefill_graph_tokens: with use_cuda_graphs, also replay the prefill of one
-            sequence's new tokens, up to this many (0 = off; at most MAX_PREFILL_GRAPH_TOKENS),
-            from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
-        is_pipelined: queue steady decode steps ahead (see the module notes).
+    max_num_seqs, max_model_len: size the decode graphs (with `use_cuda_graphs`, on CUDA).
+    max_prefill_graph_tokens: also replay one sequence's prefill up to this many new tokens
+        from graphs (0 = off; at most MAX_PREFILL_GRAPH_TOKENS): short prompts are launch-bound.
+    is_pipelined: queue steady decode steps ahead (see the module notes).
     """
 
     def __init__(
@@ -98,8 +85,8 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.max_model_len = max_model_len
         self.is_pipelined = is_pipelined
-        # On a GPU (and wherever decode is pipelined) rows without penalties sample on the device,
-        # at every step, prefill included, so a seeded request draws alike queued or not.
+        # Rows without penalties sample on the device at every step, prefill included, so a
+        # seeded request draws alike queued or not.
         self.samples_on_device = self.device.type == "cuda" or is_pipelined
         self.num_pipelined_steps = 0  # steps taken from the queue
         self.is_tail = False  # the last step came from the queue and nothing was queued after it
@@ -110,40 +97,21 @@ class ModelRunner:
             max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
             # The rotary tables must not be replaced after a graph captured them.
             model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
-            # An embedding table in host memory that the GPU cannot read directly has each
-            # replay's rows staged on the host (HostEmbedding.stage).
+            # A host-memory embedding table the GPU cannot read has each replay's rows staged.
             embed = model.model.embed_tokens
             stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
             capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
-            self.graphs = DecodeGraphs(
-                self._logits,
-                max_num_seqs,
-                max_blocks_per_seq,
-                self.device,
-                stage_embeddings=stage,
-                stage_capacity=capacity,
-            )
+            staging = dict(stage_embeddings=stage, stage_capacity=capacity)
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device, **staging)
             if prefill_tokens > 0:
                 self.prefill_graphs = PrefillGraphs(
-                    self._last_logits,
-                    prefill_tokens,
-                    max_blocks_per_seq,
-                    self.device,
-                    stage_embeddings=stage,
-                    stage_capacity=capacity,
+                    self._logits, prefill_tokens, max_blocks_per_seq, self.device, **staging
                 )
 
     @property
     def num_graph_captures(self) -> int:
-        """Decode and prefill graphs captured so far (0 without graphs)."""
         return sum(g.num_captures for g in (self.graphs, self.prefill_graphs) if g is not None)
-
-    @property
-    def kv_pages(self) -> list[KVPages]:
-        """Each layer's pages, indexed by block id, for direct page copies. Empty when the
-        pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""
-        return [] if self.kv_pool.is_translated else self.kv_pool.pages
 
     def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
         """The step's inputs as host lists: token ids, positions and KV slots per new token,
@@ -169,7 +137,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """Run `batch` and return each sequence's next token (None for a prompt chunk that
-        leaves tokens to compute), sampled as its params ask (lowvram.engine.sampler)."""
+        leaves tokens to compute), sampled as its params ask."""
         launched = self._take_queued(batch)
         is_queued = launched is not None
         if launched is None:
@@ -216,11 +184,12 @@ class ModelRunner:
     def _can_queue_after(self, launched: _Launched) -> bool:
         """Whether the step after `launched` can be queued before its tokens are read: a steady
         decode step sampled on the device, whose sequences all go on after the token it samples
-        (no length limit reached) and hold the page that token's step writes to."""
+        and hold the page that token's step writes to. Not where graphs stage embedding rows
+        on the host, which needs the input ids there."""
         batch = launched.batch
         if not (self.is_pipelined and batch.is_steady and launched.device_tokens is not None):
             return False
-        if batch.is_prefill or not self.accepts_device_input_ids:
+        if batch.is_prefill or (self.graphs is not None and self.graphs.stage_embeddings is not None):
             return False
         for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables):
             num_tokens = position + 2  # with the token this step samples
@@ -261,24 +230,14 @@ class ModelRunner:
             launched.host_tokens = launched.device_tokens
         return launched
 
-    @property
-    def accepts_device_input_ids(self) -> bool:
-        """Whether `run` can take a decode step's input ids on the device without reading them
-        on the host: not where graphs stage host-memory embedding rows before each replay."""
-        return self.graphs is None or self.graphs.stage_embeddings is None
-
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, *, is_all_rows: bool = False, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """FP32 logits [S, vocab] at the last new token of each scheduled sequence
-        (or [T, vocab] at every new token with is_all_rows, for scoring text).
-
-        input_ids: a queued decode step's input token per sequence [S] int64 on the device
-        (the tokens of the step before, not read by the host yet, so not in the sequences).
-
-        A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
-        not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
+        """FP32 logits [S, vocab] at the last new token of each scheduled sequence ([T, vocab]
+        at every new token with is_all_rows, for scoring). input_ids: a queued decode step's
+        tokens [S] int64 on the device, not yet in the sequences. A graph replay returns a view
+        of the graphs' logits buffer: read it before the next `run` overwrites it."""
         for src, dst in batch.copies:  # copy-on-write of a shared page, before the step reads dst
             self.kv_pool.copy_block(src, dst)
         pool = self.kv_pool
@@ -292,8 +251,12 @@ class ModelRunner:
         first_row = 0
         for i, (part, blocks) in enumerate(parts):
             pool.ensure_resident(blocks, free_block_ids=free)
-            # Issued before this part's kernels are queued, so the copies overlap them.
-            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(batch.live_tables, tables)
+            # Issued before this part's kernels are queued, so the copies overlap them: the next
+            # part's pages, or after the last those of sequences not in this step.
+            if i + 1 < len(parts):
+                upcoming = parts[i + 1][1]
+            else:
+                upcoming = [b for seq_id, table in batch.live_tables.items() if seq_id not in tables for b in table]
             if upcoming:
                 pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
             part_ids = None if input_ids is None else input_ids[first_row : first_row + len(part.seqs)]
@@ -303,36 +266,19 @@ class ModelRunner:
             logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    @staticmethod
-    def _pages_of_others(live: Mapping[int, list[int]], tables: dict[int, list[int]]) -> list[int]:
-        """Pages of sequences that hold pages but are not in this step (the decoding ones
-        during a prefill step, say): the likeliest readers of the next step."""
-        if len(live) <= len(tables):
-            return []
-        return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
-
     def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        pages_version = getattr(self.kv_pool, "pages_version", None)
-        if self.graphs is not None and not batch.is_prefill and not is_all_rows:
+        gathered = None
+        graphs = self.prefill_graphs if batch.is_prefill else self.graphs
+        if graphs is not None and not is_all_rows and (not batch.is_prefill or len(batch.seqs) == 1):
             # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
-            key = self.graphs.bucket(len(batch.seqs), max(len(table) for table in batch.block_tables))
+            num_rows = batch.num_new_tokens[0] if batch.is_prefill else len(batch.seqs)
+            key = graphs.bucket(num_rows, max(len(table) for table in batch.block_tables))
             if key is not None:
-                host_ids, positions, slots, context_lens, tables = self.gather(batch)
-                logits = self.graphs.run(
-                    key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages, pages_version, input_ids
-                )
+                gathered = self.gather(batch)
+                logits = graphs.run(key, *gathered, self.kv_pool.pages, self.kv_pool.pages_version, input_ids)
                 if logits is not None:
                     return logits
-        if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
-            key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
-            if key is not None:
-                host_ids, positions, slots, context_lens, tables = self.gather(batch)
-                logits = self.prefill_graphs.run(
-                    key, host_ids, positions, slots, tables[0], context_lens[0], self.kv_pool.pages, pages_version
-                )
-                if logits is not None:
-                    return logits
-        host_ids, positions, slots, context_lens, tables = self.gather(batch)
+        host_ids, positions, slots, context_lens, tables = gathered or self.gather(batch)
         cu_seqlens = list(itertools.accumulate(batch.num_new_tokens, initial=0))
         max_blocks = max(len(t) for t in tables)
         dev = self.device
@@ -352,20 +298,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden if is_all_rows else hidden[[end - 1 for end in cu_seqlens[1:]]])
 
     def _logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: list[KVPages]
-    ) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
-
-    def _last_logits(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_pages: list[KVPages],
-        last_row: torch.Tensor,
+        last_row: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """What a graph captures: logits [T, vocab], or [1, vocab] at `last_row` (a prefill's)."""
         hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
-        return self.model.compute_logits(hidden.index_select(0, last_row))  # [1, vocab]
+        return self.model.compute_logits(hidden if last_row is None else hidden.index_select(0, last_row))
 
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
         """The batch in parts whose pages fit the device share, in order. When one part is
