@@ -1,6 +1,6 @@
-"""The engine's side of the feedback controller: what the device holds, an observation
-after every step, the controller's actions carried out, recovery from out-of-memory steps,
-and the timeline of both. LLMEngine inherits it."""
+"""The engine's side of the feedback controller (LLMEngine inherits it): what the device
+holds, an observation after every step, the controller's actions carried out, recovery
+from out-of-memory steps, and the timeline of both."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lowvram.errors import OutOfMemoryError
 
 log = logging.getLogger("lowvram")
 
-# Decode steps between two readings of the allocator's counters by the controller (_allocated_bytes).
+# Decode steps between two readings of the allocator's counters by the controller.
 ALLOCATOR_READ_EVERY_STEPS = 16
 
 
@@ -46,8 +46,7 @@ class EngineSnapshot:
 
 
 class EngineControl:
-    """Memory accounting and the controller's actions, over LLMEngine's attributes
-    (device, kv_pool, kv_plan, block_manager, scheduler, runner, profile, stats)."""
+    """Memory accounting and the controller's actions, over LLMEngine's attributes."""
 
     def num_kv_blocks_on_host(self) -> int:
         """Pages in use whose data lives on the host."""
@@ -55,26 +54,25 @@ class EngineControl:
             return 0
         return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())
 
+    def _page_bytes(self, precision: str | None = None) -> int:
+        return self.kv_pool.shape.block_bytes(precision or self.kv_pool.precision)
+
     def kv_bytes_in_use(self, num_blocks_on_host: int | None = None) -> int:
-        """Device bytes of pages that hold live sequences' KV (cached-but-unused pages are
-        reclaimable and not counted; pages spilled to the host are not on the device).
-        `num_blocks_on_host`: num_kv_blocks_on_host() when the caller has it."""
+        """Device bytes of live sequences' pages (not cached-but-unused ones, which are
+        reclaimable, nor those spilled to the host)."""
         if num_blocks_on_host is None:
             num_blocks_on_host = self.num_kv_blocks_on_host()
-        # Pages nobody holds are on the free list or cached: used = the rest (no per-page scan per step).
         num_live = self.block_manager.num_used_blocks - num_blocks_on_host
-        return max(0, num_live) * self.kv_pool.shape.block_bytes(self.kv_pool.precision) + self.kv_pool.window_bytes()
+        return max(0, num_live) * self._page_bytes() + self.kv_pool.window_bytes()
 
     @property
     def memory_budget_bytes(self) -> int:
-        """The process's budget the controller and reports compare with: this engine's plan
-        plus what the process held before it loaded (memory_in_use_bytes counts that too)."""
+        """This engine's plan plus what the process held before it loaded."""
         return self.kv_plan.budget_bytes + self.held_bytes
 
     def memory_in_use_bytes(self, num_blocks_on_host: int | None = None, allocated_bytes: int | None = None) -> int:
-        """Device memory held now: everything but the KV pool as the allocator reports it,
-        plus the pool's live resident pages (the controller watches memory_pressure_bytes).
-        `allocated_bytes`: a recent reading of the allocator's bytes in use, when the caller has one."""
+        """Device memory held now: everything but the KV pool as the allocator reports it (or
+        `allocated_bytes`, a recent reading), plus the pool's live resident pages."""
         if self.device.type == "cuda":
             allocated = self._read_allocated_bytes() if allocated_bytes is None else allocated_bytes
             pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
@@ -87,55 +85,36 @@ class EngineControl:
         # The nested form skips memory_allocated()'s flattening of every statistic (~0.1 ms a step).
         return torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]["current"]
 
-    def _allocated_bytes(self, is_plain_decode: bool) -> int | None:
-        """The allocator's bytes in use for the controller (None off CUDA), read afresh only
-        when they may have moved: a reading costs a noticeable share of a graph-replayed decode
-        step's host time. Between decode steps the KV pages grow, and those are counted from
-        the block manager; the rest moves with a prefill, a graph capture or a controller
-        action (read at once after them), and anything else every ALLOCATOR_READ_EVERY_STEPS."""
-        if self.device.type != "cuda":
-            return None
-        step = self.stats.num_steps
-        reading = self._allocated_reading
-        if not is_plain_decode or reading is None or step - reading[0] >= ALLOCATOR_READ_EVERY_STEPS:
-            reading = self._allocated_reading = (step, self._read_allocated_bytes())
-        return reading[1]
-
     def memory_pressure_bytes(
         self, memory_in_use_bytes: int | None = None, num_blocks_on_host: int | None = None
     ) -> int:
-        """What the controller compares with the budget: memory in use, plus the live KV
-        pages that wait on the host, plus (on CUDA) the workspace the plan reserves for
-        a step. Above the budget when the running sequences outgrow the card.
-
-        The um and pinned pools keep at most the plan's device share of the pages resident:
-        counting resident pages only, the fraction would stay flat below the high-water mark
-        however far the live pages outgrew the card, and the controller would never see the
-        pressure it exists to relieve. So live pages count wherever they are, and so does the
-        workspace a step needs on top of what stays allocated (on the CPU memory_in_use_bytes
-        holds it already).
-        """
+        """What the controller compares with the budget: memory in use, plus live pages waiting
+        on the host, plus (on CUDA) a step's workspace. The um and pinned pools keep only the
+        device share resident, so counting resident pages only would hide the very pressure
+        the controller exists to relieve."""
         if num_blocks_on_host is None:
             num_blocks_on_host = self.num_kv_blocks_on_host()
         if memory_in_use_bytes is None:
             memory_in_use_bytes = self.memory_in_use_bytes(num_blocks_on_host)
-        on_host = num_blocks_on_host * self.kv_pool.shape.block_bytes(self.kv_pool.precision)
         workspace = self.kv_plan.activation_bytes if self.device.type == "cuda" else 0
-        return memory_in_use_bytes + on_host + workspace
-
-    def kv_bytes_by_precision(self) -> dict[str, int]:
-        """The live pages' bytes at each KV precision (what compressing or relaxing would make them)."""
-        num_live = self.block_manager.num_used_blocks
-        return {p: num_live * self.kv_pool.shape.block_bytes(p) for p in KV_LADDER}
+        return memory_in_use_bytes + num_blocks_on_host * self._page_bytes() + workspace
 
     def _control(self, token_latency_ms: float | None, is_plain_decode: bool) -> None:
         """Let the controller see a step: its latency (None: not one that measures the card)
-        and the memory in use. `is_plain_decode` lets the step go without a fresh reading of
-        the allocator (_allocated_bytes)."""
+        and the memory in use. The allocator's counters cost a noticeable share of a replayed
+        decode step to read, so a plain decode step (whose KV growth the block manager counts)
+        reuses the last reading unless it is ALLOCATOR_READ_EVERY_STEPS old."""
         if not self.profile.controller.is_enabled and not self.timeline_path:
-            return  # nobody reads the observation: skip gathering it
+            return  # nobody reads the observation
+        allocated = None
+        if self.device.type == "cuda":
+            step, reading = self.stats.num_steps, self._allocated_reading
+            if not is_plain_decode or reading is None or step - reading[0] >= ALLOCATOR_READ_EVERY_STEPS:
+                reading = self._allocated_reading = (step, self._read_allocated_bytes())
+            allocated = reading[1]
         on_host = self.num_kv_blocks_on_host()  # a scan of the pages: once per step
-        in_use = self.memory_in_use_bytes(on_host, self._allocated_bytes(is_plain_decode=is_plain_decode))
+        in_use = self.memory_in_use_bytes(on_host, allocated)
+        num_live = self.block_manager.num_used_blocks
         obs = Observation(
             self.stats.num_steps,
             self.memory_pressure_bytes(in_use, on_host),
@@ -143,7 +122,7 @@ class EngineControl:
             token_latency_ms,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
-            kv_bytes_by_precision=self.kv_bytes_by_precision(),
+            kv_bytes_by_precision={p: num_live * self._page_bytes(p) for p in KV_LADDER},
         )
         self.controller_state, events = decide(
             self.controller_state,
@@ -173,18 +152,16 @@ class EngineControl:
         note = ""
         if kind == "kv_precision":
             try:
-                freed = self.set_kv_precision(value)
-                note = f"; {freed / 2**20:+.1f} MiB freed"
+                note = f"; {self.set_kv_precision(value) / 2**20:+.1f} MiB freed"
             except OutOfMemoryError as exc:
                 note = f"; not applied: {exc}"
-        elif kind == "spill":
-            if value and self.kv_pool.can_spill:
-                cold = list(self.block_manager.cached_free) + [
-                    b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)
-                ]
-                note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
-            elif value:
-                note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
+        elif kind == "spill" and value and self.kv_pool.can_spill:
+            cold = list(self.block_manager.cached_free) + [
+                b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)
+            ]
+            note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
+        elif kind == "spill" and value:
+            note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
         elif kind == "batch_limit":
             preempted = self.scheduler.set_batch_limit(value)
             self.stats.num_preemptions += len(preempted)
@@ -202,9 +179,9 @@ class EngineControl:
             )
 
     def _recover_from_oom(self, batch, exc: BaseException) -> None:
-        """A step ran out of device memory: nothing it computed is kept, its sequences go
-        back to the queue to be recomputed, the controller steps down a rung at once, and
-        a crash report says what held the memory. The engine keeps serving."""
+        """A step ran out of device memory: nothing it computed is kept, its sequences are
+        queued to be recomputed, the controller steps down a rung at once, and a crash report
+        says what held the memory. The engine keeps serving."""
         from lowvram.memory.crash_report import format_doctor_hint, write_oom_crash_report
 
         if self.device.type == "cuda":
@@ -224,9 +201,8 @@ class EngineControl:
             for e in self.controller_events
         ]
         try:
-            path = write_oom_crash_report(exc, engine=self, controller_events=events_json)
-            self.last_crash_report = path
-            log.warning("%s", format_doctor_hint(path))
+            self.last_crash_report = write_oom_crash_report(exc, engine=self, controller_events=events_json)
+            log.warning("%s", format_doctor_hint(self.last_crash_report))
         except OSError as write_error:  # a full disk must not take the engine down too
             log.warning("out of device memory in a step; the crash report could not be written: %s", write_error)
 
@@ -236,10 +212,8 @@ class EngineControl:
 
     def set_kv_precision(self, precision: str) -> int:
         """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
-        sequences keep their pages and continue. Returns the device bytes freed (negative
-        when it grows). New tokens are stored at the new precision from the next step.
-        Compressing keeps the pages of each running sequence's last `kv_recent_fp16_tokens`
-        tokens in FP16 as well (see `lowvram.kv.pool`)."""
+        sequences keep their pages. Returns the device bytes freed (negative when it grows).
+        Compressing keeps each running sequence's last `kv_recent_fp16_tokens` in FP16 too."""
         self.runner.drop_queued()  # it would run over what changes
         from lowvram.kv.pool import recent_window_blocks
 
@@ -263,7 +237,7 @@ class EngineControl:
             memory_used_bytes=int(used),
             memory_budget_bytes=self.memory_budget_bytes,
             num_kv_blocks=self.block_manager.num_blocks,
-            num_kv_blocks_used=self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_on_host=self.num_kv_blocks_on_host(),
             kv_block_size=self.block_manager.block_size,
             kv_precision=self.kv_precision,

@@ -33,7 +33,6 @@ __all__ = ["EngineSnapshot", "EngineStats", "LLMEngine"]
 
 
 @dataclass
-@dataclass
 class EngineStats:
     """Cumulative counters; tokens/s are split into prefill and decode."""
 
@@ -60,8 +59,7 @@ class LLMEngine(EngineControl):
     model: local Hugging Face directory or hub id; None = the bundled demo model.
     profile: built-in profile name, YAML path or Profile; None = `4gb` with CUDA, `cpu` without.
     device, dtype, emulate_vram_gib, max_model_len, max_num_seqs: override the profile.
-    timeline_path: append every step's observation and every controller decision to
-    this JSONL file (for plots and post-mortems).
+    timeline_path: append every step's observation and controller decision to this JSONL file.
     """
 
     def __init__(
@@ -77,26 +75,23 @@ class LLMEngine(EngineControl):
         timeline_path: str | None = None,
     ):
         base = profile if isinstance(profile, Profile) else load_profile(profile)
-        self.profile = base.replace(
+        self.profile = p = base.replace(
             device=device,
             dtype=dtype,
             emulate_vram_gib=emulate_vram_gib,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
         )
-        self.device = pick_device(self.profile.device)
-        self.dtype = pick_dtype(self.profile.dtype, self.device)
-        apply_emulation(self.profile, self.device)
+        self.device = pick_device(p.device)
+        self.dtype = pick_dtype(p.dtype, self.device)
+        apply_emulation(p, self.device)
         self.model_dir = resolve_model_path(model)
-        # The budget is the process's: what it already holds on the device (an earlier engine's
-        # cuBLAS workspaces, the caller's tensors) leaves that much less for this one.
+        # What the process already holds on the device (an earlier engine's cuBLAS workspaces,
+        # the caller's tensors) leaves that much less for this one.
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model, self.config = load_model_for_profile(
-            self.model_dir, self.profile, self.device, self.dtype, held_bytes=held
-        )
+        self.model, self.config = load_model_for_profile(self.model_dir, p, self.device, self.dtype, held_bytes=held)
         if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
-            # Plan from what loading really allocated when that is more than the tensors' own bytes
-            # (allocator rounding, buffers no weight report counts), so the pool leaves room for it.
+            # Plan from what loading really allocated (allocator rounding, uncounted buffers).
             loaded = torch.cuda.memory_allocated(self.device) - held
             if loaded > self.model.weight_bytes:
                 log.info(
@@ -108,22 +103,22 @@ class LLMEngine(EngineControl):
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
+        self.max_model_len = min(p.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
-        # A unified-memory pool may hold a sequence longer than its device share (the rest of
-        # its pages wait in host memory and are read over the bus); other pools may not.
-        host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
-        plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held)
-        self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
+        # A unified-memory pool may hold a sequence longer than its device share; others may not.
+        host_blocks = host_kv_blocks(self.config, p, element_bytes, self.device.type)
+        plan_args = (self.config, p, self.model.weight_bytes, element_bytes, self.max_model_len)
+        self.kv_plan = plan = plan_kv(
+            *plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held
+        )
+        self.kv_precision = "fp16" if p.kv_precision == "auto" else p.kv_precision
         # The lowest precision the controller may compress to. Batch-invariant mode keeps the
-        # starting one: compressed pages change what a request reads, so it would not decode
-        # as it does alone.
-        self.min_kv_precision = self.kv_precision if self.profile.batch_invariant else KV_LADDER[-1]
+        # starting one: compressed pages would make a request decode unlike it does alone.
+        self.min_kv_precision = self.kv_precision if p.batch_invariant else KV_LADDER[-1]
         self.kv_pool = create_kv_pool(
             self.config,
-            self.profile,
-            self.kv_plan.num_blocks,
+            p,
+            plan.num_blocks,
             self.device,
             self.dtype,
             self.kv_precision,
@@ -132,24 +127,19 @@ class LLMEngine(EngineControl):
         if host_blocks and not self.kv_pool.can_read_host:
             plan_kv(*plan_args, device_type=self.device.type, held_bytes=held)  # the error, if it is one
         self.block_manager = BlockManager(
-            self.kv_pool.num_blocks, self.kv_plan.block_size, enable_prefix_caching=self.profile.enable_prefix_caching
+            self.kv_pool.num_blocks, plan.block_size, enable_prefix_caching=p.enable_prefix_caching
         )
-        # Pipelined decode (ModelRunner): on a GPU the host's work between steps then overlaps the
-        # next step. On the CPU a step runs as it is queued, so there is nothing to overlap.
-        self.pipelines_decode = self.device.type == "cuda" and self.profile.pipelined_decode
-        self.scheduler = Scheduler(
-            self.block_manager,
-            self.profile.max_num_seqs,
-            self.profile.max_num_batched_tokens,
-            num_lookahead_tokens=int(self.pipelines_decode),
-        )
+        # Pipelined decode overlaps the host's work with the next step; a CPU has nothing to overlap.
+        self.pipelines_decode = self.device.type == "cuda" and p.pipelined_decode
+        lookahead = int(self.pipelines_decode)
+        self.scheduler = Scheduler(self.block_manager, p.max_num_seqs, p.max_num_batched_tokens, lookahead)
         self.runner = ModelRunner(
             self.model,
             self.kv_pool,
-            max_num_seqs=self.profile.max_num_seqs,
+            max_num_seqs=p.max_num_seqs,
             max_model_len=self.max_model_len,
-            use_cuda_graphs=self.profile.enable_cuda_graphs,
-            max_prefill_graph_tokens=(self.profile.max_num_batched_tokens if self.profile.enable_prefill_graphs else 0),
+            use_cuda_graphs=p.enable_cuda_graphs,
+            max_prefill_graph_tokens=p.max_num_batched_tokens if p.enable_prefill_graphs else 0,
             is_pipelined=self.pipelines_decode,
         )
         self.requests: dict[str, Sequence] = {}
@@ -161,15 +151,9 @@ class LLMEngine(EngineControl):
         self.stats = EngineStats()
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
-        self._allocated_reading: tuple[int, int] | None = None  # (step, bytes): the controller's last reading
-        log.info(
-            "KV pool: %d pages of %d tokens (%.1f MiB)",
-            self.kv_plan.num_blocks,
-            self.kv_plan.block_size,
-            self.kv_plan.kv_bytes / 2**20,
-        )
+        self._allocated_reading: tuple[int, int] | None = None  # (step, bytes) the controller last read
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB)", plan.num_blocks, plan.block_size, plan.kv_bytes / 2**20)
 
-    # -- requests -----------------------------------------------------------
     def add_request(
         self,
         request_id: str,
@@ -198,18 +182,9 @@ class LLMEngine(EngineControl):
                 f"the prompt has {len(prompt_token_ids)} tokens but the context limit (max_model_len) is "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len"
             )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        seq = Sequence(
-            next(self._seq_ids),
-            request_id,
-            prompt,
-            list(prompt_token_ids),
-            params,
-            Detokenizer(self.tokenizer),
-            generator,
-        )
+        generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
+        ids = list(prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, prompt, ids, params, Detokenizer(self.tokenizer), generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -228,11 +203,8 @@ class LLMEngine(EngineControl):
         return self.scheduler.num_unfinished > 0
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """Log-probability of each token given the ones before it (len - 1 values).
-
-        Runs the text through the paged cache in chunks of the profile's token budget,
-        exactly as a prefill would; used for perplexity.
-        """
+        """Log-probability of each token given the ones before it (len - 1 values), computed
+        through the paged cache in chunks of the token budget as a prefill is (for perplexity)."""
         if not 2 <= len(token_ids) <= self.max_model_len:
             raise RequestError(f"score needs 2..{self.max_model_len} tokens, got {len(token_ids)}")
         if self.has_unfinished_requests():
@@ -256,7 +228,6 @@ class LLMEngine(EngineControl):
             self.block_manager.free(seq.seq_id)
         return logprobs
 
-    # -- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs it produced."""
         batch = self.scheduler.schedule()
@@ -305,9 +276,8 @@ class LLMEngine(EngineControl):
             stats.num_decode_tokens += len(batch.seqs)
             stats.decode_s += elapsed_s
             self.recent_token_latency_ms.append(elapsed_s * 1000)
-        # A step that captured a graph paid a one-off cost, and a queued step read with nothing
-        # queued after it ran while the host worked on the step before: neither latency says how
-        # fast the card is (new batch sizes in a row would read as a slow card and compress the KV).
+        # Neither a step that captured a graph (a one-off cost) nor a queued step read with nothing
+        # queued after it (it ran while the host worked) says how fast the card is.
         is_plain_decode = not batch.is_prefill and not is_warmup
         latency_ms = elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None
         self._control(latency_ms, is_plain_decode)
