@@ -1,10 +1,8 @@
-"""One engine loop in a background thread, per-request async token streams.
+"""One engine loop in a background thread, per-request async token streams (server, chat UI).
 
-The server and the chat UI talk to this. The loop thread owns the LLMEngine: adds, aborts
-and calls are queued to it as functions and run between steps, so the engine itself never
-sees two threads. Outputs go back to each request's asyncio queue through the event loop's
-thread-safe call. Cancelling a stream (client disconnect, Ctrl-C in the UI) aborts the
-request and frees its pages.
+The loop thread owns the LLMEngine: adds, aborts and calls are queued to it as functions and
+run between steps. Outputs reach each request's asyncio queue through its event loop's
+thread-safe call. Cancelling a stream aborts the request and frees its pages.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
@@ -25,28 +22,18 @@ from lowvram.errors import LowvramError
 log = logging.getLogger("lowvram")
 
 
-@dataclass
-class _Failure:
-    """Delivered to a stream instead of an output when its request could not run."""
-
-    error: BaseException
-
-
-@dataclass
 class AsyncLLMEngine:
-    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it.
+    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it. While started,
+    the loop thread is the engine's only driver: do not call the engine from other threads."""
 
-    While started, the loop thread is the engine's only driver: do not call the
-    wrapped engine (or an LLM over it) from other threads.
-    """
-
-    engine: LLMEngine
-    _commands: queue.Queue = field(default_factory=queue.Queue)  # functions for the loop thread; None stops it
-    _streams: dict = field(default_factory=dict)  # request id -> (asyncio queue, its event loop)
-    _thread: threading.Thread | None = None
-    _is_stopping: bool = False
-    _ids: itertools.count = field(default_factory=itertools.count)
-    _snapshot: EngineSnapshot | None = None
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()  # functions for the loop thread; None stops it
+        self._streams: dict = {}  # request id -> (asyncio queue, its event loop)
+        self._thread: threading.Thread | None = None
+        self._is_stopping = False
+        self._ids = itertools.count()
+        self._snapshot: EngineSnapshot | None = None
 
     def start(self) -> AsyncLLMEngine:
         if self._thread is None:
@@ -65,7 +52,6 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the loop thread is alive (health checks use this)."""
         return self._thread is not None and self._thread.is_alive() and not self._is_stopping
 
     @property
@@ -92,10 +78,8 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         messages: list[dict] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token; the last one has `finished` set.
-
-        Bad input raises the engine's error (RequestError) at the first iteration.
-        """
+        """Yield a RequestOutput per new token; the last one has `finished` set. Bad input
+        raises the engine's error (RequestError) at the first iteration."""
         self._check_running()
         stream: asyncio.Queue = asyncio.Queue()
         entry = (stream, asyncio.get_running_loop())
@@ -105,9 +89,9 @@ class AsyncLLMEngine:
         try:
             while not is_finished:
                 item = await stream.get()
-                if isinstance(item, _Failure):
+                if isinstance(item, BaseException):  # the request could not run
                     is_finished = True
-                    raise item.error
+                    raise item
                 is_finished = item.finished
                 yield item
         finally:
@@ -118,8 +102,7 @@ class AsyncLLMEngine:
         self._commands.put(lambda: self._abort(request_id))
 
     async def call(self, fn):
-        """`fn(engine)` run in the loop thread between steps (the engine has one driver);
-        returns its result or raises its exception."""
+        """`fn(engine)` run in the loop thread between steps; returns its result or raises."""
         self._check_running()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -154,10 +137,10 @@ class AsyncLLMEngine:
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         self.engine.abort_request(request_id)
-        self._deliver(request_id, _Failure(error))
+        self._deliver(request_id, error)
         self._streams.pop(request_id, None)
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(request_id)
         if entry is None:
             return
@@ -170,13 +153,12 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while not self._is_stopping:
             is_busy = self.engine.has_unfinished_requests()
-            command: Callable[[], None] | None
             try:  # block only when idle; while requests run, take commands without waiting
                 command = self._commands.get_nowait() if is_busy else self._commands.get(timeout=0.1)
             except queue.Empty:
-                command = self._step if is_busy else None
-                if command is None:
+                if not is_busy:
                     continue
+                command = self._step
             if command is None:
                 break
             command()

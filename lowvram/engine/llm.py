@@ -90,20 +90,16 @@ class LLM:
         return self._run(ids)
 
     def save_conversation(self, messages: list[dict], path=None):
-        """Save the KV pages of a conversation (rendered with the chat template) to a file.
-
-        Returns the path; by default a new file under ~/.local/share/lowvram/conversations.
-        """
+        """Save the KV pages of a conversation (rendered with the chat template) to a file;
+        returns the path (by default a new file under ~/.local/share/lowvram/conversations)."""
         from lowvram.kv.conversation_store import save_conversation
 
         return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
 
     def restore_conversation(self, path):
-        """Load a saved conversation's pages so its next turn starts without recomputing.
-
-        A file from another model, weight format or KV precision, or a damaged one, is
-        reported in the result's message and ignored: the next turn recomputes.
-        """
+        """Load a saved conversation's pages so its next turn starts without recomputing. A file
+        from another model, weight format or KV precision, or a damaged one, is reported in the
+        result's message and ignored."""
         from lowvram.kv.conversation_store import restore_conversation
 
         return restore_conversation(self.engine, path)
@@ -115,10 +111,8 @@ class LLM:
         *,
         messages: list[dict] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per new token (its `text_delta` is the new text); the last one is finished.
-
-        Closing the iterator early aborts the request and frees its pages.
-        """
+        """Yield a RequestOutput per new token (`text_delta` is the new text); the last one is
+        finished. Closing the iterator early aborts the request and frees its pages."""
         request_id = self._add(sampling_params or SamplingParams(), prompt, messages)
         done = False
         try:

@@ -1,5 +1,4 @@
-"""What generation returns, shaped like vLLM's outputs, and how a sampled token becomes
-one: detokenizing, stop tokens and strings, length limits."""
+"""What generation returns (shaped like vLLM's outputs), and how a sampled token becomes one."""
 
 from __future__ import annotations
 

@@ -57,37 +57,36 @@ def sample_token(
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     if generator is not None and probs.device != generator.device:
-        # A seeded request draws from its own host generator wherever the logits are: the
-        # same seed gives the same text on any device and batch (a CUDA multinomial would
-        # not take a host generator at all).
+        # A seeded request draws from its own host generator wherever the logits are, so a
+        # seed gives the same text on any device and batch.
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token (a 0-d int64 tensor on logits' device) drawn from one row of FP32 logits [V]
-    by the Gumbel-max trick: the argmax of the filtered logits plus Gumbel noise is a draw
-    from their softmax, found without the host. `generator` (on logits' device, or None for
-    the default one) makes a seeded request's draws its own, whatever else is batched."""
+    """One token (0-d int64 on logits' device) from one row of FP32 logits [V], by the
+    Gumbel-max trick: no wait for the host. `generator` on logits' device, or None."""
     filtered = filter_logits(logits, params)
     uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device, dtype=torch.float32)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
     return torch.argmax(filtered + gumbel)
 
 
+def _argmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The argmax of each of `rows` of logits, in one call (no gather when they are all, in order)."""
+    return torch.argmax(logits if rows == list(range(logits.shape[0])) else logits[rows], dim=-1)
+
+
 def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
-    """Next token of each sequence, as sample_tokens picks them but left on logits' device:
-    [len(rows)] int64, with no wait for the GPU. Greedy rows take one argmax together;
-    sampled ones a Gumbel-max draw each from the sequence's device generator
-    (`device_generator`, made from its seed on first use). No row may have penalties."""
+    """Next token of each sequence as sample_tokens picks it, left on the device: [len(rows)]
+    int64, with no wait for the GPU. Sampled rows draw from `device_generator`. No row may
+    have penalties."""
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
     if greedy:
-        picked_rows = [rows[i] for i in greedy]
-        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
         if len(greedy) == len(rows):
-            return torch.argmax(picked, dim=-1)
-        tokens[greedy] = torch.argmax(picked, dim=-1)
+            return _argmax_rows(logits, rows)
+        tokens[greedy] = _argmax_rows(logits, [rows[i] for i in greedy])
     for i, seq in enumerate(seqs):
         if not seq.params.is_greedy:
             tokens[i] = gumbel_sample(logits[rows[i]], seq.params, device_generator(seq, logits.device))
@@ -95,8 +94,7 @@ def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -
 
 
 def device_generator(seq, device: torch.device) -> torch.Generator | None:
-    """The sequence's generator on `device` for sample_tokens_on_device: seeded from its
-    params' seed when it has one (None, the device's default generator, when not)."""
+    """The sequence's generator on `device`, made from its seed on first use (None without one)."""
     if seq.params.seed is None:
         return None
     if seq.device_generator is None:
@@ -109,23 +107,14 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: bool = False) -> list[int]:
-    """Next token of each sequence (`params`, `generator`, `prompt_token_ids`,
-    `output_token_ids`) from its row of FP32 logits [S, V]. With `on_device`, rows without
-    penalties draw as sample_tokens_on_device does (from the device generator), so a seeded
-    request draws alike whichever way its step samples.
-
-    Plain greedy rows (no penalties) take one argmax together and one copy to the host:
-    each `int()` of a row waits for the GPU, which at batch 8 cost more than the decode
-    step's own host work. Ties go to the lowest token id either way, so the tokens are
-    the ones `sample_token` picks row by row.
-    """
+    """Next token of each sequence from its row of FP32 logits [S, V]. With `on_device`, rows
+    without penalties draw as sample_tokens_on_device does, so a seeded request draws alike
+    either way. Plain greedy rows take one argmax and one copy to the host together (an
+    `int()` per row waits for the GPU each time); ties go to the lowest id as in sample_token."""
     plain = [i for i, seq in enumerate(seqs) if seq.params.is_greedy and not has_penalties(seq.params)]
     tokens = [0] * len(seqs)
-    if plain:
-        picked_rows = [rows[i] for i in plain]
-        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
-        for i, token in zip(plain, torch.argmax(picked, dim=-1).tolist()):
-            tokens[i] = token
+    for i, token in zip(plain, _argmax_rows(logits, [rows[i] for i in plain]).tolist() if plain else []):
+        tokens[i] = token
     plain_set = set(plain)
     for i, seq in enumerate(seqs):
         if i in plain_set:

@@ -22,34 +22,26 @@ class Tokenizer:
             )
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        # tokenizer.json holds the exact pipeline the model was trained with. AutoTokenizer
-        # may rebuild it for the architecture (transformers 5 swaps in Qwen's own
-        # pre-tokenizer for any qwen2 model), which changes the ids of some texts.
+        # tokenizer.json is the exact pipeline the model was trained with; AutoTokenizer may
+        # rebuild it for the architecture (Qwen's pre-tokenizer for any qwen2), changing ids.
         cls = PreTrainedTokenizerFast if (model_dir / "tokenizer.json").is_file() else AutoTokenizer
         try:
             self.hf = cls.from_pretrained(str(model_dir))
         except Exception as exc:  # tokenizer loading raises many types
             raise ModelLoadError(f"could not load the tokenizer in {model_dir}: {exc}") from None
-        self.eos_token_ids = self._eos_ids(model_dir)
-        # transformers' decode checks the type of every id before it hands the list to the
-        # tokenizers library; detokenizing each new token of each sequence, that took a
-        # noticeable share of a batch-8 decode step's host time. Without a clean-up pass the
-        # library's own decode gives the same text.
-        backend = getattr(self.hf, "backend_tokenizer", None)
-        self._backend = None if getattr(self.hf, "clean_up_tokenization_spaces", True) else backend
-
-    def _eos_ids(self, model_dir: Path) -> set[int]:
-        ids: set[int] = set()
+        # EOS ids: the tokenizer's and generation_config.json's.
+        self.eos_token_ids: set[int] = set() if self.hf.eos_token_id is None else {self.hf.eos_token_id}
         gen = model_dir / "generation_config.json"
         if gen.is_file():
             try:
                 eos = json.loads(gen.read_text()).get("eos_token_id")
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                self.eos_token_ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             except json.JSONDecodeError:
                 log.warning("%s is not valid JSON; using the tokenizer's EOS only", gen)
-        if self.hf.eos_token_id is not None:
-            ids.add(self.hf.eos_token_id)
-        return ids
+        # transformers' decode type-checks every id (a noticeable share of a batch-8 decode
+        # step); without a clean-up pass the tokenizers library's own decode gives the same text.
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._backend = None if getattr(self.hf, "clean_up_tokenization_spaces", True) else backend
 
     @property
     def has_chat_template(self) -> bool:
@@ -78,12 +70,8 @@ class Tokenizer:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    Decoding only a short window and holding back text that ends in a replacement
-    character keeps multi-byte characters split across tokens from being emitted
-    half-done, at a cost independent of the output length.
-    """
+    """Turns a growing list of token ids into text deltas: decoding a short window and holding
+    back text ending in a replacement character keeps multi-byte characters whole."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
