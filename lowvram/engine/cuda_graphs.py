@@ -1,16 +1,14 @@
-"""CUDA graphs of the decode step (and optionally short prefills): one replay instead of the
-few hundred kernel launches that cost a small GPU more than they run.
+"""CUDA graphs of the decode step (and of short prefills): one replay instead of the few
+hundred kernel launches that cost a small GPU more than they run.
 
-A graph fixes its shapes and addresses, so: inputs live in static buffers sized for the
-largest bucket, staged from a pinned host mirror by one copy (StagedInputs); padding rows
-write no KV (slot -1) and attend to nothing. One graph per (rows, table width) bucket,
-widths growing by 4 from 64 pages, so short contexts skip long ones' partitions. When the
-pool reallocates its pages (a precision change) every graph is dropped and recaptured on
-demand. Graphs are captured lazily into one memory pool, write one static logits buffer
-(a replay hands out a view of it), and are captured on one stream per device: torch keeps
-a cuBLAS workspace (~32 MiB) for good for every stream that ran a matmul. A host-memory
-embedding table is read through unified addressing, or its rows are staged before each
-replay (HostEmbedding.stage). Anything no graph holds, or whose capture failed, runs eagerly.
+A graph fixes shapes and addresses: inputs live in static buffers sized for the largest
+bucket (StagedInputs); padding rows write no KV (slot -1) and attend to nothing. One graph
+per (rows, table width) bucket, widths growing by 4 from 64 pages so short contexts skip
+long ones' partitions; all are dropped when the pool reallocates its pages. Graphs share
+one memory pool and one logits buffer (a replay hands out a view), and are captured on one
+stream per device: torch keeps a cuBLAS workspace (~32 MiB) for every stream that ran a
+matmul. Host-memory embedding rows the GPU cannot map are staged before each replay
+(HostEmbedding.stage). Anything no graph holds, or whose capture failed, runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,13 +25,10 @@ from lowvram.kv.attention import AttentionMetadata
 
 log = logging.getLogger("lowvram.engine.cuda_graphs")
 
-MIN_TABLE_BLOCKS = 64
-TABLE_GROWTH = 4
 # Prefill graphs serve one sequence's new tokens up to this many: a short prompt's time to
 # first token is launch-bound, a long one's is not, and a pool keeps its largest bucket's
 # activations for good.
 MAX_PREFILL_GRAPH_TOKENS = 512
-MIN_PREFILL_GRAPH_TOKENS = 64
 
 
 def geometric_buckets(first: int, factor: int, largest: int) -> list[int]:
@@ -47,29 +42,18 @@ def geometric_buckets(first: int, factor: int, largest: int) -> list[int]:
 
 
 batch_buckets = functools.partial(geometric_buckets, 1, 2)
-table_buckets = functools.partial(geometric_buckets, MIN_TABLE_BLOCKS, TABLE_GROWTH)
-token_buckets = functools.partial(geometric_buckets, MIN_PREFILL_GRAPH_TOKENS, 2)
+table_buckets = functools.partial(geometric_buckets, 64, 4)  # pages
+token_buckets = functools.partial(geometric_buckets, 64, 2)
 
 
 def _bucket(value: int, buckets: list[int]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream every graph of this process warms up and is captured on."""
-    if device not in _capture_streams:
-        _capture_streams[device] = torch.cuda.Stream(device)
-    return _capture_streams[device]
-
-
-def pages_signature(kv_pages: list[KVPages]) -> tuple[int, ...]:
-    """The device addresses a graph bakes in; a change means the graphs are stale."""
-    return tuple(
-        value.data_ptr() for pages in kv_pages for value in vars(pages).values() if isinstance(value, torch.Tensor)
-    )
+    return torch.cuda.Stream(device)
 
 
 class StagedInputs:
@@ -116,8 +100,8 @@ class StagedInputs:
 
 class _StepGraphs:
     """What decode and prefill graphs share: graphs by (row bucket, table width), a failed
-    capture remembered (that key runs eagerly), the per-row inputs (token ids, positions, KV
-    slots) staged with the kind's `input_fields`, and one logits buffer of `max_logit_rows`.
+    capture remembered (that key runs eagerly), the per-row inputs staged with the kind's
+    `input_fields`, and one logits buffer of `max_logit_rows` rows.
 
     forward: the model's forward plus its head, FP32 logits; must not synchronise with the host.
     stage_embeddings, stage_capacity: HostEmbedding.stage and the most rows any graph stages.
@@ -131,17 +115,15 @@ class _StepGraphs:
         device: torch.device,
         row_sizes: list[int],
         max_blocks_per_seq: int,
-        max_logit_rows: int,
-        stage_embeddings: Callable[[list[int], int], None] | None,
-        stage_capacity: int | None,
         input_fields: dict[str, tuple[torch.dtype, int, int]],
+        stage_embeddings: Callable[[list[int], int], None] | None = None,
+        stage_capacity: int | None = None,
     ):
         self.forward = forward
         self.device = device
         self.row_sizes = row_sizes
         self.table_widths = table_buckets(max_blocks_per_seq)
         max_rows = row_sizes[-1]
-        self.max_logit_rows = max_logit_rows
         self.stage_embeddings = stage_embeddings
         self.stage_capacity = stage_capacity or max_rows
         self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
@@ -173,6 +155,29 @@ class _StepGraphs:
             return None
         return rows, width
 
+    def run(
+        self,
+        key: tuple[int, int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        tables: list[list[int]],
+        kv_pages: list[KVPages],
+        pages_version: int | None = None,
+        device_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The step's logits from the graph for `key` (inputs as ModelRunner.gather lists them):
+        [S, vocab] for decode, [1, vocab] at a prefill's last token; None when the graph could
+        not be captured. `device_input_ids` [S]: a decode step's token ids on the device, copied
+        over the placeholder `input_ids` after the upload, so the host never reads them."""
+        if device_input_ids is not None and self.stage_embeddings is not None:
+            raise ValueError("staged embedding rows need the input ids on the host")
+        self._fill(input_ids, positions, slots, context_lens, tables, *key)
+        if device_input_ids is not None:
+            self.input_ids[: len(input_ids)].copy_(device_input_ids)
+        return self._replay(key, kv_pages, pages_version, min(len(input_ids), self.max_logit_rows))
+
     def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> dict:
         """The host mirror, with the per-row inputs of a `size`-row bucket written and padded."""
         host = self.staged.host()
@@ -198,7 +203,9 @@ class _StepGraphs:
         While `pages_version` (the pool's count of reallocations) stays, page addresses are not
         read again (a few hundred tensors, a noticeable share of a step)."""
         if pages_version is None or pages_version != self.pages_version:
-            signature = pages_signature(kv_pages)
+            signature = tuple(  # the device addresses a graph bakes in
+                t.data_ptr() for pages in kv_pages for t in vars(pages).values() if isinstance(t, torch.Tensor)
+            )
             if signature != self.signature:
                 if self.graphs:
                     log.info("KV pages moved (precision change): dropping %d %s graphs", len(self.graphs), self.kind)
@@ -254,50 +261,17 @@ class DecodeGraphs(_StepGraphs):
 
     kind = "decode"
 
-    def __init__(
-        self,
-        forward: Callable[..., torch.Tensor],
-        max_num_seqs: int,
-        max_blocks_per_seq: int,
-        device: torch.device,
-        stage_embeddings: Callable[[list[int], int], None] | None = None,
-        stage_capacity: int | None = None,
-    ):
-        batch_sizes = batch_buckets(max_num_seqs)
-        max_batch, max_width = batch_sizes[-1], table_buckets(max_blocks_per_seq)[-1]
+    def __init__(self, forward, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, **staging):
+        sizes, max_width = batch_buckets(max_num_seqs), table_buckets(max_blocks_per_seq)[-1]
+        self.max_logit_rows = sizes[-1]
         fields = {
-            "context_lens": (torch.int32, max_batch, 0),
+            "context_lens": (torch.int32, sizes[-1], 0),
             # A bucket's tables are packed rows of its own width, so a step copies batch x width entries.
-            "block_tables": (torch.int32, max_batch * max_width, 0),
+            "block_tables": (torch.int32, sizes[-1] * max_width, 0),
         }
-        super().__init__(
-            forward, device, batch_sizes, max_blocks_per_seq, max_batch, stage_embeddings, stage_capacity, fields
-        )
+        super().__init__(forward, device, sizes, max_blocks_per_seq, fields, **staging)
 
-    def run(
-        self,
-        key: tuple[int, int],
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        context_lens: list[int],
-        tables: list[list[int]],
-        kv_pages: list[KVPages],
-        pages_version: int | None = None,
-        device_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """Logits [S, vocab] of the decode step from the graph for `key`; None when it could not
-        be captured. `device_input_ids` [S]: the step's token ids on the device, copied over
-        `input_ids` (placeholders) after the upload, so the host never reads them."""
-        batch, width = key
-        if device_input_ids is not None and self.stage_embeddings is not None:
-            raise ValueError("staged embedding rows need the input ids on the host")
-        self._fill(input_ids, positions, slots, tables, context_lens, batch, width)
-        if device_input_ids is not None:
-            self.input_ids[: len(input_ids)].copy_(device_input_ids)
-        return self._replay(key, kv_pages, pages_version, len(input_ids))
-
-    def _fill(self, input_ids, positions, slots, tables, context_lens, batch: int, width: int) -> None:
+    def _fill(self, input_ids, positions, slots, context_lens, tables, batch: int, width: int) -> None:
         host = self._fill_rows(batch, input_ids, positions, slots)
         num_seqs = len(input_ids)
         host["context_lens"][:num_seqs] = context_lens
@@ -336,16 +310,9 @@ class PrefillGraphs(_StepGraphs):
     """
 
     kind = "prefill"
+    max_logit_rows = 1
 
-    def __init__(
-        self,
-        forward: Callable[..., torch.Tensor],
-        max_tokens: int,
-        max_blocks_per_seq: int,
-        device: torch.device,
-        stage_embeddings: Callable[[list[int], int], None] | None = None,
-        stage_capacity: int | None = None,
-    ):
+    def __init__(self, forward, max_tokens: int, max_blocks_per_seq: int, device: torch.device, **staging):
         max_width = table_buckets(max_blocks_per_seq)[-1]
         fields = {
             "last_row": (torch.long, 1, 0),
@@ -353,31 +320,13 @@ class PrefillGraphs(_StepGraphs):
             "cu_seqlens": (torch.int32, 3, 0),  # [0, new tokens, bucket]
             "block_tables": (torch.int32, 2 * max_width, 0),  # the sequence's and the padding's
         }
-        buckets = token_buckets(max_tokens)
-        super().__init__(forward, device, buckets, max_blocks_per_seq, 1, stage_embeddings, stage_capacity, fields)
+        super().__init__(forward, device, token_buckets(max_tokens), max_blocks_per_seq, fields, **staging)
 
-    def run(
-        self,
-        key: tuple[int, int],
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        context_lens: list[int],
-        tables: list[list[int]],
-        kv_pages: list[KVPages],
-        pages_version: int | None = None,
-        device_input_ids: None = None,
-    ) -> torch.Tensor | None:
-        """Logits [1, vocab] at the last of `input_ids` (one sequence's new tokens) from the graph
-        for `key`; None when it could not be captured. Arguments as DecodeGraphs.run's."""
-        self._fill(input_ids, positions, slots, tables[0], context_lens[0], *key)
-        return self._replay(key, kv_pages, pages_version, 1)
-
-    def _fill(self, input_ids, positions, slots, table, context_len: int, size: int, width: int) -> None:
+    def _fill(self, input_ids, positions, slots, context_lens, tables, size: int, width: int) -> None:
         host = self._fill_rows(size, input_ids, positions, slots)
-        num_new = len(input_ids)
+        num_new, table = len(input_ids), tables[0]
         host["last_row"][0] = num_new - 1
-        host["context_lens"][:] = (context_len, 0)
+        host["context_lens"][:] = (context_lens[0], 0)
         host["cu_seqlens"][:] = (0, num_new, size)
         tables = host["block_tables"][: 2 * width]
         tables[: len(table)] = table
