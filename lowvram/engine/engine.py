@@ -268,13 +268,6 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             self._recover_from_oom(batch, exc)
             return []
-        outputs = self._postprocess(batch, tokens)
-        self._count(batch, time.perf_counter() - start, is_warmup=self.runner.num_graph_captures != num_captures)
-        return outputs
-
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
-        """Count the computed tokens, record full pages for the prefix cache, append the sampled
-        tokens and finish the sequences that are done."""
         now = time.perf_counter()
         outputs = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, tokens):
@@ -289,10 +282,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
             outputs.append(request_output(seq))
-        return outputs
-
-    def _count(self, batch: ScheduledBatch, elapsed_s: float, is_warmup: bool) -> None:
-        """Add a step to the stats and let the controller see it."""
+        elapsed_s = time.perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
         stats.num_pipelined_steps = self.runner.num_pipelined_steps
@@ -305,9 +295,9 @@ class LLMEngine:
             self.recent_token_latency_ms.append(elapsed_s * 1000)
         # Neither a step that captured a graph (a one-off cost) nor a queued step read with nothing
         # queued after it (it ran while the host worked) says how fast the card is.
-        is_plain_decode = not batch.is_prefill and not is_warmup
-        latency_ms = elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None
-        self._control(latency_ms, is_plain_decode)
+        is_plain_decode = not batch.is_prefill and self.runner.num_graph_captures == num_captures
+        self._control(elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None, is_plain_decode)
+        return outputs
 
     def num_kv_blocks_on_host(self) -> int:
         """Pages in use whose data lives on the host."""

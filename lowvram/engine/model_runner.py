@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lowvram.core.scheduler import ScheduledBatch
-from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
+from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata
@@ -101,7 +101,7 @@ class ModelRunner:
             embed = model.model.embed_tokens
             stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
-            capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
+            capacity = max(max_num_seqs, prefill_tokens)  # one staging buffer serves both
             staging = dict(stage_embeddings=stage, stage_capacity=capacity)
             self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device, **staging)
             if prefill_tokens > 0:
