@@ -1,11 +1,7 @@
-"""KV page bookkeeping: which pages each sequence owns, and prefix caching (after vLLM's).
-
-A full page is named by a hash of its tokens chained with the previous page's hash; the
-tokens are kept and compared on a match, so a collision never reuses wrong KV. Freed pages
-with known content stay cached (evictable, LRU) and count as free. A finished sequence's
-last partial page is remembered too; a request continuing it gets a copy (copy-on-write).
-Allocation order is deterministic: never-used pages first, then the LRU cached page.
-"""
+"""KV page bookkeeping and prefix caching (after vLLM's). A full page is named by a hash of
+its tokens chained with the previous page's (tokens compared on a match, so a collision never
+reuses wrong KV); freed pages with known content stay cached, LRU, and count as free; a
+finished sequence's partial last page is reused by copy-on-write. Allocation is deterministic."""
 
 from __future__ import annotations
 

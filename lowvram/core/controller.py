@@ -1,14 +1,9 @@
-"""The feedback controller: a pure function (state, observation) -> (state, events) that
-keeps a 4 GB card out of OOM and per-token latency near the profile's target.
-
-One rung per decision, after `patience_tokens` consecutive observations of pressure:
-memory: compress KV (fp16 -> int8 -> int4), spill cold pages, halve the batch limit, throttle
-admission; latency: halve the batch limit, throttle. Relaxing undoes the last rung after
-`cooldown_steps` observations below both low-water marks; between the marks nothing changes
-(hysteresis), so a constant load makes a bounded number of switches. No action drops a request.
-KV is stored at a higher precision again only when the projected size stays below the low
-mark; otherwise a long context that INT8 just relieved would flip back and forth.
-"""
+"""The feedback controller: a pure function (state, observation) -> (state, events) that keeps
+a 4 GB card out of OOM and per-token latency near target. After `patience_tokens` pressured
+observations it takes one rung - memory: compress KV (fp16 -> int8 -> int4), spill, halve the
+batch, throttle; latency: halve the batch, throttle - and undoes the last after `cooldown_steps`
+calm ones (hysteresis between the marks). KV precision is raised only when the projected size
+stays below the low mark, or a long context would flip back and forth. Nothing drops a request."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Which sequences run in the next step, and with how many tokens. Plain Python, no torch.
-
-A step is a prefill step (chunked under the token budget) or a decode step (one token per
-running sequence). When a decode step cannot get a page for every sequence, the newest are
-preempted: pages freed, back to the front of the queue to be recomputed (cheaper than
-swapping at these sizes). With `num_lookahead_tokens` a decode step also takes the page its
-next token needs, when one is free, so the runner can queue that step ahead.
-"""
+"""Which sequences run in the next step, and with how many tokens (no torch). A prefill step
+chunks prompts under the token budget; a decode step takes one token per running sequence and,
+short of pages, preempts the newest (recomputed later: cheaper than swapping at these sizes).
+`num_lookahead_tokens` also takes the page the next token needs, for pipelined decode."""
 
 from __future__ import annotations
 
@@ -19,14 +15,9 @@ from lowvram.core.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """What the model runner sees of a step (never the block manager itself).
-
-    live_tables: every sequence that holds pages, by id (a spilling pool fetches them next).
-    free_block_ids: pages nobody holds, which a spilling pool evicts first.
-    positions: where each sequence's new tokens start (its computed tokens).
-    is_steady: a decode step of every running sequence with nobody to admit: the next
-        step most likely decodes the same sequences one position on.
-    """
+    """What the model runner sees of a step. live_tables: every sequence holding pages, by id;
+    free_block_ids: pages nobody holds; positions: where each sequence's new tokens start;
+    is_steady: every running sequence decodes and nobody waits to be admitted."""
 
     is_prefill: bool
     seqs: list[Sequence] = field(default_factory=list)

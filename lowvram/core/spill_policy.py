@@ -1,13 +1,8 @@
-"""Which KV pages stay on the device and which spill to the host. Plain Python, no torch.
-
-Every step reads each scheduled sequence's whole table, first page to last, so a long
-context gives up its oldest pages first. The last `num_hot_blocks` pages of each sequence
-(near its decode position) are hot while it holds pages. Eviction order: pages never read
-(lowest id first), then cold pages LRU-first, then hot ones; admission order is the reverse.
-Learning is deferred: a decode step reads the previous table grown at its end, so each
-sequence keeps a run, written down (moved to the recent end) only when the order is asked
-for or the run ends. Ids are whatever unit the pool moves; the policy does not care.
-"""
+"""Which KV pages stay on the device and which spill to the host (no torch). A step reads each
+scheduled table first page to last, so old positions go first; each sequence's last
+`num_hot_blocks` pages are hot while it holds pages. Eviction: never-read pages (by id), then
+cold LRU-first, then hot; admission is the reverse. Reads are written down lazily, per
+sequence run, only when an order is asked for or the run ends."""
 
 from __future__ import annotations
 

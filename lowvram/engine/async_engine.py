@@ -1,9 +1,5 @@
 """One engine loop in a background thread, per-request async token streams (server, chat UI).
-
-The loop thread owns the LLMEngine: adds, aborts and calls are queued to it as functions and
-run between steps. Outputs reach each request's asyncio queue through its event loop's
-thread-safe call. Cancelling a stream aborts the request and frees its pages.
-"""
+The loop thread owns the LLMEngine: adds, aborts and calls run there between steps."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""CUDA graphs of the decode step (and of short prefills): one replay instead of the few
-hundred kernel launches that cost a small GPU more than they run.
-
-A graph fixes shapes and addresses: inputs live in static buffers sized for the largest
-bucket (StagedInputs); padding rows write no KV (slot -1) and attend to nothing. One graph
-per (rows, table width) bucket, widths growing by 4 from 64 pages so short contexts skip
-long ones' partitions; all are dropped when the pool reallocates its pages. Graphs share
-one memory pool and one logits buffer (a replay hands out a view), and are captured on one
-stream per device: torch keeps a cuBLAS workspace (~32 MiB) for every stream that ran a
-matmul. Host-memory embedding rows the GPU cannot map are staged before each replay
-(HostEmbedding.stage). Anything no graph holds, or whose capture failed, runs eagerly.
-"""
+"""CUDA graphs of decode steps and short prefills: one replay instead of hundreds of launches.
+Inputs live in static buffers (StagedInputs); padding rows write no KV (slot -1) and attend to
+nothing. One graph per (rows, table width) bucket, widths x4 from 64 pages; all dropped when the
+pool reallocates its pages. Graphs share one memory pool, one logits buffer (replays hand out a
+view) and one capture stream per device (torch keeps ~32 MiB of cuBLAS workspace per stream).
+Anything no graph holds, or whose capture failed, runs eagerly."""
 
 from __future__ import annotations
 
@@ -57,12 +51,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class StagedInputs:
-    """A graph's static inputs as views of one device buffer, filled from a pinned host mirror
-    by one asynchronous copy per step (one copy per input cost a noticeable share of a step).
-
-    fields: name -> (dtype, number of elements, initial value), at 8-byte boundaries in this
-    order; put the largest, partly used input last (`upload` copies only the buffer's front).
-    """
+    """A graph's static inputs: views of one device buffer filled from a pinned host mirror by one
+    copy per step. fields: name -> (dtype, numel, initial value), 8-byte aligned, in order; the
+    largest, partly used input goes last (`upload` copies the buffer's front)."""
 
     def __init__(self, fields: dict[str, tuple[torch.dtype, int, int]], device: torch.device):
         self.offsets: dict[str, int] = {}
@@ -99,13 +90,9 @@ class StagedInputs:
 
 
 class _StepGraphs:
-    """What decode and prefill graphs share: graphs by (row bucket, table width), a failed
-    capture remembered (that key runs eagerly), the per-row inputs staged with the kind's
-    `input_fields`, and one logits buffer of `max_logit_rows` rows.
-
-    forward: the model's forward plus its head, FP32 logits; must not synchronise with the host.
-    stage_embeddings, stage_capacity: HostEmbedding.stage and the most rows any graph stages.
-    """
+    """Graphs by (row bucket, table width) key, failed keys remembered (they run eagerly).
+    forward: the model plus its head, FP32 logits, with no host synchronisation.
+    stage_embeddings, stage_capacity: HostEmbedding.stage and the most rows any graph stages."""
 
     kind = "step"
 
@@ -167,10 +154,8 @@ class _StepGraphs:
         pages_version: int | None = None,
         device_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The step's logits from the graph for `key` (inputs as ModelRunner.gather lists them):
-        [S, vocab] for decode, [1, vocab] at a prefill's last token; None when the graph could
-        not be captured. `device_input_ids` [S]: a decode step's token ids on the device, copied
-        over the placeholder `input_ids` after the upload, so the host never reads them."""
+        """The step's logits ([S, vocab] decode, [1, vocab] prefill) from the graph for `key`, or None
+        if it could not be captured. device_input_ids: a queued decode step's ids on the device."""
         if device_input_ids is not None and self.stage_embeddings is not None:
             raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, context_lens, tables, *key)
@@ -198,10 +183,8 @@ class _StepGraphs:
     def _replay(
         self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None, num_rows: int
     ) -> torch.Tensor | None:
-        """Replay (capturing first if needed) the graph for `key`: logits [num_rows, vocab], a
-        view of the static buffer valid until the next replay; None when the capture failed.
-        While `pages_version` (the pool's count of reallocations) stays, page addresses are not
-        read again (a few hundred tensors, a noticeable share of a step)."""
+        """Replay (capturing first) `key`'s graph: a view of the shared logits, valid until the next
+        replay. Page addresses are re-read only when `pages_version` changes."""
         if pages_version is None or pages_version != self.pages_version:
             signature = tuple(  # the device addresses a graph bakes in
                 t.data_ptr() for pages in kv_pages for t in vars(pages).values() if isinstance(t, torch.Tensor)
@@ -300,14 +283,9 @@ class DecodeGraphs(_StepGraphs):
 
 
 class PrefillGraphs(_StepGraphs):
-    """The prefill of one sequence's new tokens (a prompt, or a chunk after a cached prefix),
-    padded to a token bucket, for the logits of its last token. The padding rows are a second,
-    empty sequence (no context, slot -1), and every other layer works row by row, so the real
-    rows come out as an eager step computes them at that row count.
-
-    forward: (input_ids [T], positions [T], meta, kv_pages, last_row [1] int64) -> logits
-    [1, vocab] of row `last_row`. max_tokens: the largest bucket (at most the token budget).
-    """
+    """One sequence's new tokens padded to a token bucket, for the last token's logits. The padding
+    is a second, empty sequence, so the real rows come out as an eager step computes them.
+    forward: (input_ids, positions, meta, kv_pages, last_row [1]) -> logits [1, vocab]."""
 
     kind = "prefill"
     max_logit_rows = 1

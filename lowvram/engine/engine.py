@@ -81,13 +81,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    """The engine behind LLM, the server and the chat UI.
-
-    model: local Hugging Face directory or hub id; None = the bundled demo model.
-    profile: built-in profile name, YAML path or Profile; None = `4gb` with CUDA, `cpu` without.
-    device, dtype, emulate_vram_gib, max_model_len, max_num_seqs: override the profile.
-    timeline_path: append every step's observation and controller decision to this JSONL file.
-    """
+    """The engine behind LLM, the server and the chat UI. model: Hugging Face directory or hub id
+    (None: the demo model); profile: name, YAML path or Profile (None: 4gb with CUDA, cpu without);
+    the keywords override the profile; timeline_path: a JSONL log of steps and decisions."""
 
     def __init__(
         self,
@@ -339,10 +335,8 @@ class LLMEngine:
     def memory_pressure_bytes(
         self, memory_in_use_bytes: int | None = None, num_blocks_on_host: int | None = None
     ) -> int:
-        """What the controller compares with the budget: memory in use, plus live pages waiting
-        on the host, plus (on CUDA) a step's workspace. The um and pinned pools keep only the
-        device share resident, so counting resident pages only would hide the very pressure
-        the controller exists to relieve."""
+        """Memory in use plus live pages waiting on the host plus (CUDA) a step's workspace: what the
+        controller compares with the budget (pools that spill would otherwise hide the pressure)."""
         if num_blocks_on_host is None:
             num_blocks_on_host = self.num_kv_blocks_on_host()
         if memory_in_use_bytes is None:
@@ -351,10 +345,8 @@ class LLMEngine:
         return memory_in_use_bytes + num_blocks_on_host * self._page_bytes() + workspace
 
     def _control(self, token_latency_ms: float | None, is_plain_decode: bool) -> None:
-        """Let the controller see a step: its latency (None: not one that measures the card)
-        and the memory in use. The allocator's counters cost a noticeable share of a replayed
-        decode step to read, so a plain decode step (whose KV growth the block manager counts)
-        reuses the last reading unless it is ALLOCATOR_READ_EVERY_STEPS old."""
+        """Let the controller see a step (latency None: not one that measures the card). A plain
+        decode step reuses the allocator reading unless ALLOCATOR_READ_EVERY_STEPS old."""
         if not self.profile.controller.is_enabled and not self.timeline_path:
             return  # nobody reads the observation
         allocated = None
@@ -430,9 +422,8 @@ class LLMEngine:
             )
 
     def _recover_from_oom(self, batch, exc: BaseException) -> None:
-        """A step ran out of device memory: nothing it computed is kept, its sequences are
-        queued to be recomputed, the controller steps down a rung at once, and a crash report
-        says what held the memory. The engine keeps serving."""
+        """A step ran out of memory: requeue its sequences, step the controller down a rung at once,
+        write a crash report, keep serving."""
         from lowvram.memory.crash_report import format_doctor_hint, write_oom_crash_report
 
         if self.device.type == "cuda":
@@ -462,9 +453,8 @@ class LLMEngine:
             f.write(json.dumps({"type": kind, **record, "time": time.time()}) + "\n")
 
     def set_kv_precision(self, precision: str) -> int:
-        """Re-quantize the KV cache to "fp16", "int8" or "int4" between steps; running
-        sequences keep their pages. Returns the device bytes freed (negative when it grows).
-        Compressing keeps each running sequence's last `kv_recent_fp16_tokens` in FP16 too."""
+        """Re-quantize the KV cache between steps; returns the device bytes freed. Compressing keeps
+        each running sequence's last `kv_recent_fp16_tokens` in FP16 too."""
         self.runner.drop_queued()  # it would run over what changes
         from lowvram.kv.pool import recent_window_blocks
 

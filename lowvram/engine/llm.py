@@ -1,10 +1,6 @@
-"""The offline Python API, shaped like vLLM's so code moves between them.
-
-from lowvram import LLM, SamplingParams
+"""The offline Python API, shaped like vLLM's:
 llm = LLM(model="path/to/DeepSeek-R1-Distill-Qwen-1.5B", profile="4gb")
-out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-print(out[0].outputs[0].text)
-"""
+print(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text)"""
 
 from __future__ import annotations
 
@@ -97,9 +93,8 @@ class LLM:
         return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
 
     def restore_conversation(self, path):
-        """Load a saved conversation's pages so its next turn starts without recomputing. A file
-        from another model, weight format or KV precision, or a damaged one, is reported in the
-        result's message and ignored."""
+        """Load a saved conversation's pages so its next turn skips recomputing. A file from another
+        model, format or precision, or a damaged one, is reported in the result and ignored."""
         from lowvram.kv.conversation_store import restore_conversation
 
         return restore_conversation(self.engine, path)

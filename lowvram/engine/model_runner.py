@@ -1,15 +1,9 @@
 """Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token.
-
-The pages a batch reads are made resident first (`KVPool.ensure_resident`) and teach the
-spill policy; while a step computes, the pages the next one likely reads come back on the
-pool's side stream: those of sequences not in this step or, when a batch reads more pages
-than the device share (`max_blocks_per_step`) and runs in parts, the next part's.
-
-Pipelined decode (`is_pipelined`): when a steady decode step samples every token on the
-device, the next step is queued with those tokens as its input ids before the host reads
-them. The next `step` uses it when it asks for the same sequences one position on (the
-scheduler holds the page ahead) and drops it otherwise, winding seeded generators back.
-"""
+A batch's pages are made resident first; meanwhile the next step's likely pages are prefetched
+(sequences not in this step, or the next part of a batch split to fit the device share).
+Pipelined decode: a steady decode step sampled on the device queues the next step on its
+device tokens before the host reads them; used if the next step asks for exactly that, else
+dropped (seeded generators wound back)."""
 
 from __future__ import annotations
 
@@ -60,13 +54,8 @@ class _Launched:
 
 
 class ModelRunner:
-    """Runs scheduled batches through the model over the KV pool.
-
-    max_num_seqs, max_model_len: size the decode graphs (with `use_cuda_graphs`, on CUDA).
-    max_prefill_graph_tokens: also replay one sequence's prefill up to this many new tokens
-        from graphs (0 = off; at most MAX_PREFILL_GRAPH_TOKENS): short prompts are launch-bound.
-    is_pipelined: queue steady decode steps ahead (see the module notes).
-    """
+    """max_num_seqs, max_model_len: size the decode graphs (use_cuda_graphs, CUDA only);
+    max_prefill_graph_tokens: replay single-sequence prefills up to this many tokens (0 = off)."""
 
     def __init__(
         self,
@@ -182,10 +171,8 @@ class ModelRunner:
         )
 
     def _can_queue_after(self, launched: _Launched) -> bool:
-        """Whether the step after `launched` can be queued before its tokens are read: a steady
-        decode step sampled on the device, whose sequences all go on after the token it samples
-        and hold the page that token's step writes to. Not where graphs stage embedding rows
-        on the host, which needs the input ids there."""
+        """Whether the next step can be queued before `launched`'s tokens are read: a steady decode
+        step sampled on the device (not with staged embeddings) whose sequences go on and hold the page."""
         batch = launched.batch
         if not (self.is_pipelined and batch.is_steady and launched.device_tokens is not None):
             return False
@@ -200,9 +187,8 @@ class ModelRunner:
         return True
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue `batch` and its sampling. When every row samples on the device (no penalties),
-        the tokens go to pinned host memory behind an event, to be read later; otherwise they
-        are sampled and read now."""
+        """Queue `batch` and its sampling; tokens sampled on the device are copied to pinned memory
+        behind an event and read later, others are sampled and read now."""
         logits = self.run(batch, input_ids=input_ids)
         rows = [
             row
@@ -234,10 +220,8 @@ class ModelRunner:
     def run(
         self, batch: ScheduledBatch, *, is_all_rows: bool = False, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """FP32 logits [S, vocab] at the last new token of each scheduled sequence ([T, vocab]
-        at every new token with is_all_rows, for scoring). input_ids: a queued decode step's
-        tokens [S] int64 on the device, not yet in the sequences. A graph replay returns a view
-        of the graphs' logits buffer: read it before the next `run` overwrites it."""
+        """FP32 logits [S, vocab] at each sequence's last new token ([T, vocab] with is_all_rows).
+        input_ids: a queued step's ids [S] on the device. A graph replay returns a view: read it first."""
         for src, dst in batch.copies:  # copy-on-write of a shared page, before the step reads dst
             self.kv_pool.copy_block(src, dst)
         pool = self.kv_pool

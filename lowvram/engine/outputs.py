@@ -43,9 +43,8 @@ class RequestOutput:
 
 
 def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int, now: float) -> None:
-    """Add a sampled token and its text to `seq`, and set its finish reason when it is done:
-    "stop" on EOS (unless ignore_eos), a stop token or a stop string (cut from the text),
-    "length" at max_tokens or the context limit."""
+    """Add a sampled token and its text; finish "stop" on EOS (unless ignore_eos), a stop token or
+    stop string (cut), "length" at max_tokens or the context limit."""
     seq.first_token_time = seq.first_token_time or now
     params = seq.params
     seq.output_token_ids.append(token)

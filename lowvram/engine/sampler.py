@@ -78,9 +78,7 @@ def _argmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
-    """Next token of each sequence as sample_tokens picks it, left on the device: [len(rows)]
-    int64, with no wait for the GPU. Sampled rows draw from `device_generator`. No row may
-    have penalties."""
+    """As sample_tokens, left on the device ([len(rows)] int64, no wait); no row may have penalties."""
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
     if greedy:
@@ -107,10 +105,8 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: bool = False) -> list[int]:
-    """Next token of each sequence from its row of FP32 logits [S, V]. With `on_device`, rows
-    without penalties draw as sample_tokens_on_device does, so a seeded request draws alike
-    either way. Plain greedy rows take one argmax and one copy to the host together (an
-    `int()` per row waits for the GPU each time); ties go to the lowest id as in sample_token."""
+    """Next token of each sequence from its row of FP32 logits [S, V]; with `on_device`, rows without
+    penalties draw as on the device. Plain greedy rows share one argmax and one host copy."""
     plain = [i for i, seq in enumerate(seqs) if seq.params.is_greedy and not has_penalties(seq.params)]
     tokens = [0] * len(seqs)
     for i, token in zip(plain, _argmax_rows(logits, [rows[i] for i in plain]).tolist() if plain else []):
