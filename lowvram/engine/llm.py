@@ -39,7 +39,15 @@ class LLM:
             self.engine.add_request(request_id, prompt, params, messages=messages)
         return request_id
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _run(self, items: list, sampling_params, is_chat: bool) -> list[RequestOutput]:
+        """Add every prompt (or conversation) and step until all finish; outputs in order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        elif len(sampling_params) != len(items):
+            raise RequestError(f"got {len(sampling_params)} sampling params for {len(items)} prompts")
+        else:
+            params = list(sampling_params)
+        request_ids = [self._add(p, None, item) if is_chat else self._add(p, item) for item, p in zip(items, params)]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(request_ids):
@@ -52,27 +60,13 @@ class LLM:
                     self.engine.abort_request(request_id)
         return [final[r] for r in request_ids]
 
-    @staticmethod
-    def _params_list(params, num: int) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * num
-        if isinstance(params, SamplingParams):
-            return [params] * num
-        if len(params) != num:
-            raise RequestError(f"got {len(params)} sampling params for {num} prompts")
-        return list(params)
-
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one or many prompts (batched together); outputs in prompt order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = self._params_list(sampling_params, len(prompts))
-        ids = [self._add(p, prompt) for prompt, p in zip(prompts, params)]
-        return self._run(ids)
+        return self._run([prompts] if isinstance(prompts, (str, dict)) else prompts, sampling_params, False)
 
     def chat(
         self,
@@ -81,9 +75,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        params = self._params_list(sampling_params, len(conversations))
-        ids = [self._add(p, messages=conv) for conv, p in zip(conversations, params)]
-        return self._run(ids)
+        return self._run(conversations, sampling_params, True)
 
     def save_conversation(self, messages: list[dict], path=None):
         """Save the KV pages of a conversation (rendered with the chat template) to a file;

@@ -46,30 +46,22 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_
     """Add a sampled token and its text; finish "stop" on EOS (unless ignore_eos), a stop token or
     stop string (cut), "length" at max_tokens or the context limit."""
     seq.first_token_time = seq.first_token_time or now
-    params = seq.params
+    params, stops = seq.params, seq.params.stop
     seq.output_token_ids.append(token)
     if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
         seq.finish_reason = "stop"
     else:
         seq.text += seq.detokenizer.add(token)
-        hit = _find_stop(seq)
-        if hit is not None:
-            seq.text = seq.text[:hit]
+        # The first stop string, looked for only where a new one can be.
+        start = max(0, seq.num_emitted_chars - max(map(len, stops))) if stops else 0
+        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
             seq.finish_reason = "length"
     if seq.finish_reason is not None:
         seq.finish_time = now
-
-
-def _find_stop(seq: Sequence) -> int | None:
-    """Where the first stop string starts in the text, looking only where a new one can be."""
-    stops = seq.params.stop
-    if not stops:
-        return None
-    window_start = max(0, seq.num_emitted_chars - max(len(s) for s in stops))
-    hits = [i for i in (seq.text.find(s, window_start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 def request_output(seq: Sequence) -> RequestOutput:
@@ -82,9 +74,8 @@ def request_output(seq: Sequence) -> RequestOutput:
     seq.num_emitted_chars += len(delta)
     token_ids = list(seq.output_token_ids)
     completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
-    metrics = RequestMetrics(
-        seq.arrival_time, seq.first_token_time, seq.finish_time, len(seq.prompt_token_ids), len(token_ids)
-    )
+    num_prompt = len(seq.prompt_token_ids)
+    metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, num_prompt, len(token_ids))
     return RequestOutput(
         seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics
     )
