@@ -297,20 +297,16 @@ class LLMEngine:
 
     def num_kv_blocks_on_host(self) -> int:
         """Pages in use whose data lives on the host."""
-        if not self.kv_pool.can_spill:
-            return 0
-        return self.kv_pool.num_blocks_on_host(self.block_manager.used_block_ids())
+        pool = self.kv_pool
+        return pool.num_blocks_on_host(self.block_manager.used_block_ids()) if pool.can_spill else 0
 
     def _page_bytes(self, precision: str | None = None) -> int:
         return self.kv_pool.shape.block_bytes(precision or self.kv_pool.precision)
 
     def kv_bytes_in_use(self, num_blocks_on_host: int | None = None) -> int:
-        """Device bytes of live sequences' pages (not cached-but-unused ones, which are
-        reclaimable, nor those spilled to the host)."""
-        if num_blocks_on_host is None:
-            num_blocks_on_host = self.num_kv_blocks_on_host()
-        num_live = self.block_manager.num_used_blocks - num_blocks_on_host
-        return max(0, num_live) * self._page_bytes() + self.kv_pool.window_bytes()
+        """Device bytes of live pages (not reclaimable cached ones, nor those on the host)."""
+        on_host = self.num_kv_blocks_on_host() if num_blocks_on_host is None else num_blocks_on_host
+        return max(0, self.block_manager.num_used_blocks - on_host) * self._page_bytes() + self.kv_pool.window_bytes()
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -337,12 +333,10 @@ class LLMEngine:
     ) -> int:
         """Memory in use plus live pages waiting on the host plus (CUDA) a step's workspace: what the
         controller compares with the budget (pools that spill would otherwise hide the pressure)."""
-        if num_blocks_on_host is None:
-            num_blocks_on_host = self.num_kv_blocks_on_host()
-        if memory_in_use_bytes is None:
-            memory_in_use_bytes = self.memory_in_use_bytes(num_blocks_on_host)
+        on_host = self.num_kv_blocks_on_host() if num_blocks_on_host is None else num_blocks_on_host
+        in_use = self.memory_in_use_bytes(on_host) if memory_in_use_bytes is None else memory_in_use_bytes
         workspace = self.kv_plan.activation_bytes if self.device.type == "cuda" else 0
-        return memory_in_use_bytes + num_blocks_on_host * self._page_bytes() + workspace
+        return in_use + on_host * self._page_bytes() + workspace
 
     def _control(self, token_latency_ms: float | None, is_plain_decode: bool) -> None:
         """Let the controller see a step (latency None: not one that measures the card). A plain
