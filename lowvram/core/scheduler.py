@@ -37,11 +37,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        num_lookahead_tokens: int = 0,
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, num_lookahead_tokens: int = 0
     ):
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
