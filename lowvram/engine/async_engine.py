@@ -4,6 +4,7 @@ The loop thread owns the LLMEngine: adds, aborts and calls run there between ste
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -100,22 +101,16 @@ class AsyncLLMEngine:
     async def call(self, fn):
         """`fn(engine)` run in the loop thread between steps; returns its result or raises."""
         self._check_running()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                result, error = fn(self.engine), None
+                future.set_result(fn(self.engine))
             except Exception as exc:  # handed to the caller, the loop keeps serving
-                result, error = None, exc
-            settle = future.set_exception if error is not None else future.set_result
-            try:
-                loop.call_soon_threadsafe(lambda: future.done() or settle(error if error is not None else result))
-            except RuntimeError:  # the caller's event loop is closed
-                pass
+                future.set_exception(exc)
 
         self._commands.put(run)
-        return await future
+        return await asyncio.wrap_future(future)
 
     # -- the loop thread ------------------------------------------------------
     def _add(self, request_id, entry, prompt, params, prompt_token_ids, messages) -> None:
