@@ -132,9 +132,7 @@ class BlockManager:
         if partial is not None:
             cached = self.block_tokens[partial]
             rest = token_ids[len(blocks) * bs : limit]
-            num_same = 0
-            while num_same < min(len(cached), len(rest)) and cached[num_same] == rest[num_same]:
-                num_same += 1
+            num_same = next((i for i, (a, b) in enumerate(zip(cached, rest)) if a != b), min(len(cached), len(rest)))
             if num_same:
                 match.copy_from, match.copy_tokens = partial, num_same
                 match.num_tokens += num_same

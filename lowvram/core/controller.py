@@ -28,10 +28,6 @@ class Observation:
     # The live KV pages' bytes at each KV precision ("fp16", "int8", "int4"); empty when unknown.
     kv_bytes_by_precision: Mapping[str, int] = field(default_factory=dict)
 
-    @property
-    def memory_fraction(self) -> float:
-        return self.memory_used_bytes / self.memory_budget_bytes if self.memory_budget_bytes else 0.0
-
 
 @dataclass(frozen=True)
 class Action:
@@ -62,18 +58,13 @@ class ControllerState:
 
     @property
     def mode(self) -> str:
-        if not self.applied:
-            return "normal"
-        parts = []
-        if self.kv_precision != "fp16":
-            parts.append(f"kv-{self.kv_precision}")
-        if self.is_spilling:
-            parts.append("spill")
-        if self.batch_limit:
-            parts.append(f"batch<={self.batch_limit}")
-        if self.is_throttled:
-            parts.append("throttled")
-        return "+".join(parts) or "normal"
+        flags = (
+            (self.kv_precision != "fp16", f"kv-{self.kv_precision}"),
+            (self.is_spilling, "spill"),
+            (self.batch_limit, f"batch<={self.batch_limit}"),
+            (self.is_throttled, "throttled"),
+        )
+        return "+".join(name for is_on, name in flags if is_on and self.applied) or "normal"
 
 
 def _escalate_memory(
@@ -135,7 +126,7 @@ def decide(
     """One controller step. Returns the new state and the events it decided (0 or 1)."""
     if not config.is_enabled:
         return state, []
-    mem = obs.memory_fraction
+    mem = obs.memory_used_bytes / obs.memory_budget_bytes if obs.memory_budget_bytes else 0.0
     latency = obs.token_latency_ms
     is_memory_high = mem > config.memory_high_water
     is_latency_high = latency is not None and latency > config.latency_high_ms
@@ -183,6 +174,4 @@ def escalate_after_oom(
 ) -> tuple[ControllerState, list[Event]]:
     """A real out-of-memory in a step: take the next memory rung at once, without patience."""
     rung = _escalate_memory(state, max_num_seqs, min_precision)
-    if rung is None:
-        return state, []
-    return _take(state, rung, step, "a step ran out of device memory")
+    return (state, []) if rung is None else _take(state, rung, step, "a step ran out of device memory")
