@@ -63,7 +63,7 @@ def test_decode_preempts_newest_and_resumes_it_first():
     sched.finish(a)
     assert bm.num_free_blocks == 4
     batch = sched.schedule()  # b resumes: its first full page is a prefix-cache hit, the rest is recomputed
-    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and b.num_cached_tokens == 4
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and batch.positions == [4]
 
 
 def test_decode_takes_a_new_page_exactly_when_the_last_one_is_full():
@@ -106,7 +106,7 @@ def test_a_new_request_starts_from_a_finished_one_s_pages():
     sched.add(follow)
     batch = sched.schedule()
     # 8 tokens shared, 2 copied from the partial page, 3 left to compute
-    assert batch.seqs == [follow] and follow.num_cached_tokens == 10 and batch.num_new_tokens == [3]
+    assert batch.seqs == [follow] and batch.positions == [10] and batch.num_new_tokens == [3]
     assert batch.copies == [(2, bm.block_table(1)[2])]
 
 

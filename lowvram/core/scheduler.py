@@ -122,7 +122,7 @@ class Scheduler:
             copy = bm.acquire(seq.seq_id, match)
             if copy is not None:
                 batch.copies.append(copy)
-            seq.num_computed_tokens = seq.num_cached_tokens = match.num_tokens
+            seq.num_computed_tokens = match.num_tokens
         else:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):

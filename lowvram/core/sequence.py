@@ -37,7 +37,6 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # of the prompt, reused from the prefix cache at admission
     finish_reason: str | None = None
     text: str = ""
     num_emitted_chars: int = 0

@@ -9,28 +9,15 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 
+@dataclass(slots=True)
 class _Run:
     """A sequence's table as read at every step since it was last written down."""
 
-    __slots__ = ("pages", "is_pending")
-
-    def __init__(self, pages: list[int]):
-        self.pages = pages
-        self.is_pending = True  # read since last written down
-
-    def extend_to(self, table: Sequence[int]) -> bool:
-        """Grow the run to `table` when the table extends it; False when it does not."""
-        n = len(self.pages)
-        if len(table) < n:
-            return False
-        head = table[:n]
-        if head != self.pages and list(head) != self.pages:
-            return False
-        self.pages.extend(table[n:])
-        self.is_pending = True
-        return True
+    pages: list[int]
+    is_pending: bool = True  # read since last written down
 
 
 class SpillPolicy:
@@ -50,7 +37,11 @@ class SpillPolicy:
         runs: dict[int, _Run] = {}
         for seq_id, table in tables.items():
             run = self._runs.get(seq_id)
-            if run is None or not run.extend_to(table):
+            n = len(run.pages) if run is not None else 0
+            if run is not None and len(table) >= n and (table[:n] == run.pages or list(table[:n]) == run.pages):
+                run.pages.extend(table[n:])  # the table extends the run
+                run.is_pending = True
+            else:
                 run = _Run(list(table))
             runs[seq_id] = run
             self._hot_by_seq[seq_id] = tuple(table[-self.num_hot_blocks :]) if self.num_hot_blocks else ()

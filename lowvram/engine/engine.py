@@ -55,7 +55,6 @@ class EngineSnapshot:
     controller_mode: str
     last_decision: str | None
     num_controller_events: int = 0
-    num_kv_blocks_cached: int = 0
     memory_pressure_bytes: int = 0  # what the controller compares with the budget (may exceed it)
 
 
@@ -485,6 +484,5 @@ class LLMEngine:
             controller_mode=self.controller_state.mode if self.profile.controller.is_enabled else "off",
             last_decision=self.controller_events[-1].reason if self.controller_events else None,
             num_controller_events=self.num_controller_events,
-            num_kv_blocks_cached=self.block_manager.num_cached_blocks,
             memory_pressure_bytes=self.memory_pressure_bytes(used),
         )

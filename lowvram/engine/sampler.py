@@ -7,23 +7,6 @@ import torch
 from lowvram.core.sampling_params import SamplingParams
 
 
-def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
-) -> torch.Tensor:
-    """logits [V] (FP32). Repetition penalty as in CTRL/HF; presence/frequency as in OpenAI."""
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        if seen.numel():
-            picked = logits[seen]
-            logits[seen] = torch.where(
-                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
-            )
-    if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
-    return logits
-
-
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on one row of logits [V]."""
     logits = logits / params.temperature
@@ -50,9 +33,20 @@ def sample_token(
     prompt_ids: list[int],
     output_ids: list[int],
 ) -> int:
-    """Pick the next token from one row of FP32 logits [V]."""
+    """Pick the next token from one row of FP32 logits [V]. Repetition penalty as in CTRL/HF,
+    presence/frequency penalties as in OpenAI."""
     # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
-    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            picked = logits[seen]
+            logits[seen] = torch.where(
+                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
+            )
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
