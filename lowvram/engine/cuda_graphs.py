@@ -154,37 +154,15 @@ class _StepGraphs:
         pages_version: int | None = None,
         device_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """The step's logits ([S, vocab] decode, [1, vocab] prefill) from the graph for `key`, or None
-        if it could not be captured. device_input_ids: a queued decode step's ids on the device."""
+        """The step's logits ([S, vocab] decode, [1, vocab] prefill) from the graph for `key`,
+        captured first if need be (None if it cannot be): a view of the shared buffer, valid
+        until the next replay. device_input_ids: a queued decode step's ids on the device.
+        Page addresses are re-read only when `pages_version` changes."""
         if device_input_ids is not None and self.stage_embeddings is not None:
             raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, context_lens, tables, *key)
         if device_input_ids is not None:
             self.input_ids[: len(input_ids)].copy_(device_input_ids)
-        return self._replay(key, kv_pages, pages_version, min(len(input_ids), self.max_logit_rows))
-
-    def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> dict:
-        """The host mirror, with the per-row inputs of a `size`-row bucket written and padded."""
-        host = self.staged.host()
-        num_rows = len(input_ids)
-        host["input_ids"][:num_rows] = input_ids
-        host["input_ids"][num_rows:size] = 0
-        host["positions"][:num_rows] = positions
-        host["positions"][num_rows:size] = 0
-        host["slot_mapping"][:num_rows] = slots
-        host["slot_mapping"][num_rows:size] = -1
-        if self.stage_embeddings is not None:
-            # The last replay's copy of the staged rows is done (the engine reads every step's
-            # tokens before the next step, so the other kind's graphs are done too).
-            self._replayed.synchronize()
-            self.stage_embeddings(input_ids + [0] * (size - num_rows), self.stage_capacity)
-        return host
-
-    def _replay(
-        self, key: tuple[int, int], kv_pages: list[KVPages], pages_version: int | None, num_rows: int
-    ) -> torch.Tensor | None:
-        """Replay (capturing first) `key`'s graph: a view of the shared logits, valid until the next
-        replay. Page addresses are re-read only when `pages_version` changes."""
         if pages_version is None or pages_version != self.pages_version:
             signature = tuple(  # the device addresses a graph bakes in
                 t.data_ptr() for pages in kv_pages for t in vars(pages).values() if isinstance(t, torch.Tensor)
@@ -203,7 +181,24 @@ class _StepGraphs:
         if self._replayed is not None:
             self._replayed.record()
         self.num_replays += 1
-        return self.logits[:num_rows]
+        return self.logits[: min(len(input_ids), self.max_logit_rows)]
+
+    def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> dict:
+        """The host mirror, with the per-row inputs of a `size`-row bucket written and padded."""
+        host = self.staged.host()
+        num_rows = len(input_ids)
+        host["input_ids"][:num_rows] = input_ids
+        host["input_ids"][num_rows:size] = 0
+        host["positions"][:num_rows] = positions
+        host["positions"][num_rows:size] = 0
+        host["slot_mapping"][:num_rows] = slots
+        host["slot_mapping"][num_rows:size] = -1
+        if self.stage_embeddings is not None:
+            # The last replay's copy of the staged rows is done (the engine reads every step's
+            # tokens before the next step, so the other kind's graphs are done too).
+            self._replayed.synchronize()
+            self.stage_embeddings(input_ids + [0] * (size - num_rows), self.stage_capacity)
+        return host
 
     def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
         """The captured computation: logits [rows of key, vocab] from the static inputs."""
