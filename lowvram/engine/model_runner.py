@@ -16,7 +16,6 @@ import torch
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
-from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
@@ -173,18 +172,17 @@ class ModelRunner:
     def _can_queue_after(self, launched: _Launched) -> bool:
         """Whether the next step can be queued before `launched`'s tokens are read: a steady decode
         step sampled on the device (not with staged embeddings) whose sequences go on and hold the page."""
-        batch = launched.batch
+        batch, graphs = launched.batch, self.graphs
         if not (self.is_pipelined and batch.is_steady and launched.device_tokens is not None):
             return False
-        if batch.is_prefill or (self.graphs is not None and self.graphs.stage_embeddings is not None):
+        if graphs is not None and graphs.stage_embeddings is not None:
             return False
-        for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables):
-            num_tokens = position + 2  # with the token this step samples
-            if num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens or num_tokens >= self.max_model_len:
-                return False
-            if len(table) * self.block_size < num_tokens:
-                return False
-        return True
+        return all(  # with the token this step samples, the sequence goes on and holds its next page
+            (n := position + 2) - len(seq.prompt_token_ids) < seq.params.max_tokens
+            and n < self.max_model_len
+            and n <= len(table) * self.block_size
+            for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables)
+        )
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue `batch` and its sampling; tokens sampled on the device are copied to pinned memory
@@ -281,15 +279,8 @@ class ModelRunner:
         hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[[end - 1 for end in cu_seqlens[1:]]])
 
-    def _logits(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_pages: list[KVPages],
-        last_row: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """What a graph captures: logits [T, vocab], or [1, vocab] at `last_row` (a prefill's)."""
+    def _logits(self, input_ids, positions, meta, kv_pages, last_row=None) -> torch.Tensor:
+        """What a graph captures: logits [T, vocab], or [1, vocab] at `last_row` [1] (a prefill's)."""
         hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
         return self.model.compute_logits(hidden if last_row is None else hidden.index_select(0, last_row))
 
