@@ -96,8 +96,7 @@ class BlockManager:
         return table
 
     def free(self, seq_id: int) -> None:
-        """Release the sequence's pages (unknown ids are ignored: abort may race finish),
-        last first, so a cached conversation is evicted from its tail."""
+        """Release the sequence's pages, last first (a cached conversation is evicted from its tail)."""
         self.num_hashed.pop(seq_id, None)
         for block in reversed(self.tables.pop(seq_id, [])):
             self.ref_counts[block] -= 1
@@ -111,8 +110,7 @@ class BlockManager:
         return self.tables.get(seq_id, [])
 
     def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """The longest cached prefix of `token_ids`, leaving at least one token to compute
-        (the step must produce logits for the last prompt token)."""
+        """The longest cached prefix of `token_ids`, leaving the last token to compute (for its logits)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], 0)
         bs = self.block_size
@@ -144,8 +142,7 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(match.block_ids) + idle <= self.num_free_blocks
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> tuple[int, int] | None:
-        """Start `seq_id`'s table from a match. Returns (src, dst) when a partial page must
-        be copied into the sequence's own new page, else None."""
+        """Start `seq_id`'s table from a match; returns (src, dst) when a partial page must be copied."""
         table = self.tables.setdefault(seq_id, [])
         assert not table, "acquire starts a table"
         for block in match.block_ids:

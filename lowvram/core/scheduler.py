@@ -103,8 +103,7 @@ class Scheduler:
         return batch
 
     def may_admit(self) -> bool:
-        """Whether the next waiting sequence may join now (pages permitting): below the batch
-        limit, and not throttled (then only preempted sequences come back)."""
+        """Whether the next waiting sequence may join now: below the limit, not throttled (or preempted)."""
         return bool(
             self.waiting
             and len(self.running) < self.batch_limit
@@ -157,8 +156,7 @@ class Scheduler:
         return batch
 
     def preempt(self, seq: Sequence | None = None) -> Sequence:
-        """Free the sequence's (default: the newest running one's) pages and queue it first
-        for recomputation; returns it."""
+        """Free `seq`'s (default: the newest one's) pages and queue it first for recomputation."""
         seq = seq or self.running[-1]
         self.running.remove(seq)
         self._release(seq)
@@ -169,7 +167,6 @@ class Scheduler:
         return seq
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its pages."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

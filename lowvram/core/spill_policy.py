@@ -32,8 +32,7 @@ class SpillPolicy:
         self._runs: dict[int, _Run] = {}  # seq id -> reads not yet written down, in the latest step's order
 
     def record_step(self, tables: Mapping[int, Sequence[int]], live_seq_ids: Collection[int] | None = None) -> None:
-        """One step read these tables (seq id -> page ids, oldest first); hot windows of
-        sequences not in `live_seq_ids` (when given) are dropped."""
+        """One step read these tables (seq id -> page ids); sequences not in `live_seq_ids` go cold."""
         runs: dict[int, _Run] = {}
         for seq_id, table in tables.items():
             run = self._runs.get(seq_id)
@@ -54,7 +53,6 @@ class SpillPolicy:
             self._hot_by_seq = {s: w for s, w in self._hot_by_seq.items() if s in live_seq_ids}
 
     def _write_down(self, run: _Run) -> None:
-        """Move a run's pages to the recent end of the order, if it was read since last time."""
         if run.is_pending:
             for page in run.pages:
                 self._recency[page] = None

@@ -75,8 +75,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         messages: list[dict] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token; the last one has `finished` set. Bad input
-        raises the engine's error (RequestError) at the first iteration."""
+        """Yield a RequestOutput per new token, the last one finished; bad input raises RequestError."""
         self._check_running()
         stream: asyncio.Queue = asyncio.Queue()
         entry = (stream, asyncio.get_running_loop())

@@ -46,7 +46,6 @@ def _bucket(value: int, buckets: list[int]) -> int | None:
 
 @functools.cache
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every graph of this process warms up and is captured on."""
     return torch.cuda.Stream(device)
 
 
@@ -75,8 +74,7 @@ class StagedInputs:
         self._device_bytes.copy_(self._host_bytes)
 
     def host(self) -> dict[str, np.ndarray]:
-        """The mirror's views to write, once the last copy has read them (the copy is queued
-        between the replays that read the inputs, so the device side needs no event)."""
+        """The mirror's views to write, once the last upload has read them."""
         if self._copied is not None:
             self._copied.synchronize()
         return self._host
@@ -135,8 +133,7 @@ class _StepGraphs:
         self.num_captures = 0
 
     def bucket(self, num_rows: int, num_table_blocks: int) -> tuple[int, int] | None:
-        """The graph key for `num_rows` rows over tables of `num_table_blocks` pages, or None
-        when no graph holds them."""
+        """The graph key for these rows over tables of these widths; None when no graph holds them."""
         rows, width = _bucket(num_rows, self.row_sizes), _bucket(num_table_blocks, self.table_widths)
         if rows is None or width is None or (rows, width) in self.failed:
             return None
@@ -184,7 +181,6 @@ class _StepGraphs:
         return self.logits[: min(len(input_ids), self.max_logit_rows)]
 
     def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> dict:
-        """The host mirror, with the per-row inputs of a `size`-row bucket written and padded."""
         host = self.staged.host()
         num_rows = len(input_ids)
         host["input_ids"][:num_rows] = input_ids

@@ -221,12 +221,10 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a request waits or runs: `step` has work."""
         return self.scheduler.num_unfinished > 0
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """Log-probability of each token given the ones before it (len - 1 values), computed
-        through the paged cache in chunks of the token budget as a prefill is (for perplexity)."""
+        """Log-probability of each token given those before it, computed through the cache as a prefill."""
         if not 2 <= len(token_ids) <= self.max_model_len:
             raise RequestError(f"score needs 2..{self.max_model_len} tokens, got {len(token_ids)}")
         if self.has_unfinished_requests():
@@ -251,7 +249,6 @@ class LLMEngine:
         return logprobs
 
     def step(self) -> list[RequestOutput]:
-        """Run one step and return the outputs it produced."""
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         if batch.is_empty:
@@ -313,8 +310,7 @@ class LLMEngine:
         return self.kv_plan.budget_bytes + self.held_bytes
 
     def memory_in_use_bytes(self, num_blocks_on_host: int | None = None, allocated_bytes: int | None = None) -> int:
-        """Device memory held now: everything but the KV pool as the allocator reports it (or
-        `allocated_bytes`, a recent reading), plus the pool's live resident pages."""
+        """All device memory but the KV pool's (a recent `allocated_bytes` reading) plus live resident pages."""
         if self.device.type == "cuda":
             allocated = self._read_allocated_bytes() if allocated_bytes is None else allocated_bytes
             pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
@@ -415,8 +411,7 @@ class LLMEngine:
             )
 
     def _recover_from_oom(self, batch, exc: BaseException) -> None:
-        """A step ran out of memory: requeue its sequences, step the controller down a rung at once,
-        write a crash report, keep serving."""
+        """Requeue an out-of-memory step's sequences, step the controller down, write a crash report."""
         from lowvram.memory.crash_report import format_doctor_hint, write_oom_crash_report
 
         if self.device.type == "cuda":

@@ -40,7 +40,6 @@ class LLM:
         return request_id
 
     def _run(self, items: list, sampling_params, is_chat: bool) -> list[RequestOutput]:
-        """Add every prompt (or conversation) and step until all finish; outputs in order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
         elif len(sampling_params) != len(items):
@@ -78,8 +77,7 @@ class LLM:
         return self._run(conversations, sampling_params, True)
 
     def save_conversation(self, messages: list[dict], path=None):
-        """Save the KV pages of a conversation (rendered with the chat template) to a file;
-        returns the path (by default a new file under ~/.local/share/lowvram/conversations)."""
+        """Save a conversation's KV pages to a file (default: ~/.local/share/lowvram/conversations)."""
         from lowvram.kv.conversation_store import save_conversation
 
         return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
@@ -98,8 +96,7 @@ class LLM:
         *,
         messages: list[dict] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per new token (`text_delta` is the new text); the last one is
-        finished. Closing the iterator early aborts the request and frees its pages."""
+        """Yield a RequestOutput per new token, the last one finished; closing early aborts the request."""
         request_id = self._add(sampling_params or SamplingParams(), prompt, messages)
         done = False
         try:

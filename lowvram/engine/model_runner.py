@@ -102,8 +102,7 @@ class ModelRunner:
         return sum(g.num_captures for g in (self.graphs, self.prefill_graphs) if g is not None)
 
     def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
-        """The step's inputs as host lists: token ids, positions and KV slots per new token,
-        context length and (device) block table per sequence."""
+        """Host lists: token ids, positions, KV slots per new token; context length, device table per sequence."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -124,8 +123,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run `batch` and return each sequence's next token (None for a prompt chunk that
-        leaves tokens to compute), sampled as its params ask."""
+        """Run `batch`; each sequence's next token (None for a prompt chunk with more to come)."""
         launched = self._take_queued(batch)
         is_queued = launched is not None
         if launched is None:
@@ -185,8 +183,7 @@ class ModelRunner:
         )
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue `batch` and its sampling; tokens sampled on the device are copied to pinned memory
-        behind an event and read later, others are sampled and read now."""
+        """Queue `batch` and its sampling (device-sampled tokens are read later, behind an event)."""
         logits = self.run(batch, input_ids=input_ids)
         rows = [
             row
@@ -285,8 +282,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden if last_row is None else hidden.index_select(0, last_row))
 
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
-        """The batch in parts whose pages fit the device share, in order. When one part is
-        not enough, parts are kept to half the share so the next one can come in meanwhile."""
+        """The batch in parts whose pages fit the device share (half of it each, when one part is not enough)."""
         limit = self.kv_pool.max_blocks_per_step
         if limit is None:  # one part; the pool takes each page once however often it is listed
             return [(batch, list(itertools.chain.from_iterable(tables.values())))]

@@ -65,8 +65,7 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_
 
 
 def request_output(seq: Sequence) -> RequestOutput:
-    """The request's state now; `text_delta` is the text not handed out before, less a tail
-    that could still become a stop string."""
+    """The request's state; `text_delta` is the new text, less a tail that may yet become a stop string."""
     stops = seq.params.stop
     hold = max(len(s) for s in stops) - 1 if stops and not seq.is_finished else 0
     visible = len(seq.text) - hold

@@ -58,8 +58,7 @@ def sample_token(
 
 
 def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token (0-d int64 on logits' device) from one row of FP32 logits [V], by the
-    Gumbel-max trick: no wait for the host. `generator` on logits' device, or None."""
+    """One token (0-d, on the device) from FP32 logits [V] by the Gumbel-max trick: no wait for the host."""
     filtered = filter_logits(logits, params)
     uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device, dtype=torch.float32)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
@@ -67,7 +66,6 @@ def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 
 def _argmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The argmax of each of `rows` of logits, in one call (no gather when they are all, in order)."""
     return torch.argmax(logits if rows == list(range(logits.shape[0])) else logits[rows], dim=-1)
 
 

@@ -70,8 +70,7 @@ class Tokenizer:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas: decoding a short window and holding
-    back text ending in a replacement character keeps multi-byte characters whole."""
+    """Text deltas of a growing id list; text ending in U+FFFD is held back until the character is whole."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
