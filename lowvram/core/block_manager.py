@@ -184,8 +184,7 @@ class BlockManager:
             block = table[done]
             tokens = tuple(token_ids[done * bs : (done + 1) * bs])
             h = chain_hash(parent, tokens)
-            # The newest page with this content wins: an older duplicate is evicted first,
-            # and evicting it must not unname this one.
+            # The newest page with this content wins: evicting an older duplicate must not unname it.
             self.hash_to_block[h] = block
             self.block_hash[block] = h
             self.block_tokens[block] = tokens

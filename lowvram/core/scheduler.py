@@ -69,8 +69,7 @@ class Scheduler:
         if batch.is_empty:
             batch = self._schedule_decode()
         if batch.is_empty and len(self.running) > 1:
-            # Every running sequence is stuck mid-prefill waiting for pages: the newest gives
-            # its pages to the others. No request is admitted that could not fit alone.
+            # All running sequences wait for pages mid-prefill: the newest yields (each fits alone).
             victim = self.preempt()
             batch = self.schedule()
             batch.preempted.insert(0, victim)

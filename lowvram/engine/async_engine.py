@@ -111,7 +111,6 @@ class AsyncLLMEngine:
         self._commands.put(run)
         return await asyncio.wrap_future(future)
 
-    # -- the loop thread ------------------------------------------------------
     def _add(self, request_id, entry, prompt, params, prompt_token_ids, messages) -> None:
         self._streams[request_id] = entry
         try:

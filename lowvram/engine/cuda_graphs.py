@@ -19,9 +19,7 @@ from lowvram.kv.attention import AttentionMetadata
 
 log = logging.getLogger("lowvram.engine.cuda_graphs")
 
-# Prefill graphs serve one sequence's new tokens up to this many: a short prompt's time to
-# first token is launch-bound, a long one's is not, and a pool keeps its largest bucket's
-# activations for good.
+# Short prompts' first token is launch-bound, long ones' not; a pool keeps its largest bucket.
 MAX_PREFILL_GRAPH_TOKENS = 512
 
 
@@ -190,8 +188,7 @@ class _StepGraphs:
         host["slot_mapping"][:num_rows] = slots
         host["slot_mapping"][num_rows:size] = -1
         if self.stage_embeddings is not None:
-            # The last replay's copy of the staged rows is done (the engine reads every step's
-            # tokens before the next step, so the other kind's graphs are done too).
+            # The last replay (of either kind: every step's tokens are read) has read the staged rows.
             self._replayed.synchronize()
             self.stage_embeddings(input_ids + [0] * (size - num_rows), self.stage_capacity)
         return host
@@ -202,8 +199,7 @@ class _StepGraphs:
 
     def _capture(self, key: tuple[int, int], kv_pages: list[KVPages]):
         try:
-            # One eager run first: it compiles the Triton kernels and lets the allocator settle,
-            # neither of which may happen inside a capture.
+            # An eager run first compiles the Triton kernels and settles the allocator, as no capture may.
             stream = capture_stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):

@@ -108,8 +108,7 @@ class LLMEngine:
         self.dtype = pick_dtype(p.dtype, self.device)
         apply_emulation(p, self.device)
         self.model_dir = resolve_model_path(model)
-        # What the process already holds on the device (an earlier engine's cuBLAS workspaces,
-        # the caller's tensors) leaves that much less for this one.
+        # What the process already holds (an earlier engine's workspaces, the caller's tensors).
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model, self.config = load_model_for_profile(self.model_dir, p, self.device, self.dtype, held_bytes=held)
         if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
@@ -134,8 +133,7 @@ class LLMEngine:
             *plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held
         )
         self.kv_precision = "fp16" if p.kv_precision == "auto" else p.kv_precision
-        # The lowest precision the controller may compress to. Batch-invariant mode keeps the
-        # starting one: compressed pages would make a request decode unlike it does alone.
+        # Batch-invariant mode may not compress: a request would decode unlike it does alone.
         self.min_kv_precision = self.kv_precision if p.batch_invariant else KV_LADDER[-1]
         self.kv_pool = create_kv_pool(
             self.config,
@@ -285,8 +283,7 @@ class LLMEngine:
             stats.num_decode_tokens += len(batch.seqs)
             stats.decode_s += elapsed_s
             self.recent_token_latency_ms.append(elapsed_s * 1000)
-        # Neither a step that captured a graph (a one-off cost) nor a queued step read with nothing
-        # queued after it (it ran while the host worked) says how fast the card is.
+        # A capture's one-off cost or a queued step run while the host worked says nothing of the card.
         is_plain_decode = not batch.is_prefill and self.runner.num_graph_captures == num_captures
         self._control(elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None, is_plain_decode)
         return outputs

@@ -73,8 +73,7 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.max_model_len = max_model_len
         self.is_pipelined = is_pipelined
-        # Rows without penalties sample on the device at every step, prefill included, so a
-        # seeded request draws alike queued or not.
+        # Every step samples on the device alike, so a seeded request draws the same queued or not.
         self.samples_on_device = self.device.type == "cuda" or is_pipelined
         self.num_pipelined_steps = 0  # steps taken from the queue
         self.is_tail = False  # the last step came from the queue and nothing was queued after it
@@ -230,8 +229,7 @@ class ModelRunner:
         first_row = 0
         for i, (part, blocks) in enumerate(parts):
             pool.ensure_resident(blocks, free_block_ids=free)
-            # Issued before this part's kernels are queued, so the copies overlap them: the next
-            # part's pages, or after the last those of sequences not in this step.
+            # Queued before this part's kernels, to overlap them: the next part's, or idle sequences' pages.
             if i + 1 < len(parts):
                 upcoming = parts[i + 1][1]
             else:

@@ -51,8 +51,7 @@ def sample_token(
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     if generator is not None and probs.device != generator.device:
-        # A seeded request draws from its own host generator wherever the logits are, so a
-        # seed gives the same text on any device and batch.
+        # A seeded request draws from its own host generator, alike on any device and batch.
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 

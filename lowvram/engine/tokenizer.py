@@ -22,14 +22,12 @@ class Tokenizer:
             )
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        # tokenizer.json is the exact pipeline the model was trained with; AutoTokenizer may
-        # rebuild it for the architecture (Qwen's pre-tokenizer for any qwen2), changing ids.
+        # AutoTokenizer may rebuild tokenizer.json's exact pipeline for the architecture, changing ids.
         cls = PreTrainedTokenizerFast if (model_dir / "tokenizer.json").is_file() else AutoTokenizer
         try:
             self.hf = cls.from_pretrained(str(model_dir))
         except Exception as exc:  # tokenizer loading raises many types
             raise ModelLoadError(f"could not load the tokenizer in {model_dir}: {exc}") from None
-        # EOS ids: the tokenizer's and generation_config.json's.
         self.eos_token_ids: set[int] = set() if self.hf.eos_token_id is None else {self.hf.eos_token_id}
         gen = model_dir / "generation_config.json"
         if gen.is_file():
@@ -38,8 +36,7 @@ class Tokenizer:
                 self.eos_token_ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             except json.JSONDecodeError:
                 log.warning("%s is not valid JSON; using the tokenizer's EOS only", gen)
-        # transformers' decode type-checks every id (a noticeable share of a batch-8 decode
-        # step); without a clean-up pass the tokenizers library's own decode gives the same text.
+        # transformers' decode type-checks every id (slow per token); the library's gives the same text.
         backend = getattr(self.hf, "backend_tokenizer", None)
         self._backend = None if getattr(self.hf, "clean_up_tokenization_spaces", True) else backend
 
