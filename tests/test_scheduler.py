@@ -1,7 +1,7 @@
 from lowvram.core.block_manager import BlockManager
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import Scheduler
-from lowvram.core.sequence import Sequence, SequenceStatus
+from lowvram.core.sequence import Sequence
 
 
 def _seq(seq_id: int, num_prompt: int) -> Sequence:
@@ -46,7 +46,7 @@ def test_max_num_seqs_limits_admission():
         sched.add(s)
     batch = sched.schedule()
     assert [s.seq_id for s in batch.seqs] == [0, 1]
-    assert seqs[2].status is SequenceStatus.WAITING
+    assert list(sched.waiting) == [seqs[2]]
 
 
 def test_decode_preempts_newest_and_resumes_it_first():
@@ -58,7 +58,7 @@ def test_decode_preempts_newest_and_resumes_it_first():
     # a needs a third page, none is free: b (newest) is preempted and its pages freed
     assert [s.seq_id for s in batch.preempted] == [1]
     assert [s.seq_id for s in batch.seqs] == [0]
-    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and bm.block_table(1) == []
+    assert b not in sched.running and b.num_computed_tokens == 0 and bm.block_table(1) == []
     assert sched.waiting[0] is b
     sched.finish(a)
     assert bm.num_free_blocks == 4

@@ -10,7 +10,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from lowvram.core.block_manager import BlockManager
-from lowvram.core.sequence import Sequence, SequenceStatus
+from lowvram.core.sequence import Sequence
 
 
 @dataclass
@@ -97,7 +97,6 @@ class Scheduler:
                 break
             budget -= took
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return batch
 
@@ -161,7 +160,6 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         return seq
 
@@ -171,7 +169,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
         """Free the pages, keeping what was computed cached for later requests."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,12 +12,6 @@ if TYPE_CHECKING:  # carried, never used: the core needs no torch
     import torch
 
     from lowvram.engine.tokenizer import Detokenizer
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -35,9 +28,8 @@ class Sequence:
     generator: torch.Generator | None = None
     device_generator: torch.Generator | None = None  # sampling.device_generator: draws on the GPU
     output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set when it finishes: "stop", "length" or "abort"
     text: str = ""
     num_emitted_chars: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -68,4 +60,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None

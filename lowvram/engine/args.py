@@ -25,6 +25,4 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args) -> dict:
     """Those options as LLMEngine's keyword arguments (model and profile are passed apart)."""
-    return dict(
-        device=args.device, dtype=args.dtype, emulate_vram_gib=args.emulate_vram_gib, max_model_len=args.max_model_len
-    )
+    return {name: getattr(args, name) for name in ("device", "dtype", "emulate_vram_gib", "max_model_len")}
