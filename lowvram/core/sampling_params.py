@@ -13,19 +13,11 @@ MIN_TEMPERATURE = 0.01
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. Defaults follow vLLM; temperature 0 means greedy.
-
-    temperature: 0 = greedy; higher = more random.
-    top_k: keep the k most likely tokens (0 or -1 = all).
-    top_p: keep the smallest set whose probability reaches top_p (1 = all).
-    min_p: drop tokens less likely than min_p x the most likely one (0 = off).
-    repetition_penalty: > 1 discourages tokens already in the prompt or output.
-    presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens.
-    max_tokens: most tokens to generate.
-    stop: strings that end generation (not included in the text).
-    stop_token_ids: extra token ids that end generation (EOS always does unless ignore_eos).
-    seed: same seed and prompt -> same text, whatever else is batched with it.
-    """
+    """How to pick tokens; defaults follow vLLM. temperature: 0 = greedy; top_k: keep the k likeliest
+    (0 or -1 = all); top_p: the smallest set reaching top_p; min_p: drop tokens below min_p x the
+    likeliest; repetition_penalty > 1 discourages seen tokens; presence/frequency_penalty: OpenAI's;
+    stop: strings that end generation (cut from the text); stop_token_ids: ids that end it (as EOS
+    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it."""
 
     temperature: float = 1.0
     top_k: int = 0
