@@ -61,9 +61,7 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return (self.hf if self._backend is None else self._backend).decode(ids, skip_special_tokens=True)
 
 
 class Detokenizer:
