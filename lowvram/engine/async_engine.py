@@ -125,19 +125,16 @@ class AsyncLLMEngine:
         self._streams.pop(request_id, None)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        self.engine.abort_request(request_id)
         self._deliver(request_id, error)
-        self._streams.pop(request_id, None)
+        self._abort(request_id)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        stream, loop = entry
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self._abort(request_id)
+        if request_id in self._streams:
+            stream, loop = self._streams[request_id]
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                self._abort(request_id)
 
     def _loop(self) -> None:
         while not self._is_stopping:
