@@ -102,15 +102,10 @@ def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: 
     tokens = [0] * len(seqs)
     for i, token in zip(plain, _argmax_rows(logits, [rows[i] for i in plain]).tolist() if plain else []):
         tokens[i] = token
-    plain_set = set(plain)
-    for i, seq in enumerate(seqs):
-        if i in plain_set:
-            continue
+    for i in sorted(set(range(len(seqs))).difference(plain)):
+        seq, row = seqs[i], logits[rows[i]]
         if on_device and not has_penalties(seq.params):
-            generator = device_generator(seq, logits.device)
-            tokens[i] = int(gumbel_sample(logits[rows[i]], seq.params, generator))
+            tokens[i] = int(gumbel_sample(row, seq.params, device_generator(seq, logits.device)))
         else:
-            tokens[i] = sample_token(
-                logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids
-            )
+            tokens[i] = sample_token(row, seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
     return tokens
