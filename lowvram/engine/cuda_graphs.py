@@ -243,14 +243,11 @@ class DecodeGraphs(_StepGraphs):
 
     def _fill(self, input_ids, positions, slots, context_lens, tables, batch: int, width: int) -> None:
         host = self._fill_rows(batch, input_ids, positions, slots)
-        num_seqs = len(input_ids)
-        host["context_lens"][:num_seqs] = context_lens
-        host["context_lens"][num_seqs:batch] = 0
+        host["context_lens"][:batch] = context_lens + [0] * (batch - len(context_lens))
         rows = host["block_tables"][: batch * width].reshape(batch, width)  # [B, width]
+        rows[:] = 0
         for row, table in zip(rows, tables):
             row[: len(table)] = table
-            row[len(table) :] = 0
-        rows[num_seqs:] = 0
         self.staged.upload("block_tables", batch * width)
 
     def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
