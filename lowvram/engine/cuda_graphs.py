@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -87,20 +86,14 @@ class StagedInputs:
 
 class _StepGraphs:
     """Graphs by (row bucket, table width) key, failed keys remembered (they run eagerly).
-    forward: the model plus its head, FP32 logits, with no host synchronisation.
+    forward: the model plus its head, FP32 logits, with no host synchronisation. row_sizes: the
+    row buckets; input_fields: the kind's inputs besides ids, positions and slots (StagedInputs).
     stage_embeddings, stage_capacity: HostEmbedding.stage and the most rows any graph stages."""
 
     kind = "step"
 
     def __init__(
-        self,
-        forward: Callable[..., torch.Tensor],
-        device: torch.device,
-        row_sizes: list[int],
-        max_blocks_per_seq: int,
-        input_fields: dict[str, tuple[torch.dtype, int, int]],
-        stage_embeddings: Callable[[list[int], int], None] | None = None,
-        stage_capacity: int | None = None,
+        self, forward, device, row_sizes, max_blocks_per_seq, input_fields, stage_embeddings=None, stage_capacity=None
     ):
         self.forward = forward
         self.device = device
@@ -139,20 +132,21 @@ class _StepGraphs:
 
     def run(
         self,
-        key: tuple[int, int],
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        context_lens: list[int],
-        tables: list[list[int]],
-        kv_pages: list[KVPages],
-        pages_version: int | None = None,
-        device_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+        key,
+        input_ids,
+        positions,
+        slots,
+        context_lens,
+        tables,
+        kv_pages,
+        pages_version=None,
+        device_input_ids=None,
+    ):
         """The step's logits ([S, vocab] decode, [1, vocab] prefill) from the graph for `key`,
         captured first if need be (None if it cannot be): a view of the shared buffer, valid
-        until the next replay. device_input_ids: a queued decode step's ids on the device.
-        Page addresses are re-read only when `pages_version` changes."""
+        until the next replay. The host lists are ModelRunner.gather's; device_input_ids [S]:
+        a queued decode step's ids on the device. Page addresses (kv_pages) are re-read only
+        when `pages_version` changes."""
         if device_input_ids is not None and self.stage_embeddings is not None:
             raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, context_lens, tables, *key)
