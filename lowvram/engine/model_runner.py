@@ -123,7 +123,22 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """Run `batch`; each sequence's next token (None for a prompt chunk with more to come)."""
-        launched = self._take_queued(batch)
+        # The queued step, narrowed to `batch`'s rows, when it computed what `batch` asks.
+        launched, queued, self._queued = None, self._queued, None
+        if queued is not None:
+            row_of = {seq.seq_id: row for row, seq in enumerate(queued.batch.seqs)}
+            rows = [row_of.get(seq.seq_id) for seq in batch.seqs]
+            is_match = not batch.is_prefill and all(
+                row is not None and queued.batch.positions[row] == p for row, p in zip(rows, batch.positions)
+            )
+            queued.rewind(set(queued.rows) - set(rows) if is_match else queued.rows)
+            if is_match and rows == queued.rows:
+                launched = replace(queued, batch=batch)
+            elif is_match:
+                picked = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
+                launched = _Launched(
+                    batch, list(range(len(rows))), None, picked, queued.host_tokens, queued.copied, picked=rows
+                )
         is_queued = launched is not None
         if launched is None:
             launched = self._launch(batch)
@@ -145,26 +160,6 @@ class ModelRunner:
         if self._queued is not None:
             self._queued.rewind(self._queued.rows)
             self._queued = None
-
-    def _take_queued(self, batch: ScheduledBatch) -> _Launched | None:
-        """The queued step, narrowed to `batch`'s rows, when it computed what `batch` asks."""
-        queued, self._queued = self._queued, None
-        if queued is None:
-            return None
-        row_of = {seq.seq_id: row for row, seq in enumerate(queued.batch.seqs)}
-        rows = [row_of.get(seq.seq_id) for seq in batch.seqs]
-        is_match = not batch.is_prefill and all(
-            row is not None and queued.batch.positions[row] == position for row, position in zip(rows, batch.positions)
-        )
-        queued.rewind(set(queued.rows) - set(rows) if is_match else queued.rows)
-        if not is_match:
-            return None
-        if rows == queued.rows:
-            return replace(queued, batch=batch)
-        device_tokens = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
-        return _Launched(
-            batch, list(range(len(rows))), None, device_tokens, queued.host_tokens, queued.copied, picked=rows
-        )
 
     def _can_queue_after(self, launched: _Launched) -> bool:
         """Whether the next step can be queued before `launched`'s tokens are read: a steady decode
