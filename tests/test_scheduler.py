@@ -119,7 +119,7 @@ def test_finish_frees_pages_of_waiting_and_running():
     sched.schedule()
     sched.finish(b)  # aborted while waiting
     sched.finish(a)  # aborted while running
-    assert bm.num_free_blocks == 8 and sched.num_unfinished == 0
+    assert bm.num_free_blocks == 8 and not sched.waiting and not sched.running
 
 
 def test_lowering_the_batch_limit_preempts_the_newest_and_raising_it_readmits():

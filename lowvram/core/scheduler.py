@@ -60,10 +60,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
         if batch.is_empty:
@@ -91,13 +87,11 @@ class Scheduler:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
                 budget -= self._try_add(batch, seq, budget)
         while budget > 0 and self.may_admit():
-            seq = self.waiting[0]
-            took = self._try_add(batch, seq, budget)
+            took = self._try_add(batch, self.waiting[0], budget)
             if not took:
                 break
             budget -= took
-            self.waiting.popleft()
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
         return batch
 
     def may_admit(self) -> bool:

@@ -219,7 +219,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-probability of each token given those before it, computed through the cache as a prefill."""
