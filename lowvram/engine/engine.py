@@ -129,26 +129,17 @@ class LLMEngine:
         # A unified-memory pool may hold a sequence longer than its device share; others may not.
         host_blocks = host_kv_blocks(self.config, p, element_bytes, self.device.type)
         plan_args = (self.config, p, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.kv_plan = plan = plan_kv(
-            *plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held
-        )
-        self.kv_precision = "fp16" if p.kv_precision == "auto" else p.kv_precision
+        kind = self.device.type
+        self.kv_plan = plan = plan_kv(*plan_args, device_type=kind, host_blocks=host_blocks, held_bytes=held)
+        self.kv_precision = precision = "fp16" if p.kv_precision == "auto" else p.kv_precision
         # Batch-invariant mode may not compress: a request would decode unlike it does alone.
-        self.min_kv_precision = self.kv_precision if p.batch_invariant else KV_LADDER[-1]
-        self.kv_pool = create_kv_pool(
-            self.config,
-            p,
-            plan.num_blocks,
-            self.device,
-            self.dtype,
-            self.kv_precision,
-            max_model_len=self.max_model_len,
-        )
+        self.min_kv_precision = precision if p.batch_invariant else KV_LADDER[-1]
+        pool_args = (self.config, p, plan.num_blocks, self.device, self.dtype, precision)
+        self.kv_pool = create_kv_pool(*pool_args, max_model_len=self.max_model_len)
         if host_blocks and not self.kv_pool.can_read_host:
-            plan_kv(*plan_args, device_type=self.device.type, held_bytes=held)  # the error, if it is one
-        self.block_manager = BlockManager(
-            self.kv_pool.num_blocks, plan.block_size, enable_prefix_caching=p.enable_prefix_caching
-        )
+            plan_kv(*plan_args, device_type=kind, held_bytes=held)  # the error, if it is one
+        caching = p.enable_prefix_caching
+        self.block_manager = BlockManager(self.kv_pool.num_blocks, plan.block_size, enable_prefix_caching=caching)
         # Pipelined decode overlaps the host's work with the next step; a CPU has nothing to overlap.
         self.pipelines_decode = self.device.type == "cuda" and p.pipelined_decode
         lookahead = int(self.pipelines_decode)
@@ -353,12 +344,9 @@ class LLMEngine:
             len(self.scheduler.waiting),
             kv_bytes_by_precision={p: num_live * self._page_bytes(p) for p in KV_LADDER},
         )
+        p = self.profile
         self.controller_state, events = decide(
-            self.controller_state,
-            obs,
-            self.profile.controller,
-            max_num_seqs=self.profile.max_num_seqs,
-            min_precision=self.min_kv_precision,
+            self.controller_state, obs, p.controller, max_num_seqs=p.max_num_seqs, min_precision=self.min_kv_precision
         )
         for event in events:
             self._apply(event)
