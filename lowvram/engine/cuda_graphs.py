@@ -103,15 +103,8 @@ class _StepGraphs:
         self.stage_embeddings = stage_embeddings
         self.stage_capacity = stage_capacity or max_rows
         self._replayed = torch.cuda.Event() if stage_embeddings is not None else None
-        self.staged = StagedInputs(
-            {
-                "input_ids": (torch.long, max_rows, 0),
-                "positions": (torch.long, max_rows, 0),
-                "slot_mapping": (torch.long, max_rows, -1),
-                **input_fields,
-            },
-            device,
-        )
+        per_row = {"input_ids": (torch.long, max_rows, 0), "positions": (torch.long, max_rows, 0)}
+        self.staged = StagedInputs({**per_row, "slot_mapping": (torch.long, max_rows, -1), **input_fields}, device)
         for name, tensor in self.staged.inputs.items():  # self.input_ids, self.positions, ...
             setattr(self, name, tensor)
         self.logits: torch.Tensor | None = None  # [max_logit_rows, vocab] float32, made at the first capture
