@@ -116,45 +116,37 @@ def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, 
 
 
 def decide(
-    state: ControllerState,
-    obs: Observation,
-    config: ControllerConfig,
-    *,
-    max_num_seqs: int,
-    min_precision: str = "int4",
+    state: ControllerState, obs: Observation, cfg: ControllerConfig, *, max_num_seqs: int, min_precision: str = "int4"
 ) -> tuple[ControllerState, list[Event]]:
     """One controller step. Returns the new state and the events it decided (0 or 1)."""
-    if not config.is_enabled:
+    if not cfg.is_enabled:
         return state, []
     mem = obs.memory_used_bytes / obs.memory_budget_bytes if obs.memory_budget_bytes else 0.0
     latency = obs.token_latency_ms
-    is_memory_high = mem > config.memory_high_water
-    is_latency_high = latency is not None and latency > config.latency_high_ms
-    is_calm = mem < config.memory_low_water and (latency is None or latency < config.latency_low_ms)
-    state = replace(  # one copy a step: every decode step comes through here
-        state,
-        memory_streak=state.memory_streak + 1 if is_memory_high else 0,
-        latency_streak=(state.latency_streak + 1 if is_latency_high else 0)
-        if latency is not None
-        else state.latency_streak,
-        calm_streak=state.calm_streak + 1 if is_calm else 0,
-    )
+    is_calm = mem < cfg.memory_low_water and (latency is None or latency < cfg.latency_low_ms)
+    latency_streak = state.latency_streak
+    if latency is not None:
+        latency_streak = latency_streak + 1 if latency > cfg.latency_high_ms else 0
+    memory_streak = state.memory_streak + 1 if mem > cfg.memory_high_water else 0
+    calm_streak = state.calm_streak + 1 if is_calm else 0
+    # One copy a step: every decode step comes through here.
+    state = replace(state, memory_streak=memory_streak, latency_streak=latency_streak, calm_streak=calm_streak)
     step = None
-    if state.memory_streak >= config.patience_tokens:
+    if state.memory_streak >= cfg.patience_tokens:
         step = _escalate_memory(state, max_num_seqs, min_precision)
-        reason = f"memory {100 * mem:.0f}% of budget > high water {100 * config.memory_high_water:.0f}%"
-    elif latency is not None and state.latency_streak >= config.patience_tokens:
+        reason = f"memory {100 * mem:.0f}% of budget > high water {100 * cfg.memory_high_water:.0f}%"
+    elif latency is not None and state.latency_streak >= cfg.patience_tokens:
         step = _escalate_batch(state, max_num_seqs)
-        reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
+        reason = f"token latency {latency:.1f} ms > {cfg.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
     elif (
-        state.calm_streak >= max(1, config.cooldown_steps)
+        state.calm_streak >= max(1, cfg.cooldown_steps)
         and state.applied
-        and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config))
+        and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, cfg))
     ):
         new_state, action, what = _relax(state, max_num_seqs)
         reason = (
-            f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
-            f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps"
+            f"memory {100 * mem:.0f}% < low water {100 * cfg.memory_low_water:.0f}% and latency below "
+            f"{cfg.latency_low_ms:.1f} ms for {state.calm_streak} steps"
         )
         new_state = replace(new_state, calm_streak=0)
         return new_state, [Event(obs.step, action, f"{what}: {reason}", new_state.mode)]
