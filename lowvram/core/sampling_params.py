@@ -36,8 +36,7 @@ class SamplingParams:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
             raise RequestError(
-                f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
-                f"or at least {MIN_TEMPERATURE}"
+                f"temperature = {self.temperature!r} is too small; use 0 for greedy or at least {MIN_TEMPERATURE}"
             )
         checks = [
             ("temperature", self.temperature, 0.0, 100.0),
