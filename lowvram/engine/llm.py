@@ -28,15 +28,13 @@ class LLM:
 
     def _add(self, params: SamplingParams, prompt: PromptType | None = None, messages: list[dict] | None = None) -> str:
         request_id = f"offline-{next(self._ids)}"
+        ids = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                self.engine.add_request(request_id, None, params, prompt_token_ids=list(prompt["prompt_token_ids"]))
-            elif "prompt" in prompt:
-                self.engine.add_request(request_id, prompt["prompt"], params)
-            else:
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        else:
-            self.engine.add_request(request_id, prompt, params, messages=messages)
+            ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else None
+            prompt = None if ids is not None else prompt["prompt"]
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids, messages=messages)
         return request_id
 
     def _run(self, items: list, sampling_params, is_chat: bool) -> list[RequestOutput]:
