@@ -132,16 +132,13 @@ class Scheduler:
                 continue
             num_tokens = seq.num_tokens
             if bm.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
-                while not bm.can_allocate(seq.seq_id, num_tokens):
-                    batch.preempted.append(victim := self.preempt())
-                    if victim is seq:
-                        break
+                while seq in self.running and not bm.can_allocate(seq.seq_id, num_tokens):
+                    batch.preempted.append(self.preempt())
                 if seq not in self.running:
                     continue
                 bm.allocate(seq.seq_id, num_tokens)
-            ahead = num_tokens + self.num_lookahead_tokens
-            if ahead > num_tokens and bm.can_allocate(seq.seq_id, ahead):
-                bm.allocate(seq.seq_id, ahead)
+            if self.num_lookahead_tokens and bm.can_allocate(seq.seq_id, num_tokens + self.num_lookahead_tokens):
+                bm.allocate(seq.seq_id, num_tokens + self.num_lookahead_tokens)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(1)
         batch.is_steady = bool(batch.seqs) and len(batch.seqs) == len(self.running) and not self.may_admit()
