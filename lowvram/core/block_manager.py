@@ -1,7 +1,6 @@
-"""KV page bookkeeping and prefix caching (after vLLM's). A full page is named by a hash of
-its tokens chained with the previous page's (tokens compared on a match, so a collision never
-reuses wrong KV); freed pages with known content stay cached, LRU, and count as free; a
-finished sequence's partial last page is reused by copy-on-write. Allocation is deterministic."""
+"""KV page bookkeeping and prefix caching (after vLLM's): full pages named by a chained hash of
+their tokens (compared on a match), freed pages cached LRU and counted free, a finished
+sequence's partial last page reused by copy-on-write. Allocation order is deterministic."""
 
 from __future__ import annotations
 

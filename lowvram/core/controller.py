@@ -1,9 +1,7 @@
-"""The feedback controller: a pure function (state, observation) -> (state, events) that keeps
-a 4 GB card out of OOM and per-token latency near target. After `patience_tokens` pressured
-observations it takes one rung - memory: compress KV (fp16 -> int8 -> int4), spill, halve the
-batch, throttle; latency: halve the batch, throttle - and undoes the last after `cooldown_steps`
-calm ones (hysteresis between the marks). KV precision is raised only when the projected size
-stays below the low mark, or a long context would flip back and forth. Nothing drops a request."""
+"""The feedback controller, a pure (state, observation) -> (state, events) function keeping a small
+card out of OOM and latency near target: after `patience_tokens` pressured steps one rung (KV
+fp16 -> int8 -> int4, spill, halve the batch, throttle; latency: the last two), undone after
+`cooldown_steps` calm ones, KV only when its projected size stays calm. Nothing drops a request."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Which sequences run in the next step, and with how many tokens (no torch). A prefill step
-chunks prompts under the token budget; a decode step takes one token per running sequence and,
-short of pages, preempts the newest (recomputed later: cheaper than swapping at these sizes).
-`num_lookahead_tokens` also takes the page the next token needs, for pipelined decode."""
+"""Which sequences run next, with how many tokens: prefill steps chunked under the token budget,
+or decode steps of one token each that preempt the newest sequences (recomputed later) when
+pages run out. `num_lookahead_tokens` also takes the next step's page, for pipelined decode."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Which KV pages stay on the device and which spill to the host (no torch). A step reads each
-scheduled table first page to last, so old positions go first; each sequence's last
-`num_hot_blocks` pages are hot while it holds pages. Eviction: never-read pages (by id), then
-cold LRU-first, then hot; admission is the reverse. Reads are written down lazily, per
-sequence run, only when an order is asked for or the run ends."""
+"""Which KV pages stay on the device (no torch): evict never-read pages (by id), then cold ones
+LRU-first, then each sequence's last `num_hot_blocks`; admit in the reverse order. Reads are
+written down lazily, per run of a growing table, only when an order is asked for."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """CUDA graphs of decode steps and short prefills: one replay instead of hundreds of launches.
-Inputs live in static buffers (StagedInputs); padding rows write no KV (slot -1) and attend to
-nothing. One graph per (rows, table width) bucket, widths x4 from 64 pages; all dropped when the
-pool reallocates its pages. Graphs share one memory pool, one logits buffer (replays hand out a
-view) and one capture stream per device (torch keeps ~32 MiB of cuBLAS workspace per stream).
-Anything no graph holds, or whose capture failed, runs eagerly."""
+Inputs live in static buffers (padding rows write no KV and read nothing); one graph per (rows,
+table width) bucket, dropped when the pool reallocates its pages; graphs share a memory pool, a
+logits buffer and one capture stream per device (each stream keeps ~32 MiB of cuBLAS workspace)."""
 
 from __future__ import annotations
 

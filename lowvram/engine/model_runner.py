@@ -1,9 +1,7 @@
-"""Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token.
-A batch's pages are made resident first; meanwhile the next step's likely pages are prefetched
-(sequences not in this step, or the next part of a batch split to fit the device share).
-Pipelined decode: a steady decode step sampled on the device queues the next step on its
-device tokens before the host reads them; used if the next step asks for exactly that, else
-dropped (seeded generators wound back)."""
+"""Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token,
+making the batch's pages resident and prefetching the next step's. Pipelined decode: a steady
+step sampled on the device queues the next one on its device tokens before the host reads
+them; the next step uses it if it asks for exactly that, else drops it."""
 
 from __future__ import annotations
 
