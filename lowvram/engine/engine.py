@@ -373,9 +373,8 @@ class LLMEngine:
             except OutOfMemoryError as exc:
                 note = f"; not applied: {exc}"
         elif kind == "spill" and value and self.kv_pool.can_spill:
-            cold = list(self.block_manager.cached_free) + [
-                b for seq in self.scheduler.waiting for b in self.block_manager.block_table(seq.seq_id)
-            ]
+            bm = self.block_manager
+            cold = list(bm.cached_free) + [b for seq in self.scheduler.waiting for b in bm.block_table(seq.seq_id)]
             note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
         elif kind == "spill" and value:
             note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
@@ -431,12 +430,11 @@ class LLMEngine:
         self.runner.drop_queued()  # it would run over what changes
         from lowvram.kv.pool import recent_window_blocks
 
-        free = set(self.block_manager.free_blocks)
-        used = [b for b in range(self.block_manager.num_blocks) if b not in free]
-        running = [
-            (self.block_manager.block_table(seq.seq_id), seq.num_computed_tokens) for seq in self.scheduler.running
-        ]
-        recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, self.block_manager.block_size)
+        bm = self.block_manager
+        free = set(bm.free_blocks)
+        used = [b for b in range(bm.num_blocks) if b not in free]
+        running = [(bm.block_table(seq.seq_id), seq.num_computed_tokens) for seq in self.scheduler.running]
+        recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, bm.block_size)
         freed = self.kv_pool.set_precision(precision, used, fp16_block_ids=recent)
         self.kv_precision = precision
         self._allocated_reading = None  # the pool's pages were reallocated
