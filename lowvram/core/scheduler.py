@@ -29,10 +29,6 @@ class ScheduledBatch:
     positions: list[int] = field(default_factory=list)
     is_steady: bool = False
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
 
 class Scheduler:
     def __init__(
@@ -61,9 +57,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
-        if batch.is_empty:
+        if not batch.seqs:
             batch = self._schedule_decode()
-        if batch.is_empty and len(self.running) > 1:
+        if not batch.seqs and len(self.running) > 1:
             # All running sequences wait for pages mid-prefill: the newest yields (each fits alone).
             victim = self.preempt()
             batch = self.schedule()

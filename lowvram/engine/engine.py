@@ -240,7 +240,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
-        if batch.is_empty:
+        if not batch.seqs:
             return []
         start = time.perf_counter()
         num_captures = self.runner.num_graph_captures
