@@ -122,28 +122,19 @@ class _StepGraphs:
         return rows, width
 
     def run(
-        self,
-        key,
-        input_ids,
-        positions,
-        slots,
-        context_lens,
-        tables,
-        kv_pages,
-        pages_version=None,
-        device_input_ids=None,
+        self, key, input_ids, positions, slots, context_lens, tables, kv_pages, version=None, device_input_ids=None
     ):
         """The step's logits ([S, vocab] decode, [1, vocab] prefill) from the graph for `key`,
         captured first if need be (None if it cannot be): a view of the shared buffer, valid
         until the next replay. The host lists are ModelRunner.gather's; device_input_ids [S]:
         a queued decode step's ids on the device. Page addresses (kv_pages) are re-read only
-        when `pages_version` changes."""
+        when `version` (the pool's pages_version) changes."""
         if device_input_ids is not None and self.stage_embeddings is not None:
             raise ValueError("staged embedding rows need the input ids on the host")
         self._fill(input_ids, positions, slots, context_lens, tables, *key)
         if device_input_ids is not None:
             self.input_ids[: len(input_ids)].copy_(device_input_ids)
-        if pages_version is None or pages_version != self.pages_version:
+        if version is None or version != self.pages_version:
             signature = tuple(  # the device addresses a graph bakes in
                 t.data_ptr() for pages in kv_pages for t in vars(pages).values() if isinstance(t, torch.Tensor)
             )
@@ -153,10 +144,33 @@ class _StepGraphs:
                 self.graphs.clear()
                 self.pool = None
                 self.signature = signature
-            self.pages_version = pages_version
-        graph = self.graphs.get(key) or self._capture(key, kv_pages)
+            self.pages_version = version
+        graph = self.graphs.get(key)
         if graph is None:
-            return None
+            try:
+                # An eager run first compiles the Triton kernels and settles the allocator, as no capture may.
+                stream = capture_stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    warm = self._logits_of(key, kv_pages)
+                    num_rows, vocab_size, dtype = warm.shape[0], warm.shape[-1], warm.dtype
+                    del warm
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                if self.logits is None:  # on the engine's stream, which reads it after every replay
+                    self.logits = torch.empty((self.max_logit_rows, vocab_size), dtype=dtype, device=self.device)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the server's and the chat's other threads may call CUDA meanwhile.
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                    self.logits[:num_rows].copy_(self._logits_of(key, kv_pages))
+            except Exception as exc:  # a capture failure costs speed, never the request
+                self.failed.add(key)
+                log.warning("%s graph for %s could not be captured (%s); that bucket runs eagerly", self.kind, key, exc)
+                return None
+            # The capture run wrote nothing real: its inputs are this step's, replayed next.
+            self.graphs[key] = graph
+            self.num_captures += 1
         graph.replay()
         if self._replayed is not None:
             self._replayed.record()
@@ -181,33 +195,6 @@ class _StepGraphs:
     def _logits_of(self, key: tuple[int, int], kv_pages: list[KVPages]) -> torch.Tensor:
         """The captured computation: logits [rows of key, vocab] from the static inputs."""
         raise NotImplementedError
-
-    def _capture(self, key: tuple[int, int], kv_pages: list[KVPages]):
-        try:
-            # An eager run first compiles the Triton kernels and settles the allocator, as no capture may.
-            stream = capture_stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                warm = self._logits_of(key, kv_pages)
-                num_rows, vocab_size, dtype = warm.shape[0], warm.shape[-1], warm.dtype
-                del warm
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self.logits is None:  # on the engine's stream, which reads it after every replay
-                self.logits = torch.empty((self.max_logit_rows, vocab_size), dtype=dtype, device=self.device)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the server's and the chat's other threads may call CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                self.logits[:num_rows].copy_(self._logits_of(key, kv_pages))
-        except Exception as exc:  # a capture failure costs speed, never the request
-            self.failed.add(key)
-            log.warning("%s graph for %s could not be captured (%s); that bucket runs eagerly", self.kind, key, exc)
-            return None
-        # The capture run wrote nothing real: its inputs are this step's, replayed next.
-        self.graphs[key] = graph
-        self.num_captures += 1
-        return graph
 
 
 class DecodeGraphs(_StepGraphs):
