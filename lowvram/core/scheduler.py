@@ -47,16 +47,24 @@ class Scheduler:
     def set_batch_limit(self, limit: int) -> list[Sequence]:
         """Lower or raise the number of running sequences; returns those preempted to fit."""
         self.batch_limit = max(1, min(limit, self.max_num_seqs))
-        preempted = []
-        while len(self.running) > self.batch_limit:
-            preempted.append(self.preempt())
-        return preempted
+        return [self.preempt() for _ in range(len(self.running) - self.batch_limit)]
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
+        batch = ScheduledBatch(is_prefill=True)
+        budget = self.max_num_batched_tokens
+        # Sequences already running but not fully computed (chunked prefill) go first.
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                budget -= self._try_add(batch, seq, budget)
+        while budget > 0 and self.may_admit():
+            took = self._try_add(batch, self.waiting[0], budget)
+            if not took:
+                break
+            budget -= took
+            self.running.append(self.waiting.popleft())
         if not batch.seqs:
             batch = self._schedule_decode()
         if not batch.seqs and len(self.running) > 1:
@@ -72,21 +80,6 @@ class Scheduler:
         batch.positions = [seq.num_computed_tokens for seq in batch.seqs]
         batch.live_tables = self.block_manager.tables
         batch.free_block_ids = self.block_manager.free_blocks
-        return batch
-
-    def _schedule_prefill(self) -> ScheduledBatch:
-        batch = ScheduledBatch(is_prefill=True)
-        budget = self.max_num_batched_tokens
-        # Sequences already running but not fully computed (chunked prefill) go first.
-        for seq in self.running:
-            if seq.num_uncomputed_tokens > 1 and budget > 0:
-                budget -= self._try_add(batch, seq, budget)
-        while budget > 0 and self.may_admit():
-            took = self._try_add(batch, self.waiting[0], budget)
-            if not took:
-                break
-            budget -= took
-            self.running.append(self.waiting.popleft())
         return batch
 
     def may_admit(self) -> bool:
