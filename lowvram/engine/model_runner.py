@@ -79,20 +79,18 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
-            max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
+            max_blocks = -(-max(max_model_len, 1) // self.block_size)  # of the longest context
             # The rotary tables must not be replaced after a graph captured them.
-            model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
+            model.reserve_positions(max_blocks * self.block_size, self.device)
             # A host-memory embedding table the GPU cannot read has each replay's rows staged.
             embed = model.model.embed_tokens
             stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
             capacity = max(max_num_seqs, prefill_tokens)  # one staging buffer serves both
             staging = dict(stage_embeddings=stage, stage_capacity=capacity)
-            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks_per_seq, self.device, **staging)
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks, self.device, **staging)
             if prefill_tokens > 0:
-                self.prefill_graphs = PrefillGraphs(
-                    self._logits, prefill_tokens, max_blocks_per_seq, self.device, **staging
-                )
+                self.prefill_graphs = PrefillGraphs(self._logits, prefill_tokens, max_blocks, self.device, **staging)
 
     @property
     def num_graph_captures(self) -> int:
@@ -100,11 +98,7 @@ class ModelRunner:
 
     def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
         """Host lists: token ids, positions, KV slots per new token; context length, device table per sequence."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        input_ids, positions, slots, context_lens, tables = [], [], [], [], []
         for seq, start, num_new, block_table in zip(
             batch.seqs, batch.positions, batch.num_new_tokens, batch.block_tables
         ):
