@@ -27,33 +27,27 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    prompt_ids: list[int],
-    output_ids: list[int],
+    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None, prompt: list[int], output: list[int]
 ) -> int:
     """Pick the next token from one row of FP32 logits [V]. Repetition penalty as in CTRL/HF,
     presence/frequency penalties as in OpenAI."""
     # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         if seen.numel():
-            picked = logits[seen]
-            logits[seen] = torch.where(
-                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
-            )
-    if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+            picked, penalty = logits[seen], params.repetition_penalty
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        ids, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    if generator is not None and probs.device != generator.device:
+    if rng is not None and probs.device != rng.device:
         # A seeded request draws from its own host generator, alike on any device and batch.
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = probs.to(rng.device)
+    return int(torch.multinomial(probs, 1, generator=rng))
 
 
 def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
