@@ -14,6 +14,7 @@ from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import RequestError
 
 PromptType = str | dict
+ParamsType = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
@@ -37,7 +38,7 @@ class LLM:
         self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids, messages=messages)
         return request_id
 
-    def _run(self, items: list, sampling_params, is_chat: bool) -> list[RequestOutput]:
+    def _run(self, items: list, sampling_params: ParamsType, is_chat: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(items)
         elif len(sampling_params) != len(items):
@@ -58,18 +59,12 @@ class LLM:
         return [final[r] for r in request_ids]
 
     def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        self, prompts: PromptType | Sequence[PromptType], sampling_params: ParamsType = None
     ) -> list[RequestOutput]:
         """Generate for one or many prompts (batched together); outputs in prompt order."""
         return self._run([prompts] if isinstance(prompts, (str, dict)) else prompts, sampling_params, False)
 
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: ParamsType = None) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run(conversations, sampling_params, True)
