@@ -117,9 +117,7 @@ class _StepGraphs:
     def bucket(self, num_rows: int, num_table_blocks: int) -> tuple[int, int] | None:
         """The graph key for these rows over tables of these widths; None when no graph holds them."""
         rows, width = _bucket(num_rows, self.row_sizes), _bucket(num_table_blocks, self.table_widths)
-        if rows is None or width is None or (rows, width) in self.failed:
-            return None
-        return rows, width
+        return None if rows is None or width is None or (rows, width) in self.failed else (rows, width)
 
     def run(
         self, key, input_ids, positions, slots, context_lens, tables, kv_pages, version=None, device_input_ids=None
@@ -180,12 +178,11 @@ class _StepGraphs:
     def _fill_rows(self, size: int, input_ids: list[int], positions: list[int], slots: list[int]) -> dict:
         host = self.staged.host()
         num_rows = len(input_ids)
-        host["input_ids"][:num_rows] = input_ids
-        host["input_ids"][num_rows:size] = 0
-        host["positions"][:num_rows] = positions
-        host["positions"][num_rows:size] = 0
-        host["slot_mapping"][:num_rows] = slots
-        host["slot_mapping"][num_rows:size] = -1
+        for name, values, pad in zip(
+            ("input_ids", "positions", "slot_mapping"), (input_ids, positions, slots), (0, 0, -1)
+        ):
+            host[name][:num_rows] = values
+            host[name][num_rows:size] = pad  # padding rows store no KV (slot -1)
         if self.stage_embeddings is not None:
             # The last replay (of either kind: every step's tokens are read) has read the staged rows.
             self._replayed.synchronize()

@@ -15,8 +15,7 @@ class Tokenizer:
     """Wraps the checkpoint's Hugging Face tokenizer."""
 
     def __init__(self, model_dir: Path):
-        has_files = any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-        if not has_files:
+        if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise ModelLoadError(
                 f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json"
             )
