@@ -49,9 +49,6 @@ class Scheduler:
         self.batch_limit = max(1, min(limit, self.max_num_seqs))
         return [self.preempt() for _ in range(len(self.running) - self.batch_limit)]
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=True)
         budget = self.max_num_batched_tokens

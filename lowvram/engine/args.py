@@ -6,7 +6,6 @@ import argparse
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The options every command that builds an engine takes (generate, chat, serve)."""
     p.add_argument("--model", "-m", help="local model directory or hub id (default: the bundled demo model)")
     p.add_argument("--profile", help="2gb, 4gb, 6gb, 8gb, cpu or a YAML profile (default: 4gb with CUDA, else cpu)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="override the profile's device")

@@ -85,10 +85,9 @@ class AsyncLLMEngine:
         try:
             while not is_finished:
                 item = await stream.get()
+                is_finished = isinstance(item, BaseException) or item.finished
                 if isinstance(item, BaseException):  # the request could not run
-                    is_finished = True
                     raise item
-                is_finished = item.finished
                 yield item
         finally:
             if not is_finished:

@@ -197,7 +197,7 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, prompt, ids, params, Detokenizer(self.tokenizer), generator)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its pages. Returns False if it was unknown or done."""
