@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from lowvram.errors import RequestError
 
-# Dividing logits by less than this overflows FP32 to inf and sampling breaks.
-MIN_TEMPERATURE = 0.01
+MIN_TEMPERATURE = 0.01  # dividing logits by less overflows FP32 to inf and sampling breaks
 
 
 @dataclass

@@ -16,8 +16,7 @@ from lowvram.kv.attention import AttentionMetadata
 
 log = logging.getLogger("lowvram.engine.cuda_graphs")
 
-# Short prompts' first token is launch-bound, long ones' not; a pool keeps its largest bucket.
-MAX_PREFILL_GRAPH_TOKENS = 512
+MAX_PREFILL_GRAPH_TOKENS = 512  # short prompts are launch-bound, long ones not; a pool keeps its largest bucket
 
 
 def geometric_buckets(first: int, factor: int, largest: int) -> list[int]:

@@ -30,8 +30,7 @@ from lowvram.models.loader import resolve_model_path
 
 log = logging.getLogger("lowvram")
 
-# Decode steps between two readings of the allocator's counters by the controller.
-ALLOCATOR_READ_EVERY_STEPS = 16
+ALLOCATOR_READ_EVERY_STEPS = 16  # decode steps between the controller's readings of the allocator
 
 
 @dataclass
