@@ -127,9 +127,9 @@ class ModelRunner:
             if is_match and rows == queued.rows:
                 launched = replace(queued, batch=batch)
             elif is_match:
-                picked = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
+                narrowed = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
                 launched = _Launched(
-                    batch, list(range(len(rows))), None, picked, queued.host_tokens, queued.copied, picked=rows
+                    batch, list(range(len(rows))), None, narrowed, queued.host_tokens, queued.copied, picked=rows
                 )
         is_queued = launched is not None
         if launched is None:
