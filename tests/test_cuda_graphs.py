@@ -45,8 +45,8 @@ def test_prefill_graphs_take_one_sequence_of_up_to_their_largest_bucket():
 def test_decode_inputs_are_staged_into_the_static_tensors_with_padding_rows_emptied():
     graphs = DecodeGraphs(lambda *a: None, max_num_seqs=4, max_blocks_per_seq=300, device=torch.device("cpu"))
     # A full batch over wide tables first, so the smaller step after it has stale values to overwrite.
-    graphs._fill([1, 2, 3, 4], [70, 71, 72, 73], [5, 6, 7, 8], [list(range(10, 80))] * 4, [71, 72, 73, 74], 4, 256)
-    graphs._fill([11, 12, 13], [3, 40, 5], [33, 640, 85], [[2], [4, 5, 6], [9]], [4, 41, 6], 4, 64)
+    graphs._fill([1, 2, 3, 4], [70, 71, 72, 73], [5, 6, 7, 8], [71, 72, 73, 74], [list(range(10, 80))] * 4, 4, 256)
+    graphs._fill([11, 12, 13], [3, 40, 5], [33, 640, 85], [4, 41, 6], [[2], [4, 5, 6], [9]], 4, 64)
     assert graphs.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert graphs.positions[:4].tolist() == [3, 40, 5, 0]
     assert graphs.slot_mapping[:4].tolist() == [33, 640, 85, -1]  # the padding row stores no KV
@@ -59,8 +59,8 @@ def test_decode_inputs_are_staged_into_the_static_tensors_with_padding_rows_empt
 
 def test_prefill_inputs_are_staged_with_an_empty_padding_sequence():
     graphs = PrefillGraphs(lambda *a: None, max_tokens=128, max_blocks_per_seq=300, device=torch.device("cpu"))
-    graphs._fill(list(range(100)), list(range(100)), list(range(100)), list(range(80)), 100, 128, 256)
-    graphs._fill([7, 8, 9], [16, 17, 18], [160, 161, 162], [3, 4], 19, 64, 64)
+    graphs._fill(list(range(100)), list(range(100)), list(range(100)), [100], [list(range(80))], 128, 256)
+    graphs._fill([7, 8, 9], [16, 17, 18], [160, 161, 162], [19], [[3, 4]], 64, 64)
     assert graphs.input_ids[:5].tolist() == [7, 8, 9, 0, 0] and not graphs.input_ids[3:64].any()
     assert graphs.positions[:4].tolist() == [16, 17, 18, 0]
     assert graphs.slot_mapping[:3].tolist() == [160, 161, 162] and (graphs.slot_mapping[3:64] == -1).all()
@@ -174,11 +174,11 @@ def test_replays_queued_faster_than_the_gpu_runs_each_read_their_own_inputs(tiny
     token_ids = [(37 * i) % (engine.config.vocab_size - 10) + 5 for i in range(24)]
     # Every step writes its own token's KV at position 40 before reading it: steps are independent.
     with torch.inference_mode():
-        runner.graphs.run(key, [token_ids[0]], [40], [slot], [table], [41], runner.kv_pool.pages)  # captures
+        runner.graphs.run(key, [token_ids[0]], [40], [slot], [41], [table], runner.kv_pool.pages)  # captures
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of every copy below
         replayed = [
-            runner.graphs.run(key, [t], [40], [slot], [table], [41], runner.kv_pool.pages).clone() for t in token_ids
+            runner.graphs.run(key, [t], [40], [slot], [41], [table], runner.kv_pool.pages).clone() for t in token_ids
         ]
         eager = []
         dev = engine.device

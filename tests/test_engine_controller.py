@@ -187,7 +187,7 @@ def test_device_memory_growth_reaches_the_controller_though_decode_steps_read_th
     """A reading of the allocator's counters costs a noticeable share of a graph-replayed
     decode step, so decode steps read them every ALLOCATOR_READ_EVERY_STEPS steps; memory
     that grows meanwhile still reaches the controller within that many steps."""
-    from lowvram.engine.control import ALLOCATOR_READ_EVERY_STEPS
+    from lowvram.engine.engine import ALLOCATOR_READ_EVERY_STEPS
 
     llm = LLM(str(tiny_qwen2_dir), _profile())
     engine = llm.engine

@@ -18,7 +18,7 @@ def test_bf16_checkpoint_computes_in_fp16_on_cuda(tiny_qwen2_dir):
     assert all(p.dtype == torch.float16 for p in engine.model.parameters())
     # The 4gb profile keeps the embedding table in host memory (embeddings_on_host); the rest is on the card.
     assert table.device.type == "cpu" and all(p.is_cuda for p in engine.model.parameters() if p is not table)
-    assert engine.runner.kv_pages[0].k.dtype == torch.float16
+    assert engine.kv_pool.pages[0].k.dtype == torch.float16
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])

@@ -1,7 +1,7 @@
 from lowvram.core.block_manager import BlockManager
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import Scheduler
-from lowvram.core.sequence import Sequence, SequenceStatus
+from lowvram.core.sequence import Sequence
 
 
 def _seq(seq_id: int, num_prompt: int) -> Sequence:
@@ -12,7 +12,7 @@ def _scheduler_with(block_manager: BlockManager, *seqs: Sequence) -> Scheduler:
     """A scheduler of up to 4 sequences and 100 tokens a step, with seqs added in order."""
     sched = Scheduler(block_manager, max_num_seqs=4, max_num_batched_tokens=100)
     for seq in seqs:
-        sched.add(seq)
+        sched.waiting.append(seq)
     return sched
 
 
@@ -27,8 +27,8 @@ def _finish_step(batch):
 def test_prefill_respects_token_budget_and_chunks_long_prompts():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=10)
     a, b = _seq(0, 7), _seq(1, 12)
-    sched.add(a)
-    sched.add(b)
+    sched.waiting.append(a)
+    sched.waiting.append(b)
     batch = sched.schedule()
     assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1] and batch.num_new_tokens == [7, 3]
     _finish_step(batch)
@@ -43,10 +43,10 @@ def test_max_num_seqs_limits_admission():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     seqs = [_seq(i, 3) for i in range(3)]
     for s in seqs:
-        sched.add(s)
+        sched.waiting.append(s)
     batch = sched.schedule()
     assert [s.seq_id for s in batch.seqs] == [0, 1]
-    assert seqs[2].status is SequenceStatus.WAITING
+    assert list(sched.waiting) == [seqs[2]]
 
 
 def test_decode_preempts_newest_and_resumes_it_first():
@@ -58,12 +58,12 @@ def test_decode_preempts_newest_and_resumes_it_first():
     # a needs a third page, none is free: b (newest) is preempted and its pages freed
     assert [s.seq_id for s in batch.preempted] == [1]
     assert [s.seq_id for s in batch.seqs] == [0]
-    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and bm.block_table(1) == []
+    assert b not in sched.running and b.num_computed_tokens == 0 and bm.block_table(1) == []
     assert sched.waiting[0] is b
     sched.finish(a)
     assert bm.num_free_blocks == 4
     batch = sched.schedule()  # b resumes: its first full page is a prefix-cache hit, the rest is recomputed
-    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and b.num_cached_tokens == 4
+    assert batch.is_prefill and batch.seqs == [b] and batch.num_new_tokens == [4] and batch.positions == [4]
 
 
 def test_decode_takes_a_new_page_exactly_when_the_last_one_is_full():
@@ -96,17 +96,17 @@ def test_a_new_request_starts_from_a_finished_one_s_pages():
     bm = BlockManager(16, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
     first = _seq(0, 10)
-    sched.add(first)
+    sched.waiting.append(first)
     batch = sched.schedule()
     _finish_step(batch)
     for seq, _ in zip(batch.seqs, batch.num_new_tokens):
         bm.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
     sched.finish(first)  # 10 computed tokens: 2 full pages cached + a partial page of 2
     follow = Sequence(1, "1", None, first.prompt_token_ids + [5, 9, 9], SamplingParams(), detokenizer=None)
-    sched.add(follow)
+    sched.waiting.append(follow)
     batch = sched.schedule()
     # 8 tokens shared, 2 copied from the partial page, 3 left to compute
-    assert batch.seqs == [follow] and follow.num_cached_tokens == 10 and batch.num_new_tokens == [3]
+    assert batch.seqs == [follow] and batch.positions == [10] and batch.num_new_tokens == [3]
     assert batch.copies == [(2, bm.block_table(1)[2])]
 
 
@@ -114,12 +114,12 @@ def test_finish_frees_pages_of_waiting_and_running():
     bm = BlockManager(8, 4)
     sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100)
     a, b = _seq(0, 5), _seq(1, 5)
-    sched.add(a)
-    sched.add(b)
+    sched.waiting.append(a)
+    sched.waiting.append(b)
     sched.schedule()
     sched.finish(b)  # aborted while waiting
     sched.finish(a)  # aborted while running
-    assert bm.num_free_blocks == 8 and sched.num_unfinished == 0
+    assert bm.num_free_blocks == 8 and not sched.waiting and not sched.running
 
 
 def test_lowering_the_batch_limit_preempts_the_newest_and_raising_it_readmits():
@@ -127,7 +127,7 @@ def test_lowering_the_batch_limit_preempts_the_newest_and_raising_it_readmits():
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
     seqs = [_seq(i, 3) for i in range(4)]
     for s in seqs:
-        sched.add(s)
+        sched.waiting.append(s)
     _finish_step(sched.schedule())
     assert [s.seq_id for s in sched.running] == [0, 1, 2, 3]
     preempted = sched.set_batch_limit(2)
@@ -143,10 +143,10 @@ def test_lowering_the_batch_limit_preempts_the_newest_and_raising_it_readmits():
 def test_throttling_holds_new_requests_but_not_preempted_ones():
     sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=100)
     first, second = _seq(0, 3), _seq(1, 3)
-    sched.add(first)
+    sched.waiting.append(first)
     _finish_step(sched.schedule())
     sched.is_throttled = True
-    sched.add(second)
+    sched.waiting.append(second)
     batch = sched.schedule()
     assert not batch.is_prefill and batch.seqs == [first]  # the new request waits
     assert second in sched.waiting
@@ -158,7 +158,7 @@ def test_throttling_never_starves_an_idle_engine():
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100)
     sched.is_throttled = True
     seq = _seq(0, 3)
-    sched.add(seq)
+    sched.waiting.append(seq)
     assert sched.schedule().seqs == [seq]
 
 
@@ -175,8 +175,8 @@ def test_equal_looking_sequences_are_different_requests():
     # Queues hold sequences by identity: a twin request is another entry, not the same one.
     a, twin = _seq(0, 4), _seq(0, 4)
     sched = Scheduler(BlockManager(8, 4), max_num_seqs=4, max_num_batched_tokens=100)
-    sched.add(a)
-    sched.add(twin)
+    sched.waiting.append(a)
+    sched.waiting.append(twin)
     sched.finish(twin)
     assert list(sched.waiting) == [a] and sched.waiting[0] is a and a != twin
 
@@ -188,7 +188,7 @@ def test_a_batch_carries_the_pages_the_runner_needs():
     a, b, c = _seq(0, 5), _seq(1, 3), _seq(2, 6)
     sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)
     for seq in (a, b, c):
-        sched.add(seq)
+        sched.waiting.append(seq)
     batch = sched.schedule()  # a (5 tokens) and b (3) fill the budget; c waits
     assert [s.seq_id for s in batch.seqs] == [0, 1]
     assert batch.block_tables == [[0, 1], [2]]

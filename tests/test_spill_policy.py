@@ -36,10 +36,10 @@ def test_hot_windows_survive_steps_that_do_not_schedule_the_sequence_until_it_is
     assert policy.hot_pages == {4}
 
 
-def test_never_read_pages_go_first_by_id_and_protected_pages_never():
+def test_never_read_pages_go_first_by_id():
     policy = SpillPolicy()
     policy.record_step({1: [3, 4]})
-    assert policy.eviction_order([9, 3, 2, 4], protected=[4]) == [2, 9, 3]
+    assert policy.eviction_order([9, 3, 2]) == [2, 9, 3]
     policy.clear()
     assert policy.eviction_order([4, 3]) == [3, 4]
 
@@ -127,8 +127,8 @@ def test_deferred_bookkeeping_gives_the_every_step_order(seed):
             reference.record_step(step, live_seq_ids=live)
         if rng.random() < 0.3:
             candidates = rng.sample(range(num_pages), rng.randrange(num_pages))
-            protected = rng.sample(range(num_pages), rng.randrange(4))
-            assert policy.eviction_order(candidates, protected) == reference.eviction_order(candidates, protected)
+            kept = set(candidates) - set(rng.sample(range(num_pages), rng.randrange(4)))
+            assert policy.eviction_order(kept) == reference.eviction_order(kept)
             assert policy.admission_order(candidates) == reference.eviction_order(candidates)[::-1]
         assert policy.hot_pages == {p for window in reference.hot_by_seq.values() for p in window}
     assert policy.eviction_order(range(num_pages)) == reference.eviction_order(range(num_pages))

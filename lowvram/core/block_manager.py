@@ -1,20 +1,6 @@
-"""KV page bookkeeping in plain Python: which pages each sequence owns, and which
-computed pages can be reused by another request (prefix caching).
-
-Design (after vLLM's automatic prefix caching):
-- A full page is named by a hash of its tokens chained with the hash of the page
-  before it, so equal hashes mean equal whole prefixes. The tokens are kept beside
-  the hash and compared on a match, so a hash collision can never reuse wrong KV.
-- Pages are reference counted. A freed page whose content is known (hashed) is not
-  returned to the free list: it stays cached, evictable, in least-recently-used
-  order, and is counted as free (reclaimable) by everyone who asks how much is free.
-- The last, partly filled page of a finished sequence is remembered too. A new
-  request that continues those tokens gets a private copy of it (copy-on-write:
-  the engine copies the page data), so the cached page stays intact for others.
-- Fresh pages come from the never-used free list first, then by evicting the
-  least recently used cached page.
-Allocation order is deterministic, so tests can assert exact page ids.
-"""
+"""KV page bookkeeping and prefix caching (after vLLM's): full pages named by a chained hash of
+their tokens (compared on a match), freed pages cached LRU and counted free, a finished
+sequence's partial last page reused by copy-on-write. Allocation order is deterministic."""
 
 from __future__ import annotations
 
@@ -34,7 +20,7 @@ class PrefixMatch:
     """Pages a new sequence can start from: shared full pages and an optional page to copy."""
 
     block_ids: list[int]
-    num_tokens: int  # tokens covered by block_ids (full pages) plus the copied partial page
+    num_tokens: int  # tokens covered by block_ids plus the copied partial page
     copy_from: int | None = None  # a cached partial page whose first `copy_tokens` tokens match
     copy_tokens: int = 0
 
@@ -56,17 +42,14 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.partial_to_block: dict[int, int] = {}  # parent chain hash -> cached partial page
         self.num_hashed: dict[int, int] = {}  # seq -> full pages of its table already hashed
-        self.num_hits = 0
 
-    # -- counts ----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Pages available to allocate: never-used ones plus cached pages nobody holds."""
+        """Never-used pages plus cached pages nobody holds."""
         return len(self.free_blocks) + len(self.cached_free)
 
     @property
     def num_cached_blocks(self) -> int:
-        """Pages held by nobody but kept for reuse (reclaimable)."""
         return len(self.cached_free)
 
     @property
@@ -74,8 +57,7 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def used_block_ids(self) -> set[int]:
-        """Pages some sequence holds (ref count > 0): the union of the tables, so a step
-        touches the live pages only, not every page of the pool."""
+        """Pages some sequence holds (the union of the tables, not a scan of the pool)."""
         return set(itertools.chain.from_iterable(self.tables.values()))
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -88,25 +70,20 @@ class BlockManager:
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_missing(seq_id, num_tokens) <= self.num_free_blocks
 
-    # -- allocation ------------------------------------------------------------
     def _take_free_block(self) -> int:
         if self.free_blocks:
             block = self.free_blocks.popleft()
         else:
             block, _ = self.cached_free.popitem(last=False)
-            self._forget(block)
+            h = self.block_hash.pop(block, None)
+            if h is not None and self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            parent = self.block_parent.pop(block, None)
+            if parent is not None and self.partial_to_block.get(parent) == block:
+                del self.partial_to_block[parent]
+            self.block_tokens.pop(block, None)
         self.ref_counts[block] = 1
         return block
-
-    def _forget(self, block: int) -> None:
-        """Drop what is known of an evicted page's content."""
-        h = self.block_hash.pop(block, None)
-        if h is not None and self.hash_to_block.get(h) == block:
-            del self.hash_to_block[h]
-        parent = self.block_parent.pop(block, None)
-        if parent is not None and self.partial_to_block.get(parent) == block:
-            del self.partial_to_block[parent]
-        self.block_tokens.pop(block, None)
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow the sequence's table to cover `num_tokens`; returns the table."""
@@ -118,11 +95,7 @@ class BlockManager:
         return table
 
     def free(self, seq_id: int) -> None:
-        """Release the sequence's pages; unknown ids are ignored (abort may race finish).
-
-        Pages are released last first, so a cached conversation is evicted from its
-        tail and its shared beginning stays longest.
-        """
+        """Release the sequence's pages, last first (a cached conversation is evicted from its tail)."""
         self.num_hashed.pop(seq_id, None)
         for block in reversed(self.tables.pop(seq_id, [])):
             self.ref_counts[block] -= 1
@@ -135,10 +108,8 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
 
-    # -- prefix caching ----------------------------------------------------------
     def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
-        """The longest cached prefix of `token_ids`, leaving at least one token to compute
-        (the step must produce logits for the last prompt token)."""
+        """The longest cached prefix of `token_ids`, leaving the last token to compute (for its logits)."""
         if not self.enable_prefix_caching:
             return PrefixMatch([], 0)
         bs = self.block_size
@@ -156,17 +127,12 @@ class BlockManager:
         match = PrefixMatch(blocks, len(blocks) * bs)
         partial = self.partial_to_block.get(parent)
         if partial is not None:
-            start = len(blocks) * bs
             cached = self.block_tokens[partial]
-            rest = token_ids[start:limit]
-            num_same = 0
-            while num_same < min(len(cached), len(rest)) and cached[num_same] == rest[num_same]:
-                num_same += 1
+            rest = token_ids[len(blocks) * bs : limit]
+            num_same = next((i for i, (a, b) in enumerate(zip(cached, rest)) if a != b), min(len(cached), len(rest)))
             if num_same:
                 match.copy_from, match.copy_tokens = partial, num_same
                 match.num_tokens += num_same
-        if match.num_tokens:
-            self.num_hits += 1
         return match
 
     def can_acquire(self, match: PrefixMatch, num_tokens: int) -> bool:
@@ -175,8 +141,7 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(match.block_ids) + idle <= self.num_free_blocks
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> tuple[int, int] | None:
-        """Start `seq_id`'s table from a match. Returns (src, dst) when a partial page must
-        be copied into the sequence's own new page, else None."""
+        """Start `seq_id`'s table from a match; returns (src, dst) when a partial page must be copied."""
         table = self.tables.setdefault(seq_id, [])
         assert not table, "acquire starts a table"
         for block in match.block_ids:
@@ -200,8 +165,7 @@ class BlockManager:
         return match.copy_from, dst
 
     def num_uncommitted(self, seq_id: int, num_computed_tokens: int) -> int:
-        """Fully computed pages of the sequence whose content `commit` has not recorded yet
-        (0 with prefix caching off): a caller can skip gathering the tokens when it is 0."""
+        """Fully computed pages whose content `commit` has not recorded yet (0 without prefix caching)."""
         if not self.enable_prefix_caching:
             return 0
         num_full = min(len(self.tables.get(seq_id, ())), num_computed_tokens // self.block_size)
@@ -219,8 +183,7 @@ class BlockManager:
             block = table[done]
             tokens = tuple(token_ids[done * bs : (done + 1) * bs])
             h = chain_hash(parent, tokens)
-            # The newest page with this content wins: an older duplicate is idle and
-            # will be evicted first, and evicting it must not unname this one.
+            # The newest page with this content wins: evicting an older duplicate must not unname it.
             self.hash_to_block[h] = block
             self.block_hash[block] = h
             self.block_tokens[block] = tokens

@@ -1,29 +1,7 @@
-"""The feedback controller: a pure function from (state, observation) to (state, events).
-
-It keeps a 4 GB card out of OOM and per-token latency near the profile's target.
-
-Escalation ladder (one rung per decision, while pressure persists for
-`patience_tokens` consecutive observations):
-  memory pressure:  compress KV one level (fp16 -> int8 -> int4), then spill cold
-                    pages, then halve the batch limit, then throttle admission;
-  latency pressure: halve the batch limit (down to one), then throttle admission.
-Relaxing walks the same rungs back in reverse order, one per `cooldown_steps`
-observations spent below both low-water marks. Between the high and the low marks
-nothing changes (hysteresis), and after any action the pressure counter restarts,
-so a constant load can cause at most one action per `patience_tokens` steps and
-the ladder has a fixed height: the number of switches under constant load is
-bounded. No action drops a request: halving the batch preempts (the request
-resumes later) and throttling only delays admission.
-
-Storing KV at a higher precision again makes the same live pages larger, so that
-rung is relaxed only when the memory it would bring back still lands below the
-low-water mark (the engine reports the live KV's size at every precision). Without
-this look-ahead a long-context load that INT8 just relieved flips back to FP16,
-is over the high-water mark again within `patience_tokens` steps, and re-quantizes
-every page twice per cooldown for as long as the load lasts.
-
-No torch here; the engine gathers observations and applies the actions.
-"""
+"""The feedback controller, a pure (state, observation) -> (state, events) function keeping a small
+card out of OOM and latency near target: after `patience_tokens` pressured steps one rung (KV
+fp16 -> int8 -> int4, spill, halve the batch, throttle; latency: the last two), undone after
+`cooldown_steps` calm ones, KV only when its projected size stays calm. Nothing drops a request."""
 
 from __future__ import annotations
 
@@ -48,10 +26,6 @@ class Observation:
     # The live KV pages' bytes at each KV precision ("fp16", "int8", "int4"); empty when unknown.
     kv_bytes_by_precision: Mapping[str, int] = field(default_factory=dict)
 
-    @property
-    def memory_fraction(self) -> float:
-        return self.memory_used_bytes / self.memory_budget_bytes if self.memory_budget_bytes else 0.0
-
 
 @dataclass(frozen=True)
 class Action:
@@ -66,8 +40,6 @@ class Event:
     step: int
     action: Action
     reason: str
-    memory_fraction: float
-    token_latency_ms: float | None
     mode: str
 
 
@@ -84,18 +56,13 @@ class ControllerState:
 
     @property
     def mode(self) -> str:
-        if not self.applied:
-            return "normal"
-        parts = []
-        if self.kv_precision != "fp16":
-            parts.append(f"kv-{self.kv_precision}")
-        if self.is_spilling:
-            parts.append("spill")
-        if self.batch_limit:
-            parts.append(f"batch<={self.batch_limit}")
-        if self.is_throttled:
-            parts.append("throttled")
-        return "+".join(parts) or "normal"
+        flags = (
+            (self.kv_precision != "fp16", f"kv-{self.kv_precision}"),
+            (self.is_spilling, "spill"),
+            (self.batch_limit, f"batch<={self.batch_limit}"),
+            (self.is_throttled, "throttled"),
+        )
+        return "+".join(name for is_on, name in flags if is_on and self.applied) or "normal"
 
 
 def _escalate_memory(
@@ -130,9 +97,7 @@ def _relaxed_kv_fits(state: ControllerState, obs: Observation, config: Controlle
     return projected < config.memory_low_water * obs.memory_budget_bytes
 
 
-def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str] | None:
-    if not state.applied:
-        return None
+def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, Action, str]:
     last = state.applied[-1]
     state = replace(state, applied=state.applied[:-1])
     if last == "throttle":
@@ -140,11 +105,8 @@ def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, 
     if last == "batch_limit":
         limit = min(max_num_seqs, state.batch_limit * 2)
         new = 0 if limit >= max_num_seqs else limit
-        return (
-            replace(state, batch_limit=new),
-            Action("batch_limit", new or max_num_seqs),
-            f"raise the batch limit to {new or max_num_seqs}",
-        )
+        shown = new or max_num_seqs
+        return replace(state, batch_limit=new), Action("batch_limit", shown), f"raise the batch limit to {shown}"
     if last == "spill":
         return replace(state, is_spilling=False), Action("spill", False), "stop spilling KV pages"
     prev = KV_LADDER[KV_LADDER.index(state.kv_precision) - 1]
@@ -152,57 +114,49 @@ def _relax(state: ControllerState, max_num_seqs: int) -> tuple[ControllerState, 
 
 
 def decide(
-    state: ControllerState,
-    obs: Observation,
-    config: ControllerConfig,
-    *,
-    max_num_seqs: int,
-    min_precision: str = "int4",
+    state: ControllerState, obs: Observation, cfg: ControllerConfig, *, max_num_seqs: int, min_precision: str = "int4"
 ) -> tuple[ControllerState, list[Event]]:
     """One controller step. Returns the new state and the events it decided (0 or 1)."""
-    if not config.is_enabled:
+    if not cfg.is_enabled:
         return state, []
-    mem = obs.memory_fraction
+    mem = obs.memory_used_bytes / obs.memory_budget_bytes if obs.memory_budget_bytes else 0.0
     latency = obs.token_latency_ms
-    is_memory_high = mem > config.memory_high_water
-    is_latency_high = latency is not None and latency > config.latency_high_ms
-    is_calm = mem < config.memory_low_water and (latency is None or latency < config.latency_low_ms)
-    state = replace(  # one copy a step: every decode step comes through here
-        state,
-        memory_streak=state.memory_streak + 1 if is_memory_high else 0,
-        latency_streak=(state.latency_streak + 1 if is_latency_high else 0)
-        if latency is not None
-        else state.latency_streak,
-        calm_streak=state.calm_streak + 1 if is_calm else 0,
-    )
+    is_calm = mem < cfg.memory_low_water and (latency is None or latency < cfg.latency_low_ms)
+    latency_streak = state.latency_streak
+    if latency is not None:
+        latency_streak = latency_streak + 1 if latency > cfg.latency_high_ms else 0
+    memory_streak = state.memory_streak + 1 if mem > cfg.memory_high_water else 0
+    calm_streak = state.calm_streak + 1 if is_calm else 0
+    # One copy a step: every decode step comes through here.
+    state = replace(state, memory_streak=memory_streak, latency_streak=latency_streak, calm_streak=calm_streak)
     step = None
-    if state.memory_streak >= config.patience_tokens:
+    if state.memory_streak >= cfg.patience_tokens:
         step = _escalate_memory(state, max_num_seqs, min_precision)
-        reason = f"memory {100 * mem:.0f}% of budget > high water {100 * config.memory_high_water:.0f}%"
-    elif latency is not None and state.latency_streak >= config.patience_tokens:
+        reason = f"memory {100 * mem:.0f}% of budget > high water {100 * cfg.memory_high_water:.0f}%"
+    elif latency is not None and state.latency_streak >= cfg.patience_tokens:
         step = _escalate_batch(state, max_num_seqs)
-        reason = f"token latency {latency:.1f} ms > {config.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
+        reason = f"token latency {latency:.1f} ms > {cfg.latency_high_ms:.1f} ms for {state.latency_streak} tokens"
     elif (
-        state.calm_streak >= max(1, config.cooldown_steps)
+        state.calm_streak >= max(1, cfg.cooldown_steps)
         and state.applied
-        and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, config))
+        and (state.applied[-1] != "kv_precision" or _relaxed_kv_fits(state, obs, cfg))
     ):
-        step = _relax(state, max_num_seqs)
+        new_state, action, what = _relax(state, max_num_seqs)
         reason = (
-            f"memory {100 * mem:.0f}% < low water {100 * config.memory_low_water:.0f}% and latency below "
-            f"{config.latency_low_ms:.1f} ms for {state.calm_streak} steps"
+            f"memory {100 * mem:.0f}% < low water {100 * cfg.memory_low_water:.0f}% and latency below "
+            f"{cfg.latency_low_ms:.1f} ms for {state.calm_streak} steps"
         )
-        if step is not None:
-            new_state, action, what = step
-            new_state = replace(new_state, calm_streak=0)
-            return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
-    if step is None:
-        return state, []
-    new_state, action, what = step
+        new_state = replace(new_state, calm_streak=0)
+        return new_state, [Event(obs.step, action, f"{what}: {reason}", new_state.mode)]
+    return _take(state, step, obs.step, reason) if step is not None else (state, [])
+
+
+def _take(state, rung, step: int, reason: str) -> tuple[ControllerState, list[Event]]:
+    new_state, action, what = rung
     new_state = replace(
         new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
     )
-    return new_state, [Event(obs.step, action, f"{what}: {reason}", mem, latency, new_state.mode)]
+    return new_state, [Event(step, action, f"{what}: {reason}", new_state.mode)]
 
 
 def escalate_after_oom(
@@ -210,10 +164,4 @@ def escalate_after_oom(
 ) -> tuple[ControllerState, list[Event]]:
     """A real out-of-memory in a step: take the next memory rung at once, without patience."""
     rung = _escalate_memory(state, max_num_seqs, min_precision)
-    if rung is None:
-        return state, []
-    new_state, action, what = rung
-    new_state = replace(
-        new_state, applied=new_state.applied + (action.kind,), memory_streak=0, latency_streak=0, calm_streak=0
-    )
-    return new_state, [Event(step, action, f"{what}: a step ran out of device memory", 1.0, None, new_state.mode)]
+    return (state, []) if rung is None else _take(state, rung, step, "a step ran out of device memory")

@@ -7,25 +7,16 @@ from dataclasses import dataclass, field
 
 from lowvram.errors import RequestError
 
-# Dividing logits by less than this overflows FP32 to inf and sampling breaks.
-MIN_TEMPERATURE = 0.01
+MIN_TEMPERATURE = 0.01  # dividing logits by less overflows FP32 to inf and sampling breaks
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. Defaults follow vLLM; temperature 0 means greedy.
-
-    temperature: 0 = greedy; higher = more random.
-    top_k: keep the k most likely tokens (0 or -1 = all).
-    top_p: keep the smallest set whose probability reaches top_p (1 = all).
-    min_p: drop tokens less likely than min_p x the most likely one (0 = off).
-    repetition_penalty: > 1 discourages tokens already in the prompt or output.
-    presence_penalty / frequency_penalty: OpenAI-style additive penalties on output tokens.
-    max_tokens: most tokens to generate.
-    stop: strings that end generation (not included in the text).
-    stop_token_ids: extra token ids that end generation (EOS always does unless ignore_eos).
-    seed: same seed and prompt -> same text, whatever else is batched with it.
-    """
+    """How to pick tokens; defaults follow vLLM. temperature: 0 = greedy; top_k: keep the k likeliest
+    (0 or -1 = all); top_p: the smallest set reaching top_p; min_p: drop tokens below min_p x the
+    likeliest; repetition_penalty > 1 discourages seen tokens; presence/frequency_penalty: OpenAI's;
+    stop: strings that end generation (cut from the text); stop_token_ids: ids that end it (as EOS
+    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -41,21 +32,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < MIN_TEMPERATURE:
             raise RequestError(
-                f"temperature = {self.temperature!r} is too small to sample with; use 0 for greedy "
-                f"or at least {MIN_TEMPERATURE}"
+                f"temperature = {self.temperature!r} is too small; use 0 for greedy or at least {MIN_TEMPERATURE}"
             )
-        if (
-            self.seed is not None
-            and not isinstance(self.seed, bool)
-            and isinstance(self.seed, int)
-            and not 0 <= self.seed < 2**63
-        ):
-            raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
         checks = [
             ("temperature", self.temperature, 0.0, 100.0),
             ("top_p", self.top_p, 1e-9, 1.0),
@@ -65,12 +46,8 @@ class SamplingParams:
             ("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
         ]
         for name, value, low, high in checks:
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or not low <= value <= high
-            ):
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (is_number and math.isfinite(value) and low <= value <= high):
                 raise RequestError(f"{name} = {value!r} is invalid; allowed: {low} to {high}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k = {self.top_k!r} is invalid; use -1 or 0 for all tokens, or a positive count")
@@ -78,8 +55,11 @@ class SamplingParams:
             raise RequestError(f"max_tokens = {self.max_tokens!r} is invalid; it must be a positive integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise RequestError(f"seed = {self.seed!r} must be an integer")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise RequestError(f"seed = {self.seed!r} must be an integer")
+            if not 0 <= self.seed < 2**63:
+                raise RequestError(f"seed = {self.seed!r} is out of range; use 0 to {2**63 - 1}")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,16 +1,6 @@
-"""Which sequences run in the next step, and with how many tokens.
-
-Plain Python over Sequence objects and the BlockManager: no torch.
-
-A step is either a prefill step (sequences whose KV lags behind their tokens,
-chunked so that a long prompt is processed in pieces under the token budget) or a
-decode step (one new token for every running sequence). When a decode step cannot
-get a page for every sequence, the newest sequences are preempted: their pages are
-freed and they go back to the front of the queue, to be recomputed when pages are
-free again (recompute is cheap next to the page traffic of swapping at these sizes).
-With `num_lookahead_tokens` a decode step also takes the page its next token will need,
-when one is free, so the model runner can queue that step before this one is read.
-"""
+"""Which sequences run next, with how many tokens: prefill steps chunked under the token budget,
+or decode steps of one token each that preempt the newest sequences (recomputed later) when
+pages run out. `num_lookahead_tokens` also takes the next step's page, for pipelined decode."""
 
 from __future__ import annotations
 
@@ -19,22 +9,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from lowvram.core.block_manager import BlockManager
-from lowvram.core.sequence import Sequence, SequenceStatus
+from lowvram.core.sequence import Sequence
 
 
 @dataclass
 class ScheduledBatch:
-    """The interface between scheduler and model runner: the runner sees the pages through
-    this, never the block manager.
-
-    block_tables: each scheduled sequence's pages, in order (the block manager's lists).
-    live_tables: every sequence that holds pages, scheduled or not, by sequence id; the
-        runner asks for their pages next when its pool spills.
-    free_block_ids: pages nobody holds, which a spilling pool evicts first.
-    positions: where each sequence's new tokens start (its computed tokens).
-    is_steady: a decode step of every running sequence with nobody to admit: the next step
-        will most likely decode the same sequences one position on.
-    """
+    """What the model runner sees of a step. live_tables: every sequence holding pages, by id;
+    free_block_ids: pages nobody holds; positions: where each sequence's new tokens start;
+    is_steady: every running sequence decodes and nobody waits to be admitted."""
 
     is_prefill: bool
     seqs: list[Sequence] = field(default_factory=list)
@@ -47,18 +29,10 @@ class ScheduledBatch:
     positions: list[int] = field(default_factory=list)
     is_steady: bool = False
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
 
 class Scheduler:
     def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        num_lookahead_tokens: int = 0,
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, num_lookahead_tokens: int = 0
     ):
         self.block_manager = block_manager
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -66,52 +40,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Set by the feedback controller: a lower batch limit than max_num_seqs, and a
-        # pause on admitting new requests (both only delay work; nothing is dropped).
+        # Set by the controller; both only delay work, nothing is dropped.
         self.batch_limit = max_num_seqs
         self.is_throttled = False
 
     def set_batch_limit(self, limit: int) -> list[Sequence]:
         """Lower or raise the number of running sequences; returns those preempted to fit."""
         self.batch_limit = max(1, min(limit, self.max_num_seqs))
-        preempted = []
-        while len(self.running) > self.batch_limit:
-            victim = self.running[-1]
-            self.preempt(victim)
-            preempted.append(victim)
-        return preempted
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return [self.preempt() for _ in range(len(self.running) - self.batch_limit)]
 
     def schedule(self) -> ScheduledBatch:
-        batch = self._schedule_prefill()
-        if batch.is_empty:
-            batch = self._schedule_decode()
-        if batch.is_empty and len(self.running) > 1:
-            # Every running sequence is stuck mid-prefill waiting for pages: give the
-            # newest one's pages to the others. The engine admits no request that
-            # could not fit alone, so this always ends.
-            victim = self.running[-1]
-            self.preempt(victim)
-            batch = self.schedule()
-            batch.preempted.insert(0, victim)
-        return self.with_pages(batch)
-
-    def with_pages(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """`batch` with the pages its sequences hold, once they are allocated (see ScheduledBatch)."""
-        block_manager = self.block_manager
-        batch.block_tables = [block_manager.block_table(seq.seq_id) for seq in batch.seqs]
-        batch.positions = [seq.num_computed_tokens for seq in batch.seqs]
-        batch.live_tables = block_manager.tables
-        batch.free_block_ids = block_manager.free_blocks
-        return batch
-
-    def _schedule_prefill(self) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=True)
         budget = self.max_num_batched_tokens
         # Sequences already running but not fully computed (chunked prefill) go first.
@@ -119,20 +57,30 @@ class Scheduler:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
                 budget -= self._try_add(batch, seq, budget)
         while budget > 0 and self.may_admit():
-            seq = self.waiting[0]
-            took = self._try_add(batch, seq, budget)
+            took = self._try_add(batch, self.waiting[0], budget)
             if not took:
                 break
             budget -= took
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
+        if not batch.seqs:
+            batch = self._schedule_decode()
+        if not batch.seqs and len(self.running) > 1:
+            # All running sequences wait for pages mid-prefill: the newest yields (each fits alone).
+            victim = self.preempt()
+            batch = self.schedule()
+            batch.preempted.insert(0, victim)
+        return self.with_pages(batch)
+
+    def with_pages(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """`batch` with the pages its sequences hold, once they are allocated."""
+        batch.block_tables = [self.block_manager.block_table(seq.seq_id) for seq in batch.seqs]
+        batch.positions = [seq.num_computed_tokens for seq in batch.seqs]
+        batch.live_tables = self.block_manager.tables
+        batch.free_block_ids = self.block_manager.free_blocks
         return batch
 
     def may_admit(self) -> bool:
-        """Whether the next waiting sequence may join the running ones now (pages permitting):
-        there is one, the batch is below its limit, and admission is not throttled (when it
-        is, only sequences that were admitted once, preempted since, come back)."""
+        """Whether the next waiting sequence may join now: below the limit, not throttled (or preempted)."""
         return bool(
             self.waiting
             and len(self.running) < self.batch_limit
@@ -140,75 +88,63 @@ class Scheduler:
         )
 
     def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        if seq.num_computed_tokens == 0 and not self.block_manager.block_table(seq.seq_id):
-            return self._try_add_with_prefix(batch, seq, budget)
-        num_new = min(seq.num_uncomputed_tokens, budget)
-        if not self.block_manager.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
-            return 0
-        self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(num_new)
-        return num_new
-
-    def _try_add_with_prefix(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        """Admit a fresh (or recomputing) sequence, starting from any cached prefix."""
-        match = self.block_manager.match_prefix(seq.all_token_ids)
-        num_new = min(seq.num_tokens - match.num_tokens, budget)
-        if not self.block_manager.can_acquire(match, match.num_tokens + num_new):
-            return 0
-        copy = self.block_manager.acquire(seq.seq_id, match)
-        if copy is not None:
-            batch.copies.append(copy)
-        seq.num_computed_tokens = match.num_tokens
-        seq.num_cached_tokens = match.num_tokens
-        self.block_manager.allocate(seq.seq_id, match.num_tokens + num_new)
+        bm = self.block_manager
+        if seq.num_computed_tokens == 0 and not bm.block_table(seq.seq_id):
+            # A fresh (or recomputing) sequence starts from any cached prefix.
+            match = bm.match_prefix(seq.all_token_ids)
+            num_new = min(seq.num_tokens - match.num_tokens, budget)
+            if not bm.can_acquire(match, match.num_tokens + num_new):
+                return 0
+            copy = bm.acquire(seq.seq_id, match)
+            if copy is not None:
+                batch.copies.append(copy)
+            seq.num_computed_tokens = match.num_tokens
+        else:
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                return 0
+        bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
         return num_new
 
     def _schedule_decode(self) -> ScheduledBatch:
         batch = ScheduledBatch(is_prefill=False)
-        block_manager = self.block_manager
+        bm = self.block_manager
         for seq in list(self.running):
             # Skips a sequence preempted below to make room for an older one.
             if seq not in self.running or seq.num_uncomputed_tokens != 1:
                 continue
             num_tokens = seq.num_tokens
-            if block_manager.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
-                while not block_manager.can_allocate(seq.seq_id, num_tokens):
-                    victim = self.running[-1]
-                    self.preempt(victim)
-                    batch.preempted.append(victim)
-                    if victim is seq:
-                        break
+            if bm.num_missing(seq.seq_id, num_tokens):  # 1 step in 16: the last page is full
+                while seq in self.running and not bm.can_allocate(seq.seq_id, num_tokens):
+                    batch.preempted.append(self.preempt())
                 if seq not in self.running:
                     continue
-                block_manager.allocate(seq.seq_id, num_tokens)
-            ahead = num_tokens + self.num_lookahead_tokens
-            if ahead > num_tokens and block_manager.can_allocate(seq.seq_id, ahead):
-                block_manager.allocate(seq.seq_id, ahead)
+                bm.allocate(seq.seq_id, num_tokens)
+            if self.num_lookahead_tokens and bm.can_allocate(seq.seq_id, num_tokens + self.num_lookahead_tokens):
+                bm.allocate(seq.seq_id, num_tokens + self.num_lookahead_tokens)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(1)
         batch.is_steady = bool(batch.seqs) and len(batch.seqs) == len(self.running) and not self.may_admit()
         return batch
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages and queue it first for recomputation."""
+    def preempt(self, seq: Sequence | None = None) -> Sequence:
+        """Free `seq`'s (default: the newest one's) pages and queue it first for recomputation."""
+        seq = seq or self.running[-1]
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        return seq
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its pages."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
         """Free the pages, keeping what was computed cached for later requests."""

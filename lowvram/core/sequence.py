@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lowvram.core.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine's objects, carried here, never used: the core needs no torch
+if TYPE_CHECKING:  # carried, never used: the core needs no torch
     import torch
 
     from lowvram.engine.tokenizer import Detokenizer
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request (n = 1). KV is cached for the first `num_computed_tokens` tokens.
-
-    Sequences compare by identity: the scheduler's queues ask `seq in running` every
-    step, and comparing every field of two requests to tell them apart cost more than
-    the rest of the scheduling.
-    """
+    Compared by identity: comparing fields in `seq in running` cost more than scheduling."""
 
     seq_id: int
     request_id: str
@@ -39,10 +28,8 @@ class Sequence:
     generator: torch.Generator | None = None
     device_generator: torch.Generator | None = None  # sampling.device_generator: draws on the GPU
     output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # of the prompt, reused from the prefix cache at admission
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # set when it finishes: "stop", "length" or "abort"
     text: str = ""
     num_emitted_chars: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -73,4 +60,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None

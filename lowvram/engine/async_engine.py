@@ -1,21 +1,15 @@
-"""One engine loop in a background thread, per-request async token streams.
-
-The server and the chat UI talk to this. The loop thread owns the LLMEngine: adds, aborts
-and calls are queued to it as functions and run between steps, so the engine itself never
-sees two threads. Outputs go back to each request's asyncio queue through the event loop's
-thread-safe call. Cancelling a stream (client disconnect, Ctrl-C in the UI) aborts the
-request and frees its pages.
-"""
+"""One engine loop in a background thread, per-request async token streams (server, chat UI).
+The loop thread owns the LLMEngine: adds, aborts and calls run there between steps."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
@@ -25,28 +19,18 @@ from lowvram.errors import LowvramError
 log = logging.getLogger("lowvram")
 
 
-@dataclass
-class _Failure:
-    """Delivered to a stream instead of an output when its request could not run."""
-
-    error: BaseException
-
-
-@dataclass
 class AsyncLLMEngine:
-    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it.
+    """Wraps an LLMEngine; `start()` launches the loop thread, `stop()` ends it. While started,
+    the loop thread is the engine's only driver: do not call the engine from other threads."""
 
-    While started, the loop thread is the engine's only driver: do not call the
-    wrapped engine (or an LLM over it) from other threads.
-    """
-
-    engine: LLMEngine
-    _commands: queue.Queue = field(default_factory=queue.Queue)  # functions for the loop thread; None stops it
-    _streams: dict = field(default_factory=dict)  # request id -> (asyncio queue, its event loop)
-    _thread: threading.Thread | None = None
-    _is_stopping: bool = False
-    _ids: itertools.count = field(default_factory=itertools.count)
-    _snapshot: EngineSnapshot | None = None
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()  # functions for the loop thread; None stops it
+        self._streams: dict = {}  # request id -> (asyncio queue, its event loop)
+        self._thread: threading.Thread | None = None
+        self._is_stopping = False
+        self._ids = itertools.count()
+        self._snapshot: EngineSnapshot | None = None
 
     def start(self) -> AsyncLLMEngine:
         if self._thread is None:
@@ -65,7 +49,6 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the loop thread is alive (health checks use this)."""
         return self._thread is not None and self._thread.is_alive() and not self._is_stopping
 
     @property
@@ -92,10 +75,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         messages: list[dict] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per new token; the last one has `finished` set.
-
-        Bad input raises the engine's error (RequestError) at the first iteration.
-        """
+        """Yield a RequestOutput per new token, the last one finished; bad input raises RequestError."""
         self._check_running()
         stream: asyncio.Queue = asyncio.Queue()
         entry = (stream, asyncio.get_running_loop())
@@ -105,10 +85,9 @@ class AsyncLLMEngine:
         try:
             while not is_finished:
                 item = await stream.get()
-                if isinstance(item, _Failure):
-                    is_finished = True
-                    raise item.error
-                is_finished = item.finished
+                is_finished = isinstance(item, BaseException) or item.finished
+                if isinstance(item, BaseException):  # the request could not run
+                    raise item
                 yield item
         finally:
             if not is_finished:
@@ -118,27 +97,19 @@ class AsyncLLMEngine:
         self._commands.put(lambda: self._abort(request_id))
 
     async def call(self, fn):
-        """`fn(engine)` run in the loop thread between steps (the engine has one driver);
-        returns its result or raises its exception."""
+        """`fn(engine)` run in the loop thread between steps; returns its result or raises."""
         self._check_running()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                result, error = fn(self.engine), None
+                future.set_result(fn(self.engine))
             except Exception as exc:  # handed to the caller, the loop keeps serving
-                result, error = None, exc
-            settle = future.set_exception if error is not None else future.set_result
-            try:
-                loop.call_soon_threadsafe(lambda: future.done() or settle(error if error is not None else result))
-            except RuntimeError:  # the caller's event loop is closed
-                pass
+                future.set_exception(exc)
 
         self._commands.put(run)
-        return await future
+        return await asyncio.wrap_future(future)
 
-    # -- the loop thread ------------------------------------------------------
     def _add(self, request_id, entry, prompt, params, prompt_token_ids, messages) -> None:
         self._streams[request_id] = entry
         try:
@@ -153,30 +124,26 @@ class AsyncLLMEngine:
         self._streams.pop(request_id, None)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        self.engine.abort_request(request_id)
-        self._deliver(request_id, _Failure(error))
-        self._streams.pop(request_id, None)
+        self._deliver(request_id, error)
+        self._abort(request_id)
 
-    def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        stream, loop = entry
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self._abort(request_id)
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        if request_id in self._streams:
+            stream, loop = self._streams[request_id]
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                self._abort(request_id)
 
     def _loop(self) -> None:
         while not self._is_stopping:
             is_busy = self.engine.has_unfinished_requests()
-            command: Callable[[], None] | None
             try:  # block only when idle; while requests run, take commands without waiting
                 command = self._commands.get_nowait() if is_busy else self._commands.get(timeout=0.1)
             except queue.Empty:
-                command = self._step if is_busy else None
-                if command is None:
+                if not is_busy:
                     continue
+                command = self._step
             if command is None:
                 break
             command()

@@ -1,26 +1,27 @@
-"""LLMEngine: add requests, step, get outputs. One step = schedule, run, postprocess."""
+"""LLMEngine: add requests, step, get outputs. One step = schedule, run, postprocess; after it
+the controller observes the memory and latency and its actions are carried out here."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from lowvram.config import Profile, load_profile
 from lowvram.core.block_manager import BlockManager
-from lowvram.core.controller import KV_LADDER, ControllerState, Event
+from lowvram.core.controller import KV_LADDER, ControllerState, Event, Observation, decide, escalate_after_oom
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import ScheduledBatch, Scheduler
 from lowvram.core.sequence import Sequence
-from lowvram.engine.control import EngineControl, EngineSnapshot
 from lowvram.engine.model_runner import ModelRunner
 from lowvram.engine.outputs import RequestOutput, append_token, request_output
 from lowvram.engine.tokenizer import Detokenizer, Tokenizer
-from lowvram.errors import RequestError
+from lowvram.errors import OutOfMemoryError, RequestError
 from lowvram.kv.backend import create_kv_pool
 from lowvram.memory.device import apply_emulation, pick_device, pick_dtype, tune_cpu_threads
 from lowvram.memory.plan import host_kv_blocks, plan_kv
@@ -29,10 +30,33 @@ from lowvram.models.loader import resolve_model_path
 
 log = logging.getLogger("lowvram")
 
-__all__ = ["EngineSnapshot", "EngineStats", "LLMEngine"]
+ALLOCATOR_READ_EVERY_STEPS = 16  # decode steps between the controller's readings of the allocator
 
 
 @dataclass
+class EngineSnapshot:
+    """What the engine is doing now, for gauges (chat UI, /metrics). Cheap to take."""
+
+    device: str
+    memory_used_bytes: int
+    memory_budget_bytes: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    num_kv_blocks_on_host: int
+    kv_block_size: int
+    kv_precision: str
+    num_running: int
+    num_waiting: int
+    decode_tokens_per_s: float
+    token_latency_ms: float | None
+    recent_token_latency_ms: list[float]
+    latency_high_ms: float
+    controller_mode: str
+    last_decision: str | None
+    num_controller_events: int = 0
+    memory_pressure_bytes: int = 0  # what the controller compares with the budget (may exceed it)
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters; tokens/s are split into prefill and decode."""
@@ -54,15 +78,10 @@ class EngineStats:
         return self.num_decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
-class LLMEngine(EngineControl):
-    """The engine behind LLM, the server and the chat UI.
-
-    model: local Hugging Face directory or hub id; None = the bundled demo model.
-    profile: built-in profile name, YAML path or Profile; None = `4gb` with CUDA, `cpu` without.
-    device, dtype, emulate_vram_gib, max_model_len, max_num_seqs: override the profile.
-    timeline_path: append every step's observation and every controller decision to
-    this JSONL file (for plots and post-mortems).
-    """
+class LLMEngine:
+    """The engine behind LLM, the server and the chat UI. model: Hugging Face directory or hub id
+    (None: the demo model); profile: name, YAML path or Profile (None: 4gb with CUDA, cpu without);
+    the keywords override the profile; timeline_path: a JSONL log of steps and decisions."""
 
     def __init__(
         self,
@@ -77,26 +96,22 @@ class LLMEngine(EngineControl):
         timeline_path: str | None = None,
     ):
         base = profile if isinstance(profile, Profile) else load_profile(profile)
-        self.profile = base.replace(
+        self.profile = p = base.replace(
             device=device,
             dtype=dtype,
             emulate_vram_gib=emulate_vram_gib,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
         )
-        self.device = pick_device(self.profile.device)
-        self.dtype = pick_dtype(self.profile.dtype, self.device)
-        apply_emulation(self.profile, self.device)
+        self.device = pick_device(p.device)
+        self.dtype = pick_dtype(p.dtype, self.device)
+        apply_emulation(p, self.device)
         self.model_dir = resolve_model_path(model)
-        # The budget is the process's: what it already holds on the device (an earlier engine's
-        # cuBLAS workspaces, the caller's tensors) leaves that much less for this one.
+        # What the process already holds (an earlier engine's workspaces, the caller's tensors).
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.model, self.config = load_model_for_profile(
-            self.model_dir, self.profile, self.device, self.dtype, held_bytes=held
-        )
+        self.model, self.config = load_model_for_profile(self.model_dir, p, self.device, self.dtype, held_bytes=held)
         if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
-            # Plan from what loading really allocated when that is more than the tensors' own bytes
-            # (allocator rounding, buffers no weight report counts), so the pool leaves room for it.
+            # Plan from what loading really allocated (allocator rounding, uncounted buffers).
             loaded = torch.cuda.memory_allocated(self.device) - held
             if loaded > self.model.weight_bytes:
                 log.info(
@@ -108,48 +123,33 @@ class LLMEngine(EngineControl):
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.max_model_len = min(self.profile.max_model_len, self.config.max_position_embeddings)
+        self.max_model_len = min(p.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
-        # A unified-memory pool may hold a sequence longer than its device share (the rest of
-        # its pages wait in host memory and are read over the bus); other pools may not.
-        host_blocks = host_kv_blocks(self.config, self.profile, element_bytes, self.device.type)
-        plan_args = (self.config, self.profile, self.model.weight_bytes, element_bytes, self.max_model_len)
-        self.kv_plan = plan_kv(*plan_args, device_type=self.device.type, host_blocks=host_blocks, held_bytes=held)
-        self.kv_precision = "fp16" if self.profile.kv_precision == "auto" else self.profile.kv_precision
-        # The lowest precision the controller may compress to. Batch-invariant mode keeps the
-        # starting one: compressed pages change what a request reads, so it would not decode
-        # as it does alone.
-        self.min_kv_precision = self.kv_precision if self.profile.batch_invariant else KV_LADDER[-1]
-        self.kv_pool = create_kv_pool(
-            self.config,
-            self.profile,
-            self.kv_plan.num_blocks,
-            self.device,
-            self.dtype,
-            self.kv_precision,
-            max_model_len=self.max_model_len,
-        )
+        # A unified-memory pool may hold a sequence longer than its device share; others may not.
+        host_blocks = host_kv_blocks(self.config, p, element_bytes, self.device.type)
+        plan_args = (self.config, p, self.model.weight_bytes, element_bytes, self.max_model_len)
+        kind = self.device.type
+        self.kv_plan = plan = plan_kv(*plan_args, device_type=kind, host_blocks=host_blocks, held_bytes=held)
+        self.kv_precision = precision = "fp16" if p.kv_precision == "auto" else p.kv_precision
+        # Batch-invariant mode may not compress: a request would decode unlike it does alone.
+        self.min_kv_precision = precision if p.batch_invariant else KV_LADDER[-1]
+        pool_args = (self.config, p, plan.num_blocks, self.device, self.dtype, precision)
+        self.kv_pool = create_kv_pool(*pool_args, max_model_len=self.max_model_len)
         if host_blocks and not self.kv_pool.can_read_host:
-            plan_kv(*plan_args, device_type=self.device.type, held_bytes=held)  # the error, if it is one
-        self.block_manager = BlockManager(
-            self.kv_pool.num_blocks, self.kv_plan.block_size, enable_prefix_caching=self.profile.enable_prefix_caching
-        )
-        # Pipelined decode (ModelRunner): on a GPU the host's work between steps then overlaps the
-        # next step. On the CPU a step runs as it is queued, so there is nothing to overlap.
-        self.pipelines_decode = self.device.type == "cuda" and self.profile.pipelined_decode
-        self.scheduler = Scheduler(
-            self.block_manager,
-            self.profile.max_num_seqs,
-            self.profile.max_num_batched_tokens,
-            num_lookahead_tokens=int(self.pipelines_decode),
-        )
+            plan_kv(*plan_args, device_type=kind, held_bytes=held)  # the error, if it is one
+        caching = p.enable_prefix_caching
+        self.block_manager = BlockManager(self.kv_pool.num_blocks, plan.block_size, enable_prefix_caching=caching)
+        # Pipelined decode overlaps the host's work with the next step; a CPU has nothing to overlap.
+        self.pipelines_decode = self.device.type == "cuda" and p.pipelined_decode
+        lookahead = int(self.pipelines_decode)
+        self.scheduler = Scheduler(self.block_manager, p.max_num_seqs, p.max_num_batched_tokens, lookahead)
         self.runner = ModelRunner(
             self.model,
             self.kv_pool,
-            max_num_seqs=self.profile.max_num_seqs,
+            max_num_seqs=p.max_num_seqs,
             max_model_len=self.max_model_len,
-            use_cuda_graphs=self.profile.enable_cuda_graphs,
-            max_prefill_graph_tokens=(self.profile.max_num_batched_tokens if self.profile.enable_prefill_graphs else 0),
+            use_cuda_graphs=p.enable_cuda_graphs,
+            max_prefill_graph_tokens=p.max_num_batched_tokens if p.enable_prefill_graphs else 0,
             is_pipelined=self.pipelines_decode,
         )
         self.requests: dict[str, Sequence] = {}
@@ -161,15 +161,9 @@ class LLMEngine(EngineControl):
         self.stats = EngineStats()
         self.recent_token_latency_ms: deque[float] = deque(maxlen=120)
         self._seq_ids = itertools.count()
-        self._allocated_reading: tuple[int, int] | None = None  # (step, bytes): the controller's last reading
-        log.info(
-            "KV pool: %d pages of %d tokens (%.1f MiB)",
-            self.kv_plan.num_blocks,
-            self.kv_plan.block_size,
-            self.kv_plan.kv_bytes / 2**20,
-        )
+        self._allocated_reading: tuple[int, int] | None = None  # (step, bytes) the controller last read
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB)", plan.num_blocks, plan.block_size, plan.kv_bytes / 2**20)
 
-    # -- requests -----------------------------------------------------------
     def add_request(
         self,
         request_id: str,
@@ -198,20 +192,11 @@ class LLMEngine(EngineControl):
                 f"the prompt has {len(prompt_token_ids)} tokens but the context limit (max_model_len) is "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len"
             )
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        seq = Sequence(
-            next(self._seq_ids),
-            request_id,
-            prompt,
-            list(prompt_token_ids),
-            params,
-            Detokenizer(self.tokenizer),
-            generator,
-        )
+        generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
+        ids = list(prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, prompt, ids, params, Detokenizer(self.tokenizer), generator)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.waiting.append(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its pages. Returns False if it was unknown or done."""
@@ -224,15 +209,10 @@ class LLMEngine(EngineControl):
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a request waits or runs: `step` has work."""
-        return self.scheduler.num_unfinished > 0
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """Log-probability of each token given the ones before it (len - 1 values).
-
-        Runs the text through the paged cache in chunks of the profile's token budget,
-        exactly as a prefill would; used for perplexity.
-        """
+        """Log-probability of each token given those before it, computed through the cache as a prefill."""
         if not 2 <= len(token_ids) <= self.max_model_len:
             raise RequestError(f"score needs 2..{self.max_model_len} tokens, got {len(token_ids)}")
         if self.has_unfinished_requests():
@@ -256,12 +236,10 @@ class LLMEngine(EngineControl):
             self.block_manager.free(seq.seq_id)
         return logprobs
 
-    # -- the step -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step and return the outputs it produced."""
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
-        if batch.is_empty:
+        if not batch.seqs:
             return []
         start = time.perf_counter()
         num_captures = self.runner.num_graph_captures
@@ -270,13 +248,6 @@ class LLMEngine(EngineControl):
         except torch.OutOfMemoryError as exc:
             self._recover_from_oom(batch, exc)
             return []
-        outputs = self._postprocess(batch, tokens)
-        self._count(batch, time.perf_counter() - start, is_warmup=self.runner.num_graph_captures != num_captures)
-        return outputs
-
-    def _postprocess(self, batch: ScheduledBatch, tokens: list[int | None]) -> list[RequestOutput]:
-        """Count the computed tokens, record full pages for the prefix cache, append the sampled
-        tokens and finish the sequences that are done."""
         now = time.perf_counter()
         outputs = []
         for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, tokens):
@@ -291,10 +262,7 @@ class LLMEngine(EngineControl):
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
             outputs.append(request_output(seq))
-        return outputs
-
-    def _count(self, batch: ScheduledBatch, elapsed_s: float, is_warmup: bool) -> None:
-        """Add a step to the stats and let the controller see it."""
+        elapsed_s = time.perf_counter() - start
         stats = self.stats
         stats.num_steps += 1
         stats.num_pipelined_steps = self.runner.num_pipelined_steps
@@ -305,9 +273,193 @@ class LLMEngine(EngineControl):
             stats.num_decode_tokens += len(batch.seqs)
             stats.decode_s += elapsed_s
             self.recent_token_latency_ms.append(elapsed_s * 1000)
-        # A step that captured a graph paid a one-off cost, and a queued step read with nothing
-        # queued after it ran while the host worked on the step before: neither latency says how
-        # fast the card is (new batch sizes in a row would read as a slow card and compress the KV).
-        is_plain_decode = not batch.is_prefill and not is_warmup
-        latency_ms = elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None
-        self._control(latency_ms, is_plain_decode)
+        # A capture's one-off cost or a queued step run while the host worked says nothing of the card.
+        is_plain_decode = not batch.is_prefill and self.runner.num_graph_captures == num_captures
+        self._control(elapsed_s * 1000 if is_plain_decode and not self.runner.is_tail else None, is_plain_decode)
+        return outputs
+
+    def num_kv_blocks_on_host(self) -> int:
+        """Pages in use whose data lives on the host."""
+        pool = self.kv_pool
+        return pool.num_blocks_on_host(self.block_manager.used_block_ids()) if pool.can_spill else 0
+
+    def _page_bytes(self, precision: str | None = None) -> int:
+        return self.kv_pool.shape.block_bytes(precision or self.kv_pool.precision)
+
+    def kv_bytes_in_use(self, num_blocks_on_host: int | None = None) -> int:
+        """Device bytes of live pages (not reclaimable cached ones, nor those on the host)."""
+        on_host = self.num_kv_blocks_on_host() if num_blocks_on_host is None else num_blocks_on_host
+        return max(0, self.block_manager.num_used_blocks - on_host) * self._page_bytes() + self.kv_pool.window_bytes()
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """This engine's plan plus what the process held before it loaded."""
+        return self.kv_plan.budget_bytes + self.held_bytes
+
+    def memory_in_use_bytes(self, num_blocks_on_host: int | None = None, allocated_bytes: int | None = None) -> int:
+        """All device memory but the KV pool's (a recent `allocated_bytes` reading) plus live resident pages."""
+        if self.device.type == "cuda":
+            allocated = self._read_allocated_bytes() if allocated_bytes is None else allocated_bytes
+            pool_in_allocator = 0 if self.kv_pool.backend == "um" else self.kv_pool.device_bytes
+            other = max(0, allocated - pool_in_allocator)
+        else:
+            other = self.model.weight_bytes + self.kv_plan.activation_bytes
+        return other + self.kv_bytes_in_use(num_blocks_on_host)
+
+    def _read_allocated_bytes(self) -> int:
+        # The nested form skips memory_allocated()'s flattening of every statistic (~0.1 ms a step).
+        return torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]["current"]
+
+    def memory_pressure_bytes(
+        self, memory_in_use_bytes: int | None = None, num_blocks_on_host: int | None = None
+    ) -> int:
+        """Memory in use plus live pages waiting on the host plus (CUDA) a step's workspace: what the
+        controller compares with the budget (pools that spill would otherwise hide the pressure)."""
+        on_host = self.num_kv_blocks_on_host() if num_blocks_on_host is None else num_blocks_on_host
+        in_use = self.memory_in_use_bytes(on_host) if memory_in_use_bytes is None else memory_in_use_bytes
+        workspace = self.kv_plan.activation_bytes if self.device.type == "cuda" else 0
+        return in_use + on_host * self._page_bytes() + workspace
+
+    def _control(self, token_latency_ms: float | None, is_plain_decode: bool) -> None:
+        """Let the controller see a step (latency None: not one that measures the card). A plain
+        decode step reuses the allocator reading unless ALLOCATOR_READ_EVERY_STEPS old."""
+        if not self.profile.controller.is_enabled and not self.timeline_path:
+            return  # nobody reads the observation
+        allocated = None
+        if self.device.type == "cuda":
+            step, reading = self.stats.num_steps, self._allocated_reading
+            if not is_plain_decode or reading is None or step - reading[0] >= ALLOCATOR_READ_EVERY_STEPS:
+                reading = self._allocated_reading = (step, self._read_allocated_bytes())
+            allocated = reading[1]
+        on_host = self.num_kv_blocks_on_host()  # a scan of the pages: once per step
+        in_use = self.memory_in_use_bytes(on_host, allocated)
+        num_live = self.block_manager.num_used_blocks
+        obs = Observation(
+            self.stats.num_steps,
+            self.memory_pressure_bytes(in_use, on_host),
+            self.memory_budget_bytes,
+            token_latency_ms,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            kv_bytes_by_precision={p: num_live * self._page_bytes(p) for p in KV_LADDER},
+        )
+        p = self.profile
+        self.controller_state, events = decide(
+            self.controller_state, obs, p.controller, max_num_seqs=p.max_num_seqs, min_precision=self.min_kv_precision
+        )
+        for event in events:
+            self._apply(event)
+        if self.timeline_path:
+            self._write_timeline(
+                "step",
+                **{k: v for k, v in asdict(obs).items() if k != "kv_bytes_by_precision"},
+                device_memory_bytes=in_use,
+                num_kv_blocks_used=self.block_manager.num_used_blocks,
+                batch_limit=self.scheduler.batch_limit,
+                kv_precision=self.kv_precision,
+                mode=self.controller_state.mode,
+            )
+
+    def _apply(self, event: Event) -> None:
+        """Carry out one controller decision. Nothing here drops a request."""
+        self.runner.drop_queued()  # it would run over what changes
+        kind, value = event.action.kind, event.action.value
+        self._allocated_reading = None  # what it moves, the next step reads afresh
+        note = ""
+        if kind == "kv_precision":
+            try:
+                note = f"; {self.set_kv_precision(value) / 2**20:+.1f} MiB freed"
+            except OutOfMemoryError as exc:
+                note = f"; not applied: {exc}"
+        elif kind == "spill" and value and self.kv_pool.can_spill:
+            bm = self.block_manager
+            cold = list(bm.cached_free) + [b for seq in self.scheduler.waiting for b in bm.block_table(seq.seq_id)]
+            note = f"; {self.kv_pool.spill(cold) / 2**20:.1f} MiB moved to host"
+        elif kind == "spill" and value:
+            note = f"; the {self.kv_pool.backend} backend keeps every page on the device"
+        elif kind == "batch_limit":
+            preempted = self.scheduler.set_batch_limit(value)
+            self.stats.num_preemptions += len(preempted)
+            note = f"; {len(preempted)} sequences preempted to resume later" if preempted else ""
+        elif kind == "throttle":
+            self.scheduler.is_throttled = bool(value)
+        if note:
+            event = replace(event, reason=event.reason + note)
+        self.controller_events.append(event)
+        self.num_controller_events += 1
+        log.info("controller: %s", event.reason)
+        if self.timeline_path:
+            self._write_timeline(
+                "event", step=event.step, action=kind, value=value, reason=event.reason, mode=event.mode
+            )
+
+    def _recover_from_oom(self, batch, exc: BaseException) -> None:
+        """Requeue an out-of-memory step's sequences, step the controller down, write a crash report."""
+        from lowvram.memory.crash_report import format_doctor_hint, write_oom_crash_report
+
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for seq in batch.seqs:
+            if seq in self.scheduler.running:
+                self.scheduler.preempt(seq)
+                self.stats.num_preemptions += 1
+        # Escalate even with the controller off: retrying the same step as it was would fail again.
+        self.controller_state, events = escalate_after_oom(
+            self.controller_state, self.stats.num_steps, self.profile.max_num_seqs, self.min_kv_precision
+        )
+        for event in events:
+            self._apply(event)
+        events_json = [
+            {"step": e.step, "action": e.action.kind, "value": e.action.value, "reason": e.reason}
+            for e in self.controller_events
+        ]
+        try:
+            self.last_crash_report = write_oom_crash_report(exc, engine=self, controller_events=events_json)
+            log.warning("%s", format_doctor_hint(self.last_crash_report))
+        except OSError as write_error:  # a full disk must not take the engine down too
+            log.warning("out of device memory in a step; the crash report could not be written: %s", write_error)
+
+    def _write_timeline(self, kind: str, **record) -> None:
+        with open(self.timeline_path, "a") as f:
+            f.write(json.dumps({"type": kind, **record, "time": time.time()}) + "\n")
+
+    def set_kv_precision(self, precision: str) -> int:
+        """Re-quantize the KV cache between steps; returns the device bytes freed. Compressing keeps
+        each running sequence's last `kv_recent_fp16_tokens` in FP16 too."""
+        self.runner.drop_queued()  # it would run over what changes
+        from lowvram.kv.pool import recent_window_blocks
+
+        bm = self.block_manager
+        free = set(bm.free_blocks)
+        used = [b for b in range(bm.num_blocks) if b not in free]
+        running = [(bm.block_table(seq.seq_id), seq.num_computed_tokens) for seq in self.scheduler.running]
+        recent = recent_window_blocks(running, self.profile.kv_recent_fp16_tokens, bm.block_size)
+        freed = self.kv_pool.set_precision(precision, used, fp16_block_ids=recent)
+        self.kv_precision = precision
+        self._allocated_reading = None  # the pool's pages were reallocated
+        return freed
+
+    def snapshot(self) -> EngineSnapshot:
+        used = self.memory_in_use_bytes()
+        latencies = list(self.recent_token_latency_ms)
+        recent = latencies[-16:]
+        return EngineSnapshot(
+            device=str(self.device),
+            memory_used_bytes=int(used),
+            memory_budget_bytes=self.memory_budget_bytes,
+            num_kv_blocks=self.block_manager.num_blocks,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_on_host=self.num_kv_blocks_on_host(),
+            kv_block_size=self.block_manager.block_size,
+            kv_precision=self.kv_precision,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            decode_tokens_per_s=1000 * len(recent) / sum(recent) if recent else 0.0,
+            token_latency_ms=latencies[-1] if latencies else None,
+            recent_token_latency_ms=latencies,
+            latency_high_ms=self.profile.controller.latency_high_ms,
+            controller_mode=self.controller_state.mode if self.profile.controller.is_enabled else "off",
+            last_decision=self.controller_events[-1].reason if self.controller_events else None,
+            num_controller_events=self.num_controller_events,
+            memory_pressure_bytes=self.memory_pressure_bytes(used),
+        )

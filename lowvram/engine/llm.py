@@ -1,10 +1,6 @@
-"""The offline Python API, shaped like vLLM's so code moves between them.
-
-from lowvram import LLM, SamplingParams
+"""The offline Python API, shaped like vLLM's:
 llm = LLM(model="path/to/DeepSeek-R1-Distill-Qwen-1.5B", profile="4gb")
-out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-print(out[0].outputs[0].text)
-"""
+print(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text)"""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ from lowvram.engine.outputs import RequestOutput
 from lowvram.errors import RequestError
 
 PromptType = str | dict
+ParamsType = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
@@ -32,18 +29,23 @@ class LLM:
 
     def _add(self, params: SamplingParams, prompt: PromptType | None = None, messages: list[dict] | None = None) -> str:
         request_id = f"offline-{next(self._ids)}"
+        ids = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                self.engine.add_request(request_id, None, params, prompt_token_ids=list(prompt["prompt_token_ids"]))
-            elif "prompt" in prompt:
-                self.engine.add_request(request_id, prompt["prompt"], params)
-            else:
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        else:
-            self.engine.add_request(request_id, prompt, params, messages=messages)
+            ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else None
+            prompt = None if ids is not None else prompt["prompt"]
+        self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids, messages=messages)
         return request_id
 
-    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _run(self, items: list, sampling_params: ParamsType, is_chat: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        elif len(sampling_params) != len(items):
+            raise RequestError(f"got {len(sampling_params)} sampling params for {len(items)} prompts")
+        else:
+            params = list(sampling_params)
+        request_ids = [self._add(p, None, item) if is_chat else self._add(p, item) for item, p in zip(items, params)]
         final: dict[str, RequestOutput] = {}
         try:
             while len(final) < len(request_ids):
@@ -56,54 +58,26 @@ class LLM:
                     self.engine.abort_request(request_id)
         return [final[r] for r in request_ids]
 
-    @staticmethod
-    def _params_list(params, num: int) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams()] * num
-        if isinstance(params, SamplingParams):
-            return [params] * num
-        if len(params) != num:
-            raise RequestError(f"got {len(params)} sampling params for {num} prompts")
-        return list(params)
-
     def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        self, prompts: PromptType | Sequence[PromptType], sampling_params: ParamsType = None
     ) -> list[RequestOutput]:
         """Generate for one or many prompts (batched together); outputs in prompt order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = self._params_list(sampling_params, len(prompts))
-        ids = [self._add(p, prompt) for prompt, p in zip(prompts, params)]
-        return self._run(ids)
+        return self._run([prompts] if isinstance(prompts, (str, dict)) else prompts, sampling_params, False)
 
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: ParamsType = None) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        params = self._params_list(sampling_params, len(conversations))
-        ids = [self._add(p, messages=conv) for conv, p in zip(conversations, params)]
-        return self._run(ids)
+        return self._run(conversations, sampling_params, True)
 
     def save_conversation(self, messages: list[dict], path=None):
-        """Save the KV pages of a conversation (rendered with the chat template) to a file.
-
-        Returns the path; by default a new file under ~/.local/share/lowvram/conversations.
-        """
+        """Save a conversation's KV pages to a file (default: ~/.local/share/lowvram/conversations)."""
         from lowvram.kv.conversation_store import save_conversation
 
         return save_conversation(self.engine, self.engine.tokenizer.apply_chat_template(messages, False), path)
 
     def restore_conversation(self, path):
-        """Load a saved conversation's pages so its next turn starts without recomputing.
-
-        A file from another model, weight format or KV precision, or a damaged one, is
-        reported in the result's message and ignored: the next turn recomputes.
-        """
+        """Load a saved conversation's pages so its next turn skips recomputing. A file from another
+        model, format or precision, or a damaged one, is reported in the result and ignored."""
         from lowvram.kv.conversation_store import restore_conversation
 
         return restore_conversation(self.engine, path)
@@ -115,10 +89,7 @@ class LLM:
         *,
         messages: list[dict] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per new token (its `text_delta` is the new text); the last one is finished.
-
-        Closing the iterator early aborts the request and frees its pages.
-        """
+        """Yield a RequestOutput per new token, the last one finished; closing early aborts the request."""
         request_id = self._add(sampling_params or SamplingParams(), prompt, messages)
         done = False
         try:

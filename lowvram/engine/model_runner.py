@@ -1,36 +1,19 @@
-"""Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token.
-
-Before the forward pass the pages the batch reads are made resident in the KV pool
-(`KVPool.ensure_resident`), and the pool's spill policy learns from the batch which
-pages were read. While a step computes, the pages the next one will likely read
-come back on the pool's side stream (double buffering): the pages of sequences that
-hold pages but are not in this step, or, when one batch reads more pages than the
-device share (`max_blocks_per_step`, the pinned backend) and runs in parts, the
-next part's.
-
-Pipelined decode (`is_pipelined`): when every token of a steady decode step (see
-ScheduledBatch.is_steady) is sampled on the device, the runner queues the next step,
-whose input ids are those tokens still on the device, before the host reads them, so
-the GPU does not wait for the host between steps. The next `step` call uses the queued
-step when it asks for what was guessed (the same sequences, one position on; the
-scheduler holds the page ahead, Scheduler.num_lookahead_tokens) and drops it otherwise.
-A seeded generator that drew for a dropped row is wound back, so the step that computes
-that token again draws the same.
-"""
+"""Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token,
+making the batch's pages resident and prefetching the next step's. Pipelined decode: a steady
+step sampled on the device queues the next one on its device tokens before the host reads
+them; the next step uses it if it asks for exactly that, else drops it."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from lowvram.core.scheduler import ScheduledBatch
-from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs, batch_buckets
+from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
-from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
@@ -68,18 +51,8 @@ class _Launched:
 
 
 class ModelRunner:
-    """Runs scheduled batches through the model over the KV pool.
-
-    Args:
-        max_num_seqs, max_model_len: the largest decode batch and context; with
-            `use_cuda_graphs` they size the decode graphs (`lowvram.engine.cuda_graphs`).
-        use_cuda_graphs: replay decode steps from CUDA graphs (CUDA devices, models that
-            allow it); prefill steps and anything a graph cannot hold run eagerly.
-        max_prefill_graph_tokens: with use_cuda_graphs, also replay the prefill of one
-            sequence's new tokens, up to this many (0 = off; at most MAX_PREFILL_GRAPH_TOKENS),
-            from graphs (`PrefillGraphs`): a short prompt's time to first token is launch-bound.
-        is_pipelined: queue steady decode steps ahead (see the module notes).
-    """
+    """max_num_seqs, max_model_len: size the decode graphs (use_cuda_graphs, CUDA only);
+    max_prefill_graph_tokens: replay single-sequence prefills up to this many tokens (0 = off)."""
 
     def __init__(
         self,
@@ -98,8 +71,7 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.max_model_len = max_model_len
         self.is_pipelined = is_pipelined
-        # On a GPU (and wherever decode is pipelined) rows without penalties sample on the device,
-        # at every step, prefill included, so a seeded request draws alike queued or not.
+        # Every step samples on the device alike, so a seeded request draws the same queued or not.
         self.samples_on_device = self.device.type == "cuda" or is_pipelined
         self.num_pipelined_steps = 0  # steps taken from the queue
         self.is_tail = False  # the last step came from the queue and nothing was queued after it
@@ -107,52 +79,26 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
-            max_blocks_per_seq = -(-max(max_model_len, 1) // self.block_size)
+            max_blocks = -(-max(max_model_len, 1) // self.block_size)  # of the longest context
             # The rotary tables must not be replaced after a graph captured them.
-            model.reserve_positions(max_blocks_per_seq * self.block_size, self.device)
-            # An embedding table in host memory that the GPU cannot read directly has each
-            # replay's rows staged on the host (HostEmbedding.stage).
+            model.reserve_positions(max_blocks * self.block_size, self.device)
+            # A host-memory embedding table the GPU cannot read has each replay's rows staged.
             embed = model.model.embed_tokens
             stage = getattr(embed, "stage", None) if getattr(embed, "device_view", None) is None else None
             prefill_tokens = min(max_prefill_graph_tokens, MAX_PREFILL_GRAPH_TOKENS)
-            capacity = max(batch_buckets(max_num_seqs)[-1], prefill_tokens)  # one staging buffer serves both
-            self.graphs = DecodeGraphs(
-                self._logits,
-                max_num_seqs,
-                max_blocks_per_seq,
-                self.device,
-                stage_embeddings=stage,
-                stage_capacity=capacity,
-            )
+            capacity = max(max_num_seqs, prefill_tokens)  # one staging buffer serves both
+            staging = dict(stage_embeddings=stage, stage_capacity=capacity)
+            self.graphs = DecodeGraphs(self._logits, max_num_seqs, max_blocks, self.device, **staging)
             if prefill_tokens > 0:
-                self.prefill_graphs = PrefillGraphs(
-                    self._last_logits,
-                    prefill_tokens,
-                    max_blocks_per_seq,
-                    self.device,
-                    stage_embeddings=stage,
-                    stage_capacity=capacity,
-                )
+                self.prefill_graphs = PrefillGraphs(self._logits, prefill_tokens, max_blocks, self.device, **staging)
 
     @property
     def num_graph_captures(self) -> int:
-        """Decode and prefill graphs captured so far (0 without graphs)."""
         return sum(g.num_captures for g in (self.graphs, self.prefill_graphs) if g is not None)
 
-    @property
-    def kv_pages(self) -> list[KVPages]:
-        """Each layer's pages, indexed by block id, for direct page copies. Empty when the
-        pool maps block ids to device slots (pinned): `run` copies `batch.copies` itself."""
-        return [] if self.kv_pool.is_translated else self.kv_pool.pages
-
     def gather(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[int], list[list[int]]]:
-        """The step's inputs as host lists: token ids, positions and KV slots per new token,
-        context length and (device) block table per sequence."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
+        """Host lists: token ids, positions, KV slots per new token; context length, device table per sequence."""
+        input_ids, positions, slots, context_lens, tables = [], [], [], [], []
         for seq, start, num_new, block_table in zip(
             batch.seqs, batch.positions, batch.num_new_tokens, batch.block_tables
         ):
@@ -168,9 +114,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> list[int | None]:
-        """Run `batch` and return each sequence's next token (None for a prompt chunk that
-        leaves tokens to compute), sampled as its params ask (lowvram.engine.sampler)."""
-        launched = self._take_queued(batch)
+        """Run `batch`; each sequence's next token (None for a prompt chunk with more to come)."""
+        # The queued step, narrowed to `batch`'s rows, when it computed what `batch` asks.
+        launched, queued, self._queued = None, self._queued, None
+        if queued is not None:
+            row_of = {seq.seq_id: row for row, seq in enumerate(queued.batch.seqs)}
+            rows = [row_of.get(seq.seq_id) for seq in batch.seqs]
+            is_match = not batch.is_prefill and all(
+                row is not None and queued.batch.positions[row] == p for row, p in zip(rows, batch.positions)
+            )
+            queued.rewind(set(queued.rows) - set(rows) if is_match else queued.rows)
+            if is_match and rows == queued.rows:
+                launched = replace(queued, batch=batch)
+            elif is_match:
+                narrowed = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
+                launched = _Launched(
+                    batch, list(range(len(rows))), None, narrowed, queued.host_tokens, queued.copied, picked=rows
+                )
         is_queued = launched is not None
         if launched is None:
             launched = self._launch(batch)
@@ -193,47 +153,23 @@ class ModelRunner:
             self._queued.rewind(self._queued.rows)
             self._queued = None
 
-    def _take_queued(self, batch: ScheduledBatch) -> _Launched | None:
-        """The queued step, narrowed to `batch`'s rows, when it computed what `batch` asks."""
-        queued, self._queued = self._queued, None
-        if queued is None:
-            return None
-        row_of = {seq.seq_id: row for row, seq in enumerate(queued.batch.seqs)}
-        rows = [row_of.get(seq.seq_id) for seq in batch.seqs]
-        is_match = not batch.is_prefill and all(
-            row is not None and queued.batch.positions[row] == position for row, position in zip(rows, batch.positions)
-        )
-        queued.rewind(set(queued.rows) - set(rows) if is_match else queued.rows)
-        if not is_match:
-            return None
-        if rows == queued.rows:
-            return replace(queued, batch=batch)
-        device_tokens = queued.device_tokens[torch.tensor(rows, device=queued.device_tokens.device)]
-        return _Launched(
-            batch, list(range(len(rows))), None, device_tokens, queued.host_tokens, queued.copied, picked=rows
-        )
-
     def _can_queue_after(self, launched: _Launched) -> bool:
-        """Whether the step after `launched` can be queued before its tokens are read: a steady
-        decode step sampled on the device, whose sequences all go on after the token it samples
-        (no length limit reached) and hold the page that token's step writes to."""
-        batch = launched.batch
+        """Whether the next step can be queued before `launched`'s tokens are read: a steady decode
+        step sampled on the device (not with staged embeddings) whose sequences go on and hold the page."""
+        batch, graphs = launched.batch, self.graphs
         if not (self.is_pipelined and batch.is_steady and launched.device_tokens is not None):
             return False
-        if batch.is_prefill or not self.accepts_device_input_ids:
+        if graphs is not None and graphs.stage_embeddings is not None:
             return False
-        for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables):
-            num_tokens = position + 2  # with the token this step samples
-            if num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens or num_tokens >= self.max_model_len:
-                return False
-            if len(table) * self.block_size < num_tokens:
-                return False
-        return True
+        return all(  # with the token this step samples, the sequence goes on and holds its next page
+            (n := position + 2) - len(seq.prompt_token_ids) < seq.params.max_tokens
+            and n < self.max_model_len
+            and n <= len(table) * self.block_size
+            for seq, position, table in zip(batch.seqs, batch.positions, batch.block_tables)
+        )
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue `batch` and its sampling. When every row samples on the device (no penalties),
-        the tokens go to pinned host memory behind an event, to be read later; otherwise they
-        are sampled and read now."""
+        """Queue `batch` and its sampling (device-sampled tokens are read later, behind an event)."""
         logits = self.run(batch, input_ids=input_ids)
         rows = [
             row
@@ -261,24 +197,12 @@ class ModelRunner:
             launched.host_tokens = launched.device_tokens
         return launched
 
-    @property
-    def accepts_device_input_ids(self) -> bool:
-        """Whether `run` can take a decode step's input ids on the device without reading them
-        on the host: not where graphs stage host-memory embedding rows before each replay."""
-        return self.graphs is None or self.graphs.stage_embeddings is None
-
     @torch.inference_mode()
     def run(
         self, batch: ScheduledBatch, *, is_all_rows: bool = False, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """FP32 logits [S, vocab] at the last new token of each scheduled sequence
-        (or [T, vocab] at every new token with is_all_rows, for scoring text).
-
-        input_ids: a queued decode step's input token per sequence [S] int64 on the device
-        (the tokens of the step before, not read by the host yet, so not in the sequences).
-
-        A step replayed from a CUDA graph returns a view of the graphs' static logits buffer,
-        not a copy: read (or copy) the logits before the next `run`, which overwrites them."""
+        """FP32 logits [S, vocab] at each sequence's last new token ([T, vocab] with is_all_rows).
+        input_ids: a queued step's ids [S] on the device. A graph replay returns a view: read it first."""
         for src, dst in batch.copies:  # copy-on-write of a shared page, before the step reads dst
             self.kv_pool.copy_block(src, dst)
         pool = self.kv_pool
@@ -292,8 +216,11 @@ class ModelRunner:
         first_row = 0
         for i, (part, blocks) in enumerate(parts):
             pool.ensure_resident(blocks, free_block_ids=free)
-            # Issued before this part's kernels are queued, so the copies overlap them.
-            upcoming = parts[i + 1][1] if i + 1 < len(parts) else self._pages_of_others(batch.live_tables, tables)
+            # Queued before this part's kernels, to overlap them: the next part's, or idle sequences' pages.
+            if i + 1 < len(parts):
+                upcoming = parts[i + 1][1]
+            else:
+                upcoming = [b for seq_id, table in batch.live_tables.items() if seq_id not in tables for b in table]
             if upcoming:
                 pool.prefetch(upcoming, protected=blocks, free_block_ids=free)
             part_ids = None if input_ids is None else input_ids[first_row : first_row + len(part.seqs)]
@@ -303,36 +230,19 @@ class ModelRunner:
             logits.append(part_logits.clone() if i + 1 < len(parts) else part_logits)
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    @staticmethod
-    def _pages_of_others(live: Mapping[int, list[int]], tables: dict[int, list[int]]) -> list[int]:
-        """Pages of sequences that hold pages but are not in this step (the decoding ones
-        during a prefill step, say): the likeliest readers of the next step."""
-        if len(live) <= len(tables):
-            return []
-        return [b for seq_id, table in live.items() if seq_id not in tables for b in table]
-
     def _forward(self, batch: ScheduledBatch, is_all_rows: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        pages_version = getattr(self.kv_pool, "pages_version", None)
-        if self.graphs is not None and not batch.is_prefill and not is_all_rows:
+        gathered = None
+        graphs = self.prefill_graphs if batch.is_prefill else self.graphs
+        if graphs is not None and not is_all_rows and (not batch.is_prefill or len(batch.seqs) == 1):
             # The bucket first, from the block tables: a batch no graph holds is gathered once, eagerly.
-            key = self.graphs.bucket(len(batch.seqs), max(len(table) for table in batch.block_tables))
+            num_rows = batch.num_new_tokens[0] if batch.is_prefill else len(batch.seqs)
+            key = graphs.bucket(num_rows, max(len(table) for table in batch.block_tables))
             if key is not None:
-                host_ids, positions, slots, context_lens, tables = self.gather(batch)
-                logits = self.graphs.run(
-                    key, host_ids, positions, slots, tables, context_lens, self.kv_pool.pages, pages_version, input_ids
-                )
+                gathered = self.gather(batch)
+                logits = graphs.run(key, *gathered, self.kv_pool.pages, self.kv_pool.pages_version, input_ids)
                 if logits is not None:
                     return logits
-        if self.prefill_graphs is not None and batch.is_prefill and not is_all_rows and len(batch.seqs) == 1:
-            key = self.prefill_graphs.bucket(batch.num_new_tokens[0], len(batch.block_tables[0]))
-            if key is not None:
-                host_ids, positions, slots, context_lens, tables = self.gather(batch)
-                logits = self.prefill_graphs.run(
-                    key, host_ids, positions, slots, tables[0], context_lens[0], self.kv_pool.pages, pages_version
-                )
-                if logits is not None:
-                    return logits
-        host_ids, positions, slots, context_lens, tables = self.gather(batch)
+        host_ids, positions, slots, context_lens, tables = gathered or self.gather(batch)
         cu_seqlens = list(itertools.accumulate(batch.num_new_tokens, initial=0))
         max_blocks = max(len(t) for t in tables)
         dev = self.device
@@ -351,25 +261,13 @@ class ModelRunner:
         hidden = self.model(ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.kv_pool.pages)
         return self.model.compute_logits(hidden if is_all_rows else hidden[[end - 1 for end in cu_seqlens[1:]]])
 
-    def _logits(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_pages: list[KVPages]
-    ) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, kv_pages))
-
-    def _last_logits(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_pages: list[KVPages],
-        last_row: torch.Tensor,
-    ) -> torch.Tensor:
+    def _logits(self, input_ids, positions, meta, kv_pages, last_row=None) -> torch.Tensor:
+        """What a graph captures: logits [T, vocab], or [1, vocab] at `last_row` [1] (a prefill's)."""
         hidden = self.model(input_ids, positions, meta, kv_pages)  # [T, hidden]
-        return self.model.compute_logits(hidden.index_select(0, last_row))  # [1, vocab]
+        return self.model.compute_logits(hidden if last_row is None else hidden.index_select(0, last_row))
 
     def _split(self, batch: ScheduledBatch, tables: dict[int, list[int]]) -> list[tuple[ScheduledBatch, list[int]]]:
-        """The batch in parts whose pages fit the device share, in order. When one part is
-        not enough, parts are kept to half the share so the next one can come in meanwhile."""
+        """The batch in parts whose pages fit the device share (half of it each, when one part is not enough)."""
         limit = self.kv_pool.max_blocks_per_step
         if limit is None:  # one part; the pool takes each page once however often it is listed
             return [(batch, list(itertools.chain.from_iterable(tables.values())))]

@@ -1,5 +1,4 @@
-"""What generation returns, shaped like vLLM's outputs, and how a sampled token becomes
-one: detokenizing, stop tokens and strings, length limits."""
+"""What generation returns (shaped like vLLM's outputs), and how a sampled token becomes one."""
 
 from __future__ import annotations
 
@@ -44,19 +43,20 @@ class RequestOutput:
 
 
 def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int, now: float) -> None:
-    """Add a sampled token and its text to `seq`, and set its finish reason when it is done:
-    "stop" on EOS (unless ignore_eos), a stop token or a stop string (cut from the text),
-    "length" at max_tokens or the context limit."""
+    """Add a sampled token and its text; finish "stop" on EOS (unless ignore_eos), a stop token or
+    stop string (cut), "length" at max_tokens or the context limit."""
     seq.first_token_time = seq.first_token_time or now
-    params = seq.params
+    params, stops = seq.params, seq.params.stop
     seq.output_token_ids.append(token)
     if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
         seq.finish_reason = "stop"
     else:
         seq.text += seq.detokenizer.add(token)
-        hit = _find_stop(seq)
-        if hit is not None:
-            seq.text = seq.text[:hit]
+        # The first stop string, looked for only where a new one can be.
+        start = max(0, seq.num_emitted_chars - max(map(len, stops))) if stops else 0
+        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            seq.text = seq.text[: min(hits)]
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
             seq.finish_reason = "length"
@@ -64,19 +64,8 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_
         seq.finish_time = now
 
 
-def _find_stop(seq: Sequence) -> int | None:
-    """Where the first stop string starts in the text, looking only where a new one can be."""
-    stops = seq.params.stop
-    if not stops:
-        return None
-    window_start = max(0, seq.num_emitted_chars - max(len(s) for s in stops))
-    hits = [i for i in (seq.text.find(s, window_start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
 def request_output(seq: Sequence) -> RequestOutput:
-    """The request's state now; `text_delta` is the text not handed out before, less a tail
-    that could still become a stop string."""
+    """The request's state; `text_delta` is the new text, less a tail that may yet become a stop string."""
     stops = seq.params.stop
     hold = max(len(s) for s in stops) - 1 if stops and not seq.is_finished else 0
     visible = len(seq.text) - hold
@@ -84,9 +73,8 @@ def request_output(seq: Sequence) -> RequestOutput:
     seq.num_emitted_chars += len(delta)
     token_ids = list(seq.output_token_ids)
     completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
-    metrics = RequestMetrics(
-        seq.arrival_time, seq.first_token_time, seq.finish_time, len(seq.prompt_token_ids), len(token_ids)
-    )
+    num_prompt = len(seq.prompt_token_ids)
+    metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, num_prompt, len(token_ids))
     return RequestOutput(
         seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics
     )

@@ -7,23 +7,6 @@ import torch
 from lowvram.core.sampling_params import SamplingParams
 
 
-def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
-) -> torch.Tensor:
-    """logits [V] (FP32). Repetition penalty as in CTRL/HF; presence/frequency as in OpenAI."""
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
-        if seen.numel():
-            picked = logits[seen]
-            logits[seen] = torch.where(
-                picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty
-            )
-    if (params.presence_penalty or params.frequency_penalty) and output_ids:
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
-    return logits
-
-
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on one row of logits [V]."""
     logits = logits / params.temperature
@@ -44,50 +27,49 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    prompt_ids: list[int],
-    output_ids: list[int],
+    logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None, prompt: list[int], output: list[int]
 ) -> int:
-    """Pick the next token from one row of FP32 logits [V]."""
+    """Pick the next token from one row of FP32 logits [V]. Repetition penalty as in CTRL/HF,
+    presence/frequency penalties as in OpenAI."""
     # A copy: the row may be a view of the CUDA graphs' logits buffer, which must not change.
-    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            picked, penalty = logits[seen], params.repetition_penalty
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        ids, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
     if params.is_greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    if generator is not None and probs.device != generator.device:
-        # A seeded request draws from its own host generator wherever the logits are: the
-        # same seed gives the same text on any device and batch (a CUDA multinomial would
-        # not take a host generator at all).
-        probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if rng is not None and probs.device != rng.device:
+        # A seeded request draws from its own host generator, alike on any device and batch.
+        probs = probs.to(rng.device)
+    return int(torch.multinomial(probs, 1, generator=rng))
 
 
 def gumbel_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token (a 0-d int64 tensor on logits' device) drawn from one row of FP32 logits [V]
-    by the Gumbel-max trick: the argmax of the filtered logits plus Gumbel noise is a draw
-    from their softmax, found without the host. `generator` (on logits' device, or None for
-    the default one) makes a seeded request's draws its own, whatever else is batched."""
+    """One token (0-d, on the device) from FP32 logits [V] by the Gumbel-max trick: no wait for the host."""
     filtered = filter_logits(logits, params)
     uniform = torch.rand(filtered.shape, generator=generator, device=filtered.device, dtype=torch.float32)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
     return torch.argmax(filtered + gumbel)
 
 
+def _argmax_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return torch.argmax(logits if rows == list(range(logits.shape[0])) else logits[rows], dim=-1)
+
+
 def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
-    """Next token of each sequence, as sample_tokens picks them but left on logits' device:
-    [len(rows)] int64, with no wait for the GPU. Greedy rows take one argmax together;
-    sampled ones a Gumbel-max draw each from the sequence's device generator
-    (`device_generator`, made from its seed on first use). No row may have penalties."""
+    """As sample_tokens, left on the device ([len(rows)] int64, no wait); no row may have penalties."""
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, seq in enumerate(seqs) if seq.params.is_greedy]
     if greedy:
-        picked_rows = [rows[i] for i in greedy]
-        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
         if len(greedy) == len(rows):
-            return torch.argmax(picked, dim=-1)
-        tokens[greedy] = torch.argmax(picked, dim=-1)
+            return _argmax_rows(logits, rows)
+        tokens[greedy] = _argmax_rows(logits, [rows[i] for i in greedy])
     for i, seq in enumerate(seqs):
         if not seq.params.is_greedy:
             tokens[i] = gumbel_sample(logits[rows[i]], seq.params, device_generator(seq, logits.device))
@@ -95,8 +77,7 @@ def sample_tokens_on_device(logits: torch.Tensor, rows: list[int], seqs: list) -
 
 
 def device_generator(seq, device: torch.device) -> torch.Generator | None:
-    """The sequence's generator on `device` for sample_tokens_on_device: seeded from its
-    params' seed when it has one (None, the device's default generator, when not)."""
+    """The sequence's generator on `device`, made from its seed on first use (None without one)."""
     if seq.params.seed is None:
         return None
     if seq.device_generator is None:
@@ -109,32 +90,16 @@ def has_penalties(params: SamplingParams) -> bool:
 
 
 def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: bool = False) -> list[int]:
-    """Next token of each sequence (`params`, `generator`, `prompt_token_ids`,
-    `output_token_ids`) from its row of FP32 logits [S, V]. With `on_device`, rows without
-    penalties draw as sample_tokens_on_device does (from the device generator), so a seeded
-    request draws alike whichever way its step samples.
-
-    Plain greedy rows (no penalties) take one argmax together and one copy to the host:
-    each `int()` of a row waits for the GPU, which at batch 8 cost more than the decode
-    step's own host work. Ties go to the lowest token id either way, so the tokens are
-    the ones `sample_token` picks row by row.
-    """
+    """Next token of each sequence from its row of FP32 logits [S, V]; with `on_device`, rows without
+    penalties draw as on the device. Plain greedy rows share one argmax and one host copy."""
     plain = [i for i, seq in enumerate(seqs) if seq.params.is_greedy and not has_penalties(seq.params)]
     tokens = [0] * len(seqs)
-    if plain:
-        picked_rows = [rows[i] for i in plain]
-        picked = logits if picked_rows == list(range(logits.shape[0])) else logits[picked_rows]
-        for i, token in zip(plain, torch.argmax(picked, dim=-1).tolist()):
-            tokens[i] = token
-    plain_set = set(plain)
-    for i, seq in enumerate(seqs):
-        if i in plain_set:
-            continue
+    for i, token in zip(plain, _argmax_rows(logits, [rows[i] for i in plain]).tolist() if plain else []):
+        tokens[i] = token
+    for i in sorted(set(range(len(seqs))).difference(plain)):
+        seq, row = seqs[i], logits[rows[i]]
         if on_device and not has_penalties(seq.params):
-            generator = device_generator(seq, logits.device)
-            tokens[i] = int(gumbel_sample(logits[rows[i]], seq.params, generator))
+            tokens[i] = int(gumbel_sample(row, seq.params, device_generator(seq, logits.device)))
         else:
-            tokens[i] = sample_token(
-                logits[rows[i]], seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids
-            )
+            tokens[i] = sample_token(row, seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
     return tokens

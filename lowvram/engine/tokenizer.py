@@ -15,41 +15,29 @@ class Tokenizer:
     """Wraps the checkpoint's Hugging Face tokenizer."""
 
     def __init__(self, model_dir: Path):
-        has_files = any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-        if not has_files:
+        if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise ModelLoadError(
                 f"{model_dir} has no tokenizer (tokenizer.json); copy the tokenizer files next to config.json"
             )
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        # tokenizer.json holds the exact pipeline the model was trained with. AutoTokenizer
-        # may rebuild it for the architecture (transformers 5 swaps in Qwen's own
-        # pre-tokenizer for any qwen2 model), which changes the ids of some texts.
+        # AutoTokenizer may rebuild tokenizer.json's exact pipeline for the architecture, changing ids.
         cls = PreTrainedTokenizerFast if (model_dir / "tokenizer.json").is_file() else AutoTokenizer
         try:
             self.hf = cls.from_pretrained(str(model_dir))
         except Exception as exc:  # tokenizer loading raises many types
             raise ModelLoadError(f"could not load the tokenizer in {model_dir}: {exc}") from None
-        self.eos_token_ids = self._eos_ids(model_dir)
-        # transformers' decode checks the type of every id before it hands the list to the
-        # tokenizers library; detokenizing each new token of each sequence, that took a
-        # noticeable share of a batch-8 decode step's host time. Without a clean-up pass the
-        # library's own decode gives the same text.
-        backend = getattr(self.hf, "backend_tokenizer", None)
-        self._backend = None if getattr(self.hf, "clean_up_tokenization_spaces", True) else backend
-
-    def _eos_ids(self, model_dir: Path) -> set[int]:
-        ids: set[int] = set()
+        self.eos_token_ids: set[int] = set() if self.hf.eos_token_id is None else {self.hf.eos_token_id}
         gen = model_dir / "generation_config.json"
         if gen.is_file():
             try:
                 eos = json.loads(gen.read_text()).get("eos_token_id")
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                self.eos_token_ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
             except json.JSONDecodeError:
                 log.warning("%s is not valid JSON; using the tokenizer's EOS only", gen)
-        if self.hf.eos_token_id is not None:
-            ids.add(self.hf.eos_token_id)
-        return ids
+        # transformers' decode type-checks every id (slow per token); the library's gives the same text.
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._backend = None if getattr(self.hf, "clean_up_tokenization_spaces", True) else backend
 
     @property
     def has_chat_template(self) -> bool:
@@ -72,18 +60,11 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return (self.hf if self._backend is None else self._backend).decode(ids, skip_special_tokens=True)
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    Decoding only a short window and holding back text that ends in a replacement
-    character keeps multi-byte characters split across tokens from being emitted
-    half-done, at a cost independent of the output length.
-    """
+    """Text deltas of a growing id list; text ending in U+FFFD is held back until the character is whole."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
