@@ -323,15 +323,9 @@ def test_a_hostile_pickle_is_refused():
 
 
 def _run_doctor(argv):
-    import argparse
-
     from lowvram import cli
-    from lowvram.memory import doctor
 
-    subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "doctor" in subcommands.choices:
-        return cli.main(["doctor", *argv])
-    return doctor.main(argv)
+    return cli.main(["doctor", *argv])
 
 
 def test_doctor_oom_explains_a_message_file(capsys):

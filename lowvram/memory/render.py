@@ -1,5 +1,4 @@
-"""The tables and lines `lowvram doctor` prints: the environment, a memory plan, and
-the explanation of out-of-memory evidence."""
+"""What `lowvram doctor` prints: the environment, a memory plan, out-of-memory evidence."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def format_size(num_bytes: int | None) -> str:
 
 
 def weight_rows(weights: WeightBytes) -> list[tuple[str, int]]:
-    """(label, bytes) for every kind of weight present, then what host memory takes off
-    the device, in the order the plan's table shows them."""
+    """(label, bytes) of every kind of weight present, then what host memory takes off the device."""
     rows = []
     if weights.num_int4_layers:
         rows.append((f"INT4 layers ({weights.num_int4_layers})", weights.int4_bytes))
@@ -158,11 +156,9 @@ def render_plan(console, plan) -> None:
             f"(engine budget {format_size(plan.engine_margin_bytes)}, device {format_size(plan.device_margin_bytes)})"
         )
     else:
-        short = (
-            [f"the engine budget by {format_size(-plan.engine_margin_bytes)}"] if plan.engine_margin_bytes < 0 else []
-        )
-        short += [f"the device by {format_size(-plan.device_margin_bytes)}"] if plan.device_margin_bytes < 0 else []
-        console.print(f"[bold red]verdict: does not fit[/bold red]: over {' and '.join(short)}")
+        over = {"the engine budget": plan.engine_margin_bytes, "the device": plan.device_margin_bytes}
+        short = " and ".join(f"{what} by {format_size(-margin)}" for what, margin in over.items() if margin < 0)
+        console.print(f"[bold red]verdict: does not fit[/bold red]: over {short}")
     contexts = " · ".join(
         f"{p} {n or 'none'}{' (model limit)' if n == plan.max_position_embeddings else ''}"
         for p, n in plan.max_context.items()
