@@ -240,12 +240,27 @@ def plan_memory(
         kv_bytes = num_seqs * mp.kv_pool_bytes(config, context_len, pool.block_size, pool.kv_precision, element_bytes)
         is_emulated = profile.emulate_vram_gib is not None and is_cuda and capacity_bytes is None
         card_gib = profile.emulate_vram_gib if is_emulated else profile.memory_budget_gib
-        per_token = {p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS}
         return MemoryPlan(
-            *(model_label, config.architecture, profile.name, device_type, dtype, context_len, num_seqs),
-            *(pool.kv_precision, pool.block_size, weights, per_token, kv_bytes, pool.workspace, pool.budget_bytes),
-            *(context_bytes, bool(measured), int(card_gib * GIB) if capacity_bytes is None else capacity_bytes),
-            *(capacity_source, is_cuda and not is_emulated, config.max_position_embeddings),
+            model=model_label,
+            architecture=config.architecture,
+            profile_name=profile.name,
+            device_type=device_type,
+            dtype=dtype,
+            context_len=context_len,
+            num_seqs=num_seqs,
+            kv_precision=pool.kv_precision,
+            block_size=pool.block_size,
+            weights=weights,
+            kv_bytes_per_token={p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS},
+            kv_bytes=kv_bytes,
+            workspace=pool.workspace,
+            budget_bytes=pool.budget_bytes,
+            cuda_context_bytes=context_bytes,
+            is_context_measured=bool(measured),
+            device_capacity_bytes=int(card_gib * GIB) if capacity_bytes is None else capacity_bytes,
+            device_capacity_source=capacity_source,
+            is_context_in_capacity=is_cuda and not is_emulated,
+            max_position_embeddings=config.max_position_embeddings,
         )
 
     plan = evaluate(planned, context_len, num_seqs)

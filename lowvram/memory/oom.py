@@ -47,11 +47,6 @@ def _sizes(pattern: str, text: str, flags: int = re.IGNORECASE) -> list[int] | N
     return [parse_size(groups[i], groups[i + 1]) for i in range(first, len(groups), 2)]
 
 
-def _size(pattern: str, text: str) -> int | None:
-    sizes = _sizes(pattern, text)
-    return sizes[0] if sizes else None
-
-
 @dataclass
 class OomFacts:
     """Numbers from one out-of-memory message; None where the message has none."""
@@ -168,7 +163,7 @@ def parse_oom_message(text: str) -> OomFacts | None:
             facts.device_index = int(capacity.group(1))
             facts.total_bytes, facts.free_bytes = parse_size(*capacity.group(2, 3)), parse_size(*capacity.group(4, 5))
         for name, pattern in _V2_SIZES.items():
-            setattr(facts, name, _size(pattern, rest))
+            setattr(facts, name, (_sizes(pattern, rest) or [None])[0])
         for pid, number, unit in re.findall(rf"Process (\d+) has {SIZE} memory in use", rest, re.IGNORECASE):
             facts.other_processes.append((int(pid), parse_size(number, unit)))
         if facts.process_bytes is None and len(facts.other_processes) == 1 and facts.reserved_bytes is not None:

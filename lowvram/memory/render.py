@@ -68,8 +68,10 @@ def render_environment(console, env, problems) -> None:
     runtime = f"CUDA {env.torch_cuda_version}" if env.torch_cuda_version else None
     runtime = runtime or (f"HIP {env.torch_hip_version}" if env.torch_hip_version else "CPU-only build")
     row("torch", f"{env.torch_version} ({runtime})")
-    driver = f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version else "not found"
-    row("driver", driver)
+    row(
+        "driver",
+        f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version else "not found",
+    )
     if not env.gpus:
         row("GPU", "none visible to torch")
     answer = {True: "yes", False: "no", None: "unknown"}
@@ -77,21 +79,16 @@ def render_environment(console, env, problems) -> None:
         row(f"GPU {gpu.index}", f"{gpu.name}, compute capability {gpu.sm}, {gpu.num_multiprocessors or '?'} SMs")
         row("  memory", f"{format_size(gpu.total_bytes)} total, {format_size(gpu.free_bytes)} free")
         # Managed memory larger than the card works only with concurrent managed access.
-        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[gpu.concurrent_managed_access]
-        row(
-            "  managed memory",
-            f"concurrent access {answer[gpu.concurrent_managed_access]}, pageable access "
-            f"{answer[gpu.pageable_memory_access]}, oversubscription {oversubscription} ({gpu.managed_source})",
-        )
+        concurrent = gpu.concurrent_managed_access
+        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[concurrent]
+        access = f"concurrent access {answer[concurrent]}, pageable access {answer[gpu.pageable_memory_access]}"
+        row("  managed memory", f"{access}, oversubscription {oversubscription} ({gpu.managed_source})")
     if env.cuda_context_bytes:
         row("CUDA context", f"{format_size(env.cuda_context_bytes)} (measured)")
     row("Triton", f"{env.triton_version or 'not installed'}: kernels {env.triton_status}")
     row("cuda-bindings", "installed" if env.has_cuda_bindings else "not installed")
-    row(
-        "host RAM",
-        f"{format_size(env.host_total_bytes)} total, {format_size(env.host_available_bytes)} available, "
-        f"swap {format_size(env.swap_free_bytes)} free",
-    )
+    host = f"{format_size(env.host_total_bytes)} total, {format_size(env.host_available_bytes)} available"
+    row("host RAM", f"{host}, swap {format_size(env.swap_free_bytes)} free")
     if env.memlock_known:
         limit = "unlimited" if env.memlock_soft_bytes is None else f"{format_size(env.memlock_soft_bytes)} (ulimit -l)"
         row("pinned-memory limit", limit)
@@ -128,11 +125,8 @@ def render_plan(console, plan) -> None:
     per_token = " · ".join(f"{p} {format_size(b)}" for p, b in plan.kv_bytes_per_token.items())
     row("KV per token", format_size(plan.kv_bytes_per_token[plan.kv_precision]), per_token)
     pages = plan.num_seqs * -(-plan.context_len // plan.block_size)
-    row(
-        f"KV cache ({plan.context_len} tokens x {plan.num_seqs})",
-        format_size(plan.kv_bytes),
-        f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}",
-    )
+    kv_detail = f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}"
+    row(f"KV cache ({plan.context_len} tokens x {plan.num_seqs})", format_size(plan.kv_bytes), kv_detail)
     ws = plan.workspace
     path = "Triton attention" if ws.uses_kernels else "plain-torch attention"
     graphs = f"; decode CUDA graphs {format_size(ws.graph_bytes)}" if ws.graph_bytes else ""

@@ -80,7 +80,6 @@ class Workspace:
 
 def step_workspace(
     config: ModelConfig,
-    *,
     num_tokens: int,
     num_seqs: int,
     context_len: int,
@@ -146,16 +145,8 @@ def profile_workspace(
 
     def step(num_tokens: int, num_seqs: int) -> Workspace:
         scratch = int4_scratch_bytes(max_int4_elements, num_tokens, kernels)
-        return step_workspace(
-            config,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            context_len=max_model_len,
-            element_bytes=element_bytes,
-            uses_kernels=kernels,
-            block_size=profile.kv_block_size,
-            int4_scratch=scratch,
-        )
+        block_size = profile.kv_block_size
+        return step_workspace(config, num_tokens, num_seqs, max_model_len, element_bytes, kernels, block_size, scratch)
 
     max_tokens = min(profile.max_num_batched_tokens, profile.max_num_seqs * max_model_len)
     workspace = step(max_tokens, profile.max_num_seqs)
