@@ -323,7 +323,6 @@ def recommend(evaluate, config: ModelConfig, profile: Profile, plan: MemoryPlan,
     for precision in mp.KV_PRECISIONS[mp.KV_PRECISIONS.index(plan.kv_precision) + 1 :]:
         note = "INT8 KV is near lossless" if precision == "int8" else "INT4 KV costs a little quality"
         consider("kv_precision", precision, variant(kv_precision=precision), note)
-
     tokens, best = profile.max_num_batched_tokens // 2, None
     while tokens >= max(MIN_RECOMMENDED_BATCHED_TOKENS, b):
         best = (tokens, variant(max_num_batched_tokens=tokens))
@@ -332,26 +331,21 @@ def recommend(evaluate, config: ModelConfig, profile: Profile, plan: MemoryPlan,
         tokens //= 2
     if best is not None:
         consider("max_num_batched_tokens", *best, "longer prompts take more, smaller prefill steps")
-
     fitting_len = plan.max_context.get(plan.kv_precision, 0)
     if 0 < fitting_len < n:
         consider("max_model_len", fitting_len, variant(fitting_len), "the longest context that fits as planned")
-
     for seqs in range(b - 1, 0, -1):
         fit = variant(num_seqs=seqs)
         if fit.fits or seqs == 1:
             consider("max_num_seqs", seqs, fit, "fewer sequences decode together")
             break
-
     if plan.weights.weight_format == "fp16":
         awq = dataclasses.replace(config, quantization=AwqConfig(group_size=AWQ_DEFAULT_GROUP_SIZE))
         fit = evaluate(_variant(profile, n, b, weight_format="awq"), n, b, config=awq, model_dir=None)
         consider("weight_format", "awq", fit, "needs an AWQ INT4 checkpoint (AutoAWQ GEMM layout, group size 128)")
-
     if plan.dtype == "float32" and plan.device_type == "cpu":
         note = "halves weights and KV; slower on CPUs without BF16 instructions"
         consider("dtype", "bfloat16", variant(dtype="bfloat16"), note)
-
     over_budget = plan.engine_need_bytes > plan.budget_bytes
     if over_budget and capacity is not None:
         # The device (host RAM, or a GPU larger than the profile's card) has room the budget does not allow.
@@ -360,14 +354,12 @@ def recommend(evaluate, config: ModelConfig, profile: Profile, plan: MemoryPlan,
             fit = variant(memory_budget_gib=budget_gib)
             note = f"this device has {format_size(capacity)} available"
             consider("memory_budget_gib", budget_gib, fit, note, freed=fit.budget_bytes - plan.budget_bytes)
-
     if over_budget and profile.memory_utilization < 0.98:
         utilization = min(0.98, -(-plan.engine_need_bytes * 100 // int(profile.memory_budget_gib * GIB)) / 100)
         if utilization > profile.memory_utilization:
             fit = variant(memory_utilization=utilization)
             note = "less headroom for other programs"
             consider("memory_utilization", utilization, fit, note, freed=fit.budget_bytes - plan.budget_bytes)
-
     return sorted(found, key=lambda r: (-r.freed_bytes, r.field))
 
 
@@ -463,7 +455,6 @@ def cmd_doctor(args) -> int:
         else:
             render_oom(console, explanation)
         return 0
-
     from lowvram.memory.environment import find_problems, probe_environment
 
     profile = load_profile(args.profile)

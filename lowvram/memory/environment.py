@@ -294,7 +294,6 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
             )
         elif wants_cuda:
             add("error", "no CUDA GPU is visible to torch", "run on the CPU: --profile cpu (or --device cpu)")
-
     try:
         driver, runtime = (int(str(v).split(".")[0]) for v in (env.driver_cuda_version, env.torch_cuda_version))
     except ValueError:
@@ -306,7 +305,6 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
             f"CUDA {env.torch_cuda_version}",
             f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver}.x",
         )
-
     if gpu is not None and wants_cuda:
         if env.triton_status == "missing":
             add(
@@ -357,7 +355,6 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
                 "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
                 "pip install 'lowvram[um]'  (or kv_backend: pinned)",
             )
-
     available = env.host_available_bytes
     if available is not None and 0 < profile.host_spill_gib and available < profile.host_spill_gib * GIB:
         add(

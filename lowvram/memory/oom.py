@@ -124,7 +124,6 @@ def parse_oom_message(text: str) -> OomFacts | None:
     flat = re.sub(r"\s+", " ", text.replace("\r", " ")).strip()
     exc_type = re.search(r"((?:torch\.(?:cuda\.)?)?OutOfMemoryError|RuntimeError|lowvram: error)\s*:", flat)
     exc_type = exc_type.group(1) if exc_type else None
-
     plan = _sizes(_PLAN, flat, 0)
     if plan:
         names = ("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")
@@ -222,7 +221,6 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
             "or set kv_backend: pinned"
         )
         return [Finding(what, change)]
-
     requested, total, free, allowed = facts.requested_bytes, facts.total_bytes, facts.free_bytes, facts.allowed_bytes
     where = f"GPU {facts.device_index}" if facts.device_index is not None else "the device"
     of_total = f"; only {gib(free)} was free of {gib(total)}" if free is not None else ""
@@ -242,7 +240,6 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
     ]
     if held:
         findings.append(Finding("Memory was held by: " + "; ".join(held) + "."))
-
     causes = []
     limit = allowed or total
     if requested is not None and limit is not None and requested > limit:

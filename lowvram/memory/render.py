@@ -143,7 +143,6 @@ def render_plan(console, plan) -> None:
     capacity = f"capacity {format_size(plan.device_capacity_bytes)}: {plan.device_capacity_source}"
     row("[bold]device total[/bold]", f"[bold]{format_size(plan.device_need_bytes)}[/bold]", capacity)
     console.print(table)
-
     if plan.fits:
         console.print(
             f"[bold green]verdict: fits[/bold green], {format_size(plan.margin_bytes)} to spare "
