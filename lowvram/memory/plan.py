@@ -394,6 +394,7 @@ NUM_STAGING_BUFFERS = 2
 @dataclass(frozen=True)
 class OffloadPlan:
     """Weights split between the device and host memory (lowvram.models.layer_streaming).
+
     The first `num_resident_layers` decoder layers stay on the device; the others live in
     host memory and pass through `num_staging_buffers` buffers of the largest streamed
     layer each forward pass. Head and norms stay; an untied embedding moves to the host.

@@ -91,6 +91,7 @@ def step_workspace(
     """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs` sequences
     over contexts of at most `context_len`. Every phase keeps the layer's input and running
     sum ([T, hidden] each).
+
     - mlp: the normed input and silu(gate), up and their product [T, intermediate]; an INT4
       layer's dequantized weight replaces one of them at most.
     - rotary: q, k, v, and float32 copies and halves of q (about 12 bytes per element), or
