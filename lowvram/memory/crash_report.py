@@ -1,10 +1,5 @@
-"""Crash reports: what a run knew about memory when it failed, as one JSON file that
-`lowvram doctor --oom FILE` explains. Format version 1, every key present: "format"
-("lowvram-crash-report"), "version", "created_utc", "lowvram_version", "torch_version",
-"command" (or null), "profile" (Profile fields, or {}), "model" ({"path", "config": the
-config.json}), "memory" ({"<name>_bytes": int, facts}), "controller_events" (newest last),
-"exception_text". They go to `$XDG_DATA_HOME/lowvram/crash-reports` unless a path is given.
-"""
+"""Crash reports: what a run knew about memory when it failed, as one JSON file (format:
+CrashReport.to_json, docs/doctor.md) that `lowvram doctor --oom FILE` explains."""
 
 from __future__ import annotations
 
@@ -42,12 +37,9 @@ class CrashReport:
     created_utc: str = ""
     lowvram_version: str = ""
     torch_version: str | None = None
-    path: Path | None = None  # where it was read from; not part of the file
 
     def to_json(self) -> dict:
-        data = {"format": CRASH_REPORT_FORMAT, "version": CRASH_REPORT_VERSION} | dataclasses.asdict(self)
-        del data["path"]
-        return data
+        return {"format": CRASH_REPORT_FORMAT, "version": CRASH_REPORT_VERSION} | dataclasses.asdict(self)
 
 
 def default_crash_report_dir() -> Path:
@@ -128,19 +120,6 @@ def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashRepo
         lowvram_version=str(data.get("lowvram_version", "")),
         torch_version=data.get("torch_version"),
     )
-
-
-def read_crash_report(path: str | os.PathLike) -> CrashReport:
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"crash report {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"crash report {str(path)!r} is not readable JSON ({exc})") from None
-    report = crash_report_from_dict(data, f"crash report {str(path)!r}")
-    report.path = path
-    return report
 
 
 _CUDA_STATS = {
