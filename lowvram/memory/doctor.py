@@ -1,7 +1,5 @@
-"""`lowvram doctor`: predict out-of-memory before a run (a memory plan from
-lowvram.memory.plan, the code the engine sizes its KV pool with), explain it after one.
-Exit status: 0 = fits (or the evidence was explained), 1 = does not fit, 2 = an error.
-"""
+"""`lowvram doctor`: predict out-of-memory before a run, explain it after one. Exit status:
+0 = fits (or the evidence was explained), 1 = does not fit, 2 = an error."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What this machine offers lowvram: GPU, driver, Triton, managed memory, host RAM.
-`probe_environment` never raises (a failed or missing probe leaves None and a note);
-`find_problems` is pure, so tests feed it hand-made environments.
-"""
+"""What this machine offers lowvram (GPU, driver, Triton, managed memory, host RAM), and
+the problems that will stop or slow a run there."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Out-of-memory evidence in plain words: a PyTorch out-of-memory message of any torch
-version (1.x "(GPU 0; ... reserved in total by PyTorch)", 2.1+ "GPU 0 has a total capacity
-of ...", HIP, XPU, MPS, driver-level errors, lowvram's own planning error; wrapped or
-behind a traceback), a lowvram crash report (crash_report.py) or a torch memory snapshot.
-Sizes are binary units as torch prints them, MPS's "KB"/"MB"/"GB" too.
-"""
+"""Out-of-memory evidence in plain words: torch's messages of any version, lowvram crash
+reports and torch memory snapshots (docs/doctor.md lists the forms). Sizes are binary."""
 
 from __future__ import annotations
 

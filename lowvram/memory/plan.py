@@ -1,8 +1,5 @@
-"""How much device memory a run needs: the one set of formulas the engine sizes its KV
-pool with and `lowvram doctor` prints, so a plan and a run cannot disagree. Weights are
-counted from the config alone (the doctor plans checkpoints it has not loaded); the step
-workspace is in workspace.py; `scripts/bench_doctor_accuracy.py` measures the overheads.
-"""
+"""How much device memory a run needs: the formulas the engine sizes its KV pool with and
+`lowvram doctor` prints (docs/doctor.md), so a plan and a run cannot disagree."""
 
 from __future__ import annotations
 
@@ -23,11 +20,9 @@ MIB = 2**20
 KV_PRECISIONS = ("fp16", "int8", "int4")
 # Quantized KV rows carry an fp16 scale and an fp16 zero per token and KV head.
 KV_SCALE_ZERO_BYTES = 4
-# The CUDA context (driver state, kernel images, cuBLAS handles), outside torch's allocator:
-# typically 300-500 MiB with lazy module loading; the doctor measures it on the GPU itself.
+# The CUDA context, outside torch's allocator: 300-500 MiB with lazy loading (measured on a GPU).
 CUDA_CONTEXT_BYTES = 400 * MIB
-# Allocator blocks too small for the next request, as a share of KV pool and workspace
-# (weights are allocated once and barely fragment).
+# Allocator fragmentation, as a share of KV pool and workspace (weights barely fragment).
 FRAGMENTATION_RESERVE_FRACTION = 0.10
 
 

@@ -1,7 +1,5 @@
 """The workspace of one step: the largest set of tensors alive at once, modelled phase by
-phase from what the running code allocates (the plain-torch attention path's float32
-scores [heads, new tokens, context] dwarf everything else at long contexts).
-"""
+phase from what the running code allocates."""
 
 from __future__ import annotations
 
