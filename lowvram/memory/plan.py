@@ -68,13 +68,10 @@ def decoder_linears(config: ModelConfig) -> list[LinearShape]:
     for layer in range(config.num_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
         if not is_mla(config):
-            bias, kv = config.has_qkv_bias, config.kv_size
-            shapes += [
-                LinearShape(f"{attn}.q_proj", h, config.q_size, bias),
-                LinearShape(f"{attn}.k_proj", h, kv, bias),
-            ]
-            shapes += [LinearShape(f"{attn}.v_proj", h, kv, bias), LinearShape(f"{attn}.o_proj", config.q_size, h)]
-            shapes += _mlp_linears(mlp, h, config.intermediate_size)
+            q, kv = config.q_size, config.kv_size
+            qkv = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+            shapes += [LinearShape(f"{attn}.{name}", h, n, config.has_qkv_bias) for name, n in qkv]
+            shapes += [LinearShape(f"{attn}.o_proj", q, h), *_mlp_linears(mlp, h, config.intermediate_size)]
             continue
         heads, q_out, rank = config.num_heads, config.num_heads * config.qk_head_dim, config.q_lora_rank
         if rank is None:
