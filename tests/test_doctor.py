@@ -1,7 +1,6 @@
 """The memory plan: hand-computed sizes for the target models, agreement with what
 the loader and the engine really allocate, verdicts, and the `lowvram doctor` command."""
 
-import argparse
 import json
 import weakref
 
@@ -630,14 +629,9 @@ def test_problems_come_with_concrete_fixes():
 
 
 def _run(argv):
-    """`lowvram doctor ...` through the real CLI once it has the subcommand, else the doctor's own entry point."""
     from lowvram import cli
-    from lowvram.memory import doctor
 
-    subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "doctor" in subcommands.choices:
-        return cli.main(["doctor", *argv])
-    return doctor.main(argv)
+    return cli.main(["doctor", *argv])
 
 
 def test_cli_prints_environment_and_plan_and_exits_0_when_it_fits(tiny_llama_dir, capsys):

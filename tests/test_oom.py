@@ -13,10 +13,10 @@ import torch
 from lowvram.errors import ConfigError
 from lowvram.memory.crash_report import (
     EXIT_OUT_OF_MEMORY,
+    crash_report_from_dict,
     default_crash_report_dir,
     format_doctor_hint,
     is_cuda_oom,
-    read_crash_report,
     report_cuda_oom,
     write_crash_report,
 )
@@ -182,7 +182,7 @@ def test_crash_report_round_trip(tmp_path, tiny_qwen2_dir):
         command="lowvram x",
     )
     report = read_crash_report(path)
-    assert report.path == path and report.exception_text == "boom" and report.command == "lowvram x"
+    assert report.exception_text == "boom" and report.command == "lowvram x"
     assert report.profile["name"] == "4gb" and report.profile["max_model_len"] == 16384
     assert report.model["path"] == str(tiny_qwen2_dir)
     assert report.model["config"]["architectures"] == ["Qwen2ForCausalLM"]
@@ -322,16 +322,14 @@ def test_a_hostile_pickle_is_refused():
 # ---------------------------------------------------------------- the command
 
 
+def read_crash_report(path):
+    return crash_report_from_dict(json.loads(Path(path).read_text()), f"crash report {str(path)!r}")
+
+
 def _run_doctor(argv):
-    import argparse
-
     from lowvram import cli
-    from lowvram.memory import doctor
 
-    subcommands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    if "doctor" in subcommands.choices:
-        return cli.main(["doctor", *argv])
-    return doctor.main(argv)
+    return cli.main(["doctor", *argv])
 
 
 def test_doctor_oom_explains_a_message_file(capsys):

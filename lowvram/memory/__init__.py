@@ -1,5 +1,2 @@
-"""Memory: the plan of what fits the profile's budget, the environment probe, OOM
-diagnosis, crash reports and `lowvram doctor`.
-
-May import: lowvram.models, lowvram.quant, lowvram.kv, lowvram.kernels.
-"""
+"""Memory plan, environment probe, OOM diagnosis, crash reports and `lowvram doctor`.
+May import: lowvram.models, lowvram.quant, lowvram.kv, lowvram.kernels."""

@@ -1,23 +1,5 @@
-"""Crash reports: what a run knew about memory when it failed, as one JSON file
-that `lowvram doctor --oom FILE` explains.
-
-Format (version 1), every key present:
-
-    {
-      "format": "lowvram-crash-report", "version": 1,
-      "created_utc": "2025-01-31T12:00:00Z",
-      "lowvram_version": "0.1.0", "torch_version": "2.11.0",
-      "command": "lowvram generate ..." | null,
-      "profile": {Profile fields} | {},          # as dataclasses.asdict(Profile)
-      "model": {"path": str | null, "config": {config.json} | null},
-      "memory": {"<name>_bytes": int, ...},      # see collect_cuda_memory, engine_memory
-      "controller_events": [{...}, ...],          # newest last, free-form dicts
-      "exception_text": "torch.OutOfMemoryError: CUDA out of memory. ..."
-    }
-
-Reports go to `$XDG_DATA_HOME/lowvram/crash-reports` (default
-`~/.local/share/lowvram/crash-reports`) unless a path is given.
-"""
+"""Crash reports: what a run knew about memory when it failed, as one JSON file (format:
+CrashReport.to_json, docs/doctor.md) that `lowvram doctor --oom FILE` explains."""
 
 from __future__ import annotations
 
@@ -55,47 +37,13 @@ class CrashReport:
     created_utc: str = ""
     lowvram_version: str = ""
     torch_version: str | None = None
-    path: Path | None = None  # where it was read from; not part of the file
 
     def to_json(self) -> dict:
-        data = {"format": CRASH_REPORT_FORMAT, "version": CRASH_REPORT_VERSION} | dataclasses.asdict(self)
-        del data["path"]
-        return data
+        return {"format": CRASH_REPORT_FORMAT, "version": CRASH_REPORT_VERSION} | dataclasses.asdict(self)
 
 
 def default_crash_report_dir() -> Path:
     return user_data_dir("crash-reports")
-
-
-def _profile_dict(profile: Any) -> dict:
-    """A Profile, its dict or a profile name, as the report stores it."""
-    from lowvram.config import load_profile
-
-    if profile is None or isinstance(profile, dict):
-        return dict(profile or {})
-    if dataclasses.is_dataclass(profile):
-        return dataclasses.asdict(profile)
-    try:
-        return dataclasses.asdict(load_profile(str(profile)))
-    except LowvramError:
-        return {"name": str(profile)}
-
-
-def _model_dict(model: Any) -> dict:
-    """A model directory (its config.json is copied in), a {"path", "config"} dict, or
-    None for the bundled demo model."""
-    from lowvram.demo import DEMO_MODEL_DIR
-    from lowvram.models.checkpoint import read_raw_config
-
-    if model is None and (DEMO_MODEL_DIR / "config.json").is_file():
-        model = DEMO_MODEL_DIR
-    if model is None or isinstance(model, dict):
-        return dict(model or {"path": None, "config": None})
-    return {"path": str(model), "config": read_raw_config(Path(str(model)).expanduser())}
-
-
-def _json_safe(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 def write_crash_report(
@@ -108,25 +56,35 @@ def write_crash_report(
     exception_text: str,
     command: str | None = None,
 ) -> Path:
-    """Write a crash report and return its path.
-
-    path: a file, a directory to create the file in, or None for
-    `default_crash_report_dir()`. profile: a Profile, its dict, or a profile name.
-    model: a model directory (its config.json is copied in), a dict
-    {"path", "config"}, or None for the bundled demo model. memory: numbers in
-    bytes (keys ending in `_bytes`) and short facts (device name, KV precision).
-    """
+    """Write a crash report and return its path. path: a file, a directory, or None for
+    default_crash_report_dir(). profile: a Profile, its dict or a profile name. model: a
+    model directory (its config.json is copied in), a {"path", "config"} dict, or None for
+    the bundled demo model. memory: sizes (keys ending in `_bytes`) and short facts."""
     import torch
 
     import lowvram
+    from lowvram.config import load_profile
+    from lowvram.demo import DEMO_MODEL_DIR
+    from lowvram.models.checkpoint import read_raw_config
 
+    if dataclasses.is_dataclass(profile):
+        profile = dataclasses.asdict(profile)
+    elif profile is not None and not isinstance(profile, dict):
+        try:
+            profile = dataclasses.asdict(load_profile(str(profile)))
+        except LowvramError:
+            profile = {"name": str(profile)}
+    if model is None and (DEMO_MODEL_DIR / "config.json").is_file():
+        model = DEMO_MODEL_DIR
+    if model is not None and not isinstance(model, dict):
+        model = {"path": str(model), "config": read_raw_config(Path(str(model)).expanduser())}
     now = datetime.now(timezone.utc)
     report = CrashReport(
         exception_text=str(exception_text),
-        profile=_json_safe(_profile_dict(profile)),
-        model=_json_safe(_model_dict(model)),
-        memory=_json_safe(dict(memory)),
-        controller_events=_json_safe(list(controller_events)),
+        profile=dict(profile or {}),
+        model=dict(model or {"path": None, "config": None}),
+        memory=dict(memory),
+        controller_events=list(controller_events),
         command=command,
         created_utc=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         lowvram_version=lowvram.__version__,
@@ -136,7 +94,7 @@ def write_crash_report(
     if path is None or target.is_dir():
         target = target / f"crash-{now.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    target.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
     return target
 
 
@@ -153,9 +111,8 @@ def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashRepo
     kinds = {"profile": dict, "model": dict, "memory": dict, "controller_events": list, "exception_text": str}
     for key, kind in kinds.items():
         if not isinstance(data.get(key), kind):
-            raise ConfigError(
-                f"{source}: field {key!r} must be a JSON {kind.__name__}, got {type(data.get(key)).__name__}"
-            )
+            got = type(data.get(key)).__name__
+            raise ConfigError(f"{source}: field {key!r} must be a JSON {kind.__name__}, got {got}")
     return CrashReport(
         **{key: data[key] for key in kinds},
         command=data.get("command"),
@@ -165,22 +122,6 @@ def crash_report_from_dict(data: Any, source: str = "crash report") -> CrashRepo
     )
 
 
-def read_crash_report(path: str | os.PathLike) -> CrashReport:
-    """Read a crash report written by `write_crash_report`."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"crash report {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"crash report {str(path)!r} is not readable JSON ({exc})") from None
-    report = crash_report_from_dict(data, f"crash report {str(path)!r}")
-    report.path = path
-    return report
-
-
-# ---------------------------------------------------------------- what a run knew
-
 _CUDA_STATS = {
     "allocated_bytes.all.current": "allocated_bytes",
     "allocated_bytes.all.peak": "peak_allocated_bytes",
@@ -189,58 +130,6 @@ _CUDA_STATS = {
     "num_ooms": "num_ooms",
     "num_alloc_retries": "num_alloc_retries",
 }
-
-
-def collect_cuda_memory() -> dict:
-    """torch's view of device memory now: totals, peaks and the largest live blocks."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return {}
-    device = torch.cuda.current_device()
-    memory: dict[str, Any] = {"device_name": torch.cuda.get_device_name(device)}
-    stats = torch.cuda.memory_stats(device)
-    memory |= {name: int(stats[key]) for key, name in _CUDA_STATS.items() if key in stats}
-    # The card may be too full even to answer these; the report is written without them.
-    try:
-        free, total = torch.cuda.mem_get_info(device)
-        memory.update(device_free_bytes=int(free), device_total_bytes=int(total))
-        blocks = [
-            block["size"]
-            for segment in torch.cuda.memory_snapshot()
-            for block in segment.get("blocks", [])
-            if block.get("state") == "active_allocated"
-        ]
-        memory["largest_live_blocks_bytes"] = sorted(blocks, reverse=True)[:MAX_LARGEST_BLOCKS]
-    except Exception:
-        pass
-    return memory
-
-
-def engine_memory(engine: Any) -> dict:
-    """What an LLMEngine planned (weights, KV pool, workspace reserve, budget) and, once
-    its pages exist, how many were in use."""
-    plan = engine.kv_plan
-    memory = {
-        "weight_bytes": engine.model.weight_bytes,
-        "kv_pool_bytes": plan.kv_bytes,
-        "kv_num_blocks": plan.num_blocks,
-        "kv_block_size": plan.block_size,
-        "kv_bytes_per_token": plan.bytes_per_token,
-        "workspace_reserve_bytes": plan.activation_bytes,
-        "budget_bytes": plan.budget_bytes,
-        "max_model_len": engine.max_model_len,
-        "kv_precision": engine.kv_precision,
-        "device_type": engine.device.type,
-    }
-    if hasattr(engine, "block_manager"):  # an out-of-memory while the pool was allocated leaves none
-        # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
-        memory.update(
-            kv_bytes_in_use=engine.kv_bytes_in_use(),
-            kv_blocks_in_use=engine.block_manager.num_used_blocks,
-            kv_blocks_cached_reclaimable=engine.block_manager.num_cached_blocks,
-        )
-    return memory
 
 
 def is_cuda_oom(exc: BaseException) -> bool:
@@ -263,20 +152,61 @@ def write_oom_crash_report(
     command: str | None = None,
     path: str | os.PathLike | None = None,
 ) -> Path:
-    """Write a crash report for an out-of-memory exception that was just caught."""
-    memory = collect_cuda_memory()
+    """Write a crash report for an out-of-memory exception that was just caught: torch's
+    view of device memory (totals, peaks, the largest live blocks) and what the engine,
+    if any, planned and had in use."""
+    import torch
+
+    memory: dict[str, Any] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        memory["device_name"] = torch.cuda.get_device_name(device)
+        stats = torch.cuda.memory_stats(device)
+        memory |= {name: int(stats[key]) for key, name in _CUDA_STATS.items() if key in stats}
+        try:  # the card may be too full even to answer these; the report is written without them
+            free, total = torch.cuda.mem_get_info(device)
+            memory.update(device_free_bytes=int(free), device_total_bytes=int(total))
+            blocks = [
+                block["size"]
+                for segment in torch.cuda.memory_snapshot()
+                for block in segment.get("blocks", [])
+                if block.get("state") == "active_allocated"
+            ]
+            memory["largest_live_blocks_bytes"] = sorted(blocks, reverse=True)[:MAX_LARGEST_BLOCKS]
+        except Exception:
+            pass
     if engine is not None:
-        memory.update(engine_memory(engine))
+        plan = engine.kv_plan
+        memory.update(
+            weight_bytes=engine.model.weight_bytes,
+            kv_pool_bytes=plan.kv_bytes,
+            kv_num_blocks=plan.num_blocks,
+            kv_block_size=plan.block_size,
+            kv_bytes_per_token=plan.bytes_per_token,
+            workspace_reserve_bytes=plan.activation_bytes,
+            budget_bytes=plan.budget_bytes,
+            max_model_len=engine.max_model_len,
+            kv_precision=engine.kv_precision,
+            device_type=engine.device.type,
+        )
+        if hasattr(engine, "block_manager"):  # an out-of-memory while the pool was allocated leaves none
+            # Pages cached for reuse (prefix caching) are reclaimable: evicted on demand, not "used".
+            memory.update(
+                kv_bytes_in_use=engine.kv_bytes_in_use(),
+                kv_blocks_in_use=engine.block_manager.num_used_blocks,
+                kv_blocks_cached_reclaimable=engine.block_manager.num_cached_blocks,
+            )
         profile, model = engine.profile, engine.model_dir
     if command is None and sys.argv:
         command = "lowvram " + shlex.join(sys.argv[1:])
+    exception_text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return write_crash_report(
         path,
         profile=profile,
         model=model,
         memory=memory,
         controller_events=controller_events,
-        exception_text="".join(traceback.format_exception_only(type(exc), exc)).strip(),
+        exception_text=exception_text,
         command=command,
     )
 
@@ -290,24 +220,11 @@ def format_doctor_hint(path: str | os.PathLike) -> str:
     )
 
 
-def engine_in_traceback(exc: BaseException) -> Any:
-    """The LLMEngine the failing call ran in, found among the traceback's locals
-    (an engine, or an object holding one as `.engine`); None if there is none."""
-    tb = exc.__traceback__
-    while tb is not None:
-        for value in list(tb.tb_frame.f_locals.values()):
-            for candidate in (value, getattr(value, "engine", None)):
-                if hasattr(candidate, "kv_plan") and hasattr(candidate, "model_dir"):
-                    return candidate
-        tb = tb.tb_next
-    return None
-
-
 def report_cuda_oom(command: Callable[[Any], int]) -> Callable[[Any], int]:
-    """Decorate a CLI command: a CUDA out-of-memory error becomes a crash report, the
-    doctor command on stderr, and exit status 3 instead of a traceback. The engine is
-    found in the traceback; the command's argparse namespace supplies `profile` and
-    `model` when the engine was not built yet."""
+    """Decorate a CLI command: a CUDA out-of-memory error becomes a crash report, the doctor
+    command on stderr and exit status 3 instead of a traceback. The engine is found among
+    the traceback's locals (an engine, or an object holding one as `.engine`); the argparse
+    namespace supplies `profile` and `model` when the engine was not built yet."""
 
     @functools.wraps(command)
     def run(args) -> int:
@@ -325,7 +242,13 @@ def report_cuda_oom(command: Callable[[Any], int]) -> Callable[[Any], int]:
                 profile = load_profile(getattr(args, "profile", None)).replace(**overrides)
             except LowvramError:
                 profile = getattr(args, "profile", None)
-            engine = engine_in_traceback(exc)
+            candidates = (
+                candidate
+                for frame, _ in traceback.walk_tb(exc.__traceback__)
+                for value in list(frame.f_locals.values())
+                for candidate in (value, getattr(value, "engine", None))
+            )
+            engine = next((c for c in candidates if hasattr(c, "kv_plan") and hasattr(c, "model_dir")), None)
             path = write_oom_crash_report(exc, profile=profile, model=getattr(args, "model", None), engine=engine)
             print(format_doctor_hint(path), file=sys.stderr)
             return EXIT_OUT_OF_MEMORY

@@ -1,23 +1,8 @@
-"""`lowvram doctor`: predict out-of-memory before a run, explain it after one.
-
-`plan_memory` turns a model config and a profile into a memory plan: weights by kind,
-KV per token at each precision, KV for the requested context and batch, the workspace
-of the largest step, the CUDA context and a fragmentation reserve; the verdict against
-the engine's budget and against the card; the largest context that fits at each KV
-precision; and profile changes ranked by what they free. Every engine-side number
-comes from lowvram.memory.plan, the code the engine sizes its KV pool with.
-
-`explain_oom_input` reads an out-of-memory message, a crash report or a torch memory
-snapshot (lowvram.memory.oom) and adds, for a crash report, the plan of the run that
-failed.
-
-Exit status: 0 = fits (or the evidence was explained), 1 = the plan does not fit,
-2 = an error (missing file, bad option).
-"""
+"""`lowvram doctor`: predict out-of-memory before a run, explain it after one. Exit status:
+0 = fits (or the evidence was explained), 1 = does not fit, 2 = an error."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -33,8 +18,6 @@ from lowvram.memory.render import format_size, render_environment, render_oom, r
 from lowvram.memory.workspace import Workspace
 from lowvram.models.config import AwqConfig, ModelConfig, model_config_from_dict
 
-EXIT_FITS = 0
-EXIT_DOES_NOT_FIT = 1
 # Below this a change is noise, not a recommendation.
 MIN_USEFUL_FREED_BYTES = 1 * MIB
 AWQ_DEFAULT_GROUP_SIZE = 128
@@ -44,7 +27,7 @@ MIN_RECOMMENDED_BATCHED_TOKENS = 256
 
 @dataclass
 class Recommendation:
-    """One profile change: `field: value`, the memory it frees, whether it alone makes the plan fit."""
+    """One profile change `field: value`, the memory it frees, whether it alone makes the plan fit."""
 
     field: str
     value: object
@@ -102,7 +85,6 @@ class MemoryPlan:
 
     @property
     def device_need_bytes(self) -> int:
-        """Predicted device memory at the peak, with context and fragmentation reserve."""
         context = self.cuda_context_bytes if self.is_context_in_capacity else 0
         return self.peak_allocated_bytes + self.fragmentation_bytes + context
 
@@ -116,7 +98,7 @@ class MemoryPlan:
 
     @property
     def margin_bytes(self) -> int:
-        """Room to spare (negative: how much is missing) on the tighter of the two checks."""
+        """Room to spare (negative: what is missing) on the tighter of the two checks."""
         return min(self.engine_margin_bytes, self.device_margin_bytes)
 
     @property
@@ -135,13 +117,9 @@ class MemoryPlan:
         return data
 
 
-# ---------------------------------------------------------------- inputs
-
-
 def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
-    """(config, label, model directory or None) for a model directory,
-    a config.json file, a hub id (only its config.json is fetched) or None (the bundled
-    demo model)."""
+    """(config, label, model directory or None) for a model directory, a config.json, a hub
+    id (only its config.json is fetched) or None (the bundled demo model)."""
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
 
@@ -159,100 +137,18 @@ def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
                 raise ModelLoadError(f"{path} must hold a JSON object")
             return model_config_from_dict(raw, str(path)), str(path), None
         if not path.is_dir() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
-            return _hub_config(model)
+            try:
+                from huggingface_hub import hf_hub_download
+
+                path = Path(hf_hub_download(model, "config.json"))
+            except Exception as exc:  # offline, 404, gated: the hub raises many types
+                raise ModelLoadError(
+                    f"could not fetch config.json of {model!r} from the Hugging Face hub ({type(exc).__name__}); "
+                    "pass a local model directory or its config.json"
+                ) from None
+            return model_config_from_dict(json.loads(path.read_text()), model), model, None
     model_dir = resolve_model_path(model)
     return load_model_config(model_dir)[0], "bundled demo model" if model is None else model, model_dir
-
-
-def _hub_config(repo_id: str) -> tuple[ModelConfig, str, None]:
-    try:
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(repo_id, "config.json"))
-    except Exception as exc:  # offline, 404, gated: the hub raises many types
-        raise ModelLoadError(
-            f"could not fetch config.json of {repo_id!r} from the Hugging Face hub ({type(exc).__name__}); "
-            "pass a local model directory or its config.json"
-        ) from None
-    return model_config_from_dict(json.loads(path.read_text()), repo_id), repo_id, None
-
-
-# ---------------------------------------------------------------- planning
-
-
-def _device_type(profile: Profile, device: str | None, cuda_available: bool, notes: list[str]) -> str:
-    requested = device if device not in (None, "auto") else profile.device
-    if requested != "auto":
-        return requested
-    if cuda_available:
-        return "cuda"
-    if profile.device == "auto" and profile.name != "cpu":
-        notes.append(
-            f"no CUDA GPU here: planned for the {profile.memory_budget_gib:g} GiB card of profile "
-            f"{profile.name!r}; on this machine the engine would run on the CPU (--device cpu plans that)"
-        )
-        return "cuda"
-    return "cpu"
-
-
-def _dtype(profile: Profile, device_type: str) -> tuple[str, int]:
-    """The compute dtype's name and element size."""
-    if profile.dtype == "auto":
-        return ("float16", 2) if device_type == "cuda" else ("float32", 4)
-    return profile.dtype, 4 if profile.dtype == "float32" else 2
-
-
-@dataclass
-class _Setup:
-    """What stays fixed while the doctor tries variations of the plan."""
-
-    config: ModelConfig
-    model_dir: Path | None
-    model_label: str
-    device_type: str
-    cuda_context_bytes: int
-    is_context_measured: bool
-    capacity_bytes: int | None  # None: the profile's card
-    capacity_source: str
-
-
-def _evaluate(setup: _Setup, profile: Profile, context_len: int, num_seqs: int) -> MemoryPlan:
-    """The plan for `num_seqs` sequences of `context_len` tokens under `profile`."""
-    config, device_type = setup.config, setup.device_type
-    dtype, element_bytes = _dtype(profile, device_type)
-    on_host = mp.keeps_embeddings_on_host(config, profile, device_type)
-    weights = mp.weight_bytes_by_kind(config, element_bytes, model_dir=setup.model_dir, is_embedding_on_host=on_host)
-    weights.offload = mp.plan_weight_offload(
-        config, profile, weights, element_bytes, context_len, device_type=device_type, num_seqs=num_seqs
-    )
-    pool = mp.size_kv_pool(config, profile, weights.total_bytes, element_bytes, context_len, device_type)
-    kv_bytes = num_seqs * mp.kv_pool_bytes(config, context_len, pool.block_size, pool.kv_precision, element_bytes)
-    is_emulated = profile.emulate_vram_gib is not None and device_type == "cuda" and setup.capacity_bytes is None
-    capacity = setup.capacity_bytes
-    if capacity is None:
-        capacity = int((profile.emulate_vram_gib if is_emulated else profile.memory_budget_gib) * GIB)
-    return MemoryPlan(
-        model=setup.model_label,
-        architecture=config.architecture,
-        profile_name=profile.name,
-        device_type=device_type,
-        dtype=dtype,
-        context_len=context_len,
-        num_seqs=num_seqs,
-        kv_precision=pool.kv_precision,
-        block_size=pool.block_size,
-        weights=weights,
-        kv_bytes_per_token={p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS},
-        kv_bytes=kv_bytes,
-        workspace=pool.workspace,
-        budget_bytes=pool.budget_bytes,
-        cuda_context_bytes=setup.cuda_context_bytes,
-        is_context_measured=setup.is_context_measured,
-        device_capacity_bytes=capacity,
-        device_capacity_source=setup.capacity_source,
-        is_context_in_capacity=device_type == "cuda" and not is_emulated,
-        max_position_embeddings=config.max_position_embeddings,
-    )
 
 
 def _variant(profile: Profile, context_len: int, num_seqs: int, **changes) -> Profile:
@@ -262,15 +158,6 @@ def _variant(profile: Profile, context_len: int, num_seqs: int, **changes) -> Pr
         values.get("max_num_batched_tokens", profile.max_num_batched_tokens), num_seqs
     )
     return profile.replace(**values)
-
-
-def _largest_context(setup: _Setup, profile: Profile, num_seqs: int, limit: int, **changes) -> int:
-    """The longest context (whole pages) that passes both checks; 0 if none does."""
-
-    def fits(tokens: int) -> bool:
-        return _evaluate(setup, _variant(profile, tokens, num_seqs, **changes), tokens, num_seqs).fits
-
-    return mp.longest_fitting(fits, limit, profile.kv_block_size)
 
 
 def _capacity(profile: Profile, device_type: str, env, capacity: tuple[int, str] | None) -> tuple[int | None, str]:
@@ -304,18 +191,24 @@ def plan_memory(
     capacity: tuple[int, str] | None = None,
     model_dir: str | Path | None = None,
 ) -> MemoryPlan:
-    """The memory plan for `num_seqs` sequences of `context_len` tokens.
-
-    env: a lowvram.memory.environment.Environment (its measured CUDA context and free
-    GPU memory refine the device check); None plans for the profile's card with
-    typical overheads. capacity: (bytes, description) overriding the device size.
-    model_dir: the checkpoint directory, whose compensation side file adds its terms.
-    """
-    notes: list[str] = []
+    """The memory plan for `num_seqs` sequences of `context_len` tokens. `env`: an
+    environment.Environment, whose measured CUDA context and free GPU memory refine the
+    device check (None: the profile's card, typical overheads). `capacity`: (bytes,
+    description) of the device. `model_dir`: adds its compensation side file's terms."""
     import torch
 
-    cuda_available = env.cuda_available if env is not None else torch.cuda.is_available()
-    device_type = _device_type(profile, device, cuda_available, notes)
+    notes: list[str] = []
+    device_type = device if device not in (None, "auto") else profile.device
+    if device_type == "auto":
+        device_type = "cpu"
+        if env.cuda_available if env is not None else torch.cuda.is_available():
+            device_type = "cuda"
+        elif profile.device == "auto" and profile.name != "cpu":
+            device_type = "cuda"
+            notes.append(
+                f"no CUDA GPU here: planned for the {profile.memory_budget_gib:g} GiB card of profile "
+                f"{profile.name!r}; on this machine the engine would run on the CPU (--device cpu plans that)"
+            )
     limit = config.max_position_embeddings
     requested = context_len or min(profile.max_model_len, limit)
     if requested > limit:
@@ -326,16 +219,49 @@ def plan_memory(
     if num_seqs > profile.max_num_batched_tokens:
         notes.append(f"max_num_batched_tokens raised to {num_seqs} so that {num_seqs} sequences can decode together")
     planned = _variant(profile, context_len, num_seqs)
-
     is_cuda = device_type == "cuda"
     measured = env.cuda_context_bytes if env is not None and is_cuda else None
     context_bytes = (measured or mp.CUDA_CONTEXT_BYTES) if is_cuda else 0
     capacity_bytes, capacity_source = _capacity(planned, device_type, env, capacity)
-    model_dir = Path(model_dir) if model_dir is not None else None
-    setup = _Setup(
-        config, model_dir, model_label, device_type, context_bytes, bool(measured), capacity_bytes, capacity_source
-    )
-    plan = _evaluate(setup, planned, context_len, num_seqs)
+
+    def evaluate(profile: Profile, context_len: int, num_seqs: int, config=config, model_dir=model_dir) -> MemoryPlan:
+        if profile.dtype == "auto":
+            dtype, element_bytes = ("float16", 2) if is_cuda else ("float32", 4)
+        else:
+            dtype, element_bytes = profile.dtype, 4 if profile.dtype == "float32" else 2
+        on_host = mp.keeps_embeddings_on_host(config, profile, device_type)
+        weights = mp.weight_bytes_by_kind(config, element_bytes, model_dir=model_dir, is_embedding_on_host=on_host)
+        weights.offload = mp.plan_weight_offload(
+            config, profile, weights, element_bytes, context_len, device_type=device_type, num_seqs=num_seqs
+        )
+        pool = mp.size_kv_pool(config, profile, weights.total_bytes, element_bytes, context_len, device_type)
+        kv_bytes = num_seqs * mp.kv_pool_bytes(config, context_len, pool.block_size, pool.kv_precision, element_bytes)
+        is_emulated = profile.emulate_vram_gib is not None and is_cuda and capacity_bytes is None
+        card_gib = profile.emulate_vram_gib if is_emulated else profile.memory_budget_gib
+        return MemoryPlan(
+            model=model_label,
+            architecture=config.architecture,
+            profile_name=profile.name,
+            device_type=device_type,
+            dtype=dtype,
+            context_len=context_len,
+            num_seqs=num_seqs,
+            kv_precision=pool.kv_precision,
+            block_size=pool.block_size,
+            weights=weights,
+            kv_bytes_per_token={p: mp.kv_bytes_per_token(config, p, element_bytes) for p in mp.KV_PRECISIONS},
+            kv_bytes=kv_bytes,
+            workspace=pool.workspace,
+            budget_bytes=pool.budget_bytes,
+            cuda_context_bytes=context_bytes,
+            is_context_measured=bool(measured),
+            device_capacity_bytes=int(card_gib * GIB) if capacity_bytes is None else capacity_bytes,
+            device_capacity_source=capacity_source,
+            is_context_in_capacity=is_cuda and not is_emulated,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    plan = evaluate(planned, context_len, num_seqs)
     plan.notes = notes
     if plan.weights.weight_format == "fp16" and profile.weight_format == "awq":
         notes.append(
@@ -349,7 +275,7 @@ def plan_memory(
             "tokens) can wait in host RAM beyond the device share; the verdict asks the device to hold "
             "every planned sequence"
         )
-        element_bytes = _dtype(planned, device_type)[1]
+        element_bytes = 4 if plan.dtype == "float32" else 2
         pool = mp.size_kv_pool(config, planned, plan.weights.total_bytes, element_bytes, context_len, device_type)
         blocks_per_seq = -(-context_len // pool.block_size)
         host_blocks = mp.host_kv_blocks(config, planned, element_bytes, device_type)
@@ -368,105 +294,100 @@ def plan_memory(
             "its float32 scores grow with context x max_num_batched_tokens"
         )
     for precision in mp.KV_PRECISIONS:
-        plan.max_context[precision] = _largest_context(setup, planned, num_seqs, limit, kv_precision=precision)
-    plan.recommendations = recommend(setup, planned, plan)
+
+        def fits(n: int) -> bool:
+            return evaluate(_variant(planned, n, num_seqs, kv_precision=precision), n, num_seqs).fits
+
+        plan.max_context[precision] = mp.longest_fitting(fits, limit, planned.kv_block_size)
+    plan.recommendations = recommend(evaluate, config, planned, plan, capacity_bytes)
     return plan
 
 
-def recommend(setup: _Setup, profile: Profile, plan: MemoryPlan) -> list[Recommendation]:
-    """Profile changes ranked by the device memory they free (or the budget they add)."""
+def recommend(evaluate, config: ModelConfig, profile: Profile, plan: MemoryPlan, capacity: int | None) -> list:
+    """Profile changes ranked by the device memory they free (or the budget they add).
+    `evaluate(profile, context_len, num_seqs, config=, model_dir=)`: plan_memory's; `capacity`:
+    the device's bytes where known."""
     n, b = plan.context_len, plan.num_seqs
     found: list[Recommendation] = []
 
-    def evaluate(context_len: int = n, num_seqs: int = b, setup: _Setup = setup, **changes) -> MemoryPlan:
-        return _evaluate(setup, _variant(profile, context_len, num_seqs, **changes), context_len, num_seqs)
+    def variant(context_len: int = n, num_seqs: int = b, **changes) -> MemoryPlan:
+        return evaluate(_variant(profile, context_len, num_seqs, **changes), context_len, num_seqs)
 
     def consider(field_name: str, value, fit: MemoryPlan, note: str, freed: int | None = None) -> None:
         freed = plan.device_need_bytes - fit.device_need_bytes if freed is None else freed
         if freed >= MIN_USEFUL_FREED_BYTES:
             found.append(Recommendation(field_name, value, int(freed), fit.fits, note))
 
-    order = list(mp.KV_PRECISIONS)
-    for precision in order[order.index(plan.kv_precision) + 1 :]:
+    for precision in mp.KV_PRECISIONS[mp.KV_PRECISIONS.index(plan.kv_precision) + 1 :]:
         note = "INT8 KV is near lossless" if precision == "int8" else "INT4 KV costs a little quality"
-        consider("kv_precision", precision, evaluate(kv_precision=precision), note)
-
+        consider("kv_precision", precision, variant(kv_precision=precision), note)
     tokens, best = profile.max_num_batched_tokens // 2, None
     while tokens >= max(MIN_RECOMMENDED_BATCHED_TOKENS, b):
-        best = (tokens, evaluate(max_num_batched_tokens=tokens))
+        best = (tokens, variant(max_num_batched_tokens=tokens))
         if best[1].fits:
             break
         tokens //= 2
     if best is not None:
         consider("max_num_batched_tokens", *best, "longer prompts take more, smaller prefill steps")
-
     fitting_len = plan.max_context.get(plan.kv_precision, 0)
     if 0 < fitting_len < n:
-        consider("max_model_len", fitting_len, evaluate(fitting_len), "the longest context that fits as planned")
-
+        consider("max_model_len", fitting_len, variant(fitting_len), "the longest context that fits as planned")
     for seqs in range(b - 1, 0, -1):
-        fit = evaluate(num_seqs=seqs)
+        fit = variant(num_seqs=seqs)
         if fit.fits or seqs == 1:
             consider("max_num_seqs", seqs, fit, "fewer sequences decode together")
             break
-
     if plan.weights.weight_format == "fp16":
-        awq = dataclasses.replace(setup.config, quantization=AwqConfig(group_size=AWQ_DEFAULT_GROUP_SIZE))
-        fit = evaluate(setup=dataclasses.replace(setup, config=awq, model_dir=None), weight_format="awq")
+        awq = dataclasses.replace(config, quantization=AwqConfig(group_size=AWQ_DEFAULT_GROUP_SIZE))
+        fit = evaluate(_variant(profile, n, b, weight_format="awq"), n, b, config=awq, model_dir=None)
         consider("weight_format", "awq", fit, "needs an AWQ INT4 checkpoint (AutoAWQ GEMM layout, group size 128)")
-
-    if plan.dtype == "float32" and setup.device_type == "cpu":
+    if plan.dtype == "float32" and plan.device_type == "cpu":
         note = "halves weights and KV; slower on CPUs without BF16 instructions"
-        consider("dtype", "bfloat16", evaluate(dtype="bfloat16"), note)
-
+        consider("dtype", "bfloat16", variant(dtype="bfloat16"), note)
     over_budget = plan.engine_need_bytes > plan.budget_bytes
-    if over_budget and setup.capacity_bytes is not None:
+    if over_budget and capacity is not None:
         # The device (host RAM, or a GPU larger than the profile's card) has room the budget does not allow.
         budget_gib = -(-plan.engine_need_bytes * 4 // int(profile.memory_utilization * GIB)) / 4
-        if budget_gib * GIB <= setup.capacity_bytes:
-            fit = evaluate(memory_budget_gib=budget_gib)
-            note = f"this device has {format_size(setup.capacity_bytes)} available"
+        if budget_gib * GIB <= capacity:
+            fit = variant(memory_budget_gib=budget_gib)
+            note = f"this device has {format_size(capacity)} available"
             consider("memory_budget_gib", budget_gib, fit, note, freed=fit.budget_bytes - plan.budget_bytes)
-
     if over_budget and profile.memory_utilization < 0.98:
         utilization = min(0.98, -(-plan.engine_need_bytes * 100 // int(profile.memory_budget_gib * GIB)) / 100)
         if utilization > profile.memory_utilization:
-            fit = evaluate(memory_utilization=utilization)
+            fit = variant(memory_utilization=utilization)
             note = "less headroom for other programs"
             consider("memory_utilization", utilization, fit, note, freed=fit.budget_bytes - plan.budget_bytes)
-
-    found.sort(key=lambda r: (-r.freed_bytes, r.field))
-    return found
-
-
-# ---------------------------------------------------------------- OOM evidence
-
-
-def read_oom_source(source: str) -> tuple[bytes, str]:
-    if source == "-":
-        return sys.stdin.buffer.read(), "stdin"
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise ConfigError(
-            f"--oom {source}: no such file; pass the file holding the error text, a crash report "
-            "(crash-*.json) or a memory snapshot, or '-' to read stdin"
-        )
-    try:
-        return path.read_bytes(), str(path)
-    except OSError as exc:
-        raise ConfigError(f"--oom {source}: cannot read it ({exc})") from None
+    return sorted(found, key=lambda r: (-r.freed_bytes, r.field))
 
 
 def explain_oom_input(data: bytes, source: str) -> oom.OomExplanation:
     """What the evidence in `data` says, and for a crash report the plan of its run."""
     explanation = oom.read_oom_input(data, source)
-    if explanation.report is None:
+    report = explanation.report
+    if report is None:
         return explanation
+    raw, memory = report.model.get("config"), report.memory
+    if not isinstance(raw, dict) or not report.profile:
+        return explanation
+    path = report.model.get("path")
     try:
-        explanation.plan = plan = _plan_from_report(explanation.report)
+        profile = profile_from_dict(dict(report.profile), "the crash report's profile")
+        capacity = None
+        if isinstance(memory.get("device_total_bytes"), int) and profile.emulate_vram_gib is None:
+            capacity = (memory["device_total_bytes"], f"{memory.get('device_name', 'the GPU')} (whole card)")
+        explanation.plan = plan = plan_memory(
+            model_config_from_dict(raw, "the crash report's model config"),
+            profile,
+            context_len=memory.get("max_model_len") if isinstance(memory.get("max_model_len"), int) else None,
+            # A report without a device type comes from a CUDA out-of-memory error.
+            device=memory.get("device_type") if memory.get("device_type") in ("cuda", "cpu") else "cuda",
+            model_label=str(path or "model of the crash report"),
+            capacity=capacity,
+            model_dir=Path(path) if path and Path(path).is_dir() else None,
+        )
     except LowvramError as exc:
-        explanation.plan_error, plan = str(exc), None
-    if plan is None:
+        explanation.plan_error = str(exc)
         return explanation
     need = f"{oom.gib(plan.device_need_bytes)} of {oom.gib(plan.device_capacity_bytes)}"
     if not plan.fits and plan.recommendations:
@@ -486,35 +407,7 @@ def explain_oom_input(data: bytes, source: str) -> oom.OomExplanation:
     return explanation
 
 
-def _plan_from_report(report) -> MemoryPlan | None:
-    raw, memory = report.model.get("config"), report.memory
-    if not isinstance(raw, dict) or not report.profile:
-        return None
-    profile = profile_from_dict(dict(report.profile), "the crash report's profile")
-    config = model_config_from_dict(raw, "the crash report's model config")
-    context = memory.get("max_model_len") if isinstance(memory.get("max_model_len"), int) else None
-    # A report without a device type comes from a CUDA out-of-memory error.
-    device = memory.get("device_type") if memory.get("device_type") in ("cuda", "cpu") else "cuda"
-    capacity = None
-    if isinstance(memory.get("device_total_bytes"), int) and profile.emulate_vram_gib is None:
-        capacity = (memory["device_total_bytes"], f"{memory.get('device_name', 'the GPU')} (whole card)")
-    path = report.model.get("path")
-    return plan_memory(
-        config,
-        profile,
-        context_len=context,
-        device=device,
-        model_label=str(path or "model of the crash report"),
-        capacity=capacity,
-        model_dir=Path(path) if path and Path(path).is_dir() else None,
-    )
-
-
-# ---------------------------------------------------------------- the command
-
-
-def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `lowvram doctor` to the CLI's subparsers."""
+def add_doctor_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "doctor",
         help="check this machine, plan memory for a model and profile, or explain an out-of-memory error",
@@ -522,42 +415,44 @@ def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
         "With --oom FILE: explain an out-of-memory message, crash report or torch memory snapshot.",
     )
     add = parser.add_argument
-    add(
-        "--model",
-        "-m",
-        help="model directory, its config.json, or a hub id (only config.json is fetched); "
-        "default: the bundled demo model",
-    )
+    add("--model", "-m", help="model directory, config.json or hub id (fetches only config.json); default: demo model")
     add("--profile", help="built-in profile or YAML file (default: 4gb with CUDA, cpu without)")
     add("--context", type=int, metavar="N", help="context length to plan for (default: the profile's max_model_len)")
     add("--batch", type=int, default=1, metavar="B", help="sequences of that length at once (default 1)")
     add("--device", choices=["auto", "cuda", "cpu"], help="plan for this device")
-    add(
-        "--oom",
-        metavar="FILE",
-        help="explain an out-of-memory message, a lowvram crash report or a torch memory snapshot ('-' reads stdin)",
-    )
+    oom_help = "explain an out-of-memory message, a lowvram crash report or a torch memory snapshot ('-' reads stdin)"
+    add("--oom", metavar="FILE", help=oom_help)
     add("--json", action="store_true", help="print one JSON object instead of tables")
     add("--quick", action="store_true", help="skip the checks that start CUDA (Triton kernel test, CUDA context)")
     parser.set_defaults(func=cmd_doctor)
-    return parser
 
 
-def _console():
-    from rich.console import Console
-
-    return Console(width=max(120, Console().width), highlight=False)
+def _read_oom_source(source: str) -> tuple[bytes, str]:
+    if source == "-":
+        return sys.stdin.buffer.read(), "stdin"
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"--oom {source}: no such file; pass the file holding the error text, a crash report "
+            "(crash-*.json) or a memory snapshot, or '-' to read stdin"
+        )
+    try:
+        return path.read_bytes(), str(path)
+    except OSError as exc:
+        raise ConfigError(f"--oom {source}: cannot read it ({exc})") from None
 
 
 def cmd_doctor(args) -> int:
+    from rich.console import Console
+
+    console = None if args.json else Console(width=max(120, Console().width), highlight=False)
     if args.oom is not None:
-        explanation = explain_oom_input(*read_oom_source(args.oom))
-        if args.json:
+        explanation = explain_oom_input(*_read_oom_source(args.oom))
+        if console is None:
             print(json.dumps(explanation.to_json(), indent=2, default=str))
         else:
-            render_oom(_console(), explanation)
+            render_oom(console, explanation)
         return 0
-
     from lowvram.memory.environment import find_problems, probe_environment
 
     profile = load_profile(args.profile)
@@ -567,7 +462,6 @@ def cmd_doctor(args) -> int:
     if run_device == "auto":
         run_device = "cuda" if env.cuda_available else "cpu"
     problems = find_problems(env, profile, run_device)
-    console = None if args.json else _console()
     if console is not None:
         render_environment(console, env, problems)
     try:
@@ -592,16 +486,4 @@ def cmd_doctor(args) -> int:
     else:
         console.print()
         render_plan(console, plan)
-    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`lowvram doctor` on its own (the same as the CLI subcommand)."""
-    parser = argparse.ArgumentParser(prog="lowvram")
-    add_doctor_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["doctor", *(argv or [])])
-    try:
-        return args.func(args)
-    except LowvramError as exc:
-        print(f"lowvram: error: {exc}", file=sys.stderr)
-        return 2
+    return 0 if plan.fits else 1

@@ -1,10 +1,5 @@
-"""What this machine offers lowvram: GPU, driver, Triton, managed memory, host RAM.
-
-`probe_environment` gathers facts and never raises: every probe is optional (pynvml,
-cuda-bindings, psutil may be missing; a driver may be broken) and a failed probe
-leaves its field None with a note. `find_problems` turns facts plus a profile into
-problems, each with a concrete fix; it is pure, so tests feed it hand-made environments.
-"""
+"""What this machine offers lowvram (GPU, driver, Triton, managed memory, host RAM), and
+the problems that will stop or slow a run there."""
 
 from __future__ import annotations
 
@@ -82,9 +77,6 @@ class Problem:
     fix: str
 
 
-# ---------------------------------------------------------------- probes
-
-
 def _probe_nvml(env: Environment) -> list[int]:
     """Driver facts from NVML (no CUDA context needed); each GPU's free bytes."""
     try:
@@ -109,11 +101,15 @@ def _probe_nvml(env: Environment) -> list[int]:
     except Exception as exc:
         env.notes.append(f"NVML query failed ({type(exc).__name__}: {exc})")
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        _nvml_shutdown(pynvml)
     return free
+
+
+def _nvml_shutdown(pynvml) -> None:
+    try:
+        pynvml.nvmlShutdown()
+    except Exception:
+        pass
 
 
 def _probe_managed(gpu: GpuInfo, env: Environment) -> None:
@@ -133,8 +129,7 @@ def _probe_managed(gpu: GpuInfo, env: Environment) -> None:
                 return
         except Exception as exc:
             env.notes.append(f"cuda-bindings attribute query failed ({type(exc).__name__}: {exc})")
-    # Without the runtime query: Linux drivers give Pascal+ GPUs concurrent managed access;
-    # Windows and WSL2 never do.
+    # Without the runtime query: Linux drivers give Pascal+ GPUs concurrent managed access; Windows and WSL2 never do.
     if gpu.compute_capability is not None:
         gpu.concurrent_managed_access = not (env.is_windows or env.is_wsl) and gpu.compute_capability >= (6, 0)
         gpu.managed_source = "inferred"
@@ -146,8 +141,7 @@ def _probe_triton(env: Environment, test_kernels: bool) -> None:
     except Exception:
         env.triton_status = "missing"
         return
-    env.triton_version = triton.__version__
-    gpu = env.gpu
+    env.triton_version, gpu = triton.__version__, env.gpu
     if not test_kernels:
         return
     if not env.cuda_available or gpu is None:
@@ -176,33 +170,10 @@ def _probe_triton(env: Environment, test_kernels: bool) -> None:
         env.triton_status = f"fails: {type(exc).__name__}: {first_line}"
 
 
-def _probe_host(env: Environment) -> None:
-    try:
-        import psutil
-
-        memory = psutil.virtual_memory()
-        env.host_total_bytes, env.host_available_bytes = int(memory.total), int(memory.available)
-        env.swap_free_bytes = int(psutil.swap_memory().free)
-    except Exception as exc:
-        env.notes.append(f"host memory unknown ({type(exc).__name__})")
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        env.memlock_soft_bytes = None if soft == resource.RLIM_INFINITY else int(soft)
-        env.memlock_hard_bytes = None if hard == resource.RLIM_INFINITY else int(hard)
-        env.memlock_known = True
-    except (ImportError, OSError, ValueError, AttributeError):
-        pass  # Windows has no RLIMIT_MEMLOCK
-
-
 def measure_cuda_context_bytes(device: int = 0) -> int | None:
-    """Device memory this process holds outside torch's allocator (the CUDA context).
-
-    Must run before this process touches CUDA: it reads the card's used memory from
-    NVML, creates the context, and subtracts what torch reserved. None when NVML is
-    missing or CUDA was already initialised; noisy on a card shared with busy processes.
-    """
+    """Device memory this process holds outside torch's allocator (the CUDA context): the
+    card's used memory before and after creating the context, less what torch reserved.
+    Must run before the process touches CUDA; None without NVML or after CUDA started."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.is_initialized():
@@ -220,10 +191,7 @@ def measure_cuda_context_bytes(device: int = 0) -> int | None:
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(total - free) - used_before - int(torch.cuda.memory_reserved(device)))
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        _nvml_shutdown(pynvml)
 
 
 def probe_environment(*, test_triton: bool = True, measure_context: bool = True) -> Environment:
@@ -232,11 +200,11 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
 
     uname = platform.uname()
     env = Environment(
-        platform=f"{uname.system} {uname.release} {uname.machine}",
-        python_version=platform.python_version(),
-        torch_version=torch.__version__,
-        torch_cuda_version=torch.version.cuda,
-        torch_hip_version=torch.version.hip,
+        f"{uname.system} {uname.release} {uname.machine}",
+        platform.python_version(),
+        torch.__version__,
+        torch.version.cuda,
+        torch.version.hip,
         is_wsl="microsoft" in uname.release.lower(),
         is_windows=sys.platform.startswith("win"),
         cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -251,8 +219,8 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
         env.cuda_available = torch.cuda.is_available()
         for index in range(torch.cuda.device_count() if env.cuda_available else 0):
             props = torch.cuda.get_device_properties(index)
-            capability = (props.major, props.minor)
-            gpu = GpuInfo(index, props.name, capability, props.total_memory, None, props.multi_processor_count)
+            gpu = GpuInfo(index, props.name, (props.major, props.minor), props.total_memory)
+            gpu.num_multiprocessors = props.multi_processor_count
             try:
                 gpu.free_bytes = int(torch.cuda.mem_get_info(index)[0])
             except Exception:
@@ -262,18 +230,24 @@ def probe_environment(*, test_triton: bool = True, measure_context: bool = True)
     except Exception as exc:
         env.notes.append(f"CUDA query failed ({type(exc).__name__}: {exc})")
     _probe_triton(env, test_kernels=test_triton)
-    _probe_host(env)
-    return env
-
-
-# ---------------------------------------------------------------- problems
-
-
-def _version_tuple(text: str | None) -> tuple[int, ...] | None:
     try:
-        return tuple(int(part) for part in str(text).split(".")[:2])
-    except (TypeError, ValueError):
-        return None
+        import psutil
+
+        memory = psutil.virtual_memory()
+        env.host_total_bytes, env.host_available_bytes = int(memory.total), int(memory.available)
+        env.swap_free_bytes = int(psutil.swap_memory().free)
+    except Exception as exc:
+        env.notes.append(f"host memory unknown ({type(exc).__name__})")
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        env.memlock_soft_bytes = None if soft == resource.RLIM_INFINITY else int(soft)
+        env.memlock_hard_bytes = None if hard == resource.RLIM_INFINITY else int(hard)
+        env.memlock_known = True
+    except (ImportError, OSError, ValueError, AttributeError):
+        pass  # Windows has no RLIMIT_MEMLOCK
+    return env
 
 
 def _gib(num_bytes: float) -> str:
@@ -286,8 +260,8 @@ def _fitting_budget(free_bytes: float) -> str:
 
 
 def find_problems(env: Environment, profile: Profile, device_type: str) -> list[Problem]:
-    """Everything on this machine that will stop or slow a run with `profile` on
-    `device_type`, each with a concrete fix; errors first."""
+    """Everything here that will stop or slow a run with `profile` on `device_type`, each
+    with a concrete fix; errors first."""
     problems: list[Problem] = []
     wants_cuda, gpu = device_type == "cuda", env.gpu
 
@@ -318,16 +292,17 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
             )
         elif wants_cuda:
             add("error", "no CUDA GPU is visible to torch", "run on the CPU: --profile cpu (or --device cpu)")
-
-    driver, runtime = _version_tuple(env.driver_cuda_version), _version_tuple(env.torch_cuda_version)
-    if driver and runtime and driver[0] < runtime[0]:
+    try:
+        driver, runtime = (int(str(v).split(".")[0]) for v in (env.driver_cuda_version, env.torch_cuda_version))
+    except ValueError:
+        driver = runtime = None
+    if driver and runtime and driver < runtime:
         add(
             "error",
             f"the NVIDIA driver {env.driver_version} supports CUDA {env.driver_cuda_version}, older than torch's "
             f"CUDA {env.torch_cuda_version}",
-            f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver[0]}.x",
+            f"update the NVIDIA driver, or install a torch wheel built for CUDA {driver}.x",
         )
-
     if gpu is not None and wants_cuda:
         if env.triton_status == "missing":
             add(
@@ -345,9 +320,8 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
             )
         card_bytes = profile.memory_budget_gib * GIB
         if profile.emulate_vram_gib is None and gpu.total_bytes is not None and gpu.total_bytes < card_bytes * 0.97:
-            smaller = next(
-                (n for n, g in (("8gb", 8), ("6gb", 6), ("4gb", 4)) if gpu.total_bytes >= g * GIB * 0.97), "2gb"
-            )
+            sizes = (("8gb", 8), ("6gb", 6), ("4gb", 4))
+            smaller = next((n for n, g in sizes if gpu.total_bytes >= g * GIB * 0.97), "2gb")
             add(
                 "error",
                 f"profile {profile.name!r} plans for a {profile.memory_budget_gib:g} GiB card but "
@@ -379,7 +353,6 @@ def find_problems(env: Environment, profile: Profile, device_type: str) -> list[
                 "cuda-bindings is not installed: the unified-memory KV pool is unavailable",
                 "pip install 'lowvram[um]'  (or kv_backend: pinned)",
             )
-
     available = env.host_available_bytes
     if available is not None and 0 < profile.host_spill_gib and available < profile.host_spill_gib * GIB:
         add(

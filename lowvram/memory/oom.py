@@ -1,20 +1,5 @@
-"""Reading out-of-memory evidence and saying in plain words what held the memory.
-
-Three kinds of input:
-
-- a PyTorch out-of-memory message, in any torch version's wording: torch 1.x
-  "Tried to allocate X (GPU 0; Y total capacity; Z already allocated; W free;
-  [A allowed;] V reserved in total by PyTorch)" (older: "V cached"), torch 2.1+
-  "Tried to allocate X. GPU 0 has a total capacity of Y of which Z is free. ..."
-  (2.1 spelled it "capacty"), the same for HIP and XPU, the MPS wording,
-  driver-level "CUDA error: out of memory", and lowvram's own "context does not fit"
-  planning error; lines may be wrapped and prefixed by a traceback;
-- a lowvram crash report (JSON, see lowvram.memory.crash_report);
-- a torch memory snapshot (`torch.cuda.memory._dump_snapshot`): segments with
-  blocks, their sizes, states and the Python frames that allocated them.
-
-Sizes are parsed as torch prints them, binary units; MPS's "KB"/"MB"/"GB" are binary too.
-"""
+"""Out-of-memory evidence in plain words: torch's messages of any version, lowvram crash
+reports and torch memory snapshots (docs/doctor.md lists the forms). Sizes are binary."""
 
 from __future__ import annotations
 
@@ -49,20 +34,13 @@ def parse_size(number: str, unit: str) -> int:
 
 
 def _sizes(pattern: str, text: str, flags: int = re.IGNORECASE) -> list[int] | None:
-    """Every size the `{SIZE}` slots of `pattern` match in `text`, in order; None if no match.
-    Other groups of `pattern` must come before its sizes."""
+    """The sizes `{SIZE}` slots of `pattern` match in `text` (other groups come first)."""
     match = re.search(pattern.replace("{SIZE}", SIZE), text, flags)
     if match is None:
         return None
     groups = match.groups()
-    return [
-        parse_size(groups[i], groups[i + 1]) for i in range(len(groups) - 2 * pattern.count("{SIZE}"), len(groups), 2)
-    ]
-
-
-def _size(pattern: str, text: str) -> int | None:
-    sizes = _sizes(pattern, text)
-    return sizes[0] if sizes else None
+    first = len(groups) - 2 * pattern.count("{SIZE}")
+    return [parse_size(groups[i], groups[i + 1]) for i in range(first, len(groups), 2)]
 
 
 @dataclass
@@ -109,44 +87,53 @@ class OomFacts:
 _PLAN = (
     r"an? (\d+)-token context does not fit: weights {SIZE} \+ workspace {SIZE} \+ KV {SIZE} = {SIZE} > budget {SIZE}"
 )
-_MPS = r"MPS backend out of memory \(MPS allocated: {SIZE}, other allocations: {SIZE}, max allowed: {SIZE}\)\. Tried to allocate {SIZE}"
+_MPS = (
+    r"MPS backend out of memory \(MPS allocated: {SIZE}, other allocations: {SIZE}, max allowed: {SIZE}\)\. "
+    r"Tried to allocate {SIZE}"
+)
 _DRIVER = (
     r"(CUDA error: out of memory|CUDA driver error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
     r"cudaErrorMemoryAllocation|HIP error: out of memory|hipErrorOutOfMemory|CUDA out of memory)"
 )
+# torch 1.x: "3.82 GiB total capacity; 2.71 GiB already allocated; 13.31 MiB free; [2.00 GiB
+# allowed;] 2.84 GiB reserved in total by PyTorch" (or "cached"): label start -> field
+_V1_LABELS = {
+    "total capacity": "total_bytes",
+    "already allocated": "allocated_bytes",
+    "free": "free_bytes",
+    "allowed": "allowed_bytes",
+    "reserved": "reserved",
+    "cached": "reserved",
+}
+# torch 2.1+ (2.1 spelled it "capacty"): field -> pattern of its one size
+_V2_SIZES = {
+    "process_bytes": r"this process has\s*{SIZE}",
+    "allowed_bytes": r"{SIZE}\s*allowed;",
+    "allocated_bytes": r"Of the allocated memory\s*{SIZE}",
+    "private_pool_bytes": r"with {SIZE} allocated in private pools",
+    "reserved_unallocated_bytes": r"{SIZE}\s*is reserved by PyTorch but unallocated",
+}
 
 
 def parse_oom_message(text: str) -> OomFacts | None:
-    """Facts from an out-of-memory message (any torch version, or lowvram's plan
-    error); None if the text holds none."""
+    """Facts from an out-of-memory message; None if the text holds none."""
     flat = re.sub(r"\s+", " ", text.replace("\r", " ")).strip()
     exc_type = re.search(r"((?:torch\.(?:cuda\.)?)?OutOfMemoryError|RuntimeError|lowvram: error)\s*:", flat)
     exc_type = exc_type.group(1) if exc_type else None
-
     plan = _sizes(_PLAN, flat, 0)
     if plan:
         names = ("weight_bytes", "workspace_bytes", "kv_bytes", "need_bytes", "budget_bytes")
-        numbers = {
-            "context_len": int(re.search(r"(\d+)-token context does not fit", flat).group(1)),
-            **dict(zip(names, plan)),
-        }
+        numbers = {"context_len": int(re.search(r"(\d+)-token context does not fit", flat).group(1))}
+        numbers |= dict(zip(names, plan))
         return OomFacts(
             "lowvram-plan", exception_type=exc_type, plan=numbers, requested_bytes=plan[3], total_bytes=plan[4]
         )
     mps = _sizes(_MPS, flat)
     if mps:
         allocated, other, allowed, requested = mps
-        return OomFacts(
-            "mps",
-            "MPS",
-            exc_type,
-            requested_bytes=requested,
-            allowed_bytes=allowed,
-            total_bytes=allowed,
-            allocated_bytes=allocated,
-            process_bytes=allocated + other,
-            reserved_unallocated_bytes=0,
-        )
+        facts = OomFacts("mps", "MPS", exc_type, requested, total_bytes=allowed, allowed_bytes=allowed)
+        facts.allocated_bytes, facts.process_bytes, facts.reserved_unallocated_bytes = allocated, allocated + other, 0
+        return facts
     head = re.search(rf"\b(CUDA|HIP|XPU)\b out of memory\. Tried to allocate {SIZE}", flat, re.IGNORECASE)
     if head:
         requested = parse_size(head.group(2), head.group(3))
@@ -154,61 +141,37 @@ def parse_oom_message(text: str) -> OomFacts | None:
         rest = flat[head.end() :]
         old = re.match(r"\s*\(GPU (\d+); ([^)]*)\)", rest)
         if old:
-            _parse_v1(facts, int(old.group(1)), old.group(2))
-        else:
-            _parse_v2(facts, rest)
+            facts.source, facts.device_index, values = "torch<2.1", int(old.group(1)), {}
+            for piece in old.group(2).split(";"):
+                size = _SIZE_RE.search(piece)
+                label = piece[size.end() :].strip().lower() if size else ""
+                name = next((name for start, name in _V1_LABELS.items() if label.startswith(start)), None)
+                if name is not None:
+                    values[name] = parse_size(size.group(1), size.group(2))
+            reserved = values.pop("reserved", None)
+            facts = dataclasses.replace(facts, **values)
+            if reserved is not None and facts.allocated_bytes is not None:
+                facts.reserved_unallocated_bytes = max(0, reserved - facts.allocated_bytes)
+            return facts
+        capacity = re.search(rf"GPU (\d+) has a total capac\w* of {SIZE} of which {SIZE} is free", rest, re.IGNORECASE)
+        if capacity:
+            facts.device_index = int(capacity.group(1))
+            facts.total_bytes, facts.free_bytes = parse_size(*capacity.group(2, 3)), parse_size(*capacity.group(4, 5))
+        for name, pattern in _V2_SIZES.items():
+            setattr(facts, name, (_sizes(pattern, rest) or [None])[0])
+        for pid, number, unit in re.findall(rf"Process (\d+) has {SIZE} memory in use", rest, re.IGNORECASE):
+            facts.other_processes.append((int(pid), parse_size(number, unit)))
+        if facts.process_bytes is None and len(facts.other_processes) == 1 and facts.reserved_bytes is not None:
+            # In a container NVML reports host PIDs, so torch prints its own process as "Process N";
+            # one process holding at least what torch reserved is this one.
+            pid, size = facts.other_processes[0]
+            if size >= facts.reserved_bytes:
+                facts.process_bytes, facts.other_processes = size, []
         return facts
     driver = re.search(_DRIVER, flat, re.IGNORECASE)
     if driver:
         return OomFacts("driver", "HIP" if "hip" in driver.group(1).lower() else "CUDA", exc_type)
     return None
-
-
-def _parse_v1(facts: OomFacts, device: int, inside: str) -> None:
-    """torch 1.x: '3.82 GiB total capacity; 2.71 GiB already allocated; 13.31 MiB free;
-    [2.00 GiB allowed;] 2.84 GiB reserved in total by PyTorch' (or '... cached')."""
-    facts.source, facts.device_index, reserved = "torch<2.1", device, None
-    for piece in inside.split(";"):
-        size = _SIZE_RE.search(piece)
-        if not size:
-            continue
-        value, label = parse_size(size.group(1), size.group(2)), piece[size.end() :].strip().lower()
-        if label.startswith("total capacity"):
-            facts.total_bytes = value
-        elif label.startswith("already allocated"):
-            facts.allocated_bytes = value
-        elif label.startswith("free"):
-            facts.free_bytes = value
-        elif label.startswith("allowed"):
-            facts.allowed_bytes = value
-        elif label.startswith(("reserved", "cached")):
-            reserved = value
-    if reserved is not None and facts.allocated_bytes is not None:
-        facts.reserved_unallocated_bytes = max(0, reserved - facts.allocated_bytes)
-
-
-def _parse_v2(facts: OomFacts, rest: str) -> None:
-    capacity = re.search(rf"GPU (\d+) has a total capac\w* of {SIZE} of which {SIZE} is free", rest, re.IGNORECASE)
-    if capacity:
-        facts.device_index = int(capacity.group(1))
-        facts.total_bytes = parse_size(capacity.group(2), capacity.group(3))
-        facts.free_bytes = parse_size(capacity.group(4), capacity.group(5))
-    facts.process_bytes = _size(r"this process has\s*{SIZE}", rest)
-    facts.allowed_bytes = _size(r"{SIZE}\s*allowed;", rest)
-    facts.allocated_bytes = _size(r"Of the allocated memory\s*{SIZE}", rest)
-    facts.private_pool_bytes = _size(r"with {SIZE} allocated in private pools", rest)
-    facts.reserved_unallocated_bytes = _size(r"{SIZE}\s*is reserved by PyTorch but unallocated", rest)
-    for pid, number, unit in re.findall(rf"Process (\d+) has {SIZE} memory in use", rest, re.IGNORECASE):
-        facts.other_processes.append((int(pid), parse_size(number, unit)))
-    if facts.process_bytes is None and len(facts.other_processes) == 1 and facts.reserved_bytes is not None:
-        # In a container NVML reports host PIDs, so torch cannot tell its own process apart and
-        # prints "Process N"; one process holding at least what torch reserved is this one.
-        pid, size = facts.other_processes[0]
-        if size >= facts.reserved_bytes:
-            facts.process_bytes, facts.other_processes = size, []
-
-
-# ---------------------------------------------------------------- explanation
 
 
 @dataclass
@@ -226,16 +189,16 @@ def gib(num_bytes: float | None) -> str:
 
 
 def explain_oom(facts: OomFacts) -> list[Finding]:
-    """What held the memory and what to change, from a message's numbers alone
-    (a crash report adds the plan of its run: lowvram.memory.doctor)."""
+    """What held the memory and what to change, from a message's numbers alone."""
     if facts.source == "lowvram-plan":
         p = facts.plan
+        refused = (
+            f"lowvram refused to start: a {int(p['context_len'])}-token context needs {gib(p['need_bytes'])} "
+            f"(weights {gib(p['weight_bytes'])}, workspace {gib(p['workspace_bytes'])}, KV "
+            f"{gib(p['kv_bytes'])}) but the profile's budget is {gib(p['budget_bytes'])}."
+        )
         return [
-            Finding(
-                f"lowvram refused to start: a {int(p['context_len'])}-token context needs {gib(p['need_bytes'])} "
-                f"(weights {gib(p['weight_bytes'])}, workspace {gib(p['workspace_bytes'])}, KV "
-                f"{gib(p['kv_bytes'])}) but the profile's budget is {gib(p['budget_bytes'])}."
-            ),
+            Finding(refused),
             Finding(
                 "Nothing ran out of memory on the device: the plan was checked before loading anything.",
                 "run `lowvram doctor --model M --profile P --context N` for the largest context that fits and "
@@ -254,7 +217,6 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
             "or set kv_backend: pinned"
         )
         return [Finding(what, change)]
-
     requested, total, free, allowed = facts.requested_bytes, facts.total_bytes, facts.free_bytes, facts.allowed_bytes
     where = f"GPU {facts.device_index}" if facts.device_index is not None else "the device"
     of_total = f"; only {gib(free)} was free of {gib(total)}" if free is not None else ""
@@ -274,70 +236,59 @@ def explain_oom(facts: OomFacts) -> list[Finding]:
     ]
     if held:
         findings.append(Finding("Memory was held by: " + "; ".join(held) + "."))
-
     causes = []
     limit = allowed or total
     if requested is not None and limit is not None and requested > limit:
-        causes.append(
-            Finding(
-                f"This single allocation ({gib(requested)}) is larger than everything the process may use "
-                f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink.",
-                "lower max_num_batched_tokens (prefill chunk) and max_model_len; with the plain-torch attention path "
-                "a prefill chunk allocates float32 scores of heads x chunk x context",
-            )
+        what = (
+            f"This single allocation ({gib(requested)}) is larger than everything the process may use "
+            f"({gib(limit)}): no allocator setting helps, the tensor's shape must shrink."
         )
+        change = (
+            "lower max_num_batched_tokens (prefill chunk) and max_model_len; with the plain-torch attention path "
+            "a prefill chunk allocates float32 scores of heads x chunk x context"
+        )
+        causes.append(Finding(what, change))
     elif None not in (allowed, free, requested) and facts.source != "mps" and free > requested:
-        causes.append(
-            Finding(
-                f"The card still had {gib(free)} free: the process's own cap of {gib(allowed)} "
-                "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it.",
-                f"plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
-                f"above {allowed / GIB:.1f}",
-            )
+        what = (
+            f"The card still had {gib(free)} free: the process's own cap of {gib(allowed)} "
+            "(torch.cuda.set_per_process_memory_fraction, which lowvram's emulate_vram_gib sets) stopped it."
         )
+        change = (
+            "plan for the cap (`lowvram doctor --profile P` with emulate_vram_gib set) or raise emulate_vram_gib "
+            f"above {allowed / GIB:.1f}"
+        )
+        causes.append(Finding(what, change))
     unallocated, reserved = facts.reserved_unallocated_bytes, facts.reserved_bytes
     if (
         None not in (unallocated, requested)
         and reserved
         and unallocated >= max(requested, FRAGMENTATION_SHARE * reserved)
     ):
+        what = (
+            f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
+            "into pieces too small for it."
+        )
         alloc_conf = "PYTORCH_HIP_ALLOC_CONF" if facts.backend == "HIP" else "PYTORCH_CUDA_ALLOC_CONF"
-        causes.append(
-            Finding(
-                f"PyTorch held {gib(unallocated)} cached but unused, more than the request: the cache was fragmented "
-                "into pieces too small for it.",
-                f"export {alloc_conf}=expandable_segments:True",
-            )
-        )
+        causes.append(Finding(what, f"export {alloc_conf}=expandable_segments:True"))
     if others is not None and total and others >= OTHER_PROCESS_SHARE * total:
-        causes.append(
-            Finding(
-                f"Other processes held {gib(others)} of the card.",
-                f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: "
-                f"{max(0.25, (total - others) / GIB * 0.95):.1f}",
-            )
-        )
+        budget = max(0.25, (total - others) / GIB * 0.95)
+        change = f"close them (nvidia-smi lists them), or plan for what is left: memory_budget_gib: {budget:.1f}"
+        causes.append(Finding(f"Other processes held {gib(others)} of the card.", change))
     if outside is not None and outside > TYPICAL_NON_TORCH_BYTES:
-        causes.append(
-            Finding(
-                f"This process held {gib(outside)} outside PyTorch's allocator, more than a CUDA context needs: "
-                "unified-memory KV pages or another library's buffers.",
-                "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself",
-            )
+        what = (
+            f"This process held {gib(outside)} outside PyTorch's allocator, more than a CUDA context needs: "
+            "unified-memory KV pages or another library's buffers."
         )
-    return findings + (
-        causes
-        or [
-            Finding(
-                "Live tensors filled the card: the run needs more memory than the card has.",
-                "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
-                "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values",
-            )
-        ]
-    )
-
-
-# ---------------------------------------------------------------- memory snapshots
+        change = "lower host_spill_gib or set kv_backend: pinned; lowvram's pool counts its managed pages itself"
+        causes.append(Finding(what, change))
+    if not causes:
+        what = "Live tensors filled the card: the run needs more memory than the card has."
+        change = (
+            "kv_precision: int8 (halves the KV cache), a smaller max_model_len or max_num_batched_tokens, or "
+            "weight_format: awq; `lowvram doctor --model M --profile P` gives exact values"
+        )
+        causes.append(Finding(what, change))
+    return findings + causes
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -347,19 +298,6 @@ class _PlainUnpickler(pickle.Unpickler):
         if (module, name) in (("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a memory snapshot")
-
-
-def load_snapshot_bytes(data: bytes) -> dict:
-    try:
-        snapshot = _PlainUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise ConfigError(f"the memory snapshot could not be read ({type(exc).__name__}: {exc})") from None
-    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise ConfigError(
-            "the pickle is not a torch memory snapshot (no 'segments' list); write one with "
-            "torch.cuda.memory._dump_snapshot(PATH)"
-        )
-    return snapshot
 
 
 # What a frame's function or file name tells about a block; older snapshots name the files
@@ -398,36 +336,30 @@ class SnapshotSummary:
     sites: list[SnapshotSite]
     categories: dict[str, int]
 
-    @property
-    def unallocated_bytes(self) -> int:
-        return self.reserved_bytes - self.allocated_bytes
-
 
 def _file_name(frame: dict) -> str:
     return str(frame.get("filename", "")).replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def _where(frames: list[dict]) -> str:
-    """The innermost Python frame outside torch and Triton (frames run innermost first)."""
+def _site(frames: list[dict]) -> tuple[str, str]:
+    """Where a block was allocated: the innermost Python frame outside torch and Triton
+    (frames run innermost first), and the category its frames name."""
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    outside = [
+    ours = [
         f for f in python if not re.search(r"/torch/|/site-packages/triton/", str(f["filename"]).replace("\\", "/"))
     ]
-    frame = (outside or python or [None])[0]
-    return (
+    frame = (ours or python or [None])[0]
+    where = (
         f"{_file_name(frame)}:{frame.get('line', '?')} in {frame.get('name', '?')}" if frame else "(no stack recorded)"
     )
-
-
-def _category(frames: list[dict]) -> str:
     tokens = set()
-    for frame in frames:
-        name, filename = str(frame.get("name", "")), _file_name(frame)
+    for f in frames:
+        name, filename = str(f.get("name", "")), _file_name(f)
         tokens.update((name, filename, f"{filename}:{name}"))
-    return next((category for category, markers in _CATEGORIES.items() if tokens.intersection(markers)), "other")
+    return where, next((kind for kind, markers in _CATEGORIES.items() if tokens.intersection(markers)), "other")
 
 
-def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummary:
+def summarize_snapshot(snapshot: dict) -> SnapshotSummary:
     """Where the memory in a torch memory snapshot went, largest first."""
     reserved = allocated = largest_free = 0
     blocks: list[tuple[int, str]] = []
@@ -444,13 +376,13 @@ def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummar
                 continue
             # torch 2.0 kept the frames per allocation event, in "history"
             frames = block.get("frames") or ((block.get("history") or [{}])[-1].get("frames") or [])
-            where, category = _where(frames), _category(frames)
+            where, category = _site(frames)
             blocks.append((size, where))
             site = sites.setdefault(where, SnapshotSite(where, category, 0, 0))
             site.num_bytes += size
             site.num_blocks += 1
             categories[category] = categories.get(category, 0) + size
-    ranked_sites = sorted(sites.values(), key=lambda s: -s.num_bytes)[:max_sites]
+    ranked_sites = sorted(sites.values(), key=lambda s: -s.num_bytes)[:10]
     ranked_categories = dict(sorted(categories.items(), key=lambda kv: -kv[1]))
     largest = sorted(blocks, key=lambda item: -item[0])[:10]
     num_segments = len(snapshot.get("segments", []))
@@ -458,10 +390,11 @@ def summarize_snapshot(snapshot: dict, *, max_sites: int = 10) -> SnapshotSummar
 
 
 def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
+    unallocated = summary.reserved_bytes - summary.allocated_bytes
     findings = [
         Finding(
             f"PyTorch had reserved {gib(summary.reserved_bytes)} in {summary.num_segments} segments; live tensors "
-            f"used {gib(summary.allocated_bytes)}, and {gib(summary.unallocated_bytes)} sat cached but unused "
+            f"used {gib(summary.allocated_bytes)}, and {gib(unallocated)} sat cached but unused "
             f"(largest free piece {gib(summary.largest_free_bytes)})."
         )
     ]
@@ -474,22 +407,15 @@ def explain_snapshot(summary: SnapshotSummary) -> list[Finding]:
             findings.append(
                 Finding(f"{top.capitalize()} held the most ({share:.0%} of live memory).", CATEGORY_ADVICE[top])
             )
-    if summary.reserved_bytes and summary.unallocated_bytes >= FRAGMENTATION_SHARE * summary.reserved_bytes:
-        findings.append(
-            Finding(
-                "A large share of the reserved memory was cached but unused: fragmentation.",
-                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-            )
-        )
+    if summary.reserved_bytes and unallocated >= FRAGMENTATION_SHARE * summary.reserved_bytes:
+        what = "A large share of the reserved memory was cached but unused: fragmentation."
+        findings.append(Finding(what, "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
     return findings
 
 
-# ---------------------------------------------------------------- crash reports and input sniffing
-
-
 def explain_report(report) -> list[Finding]:
-    """What a crash report's exception, memory numbers and controller events say (its
-    plan is added by lowvram.memory.doctor)."""
+    """What a crash report's exception, memory numbers and controller events say (its plan
+    is added by lowvram.memory.doctor)."""
     memory = report.memory
     facts = parse_oom_message(report.exception_text)
     findings = explain_oom(facts) if facts else [Finding(f"The run failed with: {report.exception_text.strip()[:300]}")]
@@ -499,25 +425,22 @@ def explain_report(report) -> list[Finding]:
         parts = [f"{labels.get(key, 'budget')} {gib(value)}" for key, value in known.items()]
         findings.append(Finding("The engine had planned: " + ", ".join(parts) + "."))
     if isinstance(memory.get("kv_blocks_in_use"), int):
-        findings.append(
-            Finding(
-                f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
-                f"({gib(memory.get('kv_bytes_in_use', 0))}), {memory.get('kv_blocks_cached_reclaimable', 0)} "
-                "cached for reuse by later requests; cached pages are reclaimable (evicted on demand), so they "
-                "did not cause the failure."
-            )
+        what = (
+            f"KV pages at the failure: {memory['kv_blocks_in_use']} in use by requests "
+            f"({gib(memory.get('kv_bytes_in_use', 0))}), {memory.get('kv_blocks_cached_reclaimable', 0)} "
+            "cached for reuse by later requests; cached pages are reclaimable (evicted on demand), so they "
+            "did not cause the failure."
         )
+        findings.append(Finding(what))
     planned = sum(value for key, value in known.items() if key in labels)
     allocated = memory.get("peak_allocated_bytes")
     if planned and isinstance(allocated, int) and allocated > planned * 1.05:
-        findings.append(
-            Finding(
-                f"torch's peak allocation ({gib(allocated)}) exceeded the engine's plan ({gib(planned)}) by "
-                f"{gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
-                "model in the process, or a workspace the plan undercounts).",
-                "report it with this crash report; meanwhile lower max_num_batched_tokens",
-            )
+        what = (
+            f"torch's peak allocation ({gib(allocated)}) exceeded the engine's plan ({gib(planned)}) by "
+            f"{gib(allocated - planned)}: something outside the plan allocated (scoring all logits, another "
+            "model in the process, or a workspace the plan undercounts)."
         )
+        findings.append(Finding(what, "report it with this crash report; meanwhile lower max_num_batched_tokens"))
     if report.controller_events:
         last = ", ".join(json.dumps(e, sort_keys=True) for e in report.controller_events[-3:])
         findings.append(Finding(f"The controller's last actions: {last}."))
@@ -532,8 +455,8 @@ class OomExplanation:
     findings: list[Finding]
     facts: OomFacts | None = None
     snapshot: SnapshotSummary | None = None
-    report: object | None = None  # lowvram.memory.crash_report.CrashReport
-    plan: object | None = None  # lowvram.memory.doctor.MemoryPlan of a crash report's run
+    report: object | None = None  # crash_report.CrashReport
+    plan: object | None = None  # doctor.MemoryPlan of a crash report's run
     plan_error: str | None = None
 
     def to_json(self) -> dict:
@@ -551,20 +474,23 @@ class OomExplanation:
         return data
 
 
-def _snapshot_explanation(snapshot: dict) -> OomExplanation:
-    summary = summarize_snapshot(snapshot)
-    return OomExplanation("snapshot", explain_snapshot(summary), snapshot=summary)
-
-
 def read_oom_input(data: bytes, source: str) -> OomExplanation:
     """Recognise and explain what `data` holds; ConfigError (naming `source`) when it is
     none of an out-of-memory message, a crash report or a memory snapshot."""
     from lowvram.memory.crash_report import CRASH_REPORT_FORMAT, crash_report_from_dict
 
+    snapshot, text = None, data.decode("utf-8", errors="replace")
     if data[:1] == b"\x80":  # pickle protocol 2+
-        return _snapshot_explanation(load_snapshot_bytes(data))
-    text = data.decode("utf-8", errors="replace")
-    if text.lstrip().startswith("{"):
+        try:
+            snapshot = _PlainUnpickler(io.BytesIO(data)).load()
+        except Exception as exc:
+            raise ConfigError(f"the memory snapshot could not be read ({type(exc).__name__}: {exc})") from None
+        if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+            raise ConfigError(
+                "the pickle is not a torch memory snapshot (no 'segments' list); write one with "
+                "torch.cuda.memory._dump_snapshot(PATH)"
+            )
+    elif text.lstrip().startswith("{"):
         try:
             parsed = json.loads(text)
         except json.JSONDecodeError:
@@ -574,7 +500,10 @@ def read_oom_input(data: bytes, source: str) -> OomExplanation:
             facts = parse_oom_message(report.exception_text)
             return OomExplanation("crash_report", explain_report(report), facts=facts, report=report)
         if isinstance(parsed, dict) and isinstance(parsed.get("segments"), list):
-            return _snapshot_explanation(parsed)
+            snapshot = parsed
+    if snapshot is not None:
+        summary = summarize_snapshot(snapshot)
+        return OomExplanation("snapshot", explain_snapshot(summary), snapshot=summary)
     facts = parse_oom_message(text)
     if facts is None:
         raise ConfigError(

@@ -1,17 +1,9 @@
-"""How much device memory a run needs: the one set of formulas the engine sizes its
-KV pool with and `lowvram doctor` prints, so a plan and a run cannot disagree.
-
-Three kinds of memory make up a run: the weights, counted from the model config alone
-by kind (INT4 layers, FP16 layers, compensation terms, embeddings, head, norms) so the
-doctor can plan for a checkpoint it has not loaded; the KV pool, `kv_bytes_per_token`
-per token at the pool's precision; and the workspace of one step (workspace.py).
-Outside torch's allocator the device also holds the CUDA context and the allocator's
-slack (`CUDA_CONTEXT_BYTES`, `FRAGMENTATION_RESERVE_FRACTION`);
-`scripts/bench_doctor_accuracy.py` measures them on a GPU.
-"""
+"""How much device memory a run needs: the formulas the engine sizes its KV pool with and
+`lowvram doctor` prints (docs/doctor.md), so a plan and a run cannot disagree."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,47 +20,29 @@ MIB = 2**20
 KV_PRECISIONS = ("fp16", "int8", "int4")
 # Quantized KV rows carry an fp16 scale and an fp16 zero per token and KV head.
 KV_SCALE_ZERO_BYTES = 4
-# The CUDA context (driver state, lazily loaded kernel images, cuBLAS handles) lives outside
-# torch's allocator: typically 300-500 MiB with lazy module loading. The doctor measures it
-# when it runs on the GPU itself (environment.measure_cuda_context_bytes).
+# The CUDA context, outside torch's allocator: 300-500 MiB with lazy loading (measured on a GPU).
 CUDA_CONTEXT_BYTES = 400 * MIB
-# Memory the caching allocator holds in blocks too small for the next request, as a share of
-# the KV pool and workspace (weights are allocated once and barely fragment).
+# Allocator fragmentation, as a share of KV pool and workspace (weights barely fragment).
 FRAGMENTATION_RESERVE_FRACTION = 0.10
 
 
-# ---------------------------------------------------------------- KV cache
-
-
 def kv_bytes_per_token(config: ModelConfig, precision: str = "fp16", element_bytes: int = FP16_BYTES) -> int:
-    """K and V of every layer for one token at a KV precision.
-
-    "fp16" pages hold the compute dtype (`element_bytes`); "int8" holds one byte per
-    element and "int4" half a byte, each with an fp16 scale and zero per token and KV
-    head. DeepSeek-V2 caches one latent row per layer, two layers per pool layer.
-    """
-    num_layers = config.num_kv_layers if is_mla(config) else config.num_layers
-    heads = num_layers * config.num_kv_heads
-    if precision == "fp16":
-        return 2 * heads * config.head_dim * element_bytes
-    if precision == "int8":
-        return 2 * heads * (config.head_dim + KV_SCALE_ZERO_BYTES)
-    if precision == "int4":
-        return 2 * heads * (config.head_dim // 2 + KV_SCALE_ZERO_BYTES)
-    raise ValueError(f"unknown KV precision {precision!r}; expected one of {KV_PRECISIONS}")
+    """K and V of every layer for one token: "fp16" pages hold the compute dtype, "int8" one
+    byte and "int4" half a byte per element plus a scale and zero. DeepSeek-V2 caches one
+    latent row per layer, two layers per pool layer."""
+    heads = (config.num_kv_layers if is_mla(config) else config.num_layers) * config.num_kv_heads
+    d = config.head_dim
+    row = {"fp16": d * element_bytes, "int8": d + KV_SCALE_ZERO_BYTES, "int4": d // 2 + KV_SCALE_ZERO_BYTES}
+    return 2 * heads * row[precision]
 
 
 def kv_precision_for(profile: Profile) -> str:
-    """The precision the engine allocates its pages in: "auto" starts at fp16."""
-    return "fp16" if profile.kv_precision == "auto" else profile.kv_precision
+    return "fp16" if profile.kv_precision == "auto" else profile.kv_precision  # "auto" starts at fp16
 
 
 def kv_pool_bytes(config: ModelConfig, num_tokens: int, block_size: int, precision: str, element_bytes: int) -> int:
     """Bytes of whole pages holding `num_tokens` tokens."""
     return -(-num_tokens // block_size) * block_size * kv_bytes_per_token(config, precision, element_bytes)
-
-
-# ---------------------------------------------------------------- weights
 
 
 @dataclass(frozen=True)
@@ -82,43 +56,32 @@ class LinearShape:
 
 
 def _mlp_linears(prefix: str, hidden: int, inter: int) -> list[LinearShape]:
-    return [
-        LinearShape(f"{prefix}.gate_proj", hidden, inter),
-        LinearShape(f"{prefix}.up_proj", hidden, inter),
-        LinearShape(f"{prefix}.down_proj", inter, hidden),
-    ]
+    names = (("gate_proj", hidden, inter), ("up_proj", hidden, inter), ("down_proj", inter, hidden))
+    return [LinearShape(f"{prefix}.{name}", k, n) for name, k, n in names]
 
 
 def decoder_linears(config: ModelConfig) -> list[LinearShape]:
-    """Every Linear inside the decoder layers (the ones AWQ quantizes).
-
-    DeepSeek-V2: MLA projections, a dense MLP in the first `first_k_dense_replace`
-    layers, then routed and shared experts; its router is float32 and not counted here.
-    """
-    h, mla, shapes = config.hidden_size, is_mla(config), []
+    """Every Linear inside the decoder layers (the ones AWQ quantizes). DeepSeek-V2: MLA
+    projections, a dense MLP in the first `first_k_dense_replace` layers, then routed and
+    shared experts (its float32 router is not counted here)."""
+    h, shapes = config.hidden_size, []
     for layer in range(config.num_layers):
         attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-        if not mla:
-            bias = config.has_qkv_bias
-            shapes += [
-                LinearShape(f"{attn}.q_proj", h, config.q_size, bias),
-                LinearShape(f"{attn}.k_proj", h, config.kv_size, bias),
-                LinearShape(f"{attn}.v_proj", h, config.kv_size, bias),
-                LinearShape(f"{attn}.o_proj", config.q_size, h),
-                *_mlp_linears(mlp, h, config.intermediate_size),
-            ]
+        if not is_mla(config):
+            q, kv = config.q_size, config.kv_size
+            qkv = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+            shapes += [LinearShape(f"{attn}.{name}", h, n, config.has_qkv_bias) for name, n in qkv]
+            shapes += [LinearShape(f"{attn}.o_proj", q, h), *_mlp_linears(mlp, h, config.intermediate_size)]
             continue
-        heads, q_out = config.num_heads, config.num_heads * config.qk_head_dim
-        if config.q_lora_rank is None:
+        heads, q_out, rank = config.num_heads, config.num_heads * config.qk_head_dim, config.q_lora_rank
+        if rank is None:
             shapes.append(LinearShape(f"{attn}.q_proj", h, q_out))
         else:
-            shapes.append(LinearShape(f"{attn}.q_a_proj", h, config.q_lora_rank))
-            shapes.append(LinearShape(f"{attn}.q_b_proj", config.q_lora_rank, q_out))
+            shapes += [LinearShape(f"{attn}.q_a_proj", h, rank), LinearShape(f"{attn}.q_b_proj", rank, q_out)]
+        kv_out = heads * (config.qk_nope_head_dim + config.v_head_dim)
         shapes += [
             LinearShape(f"{attn}.kv_a_proj_with_mqa", h, config.kv_head_dim),
-            LinearShape(
-                f"{attn}.kv_b_proj", config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim)
-            ),
+            LinearShape(f"{attn}.kv_b_proj", config.kv_lora_rank, kv_out),
             LinearShape(f"{attn}.o_proj", heads * config.v_head_dim, h),
         ]
         if not config.is_moe_layer(layer):
@@ -127,21 +90,13 @@ def decoder_linears(config: ModelConfig) -> list[LinearShape]:
         for e in range(config.num_routed_experts):
             shapes += _mlp_linears(f"{mlp}.experts.{e}", h, config.moe_intermediate_size)
         if config.num_shared_experts:
-            shared = config.moe_intermediate_size * config.num_shared_experts
-            shapes += _mlp_linears(f"{mlp}.shared_experts", h, shared)
+            shapes += _mlp_linears(f"{mlp}.shared_experts", h, config.moe_intermediate_size * config.num_shared_experts)
     return shapes
 
 
-def _routed_expert_index(linear_name: str) -> int | None:
-    """e of `model.layers.{i}.mlp.experts.{e}.<proj>`, None for other Linears."""
-    parts = linear_name.split(".")
-    return int(parts[5]) if len(parts) > 6 and parts[3:5] == ["mlp", "experts"] else None
-
-
 def compensation_settings(model_dir: str | Path | None) -> tuple[dict[str, int], frozenset[str]]:
-    """The compensation `lowvram quantize` stored for a checkpoint: each layer's low-rank
-    rank and the layers with a bias correction, read from the tensor shapes in the header
-    of its side file (no data is read); none without a directory."""
+    """Each layer's low-rank rank and the layers with a bias correction, from the tensor
+    shapes in the header of the checkpoint's compensation side file; none without one."""
     from lowvram.models.checkpoint import COMPENSATION_FILE
     from lowvram.quant.awq_linear import BIAS_CORRECTION, LORA_A
 
@@ -158,13 +113,20 @@ def compensation_settings(model_dir: str | Path | None) -> tuple[dict[str, int],
     return ranks, corrected
 
 
-def awq_linear_bytes(linear: LinearShape, group_size: int, bias_bytes: int = FP16_BYTES) -> int:
-    """AutoAWQ GEMM tensors of one INT4 Linear K -> N: qweight int32 [K, N/8],
-    qzeros int32 [K/G, N/8], scales fp16 [K/G, N], bias [N] if any."""
+def _is_int4(awq: AwqConfig | None, linear: LinearShape) -> bool:
+    # DeepSeek-V2's kv_b_proj is dequantized at load (the model absorbs it into attention).
+    return awq is not None and not awq.is_skipped(linear.name) and not linear.name.endswith("kv_b_proj")
+
+
+def _linear_bytes(awq: AwqConfig | None, linear: LinearShape, element_bytes: int) -> int:
+    """AutoAWQ GEMM tensors of an INT4 Linear K -> N (qweight int32 [K, N/8], qzeros int32
+    [K/G, N/8], scales fp16 [K/G, N]), else its weight; plus bias [N] in the compute dtype."""
     k, n = linear.in_features, linear.out_features
-    num_groups = k // group_size
-    bias = n * bias_bytes if linear.has_bias else 0
-    return k * (n // 8) * 4 + num_groups * (n // 8) * 4 + num_groups * n * FP16_BYTES + bias
+    bias = n * element_bytes if linear.has_bias else 0
+    if not _is_int4(awq, linear):
+        return k * n * element_bytes + bias
+    groups = k // awq.group_size
+    return k * (n // 8) * 4 + groups * (n // 8) * 4 + groups * n * FP16_BYTES + bias
 
 
 @dataclass
@@ -180,20 +142,16 @@ class WeightBytes:
     norm_bytes: int = 0
     num_int4_layers: int = 0
     num_fp16_layers: int = 0
-    # K * N of the largest INT4 layer: the dequantization scratch scales with it.
-    max_int4_layer_elements: int = 0
+    max_int4_layer_elements: int = 0  # K * N of the largest INT4 layer: the dequantization scratch
     awq_group_size: int = 0
-    # Each decoder layer's bytes (norms and compensation included), and its MLP's share.
-    layer_bytes: list[int] = field(default_factory=list)
-    layer_mlp_bytes: list[int] = field(default_factory=list)
-    # Set when some layers live in host memory (plan_weight_offload).
-    offload: OffloadPlan | None = None
-    # MoE models: routed experts kept in host memory, and how many per layer the device caches.
+    layer_bytes: list[int] = field(default_factory=list)  # each decoder layer, norms and compensation included
+    layer_mlp_bytes: list[int] = field(default_factory=list)  # its MLP's share
+    offload: OffloadPlan | None = None  # some layers live in host memory (plan_weight_offload)
+    # MoE: routed experts kept in host memory, and how many per layer the device caches.
     host_expert_bytes: int = 0
     num_cached_experts: int = 0
     num_routed_experts: int = 0
-    # The embedding table stays in host memory (profile embeddings_on_host; untied heads only).
-    is_embedding_on_host: bool = False
+    is_embedding_on_host: bool = False  # profile embeddings_on_host; untied heads only
 
     @property
     def host_embedding_bytes(self) -> int:
@@ -219,14 +177,8 @@ FUSED_GROUP_OF = {part: group for group, parts in FUSED_GROUPS.items() for part 
 
 
 def keeps_embeddings_on_host(config: ModelConfig, profile: Profile, device_type: str) -> bool:
-    """Whether the engine leaves the embedding table in host memory: the profile asks, on
-    CUDA, and the head does not share the table (a tied head needs it on the device)."""
+    """The profile asks, on CUDA, and the head does not share the table."""
     return profile.embeddings_on_host and device_type == "cuda" and not config.is_tied_head and not is_mla(config)
-
-
-def _is_int4(awq: AwqConfig | None, linear: LinearShape) -> bool:
-    # DeepSeek-V2's kv_b_proj is dequantized at load (the model absorbs it into attention).
-    return awq is not None and not awq.is_skipped(linear.name) and not linear.name.endswith("kv_b_proj")
 
 
 def weight_bytes_by_kind(
@@ -237,15 +189,11 @@ def weight_bytes_by_kind(
     max_cached_experts: int | None = None,
     is_embedding_on_host: bool = False,
 ) -> WeightBytes:
-    """Weights on the device, from the model config (and, given the directory, the shapes
-    in the compensation side file).
-
-    Floating tensors take `element_bytes` (the compute dtype); AWQ qweight/qzeros stay
-    int32 and scales fp16, as the loader keeps them. A tied head shares the embedding.
-    DeepSeek-V2: `max_cached_experts` routed experts per MoE layer on the device, the
-    rest in host memory (None: all on the device); its routers are float32.
-    `is_embedding_on_host` (keeps_embeddings_on_host) leaves the table out of the total.
-    """
+    """Weights on the device, from the config and (given `model_dir`) the compensation side
+    file. Floating tensors take `element_bytes`; AWQ qweight/qzeros stay int32 and scales
+    fp16. A tied head shares the embedding. DeepSeek-V2: `max_cached_experts` routed experts
+    per MoE layer on the device, the rest in host memory (None: all); float32 routers.
+    `is_embedding_on_host` (keeps_embeddings_on_host) leaves the table out of the total."""
     awq, mla = config.quantization, is_mla(config)
     ranks, corrected = compensation_settings(model_dir) if awq else ({}, frozenset())
     weights = WeightBytes("awq" if awq else "fp16", awq_group_size=awq.group_size if awq else 0)
@@ -253,74 +201,61 @@ def weight_bytes_by_kind(
     weights.layer_mlp_bytes = [0] * config.num_layers
     fused_int4: dict[tuple[int, str], list[int]] = {}  # (layer, group) -> K * N of its INT4 parts
     for linear in decoder_linears(config):
-        k, n = linear.in_features, linear.out_features
-        layer = int(linear.name.split(".")[2])  # model.layers.{i}.<module>
+        k, n, name = linear.in_features, linear.out_features, linear.name
+        parts = name.split(".")  # model.layers.{i}.<module>
+        layer, size = int(parts[2]), _linear_bytes(awq, linear, element_bytes)
         if _is_int4(awq, linear):
-            size = awq_linear_bytes(linear, awq.group_size, element_bytes)
             weights.int4_bytes += size
             weights.num_int4_layers += 1
             weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, k * n)
-            group = None if mla else FUSED_GROUP_OF.get(linear.name.rsplit(".", 1)[-1])
+            group = None if mla else FUSED_GROUP_OF.get(parts[-1])
             if group is not None:
                 fused_int4.setdefault((layer, group), []).append(k * n)
             # Low-rank A [r, K] and B [N, r] plus a bias correction [N], in the compute dtype; the
             # loader adds a correction into the layer's bias, so it costs bytes only without one.
-            correction = n if linear.name in corrected and not linear.has_bias else 0
-            extra = (ranks.get(linear.name, 0) * (k + n) + correction) * element_bytes
+            correction = n if name in corrected and not linear.has_bias else 0
+            extra = (ranks.get(name, 0) * (k + n) + correction) * element_bytes
             weights.compensation_bytes += extra
             size += extra
         else:
-            size = (k * n + (n if linear.has_bias else 0)) * element_bytes
             weights.fp16_linear_bytes += size
             weights.num_fp16_layers += 1
         weights.layer_bytes[layer] += size
-        if ".mlp." in linear.name:
+        if ".mlp." in name:
             weights.layer_mlp_bytes[layer] += size
-        expert = _routed_expert_index(linear.name) if mla else None
-        if expert is not None and max_cached_experts is not None and expert >= max_cached_experts:
+        # model.layers.{i}.mlp.experts.{e}.<proj>: routed expert e
+        is_routed = mla and len(parts) > 6 and parts[3:5] == ["mlp", "experts"]
+        if is_routed and max_cached_experts is not None and int(parts[5]) >= max_cached_experts:
             weights.host_expert_bytes += size
     # Dense layers run q/k/v and gate/up as one fused INT4 linear each (lowvram.models.fusion)
     # when every part is INT4: the dequantization scratch is then the fused weight's.
-    for (_, group), parts in fused_int4.items():
-        if len(parts) == len(FUSED_GROUPS[group]):
-            weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, sum(parts))
+    for (_, group), sizes in fused_int4.items():
+        if len(sizes) == len(FUSED_GROUPS[group]):
+            weights.max_int4_layer_elements = max(weights.max_int4_layer_elements, sum(sizes))
     weights.embedding_bytes = config.vocab_size * config.hidden_size * element_bytes
     weights.head_bytes = 0 if config.is_tied_head else weights.embedding_bytes
     weights.is_embedding_on_host = is_embedding_on_host and not config.is_tied_head and not mla
     weights.norm_bytes = (2 * config.num_layers + 1) * config.hidden_size * element_bytes
     if mla:
-        num_moe = config.num_moe_layers
-        weights.fp16_linear_bytes += num_moe * config.num_routed_experts * config.hidden_size * 4  # routers
+        num_moe, num_routed = config.num_moe_layers, config.num_routed_experts
+        weights.fp16_linear_bytes += num_moe * num_routed * config.hidden_size * 4  # routers
         weights.num_fp16_layers += num_moe
         weights.norm_bytes += config.num_layers * (config.kv_lora_rank + (config.q_lora_rank or 0)) * element_bytes
-        weights.num_routed_experts = num_routed = config.num_routed_experts
-        weights.num_cached_experts = (
-            min(max_cached_experts, num_routed) if max_cached_experts is not None else num_routed
-        )
+        weights.num_routed_experts = num_routed
+        weights.num_cached_experts = num_routed if max_cached_experts is None else min(max_cached_experts, num_routed)
     return weights
 
 
 def routed_expert_bytes(config, element_bytes: int) -> int:
     """Device bytes of one routed expert (DeepSeek-V2): what one expert-cache slot holds."""
     first_moe = next(i for i in range(config.num_layers) if config.is_moe_layer(i))
-    total = 0
-    for linear in _mlp_linears(
-        f"model.layers.{first_moe}.mlp.experts.0", config.hidden_size, config.moe_intermediate_size
-    ):
-        if _is_int4(config.quantization, linear):
-            total += awq_linear_bytes(linear, config.quantization.group_size, element_bytes)
-        else:
-            total += linear.in_features * linear.out_features * element_bytes
-    return total
-
-
-# ---------------------------------------------------------------- the pool
+    expert = _mlp_linears(f"model.layers.{first_moe}.mlp.experts.0", config.hidden_size, config.moe_intermediate_size)
+    return sum(_linear_bytes(config.quantization, linear, element_bytes) for linear in expert)
 
 
 def memory_budget_bytes(profile: Profile, held_bytes: int = 0) -> int:
     """What weights, KV and workspace may use together: the profile's budget times its
-    utilisation, capped by an emulated card, less `held_bytes` this process already held
-    on the device before the engine loads: the budget is the process's, not one engine's."""
+    utilisation, capped by an emulated card, less `held_bytes` the process already held."""
     budget = profile.memory_budget_bytes
     if profile.emulate_vram_gib is not None:
         budget = min(budget, int(profile.emulate_vram_gib * profile.memory_utilization * GIB))
@@ -360,23 +295,21 @@ def size_kv_pool(
     device_type: str = "cuda",
     held_bytes: int = 0,
 ) -> KVPlan:
-    """Pages for what is left of the budget after weights and workspace, never more
-    than max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
+    """Pages for what the budget leaves after weights and workspace, never more than
+    max_num_seqs full-length sequences need (may be fewer than one: see plan_kv)."""
     precision = kv_precision_for(profile)
     int4 = weight_bytes_by_kind(config, element_bytes).max_int4_layer_elements if config.quantization else 0
     workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4)
     per_token = kv_bytes_per_token(config, precision, element_bytes)
-    budget = memory_budget_bytes(profile, held_bytes)
-    block_size = profile.kv_block_size
+    budget, block_size = memory_budget_bytes(profile, held_bytes), profile.kv_block_size
     free = budget - weight_bytes - workspace.peak_bytes
-    most = profile.max_num_seqs * -(-max_model_len // block_size)
-    num_blocks = max(0, min(free // (per_token * block_size), most))
+    num_blocks = max(0, min(free // (per_token * block_size), profile.max_num_seqs * -(-max_model_len // block_size)))
     return KVPlan(num_blocks, block_size, per_token, budget, weight_bytes, precision, workspace)
 
 
 def longest_fitting(fits: Callable[[int], bool], max_len: int, block_size: int) -> int:
-    """The longest whole-page length, at most `max_len`, for which `fits(length)`
-    holds (fitting shrinks as length grows); 0 if none does."""
+    """The longest whole-page length up to `max_len` for which `fits` holds (fitting shrinks
+    as length grows); 0 if none does."""
     low, high = 0, max(1, max_len // block_size)
     if fits(high * block_size):
         return high * block_size
@@ -387,8 +320,8 @@ def longest_fitting(fits: Callable[[int], bool], max_len: int, block_size: int) 
 
 
 def host_kv_blocks(config: ModelConfig, profile: Profile, element_bytes: int, device_type: str) -> int:
-    """Pages a KV pool in CUDA unified memory can keep beyond its device share: the
-    profile's host spill, where the backend may be `um` (a pinned or device pool cannot)."""
+    """Pages a unified-memory KV pool keeps beyond its device share: the profile's host
+    spill, where the backend may be `um` (a pinned or device pool cannot)."""
     if device_type != "cuda" or profile.kv_backend not in ("um", "auto") or profile.host_spill_gib <= 0:
         return 0
     per_token = kv_bytes_per_token(config, kv_precision_for(profile), element_bytes)
@@ -406,14 +339,9 @@ def plan_kv(
     host_blocks: int = 0,
     held_bytes: int = 0,
 ) -> KVPlan:
-    """Pages for what is left of the budget after weights and workspace.
-
-    Never more than max_num_seqs full-length sequences need; never fewer than one
-    full-length sequence needs (an OutOfMemoryError with the numbers), counting
-    `host_blocks` pages a unified-memory pool keeps in host memory beyond its device
-    share (host_kv_blocks). `device_type` decides the attention path the workspace is
-    counted for; `held_bytes` is device memory the process held before loading.
-    """
+    """size_kv_pool, or an OutOfMemoryError with the numbers when the pool and the
+    `host_blocks` a unified-memory pool spills (host_kv_blocks) hold less than one
+    full-length sequence. `held_bytes`: device memory the process held before loading."""
 
     def pool(profile: Profile, length: int) -> KVPlan:
         return size_kv_pool(config, profile, weight_bytes, element_bytes, length, device_type, held_bytes)
@@ -425,27 +353,21 @@ def plan_kv(
     kv = blocks_per_seq * plan.block_size * plan.bytes_per_token
     need = weight_bytes + plan.activation_bytes + kv
     fitting = longest_fitting(
-        lambda n: pool(profile.replace(max_model_len=max(16, n)), n).max_tokens >= n,
-        max_model_len - 1,
-        plan.block_size,
+        lambda n: pool(profile.replace(max_model_len=max(16, n)), n).max_tokens >= n, max_model_len - 1, plan.block_size
     )
     held = f" (after {held_bytes / GIB:.2f} GiB this process already held)" if held_bytes else ""
-    spill = (
-        f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
-        f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. "
-        if host_blocks
-        else ". "
-    )
-    shorter = (
-        f"Lower max_model_len (e.g. --max-model-len {fitting}), "
-        if fitting
-        else "Even the shortest context does not fit beside the weights and workspace: "
-    )
-    offload = (
-        "weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
-        if profile.weight_offload in ("off", "auto")
-        else ""
-    )
+    spill = ". "
+    if host_blocks:
+        spill = (
+            f", and the unified-memory pool's host spill (host_spill_gib {profile.host_spill_gib:g}) holds only "
+            f"{host_blocks * plan.block_size} tokens beyond it; raise host_spill_gib. "
+        )
+    shorter = "Even the shortest context does not fit beside the weights and workspace: "
+    if fitting:
+        shorter = f"Lower max_model_len (e.g. --max-model-len {fitting}), "
+    offload = ""
+    if profile.weight_offload in ("off", "auto"):
+        offload = "weight_offload stream (decoder layers from host memory: room for KV, slower decode), "
     raise OutOfMemoryError(
         f"a {max_model_len}-token context does not fit: weights {weight_bytes / GIB:.2f} GiB + workspace "
         f"{plan.activation_bytes / GIB:.2f} GiB + KV {kv / GIB:.2f} GiB = {need / GIB:.2f} GiB "
@@ -455,11 +377,8 @@ def plan_kv(
     )
 
 
-# ---------------------------------------------------------------- weight offload
-
 OFFLOAD_STRATEGIES = ("stream", "cpu")
-# What weight_offload "auto" uses: the measured winner.
-DEFAULT_OFFLOAD_STRATEGY = "stream"
+DEFAULT_OFFLOAD_STRATEGY = "stream"  # weight_offload "auto": the measured winner
 # One streamed layer computes from one buffer while the next one's copy fills the other.
 NUM_STAGING_BUFFERS = 2
 
@@ -468,13 +387,11 @@ NUM_STAGING_BUFFERS = 2
 class OffloadPlan:
     """Weights split between the device and host memory (lowvram.models.layer_streaming).
 
-    The first `num_resident_layers` decoder layers stay on the device; the others live
-    in host memory and pass through `num_staging_buffers` device buffers of
-    `staging_buffer_bytes` (the largest streamed layer) in every forward pass. The head
-    and the norms stay; an untied embedding table moves to host memory. With strategy
-    "cpu" a streamed layer's MLP runs on the CPU and only the rest is copied. Budget,
-    workspace and KV (`max_model_len` tokens of every planned sequence) are what the
-    split was planned against.
+    The first `num_resident_layers` decoder layers stay on the device; the others live in
+    host memory and pass through `num_staging_buffers` buffers of the largest streamed
+    layer each forward pass. Head and norms stay; an untied embedding moves to the host.
+    With strategy "cpu" a streamed layer's MLP runs on the CPU. Budget, workspace and KV
+    (`max_model_len` tokens of every planned sequence) are what the split was planned for.
     """
 
     strategy: str
@@ -490,7 +407,7 @@ class OffloadPlan:
     budget_bytes: int
     workspace_bytes: int
     kv_bytes: int
-    max_model_len: int
+    max_model_len: int = 0
     reserve_bytes: int = 0  # allocator slack kept free: cuBLAS workspaces, fragmentation
 
     @property
@@ -524,12 +441,11 @@ class OffloadPlan:
         return self.device_weight_bytes <= self.room_bytes
 
     def summary(self) -> str:
-        mlp = " (their MLPs run on the CPU)" if self.strategy == "cpu" and self.num_streamed_layers else ""
-        text = (
-            f"{self.num_resident_layers} of {self.num_layers} decoder layers on the device, "
-            f"{self.num_streamed_layers} streamed from host memory{mlp}"
-        )
-        if self.num_streamed_layers:
+        streamed = self.num_streamed_layers
+        mlp = " (their MLPs run on the CPU)" if self.strategy == "cpu" and streamed else ""
+        text = f"{self.num_resident_layers} of {self.num_layers} decoder layers on the device, "
+        text += f"{streamed} streamed from host memory{mlp}"
+        if streamed:
             buffers = "buffer" if self.num_staging_buffers == 1 else "buffers"
             text += (
                 f" ({self.copied_bytes_per_pass / MIB:.1f} MiB copied per forward pass, through "
@@ -562,52 +478,34 @@ def plan_offload(
     layer_bytes: list[int],
     staged_bytes: list[int],
     *,
-    fixed_bytes: int,
-    host_embedding_bytes: int,
-    budget_bytes: int,
-    workspace_bytes: int,
-    kv_bytes: int,
-    reserve_bytes: int = 0,
     strategy: str = DEFAULT_OFFLOAD_STRATEGY,
     max_resident_layers: int | None = None,
-    max_model_len: int = 0,
+    **budget: int,
 ) -> OffloadPlan:
-    """Keep the most leading decoder layers on the device that fit beside the fixed
-    weights, the staging buffers, the workspace, `kv_bytes` of KV and `reserve_bytes` of
-    allocator slack; the rest stream.
-
-    `layer_bytes[i]`: layer i as the device holds it; `staged_bytes[i]`: what a forward
-    pass copies in when it streams (without its MLP for "cpu"). Streaming the last
-    layers lets the first copies overlap the resident layers' compute. When not even
-    every layer streaming fits, the plan keeps none and its `fits` is False.
-    """
-    if strategy not in OFFLOAD_STRATEGIES:
-        raise ValueError(f"unknown offload strategy {strategy!r}; expected one of {OFFLOAD_STRATEGIES}")
+    """Keep the most leading decoder layers on the device that fit beside the fixed weights,
+    the staging buffers, the workspace, KV and allocator slack; the rest stream (the first
+    copies then overlap the resident layers' compute). `budget`: the OffloadPlan fields
+    fixed_bytes, host_embedding_bytes, budget_bytes, workspace_bytes, kv_bytes and optionally
+    reserve_bytes and max_model_len. `layer_bytes[i]`: layer i as the device holds it;
+    `staged_bytes[i]`: what a pass copies when it streams (without its MLP for "cpu").
+    When not even every layer streaming fits, none is kept and `fits` is False."""
     num_layers = len(layer_bytes)
-    room = budget_bytes - workspace_bytes - kv_bytes - reserve_bytes - fixed_bytes
+    plan = OffloadPlan(strategy, num_layers, 0, 0, 0, 0, 0, 0, **budget)
+    room = plan.room_bytes - plan.fixed_bytes
     most = num_layers if max_resident_layers is None else max(0, min(num_layers, max_resident_layers))
     for num_resident in range(most, -1, -1):
         streamed = staged_bytes[num_resident:]
-        num_buffers = min(NUM_STAGING_BUFFERS, len(streamed))
-        buffer = max(streamed, default=0)
+        num_buffers, buffer = min(NUM_STAGING_BUFFERS, len(streamed)), max(streamed, default=0)
         if sum(layer_bytes[:num_resident]) + num_buffers * buffer <= room:
             break
-    return OffloadPlan(
-        strategy=strategy,
-        num_layers=num_layers,
+    return dataclasses.replace(
+        plan,
         num_resident_layers=num_resident,
         num_staging_buffers=num_buffers,
         staging_buffer_bytes=buffer,
         resident_layer_bytes=sum(layer_bytes[:num_resident]),
         streamed_layer_bytes=sum(layer_bytes[num_resident:]),
         copied_bytes_per_pass=sum(streamed),
-        fixed_bytes=fixed_bytes,
-        host_embedding_bytes=host_embedding_bytes,
-        budget_bytes=budget_bytes,
-        workspace_bytes=workspace_bytes,
-        kv_bytes=kv_bytes,
-        max_model_len=max_model_len,
-        reserve_bytes=reserve_bytes,
     )
 
 
@@ -622,16 +520,12 @@ def plan_weight_offload(
     num_seqs: int = 1,
     held_bytes: int = 0,
 ) -> OffloadPlan | None:
-    """The split the engine makes under the profile's `weight_offload`, from the config's
-    sizes (`weights`); None when every weight stays on the device.
-
-    "auto" offloads only on CUDA and only when the weights do not fit beside the
-    workspace and one KV page per sequence: a model that fits but leaves too little room
-    for its context gets plan_kv's error rather than a silent slowdown. Offloaded, the
-    split leaves room for `num_seqs` sequences of `max_model_len` tokens and for the
-    allocator slack the doctor counts, since resident layers would otherwise fill the
-    budget to the last byte.
-    """
+    """The split the engine makes under the profile's `weight_offload`; None when every
+    weight stays on the device. "auto" offloads only on CUDA and only when the weights do
+    not fit beside the workspace and one KV page per sequence (a model that fits but leaves
+    too little room for its context gets plan_kv's error, not a silent slowdown). The split
+    leaves room for `num_seqs` sequences of `max_model_len` tokens and the allocator slack
+    the doctor counts."""
     mode = profile.weight_offload
     # MoE models leave the device by routed expert instead (lowvram.models.expert_offload).
     if mode == "off" or (mode == "auto" and device_type != "cuda") or is_mla(config):
@@ -662,8 +556,6 @@ def plan_weight_offload(
     )
 
 
-# ---------------------------------------------------------------- expert cache (MoE)
-
 # One slot computes while the next expert copies in; fewer would serialize them.
 MIN_CACHED_EXPERTS = 2
 
@@ -678,13 +570,10 @@ def plan_expert_cache(
     model_dir: str | Path | None = None,
     held_bytes: int = 0,
 ) -> int:
-    """Routed experts per MoE layer to keep on the device (DeepSeek-V2): all of them when
-    they fit, else as many as fit beside the other weights, the workspace and the KV of
-    one full-length sequence (the least plan_kv accepts; pages beyond it spill to the
-    host). Decode moves every missing expert over the bus, so the cache takes the room a
-    larger KV pool would otherwise get. At least MIN_CACHED_EXPERTS: when even those do
-    not fit, plan_kv reports the numbers.
-    """
+    """Routed experts per MoE layer to keep on the device (DeepSeek-V2): as many as fit
+    beside the other weights, the workspace and the KV of one full-length sequence (the
+    least plan_kv accepts; more pages spill to the host), since decode moves every missing
+    expert over the bus. At least MIN_CACHED_EXPERTS; below that plan_kv reports the numbers."""
     weights = weight_bytes_by_kind(config, element_bytes, model_dir=model_dir, max_cached_experts=0)
     int4 = weights.max_int4_layer_elements
     workspace = profile_workspace(config, profile, max_model_len, element_bytes, device_type, int4).peak_bytes

@@ -1,5 +1,4 @@
-"""The tables and lines `lowvram doctor` prints: the environment, a memory plan, and
-the explanation of out-of-memory evidence."""
+"""What `lowvram doctor` prints: the environment, a memory plan, out-of-memory evidence."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def format_size(num_bytes: int | None) -> str:
 
 
 def weight_rows(weights: WeightBytes) -> list[tuple[str, int]]:
-    """(label, bytes) for every kind of weight present, then what host memory takes off
-    the device, in the order the plan's table shows them."""
+    """(label, bytes) of every kind of weight present, then what host memory takes off the device."""
     rows = []
     if weights.num_int4_layers:
         rows.append((f"INT4 layers ({weights.num_int4_layers})", weights.int4_bytes))
@@ -70,8 +68,10 @@ def render_environment(console, env, problems) -> None:
     runtime = f"CUDA {env.torch_cuda_version}" if env.torch_cuda_version else None
     runtime = runtime or (f"HIP {env.torch_hip_version}" if env.torch_hip_version else "CPU-only build")
     row("torch", f"{env.torch_version} ({runtime})")
-    driver = f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version else "not found"
-    row("driver", driver)
+    row(
+        "driver",
+        f"{env.driver_version} (supports CUDA {env.driver_cuda_version})" if env.driver_version else "not found",
+    )
     if not env.gpus:
         row("GPU", "none visible to torch")
     answer = {True: "yes", False: "no", None: "unknown"}
@@ -79,21 +79,16 @@ def render_environment(console, env, problems) -> None:
         row(f"GPU {gpu.index}", f"{gpu.name}, compute capability {gpu.sm}, {gpu.num_multiprocessors or '?'} SMs")
         row("  memory", f"{format_size(gpu.total_bytes)} total, {format_size(gpu.free_bytes)} free")
         # Managed memory larger than the card works only with concurrent managed access.
-        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[gpu.concurrent_managed_access]
-        row(
-            "  managed memory",
-            f"concurrent access {answer[gpu.concurrent_managed_access]}, pageable access "
-            f"{answer[gpu.pageable_memory_access]}, oversubscription {oversubscription} ({gpu.managed_source})",
-        )
+        concurrent = gpu.concurrent_managed_access
+        oversubscription = {True: "possible", False: "not possible", None: "unknown"}[concurrent]
+        access = f"concurrent access {answer[concurrent]}, pageable access {answer[gpu.pageable_memory_access]}"
+        row("  managed memory", f"{access}, oversubscription {oversubscription} ({gpu.managed_source})")
     if env.cuda_context_bytes:
         row("CUDA context", f"{format_size(env.cuda_context_bytes)} (measured)")
     row("Triton", f"{env.triton_version or 'not installed'}: kernels {env.triton_status}")
     row("cuda-bindings", "installed" if env.has_cuda_bindings else "not installed")
-    row(
-        "host RAM",
-        f"{format_size(env.host_total_bytes)} total, {format_size(env.host_available_bytes)} available, "
-        f"swap {format_size(env.swap_free_bytes)} free",
-    )
+    host = f"{format_size(env.host_total_bytes)} total, {format_size(env.host_available_bytes)} available"
+    row("host RAM", f"{host}, swap {format_size(env.swap_free_bytes)} free")
     if env.memlock_known:
         limit = "unlimited" if env.memlock_soft_bytes is None else f"{format_size(env.memlock_soft_bytes)} (ulimit -l)"
         row("pinned-memory limit", limit)
@@ -130,11 +125,8 @@ def render_plan(console, plan) -> None:
     per_token = " · ".join(f"{p} {format_size(b)}" for p, b in plan.kv_bytes_per_token.items())
     row("KV per token", format_size(plan.kv_bytes_per_token[plan.kv_precision]), per_token)
     pages = plan.num_seqs * -(-plan.context_len // plan.block_size)
-    row(
-        f"KV cache ({plan.context_len} tokens x {plan.num_seqs})",
-        format_size(plan.kv_bytes),
-        f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}",
-    )
+    kv_detail = f"{pages} pages of {plan.block_size} tokens, {plan.kv_precision}"
+    row(f"KV cache ({plan.context_len} tokens x {plan.num_seqs})", format_size(plan.kv_bytes), kv_detail)
     ws = plan.workspace
     path = "Triton attention" if ws.uses_kernels else "plain-torch attention"
     graphs = f"; decode CUDA graphs {format_size(ws.graph_bytes)}" if ws.graph_bytes else ""
@@ -151,18 +143,15 @@ def render_plan(console, plan) -> None:
     capacity = f"capacity {format_size(plan.device_capacity_bytes)}: {plan.device_capacity_source}"
     row("[bold]device total[/bold]", f"[bold]{format_size(plan.device_need_bytes)}[/bold]", capacity)
     console.print(table)
-
     if plan.fits:
         console.print(
             f"[bold green]verdict: fits[/bold green], {format_size(plan.margin_bytes)} to spare "
             f"(engine budget {format_size(plan.engine_margin_bytes)}, device {format_size(plan.device_margin_bytes)})"
         )
     else:
-        short = (
-            [f"the engine budget by {format_size(-plan.engine_margin_bytes)}"] if plan.engine_margin_bytes < 0 else []
-        )
-        short += [f"the device by {format_size(-plan.device_margin_bytes)}"] if plan.device_margin_bytes < 0 else []
-        console.print(f"[bold red]verdict: does not fit[/bold red]: over {' and '.join(short)}")
+        over = {"the engine budget": plan.engine_margin_bytes, "the device": plan.device_margin_bytes}
+        short = " and ".join(f"{what} by {format_size(-margin)}" for what, margin in over.items() if margin < 0)
+        console.print(f"[bold red]verdict: does not fit[/bold red]: over {short}")
     contexts = " · ".join(
         f"{p} {n or 'none'}{' (model limit)' if n == plan.max_position_embeddings else ''}"
         for p, n in plan.max_context.items()

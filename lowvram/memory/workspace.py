@@ -1,8 +1,5 @@
-"""The workspace of one step: the largest set of tensors alive at once while a step
-runs, modelled phase by phase from what the running code allocates. A rule of thumb
-misses by far: the plain-torch attention path materialises float32 scores of
-[heads, new tokens, context], which dwarf everything else at long contexts.
-"""
+"""The workspace of one step: the largest set of tensors alive at once, modelled phase by
+phase from what the running code allocates."""
 
 from __future__ import annotations
 
@@ -32,32 +29,21 @@ MIN_DECODE_PARTITION_TOKENS = 128
 
 
 def is_mla(config) -> bool:
-    """Whether the model is DeepSeek-V2, with multi-head latent attention and MoE layers."""
+    """DeepSeek-V2: multi-head latent attention and MoE layers."""
     from lowvram.models.deepseek_v2 import DeepseekV2Config
 
     return isinstance(config, DeepseekV2Config)
 
 
 def uses_attention_kernels(device_type: str, head_dim: int) -> bool:
-    """Whether a step runs the Triton attention kernels (else the plain-torch path):
-    CUDA and head_dim >= 16 (as attention._is_kernel_path), with Triton importable."""
+    """Whether a step runs the Triton attention kernels, as attention._is_kernel_path."""
     if device_type != "cuda" or head_dim < 16:
         return False
     return paged_attention.HAS_TRITON and not paged_attention.FORCE_REFERENCE
 
 
-def rope_table_bytes(config: ModelConfig, context_len: int) -> int:
-    """Rotary's float32 cos and sin tables once they cover `context_len` positions."""
-    positions = ROPE_MIN_POSITIONS
-    while positions < context_len:
-        positions *= 2
-    rotary_dim = config.qk_rope_head_dim if is_mla(config) else config.head_dim
-    return 2 * positions * (rotary_dim // 2) * 4
-
-
 def int4_scratch_bytes(max_int4_elements: int, num_tokens: int, uses_kernels: bool) -> int:
-    """Temporary dequantized weight of the largest INT4 layer (K * N elements) during a
-    step of `num_tokens`."""
+    """The dequantized copy of the largest INT4 layer (K * N elements) a step may hold."""
     if not uses_kernels:
         return AWQ_TORCH_DEQUANT_BYTES_PER_ELEMENT * max_int4_elements
     if num_tokens >= AWQ_DEQUANT_MATMUL_MIN_TOKENS:
@@ -67,9 +53,8 @@ def int4_scratch_bytes(max_int4_elements: int, num_tokens: int, uses_kernels: bo
 
 @dataclass
 class Workspace:
-    """Peak bytes of each phase of a step; the step's peak is the largest phase plus
-    what stays allocated across steps (Rotary's tables, step metadata, graph buffers
-    and the cuBLAS workspace of the engine's stream)."""
+    """Peak bytes of each phase of a step; the step's peak is the largest phase plus what
+    stays allocated across steps (RoPE tables, step metadata, graph buffers, cuBLAS)."""
 
     phases: dict[str, int]
     rope_bytes: int
@@ -93,7 +78,6 @@ class Workspace:
 
 def step_workspace(
     config: ModelConfig,
-    *,
     num_tokens: int,
     num_seqs: int,
     context_len: int,
@@ -102,52 +86,46 @@ def step_workspace(
     block_size: int = 16,
     int4_scratch: int = 0,
 ) -> Workspace:
-    """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs`
-    sequences over contexts of at most `context_len` tokens.
+    """Peak workspace of any step of at most `num_tokens` tokens and `num_seqs` sequences
+    over contexts of at most `context_len`. Every phase keeps the layer's input and running
+    sum ([T, hidden] each).
 
-    Counted from what the model, the attention kernels and sampling allocate, phase by
-    phase. In every phase the layer's input and (after attention) its running sum stay
-    alive as [T, hidden] tensors, because the caller still holds the input.
-
-    - mlp: the normed input and three [T, intermediate] tensors (silu(gate), up, their
-      product); an INT4 layer's dequantized weight replaces one of them at most.
-    - rotary: q, k, v, and float32 copies and halves of q while RoPE runs (about 12
-      bytes per q element), or of k while q's result is kept.
-    - attention: the Triton kernels add their [T, H, D] output (decode also float32
-      partials per context partition); the plain-torch path gathers the context as
-      float32 K/V, repeats them over the query heads, and keeps two float32 score
-      tensors [H, Q, L] for the longest prefill chunk (Q = min(T, L)).
+    - mlp: the normed input and silu(gate), up and their product [T, intermediate]; an INT4
+      layer's dequantized weight replaces one of them at most.
+    - rotary: q, k, v, and float32 copies and halves of q (about 12 bytes per element), or
+      of k while q's result is kept.
+    - attention: the kernels' [T, H, D] output (decode: also float32 partials per context
+      partition); plain torch gathers float32 K/V, repeats them per query head and keeps two
+      float32 scores [H, Q, L] for the longest prefill chunk (Q = min(T, L)).
     - logits: float32 logits of every sequence plus one sampling row.
     """
-    e = element_bytes
-    t, s, ctx = num_tokens, min(num_seqs, num_tokens), context_len
+    e, t, s, ctx = element_bytes, num_tokens, min(num_seqs, num_tokens), context_len
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv, heads, d = config.q_size, config.kv_size, config.num_heads, config.head_dim
-    residual = 2 * t * hidden * e  # layer input and running sum
+    residual = 2 * t * hidden * e
     qkv = t * (q + 2 * kv) * e
-    rotary_q = 12 * t * q
-    rotary_k = t * q * e + max(4 * t * q + 4 * t * kv, 12 * t * kv)
+    rotary = max(12 * t * q, t * q * e + max(4 * t * q + 4 * t * kv, 12 * t * kv))
     if uses_kernels:
-        num_partitions = max(1, math.ceil(ctx / MIN_DECODE_PARTITION_TOKENS))
-        decode_partials = s * heads * num_partitions * (d + 1) * 4
+        decode_partials = s * heads * max(1, math.ceil(ctx / MIN_DECODE_PARTITION_TOKENS)) * (d + 1) * 4
         attention = max(t * q * e + t * hidden * e, decode_partials)
     else:
         q_len = min(t, ctx)
-        gathered = 2 * ctx * kv * 4 + 2 * ctx * q * 4  # float32 K, V and their copies per query head
-        scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # two float32 [H, Q, L] plus the causal mask
+        gathered = 2 * ctx * kv * 4 + 2 * ctx * q * 4
+        scores = 2 * heads * q_len * ctx * 4 + q_len * ctx  # and the causal mask
         attention = t * q * 4 + q_len * q * 4 + gathered + scores
+    logits = s * hidden * e + s * config.vocab_size * (e + 4) + SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size
     phases = {
         "mlp": residual + t * hidden * e + max(3 * t * inter * e, 2 * t * inter * e + int4_scratch),
-        "rotary": residual + qkv + 2 * t * (d // 2) * 4 + max(rotary_q, rotary_k),
+        "rotary": residual + qkv + 2 * t * (d // 2) * 4 + rotary,
         "attention": residual + qkv + attention,
-        "logits": residual
-        + s * hidden * e
-        + s * config.vocab_size * (e + 4)
-        + SAMPLING_BYTES_PER_VOCAB_ENTRY * config.vocab_size,
+        "logits": residual + logits,
     }
+    # Rotary's float32 cos and sin tables, doubling from ROPE_MIN_POSITIONS until they cover ctx.
+    positions = max(ROPE_MIN_POSITIONS, 1 << (ctx - 1).bit_length())
+    rope = 2 * positions * ((config.qk_rope_head_dim if is_mla(config) else d) // 2) * 4
     # input ids, positions and slots (int64 [T]) and the int32 block table [S, blocks]
     metadata = 3 * t * 8 + s * -(-ctx // block_size) * 4
-    return Workspace(phases, rope_table_bytes(config, ctx), metadata, t, num_seqs, ctx, uses_kernels)
+    return Workspace(phases, rope, metadata, t, num_seqs, ctx, uses_kernels)
 
 
 def profile_workspace(
@@ -158,24 +136,15 @@ def profile_workspace(
     device_type: str,
     max_int4_elements: int = 0,
 ) -> Workspace:
-    """The workspace the engine reserves for a profile: its largest possible step, the
-    cuBLAS workspace of its stream (CUDA), and what CUDA graphs keep allocated where the
-    profile replays them (CUDA, dense models). `max_int4_elements`: K * N of the largest
-    INT4 layer (WeightBytes.max_int4_layer_elements), whose dequantized copy a step may hold."""
+    """The workspace the engine reserves for a profile: its largest step, the cuBLAS
+    workspace of its stream (CUDA), and what CUDA graphs keep allocated where the profile
+    replays them (CUDA, dense models). `max_int4_elements`: WeightBytes.max_int4_layer_elements."""
     kernels = uses_attention_kernels(device_type, config.head_dim)
 
     def step(num_tokens: int, num_seqs: int) -> Workspace:
         scratch = int4_scratch_bytes(max_int4_elements, num_tokens, kernels)
-        return step_workspace(
-            config,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            context_len=max_model_len,
-            element_bytes=element_bytes,
-            uses_kernels=kernels,
-            block_size=profile.kv_block_size,
-            int4_scratch=scratch,
-        )
+        block_size = profile.kv_block_size
+        return step_workspace(config, num_tokens, num_seqs, max_model_len, element_bytes, kernels, block_size, scratch)
 
     max_tokens = min(profile.max_num_batched_tokens, profile.max_num_seqs * max_model_len)
     workspace = step(max_tokens, profile.max_num_seqs)
@@ -184,8 +153,7 @@ def profile_workspace(
     workspace.cublas_bytes = CUBLAS_WORKSPACE_BYTES
     if profile.enable_cuda_graphs and not is_mla(config):
         # Decode graphs keep their static inputs, the float32 logits of the largest batch and
-        # the cuBLAS workspace of their capture stream; a step's activations live in the
-        # graphs' pool and are reused.
+        # their capture stream's cuBLAS workspace; a step's activations live in their pool.
         seqs = profile.max_num_seqs
         inputs = seqs * (3 * 8 + 4) + seqs * -(-max_model_len // profile.kv_block_size) * 4
         workspace.graph_bytes = inputs + seqs * config.vocab_size * 4 + CUBLAS_WORKSPACE_BYTES
