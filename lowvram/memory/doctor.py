@@ -118,8 +118,8 @@ class MemoryPlan:
 
 
 def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
-    """(config, label, model directory or None) for a model directory, a config.json, a hub
-    id (only its config.json is fetched) or None (the bundled demo model)."""
+    """(config, label, model directory or None) for a model directory, a config.json, a GGUF
+    file, a hub id (only its config.json is fetched) or None (the bundled demo model)."""
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
 
@@ -128,7 +128,7 @@ def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
         if path.is_file() and path.name == "config.json":
             # its directory: a legacy quant_config.json and the compensation file sit beside it
             return load_model_config(path.parent)[0], str(path), path.parent
-        if path.is_file():
+        if path.is_file() and path.suffix.lower() != ".gguf":  # a GGUF file is converted below
             try:
                 raw = json.loads(path.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
