@@ -118,6 +118,7 @@ def cmd_bench_quality(args) -> int:
         max_chars=args.max_chars,
         command=_command_line("lowvram bench quality"),
         calib_samples=args.calib_samples,
+        text=args.text,
         progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
     )
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--variants", default=None, help="comma-separated formats to compare (default: all)")
     quality.add_argument("--limit", type=int, default=None, help="held-out tasks per kind (default: all 100)")
     quality.add_argument("--max-chars", type=int, default=None, help="use only this much of the held-out text")
+    text_help = "demo: the demo model's held-out tasks; real: real prose and code, llama.cpp formats too"
+    quality.add_argument("--text", choices=["demo", "real"], default="demo", help=text_help)
     quality.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     quality.add_argument("--calib-samples", type=int, default=32, help="calibration blocks for the quantized rows")
     quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")

@@ -11,7 +11,7 @@ def test_fp16_numbers_reproduce_on_a_slice():
     report = run_quality_bench(variant_names=["fp16", "kv-int8"], num_per_kind=5, max_chars=12_000)
     fp16, int8 = report.rows
     assert fp16.num_tasks == 40
-    assert fp16.accuracy >= 0.9, fp16.accuracy_by_kind  # the model scores 99.5% on all 800 held-out tasks
+    assert fp16.accuracy >= 0.9, fp16.by_kind  # the model scores 99.5% on all 800 held-out tasks
     assert 1.0 < fp16.perplexity < 150.0  # ~80 on this slice
     assert int8.agreement_with_fp16 >= 0.9 and abs(int8.perplexity - fp16.perplexity) / fp16.perplexity < 0.02
     table = to_markdown(report)
