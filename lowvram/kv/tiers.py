@@ -1,23 +1,19 @@
 """The tiered KV pools: pages that live on the device or in host memory and move between them.
 
-- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by
-  advising its range to the host and migrating it there, which frees its device
-  memory; it comes back by advising the GPU and prefetching. The GPU keeps a mapping
-  to every page, so a page left on the host is still read correctly (over the bus): a
-  context longer than the device share keeps its oldest pages there. Scales, zeros
-  and the FP16 window stay in ordinary device memory. Migration works on OS pages, so
-  pages move in units of as many KV pages as fill whole OS pages.
-- `pinned` (`PinnedKVPool`): a fixed set of device slots plus a pinned-host tier;
-  pages move with asynchronous copies on a side stream, and block ids are translated
-  to device slots (`device_table`). For platforms where managed memory cannot
-  oversubscribe (concurrentManagedAccess = 0: Windows, WSL2).
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by advising
+  its range to the host and migrating it, which frees its device memory; it comes back by
+  advising the GPU and prefetching. The GPU maps every page, so a page left on the host is
+  still read (over the bus): a context longer than the device share keeps its oldest pages
+  there. Scales, zeros and the FP16 window stay in device memory. Migration works on OS
+  pages, so pages move in units of as many KV pages as fill whole OS pages.
+- `pinned` (`PinnedKVPool`): fixed device slots plus a pinned-host tier; pages move with
+  asynchronous copies on a side stream and block ids are translated to slots
+  (`device_table`). For platforms without concurrentManagedAccess (Windows, WSL2).
 
-Residency: at most `max_device_blocks` pages are resident. Before a step the runner
-calls `ensure_resident` with the step's pages: missing pages come back on the side
-stream and the compute stream waits for them on the GPU, not on the CPU. Victims are
-chosen by `SpillPolicy` (cold and LRU first, the hot window near each decode position
-last, never the step's own pages). `prefetch` does the same without the wait, so
-copies overlap the compute already queued.
+At most `max_device_blocks` pages are resident. `ensure_resident` brings a step's missing
+pages back on the side stream and makes the compute stream wait on the GPU, not the CPU;
+`prefetch` does the same without the wait. Victims are chosen by `SpillPolicy` (cold and
+LRU first, the hot pages near each decode position last, never the step's own pages).
 """
 
 from __future__ import annotations
@@ -32,15 +28,7 @@ from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
-from lowvram.kv.pool import (
-    GIB,
-    KVPool,
-    KVShape,
-    _convert_pages,
-    _pages_like,
-    _release_cached,
-    _tensors,
-)
+from lowvram.kv.pool import GIB, KVPool, KVShape, _convert_pages, _pages_like, _release_cached, _tensors
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -54,33 +42,21 @@ def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-# ---------------------------------------------------------------- residency shared by um and pinned
-
-
 class _TieredKVPool(KVPool):
-    """Residency bookkeeping for pools whose pages live on the device or the host.
-
-    Pages move in units of `unit_size` consecutive pages; a unit is resident or not.
-    Subclasses move data in `_swap` and size the host side in `_host_room`.
-    """
+    """Residency bookkeeping: pages move in units of `unit_size` consecutive pages, a unit is
+    resident or not. Subclasses move data in `_swap(victims, incoming, dataless)` (victims to
+    the host, then incoming to the device, on the side stream; dataless victims need no copy)
+    and report `_unit_bytes()`, the bytes one unit moves."""
 
     can_spill = True
 
-    def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device: torch.device | str,
-        *,
-        max_device_blocks: int,
-    ):
+    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device, *, max_device_blocks: int):
         super().__init__(shape, num_blocks, precision, device)
         if max_device_blocks < 1:
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
-        self.policy = SpillPolicy()  # the last 2 pages of each sequence are hot
+        self.policy = SpillPolicy()
         self.num_page_hits = 0
         self.num_page_misses = 0
         self.spilled_bytes = 0
@@ -95,28 +71,19 @@ class _TieredKVPool(KVPool):
         self.max_device_units = max(1, self.max_device_blocks // unit_size)
         self._is_resident = bytearray(self.num_units)
         self._num_resident = 0
-        # The same flags as a set of the units on the host, for the per-step questions about
-        # a step's or the live pages, which set operations answer in C loops.
+        # The same flags as a set of the units on the host: per-step questions become set operations.
         self._host_units = set(range(self.num_units))
-
-    # -- hooks -------------------------------------------------------------------
-    def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
-        """Move `victims` units to the host and `incoming` units to the device (in that
-        order, on the side stream); `dataless` victims need no copy."""
-        raise NotImplementedError
 
     def _host_room(self, incoming: list[int]) -> int:
         """How many more units may move to the host if `incoming` come back."""
         return self.num_units
 
-    def _unit_bytes(self) -> int:
-        """Bytes one unit moves between device and host."""
-        raise NotImplementedError
-
     def _reclaim_host(self, dataless: set[int]) -> None:
-        """Forget host copies of units that no longer hold data (pinned frees their host slots)."""
+        """Forget host copies of units that no longer hold data."""
 
-    # -- sizes -------------------------------------------------------------------
+    def _resize_device(self) -> None:
+        """Match device storage to `max_device_units` (managed memory needs nothing)."""
+
     @property
     def max_blocks_per_step(self) -> int | None:
         return None if self.can_read_host else self.max_device_units * self.unit_size
@@ -132,7 +99,6 @@ class _TieredKVPool(KVPool):
     def is_resident(self, block_id: int) -> bool:
         return bool(self._is_resident[block_id // self.unit_size])
 
-    # -- residency ---------------------------------------------------------------
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
         g = self.unit_size
         return list(dict.fromkeys(block_ids if g == 1 else (b // g for b in block_ids)))
@@ -192,8 +158,7 @@ class _TieredKVPool(KVPool):
     def _fit_step(
         self, units: list[int], missing: list[int], victims: list[int], room: int
     ) -> tuple[list[int], list[int]]:
-        """The step reads more units than fit: keep the most valuable ones on the device
-        and let the kernels read the rest where they are (um only)."""
+        """More units than fit (um): keep the most valuable on the device, the kernels read the rest on the host."""
         ranked = self.policy.admission_order(units)
         keep = set(ranked[: self.max_device_units])
         wanted = [u for u in missing if u in keep]
@@ -204,14 +169,11 @@ class _TieredKVPool(KVPool):
         return wanted[: room + len(victims)], victims
 
     def _dataless_units(self, free_block_ids: Collection[int]) -> set[int]:
-        if not free_block_ids:
-            return set()
         free = set(free_block_ids)
         g = self.unit_size
         if g == 1:
             return free
-        units = {b // g for b in free}
-        return {u for u in units if all(b in free for b in range(u * g, min((u + 1) * g, self.num_blocks)))}
+        return {u for u in {b // g for b in free} if free.issuperset(range(u * g, min((u + 1) * g, self.num_blocks)))}
 
     def _choose_victims(self, count: int, keep: set[int], dataless: set[int], incoming: list[int]) -> list[int]:
         """Up to `count` resident units outside `keep`: pages without data first, then in policy order."""
@@ -236,10 +198,7 @@ class _TieredKVPool(KVPool):
             if self._is_resident[u] != is_resident:
                 self._is_resident[u] = is_resident
                 self._num_resident += 1 if is_resident else -1
-                if is_resident:
-                    self._host_units.discard(u)
-                else:
-                    self._host_units.add(u)
+                (self._host_units.discard if is_resident else self._host_units.add)(u)
 
     def _wait_for_transfers(self) -> None:
         """Make the compute stream wait (on the GPU) for every transfer enqueued so far."""
@@ -248,15 +207,13 @@ class _TieredKVPool(KVPool):
             self._has_transfers = False
 
     def _start_transfers(self) -> None:
-        """Order the side stream after everything the compute stream has enqueued: the
-        pages about to move may still be written or read by earlier steps."""
+        """Order the side stream after the compute stream's queued work, which may still use the pages."""
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._has_transfers = True
 
     def spill(self, block_ids: Iterable[int]) -> int:
-        units = [u for u in self._units_of(block_ids) if self._is_resident[u]]
-        units = units[: self._host_room([])]
+        units = [u for u in self._units_of(block_ids) if self._is_resident[u]][: self._host_room([])]
         before = self.device_bytes
         if units:
             self._swap(units, [], set())
@@ -280,16 +237,10 @@ class _TieredKVPool(KVPool):
         self._resize_device()
         return before - self.device_bytes
 
-    def _resize_device(self) -> None:
-        """Match device storage to `max_device_units` (pinned); managed memory needs nothing."""
-
     def synchronize(self) -> None:
         if self._side is not None:
             self._side.synchronize()
         self._wait_for_transfers()
-
-
-# ---------------------------------------------------------------- um: CUDA Unified Memory
 
 
 class ManagedKVPool(_TieredKVPool):
@@ -303,7 +254,7 @@ class ManagedKVPool(_TieredKVPool):
         shape: KVShape,
         num_blocks: int,
         precision: str,
-        device: torch.device | str,
+        device,
         *,
         max_device_blocks: int,
         memory: ManagedMemory,
@@ -322,18 +273,15 @@ class ManagedKVPool(_TieredKVPool):
             allow_oversubscription=allow_oversubscription,
         )
         resident = [u < self.max_device_units for u in range(self.num_units)]
-        self.pages, self._flats = [], []
-        for _ in range(shape.num_layers):
-            pages, flat = self._allocate_layer(precision, resident)
-            self.pages.append(pages)
-            self._flats.append(flat)
+        self.pages, self._flats = map(
+            list, zip(*(self._allocate_layer(precision, resident) for _ in range(shape.num_layers)))
+        )
         self._mark([u for u in range(self.num_units) if resident[u]], True)
         self.max_device_bytes = self.device_bytes
 
     def _unit_size_for(self, precision: str) -> int:
-        code_bytes = self.shape.code_block_bytes(precision)
         page = self.memory.page_bytes
-        return page // math.gcd(page, code_bytes)
+        return page // math.gcd(page, self.shape.code_block_bytes(precision))
 
     def _num_alloc_blocks(self, precision: str) -> int:
         g = self._unit_size_for(precision)
@@ -342,20 +290,29 @@ class ManagedKVPool(_TieredKVPool):
     def _managed_bytes(self, precision: str) -> int:
         return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
 
+    def _place(self, flats: list[torch.Tensor], precision: str, units: Iterable[int], *, on_host: bool, migrate: bool):
+        """Advise the K and V codes of `units` to the host or the GPU; `migrate` moves them there too."""
+        code_bytes = self.shape.code_block_bytes(precision)
+        unit_bytes = self._unit_size_for(precision) * code_bytes
+        half_bytes = self._num_alloc_blocks(precision) * code_bytes
+        for start, end in _runs(units):
+            for flat in flats:
+                for base in (0, half_bytes):
+                    span = (flat, base + start * unit_bytes, (end - start) * unit_bytes)
+                    if migrate:
+                        self.memory.place(*span, on_host=on_host, stream=self._side)
+                    else:
+                        self.memory.advise_preferred(*span, on_host=on_host)
+
     def _allocate_layer(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
         """One layer's pages: codes in a new managed allocation advised per unit, scales on the device."""
         num_alloc = self._num_alloc_blocks(precision)
         template = self.shape.template(precision, num_alloc)
-        half_bytes = num_alloc * self.shape.code_block_bytes(precision)
-        flat = self.memory.allocate(2 * half_bytes)
+        flat = self.memory.allocate(2 * num_alloc * self.shape.code_block_bytes(precision))
         codes = flat.view(template.k.dtype).view(2, *template.k.shape)  # [2, pages, B, Hkv, Dc]: K, V
-        unit_bytes = self._unit_size_for(precision) * self.shape.code_block_bytes(precision)
-        for is_on_host in (False, True):
-            for start, end in _runs(u for u, r in enumerate(resident) if r != is_on_host):
-                for base in (0, half_bytes):
-                    self.memory.advise_preferred(
-                        flat, base + start * unit_bytes, (end - start) * unit_bytes, on_host=is_on_host
-                    )
+        for on_host in (False, True):
+            units = [u for u, r in enumerate(resident) if r != on_host]
+            self._place([flat], precision, units, on_host=on_host, migrate=False)
 
         def make(name: str, like: torch.Tensor) -> torch.Tensor:
             if name in ("k", "v"):
@@ -373,8 +330,8 @@ class ManagedKVPool(_TieredKVPool):
 
     @property
     def device_bytes(self) -> int:
-        """Scales and zeros and the FP16 window (always on the device) plus every resident unit's
-        codes, whether or not a kernel has touched them yet: an upper bound on what the pool holds."""
+        """Scales, zeros and the FP16 window plus every resident unit's codes, touched by a kernel
+        or not: an upper bound on what the pool holds."""
         return self._scale_bytes(self.precision) + self._num_resident * self._unit_bytes() + self.window_bytes()
 
     @property
@@ -385,19 +342,8 @@ class ManagedKVPool(_TieredKVPool):
         # Managed pages carry their data wherever they are, so a page without data still
         # moves: that is what releases its device memory.
         self._start_transfers()
-        unit_bytes = self.unit_size * self.shape.code_block_bytes(self.precision)
-        half_bytes = self._num_alloc_blocks(self.precision) * self.shape.code_block_bytes(self.precision)
-        for on_host, units in ((True, victims), (False, incoming)):
-            for start, end in _runs(units):
-                for flat in self._flats:
-                    for base in (0, half_bytes):
-                        self.memory.place(
-                            flat,
-                            base + start * unit_bytes,
-                            (end - start) * unit_bytes,
-                            on_host=on_host,
-                            stream=self._side,
-                        )
+        self._place(self._flats, self.precision, victims, on_host=True, migrate=True)
+        self._place(self._flats, self.precision, incoming, on_host=False, migrate=True)
         self._mark(victims, False)
         self._mark(incoming, True)
         self.spilled_bytes += len(victims) * self._unit_bytes()
@@ -406,9 +352,8 @@ class ManagedKVPool(_TieredKVPool):
     def _device_codes_bytes(self, precision: str) -> int:
         """Scales and zeros plus the codes of as many units as may be resident at `precision`."""
         unit = self._unit_size_for(precision)
-        max_units = max(1, self.max_device_blocks // unit)
         code_bytes = self.shape.num_layers * 2 * unit * self.shape.code_block_bytes(precision)
-        return self._scale_bytes(precision) + max_units * code_bytes
+        return self._scale_bytes(precision) + max(1, self.max_device_blocks // unit) * code_bytes
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
@@ -444,9 +389,6 @@ class ManagedKVPool(_TieredKVPool):
         self.policy.clear()  # unit ids changed meaning
 
 
-# ---------------------------------------------------------------- pinned: device slots + pinned host tier
-
-
 class PinnedKVPool(_TieredKVPool):
     """A fixed number of device slots and a host tier of pinned pages; blocks map to slots."""
 
@@ -454,14 +396,7 @@ class PinnedKVPool(_TieredKVPool):
     is_translated = True
 
     def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device: torch.device | str,
-        *,
-        max_device_blocks: int,
-        num_host_blocks: int,
+        self, shape: KVShape, num_blocks: int, precision: str, device, *, max_device_blocks: int, num_host_blocks: int
     ):
         super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
         self.num_slots = self.max_device_blocks
@@ -489,7 +424,6 @@ class PinnedKVPool(_TieredKVPool):
                 f"could not pin {need / GIB:.2f} GiB of host memory for spilled KV pages ({exc}); lower host_spill_gib"
             ) from None
 
-    # -- sizes -------------------------------------------------------------------
     def _unit_bytes(self) -> int:
         return self.shape.block_bytes(self.precision)
 
@@ -507,14 +441,16 @@ class PinnedKVPool(_TieredKVPool):
     def _host_room(self, incoming: list[int]) -> int:
         return len(self._free_host_slots) + sum(1 for b in incoming if self._host_slot_of[b] >= 0)
 
-    def _reclaim_host(self, dataless: set[int]) -> None:
-        stale = [b for b in dataless if self._host_slot_of[b] >= 0]
-        if not stale:
-            return
-        self._complete_spills()  # a pending copy must not land in a slot handed to another page
-        for b in stale:
+    def _free_host(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
             self._free_host_slots.append(self._host_slot_of[b])
             self._host_slot_of[b] = -1
+
+    def _reclaim_host(self, dataless: set[int]) -> None:
+        stale = [b for b in dataless if self._host_slot_of[b] >= 0]
+        if stale:
+            self._complete_spills()  # a pending copy must not land in a slot handed to another page
+            self._free_host(stale)
 
     def device_table(self, table: list[int]) -> list[int]:
         slots = [self._slot_of[b] for b in table]
@@ -526,7 +462,6 @@ class PinnedKVPool(_TieredKVPool):
         self.ensure_resident([src, dst])
         super().copy_block(src, dst)
 
-    # -- movement ----------------------------------------------------------------
     def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
         fetch = [b for b in incoming if self._host_slot_of[b] >= 0]
         if fetch and self._pending:
@@ -534,9 +469,7 @@ class PinnedKVPool(_TieredKVPool):
         # Read the incoming pages out of the host tier first: that frees their host
         # slots for the victims even when the tier is full.
         staged = self._read_host([self._host_slot_of[b] for b in fetch]) if fetch else []
-        for b in fetch:
-            self._free_host_slots.append(self._host_slot_of[b])
-            self._host_slot_of[b] = -1
+        self._free_host(fetch)
         out = [b for b in victims if b not in dataless]
         host_slots = [self._free_host_slots.pop() for _ in out]
         if out:
@@ -552,8 +485,12 @@ class PinnedKVPool(_TieredKVPool):
             slot = self._free_slots.pop()
             self._slot_of[b] = slot
             self._block_in_slot[slot] = b
-        if fetch:
-            self._load_slots([self._slot_of[b] for b in fetch], staged)
+        if fetch:  # staged host rows -> device slots, on the side stream
+            with self._on_side():
+                index = self._device_index([self._slot_of[b] for b in fetch])
+                for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
+                    # The pinned source stays reserved by torch's host allocator until this copy ran.
+                    tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
         if any(b in self._window_index for b in victims + incoming):
             self._tag_window()
         self._mark(victims, False)
@@ -580,18 +517,11 @@ class PinnedKVPool(_TieredKVPool):
         staged = []
         for pages in self.host_pages:
             for _, tensor in _tensors(pages):
-                shape = (len(host_slots), *tensor.shape[1:])
-                rows = torch.empty(shape, dtype=tensor.dtype, pin_memory=self._side is not None)
+                rows = torch.empty(
+                    (len(host_slots), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=self._side is not None
+                )
                 staged.append(torch.index_select(tensor, 0, index, out=rows))
         return staged
-
-    def _load_slots(self, slots: list[int], staged: list[torch.Tensor]) -> None:
-        """Staged host rows -> device slots, on the side stream."""
-        with self._on_side():
-            index = self._device_index(slots)
-            for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
-                # The pinned source stays reserved by torch's host allocator until this copy ran.
-                tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
 
     def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
         """Device slots -> host slots: gathered and copied on the side stream now, scattered
@@ -603,8 +533,7 @@ class PinnedKVPool(_TieredKVPool):
                 for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages)):
                     rows = dev_t.index_select(0, index)
                     if self._side is not None:
-                        staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                        rows = staged.copy_(rows, non_blocking=True)
+                        rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
                     entries.append((host_t, rows))
             event = None if self._side is None else torch.cuda.Event()
             if event is not None:
@@ -612,9 +541,9 @@ class PinnedKVPool(_TieredKVPool):
         self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
 
     def _tag_window(self) -> None:
-        """Point every slot's window tag at its page's FP16 row: tags are indexed by slot, and
-        the window stays on the device while its pages move. Written on the compute stream,
-        so steps already queued read the tags they were queued with."""
+        """Point every slot's window tag at its page's FP16 row (tags are indexed by slot; the
+        window stays on the device). Written on the compute stream, so steps already queued
+        read the tags they were queued with."""
         tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
         self.pages[0].window_row.copy_(tags.pin_memory() if self._side is not None else tags, non_blocking=True)
 
@@ -631,8 +560,8 @@ class PinnedKVPool(_TieredKVPool):
         self._complete_spills()
 
     def _resize_device(self) -> None:
-        """Reallocate the device slots to `max_device_units`, packing the resident pages
-        into the first slots: fewer slots is what really returns device memory."""
+        """Reallocate the slots to `max_device_units`, packing the resident pages first: fewer
+        slots is what really returns device memory."""
         if self.max_device_units == self.num_slots:
             return
         self.synchronize()
