@@ -172,7 +172,7 @@ class ManagedMemory:
         check(result, f"cudaMemAdvise({advice_name})")
 
 
-def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, *, allow_oversubscription: bool) -> None:
+def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, allow_oversubscription: bool) -> None:
     """Refuse a managed pool larger than the profile's budget (device KV share plus host spill)
     or, without oversubscription, than the free device memory: on a shared GPU asking the
     driver for more managed memory than is free can stall every process on the card."""

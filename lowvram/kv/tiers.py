@@ -57,10 +57,7 @@ class _TieredKVPool(KVPool):
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
         self.policy = SpillPolicy()
-        self.num_page_hits = 0
-        self.num_page_misses = 0
-        self.spilled_bytes = 0
-        self.fetched_bytes = 0
+        self.num_page_hits = self.num_page_misses = self.spilled_bytes = self.fetched_bytes = 0
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._has_transfers = False
         self._set_units(1)
@@ -249,33 +246,17 @@ class ManagedKVPool(_TieredKVPool):
     backend = "um"
     can_read_host = True
 
-    def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device,
-        *,
-        max_device_blocks: int,
-        memory: ManagedMemory,
-        budget_bytes: int,
-        allow_oversubscription: bool = False,
-    ):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
+    def __init__(self, *args, memory: ManagedMemory, budget_bytes: int, allow_oversubscription=False, **kwargs):
+        super().__init__(*args, **kwargs)
         self.memory = memory
         self.budget_bytes = budget_bytes
         self.allow_oversubscription = allow_oversubscription
+        precision = self.precision
         self._set_units(self._unit_size_for(precision))
-        check_managed_size(
-            self._managed_bytes(precision),
-            memory.free_bytes(),
-            budget_bytes,
-            allow_oversubscription=allow_oversubscription,
-        )
+        self._check_size(precision, memory.free_bytes())
         resident = [u < self.max_device_units for u in range(self.num_units)]
-        self.pages, self._flats = map(
-            list, zip(*(self._allocate_layer(precision, resident) for _ in range(shape.num_layers)))
-        )
+        layers = [self._allocate_layer(precision, resident) for _ in range(self.shape.num_layers)]
+        self.pages, self._flats = [pages for pages, _ in layers], [flat for _, flat in layers]
         self._mark([u for u in range(self.num_units) if resident[u]], True)
         self.max_device_bytes = self.device_bytes
 
@@ -289,6 +270,9 @@ class ManagedKVPool(_TieredKVPool):
 
     def _managed_bytes(self, precision: str) -> int:
         return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
+
+    def _check_size(self, precision: str, free_bytes: int) -> None:
+        check_managed_size(self._managed_bytes(precision), free_bytes, self.budget_bytes, self.allow_oversubscription)
 
     def _place(self, flats: list[torch.Tensor], precision: str, units: Iterable[int], *, on_host: bool, migrate: bool):
         """Advise the K and V codes of `units` to the host or the GPU; `migrate` moves them there too."""
@@ -357,13 +341,7 @@ class ManagedKVPool(_TieredKVPool):
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
-        free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
-        check_managed_size(
-            self._managed_bytes(precision),
-            free_bytes,
-            self.budget_bytes,
-            allow_oversubscription=self.allow_oversubscription,
-        )
+        self._check_size(precision, self.memory.free_bytes() + self._managed_bytes(self.precision))
         old_unit, new_unit = self.unit_size, self._unit_size_for(precision)
         new_num_units = -(-self.num_blocks // new_unit)
         new_max_units = max(1, self.max_device_blocks // new_unit)
@@ -395,18 +373,16 @@ class PinnedKVPool(_TieredKVPool):
     backend = "pinned"
     is_translated = True
 
-    def __init__(
-        self, shape: KVShape, num_blocks: int, precision: str, device, *, max_device_blocks: int, num_host_blocks: int
-    ):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
+    def __init__(self, *args, num_host_blocks: int, **kwargs):
+        super().__init__(*args, **kwargs)
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
-        self.pages = [self._allocate(precision, self.num_slots) for _ in range(shape.num_layers)]
-        self.host_pages = [self._allocate_host(precision) for _ in range(shape.num_layers)]
-        self._slot_of = list(range(self.num_slots)) + [-1] * (num_blocks - self.num_slots)
+        self.pages = [self._allocate(self.precision, self.num_slots) for _ in range(self.shape.num_layers)]
+        self.host_pages = [self._allocate_host(self.precision) for _ in range(self.shape.num_layers)]
+        self._slot_of = list(range(self.num_slots)) + [-1] * (self.num_blocks - self.num_slots)
         self._block_in_slot = list(range(self.num_slots))
         self._free_slots: list[int] = []
-        self._host_slot_of = [-1] * num_blocks
+        self._host_slot_of = [-1] * self.num_blocks
         self._free_host_slots = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out the lowest
         self._pending: list[tuple[object, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._window_index: dict[int, int] = {}  # block id -> its row in the FP16 window
