@@ -61,7 +61,8 @@ _ENGLISH_OBJECTS = (
     "the quiet evening|every open file"
 ).split("|")
 _ENGLISH_TAILS = (
-    " before lunch.| quickly.| and then it rests.| without any errors.| in the morning.|; nobody notices.| twice a day.|!"
+    " before lunch.| quickly.| and then it rests.| without any errors.| in the morning.|; nobody notices.|"
+    " twice a day.|!"
 ).split("|")
 _QUESTIONS = (
     "What is the capital of France?|How many legs does a spider have?|Can you write a function that adds two numbers?|"

@@ -16,9 +16,9 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT)
-# DeepSeek-R1's layout: BOS, the system text, then <｜User｜>question<｜Assistant｜>answer<｜end▁of▁sentence｜>
-# per turn, <｜Assistant｜> as the generation prompt; the reasoning before </think> is dropped from
-# earlier assistant turns, as in R1's own template. It is the file the demo model ships.
+# DeepSeek-R1's layout: BOS, the system text, then <｜User｜>question<｜Assistant｜>answer
+# <｜end▁of▁sentence｜> per turn, <｜Assistant｜> as the generation prompt; the reasoning before
+# </think> is dropped from earlier assistant turns, as in R1's own. The demo model ships the file.
 CHAT_TEMPLATE = (Path(__file__).resolve().parent.parent / "demo_model" / "chat_template.jinja").read_text("utf-8")
 
 

@@ -77,7 +77,8 @@ def plan_pool(
         elif not is_concurrent:
             why = f"this GPU cannot share managed memory with the host while kernels run ({NO_CONCURRENT})"
         elif free_bytes is not None and managed_bytes > free_bytes and not allow_oversubscription:
-            why = f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the {free_bytes / GIB:.2f} GiB free on the GPU"
+            sizes = f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the {free_bytes / GIB:.2f} GiB"
+            why = f"{sizes} free on the GPU"
         else:
             backend, why = "um", "concurrent managed access works"
         reason = f"kv_backend auto -> {backend}: {why}"
