@@ -31,6 +31,10 @@ from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
 from lowvram.kv.pool import GIB, KVPool, KVShape, _convert_pages, _pages_like, _release_cached, _tensors
 
 
+def _all_tensors(layers: list[KVPages]) -> list[torch.Tensor]:
+    return [t for pages in layers for _, t in _tensors(pages)]
+
+
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted ids merged into [start, end) runs."""
     runs: list[tuple[int, int]] = []
@@ -135,12 +139,24 @@ class _TieredKVPool(KVPool):
         dataless: set[int] = set()
         if len(missing) > room:
             keep = set(units).union(self._units_of(protected))
-            dataless = self._dataless_units(free_block_ids)
+            free, g = set(free_block_ids), self.unit_size
+            whole = (
+                u for u in {b // g for b in free} if free.issuperset(range(u * g, min(u * g + g, self.num_blocks)))
+            )
+            dataless = free if g == 1 else set(whole)  # units whose every page is free
             self._reclaim_host(dataless)
             victims = self._choose_victims(len(missing) - room, keep, dataless, missing)
             short = len(missing) - room - len(victims)
             if short > 0 and is_required and self.can_read_host:
-                missing, victims = self._fit_step(units, missing, victims, room)
+                # The step reads more than fits (um): the most valuable units come to the device, the
+                # kernels read the rest on the host.
+                ranked = self.policy.admission_order(units)
+                keep = set(ranked[: self.max_device_units])
+                chosen = set(victims)
+                missing = [u for u in missing if u in keep]
+                demote = [u for u in reversed(ranked) if u not in keep and self._is_resident[u] and u not in chosen]
+                victims += demote[: max(0, len(missing) - room - len(victims))]
+                missing = missing[: room + len(victims)]
             elif short > 0 and is_required:
                 raise OutOfMemoryError(
                     f"a step reads {len(units) * self.unit_size} KV pages but at most "
@@ -151,26 +167,6 @@ class _TieredKVPool(KVPool):
                 missing = self.policy.admission_order(missing)[: room + len(victims)]
         if victims or missing:
             self._swap(victims, missing, dataless)
-
-    def _fit_step(
-        self, units: list[int], missing: list[int], victims: list[int], room: int
-    ) -> tuple[list[int], list[int]]:
-        """More units than fit (um): keep the most valuable on the device, the kernels read the rest on the host."""
-        ranked = self.policy.admission_order(units)
-        keep = set(ranked[: self.max_device_units])
-        wanted = [u for u in missing if u in keep]
-        chosen = set(victims)
-        demote = [u for u in reversed(ranked) if u not in keep and self._is_resident[u] and u not in chosen]
-        need = max(0, len(wanted) - room - len(victims))
-        victims = victims + demote[:need]
-        return wanted[: room + len(victims)], victims
-
-    def _dataless_units(self, free_block_ids: Collection[int]) -> set[int]:
-        free = set(free_block_ids)
-        g = self.unit_size
-        if g == 1:
-            return free
-        return {u for u in {b // g for b in free} if free.issuperset(range(u * g, min((u + 1) * g, self.num_blocks)))}
 
     def _choose_victims(self, count: int, keep: set[int], dataless: set[int], incoming: list[int]) -> list[int]:
         """Up to `count` resident units outside `keep`: pages without data first, then in policy order."""
@@ -442,14 +438,28 @@ class PinnedKVPool(_TieredKVPool):
         fetch = [b for b in incoming if self._host_slot_of[b] >= 0]
         if fetch and self._pending:
             self._complete_spills()
-        # Read the incoming pages out of the host tier first: that frees their host
-        # slots for the victims even when the tier is full.
-        staged = self._read_host([self._host_slot_of[b] for b in fetch]) if fetch else []
+        staged = []  # the incoming pages' host rows, read out first: that frees their slots for the victims
+        if fetch:
+            index = torch.tensor([self._host_slot_of[b] for b in fetch], dtype=torch.long)
+            for t in _all_tensors(self.host_pages):
+                rows = torch.empty((len(fetch), *t.shape[1:]), dtype=t.dtype, pin_memory=self._side is not None)
+                staged.append(torch.index_select(t, 0, index, out=rows))
         self._free_host(fetch)
         out = [b for b in victims if b not in dataless]
         host_slots = [self._free_host_slots.pop() for _ in out]
-        if out:
-            self._write_host([self._slot_of[b] for b in out], host_slots)
+        if out:  # gathered and copied on the side stream now, scattered into the host tier by _complete_spills
+            entries = []
+            with self._on_side():
+                index = self._device_index([self._slot_of[b] for b in out])
+                for host_t, dev_t in zip(_all_tensors(self.host_pages), _all_tensors(self.pages)):
+                    rows = dev_t.index_select(0, index)
+                    if self._side is not None:
+                        rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+                    entries.append((host_t, rows))
+                event = None if self._side is None else torch.cuda.Event()
+                if event is not None:
+                    event.record()
+            self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
         for b, h in zip(out, host_slots):
             self._host_slot_of[b] = h
         for b in victims:
@@ -464,7 +474,7 @@ class PinnedKVPool(_TieredKVPool):
         if fetch:  # staged host rows -> device slots, on the side stream
             with self._on_side():
                 index = self._device_index([self._slot_of[b] for b in fetch])
-                for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
+                for tensor, rows in zip(_all_tensors(self.pages), staged):
                     # The pinned source stays reserved by torch's host allocator until this copy ran.
                     tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
         if any(b in self._window_index for b in victims + incoming):
@@ -486,35 +496,6 @@ class PinnedKVPool(_TieredKVPool):
             return contextlib.nullcontext()
         self._start_transfers()
         return torch.cuda.stream(self._side)
-
-    def _read_host(self, host_slots: list[int]) -> list[torch.Tensor]:
-        """Host rows of every layer and tensor, gathered into (pinned) staging on the CPU."""
-        index = torch.tensor(host_slots, dtype=torch.long)
-        staged = []
-        for pages in self.host_pages:
-            for _, tensor in _tensors(pages):
-                rows = torch.empty(
-                    (len(host_slots), *tensor.shape[1:]), dtype=tensor.dtype, pin_memory=self._side is not None
-                )
-                staged.append(torch.index_select(tensor, 0, index, out=rows))
-        return staged
-
-    def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
-        """Device slots -> host slots: gathered and copied on the side stream now, scattered
-        into the host tier once the copy finished (`_complete_spills`)."""
-        entries = []
-        with self._on_side():
-            index = self._device_index(slots)
-            for host_pages, pages in zip(self.host_pages, self.pages):
-                for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages)):
-                    rows = dev_t.index_select(0, index)
-                    if self._side is not None:
-                        rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
-                    entries.append((host_t, rows))
-            event = None if self._side is None else torch.cuda.Event()
-            if event is not None:
-                event.record()
-        self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
 
     def _tag_window(self) -> None:
         """Point every slot's window tag at its page's FP16 row (tags are indexed by slot; the
