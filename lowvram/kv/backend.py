@@ -144,23 +144,16 @@ def create_kv_pool(
         free_bytes=free_bytes,
     )
     _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
+    args = (shape, plan.num_blocks, precision, device)
     if plan.backend == "um":
+        budget, allow = n * plan.block_bytes + spill_bytes, profile.allow_oversubscription
         pool: KVPool = ManagedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=n,
-            memory=memory,
-            budget_bytes=n * plan.block_bytes + spill_bytes,
-            allow_oversubscription=profile.allow_oversubscription,
+            *args, max_device_blocks=n, memory=memory, budget_bytes=budget, allow_oversubscription=allow
         )
     elif plan.backend == "pinned":
-        pool = PinnedKVPool(
-            shape, plan.num_blocks, precision, device, max_device_blocks=n, num_host_blocks=plan.num_host_blocks
-        )
+        pool = PinnedKVPool(*args, max_device_blocks=n, num_host_blocks=plan.num_host_blocks)
     else:
-        pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
+        pool = DeviceKVPool(*args)
     log.info(
         "KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
         *(pool.backend, pool.num_blocks, shape.block_size, n, pool.device_bytes / 2**20, pool.host_bytes / 2**20),

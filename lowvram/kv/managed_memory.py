@@ -84,13 +84,9 @@ class ManagedBuffer:
         self.ptr = 0
         result = rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal)
         self.ptr = int(check(result, f"cudaMallocManaged({num_bytes} bytes)"))
-        self.__cuda_array_interface__ = {
-            "shape": (num_bytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 2,
-        }
+        self.__cuda_array_interface__ = dict(
+            shape=(num_bytes,), typestr="|u1", data=(self.ptr, False), strides=None, version=2
+        )
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
@@ -159,12 +155,6 @@ class ManagedMemory:
         if num_bytes > 0:
             location = HOST if on_host else self.device_index
             self._advise(tensor.data_ptr() + start_bytes, num_bytes, "cudaMemAdviseSetPreferredLocation", location)
-
-    def last_prefetch_is_host(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int) -> bool:
-        """Whether the range was last prefetched to the host (for tests and diagnostics)."""
-        attr = self.rt.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation
-        result = self.rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes)
-        return int(check(result, "cudaMemRangeGetAttribute")) == int(self.rt.cudaCpuDeviceId)
 
     def _advise(self, ptr: int, num_bytes: int, advice_name: str, location: int | None) -> None:
         advice = getattr(self.rt.cudaMemoryAdvise, advice_name)

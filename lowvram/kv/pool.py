@@ -1,20 +1,13 @@
-"""The KV pool: every layer's pages, where they live, and how they move.
+"""The KV pool: every layer's pages, where they live, and how they move. `KVPool` is the
+interface and the `device` backend's base (`DeviceKVPool`, the only one on the CPU); `um` and
+`pinned` move pages between device and host (`lowvram.kv.tiers`).
 
-One interface (`KVPool`), three backends (`lowvram.kv.backend.create_kv_pool` picks one):
-`device` (`DeviceKVPool`: every page on the device, no spill; the only one on the CPU),
-and `um` / `pinned` (`lowvram.kv.tiers`: pages that move between device and host).
-
-`set_precision` re-quantizes layer by layer (peak: the old pool plus one new layer);
-block ids do not change, so running sequences continue. Every reallocation of `pages`
-bumps `pages_version`: whatever keeps their addresses (CUDA graphs) must re-read them.
-
-The recent FP16 window: compressing to INT8/INT4 may keep the pages holding each running
-sequence's last `kv_recent_fp16_tokens` tokens in FP16 too (`KVPages.window_k/v`, tagged
-by `window_row`); the kernels read that copy and the codes stay valid. The newest tokens
-are the ones attention leans on most (as KIVI's residual); 64 tokens cost 2.2 MiB per
-sequence at 1.5B. The window is chosen when the precision changes, not slid every step.
-It counts in `device_bytes` (managed memory is invisible to torch's statistics); when it
-would push the pool past the device bytes it started with, its oldest pages are dropped.
+`set_precision` re-quantizes layer by layer; block ids stay, so running sequences continue.
+Each reallocation of `pages` bumps `pages_version` (CUDA graphs re-read the addresses). It may
+keep each running sequence's newest pages in FP16 too (the recent window, `KVPages.window_k/v`
+tagged by `window_row`): attention leans on the newest tokens most (as KIVI's residual), and
+64 tokens cost 2.2 MiB per sequence at 1.5B. The window is chosen when the precision changes
+and counts in `device_bytes`; its oldest pages go first when it would not fit.
 """
 
 from __future__ import annotations
@@ -108,9 +101,8 @@ def _convert_pages(old: KVPages, new: KVPages, rows: Sequence[int]) -> None:
 
 
 def _release_cached(device: torch.device) -> None:
-    """Hand torch's cached blocks back to the driver, so a freed pool is really free."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # hand torch's cached blocks back, so a freed pool is really free
 
 
 def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: int, block_size: int) -> list[int]:
@@ -131,12 +123,8 @@ def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: 
 
 
 class KVPool:
-    """Pages of every layer (`pages`, one KVPages per layer, what the kernels read).
-
-    The base class is the `device` backend's interface: every page always resident, the
-    spill calls do nothing. A backend allocates `pages` and may override
-    `_device_codes_bytes` and `_convert`.
-    """
+    """Pages of every layer (`pages`, one KVPages per layer, what the kernels read); in the base
+    class every page is always resident and the spill calls do nothing."""
 
     backend = "device"
     is_translated = False  # block ids must go through device_table (pinned)
@@ -210,11 +198,10 @@ class KVPool:
     def set_precision(
         self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
     ) -> int:
-        """Re-quantize the pages with data (`block_ids`, default all) to `precision`; returns device
-        bytes freed (negative when the pool grows). Raises OutOfMemoryError, changing nothing, when
-        it would exceed the device bytes the pool started with. `fp16_block_ids`: the recent window
-        to keep in FP16 too for INT8/INT4 (newest first, `recent_window_blocks`), as many as fit.
-        The same precision again changes nothing, the window included."""
+        """Re-quantize the pages with data (`block_ids`, default all); returns device bytes freed.
+        OutOfMemoryError, changing nothing, past the device bytes the pool started with.
+        `fp16_block_ids`: the recent window (newest first, `recent_window_blocks`), as much as fits.
+        The same precision again changes nothing."""
         _check_precision(precision)
         if precision == self.precision:
             return 0
@@ -244,7 +231,7 @@ class KVPool:
         return self.num_blocks * self.shape.block_bytes(precision)
 
     def _can_hold_window(self, block_id: int) -> bool:
-        return True
+        return True  # pinned: only pages in a device slot
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         """Replace `pages` by new storage at `precision` holding pages `rows` and an FP16 window
