@@ -12,8 +12,9 @@ from lowvram.engine.args import add_engine_args, engine_kwargs
 from lowvram.errors import LowvramError
 from lowvram.memory.crash_report import report_cuda_oom
 
-# Options passed on under their own names: `generate`'s to SamplingParams, `bench speed`'s to run_speed_bench.
+# Options passed on under their own names: to SamplingParams, run_quality_bench and run_speed_bench.
 SAMPLING_OPTIONS = "temperature top_k top_p min_p repetition_penalty max_tokens stop seed".split()
+QUALITY_OPTIONS = "device max_chars calib_samples".split()
 SPEED_OPTIONS = (
     "shape quantize fp16_budget_mib rank profile device emulate_vram_gib batch_sizes context_lens max_tokens cuda_graphs"
 ).split()
@@ -91,15 +92,10 @@ def cmd_profiles(args) -> int:
 def cmd_bench_quality(args) -> int:
     from lowvram.bench.quality import run_quality_bench, to_markdown
 
+    options = {name: getattr(args, name) for name in QUALITY_OPTIONS}
+    options.update(variant_names=args.variants.split(",") if args.variants else None, num_per_kind=args.limit)
     report = run_quality_bench(
-        args.model,
-        variant_names=args.variants.split(",") if args.variants else None,
-        device=args.device,
-        num_per_kind=args.limit,
-        max_chars=args.max_chars,
-        command=_command_line("lowvram bench quality"),
-        calib_samples=args.calib_samples,
-        progress=_progress,
+        args.model, **options, command=_command_line("lowvram bench quality"), progress=_progress
     )
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
     return 0
@@ -186,21 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = speed.add_mutually_exclusive_group()
     source.add_argument("--model", "-m", default=None, help="model directory or hub id")
-    source.add_argument(
-        "--shape",
-        default=None,
-        help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
-        "r1-distill-qwen-7b, or tiny (a CPU run in seconds)",
-    )
+    shapes = "r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, r1-distill-qwen-7b, or tiny (CPU, seconds)"
+    source.add_argument("--shape", default=None, help=f"random weights of a named shape: {shapes}")
     speed.add_argument("--quantize", action="store_true", help="quantize to AWQ INT4 first, as the profile says")
     speed.add_argument("--fp16-budget-mib", type=float, default=None, help="with --quantize: MiB of layers kept FP16")
-    speed.add_argument(
-        "--rank",
-        type=int,
-        default=None,
-        help="with --quantize, the residual compensation's rank (default: the profile's); "
-        "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is",
-    )
+    awq = "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is"
+    speed.add_argument("--rank", type=int, default=None, help=f"with --quantize: the compensation's rank; {awq}")
     speed.add_argument(
         "--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without"
     )

@@ -3,6 +3,7 @@ and the pool built from that choice (`create_kv_pool`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -15,14 +16,12 @@ from lowvram.kv.pool import GIB, DeviceKVPool, KVPool, KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
 
 log = logging.getLogger("lowvram")
-_logged: set[str] = set()
 NO_CONCURRENT = "concurrentManagedAccess = 0, as on Windows and WSL2"
 
 
+@functools.cache
 def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
+    log.info(message)
 
 
 @dataclass(frozen=True)
@@ -50,14 +49,10 @@ def plan_pool(
     is_concurrent: bool | None,
     free_bytes: int | None,
 ) -> PoolPlan:
-    """Pick the backend and size it; every probe of the machine is an argument.
-
-    `num_device_blocks` is the device share the memory plan left for KV; the host share
-    (`host_spill_bytes`) adds pages up to `max_num_blocks` (every sequence at full length).
-    `auto` takes `um` where concurrent managed access works and the managed pool fits the
-    free device memory (or oversubscription is allowed), else `pinned`. An explicit `um`
-    that cannot work is an error with the numbers.
-    """
+    """Pick the backend and size it (pure: every probe of the machine is an argument). The host
+    share adds pages to the device share up to `max_num_blocks`. `auto` takes `um` where concurrent
+    managed access works and the pool fits the free device memory (or may oversubscribe), else
+    `pinned`; an explicit `um` that cannot work is an error with the numbers."""
     if backend not in CHOICES["kv_backend"]:
         raise ConfigError(f"kv_backend = {backend!r} is not allowed; use one of: {', '.join(CHOICES['kv_backend'])}")
     n = num_device_blocks

@@ -1,15 +1,9 @@
-"""CUDA Unified Memory through cuda-bindings (optional): allocate managed memory, view it as
-a torch tensor, advise where a range should live, migrate it on a stream, and ask whether
-the card can oversubscribe.
-
-- Every cuda-bindings call returns a tuple whose first item is the error code.
-- cuda-bindings 13 passes a `cudaMemLocation` to `cudaMemAdvise` and `cudaMemPrefetchAsync`
-  (prefetch also takes flags); 12.x passes an int device, `cudaCpuDeviceId` (-1) for the
-  host. The form is read from the functions' signatures.
-- `torch.from_dlpack` rejects managed memory; `torch.as_tensor` on an object exposing
-  `__cuda_array_interface__` accepts it and keeps that object (the owner) alive.
-- `cudaDevAttrConcurrentManagedAccess` is 0 on Windows and WSL2: no oversubscription, no
-  prefetch to the GPU, no host access while kernels run; the pool uses pinned pages there.
+"""CUDA Unified Memory through cuda-bindings (optional): allocate, view as a tensor, advise,
+migrate on a stream. Calls return (error code, values...). cuda-bindings 13 takes a
+`cudaMemLocation` where 12.x takes an int device (-1: host), read from the signatures.
+`torch.as_tensor` accepts managed memory through `__cuda_array_interface__` (from_dlpack does
+not) and keeps the owner alive. Without concurrentManagedAccess (Windows, WSL2) there is no
+oversubscription nor host access while kernels run: the pool uses pinned pages there.
 """
 
 from __future__ import annotations

@@ -111,11 +111,11 @@ def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: 
     last, ...), so a pool that cannot keep them all keeps the newest."""
     if num_tokens <= 0:
         return []
-    newest_first = []
-    for table, num_cached in seqs:
-        if num_cached > 0:
-            first, last = max(0, num_cached - num_tokens) // block_size, (num_cached - 1) // block_size
-            newest_first.append(list(table[first : last + 1])[::-1])
+    newest_first = [
+        list(table[max(0, n - num_tokens) // block_size : (n - 1) // block_size + 1])[::-1]
+        for table, n in seqs
+        if n > 0
+    ]
     order = [
         pages[i] for i in range(max(map(len, newest_first), default=0)) for pages in newest_first if i < len(pages)
     ]
