@@ -146,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True)
-
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
@@ -161,7 +160,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
-
     bench = sub.add_parser("bench", help="measure quality or speed").add_subparsers(dest="bench_command", required=True)
     quality = bench.add_parser("quality", help="accuracy on held-out tasks and perplexity, for every format")
     quality.add_argument("--model", "-m", default=None, help="model directory (default: the bundled demo model)")
@@ -205,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
     speed.set_defaults(func=cmd_bench_speed)
-
     prof = sub.add_parser("profiles", help="list the built-in profiles")
     prof.add_argument("--fields", action="store_true", help="describe every profile field")
     prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")

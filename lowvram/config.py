@@ -93,15 +93,11 @@ FIELD_DOCS: dict[str, str] = {
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
     "enable_cuda_graphs": "Replay decode steps from CUDA graphs on CUDA devices (false = eager launches, for debugging).",
-    "enable_prefill_graphs": "Also replay prefills of one prompt of up to 512 tokens from CUDA graphs: a sooner "
-    "first token, for a 512-token step's activations kept allocated.",
-    "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous step's tokens "
-    "(sampled on the device), so the host's work between steps overlaps the GPU's. Steps with "
-    "penalties (sampled on the host), prefills and admissions run alone.",
-    "embeddings_on_host": "Keep the token embeddings in pinned host memory on CUDA, read over the bus: frees "
-    "vocab x hidden x 2 bytes (0.43 GiB at 1.5B) for KV; a tied head keeps them on the device.",
-    "batch_invariant": "Give each request the same logits, to the bit, alone or batched (greedy output does not "
-    "depend on the load). Costs speed, and the KV stays FP16 (the controller does not compress).",
+    "enable_prefill_graphs": "Also replay one-prompt prefills up to 512 tokens from CUDA graphs (sooner first token).",
+    "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous one's tokens, so "
+    "the host's work overlaps the GPU's (steps with penalties, prefills and admissions run alone).",
+    "embeddings_on_host": "Untied token embeddings in pinned host memory, read over the bus (frees 0.43 GiB at 1.5B).",
+    "batch_invariant": "Same logits to the bit alone or batched (output ignores the load); slower, KV stays FP16.",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
@@ -180,16 +176,15 @@ def _check_fields(obj, source: str, prefix: str = "") -> None:
 def _build(cls, data: dict, source: str, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the profile'} must be a mapping of field: value")
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(
             f"{source}: unknown field {prefix}{unknown[0]!r}; known fields: {', '.join(prefix + k for k in known)}"
         )
-    kwargs = dict(data)
-    if cls is Profile and "controller" in kwargs:
-        kwargs["controller"] = _build(ControllerConfig, kwargs["controller"] or {}, source, "controller.")
-    return cls(**kwargs)
+    if cls is Profile and "controller" in data:
+        data = {**data, "controller": _build(ControllerConfig, data["controller"] or {}, source, "controller.")}
+    return cls(**data)
 
 
 def profile_from_dict(data: dict, source: str = "profile") -> Profile:
