@@ -3,9 +3,8 @@ next turn finds them like any cached prefix instead of recomputing its prefill.
 
 File: safetensors (`layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`, each [num_pages,
 block_size, ...]) whose metadata holds the model identity, weight format, KV precision and
-dtype, page size and token ids. Restoring memory-maps the file straight into the pool's
-pages. A mismatch or a damaged file is reported and the conversation is recomputed on the
-next turn: never wrong output.
+dtype, page size and token ids. A mismatch or a damaged file is reported and the
+conversation is recomputed on the next turn: never wrong output.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lowvram.errors import RequestError
@@ -30,7 +27,6 @@ from lowvram.paths import user_data_dir
 log = logging.getLogger("lowvram")
 FORMAT = "lowvram-kv-conversation"
 VERSION = "1"
-_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "U8": np.uint8, "BF16": np.uint16}
 
 
 def model_identity(model_dir: Path) -> str:
@@ -111,6 +107,8 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
 
 def restore_conversation(engine, path: str | Path) -> RestoreResult:
     """Load a saved conversation's pages into the prefix cache, if it fits this engine."""
+    from safetensors import SafetensorError, safe_open
+
     start = time.perf_counter()
     path = Path(path)
 
@@ -119,17 +117,13 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         log.warning(message)
         return RestoreResult(False, 0, message, time.perf_counter() - start, [])
 
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 64 * 2**20:
-                raise ValueError("bad header length")
-            header = json.loads(f.read(size))
-        meta = header.pop("__metadata__", {})
-        token_ids = [int(t) for t in json.loads(meta.get("token_ids", "[]"))]
-    except FileNotFoundError:
+    if not path.is_file():
         return fallback("the file does not exist")
-    except (OSError, ValueError, json.JSONDecodeError, UnicodeDecodeError):
+    try:
+        file = safe_open(path, framework="pt")  # a memory map: tensors are read one at a time
+        meta = file.metadata() or {}
+        token_ids = [int(t) for t in json.loads(meta.get("token_ids", "[]"))]
+    except (OSError, SafetensorError, ValueError):
         return fallback("the file is damaged or not a saved conversation")
     for key, value in _expected_metadata(engine).items():
         if meta.get(key) != value:
@@ -140,9 +134,6 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         return fallback(f"it needs {num_pages} KV pages and {bm.num_free_blocks} are free")
     if engine.has_unfinished_requests():
         return fallback("requests are running; restore between turns")
-    # Memory-map the data section: each tensor is a view of the file, copied once, into the pages.
-    data_start = 8 + size
-    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(path.stat().st_size - data_start,))
     seq_id = -1 - int(time.monotonic_ns() % 1_000_000_000)
     try:
         blocks = list(bm.allocate(seq_id, len(token_ids)))
@@ -151,26 +142,15 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
         for i, pages in enumerate(pool.pages):
             for name, target in _tensors(pages):
-                info = header.get(f"layer.{i}.{name}")
-                if info is None:
-                    raise ValueError(f"layer.{i}.{name} is missing")
-                lo, hi = info["data_offsets"]
-                view = mapped[lo:hi].view(_NUMPY_DTYPES[info["dtype"]]).reshape([num_pages, *target.shape[1:]])
-                with warnings.catch_warnings():  # read-only on purpose: the map is only copied from
-                    warnings.simplefilter("ignore", UserWarning)
-                    source = torch.from_numpy(view)
-                if info["dtype"] == "BF16":
-                    source = source.view(torch.bfloat16)
-                if source.dtype != target.dtype:
-                    raise ValueError(f"layer.{i}.{name} has dtype {source.dtype}, the pool uses {target.dtype}")
-                target.index_copy_(0, index, source.to(engine.device, non_blocking=False))
+                source = file.get_tensor(f"layer.{i}.{name}")
+                if source.dtype != target.dtype or source.shape[1:] != target.shape[1:] or len(source) != num_pages:
+                    raise ValueError(f"layer.{i}.{name} is {source.dtype} {list(source.shape)}, not as the pool")
+                target.index_copy_(0, index, source.to(engine.device))
         bm.commit(seq_id, token_ids, len(token_ids))
         bm.commit_partial(seq_id, token_ids, len(token_ids))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
         bm.free(seq_id)
         return fallback(f"the file is damaged ({exc})")
-    finally:
-        del mapped
     bm.free(seq_id)  # the pages stay cached, ready for the next turn
     seconds = time.perf_counter() - start
     message = f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms"
