@@ -83,21 +83,14 @@ def _training_corpus() -> list[str]:
             f"for i in range(10):\n    total = {name}(total, i)\n    if total > 100:\n        break\n"
             f'print(f"{name}: {{total}}")\n'
         )
-    lines.append(
-        "class BlockManager:\n"
-        "    def __init__(self, num_blocks: int):\n"
-        "        self.free = list(range(num_blocks))\n"
-        "        self.ref_counts = [0] * num_blocks\n\n"
-        "    def allocate(self) -> int:\n"
-        "        block_id = self.free.pop()\n"
-        "        self.ref_counts[block_id] += 1\n"
-        "        return block_id\n"
-    )
-    lines.append(
-        "import os\nimport json\nfrom pathlib import Path\n\nconfig = json.loads(Path('config.json').read_text())\n"
-    )
-    lines.append("0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 3.14 1e-6")
-    return lines
+    return [
+        *lines,
+        "class BlockManager:\n    def __init__(self, num_blocks: int):\n        self.free = list(range(num_blocks))\n"
+        "        self.ref_counts = [0] * num_blocks\n\n    def allocate(self) -> int:\n"
+        "        block_id = self.free.pop()\n        self.ref_counts[block_id] += 1\n        return block_id\n",
+        "import os\nimport json\nfrom pathlib import Path\n\nconfig = json.loads(Path('config.json').read_text())\n",
+        "0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 3.14 1e-6",
+    ]
 
 
 def train_tiny_tokenizer(
