@@ -52,11 +52,9 @@ def paged_attention(
     batch_invariant: bool = False,
     is_stored: bool = False,
 ) -> torch.Tensor:
-    """Store this step's k, v (quantizing for INT8/INT4 pages), then attend: q [T, H, D],
-    k/v [T, Hkv, D] -> [T, H, D]. With `rope`, q and k are rotated in place by the kernel that
-    stores k and v. `batch_invariant`: each row gets the same bits whatever else the step holds
-    and whichever kind of step computes it (lowvram.models.batch_invariance). `is_stored`: the
-    fused q/k/v projection already rotated q, k and stored k, v."""
+    """Store this step's k, v (quantized for INT8/INT4 pages; first rotating q and k in place with
+    `rope`), then attend: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `batch_invariant`: a row's bits
+    do not depend on the rest of the step nor its kind. `is_stored`: already rotated and stored."""
     # Triton runs on CUDA for head sizes from 16 (MLA's 576 is padded inside the kernels);
     # the CPU and tiny heads use the plain-torch references.
     use_reference = not (q.is_cuda and q.shape[-1] >= 16)

@@ -103,12 +103,8 @@ def create_kv_pool(
     max_model_len: int,
     memory: ManagedMemory | None = None,
 ) -> KVPool:
-    """The pool the profile asks for, sized from the memory plan's device share.
-
-    config: the model's config (layers, KV heads, head size). num_device_blocks: pages the
-    memory plan fits on the device. dtype: element type of fp16 pages. memory: managed-memory
-    access for `um` (default: cuda-bindings on `device`).
-    """
+    """The pool the profile asks for around the `num_device_blocks` pages the memory plan fits on
+    the device; `dtype`: that of fp16 pages; `memory`: for `um` (default: cuda-bindings)."""
     # MLA (DeepSeek-V2) keeps one latent row per token and layer, so two layers share a pool
     # layer's K and V (model_deepseek_v2.layer_kv_pages); dense models have no num_kv_layers.
     num_kv_layers = getattr(config, "num_kv_layers", config.num_layers)
