@@ -94,9 +94,7 @@ def cmd_bench_quality(args) -> int:
 
     options = {name: getattr(args, name) for name in QUALITY_OPTIONS}
     options.update(variant_names=args.variants.split(",") if args.variants else None, num_per_kind=args.limit)
-    report = run_quality_bench(
-        args.model, **options, command=_command_line("lowvram bench quality"), progress=_progress
-    )
+    report = run_quality_bench(args.model, **options, command=_command_line("quality"), progress=_progress)
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
     return 0
 
@@ -106,30 +104,30 @@ def cmd_bench_speed(args) -> int:
     from lowvram.bench.speed import run_speed_bench, write_markdown
 
     options = {name: getattr(args, name) for name in SPEED_OPTIONS}
-    result = run_speed_bench(args.model, **options, command=_command_line("lowvram bench speed"), progress=_progress)
+    result = run_speed_bench(args.model, **options, command=_command_line("speed"), progress=_progress)
     _write_bench_outputs(args, result, write_markdown(result))
     return 0
 
 
-def _command_line(default: str) -> str:
+def _command_line(bench: str) -> str:
     """The command as typed, for the benchmark record."""
-    return "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else default
+    typed = sys.argv and sys.argv[0].endswith("lowvram")
+    return "lowvram " + " ".join(sys.argv[1:]) if typed else f"lowvram bench {bench}"
 
 
 def _write_bench_outputs(args, record: dict, markdown: str) -> None:
     """--json PATH (or '-' for stdout instead of the tables), --output PATH for the Markdown."""
     import json
+    from pathlib import Path
 
     if args.json == "-":
         print(json.dumps(record, indent=2))
     else:
         if args.json:
-            with open(args.json, "w") as f:
-                f.write(json.dumps(record, indent=2) + "\n")
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(markdown)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(markdown)
+        Path(args.output).write_text(markdown)
 
 
 def _int_list(text: str) -> list[int]:
