@@ -40,6 +40,12 @@ class Rope:
     sin: torch.Tensor
 
 
+def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
+    # Triton runs on CUDA for head sizes from 16 (MLA's 576 is padded inside the kernels);
+    # the CPU and tiny heads use the plain-torch references.
+    return q.is_cuda and head_dim >= 16
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,9 +61,7 @@ def paged_attention(
     """Store this step's k, v (quantized for INT8/INT4 pages; first rotating q and k in place with
     `rope`), then attend: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `batch_invariant`: a row's bits
     do not depend on the rest of the step nor its kind. `is_stored`: already rotated and stored."""
-    # Triton runs on CUDA for head sizes from 16 (MLA's 576 is padded inside the kernels);
-    # the CPU and tiny heads use the plain-torch references.
-    use_reference = not (q.is_cuda and q.shape[-1] >= 16)
+    use_reference = not _is_kernel_path(q, q.shape[-1])
     if not is_stored and rope is None:
         write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
     elif not is_stored:
