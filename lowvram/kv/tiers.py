@@ -70,10 +70,11 @@ class _TieredKVPool(KVPool):
         self.unit_size = unit_size
         self.num_units = -(-self.num_blocks // unit_size)
         self.max_device_units = max(1, self.max_device_blocks // unit_size)
-        self._is_resident = bytearray(self.num_units)
-        self._num_resident = 0
-        # The same flags as a set of the units on the host: per-step questions become set operations.
-        self._host_units = set(range(self.num_units))
+        self._host_units = set(range(self.num_units))  # per-step questions become set operations
+
+    @property
+    def _num_resident(self) -> int:
+        return self.num_units - len(self._host_units)
 
     def _host_room(self, incoming: list[int]) -> int:
         """How many more units may move to the host if `incoming` come back."""
@@ -92,13 +93,13 @@ class _TieredKVPool(KVPool):
     def num_blocks_on_host(self, block_ids: Iterable[int] | None = None) -> int:
         g = self.unit_size
         if block_ids is None:
-            return sum(min(g, self.num_blocks - u * g) for u in range(self.num_units) if not self._is_resident[u])
+            return sum(min(g, self.num_blocks - u * g) for u in self._host_units)
         if g == 1 and isinstance(block_ids, (set, frozenset)):  # the live pages, every step
             return len(self._host_units.intersection(block_ids))
-        return sum(1 for b in block_ids if not self._is_resident[b // g])
+        return sum(1 for b in block_ids if b // g in self._host_units)
 
     def is_resident(self, block_id: int) -> bool:
-        return bool(self._is_resident[block_id // self.unit_size])
+        return block_id // self.unit_size not in self._host_units
 
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
         g = self.unit_size
@@ -128,7 +129,7 @@ class _TieredKVPool(KVPool):
                     self.num_page_hits += len(set(block_ids))
                 return
         units = self._units_of(block_ids)
-        missing = [u for u in units if not self._is_resident[u]]
+        missing = [u for u in units if u in self._host_units]
         if is_required:
             self.num_page_hits += len(units) - len(missing)
             self.num_page_misses += len(missing)
@@ -152,9 +153,9 @@ class _TieredKVPool(KVPool):
                 # kernels read the rest on the host.
                 ranked = self.policy.admission_order(units)
                 keep = set(ranked[: self.max_device_units])
-                chosen = set(victims)
+                skip = keep | set(victims) | self._host_units
                 missing = [u for u in missing if u in keep]
-                demote = [u for u in reversed(ranked) if u not in keep and self._is_resident[u] and u not in chosen]
+                demote = [u for u in reversed(ranked) if u not in skip]
                 victims += demote[: max(0, len(missing) - room - len(victims))]
                 missing = missing[: room + len(victims)]
             elif short > 0 and is_required:
@@ -170,7 +171,7 @@ class _TieredKVPool(KVPool):
 
     def _choose_victims(self, count: int, keep: set[int], dataless: set[int], incoming: list[int]) -> list[int]:
         """Up to `count` resident units outside `keep`: pages without data first, then in policy order."""
-        resident = [u for u in range(self.num_units) if self._is_resident[u] and u not in keep]
+        resident = [u for u in range(self.num_units) if u not in self._host_units and u not in keep]
         order = self.policy.eviction_order(resident)
         if dataless:
             order = [u for u in order if u in dataless] + [u for u in order if u not in dataless]
@@ -187,11 +188,7 @@ class _TieredKVPool(KVPool):
         return victims
 
     def _mark(self, units: Iterable[int], is_resident: bool) -> None:
-        for u in units:
-            if self._is_resident[u] != is_resident:
-                self._is_resident[u] = is_resident
-                self._num_resident += 1 if is_resident else -1
-                (self._host_units.discard if is_resident else self._host_units.add)(u)
+        (self._host_units.difference_update if is_resident else self._host_units.update)(units)
 
     def _wait_for_transfers(self) -> None:
         """Make the compute stream wait (on the GPU) for every transfer enqueued so far."""
@@ -206,7 +203,7 @@ class _TieredKVPool(KVPool):
             self._has_transfers = True
 
     def spill(self, block_ids: Iterable[int]) -> int:
-        units = [u for u in self._units_of(block_ids) if self._is_resident[u]][: self._host_room([])]
+        units = [u for u in self._units_of(block_ids) if u not in self._host_units][: self._host_room([])]
         before = self.device_bytes
         if units:
             self._swap(units, [], set())
@@ -342,10 +339,8 @@ class ManagedKVPool(_TieredKVPool):
         new_num_units = -(-self.num_blocks // new_unit)
         new_max_units = max(1, self.max_device_blocks // new_unit)
         # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
-        resident = [
-            any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit, self.num_blocks)))
-            for u in range(new_num_units)
-        ]
+        spans = (range(u * new_unit, min(u * new_unit + new_unit, self.num_blocks)) for u in range(new_num_units))
+        resident = [any(b // old_unit not in self._host_units for b in span) for span in spans]
         kept = 0
         for u, is_resident in enumerate(resident):
             kept += is_resident
