@@ -29,11 +29,8 @@ def train_tokenizer(
     `extra_special_tokens` get ids after DeepSeek's four; `vocab_size` counts them all. Deterministic."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if split_digits else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

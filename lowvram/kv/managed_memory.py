@@ -51,9 +51,7 @@ def check(result, what: str):
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != load_runtime().cudaError_t.cudaSuccess:
         raise KernelError(f"{what} failed: {getattr(err, 'name', err)}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
+    return tuple(values) if len(values) > 1 else next(iter(values), None)
 
 
 def _location_args(rt, device_index: int | None):

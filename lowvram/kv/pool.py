@@ -170,8 +170,7 @@ class KVPool:
         """The step about to run reads these tables (seq id -> block ids)."""
 
     def ensure_resident(self, block_ids: Iterable[int], free_block_ids: Collection[int] = ()) -> None:
-        """Make the pages readable on the device before the compute stream's next kernels.
-        `free_block_ids` are pages with no data (moving them copies nothing)."""
+        """Make the pages readable by the compute stream's next kernels (`free_block_ids`: no data to copy)."""
 
     def prefetch(
         self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
@@ -234,8 +233,7 @@ class KVPool:
         return True  # pinned: only pages in a device slot
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
-        """Replace `pages` by new storage at `precision` holding pages `rows` and an FP16 window
-        for `window`, one layer at a time (the old layer is freed before the next is allocated)."""
+        """New storage at `precision` holding pages `rows` and the FP16 `window`, layer by layer."""
         window_row = self._window_rows(window, lambda b: b, self.num_blocks)
         for layer in range(len(self.pages)):
             new = self._with_window(self._allocate(precision, self.num_blocks), window_row, len(window))
@@ -247,8 +245,7 @@ class KVPool:
         return allocate_pages(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device)
 
     def _window_rows(self, window: list[int], row_of: Callable[[int], int], num_rows: int) -> torch.Tensor | None:
-        """`KVPages.window_row` over `num_rows` rows: the window index at `row_of(block)` of each
-        window block (rows < 0 skipped); None without a window."""
+        """`KVPages.window_row`: each window block's index at its row `row_of(block)` (if >= 0)."""
         if not window:
             return None
         table = [-1] * num_rows

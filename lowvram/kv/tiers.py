@@ -1,19 +1,16 @@
 """The tiered KV pools: pages that live on the device or in host memory and move between them.
 
-- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by advising
-  its range to the host and migrating it, which frees its device memory; it comes back by
-  advising the GPU and prefetching. The GPU maps every page, so a page left on the host is
-  still read (over the bus): a context longer than the device share keeps its oldest pages
-  there. Scales, zeros and the FP16 window stay in device memory. Migration works on OS
-  pages, so pages move in units of as many KV pages as fill whole OS pages.
-- `pinned` (`PinnedKVPool`): fixed device slots plus a pinned-host tier; pages move with
-  asynchronous copies on a side stream and block ids are translated to slots
-  (`device_table`). For platforms without concurrentManagedAccess (Windows, WSL2).
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory, spilled by advising a range to the
+  host and migrating it, brought back by advising the GPU and prefetching. The GPU maps every
+  page, so a context longer than the device share keeps its oldest pages on the host and still
+  reads them. Scales, zeros and the FP16 window stay on the device. Migration works on OS pages:
+  pages move in units of as many KV pages as fill whole OS pages.
+- `pinned` (`PinnedKVPool`): fixed device slots plus a pinned-host tier, asynchronous copies on a
+  side stream, block ids translated to slots (`device_table`). For Windows and WSL2.
 
-At most `max_device_blocks` pages are resident. `ensure_resident` brings a step's missing
-pages back on the side stream and makes the compute stream wait on the GPU, not the CPU;
-`prefetch` does the same without the wait. Victims are chosen by `SpillPolicy` (cold and
-LRU first, the hot pages near each decode position last, never the step's own pages).
+At most `max_device_blocks` pages are resident. `ensure_resident` brings a step's pages back on
+the side stream and makes the compute stream wait on the GPU; `prefetch` does not wait. Victims
+follow `SpillPolicy` (cold and LRU first, pages near a decode position last, never the step's).
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
 
 
 class _TieredKVPool(KVPool):
-    """Residency bookkeeping: pages move in units of `unit_size` consecutive pages, a unit is
-    resident or not. Subclasses move data in `_swap(victims, incoming, dataless)` (victims to
-    the host, then incoming to the device, on the side stream; dataless victims need no copy)
-    and report `_unit_bytes()`, the bytes one unit moves."""
+    """Residency of units of `unit_size` pages. Subclasses move data in `_swap(victims, incoming,
+    dataless)` (side stream; dataless victims need no copy) and size a unit in `_unit_bytes()`."""
 
     can_spill = True
 
