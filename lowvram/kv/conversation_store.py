@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,14 +93,12 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
         path = user_data_dir("conversations") / f"conversation-{time.strftime('%Y%m%d-%H%M%S')}.kv"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    os.close(fd)
+    tmp = path.with_name(path.name + ".partial")  # a crash never leaves a half-written file under `path`
     try:
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
