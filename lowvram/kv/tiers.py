@@ -106,17 +106,13 @@ class _TieredKVPool(KVPool):
         self.policy.record_step(tables, live_seq_ids)
 
     def ensure_resident(self, block_ids: Iterable[int], free_block_ids: Collection[int] = ()) -> None:
-        self._make_resident(block_ids, (), free_block_ids, is_required=True)
+        self.prefetch(block_ids, (), free_block_ids, is_required=True)
         self._wait_for_transfers()
 
     def prefetch(
-        self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
-    ) -> None:
-        self._make_resident(block_ids, protected, free_block_ids, is_required=False)
-
-    def _make_resident(
-        self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *, is_required: bool
-    ) -> None:
+        self, block_ids, protected: Iterable[int] = (), free_block_ids: Collection[int] = (), is_required=False
+    ):
+        """As in KVPool; `is_required` (ensure_resident): count hits and misses, fail if the step cannot fit."""
         if self.unit_size == 1:
             block_ids = block_ids if isinstance(block_ids, (list, tuple, set, frozenset)) else list(block_ids)
             if self._host_units.isdisjoint(block_ids):  # every page resident: the usual step
