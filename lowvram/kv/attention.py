@@ -47,19 +47,10 @@ def _is_kernel_path(q: torch.Tensor, head_dim: int) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pages: KVPages,
-    meta: AttentionMetadata,
-    scale: float,
-    rope: Rope | None = None,
-    *,
-    batch_invariant: bool = False,
-    is_stored: bool = False,
+    q, k, v, pages: KVPages, meta: AttentionMetadata, scale, rope=None, *, batch_invariant=False, is_stored=False
 ) -> torch.Tensor:
     """Store this step's k, v (quantized for INT8/INT4 pages; first rotating q and k in place with
-    `rope`), then attend: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `batch_invariant`: a row's bits
+    a `Rope`), then attend with softmax `scale`: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `batch_invariant`: a row's bits
     do not depend on the rest of the step nor its kind. `is_stored`: already rotated and stored."""
     use_reference = not _is_kernel_path(q, q.shape[-1])
     if not is_stored and rope is None:

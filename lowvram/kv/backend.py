@@ -93,15 +93,7 @@ def plan_pool(
 
 
 def create_kv_pool(
-    config,
-    profile: Profile,
-    num_device_blocks: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    *,
-    max_model_len: int,
-    memory: ManagedMemory | None = None,
+    config, profile: Profile, num_device_blocks: int, device, dtype, precision: str, *, max_model_len: int, memory=None
 ) -> KVPool:
     """The pool the profile asks for around the `num_device_blocks` pages the memory plan fits on
     the device; `dtype`: that of fp16 pages; `memory`: for `um` (default: cuda-bindings)."""
