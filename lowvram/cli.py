@@ -43,9 +43,8 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     last = None
     for last in llm.stream(messages=messages, sampling_params=params) if use_chat else llm.stream(prompt, params):
-        sys.stdout.write(last.text_delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        print(last.text_delta, end="", flush=True)
+    print()
     stats = llm.engine.stats
     ttft = last.metrics.ttft_s if last and last.metrics else None
     _progress(

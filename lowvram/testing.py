@@ -98,9 +98,8 @@ def train_tiny_tokenizer(
 ) -> Path:
     """Train a byte-level BPE tokenizer with DeepSeek's special tokens and chat template into
     `out_dir` (AutoTokenizer loads it; encoding adds BOS). Deterministic."""
-    tokenizer = train_tokenizer(
-        _training_corpus(), vocab_size, extra_special_tokens=extra_special_tokens, split_digits=False
-    )
+    corpus = _training_corpus()
+    tokenizer = train_tokenizer(corpus, vocab_size, extra_special_tokens=extra_special_tokens, split_digits=False)
     save_tokenizer(tokenizer, out_dir, max_length=MAX_POSITION_EMBEDDINGS)
     return Path(out_dir)
 
@@ -130,7 +129,7 @@ def make_tiny_model(
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {"bos_token_id": tokenizer.token_to_id(BOS), "eos_token_id": tokenizer.token_to_id(EOS)}
     fields = {**_COMMON_CONFIG, **_ARCH_CONFIG[arch], "num_hidden_layers": num_layers, "vocab_size": num_tokens}
-    fields.update(overrides)
+    fields |= overrides
     if fields["vocab_size"] < num_tokens:
         raise ConfigError(f"vocab_size={fields['vocab_size']} is smaller than the tokenizer ({num_tokens} tokens)")
     config = config_cls(**{**fields, **ids})
