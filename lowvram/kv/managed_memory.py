@@ -132,14 +132,10 @@ class ManagedMemory:
         if num_bytes <= 0:
             return
         self.advise_preferred(tensor, start_bytes, num_bytes, on_host=on_host)
-        args = [
-            tensor.data_ptr() + start_bytes,
-            num_bytes,
-            _location_args(self.rt, HOST if on_host else self.device_index),
-        ]
-        if uses_mem_location(self.rt.cudaMemPrefetchAsync):
-            args.append(0)  # flags
-        result = self.rt.cudaMemPrefetchAsync(*args, stream.cuda_stream)
+        where = _location_args(self.rt, HOST if on_host else self.device_index)
+        flags = (0,) if uses_mem_location(self.rt.cudaMemPrefetchAsync) else ()  # 13.x takes flags
+        ptr = tensor.data_ptr() + start_bytes
+        result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, *flags, stream.cuda_stream)
         check(result, f"cudaMemPrefetchAsync({num_bytes} bytes to {'host' if on_host else 'GPU'})")
 
     def advise_preferred(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool) -> None:
