@@ -115,8 +115,7 @@ FIELD_DOCS: dict[str, str] = {
 }
 
 
-# Allowed values, by field: a tuple of choices, or an inclusive (low, high) range for a number.
-# A field typed `int` takes only integers, one typed `bool` only true/false; `| None` admits null.
+# Allowed values: choices, or an inclusive (low, high) range (integers for `int` fields; `| None` admits null).
 CHOICES: dict[str, tuple] = {
     "device": ("auto", "cuda", "cpu"),
     "dtype": ("auto", "float16", "bfloat16", "float32"),

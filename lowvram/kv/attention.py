@@ -50,8 +50,9 @@ def paged_attention(
     q, k, v, pages: KVPages, meta: AttentionMetadata, scale, rope=None, *, batch_invariant=False, is_stored=False
 ) -> torch.Tensor:
     """Store this step's k, v (quantized for INT8/INT4 pages; first rotating q and k in place with
-    a `Rope`), then attend with softmax `scale`: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]. `batch_invariant`: a row's bits
-    do not depend on the rest of the step nor its kind. `is_stored`: already rotated and stored."""
+    a `Rope`), then attend with softmax `scale`: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+    `batch_invariant`: a row's bits do not depend on the rest of the step nor its kind.
+    `is_stored`: already rotated and stored."""
     use_reference = not _is_kernel_path(q, q.shape[-1])
     if not is_stored and rope is None:
         write_kv(k, v, meta.slot_mapping, pages, use_reference=use_reference)
@@ -74,9 +75,8 @@ def paged_attention(
 
 
 def _rows_ref(q: torch.Tensor, pages: KVPages, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Plain-torch attention one query row at a time over exactly its causal prefix: the
-    whole-chunk reference's shapes follow the chunk, so a token's bits would depend on where
-    the scheduler cut its prompt and on whether a decode step or a recompute computed it."""
+    """Plain-torch attention one row at a time over exactly its prefix: the whole-chunk reference's
+    shapes, so a token's bits, would depend on where the prompt was cut and on the kind of step."""
     out = torch.empty_like(q)
     one_row = torch.tensor([0, 1], dtype=torch.int32, device=q.device)  # cu_seqlens_q of a one-row step
     row = 0

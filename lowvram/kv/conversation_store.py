@@ -1,10 +1,7 @@
-"""Save a conversation's KV pages to a file and restore them into the prefix cache, so the
-next turn finds them like any cached prefix instead of recomputing its prefill.
-
-File: safetensors (`layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`, each [num_pages,
-block_size, ...]) whose metadata holds the model identity, weight format, KV precision and
-dtype, page size and token ids. A mismatch or a damaged file is reported and the
-conversation is recomputed on the next turn: never wrong output.
+"""Save a conversation's KV pages and restore them into the prefix cache, so the next turn
+skips their prefill. File: safetensors, `layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`
+[num_pages, block_size, ...], metadata naming the model, formats, page size and token ids.
+A mismatch or a damaged file is reported and the conversation recomputed: never wrong output.
 """
 
 from __future__ import annotations

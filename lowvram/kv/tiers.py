@@ -484,9 +484,7 @@ class PinnedKVPool(_TieredKVPool):
         return torch.cuda.stream(self._side)
 
     def _tag_window(self) -> None:
-        """Point every slot's window tag at its page's FP16 row (tags are indexed by slot; the
-        window stays on the device). Written on the compute stream, so steps already queued
-        read the tags they were queued with."""
+        """Tag each slot with its page's FP16 window row, on the compute stream (queued steps keep theirs)."""
         tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
         self.pages[0].window_row.copy_(tags.pin_memory() if self._side is not None else tags, non_blocking=True)
 
@@ -503,8 +501,7 @@ class PinnedKVPool(_TieredKVPool):
         self._complete_spills()
 
     def _resize_device(self) -> None:
-        """Reallocate the slots to `max_device_units`, packing the resident pages first: fewer
-        slots is what really returns device memory."""
+        """Reallocate fewer (or more) slots, resident pages first: that is what returns device memory."""
         if self.max_device_units == self.num_slots:
             return
         self.synchronize()
