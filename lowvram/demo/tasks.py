@@ -40,10 +40,9 @@ def _heldout_by_kind() -> dict[str, list[Task]]:
     return by_kind
 
 
-def heldout_tasks(num_per_kind: int = HELDOUT_PER_KIND) -> list[Task]:
-    """The fixed held-out tasks, `num_per_kind` of each kind, kind by kind."""
-    if num_per_kind is None:
-        num_per_kind = HELDOUT_PER_KIND
+def heldout_tasks(num_per_kind: int | None = None) -> list[Task]:
+    """The fixed held-out tasks, `num_per_kind` of each kind (default: all), kind by kind."""
+    num_per_kind = HELDOUT_PER_KIND if num_per_kind is None else num_per_kind
     if not 0 <= num_per_kind <= HELDOUT_PER_KIND:
         raise ValueError(f"num_per_kind must be in 0..{HELDOUT_PER_KIND}, got {num_per_kind}")
     return [task for tasks in _heldout_by_kind().values() for task in tasks[:num_per_kind]]
