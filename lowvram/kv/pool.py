@@ -32,11 +32,6 @@ def _tensors(pages: KVPages) -> list[tuple[str, torch.Tensor]]:
     return [(name, getattr(pages, name)) for name in names if getattr(pages, name) is not None]
 
 
-def _pages_like(template: KVPages, make: Callable[[str, torch.Tensor], torch.Tensor]) -> KVPages:
-    """KVPages with the template's layout, each tensor made by `make(name, template tensor)`."""
-    return KVPages(precision=template.precision, **{name: make(name, t) for name, t in _tensors(template)})
-
-
 @dataclass(frozen=True)
 class KVShape:
     """What one page of every layer looks like; `dtype` is the element type of fp16 pages."""

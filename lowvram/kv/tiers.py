@@ -25,7 +25,7 @@ from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
-from lowvram.kv.pool import GIB, KVPool, KVShape, _convert_pages, _pages_like, _release_cached, _tensors
+from lowvram.kv.pool import GIB, KVPool, KVShape, _convert_pages, _release_cached, _tensors
 
 
 def _all_tensors(layers: list[KVPages]) -> list[torch.Tensor]:
@@ -281,13 +281,8 @@ class ManagedKVPool(_TieredKVPool):
         for on_host in (False, True):
             units = [u for u, r in enumerate(resident) if r != on_host]
             self._place([flat], precision, units, on_host=on_host, migrate=False)
-
-        def make(name: str, like: torch.Tensor) -> torch.Tensor:
-            if name in ("k", "v"):
-                return codes[0 if name == "k" else 1]
-            return torch.zeros(like.shape, dtype=like.dtype, device=self.device)
-
-        return _pages_like(template, make), flat
+        scales = {name: torch.zeros(t.shape, dtype=t.dtype, device=self.device) for name, t in _tensors(template)[2:]}
+        return KVPages(precision=precision, k=codes[0], v=codes[1], **scales), flat
 
     def _unit_bytes(self) -> int:
         return self.shape.num_layers * 2 * self.unit_size * self.shape.code_block_bytes(self.precision)
@@ -375,7 +370,8 @@ class PinnedKVPool(_TieredKVPool):
         template = self.shape.template(precision, max(1, self.num_host_slots))
         is_pinned = self.device.type == "cuda"
         try:
-            return _pages_like(template, lambda _, t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=is_pinned))
+            zeros = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=is_pinned) for name, t in _tensors(template)}
+            return KVPages(precision=precision, **zeros)
         except RuntimeError as exc:
             need = self.num_host_slots * self.shape.block_bytes(precision)
             raise OutOfMemoryError(
