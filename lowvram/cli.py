@@ -183,19 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--fp16-budget-mib", type=float, default=None, help="with --quantize: MiB of layers kept FP16")
     awq = "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is"
     speed.add_argument("--rank", type=int, default=None, help=f"with --quantize: the compensation's rank; {awq}")
-    speed.add_argument(
-        "--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without"
-    )
+    speed.add_argument("--profile", default=None, help="built-in profile or YAML file (default: 4gb, cpu without CUDA)")
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
     speed.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
     speed.add_argument("--context-lens", type=_int_list, default=[512, 4096], help="prompt lengths (default 512,4096)")
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
     speed.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay decode steps from CUDA graphs",
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="replay decode from CUDA graphs"
     )
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
