@@ -1,7 +1,5 @@
-"""The `lowvram` command: a thin layer over the library.
-
-Every LowvramError becomes one line on stderr and exit code 2, never a traceback.
-"""
+"""The `lowvram` command, a thin layer over the library: every LowvramError becomes one
+line on stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -14,6 +12,17 @@ from lowvram.engine.args import add_engine_args, engine_kwargs
 from lowvram.errors import LowvramError
 from lowvram.memory.crash_report import report_cuda_oom
 
+# Options passed on under their own names: to SamplingParams, run_quality_bench and run_speed_bench.
+SAMPLING_OPTIONS = "temperature top_k top_p min_p repetition_penalty max_tokens stop seed".split()
+QUALITY_OPTIONS = "device max_chars calib_samples text".split()
+SPEED_OPTIONS = (
+    "shape quantize fp16_budget_mib rank profile device emulate_vram_gib batch_sizes context_lens max_tokens cuda_graphs"
+).split()
+
+
+def _progress(msg: str) -> None:
+    print(f"lowvram: {msg}", file=sys.stderr, flush=True)
+
 
 @report_cuda_oom
 def cmd_generate(args) -> int:
@@ -22,130 +31,102 @@ def cmd_generate(args) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.model is None:
-        print(
-            "lowvram: using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
-            "not a real DeepSeek model); pass --model for a real one",
-            file=sys.stderr,
+        _progress(
+            "using the bundled demo model (a few-million-parameter model trained for lowvram's tests, "
+            "not a real DeepSeek model); pass --model for a real one"
         )
     llm = LLM(args.model, args.profile, **engine_kwargs(args))
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repeat_penalty,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        seed=args.seed,
-    )
+    params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": prompt})
     use_chat = not args.raw and llm.engine.tokenizer.has_chat_template
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": prompt}
-    ]
     start = time.perf_counter()
     last = None
-    stream = llm.stream(messages=messages, sampling_params=params) if use_chat else llm.stream(prompt, params)
-    for out in stream:
-        sys.stdout.write(out.text_delta)
-        sys.stdout.flush()
-        last = out
-    sys.stdout.write("\n")
+    for last in llm.stream(messages=messages, sampling_params=params) if use_chat else llm.stream(prompt, params):
+        print(last.text_delta, end="", flush=True)
+    print()
     stats = llm.engine.stats
-    elapsed = time.perf_counter() - start
     ttft = last.metrics.ttft_s if last and last.metrics else None
-    print(
-        f"lowvram: prefill {stats.num_prefill_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s | "
+    _progress(
+        f"prefill {stats.num_prefill_tokens} tokens at {stats.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {stats.num_decode_tokens} tokens at {stats.decode_tokens_per_s:.1f} tok/s | "
-        f"TTFT {ttft * 1000 if ttft is not None else float('nan'):.0f} ms | total {elapsed:.2f} s | "
-        f"finish: {last.outputs[0].finish_reason if last else '-'}",
-        file=sys.stderr,
+        f"TTFT {ttft * 1000 if ttft is not None else float('nan'):.0f} ms | "
+        f"total {time.perf_counter() - start:.2f} s | finish: {last.outputs[0].finish_reason if last else '-'}"
     )
     return 0
 
 
 def cmd_profiles(args) -> int:
+    import dataclasses
+
+    import yaml
     from rich.console import Console
     from rich.table import Table
 
-    from lowvram.config import FIELD_DOCS, builtin_profile_names, load_profile
+    from lowvram.config import FIELD_DOCS, builtin_profile_names, load_profile, profiles_markdown
 
-    if args.markdown:
-        from lowvram.config import profiles_markdown
-
-        sys.stdout.write(profiles_markdown())
-        return 0
     console = Console()
-    if args.fields:
+    if args.markdown:
+        sys.stdout.write(profiles_markdown())
+    elif args.fields:
         table = Table("field", "meaning")
         for name, doc in FIELD_DOCS.items():
             table.add_row(name, doc)
         console.print(table)
-        return 0
-    if args.show:
-        import dataclasses
-
-        import yaml
-
+    elif args.show:
         console.print(yaml.safe_dump(dataclasses.asdict(load_profile(args.show)), sort_keys=False))
-        return 0
-    table = Table("profile", "budget GiB", "max len", "seqs", "batch tokens", "KV", "backend", "weights")
-    for name in builtin_profile_names():
-        p = load_profile(name)
-        table.add_row(
-            p.name,
-            f"{p.memory_budget_gib:g} x {p.memory_utilization:g}",
-            str(p.max_model_len),
-            str(p.max_num_seqs),
-            str(p.max_num_batched_tokens),
-            p.kv_precision,
-            p.kv_backend,
-            p.weight_format,
-        )
-    console.print(table)
-    for name in builtin_profile_names():
-        console.print(f"[bold]{name}[/bold]: {load_profile(name).description}")
+    else:
+        table = Table("profile", "budget GiB", "max len", "seqs", "batch tokens", "KV", "backend", "weights")
+        profiles = [load_profile(name) for name in builtin_profile_names()]
+        for p in profiles:
+            budget = f"{p.memory_budget_gib:g} x {p.memory_utilization:g}"
+            sizes = (p.max_model_len, p.max_num_seqs, p.max_num_batched_tokens)
+            table.add_row(p.name, budget, *map(str, sizes), p.kv_precision, p.kv_backend, p.weight_format)
+        console.print(table)
+        for p in profiles:
+            console.print(f"[bold]{p.name}[/bold]: {p.description}")
     return 0
 
 
 def cmd_bench_quality(args) -> int:
     from lowvram.bench.quality import run_quality_bench, to_markdown
 
-    report = run_quality_bench(
-        args.model,
-        variant_names=args.variants.split(",") if args.variants else None,
-        device=args.device,
-        num_per_kind=args.limit,
-        max_chars=args.max_chars,
-        command=_command_line("lowvram bench quality"),
-        calib_samples=args.calib_samples,
-        text=args.text,
-        progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr),
-    )
+    options = {name: getattr(args, name) for name in QUALITY_OPTIONS}
+    options.update(variant_names=args.variants.split(",") if args.variants else None, num_per_kind=args.limit)
+    report = run_quality_bench(args.model, **options, command=_command_line("quality"), progress=_progress)
     _write_bench_outputs(args, report.to_json(), to_markdown(report))
     return 0
 
 
-def _command_line(default: str) -> str:
+@report_cuda_oom
+def cmd_bench_speed(args) -> int:
+    from lowvram.bench.speed import run_speed_bench, write_markdown
+
+    options = {name: getattr(args, name) for name in SPEED_OPTIONS}
+    result = run_speed_bench(args.model, **options, command=_command_line("speed"), progress=_progress)
+    _write_bench_outputs(args, result, write_markdown(result))
+    return 0
+
+
+def _command_line(bench: str) -> str:
     """The command as typed, for the benchmark record."""
-    return "lowvram " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowvram") else default
+    typed = sys.argv and sys.argv[0].endswith("lowvram")
+    return "lowvram " + " ".join(sys.argv[1:]) if typed else f"lowvram bench {bench}"
 
 
 def _write_bench_outputs(args, record: dict, markdown: str) -> None:
     """--json PATH (or '-' for stdout instead of the tables), --output PATH for the Markdown."""
     import json
+    from pathlib import Path
 
-    if args.json:
-        text = json.dumps(record, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-    if args.json != "-":
+    if args.json == "-":
+        print(json.dumps(record, indent=2))
+    else:
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
         print(markdown)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(markdown)
+        Path(args.output).write_text(markdown)
 
 
 def _int_list(text: str) -> list[int]:
@@ -158,31 +139,10 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-# `bench speed` options passed on to run_speed_bench under their own names.
-SPEED_OPTIONS = (
-    "shape quantize fp16_budget_mib rank profile device emulate_vram_gib batch_sizes context_lens max_tokens cuda_graphs"
-).split()
-
-
-@report_cuda_oom
-def cmd_bench_speed(args) -> int:
-    from lowvram.bench.speed import run_speed_bench, write_markdown
-
-    result = run_speed_bench(
-        args.model,
-        **{name: getattr(args, name) for name in SPEED_OPTIONS},
-        command=_command_line("lowvram bench speed"),
-        progress=lambda msg: print(f"lowvram: {msg}", file=sys.stderr, flush=True),
-    )
-    _write_bench_outputs(args, result, write_markdown(result))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", required=True)
-
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
     gen.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads stdin)")
@@ -193,14 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--repeat-penalty", dest="repetition_penalty", metavar="REPEAT_PENALTY", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
-
-    bench = sub.add_parser("bench", help="measure quality or speed")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    quality = bench_sub.add_parser("quality", help="accuracy on held-out tasks and perplexity, for every format")
+    bench = sub.add_parser("bench", help="measure quality or speed").add_subparsers(dest="bench_command", required=True)
+    quality = bench.add_parser("quality", help="accuracy on held-out tasks and perplexity, for every format")
     quality.add_argument("--model", "-m", default=None, help="model directory (default: the bundled demo model)")
     quality.add_argument("--variants", default=None, help="comma-separated formats to compare (default: all)")
     quality.add_argument("--limit", type=int, default=None, help="held-out tasks per kind (default: all 100)")
@@ -210,11 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     quality.add_argument("--calib-samples", type=int, default=32, help="calibration blocks for the quantized rows")
     quality.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' for stdout)")
-    quality.add_argument(
-        "--output", default=None, metavar="PATH", help="write the Markdown table here (e.g. docs/quality.md)"
-    )
+    quality.add_argument("--output", default=None, metavar="PATH", help="write the Markdown table here")
     quality.set_defaults(func=cmd_bench_quality)
-    speed = bench_sub.add_parser(
+    speed = bench.add_parser(
         "speed",
         help="prefill and decode tokens/s, TTFT, achieved GB/s and peak memory through the engine",
         description="Measure the engine at a named real model shape (random weights) or on a model directory: "
@@ -223,59 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = speed.add_mutually_exclusive_group()
     source.add_argument("--model", "-m", default=None, help="model directory or hub id")
-    source.add_argument(
-        "--shape",
-        default=None,
-        help="random weights of a named shape: r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, "
-        "r1-distill-qwen-7b, or tiny (a CPU run in seconds)",
-    )
-    speed.add_argument(
-        "--quantize",
-        action="store_true",
-        help="quantize to AWQ INT4 first, with the profile's FP16 budget and compensation rank",
-    )
-    speed.add_argument(
-        "--fp16-budget-mib",
-        type=float,
-        default=None,
-        help="with --quantize, MiB of the most sensitive layers kept FP16 (default: the profile's)",
-    )
-    speed.add_argument(
-        "--rank",
-        type=int,
-        default=None,
-        help="with --quantize, the residual compensation's rank (default: the profile's); "
-        "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is",
-    )
-    speed.add_argument(
-        "--profile", default=None, help="built-in profile or YAML file; default 4gb with CUDA, cpu without"
-    )
+    shapes = "r1-distill-qwen-1.5b (default), deepseek-coder-1.3b, r1-distill-qwen-7b, or tiny (CPU, seconds)"
+    source.add_argument("--shape", default=None, help=f"random weights of a named shape: {shapes}")
+    speed.add_argument("--quantize", action="store_true", help="quantize to AWQ INT4 first, as the profile says")
+    speed.add_argument("--fp16-budget-mib", type=float, default=None, help="with --quantize: MiB of layers kept FP16")
+    awq = "--fp16-budget-mib 0 --rank 0 quantizes as a published AutoAWQ checkpoint is"
+    speed.add_argument("--rank", type=int, default=None, help=f"with --quantize: the compensation's rank; {awq}")
+    speed.add_argument("--profile", default=None, help="built-in profile or YAML file (default: 4gb, cpu without CUDA)")
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
     speed.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
-    speed.add_argument(
-        "--context-lens",
-        type=_int_list,
-        default=[512, 4096],
-        help="prompt lengths in tokens for prefill and decode (default 512,4096)",
-    )
+    speed.add_argument("--context-lens", type=_int_list, default=[512, 4096], help="prompt lengths (default 512,4096)")
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
     speed.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay decode steps from CUDA graphs (default: as the profile says)",
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="replay decode from CUDA graphs"
     )
     speed.add_argument("--json", default=None, metavar="PATH", help="write the record as JSON ('-' for stdout)")
     speed.add_argument("--output", default=None, metavar="PATH", help="write the Markdown tables here")
     speed.set_defaults(func=cmd_bench_speed)
-
     prof = sub.add_parser("profiles", help="list the built-in profiles")
     prof.add_argument("--fields", action="store_true", help="describe every profile field")
     prof.add_argument("--show", metavar="PROFILE", help="print one profile (name or file) in full")
-    prof.add_argument(
-        "--markdown", action="store_true", help="every field and each built-in profile's value, as Markdown"
-    )
+    prof.add_argument("--markdown", action="store_true", help="every field and each profile's value, as Markdown")
     prof.set_defaults(func=cmd_profiles)
 
     from lowvram.memory.doctor import add_doctor_parser
@@ -283,10 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     from lowvram.server.cli import add_serve_parser
     from lowvram.tui.cli import add_chat_parser
 
-    add_chat_parser(sub)
-    add_doctor_parser(sub)
-    add_quantize_parser(sub)
-    add_serve_parser(sub)
+    for add in (add_chat_parser, add_doctor_parser, add_quantize_parser, add_serve_parser):
+        add(sub)
     return parser
 
 

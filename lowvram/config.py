@@ -1,10 +1,5 @@
-"""Profiles: a validated dataclass fed from YAML.
-
-A profile describes the card lowvram should behave as if it ran on (memory budget,
-token budgets, KV layout) and the feedback controller's thresholds. Profiles ship
-in `profiles/*.yaml`; a user can pass a path to their own file. Every field has a
-one-line description in `FIELD_DOCS`, shown by `lowvram profiles --fields`.
-"""
+"""Profiles: the card lowvram plans for (memory and token budgets, KV layout, controller
+thresholds), a validated dataclass fed from `profiles/*.yaml` or a user's YAML file."""
 
 from __future__ import annotations
 
@@ -92,37 +87,23 @@ FIELD_DOCS: dict[str, str] = {
     "max_num_batched_tokens": "Most tokens processed in one step (bounds prefill activation memory).",
     "kv_block_size": "Tokens per KV page (8, 16, 32 or 64).",
     "kv_precision": "KV page precision: fp16, int8, int4, or auto (start at fp16; the controller compresses under pressure).",
-    "kv_recent_fp16_tokens": "Tokens at the end of each running sequence whose KV stays FP16 when the controller "
-    "compresses to INT8/INT4 (whole pages; 0 = off).",
+    "kv_recent_fp16_tokens": "Tokens at the end of each sequence whose KV stays FP16 under INT8/INT4 (0 = off).",
     "kv_backend": "Where KV pages live: um (CUDA unified memory), pinned (device + pinned host tier), device, or auto.",
     "host_spill_gib": "Host RAM the KV pool may spill pages to, in GiB.",
     "allow_oversubscription": "Allow unified-memory pages beyond the free device memory (true only on a dedicated card).",
     "enable_prefix_caching": "Reuse the KV pages of a shared prompt prefix (earlier chat turns) instead of recomputing them.",
     "enable_cuda_graphs": "Replay decode steps from CUDA graphs on CUDA devices (false = eager launches, for debugging).",
-    "enable_prefill_graphs": "With enable_cuda_graphs, also replay the prefill of short prompts (one sequence, up "
-    "to 512 new tokens) from CUDA graphs: a short prompt's first token comes sooner; the "
-    "graphs keep a 512-token step's activations allocated.",
-    "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous step's tokens "
-    "(its inputs are those tokens, sampled on the device), so the host's work between steps "
-    "(detokenizing, scheduling, outputs) overlaps the GPU's instead of leaving it idle. "
-    "Requests with penalties sample on the host; their steps, prefills and steps that admit "
-    "a request run alone. On CUDA the others sample on the device with this off too.",
-    "embeddings_on_host": "Keep the token-embedding table in host memory on CUDA (as llama.cpp does): it is "
-    "pinned and the GPU reads each step's rows from it over the bus. Frees vocab x hidden x 2 bytes "
-    "of device memory (0.43 GiB for a 1.5B Qwen) for KV; a tied head keeps it on the device.",
-    "batch_invariant": "Give each request the same logits, to the bit, whether it runs alone or batched with "
-    "others (greedy output then does not depend on the load): one kernel tiling for every "
-    "batch size in matmuls and attention, the same kernel for decode and prefill rows. "
-    "Costs speed, and the KV stays FP16 (the controller spills, batches and throttles "
-    "instead of compressing).",
+    "enable_prefill_graphs": "Also replay one-prompt prefills up to 512 tokens from CUDA graphs (sooner first token).",
+    "pipelined_decode": "On CUDA, queue each decode step before the host has read the previous one's tokens, so "
+    "the host's work overlaps the GPU's (steps with penalties, prefills and admissions run alone).",
+    "embeddings_on_host": "Untied token embeddings in pinned host memory, read over the bus (frees 0.43 GiB at 1.5B).",
+    "batch_invariant": "Same logits to the bit alone or batched (output ignores the load); slower, KV stays FP16.",
     "weight_format": "Weight format: awq (INT4), fp16, or auto (as the checkpoint is stored).",
     "fp16_budget_mib": "Device memory for layers kept in FP16 when quantizing, in MiB.",
     "compensation_rank": "Rank of the low-rank residual that corrects INT4 error (0 = off).",
-    "weight_offload": "Decoder layers in host memory: auto (on CUDA, only when the weights do not fit), off, stream "
-    "(as many layers as fit beside a full-length context stay, the rest are copied in every step), "
-    "or cpu (like stream, but those layers' MLPs run on the CPU).",
-    "max_resident_layers": "With weight offload: most decoder layers kept on the device (null = as many as fit); "
-    "fewer leave more room for KV pages and decode slower.",
+    "weight_offload": "Decoder layers in host memory: auto (on CUDA when the weights do not fit), off, stream "
+    "(the layers that do not fit are copied in every step), or cpu (their MLPs run on the CPU).",
+    "max_resident_layers": "With weight offload: most layers kept on the device (null = as many as fit).",
     "controller": "Feedback controller thresholds (see the controller.* fields).",
     "controller.memory_high_water": "Fraction of the budget above which the controller starts relieving memory.",
     "controller.memory_low_water": "Fraction of the budget below which the controller relaxes again.",
@@ -134,8 +115,7 @@ FIELD_DOCS: dict[str, str] = {
 }
 
 
-# Allowed values, by field: a tuple of choices, or an inclusive (low, high) range for a number.
-# A field typed `int` takes only integers, one typed `bool` only true/false; `| None` admits null.
+# Allowed values: choices, or an inclusive (low, high) range (integers for `int` fields; `| None` admits null).
 CHOICES: dict[str, tuple] = {
     "device": ("auto", "cuda", "cpu"),
     "dtype": ("auto", "float16", "bfloat16", "float32"),
@@ -195,20 +175,20 @@ def _check_fields(obj, source: str, prefix: str = "") -> None:
 def _build(cls, data: dict, source: str, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the profile'} must be a mapping of field: value")
-    known = {f.name: f for f in dataclasses.fields(cls)}
+    known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(
             f"{source}: unknown field {prefix}{unknown[0]!r}; known fields: {', '.join(prefix + k for k in known)}"
         )
-    kwargs = dict(data)
-    if cls is Profile and "controller" in kwargs:
-        kwargs["controller"] = _build(ControllerConfig, kwargs["controller"] or {}, source, "controller.")
-    return cls(**kwargs)
+    if cls is Profile and "controller" in data:
+        data = {**data, "controller": _build(ControllerConfig, data["controller"] or {}, source, "controller.")}
+    return cls(**data)
 
 
-def validate_profile(p: Profile, source: str) -> None:
-    """Raise ConfigError naming the first bad field, its value and what is allowed."""
+def profile_from_dict(data: dict, source: str = "profile") -> Profile:
+    """A Profile from YAML data; ConfigError names the first bad field, its value and what is allowed."""
+    p = _build(Profile, data, source)
     if p.weight_offload is False:  # YAML reads a bare `off` as false
         p.weight_offload = "off"
     if not isinstance(p.name, str) or not p.name:
@@ -227,15 +207,7 @@ def validate_profile(p: Profile, source: str) -> None:
                 f"{source}: controller.{low} = {getattr(c, low)} must be below "
                 f"controller.{high} = {getattr(c, high)} (the gap is the hysteresis band)"
             )
-
-
-def profile_from_dict(data: dict, source: str = "profile") -> Profile:
-    try:
-        profile = _build(Profile, data, source)
-    except TypeError as exc:  # a required field missing would land here; all have defaults
-        raise ConfigError(f"{source}: {exc}") from None
-    validate_profile(profile, source)
-    return profile
+    return p
 
 
 def builtin_profile_names() -> list[str]:
@@ -278,13 +250,11 @@ def profiles_markdown() -> str:
 
 
 def load_profile(name_or_path: str | Path | None = None) -> Profile:
-    """Load a built-in profile by name ('4gb') or a YAML file by path.
-
-    None picks the built-in profile that suits this machine: `4gb` with CUDA,
-    `cpu` without.
-    """
+    """A built-in profile by name ('4gb') or a YAML file by path; None: `4gb` with CUDA, `cpu` without."""
     if name_or_path is None:
-        name_or_path = default_profile_name()
+        import torch
+
+        name_or_path = "4gb" if torch.cuda.is_available() else "cpu"
     text_name = str(name_or_path)
     builtin = builtin_profile_names()
     if text_name in builtin:
@@ -307,9 +277,3 @@ def load_profile(name_or_path: str | Path | None = None) -> Profile:
     if isinstance(data, dict) and "name" not in data:
         data["name"] = Path(text_name).stem
     return profile_from_dict(data, source)
-
-
-def default_profile_name() -> str:
-    import torch
-
-    return "4gb" if torch.cuda.is_available() else "cpu"

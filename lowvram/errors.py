@@ -1,8 +1,5 @@
-"""Errors a user can hit. Each message says what went wrong and what to do.
-
-The CLI turns any `LowvramError` into one readable line on stderr and exit code 2;
-anything else is a bug and keeps its traceback.
-"""
+"""Errors a user can hit, each saying what went wrong and what to do; the CLI prints any
+`LowvramError` as one line (exit code 2), anything else is a bug and keeps its traceback."""
 
 
 class LowvramError(Exception):
@@ -10,7 +7,7 @@ class LowvramError(Exception):
 
 
 class ConfigError(LowvramError):
-    """A profile or option has a bad value, an unknown key, or a file is missing."""
+    """A bad profile or option value, an unknown key, or a missing file."""
 
 
 class ModelLoadError(LowvramError):
@@ -18,11 +15,11 @@ class ModelLoadError(LowvramError):
 
 
 class UnsupportedModelError(LowvramError):
-    """The checkpoint's architecture or quantization format is not supported."""
+    """An unsupported architecture or quantization format."""
 
 
 class KernelError(LowvramError):
-    """A kernel was called with shapes, dtypes or strides it does not support."""
+    """A kernel got shapes, dtypes or strides it does not support."""
 
 
 class OutOfMemoryError(LowvramError):
@@ -30,4 +27,4 @@ class OutOfMemoryError(LowvramError):
 
 
 class RequestError(LowvramError):
-    """A request is malformed (bad sampling value, prompt too long, ...)."""
+    """A malformed request (bad sampling value, prompt too long, ...)."""

@@ -1,8 +1,9 @@
-"""Which KV pool backend a profile gets on this machine, and its sizes (`plan_pool`, pure),
+"""Which KV pool backend a profile gets on this machine and its sizes (`plan_pool`, pure),
 and the pool built from that choice (`create_kv_pool`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -15,13 +16,12 @@ from lowvram.kv.pool import GIB, DeviceKVPool, KVPool, KVShape
 from lowvram.kv.tiers import ManagedKVPool, PinnedKVPool
 
 log = logging.getLogger("lowvram")
-_logged: set[str] = set()
+NO_CONCURRENT = "concurrentManagedAccess = 0, as on Windows and WSL2"
 
 
+@functools.cache
 def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        log.info(message)
+    log.info(message)
 
 
 @dataclass(frozen=True)
@@ -49,14 +49,10 @@ def plan_pool(
     is_concurrent: bool | None,
     free_bytes: int | None,
 ) -> PoolPlan:
-    """Pick the backend and size it. Pure: every probe of the machine is an argument.
-
-    `num_device_blocks` is the device share the memory plan left for KV; the host
-    share (`host_spill_bytes`) adds pages up to `max_num_blocks` (every sequence at
-    full length). `auto` takes `um` where concurrent managed access works and the
-    managed pool fits the free device memory (or oversubscription is allowed), else
-    `pinned`. An explicit `um` that cannot work is an error with the numbers.
-    """
+    """Pick the backend and size it (pure: every probe of the machine is an argument). The host
+    share adds pages to the device share up to `max_num_blocks`. `auto` takes `um` where concurrent
+    managed access works and the pool fits the free device memory (or may oversubscribe), else
+    `pinned`; an explicit `um` that cannot work is an error with the numbers."""
     if backend not in CHOICES["kv_backend"]:
         raise ConfigError(f"kv_backend = {backend!r} is not allowed; use one of: {', '.join(CHOICES['kv_backend'])}")
     n = num_device_blocks
@@ -70,23 +66,14 @@ def plan_pool(
     managed_bytes = num_blocks * block_bytes
     reason = f"kv_backend {backend!r}"
     if backend == "auto":
+        backend, why = "pinned", None
         if not has_runtime:
-            backend, why = "pinned", "cuda-bindings is not installed or not usable"
+            why = "cuda-bindings is not installed or not usable"
         elif not is_concurrent:
-            backend, why = (
-                "pinned",
-                (
-                    "this GPU cannot share managed memory with the host while kernels run "
-                    "(concurrentManagedAccess = 0, as on Windows and WSL2)"
-                ),
-            )
+            why = f"this GPU cannot share managed memory with the host while kernels run ({NO_CONCURRENT})"
         elif free_bytes is not None and managed_bytes > free_bytes and not allow_oversubscription:
-            backend, why = (
-                "pinned",
-                (
-                    f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the {free_bytes / GIB:.2f} GiB free on the GPU"
-                ),
-            )
+            sizes = f"a {managed_bytes / GIB:.2f} GiB managed pool would exceed the {free_bytes / GIB:.2f} GiB"
+            why = f"{sizes} free on the GPU"
         else:
             backend, why = "um", "concurrent managed access works"
         reason = f"kv_backend auto -> {backend}: {why}"
@@ -96,8 +83,8 @@ def plan_pool(
         raise ConfigError(INSTALL_HINT)
     if not is_concurrent:
         raise ConfigError(
-            "kv_backend 'um' needs concurrent managed access, which this GPU/OS does not offer "
-            "(concurrentManagedAccess = 0, as on Windows and WSL2); use kv_backend 'pinned' or 'auto'"
+            f"kv_backend 'um' needs concurrent managed access, which this GPU/OS does not offer "
+            f"({NO_CONCURRENT}); use kv_backend 'pinned' or 'auto'"
         )
     budget_bytes = n * block_bytes + int(host_spill_bytes)
     free = managed_bytes if free_bytes is None else free_bytes
@@ -106,28 +93,14 @@ def plan_pool(
 
 
 def create_kv_pool(
-    config,
-    profile: Profile,
-    num_device_blocks: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    precision: str,
-    *,
-    max_model_len: int,
-    memory: ManagedMemory | None = None,
+    config, profile: Profile, num_device_blocks: int, device, dtype, precision: str, *, max_model_len: int, memory=None
 ) -> KVPool:
-    """The pool the profile asks for, sized from the memory plan's device share.
-
-    config: the model's ModelConfig (layers, KV heads, head size) or DeepseekV2Config.
-    num_device_blocks: pages the memory plan fits on the device (`KVPlan.num_blocks`).
-    dtype: element type of fp16 pages (the compute dtype).
-    memory: managed-memory access for the `um` backend (default: cuda-bindings on `device`).
-    """
+    """The pool the profile asks for around the `num_device_blocks` pages the memory plan fits on
+    the device; `dtype`: that of fp16 pages; `memory`: for `um` (default: cuda-bindings)."""
     # MLA (DeepSeek-V2) keeps one latent row per token and layer, so two layers share a pool
     # layer's K and V (model_deepseek_v2.layer_kv_pages); dense models have no num_kv_layers.
     num_kv_layers = getattr(config, "num_kv_layers", config.num_layers)
     shape = KVShape(num_kv_layers, profile.kv_block_size, config.num_kv_heads, config.head_dim, dtype)
-    blocks_per_seq = -(-max_model_len // profile.kv_block_size)
     is_concurrent, free_bytes = None, None
     if device.type == "cuda" and profile.kv_backend != "device":
         try:
@@ -140,45 +113,32 @@ def create_kv_pool(
             _log_once(f"cuda-bindings is not usable ({exc}); KV pages cannot use unified memory")
             memory = None
             free_bytes = torch.cuda.mem_get_info(device)[0]
+    n, spill_bytes = num_device_blocks, int(profile.host_spill_gib * GIB)
     plan = plan_pool(
         backend=profile.kv_backend,
         device_type=device.type,
-        num_device_blocks=num_device_blocks,
-        max_num_blocks=max(num_device_blocks, profile.max_num_seqs * blocks_per_seq),
+        num_device_blocks=n,
+        max_num_blocks=max(n, profile.max_num_seqs * -(-max_model_len // profile.kv_block_size)),
         block_bytes=shape.block_bytes(precision),
-        host_spill_bytes=int(profile.host_spill_gib * GIB),
+        host_spill_bytes=spill_bytes,
         allow_oversubscription=profile.allow_oversubscription,
         has_runtime=memory is not None,
         is_concurrent=is_concurrent,
         free_bytes=free_bytes,
     )
     _log_once(f"KV pool backend: {plan.backend} ({plan.reason})")
-    n, spill_bytes = plan.num_device_blocks, int(profile.host_spill_gib * GIB)
+    args = (shape, plan.num_blocks, precision, device)
     if plan.backend == "um":
         budget, allow = n * plan.block_bytes + spill_bytes, profile.allow_oversubscription
         pool: KVPool = ManagedKVPool(
-            shape,
-            plan.num_blocks,
-            precision,
-            device,
-            max_device_blocks=n,
-            memory=memory,
-            budget_bytes=budget,
-            allow_oversubscription=allow,
+            *args, max_device_blocks=n, memory=memory, budget_bytes=budget, allow_oversubscription=allow
         )
     elif plan.backend == "pinned":
-        pool = PinnedKVPool(
-            shape, plan.num_blocks, precision, device, max_device_blocks=n, num_host_blocks=plan.num_host_blocks
-        )
+        pool = PinnedKVPool(*args, max_device_blocks=n, num_host_blocks=plan.num_host_blocks)
     else:
-        pool = DeviceKVPool(shape, plan.num_blocks, precision, device)
+        pool = DeviceKVPool(*args)
     log.info(
         "KV pool: %s, %d pages of %d tokens, at most %d on the device (%.1f MiB there, %.1f MiB on the host)",
-        pool.backend,
-        pool.num_blocks,
-        shape.block_size,
-        n,
-        pool.device_bytes / 2**20,
-        pool.host_bytes / 2**20,
+        *(pool.backend, pool.num_blocks, shape.block_size, n, pool.device_bytes / 2**20, pool.host_bytes / 2**20),
     )
     return pool

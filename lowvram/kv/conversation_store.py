@@ -1,16 +1,7 @@
-"""Save a conversation's KV pages to a file and restore them later.
-
-A restored conversation continues without recomputing its prefill: its pages are
-copied into the pool and registered in the prefix cache, so the next turn's
-request finds them like any cached prefix.
-
-File: safetensors (per layer `layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`,
-each [num_pages, block_size, ...]) whose metadata holds the model identity, the
-weight format, the KV precision and dtype, the page size and the token ids.
-Restoring reads the tensors through a memory map straight into the pool's pages:
-no second copy of the file is made in memory. Any mismatch (another model,
-weight format, KV precision or page size) or a damaged file is reported and the
-conversation is simply recomputed on the next turn: never wrong output.
+"""Save a conversation's KV pages and restore them into the prefix cache, so the next turn
+skips their prefill. File: safetensors, `layer.{i}.{k,v[,k_scale,k_zero,v_scale,v_zero]}`
+[num_pages, block_size, ...], metadata naming the model, formats, page size and token ids.
+A mismatch or a damaged file is reported and the conversation recomputed: never wrong output.
 """
 
 from __future__ import annotations
@@ -19,27 +10,19 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lowvram.errors import RequestError
+from lowvram.kv.pool import _tensors
 from lowvram.paths import user_data_dir
 
 log = logging.getLogger("lowvram")
 FORMAT = "lowvram-kv-conversation"
 VERSION = "1"
-_FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
-_NUMPY_DTYPES = {"F16": np.float16, "F32": np.float32, "U8": np.uint8, "BF16": np.uint16}
-
-
-def default_dir() -> Path:
-    return user_data_dir("conversations")
 
 
 def model_identity(model_dir: Path) -> str:
@@ -95,39 +78,31 @@ def save_conversation(engine, token_ids: list[int], path: str | Path | None = No
     pool = engine.kv_pool
     pool.ensure_resident(blocks)
     index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
-    tensors = {}
-    for i, pages in enumerate(pool.pages):
-        for name in _FIELDS:
-            tensor = getattr(pages, name)
-            if tensor is not None:
-                tensors[f"layer.{i}.{name}"] = tensor.index_select(0, index).cpu().contiguous()
+    tensors = {
+        f"layer.{i}.{name}": tensor.index_select(0, index).cpu().contiguous()
+        for i, pages in enumerate(pool.pages)
+        for name, tensor in _tensors(pages)
+    }
     metadata = dict(
         _expected_metadata(engine), token_ids=json.dumps(token_ids), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S")
     )
-    path = Path(path) if path is not None else default_dir() / f"conversation-{time.strftime('%Y%m%d-%H%M%S')}.kv"
+    if path is None:
+        path = user_data_dir("conversations") / f"conversation-{time.strftime('%Y%m%d-%H%M%S')}.kv"
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    os.close(fd)
+    tmp = path.with_name(path.name + ".partial")  # a crash never leaves a half-written file under `path`
     try:
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= 64 * 2**20:
-            raise ValueError("bad header length")
-        header = json.loads(f.read(size))
-    return header, 8 + size
 
 
 def restore_conversation(engine, path: str | Path) -> RestoreResult:
     """Load a saved conversation's pages into the prefix cache, if it fits this engine."""
+    from safetensors import SafetensorError, safe_open
+
     start = time.perf_counter()
     path = Path(path)
 
@@ -136,16 +111,15 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         log.warning(message)
         return RestoreResult(False, 0, message, time.perf_counter() - start, [])
 
-    try:
-        header, data_start = _read_header(path)
-        meta = header.pop("__metadata__", {})
-        token_ids = [int(t) for t in json.loads(meta.get("token_ids", "[]"))]
-    except FileNotFoundError:
+    if not path.is_file():
         return fallback("the file does not exist")
-    except (OSError, ValueError, json.JSONDecodeError, UnicodeDecodeError):
+    try:
+        file = safe_open(path, framework="pt")  # a memory map: tensors are read one at a time
+        meta = file.metadata() or {}
+        token_ids = [int(t) for t in json.loads(meta.get("token_ids", "[]"))]
+    except (OSError, SafetensorError, ValueError):
         return fallback("the file is damaged or not a saved conversation")
-    expected = _expected_metadata(engine)
-    for key, value in expected.items():
+    for key, value in _expected_metadata(engine).items():
         if meta.get(key) != value:
             return fallback(f"it was saved with {key} = {meta.get(key)!r}, this engine has {value!r}")
     bm = engine.block_manager
@@ -154,9 +128,6 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         return fallback(f"it needs {num_pages} KV pages and {bm.num_free_blocks} are free")
     if engine.has_unfinished_requests():
         return fallback("requests are running; restore between turns")
-    # Memory-map the data section: each tensor is a view of the file, copied once, into the pages.
-    file_size = path.stat().st_size
-    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(file_size - data_start,))
     seq_id = -1 - int(time.monotonic_ns() % 1_000_000_000)
     try:
         blocks = list(bm.allocate(seq_id, len(token_ids)))
@@ -164,33 +135,17 @@ def restore_conversation(engine, path: str | Path) -> RestoreResult:
         pool.ensure_resident(blocks, free_block_ids=blocks)  # fresh pages: nothing to bring back
         index = torch.tensor(pool.device_table(blocks), dtype=torch.long, device=engine.device)
         for i, pages in enumerate(pool.pages):
-            for name in _FIELDS:
-                target = getattr(pages, name)
-                if target is None:
-                    continue
-                info = header.get(f"layer.{i}.{name}")
-                if info is None:
-                    raise ValueError(f"layer.{i}.{name} is missing")
-                lo, hi = info["data_offsets"]
-                shape = [num_pages, *target.shape[1:]]
-                view = mapped[lo:hi].view(_NUMPY_DTYPES[info["dtype"]]).reshape(shape)
-                with warnings.catch_warnings():  # read-only on purpose: the map is only copied from
-                    warnings.simplefilter("ignore", UserWarning)
-                    source = torch.from_numpy(view)
-                if info["dtype"] == "BF16":
-                    source = source.view(torch.bfloat16)
-                if source.dtype != target.dtype:
-                    raise ValueError(f"layer.{i}.{name} has dtype {source.dtype}, the pool uses {target.dtype}")
-                target.index_copy_(0, index, source.to(engine.device, non_blocking=False))
+            for name, target in _tensors(pages):
+                source = file.get_tensor(f"layer.{i}.{name}")
+                if source.dtype != target.dtype or source.shape[1:] != target.shape[1:] or len(source) != num_pages:
+                    raise ValueError(f"layer.{i}.{name} is {source.dtype} {list(source.shape)}, not as the pool")
+                target.index_copy_(0, index, source.to(engine.device))
         bm.commit(seq_id, token_ids, len(token_ids))
         bm.commit_partial(seq_id, token_ids, len(token_ids))
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, SafetensorError) as exc:
         bm.free(seq_id)
         return fallback(f"the file is damaged ({exc})")
-    finally:
-        del mapped
     bm.free(seq_id)  # the pages stay cached, ready for the next turn
     seconds = time.perf_counter() - start
-    return RestoreResult(
-        True, len(token_ids), f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms", seconds, token_ids
-    )
+    message = f"restored {len(token_ids)} tokens in {seconds * 1000:.0f} ms"
+    return RestoreResult(True, len(token_ids), message, seconds, token_ids)

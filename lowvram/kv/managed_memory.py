@@ -1,21 +1,9 @@
-"""CUDA Unified Memory from Python through cuda-bindings (an optional dependency).
-
-What the KV pool needs from the CUDA runtime, and nothing more: allocate and free
-managed memory, see it as a torch tensor, advise where a range should live, migrate
-it (prefetch) on a stream, and ask whether the card can oversubscribe.
-
-Facts this module is built on:
-- Every cuda-bindings call returns a tuple whose first item is the error code.
-- cuda-bindings 13 passes a `cudaMemLocation` (type + id) to `cudaMemAdvise` and
-  `cudaMemPrefetchAsync` (prefetch also takes flags); 12.x passes an int device, with
-  `cudaCpuDeviceId` (-1) for the host. Which one is in use is read from the
-  functions' signatures, once.
-- `torch.from_dlpack` rejects managed memory; `torch.as_tensor` on an object that
-  exposes `__cuda_array_interface__` accepts it and holds a reference to that object
-  until the last view dies, so the object owns the allocation.
-- `cudaDevAttrConcurrentManagedAccess` is 0 on Windows and WSL2: no oversubscription,
-  no prefetch to the GPU, and the host must not touch managed memory while kernels
-  run. The pool uses pinned host pages there instead.
+"""CUDA Unified Memory through cuda-bindings (optional): allocate, view as a tensor, advise,
+migrate on a stream. Calls return (error code, values...). cuda-bindings 13 takes a
+`cudaMemLocation` where 12.x takes an int device (-1: host), read from the signatures.
+`torch.as_tensor` accepts managed memory through `__cuda_array_interface__` (from_dlpack does
+not) and keeps the owner alive. Without concurrentManagedAccess (Windows, WSL2) there is no
+oversubscription nor host access while kernels run: the pool uses pinned pages there.
 """
 
 from __future__ import annotations
@@ -51,25 +39,19 @@ def load_runtime():
 
 @functools.cache
 def uses_mem_location(function) -> bool:
-    """True when `function` (cudaMemAdvise / cudaMemPrefetchAsync) takes a cudaMemLocation
-    (cuda-bindings 13), False when it takes an int device (12.x)."""
+    """Whether `function` takes a cudaMemLocation (cuda-bindings 13) rather than an int device (12.x)."""
     try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        # No signature to read: 13.x documents the location form first in its docstring.
+        return "location" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature: 13.x documents the location form first
         return "cudaMemLocation" in (function.__doc__ or "").split("\n", 1)[0]
-    return "location" in parameters
 
 
 def check(result, what: str):
     """Raise KernelError for a failed call; return the values after the error code."""
-    rt = load_runtime()
     err, *values = result if isinstance(result, tuple) else (result,)
-    if err != rt.cudaError_t.cudaSuccess:
+    if err != load_runtime().cudaError_t.cudaSuccess:
         raise KernelError(f"{what} failed: {getattr(err, 'name', err)}")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
+    return tuple(values) if len(values) > 1 else next(iter(values), None)
 
 
 def _location_args(rt, device_index: int | None):
@@ -85,11 +67,8 @@ def _location_args(rt, device_index: int | None):
 
 
 class ManagedBuffer:
-    """One cudaMallocManaged allocation, freed when the last tensor viewing it dies.
-
-    Exposes `__cuda_array_interface__` as a flat uint8 array so `torch.as_tensor`
-    can view it; torch keeps this object alive for as long as that tensor lives.
-    """
+    """One cudaMallocManaged allocation, freed when the last tensor viewing it dies (exposed
+    as a flat uint8 `__cuda_array_interface__`)."""
 
     def __init__(self, num_bytes: int, device_index: int):
         rt = load_runtime()
@@ -97,13 +76,9 @@ class ManagedBuffer:
         self.ptr = 0
         result = rt.cudaMallocManaged(max(1, num_bytes), rt.cudaMemAttachGlobal)
         self.ptr = int(check(result, f"cudaMallocManaged({num_bytes} bytes)"))
-        self.__cuda_array_interface__ = {
-            "shape": (num_bytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 2,
-        }
+        self.__cuda_array_interface__ = dict(
+            shape=(num_bytes,), typestr="|u1", data=(self.ptr, False), strides=None, version=2
+        )
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
@@ -115,11 +90,8 @@ class ManagedBuffer:
 
 
 class ManagedMemory:
-    """Managed allocations and their placement on one GPU.
-
-    The KV pool talks to this interface only, so its bookkeeping can be tested on
-    the CPU with a stand-in that records calls.
-    """
+    """Managed allocations and their placement on one GPU; the pool talks only to this, so
+    CPU tests can stand in a recorder."""
 
     def __init__(self, device: torch.device):
         self.rt = load_runtime()
@@ -128,21 +100,18 @@ class ManagedMemory:
         self.page_bytes = mmap.PAGESIZE  # migration and advice work on whole OS pages
 
     def free_bytes(self) -> int:
-        """Free device bytes as the driver reports them: managed pages resident on the GPU
-        count as used, unlike in torch's allocator statistics."""
+        """Free device bytes as the driver reports them (resident managed pages count as used)."""
         check(self.rt.cudaSetDevice(self.device_index), "cudaSetDevice")
         return int(check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")[0])
 
     def is_concurrent(self) -> bool:
-        """Whether the GPU and the host may touch managed memory at once (and pages can
-        oversubscribe and be prefetched to the GPU): 0 on Windows and WSL2."""
+        """Whether GPU and host may touch managed memory at once (0 on Windows and WSL2)."""
         attr = self.rt.cudaDeviceAttr.cudaDevAttrConcurrentManagedAccess
         return bool(check(self.rt.cudaDeviceGetAttribute(attr, self.device_index), "cudaDeviceGetAttribute"))
 
     def allocate(self, num_bytes: int) -> torch.Tensor:
-        """A flat uint8 CUDA tensor over a new managed allocation. The GPU keeps a
-        mapping to every page (accessed-by), so a page living on the host is read over
-        the bus instead of faulting."""
+        """A flat uint8 CUDA tensor over a new managed allocation. The GPU maps every page
+        (accessed-by), so a page on the host is read over the bus instead of faulting."""
         buffer = ManagedBuffer(num_bytes, self.device_index)
         try:
             flat = torch.as_tensor(buffer, device=self.device)
@@ -159,17 +128,14 @@ class ManagedMemory:
     def place(
         self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool, stream: torch.cuda.Stream
     ) -> None:
-        """Advise `num_bytes` of `tensor` from `start_bytes` to live on the host or the GPU
-        and migrate them there, enqueued on `stream`."""
+        """Advise a byte range of `tensor` to live on the host or the GPU and migrate it there on `stream`."""
         if num_bytes <= 0:
             return
-        ptr = tensor.data_ptr() + start_bytes
         self.advise_preferred(tensor, start_bytes, num_bytes, on_host=on_host)
         where = _location_args(self.rt, HOST if on_host else self.device_index)
-        if uses_mem_location(self.rt.cudaMemPrefetchAsync):
-            result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, 0, stream.cuda_stream)
-        else:
-            result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, stream.cuda_stream)
+        flags = (0,) if uses_mem_location(self.rt.cudaMemPrefetchAsync) else ()  # 13.x takes flags
+        ptr = tensor.data_ptr() + start_bytes
+        result = self.rt.cudaMemPrefetchAsync(ptr, num_bytes, where, *flags, stream.cuda_stream)
         check(result, f"cudaMemPrefetchAsync({num_bytes} bytes to {'host' if on_host else 'GPU'})")
 
     def advise_preferred(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int, *, on_host: bool) -> None:
@@ -178,25 +144,16 @@ class ManagedMemory:
             location = HOST if on_host else self.device_index
             self._advise(tensor.data_ptr() + start_bytes, num_bytes, "cudaMemAdviseSetPreferredLocation", location)
 
-    def last_prefetch_is_host(self, tensor: torch.Tensor, start_bytes: int, num_bytes: int) -> bool:
-        """Whether the range was last prefetched to the host (for tests and diagnostics)."""
-        attr = self.rt.cudaMemRangeAttribute.cudaMemRangeAttributeLastPrefetchLocation
-        result = self.rt.cudaMemRangeGetAttribute(4, attr, tensor.data_ptr() + start_bytes, num_bytes)
-        return int(check(result, "cudaMemRangeGetAttribute")) == int(self.rt.cudaCpuDeviceId)
-
     def _advise(self, ptr: int, num_bytes: int, advice_name: str, location: int | None) -> None:
         advice = getattr(self.rt.cudaMemoryAdvise, advice_name)
         result = self.rt.cudaMemAdvise(ptr, num_bytes, advice, _location_args(self.rt, location))
         check(result, f"cudaMemAdvise({advice_name})")
 
 
-def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, *, allow_oversubscription: bool) -> None:
-    """Refuse a managed pool larger than the profile's budgets (device KV share plus host
-    spill) or, unless the profile allows oversubscription, than the free device memory.
-
-    On a shared GPU, asking the driver for more managed memory than is free can stall
-    every process on the card, so the refusal comes before any allocation.
-    """
+def check_managed_size(managed_bytes: int, free_bytes: int, budget_bytes: int, allow_oversubscription: bool) -> None:
+    """Refuse a managed pool larger than the profile's budget (device KV share plus host spill)
+    or, without oversubscription, than the free device memory: on a shared GPU asking the
+    driver for more managed memory than is free can stall every process on the card."""
     if managed_bytes > budget_bytes:
         raise OutOfMemoryError(
             f"the unified-memory KV pool would need {managed_bytes / GIB:.2f} GiB but the profile allows "

@@ -1,30 +1,13 @@
-"""The KV pool: every layer's pages, where they live, and how they move.
+"""The KV pool: every layer's pages, where they live, and how they move. `KVPool` is the
+interface and the `device` backend's base (`DeviceKVPool`, the only one on the CPU); `um` and
+`pinned` move pages between device and host (`lowvram.kv.tiers`).
 
-One interface (`KVPool`), three backends (`lowvram.kv.tiers.create_kv_pool` picks one):
-`device` (`DeviceKVPool`, here: every page on the device, no spill; on the CPU every
-backend becomes this one), and `um` / `pinned` (`lowvram.kv.tiers`: pages that live on
-the device or the host and move between them).
-
-`set_precision` re-quantizes every page with data into new storage, layer by layer
-(peak: the old pool plus one new layer), and returns the device bytes freed. Block
-ids do not change, so running sequences continue. Every reallocation of `pages`
-bumps `pages_version`: anything that keeps the pages' addresses (CUDA graphs) must
-re-read them when it changes.
-
-The recent FP16 window. When `set_precision` compresses to INT8/INT4 it may keep the
-pages holding each running sequence's last `kv_recent_fp16_tokens` tokens in FP16 as
-well (`KVPages.window_k/window_v`, tagged per page by `window_row`; see
-`lowvram.kernels.kv_quant`): the attention kernels read the FP16 copy, and the codes
-stay valid, so nothing that ignores the window reads garbage. The newest tokens are
-the ones attention leans on most (KIVI keeps a full-precision residual for the same
-reason), and 64 tokens cost little: 2.2 MiB per sequence for the 1.5B shape. The
-window is chosen when the precision changes, not slid every step: tokens written later
-into a kept page stay FP16, and pages keep their copy when freed and reused. Its bytes
-count in `device_bytes`; when it would push the pool past the device bytes the pool
-started with, its oldest pages are dropped.
-
-The pool counts its own device bytes (`device_bytes`): managed memory is invisible
-to torch's allocator statistics.
+`set_precision` re-quantizes layer by layer; block ids stay, so running sequences continue.
+Each reallocation of `pages` bumps `pages_version` (CUDA graphs re-read the addresses). It may
+keep each running sequence's newest pages in FP16 too (the recent window, `KVPages.window_k/v`
+tagged by `window_row`): attention leans on the newest tokens most (as KIVI's residual), and
+64 tokens cost 2.2 MiB per sequence at 1.5B. The window is chosen when the precision changes
+and counts in `device_bytes`; its oldest pages go first when it would not fit.
 """
 
 from __future__ import annotations
@@ -41,22 +24,12 @@ from lowvram.kernels.kv_quant import PRECISIONS, KVPages, allocate_pages, copy_p
 
 log = logging.getLogger("lowvram")
 GIB = 2**30
-# Re-quantization works through float32 copies of this many bytes at a time.
-CONVERT_CHUNK_BYTES = 32 * 2**20
-
-
-# ---------------------------------------------------------------- shapes and sizes
+CONVERT_CHUNK_BYTES = 32 * 2**20  # re-quantization works through float32 chunks of this size
 
 
 def _tensors(pages: KVPages) -> list[tuple[str, torch.Tensor]]:
     names = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
     return [(name, getattr(pages, name)) for name in names if getattr(pages, name) is not None]
-
-
-def _pages_like(template: KVPages, make: Callable[[str, torch.Tensor], torch.Tensor]) -> KVPages:
-    """KVPages with the template's layout, each tensor made by `make(name, template tensor)`."""
-    made = {name: make(name, tensor) for name, tensor in _tensors(template)}
-    return KVPages(precision=template.precision, **made)
 
 
 @dataclass(frozen=True)
@@ -77,8 +50,8 @@ class KVShape:
 
     def layer_block_bytes(self, precision: str) -> int:
         """One page of one layer: K and V codes plus scales and zeros."""
-        # The engine asks several times a step and a template costs tens of microseconds; the
-        # answers live on the instance, as a cache keyed by the shape would hash it at every call.
+        # Asked several times a step and a template costs tens of microseconds: cached on the
+        # instance, as an lru_cache keyed by the shape would hash it at every call.
         known = self._layer_block_bytes
         if precision not in known:
             known[precision] = sum(t[0].numel() * t.element_size() for _, t in _tensors(self.template(precision)))
@@ -104,11 +77,7 @@ def _check_precision(precision: str) -> None:
 
 
 def _convert_pages(old: KVPages, new: KVPages, rows: Sequence[int]) -> None:
-    """Copy pages `rows` of `old` into the same pages of `new`, re-quantizing to
-    `new.precision` (each side's FP16 window is read and written as its pages say).
-    Works through bounded float32 chunks."""
-    if not rows:
-        return
+    """Copy pages `rows` of `old` into the same pages of `new`, re-quantizing to `new.precision`."""
     block_size = old.block_size
     per_block = 2 * block_size * old.num_kv_heads * old.head_dim * 4  # float32 K and V
     chunk = max(1, CONVERT_CHUNK_BYTES // per_block)
@@ -127,44 +96,37 @@ def _convert_pages(old: KVPages, new: KVPages, rows: Sequence[int]) -> None:
 
 
 def _release_cached(device: torch.device) -> None:
-    """Hand memory torch's allocator keeps cached back to the driver, so a freed pool is really free."""
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # hand torch's cached blocks back, so a freed pool is really free
 
 
 def recent_window_blocks(seqs: Iterable[tuple[Sequence[int], int]], num_tokens: int, block_size: int) -> list[int]:
-    """The pages holding the last `num_tokens` cached tokens of each sequence, given as
-    (block table, cached tokens) pairs: whole pages, so up to `num_tokens + block_size - 1`
-    tokens each. Ordered newest first across sequences (every sequence's last page, then
-    every one's second to last, ...), so a pool that cannot keep them all keeps the newest."""
+    """The pages holding the last `num_tokens` cached tokens of each (block table, cached tokens)
+    pair, whole pages, newest first across sequences (every last page, then every second to
+    last, ...), so a pool that cannot keep them all keeps the newest."""
     if num_tokens <= 0:
         return []
-    newest_first = []
-    for table, num_cached in seqs:
-        if num_cached > 0:
-            first, last = max(0, num_cached - num_tokens) // block_size, (num_cached - 1) // block_size
-            newest_first.append(list(table[first : last + 1])[::-1])
+    newest_first = [
+        list(table[max(0, n - num_tokens) // block_size : (n - 1) // block_size + 1])[::-1]
+        for table, n in seqs
+        if n > 0
+    ]
     order = [
         pages[i] for i in range(max(map(len, newest_first), default=0)) for pages in newest_first if i < len(pages)
     ]
     return list(dict.fromkeys(order))  # a shared prefix page once
 
 
-# ---------------------------------------------------------------- the interface and the device backend
-
-
 class KVPool:
-    """Pages of every layer (`pages`, one KVPages per layer, what the kernels read).
-
-    The base class is the `device` backend's interface with no movement: every page
-    is always resident and the spill calls do nothing. A backend allocates `pages`
-    and says how to re-quantize them (`_device_codes_bytes`, `_convert`).
-    """
+    """Pages of every layer (`pages`, one KVPages per layer, what the kernels read); in the base
+    class every page is always resident and the spill calls do nothing."""
 
     backend = "device"
     is_translated = False  # block ids must go through device_table (pinned)
     can_spill = False
     can_read_host = False  # kernels may read a page that lives on the host (um)
+    host_bytes = 0  # host memory holding spilled pages
+    max_blocks_per_step: int | None = None  # most pages one step may read (None: any number)
 
     def __init__(self, shape: KVShape, num_blocks: int, precision: str, device: torch.device | str):
         _check_precision(precision)
@@ -175,10 +137,9 @@ class KVPool:
         self.precision = precision
         self.device = torch.device(device)
         self.pages: list[KVPages] = []
-        self.pages_version = 0  # bumped whenever the `pages` tensors are reallocated
+        self.pages_version = 0
         self.window_block_ids: list[int] = []  # pages kept in FP16, in the order of their window rows
 
-    # -- sizes -------------------------------------------------------------------
     @property
     def block_size(self) -> int:
         return self.shape.block_size
@@ -189,25 +150,13 @@ class KVPool:
         return self._device_codes_bytes(self.precision) + self.window_bytes()
 
     def window_bytes(self, num_blocks: int | None = None) -> int:
-        """Device bytes of the FP16 window: `num_blocks` pages (default: the pool's) in every layer."""
-        num_blocks = len(self.window_block_ids) if num_blocks is None else num_blocks
-        return num_blocks * self.shape.block_bytes("fp16")
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory holding spilled pages."""
-        return 0
-
-    @property
-    def max_blocks_per_step(self) -> int | None:
-        """Most pages one step may read (None: any number)."""
-        return None
+        """Bytes of an FP16 window of `num_blocks` pages (default: the pool's) in every layer."""
+        return (len(self.window_block_ids) if num_blocks is None else num_blocks) * self.shape.block_bytes("fp16")
 
     def num_blocks_on_host(self, block_ids: Iterable[int] | None = None) -> int:
         """Pages (of `block_ids`, default all) whose data lives on the host."""
         return 0
 
-    # -- residency ---------------------------------------------------------------
     def device_table(self, table: list[int]) -> list[int]:
         """Block ids -> the page indices in `pages` the kernels read."""
         return table
@@ -216,8 +165,7 @@ class KVPool:
         """The step about to run reads these tables (seq id -> block ids)."""
 
     def ensure_resident(self, block_ids: Iterable[int], free_block_ids: Collection[int] = ()) -> None:
-        """Make the pages readable on the device before the compute stream's next kernels.
-        `free_block_ids` are pages with no data (moving them copies nothing)."""
+        """Make the pages readable by the compute stream's next kernels (`free_block_ids`: no data to copy)."""
 
     def prefetch(
         self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
@@ -233,9 +181,8 @@ class KVPool:
         return 0
 
     def synchronize(self) -> None:
-        """Finish every transfer in flight (tests, shutdown)."""
+        """Finish every transfer in flight."""
 
-    # -- contents ----------------------------------------------------------------
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one page onto another in every layer (copy-on-write of a shared page)."""
         src_row, dst_row = self.device_table([src, dst])
@@ -245,14 +192,10 @@ class KVPool:
     def set_precision(
         self, precision: str, block_ids: Iterable[int] | None = None, fp16_block_ids: Sequence[int] = ()
     ) -> int:
-        """Re-quantize the pages with data (`block_ids`, default all) to `precision`; returns
-        device bytes freed (negative when the pool grows). Raises OutOfMemoryError, changing
-        nothing, when the new precision would exceed the device bytes the pool started with.
-
-        fp16_block_ids: pages to keep in FP16 as well when `precision` is INT8/INT4 (the
-        recent window, newest first: see `recent_window_blocks`); as many as fit those bytes.
-        The same precision again changes nothing, the window included.
-        """
+        """Re-quantize the pages with data (`block_ids`, default all); returns device bytes freed.
+        OutOfMemoryError, changing nothing, past the device bytes the pool started with.
+        `fp16_block_ids`: the recent window (newest first, `recent_window_blocks`), as much as fits.
+        The same precision again changes nothing."""
         _check_precision(precision)
         if precision == self.precision:
             return 0
@@ -282,25 +225,22 @@ class KVPool:
         return self.num_blocks * self.shape.block_bytes(precision)
 
     def _can_hold_window(self, block_id: int) -> bool:
-        return True
+        return True  # pinned: only pages in a device slot
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
-        """Replace `pages` by new storage at `precision`, holding the data of pages `rows`
-        and an FP16 window for `window`, one layer at a time."""
+        """New storage at `precision` holding pages `rows` and the FP16 `window`, layer by layer."""
         window_row = self._window_rows(window, lambda b: b, self.num_blocks)
         for layer in range(len(self.pages)):
             new = self._with_window(self._allocate(precision, self.num_blocks), window_row, len(window))
             _convert_pages(self.pages[layer], new, rows)
-            self.pages[layer] = new  # the old layer is freed here, before the next one is allocated
+            self.pages[layer] = new
 
     def _allocate(self, precision: str, num_blocks: int) -> KVPages:
         s = self.shape
         return allocate_pages(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, precision, s.dtype, self.device)
 
-    # -- the FP16 window -------------------------------------------------------------
     def _window_rows(self, window: list[int], row_of: Callable[[int], int], num_rows: int) -> torch.Tensor | None:
-        """`KVPages.window_row` for `num_rows` page rows: window index at `row_of(block)` of each
-        window block (rows < 0 are skipped); None without a window."""
+        """`KVPages.window_row`: each window block's index at its row `row_of(block)` (if >= 0)."""
         if not window:
             return None
         table = [-1] * num_rows

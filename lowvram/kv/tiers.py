@@ -1,23 +1,16 @@
 """The tiered KV pools: pages that live on the device or in host memory and move between them.
 
-- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory. A page is spilled by
-  advising its range to the host and migrating it there, which frees its device
-  memory; it comes back by advising the GPU and prefetching. The GPU keeps a mapping
-  to every page, so a page left on the host is still read correctly (over the bus): a
-  context longer than the device share keeps its oldest pages there. Scales, zeros
-  and the FP16 window stay in ordinary device memory. Migration works on OS pages, so
+- `um` (`ManagedKVPool`): K/V codes in CUDA Unified Memory, spilled by advising a range to the
+  host and migrating it, brought back by advising the GPU and prefetching. The GPU maps every
+  page, so a context longer than the device share keeps its oldest pages on the host and still
+  reads them. Scales, zeros and the FP16 window stay on the device. Migration works on OS pages:
   pages move in units of as many KV pages as fill whole OS pages.
-- `pinned` (`PinnedKVPool`): a fixed set of device slots plus a pinned-host tier;
-  pages move with asynchronous copies on a side stream, and block ids are translated
-  to device slots (`device_table`). For platforms where managed memory cannot
-  oversubscribe (concurrentManagedAccess = 0: Windows, WSL2).
+- `pinned` (`PinnedKVPool`): fixed device slots plus a pinned-host tier, asynchronous copies on a
+  side stream, block ids translated to slots (`device_table`). For Windows and WSL2.
 
-Residency: at most `max_device_blocks` pages are resident. Before a step the runner
-calls `ensure_resident` with the step's pages: missing pages come back on the side
-stream and the compute stream waits for them on the GPU, not on the CPU. Victims are
-chosen by `SpillPolicy` (cold and LRU first, the hot window near each decode position
-last, never the step's own pages). `prefetch` does the same without the wait, so
-copies overlap the compute already queued.
+At most `max_device_blocks` pages are resident. `ensure_resident` brings a step's pages back on
+the side stream and makes the compute stream wait on the GPU; `prefetch` does not wait. Victims
+follow `SpillPolicy` (cold and LRU first, pages near a decode position last, never the step's).
 """
 
 from __future__ import annotations
@@ -32,15 +25,11 @@ from lowvram.core.spill_policy import SpillPolicy
 from lowvram.errors import ConfigError, KernelError, OutOfMemoryError
 from lowvram.kernels.kv_quant import KVPages
 from lowvram.kv.managed_memory import ManagedMemory, check_managed_size
-from lowvram.kv.pool import (
-    GIB,
-    KVPool,
-    KVShape,
-    _convert_pages,
-    _pages_like,
-    _release_cached,
-    _tensors,
-)
+from lowvram.kv.pool import GIB, KVPool, KVShape, _convert_pages, _release_cached, _tensors
+
+
+def _all_tensors(layers: list[KVPages]) -> list[torch.Tensor]:
+    return [t for pages in layers for _, t in _tensors(pages)]
 
 
 def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
@@ -54,37 +43,20 @@ def _runs(units: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-# ---------------------------------------------------------------- residency shared by um and pinned
-
-
 class _TieredKVPool(KVPool):
-    """Residency bookkeeping for pools whose pages live on the device or the host.
-
-    Pages move in units of `unit_size` consecutive pages; a unit is resident or not.
-    Subclasses move data in `_swap` and size the host side in `_host_room`.
-    """
+    """Residency of units of `unit_size` pages. Subclasses move data in `_swap(victims, incoming,
+    dataless)` (side stream; dataless victims need no copy) and size a unit in `_unit_bytes()`."""
 
     can_spill = True
 
-    def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device: torch.device | str,
-        *,
-        max_device_blocks: int,
-    ):
+    def __init__(self, shape: KVShape, num_blocks: int, precision: str, device, *, max_device_blocks: int):
         super().__init__(shape, num_blocks, precision, device)
         if max_device_blocks < 1:
             raise ConfigError(f"max_device_blocks must be at least 1, got {max_device_blocks}")
         self.max_device_blocks = min(max_device_blocks, num_blocks)  # the device share, in pages
         self.max_device_blocks_budget = self.max_device_blocks
-        self.policy = SpillPolicy()  # the last 2 pages of each sequence are hot
-        self.num_page_hits = 0
-        self.num_page_misses = 0
-        self.spilled_bytes = 0
-        self.fetched_bytes = 0
+        self.policy = SpillPolicy()
+        self.num_page_hits = self.num_page_misses = self.spilled_bytes = self.fetched_bytes = 0
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._has_transfers = False
         self._set_units(1)
@@ -93,30 +65,22 @@ class _TieredKVPool(KVPool):
         self.unit_size = unit_size
         self.num_units = -(-self.num_blocks // unit_size)
         self.max_device_units = max(1, self.max_device_blocks // unit_size)
-        self._is_resident = bytearray(self.num_units)
-        self._num_resident = 0
-        # The same flags as a set of the units on the host, for the per-step questions about
-        # a step's or the live pages, which set operations answer in C loops.
-        self._host_units = set(range(self.num_units))
+        self._host_units = set(range(self.num_units))  # per-step questions become set operations
 
-    # -- hooks -------------------------------------------------------------------
-    def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
-        """Move `victims` units to the host and `incoming` units to the device (in that
-        order, on the side stream); `dataless` victims need no copy."""
-        raise NotImplementedError
+    @property
+    def _num_resident(self) -> int:
+        return self.num_units - len(self._host_units)
 
     def _host_room(self, incoming: list[int]) -> int:
         """How many more units may move to the host if `incoming` come back."""
         return self.num_units
 
-    def _unit_bytes(self) -> int:
-        """Bytes one unit moves between device and host."""
-        raise NotImplementedError
-
     def _reclaim_host(self, dataless: set[int]) -> None:
-        """Forget host copies of units that no longer hold data (pinned frees their host slots)."""
+        """Forget host copies of units that no longer hold data."""
 
-    # -- sizes -------------------------------------------------------------------
+    def _resize_device(self) -> None:
+        """Match device storage to `max_device_units` (managed memory needs nothing)."""
+
     @property
     def max_blocks_per_step(self) -> int | None:
         return None if self.can_read_host else self.max_device_units * self.unit_size
@@ -124,15 +88,14 @@ class _TieredKVPool(KVPool):
     def num_blocks_on_host(self, block_ids: Iterable[int] | None = None) -> int:
         g = self.unit_size
         if block_ids is None:
-            return sum(min(g, self.num_blocks - u * g) for u in range(self.num_units) if not self._is_resident[u])
+            return sum(min(g, self.num_blocks - u * g) for u in self._host_units)
         if g == 1 and isinstance(block_ids, (set, frozenset)):  # the live pages, every step
             return len(self._host_units.intersection(block_ids))
-        return sum(1 for b in block_ids if not self._is_resident[b // g])
+        return sum(1 for b in block_ids if b // g in self._host_units)
 
     def is_resident(self, block_id: int) -> bool:
-        return bool(self._is_resident[block_id // self.unit_size])
+        return block_id // self.unit_size not in self._host_units
 
-    # -- residency ---------------------------------------------------------------
     def _units_of(self, block_ids: Iterable[int]) -> list[int]:
         g = self.unit_size
         return list(dict.fromkeys(block_ids if g == 1 else (b // g for b in block_ids)))
@@ -143,17 +106,13 @@ class _TieredKVPool(KVPool):
         self.policy.record_step(tables, live_seq_ids)
 
     def ensure_resident(self, block_ids: Iterable[int], free_block_ids: Collection[int] = ()) -> None:
-        self._make_resident(block_ids, (), free_block_ids, is_required=True)
+        self.prefetch(block_ids, (), free_block_ids, is_required=True)
         self._wait_for_transfers()
 
     def prefetch(
-        self, block_ids: Iterable[int], protected: Iterable[int] = (), free_block_ids: Collection[int] = ()
-    ) -> None:
-        self._make_resident(block_ids, protected, free_block_ids, is_required=False)
-
-    def _make_resident(
-        self, block_ids: Iterable[int], protected: Iterable[int], free_block_ids: Collection[int], *, is_required: bool
-    ) -> None:
+        self, block_ids, protected: Iterable[int] = (), free_block_ids: Collection[int] = (), is_required=False
+    ):
+        """As in KVPool; `is_required` (ensure_resident): count hits and misses, fail if the step cannot fit."""
         if self.unit_size == 1:
             block_ids = block_ids if isinstance(block_ids, (list, tuple, set, frozenset)) else list(block_ids)
             if self._host_units.isdisjoint(block_ids):  # every page resident: the usual step
@@ -161,7 +120,7 @@ class _TieredKVPool(KVPool):
                     self.num_page_hits += len(set(block_ids))
                 return
         units = self._units_of(block_ids)
-        missing = [u for u in units if not self._is_resident[u]]
+        missing = [u for u in units if u in self._host_units]
         if is_required:
             self.num_page_hits += len(units) - len(missing)
             self.num_page_misses += len(missing)
@@ -172,12 +131,24 @@ class _TieredKVPool(KVPool):
         dataless: set[int] = set()
         if len(missing) > room:
             keep = set(units).union(self._units_of(protected))
-            dataless = self._dataless_units(free_block_ids)
+            free, g = set(free_block_ids), self.unit_size
+            whole = (
+                u for u in {b // g for b in free} if free.issuperset(range(u * g, min(u * g + g, self.num_blocks)))
+            )
+            dataless = free if g == 1 else set(whole)  # units whose every page is free
             self._reclaim_host(dataless)
             victims = self._choose_victims(len(missing) - room, keep, dataless, missing)
             short = len(missing) - room - len(victims)
             if short > 0 and is_required and self.can_read_host:
-                missing, victims = self._fit_step(units, missing, victims, room)
+                # The step reads more than fits (um): the most valuable units come to the device, the
+                # kernels read the rest on the host.
+                ranked = self.policy.admission_order(units)
+                keep = set(ranked[: self.max_device_units])
+                skip = keep | set(victims) | self._host_units
+                missing = [u for u in missing if u in keep]
+                demote = [u for u in reversed(ranked) if u not in skip]
+                victims += demote[: max(0, len(missing) - room - len(victims))]
+                missing = missing[: room + len(victims)]
             elif short > 0 and is_required:
                 raise OutOfMemoryError(
                     f"a step reads {len(units) * self.unit_size} KV pages but at most "
@@ -189,33 +160,9 @@ class _TieredKVPool(KVPool):
         if victims or missing:
             self._swap(victims, missing, dataless)
 
-    def _fit_step(
-        self, units: list[int], missing: list[int], victims: list[int], room: int
-    ) -> tuple[list[int], list[int]]:
-        """The step reads more units than fit: keep the most valuable ones on the device
-        and let the kernels read the rest where they are (um only)."""
-        ranked = self.policy.admission_order(units)
-        keep = set(ranked[: self.max_device_units])
-        wanted = [u for u in missing if u in keep]
-        chosen = set(victims)
-        demote = [u for u in reversed(ranked) if u not in keep and self._is_resident[u] and u not in chosen]
-        need = max(0, len(wanted) - room - len(victims))
-        victims = victims + demote[:need]
-        return wanted[: room + len(victims)], victims
-
-    def _dataless_units(self, free_block_ids: Collection[int]) -> set[int]:
-        if not free_block_ids:
-            return set()
-        free = set(free_block_ids)
-        g = self.unit_size
-        if g == 1:
-            return free
-        units = {b // g for b in free}
-        return {u for u in units if all(b in free for b in range(u * g, min((u + 1) * g, self.num_blocks)))}
-
     def _choose_victims(self, count: int, keep: set[int], dataless: set[int], incoming: list[int]) -> list[int]:
         """Up to `count` resident units outside `keep`: pages without data first, then in policy order."""
-        resident = [u for u in range(self.num_units) if self._is_resident[u] and u not in keep]
+        resident = [u for u in range(self.num_units) if u not in self._host_units and u not in keep]
         order = self.policy.eviction_order(resident)
         if dataless:
             order = [u for u in order if u in dataless] + [u for u in order if u not in dataless]
@@ -232,14 +179,7 @@ class _TieredKVPool(KVPool):
         return victims
 
     def _mark(self, units: Iterable[int], is_resident: bool) -> None:
-        for u in units:
-            if self._is_resident[u] != is_resident:
-                self._is_resident[u] = is_resident
-                self._num_resident += 1 if is_resident else -1
-                if is_resident:
-                    self._host_units.discard(u)
-                else:
-                    self._host_units.add(u)
+        (self._host_units.difference_update if is_resident else self._host_units.update)(units)
 
     def _wait_for_transfers(self) -> None:
         """Make the compute stream wait (on the GPU) for every transfer enqueued so far."""
@@ -248,15 +188,13 @@ class _TieredKVPool(KVPool):
             self._has_transfers = False
 
     def _start_transfers(self) -> None:
-        """Order the side stream after everything the compute stream has enqueued: the
-        pages about to move may still be written or read by earlier steps."""
+        """Order the side stream after the compute stream's queued work, which may still use the pages."""
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             self._has_transfers = True
 
     def spill(self, block_ids: Iterable[int]) -> int:
-        units = [u for u in self._units_of(block_ids) if self._is_resident[u]]
-        units = units[: self._host_room([])]
+        units = [u for u in self._units_of(block_ids) if u not in self._host_units][: self._host_room([])]
         before = self.device_bytes
         if units:
             self._swap(units, [], set())
@@ -280,16 +218,10 @@ class _TieredKVPool(KVPool):
         self._resize_device()
         return before - self.device_bytes
 
-    def _resize_device(self) -> None:
-        """Match device storage to `max_device_units` (pinned); managed memory needs nothing."""
-
     def synchronize(self) -> None:
         if self._side is not None:
             self._side.synchronize()
         self._wait_for_transfers()
-
-
-# ---------------------------------------------------------------- um: CUDA Unified Memory
 
 
 class ManagedKVPool(_TieredKVPool):
@@ -298,42 +230,23 @@ class ManagedKVPool(_TieredKVPool):
     backend = "um"
     can_read_host = True
 
-    def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device: torch.device | str,
-        *,
-        max_device_blocks: int,
-        memory: ManagedMemory,
-        budget_bytes: int,
-        allow_oversubscription: bool = False,
-    ):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
+    def __init__(self, *args, memory: ManagedMemory, budget_bytes: int, allow_oversubscription=False, **kwargs):
+        super().__init__(*args, **kwargs)
         self.memory = memory
         self.budget_bytes = budget_bytes
         self.allow_oversubscription = allow_oversubscription
+        precision = self.precision
         self._set_units(self._unit_size_for(precision))
-        check_managed_size(
-            self._managed_bytes(precision),
-            memory.free_bytes(),
-            budget_bytes,
-            allow_oversubscription=allow_oversubscription,
-        )
+        self._check_size(precision, memory.free_bytes())
         resident = [u < self.max_device_units for u in range(self.num_units)]
-        self.pages, self._flats = [], []
-        for _ in range(shape.num_layers):
-            pages, flat = self._allocate_layer(precision, resident)
-            self.pages.append(pages)
-            self._flats.append(flat)
+        layers = [self._allocate_layer(precision, resident) for _ in range(self.shape.num_layers)]
+        self.pages, self._flats = [pages for pages, _ in layers], [flat for _, flat in layers]
         self._mark([u for u in range(self.num_units) if resident[u]], True)
         self.max_device_bytes = self.device_bytes
 
     def _unit_size_for(self, precision: str) -> int:
-        code_bytes = self.shape.code_block_bytes(precision)
         page = self.memory.page_bytes
-        return page // math.gcd(page, code_bytes)
+        return page // math.gcd(page, self.shape.code_block_bytes(precision))
 
     def _num_alloc_blocks(self, precision: str) -> int:
         g = self._unit_size_for(precision)
@@ -342,27 +255,34 @@ class ManagedKVPool(_TieredKVPool):
     def _managed_bytes(self, precision: str) -> int:
         return self.shape.num_layers * 2 * self._num_alloc_blocks(precision) * self.shape.code_block_bytes(precision)
 
+    def _check_size(self, precision: str, free_bytes: int) -> None:
+        check_managed_size(self._managed_bytes(precision), free_bytes, self.budget_bytes, self.allow_oversubscription)
+
+    def _place(self, flats: list[torch.Tensor], precision: str, units: Iterable[int], *, on_host: bool, migrate: bool):
+        """Advise the K and V codes of `units` to the host or the GPU; `migrate` moves them there too."""
+        code_bytes = self.shape.code_block_bytes(precision)
+        unit_bytes = self._unit_size_for(precision) * code_bytes
+        half_bytes = self._num_alloc_blocks(precision) * code_bytes
+        for start, end in _runs(units):
+            for flat in flats:
+                for base in (0, half_bytes):
+                    span = (flat, base + start * unit_bytes, (end - start) * unit_bytes)
+                    if migrate:
+                        self.memory.place(*span, on_host=on_host, stream=self._side)
+                    else:
+                        self.memory.advise_preferred(*span, on_host=on_host)
+
     def _allocate_layer(self, precision: str, resident: list[bool]) -> tuple[KVPages, torch.Tensor]:
         """One layer's pages: codes in a new managed allocation advised per unit, scales on the device."""
         num_alloc = self._num_alloc_blocks(precision)
         template = self.shape.template(precision, num_alloc)
-        half_bytes = num_alloc * self.shape.code_block_bytes(precision)
-        flat = self.memory.allocate(2 * half_bytes)
+        flat = self.memory.allocate(2 * num_alloc * self.shape.code_block_bytes(precision))
         codes = flat.view(template.k.dtype).view(2, *template.k.shape)  # [2, pages, B, Hkv, Dc]: K, V
-        unit_bytes = self._unit_size_for(precision) * self.shape.code_block_bytes(precision)
-        for is_on_host in (False, True):
-            for start, end in _runs(u for u, r in enumerate(resident) if r != is_on_host):
-                for base in (0, half_bytes):
-                    self.memory.advise_preferred(
-                        flat, base + start * unit_bytes, (end - start) * unit_bytes, on_host=is_on_host
-                    )
-
-        def make(name: str, like: torch.Tensor) -> torch.Tensor:
-            if name in ("k", "v"):
-                return codes[0 if name == "k" else 1]
-            return torch.zeros(like.shape, dtype=like.dtype, device=self.device)
-
-        return _pages_like(template, make), flat
+        for on_host in (False, True):
+            units = [u for u, r in enumerate(resident) if r != on_host]
+            self._place([flat], precision, units, on_host=on_host, migrate=False)
+        scales = {name: torch.zeros(t.shape, dtype=t.dtype, device=self.device) for name, t in _tensors(template)[2:]}
+        return KVPages(precision=precision, k=codes[0], v=codes[1], **scales), flat
 
     def _unit_bytes(self) -> int:
         return self.shape.num_layers * 2 * self.unit_size * self.shape.code_block_bytes(self.precision)
@@ -373,8 +293,8 @@ class ManagedKVPool(_TieredKVPool):
 
     @property
     def device_bytes(self) -> int:
-        """Scales and zeros and the FP16 window (always on the device) plus every resident unit's
-        codes, whether or not a kernel has touched them yet: an upper bound on what the pool holds."""
+        """Scales, zeros and the FP16 window plus every resident unit's codes, touched by a kernel
+        or not: an upper bound on what the pool holds."""
         return self._scale_bytes(self.precision) + self._num_resident * self._unit_bytes() + self.window_bytes()
 
     @property
@@ -385,19 +305,8 @@ class ManagedKVPool(_TieredKVPool):
         # Managed pages carry their data wherever they are, so a page without data still
         # moves: that is what releases its device memory.
         self._start_transfers()
-        unit_bytes = self.unit_size * self.shape.code_block_bytes(self.precision)
-        half_bytes = self._num_alloc_blocks(self.precision) * self.shape.code_block_bytes(self.precision)
-        for on_host, units in ((True, victims), (False, incoming)):
-            for start, end in _runs(units):
-                for flat in self._flats:
-                    for base in (0, half_bytes):
-                        self.memory.place(
-                            flat,
-                            base + start * unit_bytes,
-                            (end - start) * unit_bytes,
-                            on_host=on_host,
-                            stream=self._side,
-                        )
+        self._place(self._flats, self.precision, victims, on_host=True, migrate=True)
+        self._place(self._flats, self.precision, incoming, on_host=False, migrate=True)
         self._mark(victims, False)
         self._mark(incoming, True)
         self.spilled_bytes += len(victims) * self._unit_bytes()
@@ -406,27 +315,18 @@ class ManagedKVPool(_TieredKVPool):
     def _device_codes_bytes(self, precision: str) -> int:
         """Scales and zeros plus the codes of as many units as may be resident at `precision`."""
         unit = self._unit_size_for(precision)
-        max_units = max(1, self.max_device_blocks // unit)
         code_bytes = self.shape.num_layers * 2 * unit * self.shape.code_block_bytes(precision)
-        return self._scale_bytes(precision) + max_units * code_bytes
+        return self._scale_bytes(precision) + max(1, self.max_device_blocks // unit) * code_bytes
 
     def _convert(self, precision: str, rows: list[int], window: list[int]) -> None:
         # The old allocation is freed layer by layer as the new one grows, so it counts as free.
-        free_bytes = self.memory.free_bytes() + self._managed_bytes(self.precision)
-        check_managed_size(
-            self._managed_bytes(precision),
-            free_bytes,
-            self.budget_bytes,
-            allow_oversubscription=self.allow_oversubscription,
-        )
+        self._check_size(precision, self.memory.free_bytes() + self._managed_bytes(self.precision))
         old_unit, new_unit = self.unit_size, self._unit_size_for(precision)
         new_num_units = -(-self.num_blocks // new_unit)
         new_max_units = max(1, self.max_device_blocks // new_unit)
         # A new unit is resident when any of its pages was; the lowest ids win when that is too many.
-        resident = [
-            any(self._is_resident[b // old_unit] for b in range(u * new_unit, min((u + 1) * new_unit, self.num_blocks)))
-            for u in range(new_num_units)
-        ]
+        spans = (range(u * new_unit, min(u * new_unit + new_unit, self.num_blocks)) for u in range(new_num_units))
+        resident = [any(b // old_unit not in self._host_units for b in span) for span in spans]
         kept = 0
         for u, is_resident in enumerate(resident):
             kept += is_resident
@@ -444,34 +344,22 @@ class ManagedKVPool(_TieredKVPool):
         self.policy.clear()  # unit ids changed meaning
 
 
-# ---------------------------------------------------------------- pinned: device slots + pinned host tier
-
-
 class PinnedKVPool(_TieredKVPool):
     """A fixed number of device slots and a host tier of pinned pages; blocks map to slots."""
 
     backend = "pinned"
     is_translated = True
 
-    def __init__(
-        self,
-        shape: KVShape,
-        num_blocks: int,
-        precision: str,
-        device: torch.device | str,
-        *,
-        max_device_blocks: int,
-        num_host_blocks: int,
-    ):
-        super().__init__(shape, num_blocks, precision, device, max_device_blocks=max_device_blocks)
+    def __init__(self, *args, num_host_blocks: int, **kwargs):
+        super().__init__(*args, **kwargs)
         self.num_slots = self.max_device_blocks
         self.num_host_slots = num_host_blocks
-        self.pages = [self._allocate(precision, self.num_slots) for _ in range(shape.num_layers)]
-        self.host_pages = [self._allocate_host(precision) for _ in range(shape.num_layers)]
-        self._slot_of = list(range(self.num_slots)) + [-1] * (num_blocks - self.num_slots)
+        self.pages = [self._allocate(self.precision, self.num_slots) for _ in range(self.shape.num_layers)]
+        self.host_pages = [self._allocate_host(self.precision) for _ in range(self.shape.num_layers)]
+        self._slot_of = list(range(self.num_slots)) + [-1] * (self.num_blocks - self.num_slots)
         self._block_in_slot = list(range(self.num_slots))
         self._free_slots: list[int] = []
-        self._host_slot_of = [-1] * num_blocks
+        self._host_slot_of = [-1] * self.num_blocks
         self._free_host_slots = list(range(num_host_blocks - 1, -1, -1))  # pop() hands out the lowest
         self._pending: list[tuple[object, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self._window_index: dict[int, int] = {}  # block id -> its row in the FP16 window
@@ -482,14 +370,14 @@ class PinnedKVPool(_TieredKVPool):
         template = self.shape.template(precision, max(1, self.num_host_slots))
         is_pinned = self.device.type == "cuda"
         try:
-            return _pages_like(template, lambda _, t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=is_pinned))
+            zeros = {name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=is_pinned) for name, t in _tensors(template)}
+            return KVPages(precision=precision, **zeros)
         except RuntimeError as exc:
             need = self.num_host_slots * self.shape.block_bytes(precision)
             raise OutOfMemoryError(
                 f"could not pin {need / GIB:.2f} GiB of host memory for spilled KV pages ({exc}); lower host_spill_gib"
             ) from None
 
-    # -- sizes -------------------------------------------------------------------
     def _unit_bytes(self) -> int:
         return self.shape.block_bytes(self.precision)
 
@@ -507,14 +395,16 @@ class PinnedKVPool(_TieredKVPool):
     def _host_room(self, incoming: list[int]) -> int:
         return len(self._free_host_slots) + sum(1 for b in incoming if self._host_slot_of[b] >= 0)
 
-    def _reclaim_host(self, dataless: set[int]) -> None:
-        stale = [b for b in dataless if self._host_slot_of[b] >= 0]
-        if not stale:
-            return
-        self._complete_spills()  # a pending copy must not land in a slot handed to another page
-        for b in stale:
+    def _free_host(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
             self._free_host_slots.append(self._host_slot_of[b])
             self._host_slot_of[b] = -1
+
+    def _reclaim_host(self, dataless: set[int]) -> None:
+        stale = [b for b in dataless if self._host_slot_of[b] >= 0]
+        if stale:
+            self._complete_spills()  # a pending copy must not land in a slot handed to another page
+            self._free_host(stale)
 
     def device_table(self, table: list[int]) -> list[int]:
         slots = [self._slot_of[b] for b in table]
@@ -526,21 +416,32 @@ class PinnedKVPool(_TieredKVPool):
         self.ensure_resident([src, dst])
         super().copy_block(src, dst)
 
-    # -- movement ----------------------------------------------------------------
     def _swap(self, victims: list[int], incoming: list[int], dataless: set[int]) -> None:
         fetch = [b for b in incoming if self._host_slot_of[b] >= 0]
         if fetch and self._pending:
             self._complete_spills()
-        # Read the incoming pages out of the host tier first: that frees their host
-        # slots for the victims even when the tier is full.
-        staged = self._read_host([self._host_slot_of[b] for b in fetch]) if fetch else []
-        for b in fetch:
-            self._free_host_slots.append(self._host_slot_of[b])
-            self._host_slot_of[b] = -1
+        staged = []  # the incoming pages' host rows, read out first: that frees their slots for the victims
+        if fetch:
+            index = torch.tensor([self._host_slot_of[b] for b in fetch], dtype=torch.long)
+            for t in _all_tensors(self.host_pages):
+                rows = torch.empty((len(fetch), *t.shape[1:]), dtype=t.dtype, pin_memory=self._side is not None)
+                staged.append(torch.index_select(t, 0, index, out=rows))
+        self._free_host(fetch)
         out = [b for b in victims if b not in dataless]
         host_slots = [self._free_host_slots.pop() for _ in out]
-        if out:
-            self._write_host([self._slot_of[b] for b in out], host_slots)
+        if out:  # gathered and copied on the side stream now, scattered into the host tier by _complete_spills
+            entries = []
+            with self._on_side():
+                index = self._device_index([self._slot_of[b] for b in out])
+                for host_t, dev_t in zip(_all_tensors(self.host_pages), _all_tensors(self.pages)):
+                    rows = dev_t.index_select(0, index)
+                    if self._side is not None:
+                        rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+                    entries.append((host_t, rows))
+                event = None if self._side is None else torch.cuda.Event()
+                if event is not None:
+                    event.record()
+            self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
         for b, h in zip(out, host_slots):
             self._host_slot_of[b] = h
         for b in victims:
@@ -552,8 +453,12 @@ class PinnedKVPool(_TieredKVPool):
             slot = self._free_slots.pop()
             self._slot_of[b] = slot
             self._block_in_slot[slot] = b
-        if fetch:
-            self._load_slots([self._slot_of[b] for b in fetch], staged)
+        if fetch:  # staged host rows -> device slots, on the side stream
+            with self._on_side():
+                index = self._device_index([self._slot_of[b] for b in fetch])
+                for tensor, rows in zip(_all_tensors(self.pages), staged):
+                    # The pinned source stays reserved by torch's host allocator until this copy ran.
+                    tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
         if any(b in self._window_index for b in victims + incoming):
             self._tag_window()
         self._mark(victims, False)
@@ -574,47 +479,8 @@ class PinnedKVPool(_TieredKVPool):
         self._start_transfers()
         return torch.cuda.stream(self._side)
 
-    def _read_host(self, host_slots: list[int]) -> list[torch.Tensor]:
-        """Host rows of every layer and tensor, gathered into (pinned) staging on the CPU."""
-        index = torch.tensor(host_slots, dtype=torch.long)
-        staged = []
-        for pages in self.host_pages:
-            for _, tensor in _tensors(pages):
-                shape = (len(host_slots), *tensor.shape[1:])
-                rows = torch.empty(shape, dtype=tensor.dtype, pin_memory=self._side is not None)
-                staged.append(torch.index_select(tensor, 0, index, out=rows))
-        return staged
-
-    def _load_slots(self, slots: list[int], staged: list[torch.Tensor]) -> None:
-        """Staged host rows -> device slots, on the side stream."""
-        with self._on_side():
-            index = self._device_index(slots)
-            for (_, tensor), rows in zip((t for pages in self.pages for t in _tensors(pages)), staged):
-                # The pinned source stays reserved by torch's host allocator until this copy ran.
-                tensor.index_copy_(0, index, rows.to(self.device, non_blocking=True))
-
-    def _write_host(self, slots: list[int], host_slots: list[int]) -> None:
-        """Device slots -> host slots: gathered and copied on the side stream now, scattered
-        into the host tier once the copy finished (`_complete_spills`)."""
-        entries = []
-        with self._on_side():
-            index = self._device_index(slots)
-            for host_pages, pages in zip(self.host_pages, self.pages):
-                for (_, host_t), (_, dev_t) in zip(_tensors(host_pages), _tensors(pages)):
-                    rows = dev_t.index_select(0, index)
-                    if self._side is not None:
-                        staged = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                        rows = staged.copy_(rows, non_blocking=True)
-                    entries.append((host_t, rows))
-            event = None if self._side is None else torch.cuda.Event()
-            if event is not None:
-                event.record()
-        self._pending.append((event, torch.tensor(host_slots, dtype=torch.long), entries))
-
     def _tag_window(self) -> None:
-        """Point every slot's window tag at its page's FP16 row: tags are indexed by slot, and
-        the window stays on the device while its pages move. Written on the compute stream,
-        so steps already queued read the tags they were queued with."""
+        """Tag each slot with its page's FP16 window row, on the compute stream (queued steps keep theirs)."""
         tags = torch.tensor([self._window_index.get(b, -1) for b in self._block_in_slot], dtype=torch.int32)
         self.pages[0].window_row.copy_(tags.pin_memory() if self._side is not None else tags, non_blocking=True)
 
@@ -631,8 +497,7 @@ class PinnedKVPool(_TieredKVPool):
         self._complete_spills()
 
     def _resize_device(self) -> None:
-        """Reallocate the device slots to `max_device_units`, packing the resident pages
-        into the first slots: fewer slots is what really returns device memory."""
+        """Reallocate fewer (or more) slots, resident pages first: that is what returns device memory."""
         if self.max_device_units == self.num_slots:
             return
         self.synchronize()
