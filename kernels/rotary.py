@@ -1,16 +1,6 @@
-"""Rotate-half RoPE applied in place to q and k in one kernel.
-
-In plain torch RoPE gathers the cos and sin rows, splits, multiplies and concatenates,
-about ten kernels per tensor. Here one program handles one (token, head) pair of q or k:
-it reads the head's two halves, rotates them in float32 with the token's cos and sin row,
-and writes them back where they were. q and k may be strided views of a fused QKV output,
-so the projection's result is rotated without a copy.
-
-The dense models' attention does not launch this kernel: kv_write.rotary_write_kv rotates q and
-k inside the KV store, with the same rotation helper (`_rotate_half`).
-
-The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
-as `lowvram.models.dense.Rotary` computes it.
+"""Rotate-half RoPE in place on q and k (strided views of a fused QKV output allowed), one program
+per (token, head), in float32 rounded once, as the reference `apply_rotary_ref`. The dense models
+rotate inside the KV store instead (kv_write.rotary_write_kv), with the same `_rotate_half`.
 """
 
 import torch
@@ -23,8 +13,6 @@ from lowvram.kernels.dispatch import use_triton
 
 @triton.jit
 def _rotate_half(x1, x2, cos, sin):
-    # The halves rotated in float32 and rounded once to their dtype; shared with the fused
-    # RoPE + KV-write kernel (kv_write.py) so both paths round alike.
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 

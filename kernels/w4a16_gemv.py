@@ -354,7 +354,7 @@ def launch_row(
     rope, store = (), ()
     if rope_kv is not None:
         pages = rope_kv.pages
-        k, v, k_scale, k_zero, v_scale, v_zero, window_k, window_v, window_row = kv_write._cache_pointers(pages)
+        k, v, k_scale, k_zero, v_scale, v_zero, window_k, window_v, window_row = pages.kernel_tensors()
         constants = kv_write._store_constants(pages)
         cos = rope_kv.cos
         rope = (

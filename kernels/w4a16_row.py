@@ -154,13 +154,12 @@ def rope_kv_store(total, cols, y_ptr, head, rope, HEAD_DIM: tl.constexpr, STORE:
             cache_ptr, scale_ptr, zero_ptr, window_ptr, window_row_ptr = k_pages
         else:
             cache_ptr, scale_ptr, zero_ptr, window_ptr, window_row_ptr = v_pages
-        cache_ptr, scale_ptr, zero_ptr = cache_ptr + kv_head * code_dim, scale_ptr + kv_head, zero_ptr + kv_head
-        _store_row(row_ptr, 0, cache_ptr, scale_ptr, zero_ptr, slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
+        dst = (cache_ptr + kv_head * code_dim, scale_ptr + kv_head, zero_ptr + kv_head)
+        _store_row(row_ptr, 0, dst, slot, num_kv_heads, code_dim, BITS, QMAX, 1, BLOCK_CODE)
         if HAS_WINDOW:
             window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
-            window_ptr += kv_head * HEAD_DIM  # FP16 rows: the scale and zero pointers are not read
             _store_row(
-                row_ptr, 0, window_ptr, window_ptr, window_ptr, window_slot, num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM
+                row_ptr, 0, (window_ptr + kv_head * HEAD_DIM,), window_slot, num_kv_heads, HEAD_DIM, 16, 0, 1, HEAD_DIM
             )
 
 
