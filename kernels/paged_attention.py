@@ -418,7 +418,7 @@ def paged_decode_attention(
         partial_out, partial_lse = out, out  # unused without splitting
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
-        *pages.kernel_tensors(),
+        pages.kernel_tensors(),
         block_tables,
         context_lens,
         out,
@@ -514,7 +514,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
     _prefill_kernel[grid](
         q,
-        *pages.kernel_tensors(),
+        pages.kernel_tensors(),
         block_tables,
         cu_seqlens_q,
         context_lens,

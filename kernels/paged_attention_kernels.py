@@ -40,13 +40,13 @@ def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
+def _attend_tile(q, q_sum, state, is_visible, scale_log2, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
     # The prefill kernel's tile: query rows q (planes [R, BLOCK_C], q_sum [R] their float32
     # sums) over one K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
-        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
+        cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
     )
     k, k_scale, k_zero = k_tile
     v, v_scale, v_zero = v_tile
@@ -91,7 +91,7 @@ def _attend_tile_by_token(
     state,
     is_visible,
     scale_log2,
-    kv_ptrs,
+    cache,
     scales,
     tokens,
     HEAD_DIM,
@@ -111,7 +111,7 @@ def _attend_tile_by_token(
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
-        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
+        cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
     )
     k, k_scale, k_zero = k_tile
     v, v_scale, v_zero = v_tile
@@ -153,15 +153,7 @@ def _attend_tile_by_token(
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    window_k_ptr,
-    window_v_ptr,
-    window_row_ptr,
+    cache,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -200,8 +192,7 @@ def _decode_kernel(
     end = tl.minimum(start + partition_tokens, context_len)
     offs_n = tl.arange(0, BLOCK_N)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
-    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+    window_row_ptr = cache[8]
     rows, window_page, _, mask_n = _tokens(
         table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
     )
@@ -235,7 +226,7 @@ def _decode_kernel(
     # the first and last tile holding window tokens (per lane, reduced once after it); a
     # second pass reads the window's tokens of those tiles (as a rule a sequence's last one
     # or two), which keeps the main loop's registers those of pages without a window.
-    scales = _tile_scales(scale_ptrs, rows, mask_n, BITS)
+    scales = _tile_scales(cache, rows, mask_n, BITS)
     next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
     # Bounds that leave the window's pass empty and cannot overflow in the compiler's
     # pipelined loop (it steps past them): `end` and the tile before `start`.
@@ -253,7 +244,7 @@ def _decode_kernel(
             HAS_WINDOW,
             WIDE_OFFSETS,
         )
-        next_scales = _tile_scales(scale_ptrs, next_rows, next_mask, BITS)
+        next_scales = _tile_scales(cache, next_rows, next_mask, BITS)
         next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
         is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
         if HAS_WINDOW:
@@ -267,7 +258,7 @@ def _decode_kernel(
             state,
             is_visible,
             scale_log2,
-            kv_ptrs,
+            cache,
             scales,
             tokens,
             HEAD_DIM,
@@ -309,7 +300,7 @@ def _decode_kernel(
                 state,
                 is_kept,
                 scale_log2,
-                kv_ptrs,
+                cache,
                 unused_scales,
                 tokens_w,
                 HEAD_DIM,
@@ -413,15 +404,7 @@ def _merge_partitions_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    window_k_ptr,
-    window_v_ptr,
-    window_row_ptr,
+    cache,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     context_lens_ptr,
@@ -473,8 +456,7 @@ def _prefill_kernel(
         tl.zeros([BLOCK_M], tl.float32),
         (acc0, acc0, acc0, acc0),
     )
-    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
-    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+    window_row_ptr = cache[8]
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
     for tile_start in range(0, end, BLOCK_N):
@@ -482,10 +464,10 @@ def _prefill_kernel(
         tokens = _tokens(
             table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
         )
-        scales = _tile_scales(scale_ptrs, tokens[0], tokens[3], BITS)
+        scales = _tile_scales(cache, tokens[0], tokens[3], BITS)
         is_visible = tokens[3][None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
         state = _attend_tile(
-            q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
+            q, q_sum, state, is_visible, scale_log2, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
         )
 
     _, l_i, acc = state
