@@ -31,19 +31,11 @@ def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _block_tokens(
-    blocks,
-    positions,
-    end,
-    kv_head,
-    num_kv_heads,
-    window_row_ptr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr,
-):
-    # The tokens at `positions` (below `end`) in pages `blocks`. Offsets are int64 only where a
-    # page array needs them: 64-bit address arithmetic is costly in the quantized loops.
+def _block_tokens(blocks, positions, end, head, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS):
+    # The tokens at `positions` (below `end`) in pages `blocks`; head = (kv_head, num_kv_heads,
+    # window_row_ptr). Offsets are int64 only where a page array needs them: 64-bit address
+    # arithmetic is costly in the quantized loops.
+    kv_head, num_kv_heads, window_row_ptr = head
     mask_n = positions < end
     block = blocks
     if WIDE_OFFSETS:
@@ -58,11 +50,9 @@ def _block_tokens(
 
 
 @triton.jit
-def _tokens(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS):
+def _tokens(table_row, positions, end, head, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS):
     blocks = _table_blocks(table_row, positions, end, PAGE_SIZE)
-    return _block_tokens(
-        blocks, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-    )
+    return _block_tokens(blocks, positions, end, head, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
 
 @triton.jit
