@@ -31,14 +31,12 @@ def _rms_norm_kernel(
     out_ptr,
     sum_ptr,
     num_cols,
-    stride_x,
-    stride_r,
-    stride_o,
-    stride_s,
+    strides,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    stride_x, stride_r, stride_o, stride_s = strides
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -54,9 +52,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """(weight * normalise(x + residual), x + residual or None)."""
     total = x if residual is None else x + residual
     xf = total.float()
@@ -65,15 +61,8 @@ def rms_norm_ref(
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    sum_out: torch.Tensor | None = None,
-    use_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None, *, out=None, sum_out=None, use_reference=False
+):
     """(weight * normalise(x + residual) [T, C] in x's dtype promoted with weight's, x + residual or
     None), written into `out` and `sum_out` when given, which may be x and residual themselves.
     Rows may be strided; the last dim must be contiguous."""
@@ -108,20 +97,8 @@ def rms_norm(
     total = None if residual is None else sum_out if sum_out is not None else torch.empty_like(x)
     block = triton.next_power_of_2(num_cols)
     has_residual = residual is not None
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        residual if has_residual else x,
-        weight,
-        out,
-        total if has_residual else out,
-        num_cols,
-        x.stride(0),
-        residual.stride(0) if has_residual else 0,
-        out.stride(0),
-        total.stride(0) if has_residual else 0,
-        eps,
-        HAS_RESIDUAL=has_residual,
-        BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
-    )
+    residual_arg, total_arg = (residual, total) if has_residual else (x, out)  # not read without a residual
+    strides = (x.stride(0), residual_arg.stride(0), out.stride(0), total_arg.stride(0))
+    args = (x, residual_arg, weight, out, total_arg, num_cols, strides, eps)
+    _rms_norm_kernel[(num_rows,)](*args, HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out, total
