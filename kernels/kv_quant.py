@@ -108,53 +108,29 @@ class KVPages:
             )
         floats = (torch.float16, torch.float32, torch.bfloat16)
         if not self.is_quantized:
-            if self.has_window or self.window_k is not None:
+            if self.window_k is not None or self.window_row is not None:
                 raise KernelError("fp16 KVPages cannot keep an FP16 window: every page already is FP16")
             if self.k.dtype not in floats:
-                raise KernelError(
-                    f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)"
-                )
+                raise KernelError(f"fp16 KVPages.k is {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)")
             return
         if self.k.dtype != torch.uint8:
             raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")
-        scale_shape = tuple(self.k.shape[:3])
-        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-            t = getattr(self, name)
-            if t is None or tuple(t.shape) != scale_shape or t.dtype != torch.float16 or not t.is_contiguous():
-                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
-                raise KernelError(f"KVPages.{name} is {got}; expected contiguous float16 {scale_shape}")
-            if t.device != self.k.device:
-                raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
         window = (self.window_k, self.window_v, self.window_row)
-        if all(t is None for t in window):
-            return
-        if any(t is None for t in window):
+        if any(t is None for t in window) and any(t is not None for t in window):
             raise KernelError("KVPages.window_k, window_v and window_row go together; some are missing")
-        expected = (self.block_size, self.num_kv_heads, self.head_dim)
-        for name in ("window_k", "window_v"):
+        scale_shape = tuple(self.k.shape[:3])
+        expected = {name: (scale_shape, (torch.float16,)) for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+        if self.has_window:
+            window_shape = (*self.window_k.shape[:1], self.block_size, self.num_kv_heads, self.head_dim)
+            expected |= {"window_k": (window_shape, floats), "window_v": (window_shape, (self.window_k.dtype,))}
+            expected["window_row"] = ((self.num_blocks,), (torch.int32,))
+        for name, (shape, dtypes) in expected.items():
             t = getattr(self, name)
-            if t.dim() != 4 or tuple(t.shape[1:]) != expected or t.shape != self.window_k.shape:
-                raise KernelError(
-                    f"KVPages.{name} has shape {tuple(t.shape)}; expected [num_window_pages, {', '.join(map(str, expected))}]"
-                )
-            if t.dtype not in floats or t.dtype != self.window_k.dtype or not t.is_contiguous():
-                raise KernelError(
-                    f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), like window_k; "
-                    f"got {t.dtype}"
-                )
+            if t is None or tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise KernelError(f"KVPages.{name} is {got}; expected contiguous {dtypes[0]} {shape}")
             if t.device != self.k.device:
                 raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
-        row = self.window_row
-        if (
-            row.shape != (self.num_blocks,)
-            or row.dtype != torch.int32
-            or not row.is_contiguous()
-            or row.device != self.k.device
-        ):
-            raise KernelError(
-                f"KVPages.window_row is {tuple(row.shape)} {row.dtype} on {row.device}; "
-                f"expected contiguous int32 [{self.num_blocks}] on {self.k.device}"
-            )
 
 
 def allocate_pages(

@@ -77,16 +77,7 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages)
 
 
-def decode_config(
-    device: torch.device,
-    head_dim: int,
-    bits: int,
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context_len: int,
-    *,
-    is_partitioning_fixed: bool = False,
-) -> DecodeConfig:
+def decode_config(device, head_dim, bits, num_seqs, num_kv_heads, max_context_len, *, is_partitioning_fixed=False):
     """`default_decode_config`, fitted to the call's grid on GPUs with cp.async for heads up to 128
     unless the caller fixed the partition count."""
     config = default_decode_config(device, head_dim, bits)
@@ -95,9 +86,7 @@ def decode_config(
     return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, num_sms(device))
 
 
-def fit_decode_config(
-    config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int
-) -> DecodeConfig:
+def fit_decode_config(config: DecodeConfig, num_seqs, num_kv_heads, max_context_len, sm_count) -> DecodeConfig:
     """`config` for the default partitioning on `sm_count` SMs: LATENCY_DECODE_CONFIG when there
     are no more programs than SMs; else tiles halved, down to MIN_FITTED_TILE_TOKENS, while a
     partition is shorter than MIN_TILES_PER_PARTITION tiles."""
@@ -127,16 +116,14 @@ def _decode_block_n(device: torch.device) -> int:
     return 16 if device.type == "cpu" else 64
 
 
-def _sequence_kv(pages: KVPages, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sequence_kv(pages: KVPages, block_table: torch.Tensor, num_tokens: int):
     positions = torch.arange(num_tokens, device=block_table.device)
     block_size = pages.block_size
     slots = block_table[positions // block_size].long() * block_size + positions % block_size
     return gather_kv(pages, slots)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_positions: torch.Tensor | None
-) -> torch.Tensor:
+def _attend(q: torch.Tensor, k, v, scale: float, q_positions: torch.Tensor | None) -> torch.Tensor:
     """q [M, H, D] float32 over k, v [L, Hkv, D]; causal when `q_positions [M]` is given."""
     group_size = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group_size, dim=1)  # [L, Hkv, D] -> [L, H, D]
@@ -150,13 +137,7 @@ def _attend(
     return torch.einsum("hml,lhd->mhd", probs, v)  # [M, H, D]
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_decode_attention_ref(q: torch.Tensor, pages: KVPages, block_tables, context_lens, scale: float):
     """Decode attention in float32, returned in q's dtype; empty sequences give zeros."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -167,14 +148,7 @@ def paged_decode_attention_ref(
     return out.to(q.dtype)
 
 
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention_ref(q: torch.Tensor, pages: KVPages, block_tables, cu_seqlens_q, context_lens, scale):
     """Causal prefill attention in float32, returned in q's dtype."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts = cu_seqlens_q.tolist()
@@ -194,7 +168,7 @@ def paged_prefill_attention_ref(
     return out.to(q.dtype)
 
 
-def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor):
+def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables, context_lens):
     pages.validate()
     if q.dim() != 3:
         raise KernelError(f"{name}: q has shape {tuple(q.shape)}; expected 3 dims [tokens, num_heads, head_dim]")
@@ -229,16 +203,11 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
 
 
 def _check_kernel_head_dim(name: str, head_dim: int, bits: int) -> None:
-    if head_dim < 16:
-        raise KernelError(
-            f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
-            "pass use_reference=True to use the plain-torch path"
-        )
     num_planes = 16 // bits
-    if head_dim % num_planes:
+    if head_dim < 16 or head_dim % num_planes:
         raise KernelError(
-            f"{name}: the Triton kernel reads INT{bits} heads in {num_planes} planes, so head_dim must be a "
-            f"multiple of {num_planes}, got {head_dim}; pass use_reference=True to use the plain-torch path"
+            f"{name}: the Triton kernel needs head_dim >= 16 and, for {bits}-bit pages, a multiple of "
+            f"{num_planes}; got {head_dim}; pass use_reference=True to use the plain-torch path"
         )
 
 
@@ -265,6 +234,16 @@ def _needs_wide_offsets(pages: KVPages) -> bool:
     return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in pages.kernel_tensors())
 
 
+def _page_constants(pages: KVPages, head_dim: int) -> dict:
+    constants = {
+        "PAGE_SIZE": pages.block_size,
+        "HEAD_DIM": head_dim,
+        "BITS": pages.bits,
+        "HAS_WINDOW": pages.has_window,
+    }
+    return {**constants, **plane_layout(pages.bits, head_dim), "WIDE_OFFSETS": _needs_wide_offsets(pages)}
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
     """Partitions per sequence: about TARGET_WAVES programs per SM (enough loads in flight to
     saturate bandwidth), none shorter than MIN_PARTITION_TOKENS."""
@@ -273,15 +252,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm
     return max(1, min(wanted, max_useful))
 
 
-def plan_decode_partitions(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context_len: int,
-    device: torch.device,
-    num_splits: int | None = None,
-    *,
-    block_n: int | None = None,
-) -> tuple[int, int]:
+def plan_decode_partitions(num_seqs, num_kv_heads, max_context_len, device, num_splits=None, *, block_n=None):
     """(num_splits, partition_tokens) of `paged_decode_attention`: whole tiles of `block_n` tokens."""
     if block_n is None:
         block_n = _decode_block_n(device)
@@ -330,14 +301,9 @@ def paged_decode_attention(
     num_kv_heads = pages.num_kv_heads
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
+    is_fixed = num_splits is not None
     config = _config or decode_config(
-        q.device,
-        head_dim,
-        pages.bits,
-        num_seqs,
-        num_kv_heads,
-        max_context_len,
-        is_partitioning_fixed=num_splits is not None,
+        q.device, head_dim, pages.bits, num_seqs, num_kv_heads, max_context_len, is_partitioning_fixed=is_fixed
     )
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
@@ -372,15 +338,10 @@ def paged_decode_attention(
         group_size,
         partition_tokens,
         num_splits,
-        PAGE_SIZE=pages.block_size,
-        HEAD_DIM=head_dim,
-        **plane_layout(pages.bits, head_dim),
-        BITS=pages.bits,
+        **_page_constants(pages, head_dim),
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n,
         IS_SPLIT=is_split,
-        HAS_WINDOW=pages.has_window,
-        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -389,32 +350,15 @@ def paged_decode_attention(
         slice_d, lanes = MERGE_SLICE_D, MERGE_KERNEL_LANES
         if num_splits <= WHOLE_HEAD_MERGE_SPLITS and block_d <= 128:
             slice_d, lanes = block_d, max(2, triton.next_power_of_2(num_splits))
-        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-            partial_out,
-            partial_lse,
-            out,
-            context_lens,
-            partition_tokens,
-            num_splits,
-            HEAD_DIM=head_dim,
-            SLICE_D=slice_d,
-            LANES=lanes,
-            num_warps=4,
-        )
+        grid = (num_seqs, num_heads, triton.cdiv(head_dim, slice_d))
+        args = (partial_out, partial_lse, out, context_lens, partition_tokens, num_splits)
+        _merge_partitions_kernel[grid](*args, HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes, num_warps=4)
     return out
 
 
 def paged_prefill_attention(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_q_len: int | None = None,
-    use_reference: bool = False,
-) -> torch.Tensor:
+    q, pages: KVPages, block_tables, cu_seqlens_q, context_lens, scale, *, max_q_len=None, use_reference=False
+):
     """Causal attention of a variable-length batch of new tokens over paged K/V.
 
     q [total_new_tokens, num_heads, head_dim]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]
@@ -438,12 +382,10 @@ def paged_prefill_attention(
         return paged_prefill_attention_ref(q, pages, block_tables, cu_seqlens_q, context_lens, scale)
     _check_kernel_head_dim(name, q.shape[2], pages.bits)
 
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    is_interpreted = q.device.type == "cpu"
-    block_m = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
-    block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
+    block_m = block_n = 16 if q.device.type == "cpu" else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     # One more query tile: a chunk after a cached prefix may start inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
@@ -462,14 +404,9 @@ def paged_prefill_attention(
         out.stride(1),
         pages.num_kv_heads,
         num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size,
-        HEAD_DIM=head_dim,
-        **plane_layout(pages.bits, head_dim),
-        BITS=pages.bits,
+        **_page_constants(pages, head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        HAS_WINDOW=pages.has_window,
-        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out

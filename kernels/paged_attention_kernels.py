@@ -33,9 +33,10 @@ def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_sum, state, is_visible, scale_log2, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
-    # Prefill: query rows q (planes [R, BLOCK_C], q_sum [R] their sums) over one K/V tile where
-    # is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+def _attend_tile(query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
+    # Prefill: query = (rows q as planes [R, BLOCK_C], q_sum [R] their sums, scale_log2) over one
+    # K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+    q, q_sum, scale_log2 = query
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
@@ -76,26 +77,14 @@ def _attend_tile(q, q_sum, state, is_visible, scale_log2, cache, scales, tokens,
 
 
 @triton.jit
-def _attend_tile_by_token(
-    q,
-    q_sum,
-    state,
-    is_visible,
-    scale_log2,
-    cache,
-    scales,
-    tokens,
-    HEAD_DIM,
-    BLOCK_C,
-    BITS,
-    HAS_WINDOW,
-    WINDOW,
-    ODD_X16,
+def _attend_by_token(
+    query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, WINDOW, ODD_X16
 ):
     # _attend_tile for decode, whose rows all see the same tokens (is_visible [BLOCK_N]), turned
     # over: q and acc planes [BLOCK_C, R], scores [BLOCK_N, R], so up to 8 query rows are one
     # 8-wide tensor-core tile. With ODD_X16 the INT4 planes 1 and 3 hold 16 * code: q's come
     # divided by 16, and V's take the 16 back in their zero term and v_max.
+    q, q_sum, scale_log2 = query
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
@@ -193,6 +182,7 @@ def _decode_kernel(
         q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
     # q and the accumulators turned over, [BLOCK_C, BLOCK_G].
     q = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3))
+    query = (q, q_sum, scale_log2)
     acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
     state = (
         tl.full([BLOCK_G], float("-inf"), tl.float32),
@@ -220,52 +210,26 @@ def _decode_kernel(
             first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
             last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
         tokens = (rows, window_page, rows, mask_n)
-        state = _attend_tile_by_token(
-            q,
-            q_sum,
-            state,
-            is_visible,
-            scale_log2,
-            cache,
-            scales,
-            tokens,
-            HEAD_DIM,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            _CODES_ONLY,
-            ODD_X16,
+        state = _attend_by_token(
+            query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY, ODD_X16
         )
         mask_n, rows, window_page, scales = next_mask, next_rows, next_window_page, next_scales
     if HAS_WINDOW:
         if ODD_X16:
-            q = (q[0], q[1] * 16.0, q[2], q[3] * 16.0)
+            query = ((q[0], q[1] * 16.0, q[2], q[3] * 16.0), q_sum, scale_log2)
         # Not pipelined (one or two tiles); at most WINDOW_N tokens a tile, as whole FP16 rows of
         # 128 tokens would take every register.
         WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
         offs_w = tl.arange(0, WINDOW_N)
-        unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
-        unused_scales = (unused_scale, unused_scale, unused_scale, unused_scale)
+        unused = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
+        unused = (unused, unused, unused, unused)
         for tile_start in tl.range(
             tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
         ):
             tokens_w = _tokens(table_row, tile_start + offs_w, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
             is_kept = _kept_mask(tokens_w[3], tokens_w[1], HAS_WINDOW)
-            state = _attend_tile_by_token(
-                q,
-                q_sum,
-                state,
-                is_kept,
-                scale_log2,
-                cache,
-                unused_scales,
-                tokens_w,
-                HEAD_DIM,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                _KEPT_ONLY,
-                False,
+            state = _attend_by_token(
+                query, state, is_kept, cache, unused, tokens_w, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY, False
             )
 
     m_i, l_i, acc = state
@@ -396,6 +360,7 @@ def _prefill_kernel(
     q, q_sum = _load_query_planes(
         q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, BITS, BLOCK_C
     )
+    query = (q, q_sum, scale_log2)
 
     # K/V up to the last query of this tile (causal); none when the tile has no new token.
     end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -415,9 +380,7 @@ def _prefill_kernel(
         tokens = _tokens(table_row, positions, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
         scales = _tile_scales(cache, tokens[0], tokens[3], BITS)
         is_visible = tokens[3][None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
-        state = _attend_tile(
-            q, q_sum, state, is_visible, scale_log2, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
-        )
+        state = _attend_tile(query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW)
 
     _, l_i, acc = state
     denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]

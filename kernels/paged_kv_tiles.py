@@ -56,16 +56,7 @@ def _tokens(table_row, positions, end, head, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
 
 
 @triton.jit
-def _load_rows(
-    ptr,
-    rows,
-    mask_rows,
-    cols,
-    ROW_LEN: tl.constexpr,
-    NUM_COLS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    TRANSPOSED: tl.constexpr = False,
-):
+def _load_rows(ptr, rows, mask_rows, cols, ROW_LEN, NUM_COLS: tl.constexpr, BLOCK_C, TRANSPOSED: tl.constexpr = False):
     # Elements `cols` of `rows` as [len(rows), BLOCK_C] (transposed with TRANSPOSED). Masked rows
     # read nothing (unwritten slots may hold NaN) and, like columns past NUM_COLS, come back 0.
     if TRANSPOSED:
@@ -241,9 +232,7 @@ def _load_operands(
     if BITS == 16:
         plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED)
         plane0 = plane0.to(DOT_DTYPE)
-        plane1 = plane0
-        plane2 = plane0
-        plane3 = plane0
+        plane1, plane2, plane3 = plane0, plane0, plane0
     elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
         # Whole FP16 rows in one load, split into planes in registers (element c * NUM_PLANES + p
         # is plane p's column c; elements past HEAD_DIM are the padded columns).
@@ -253,8 +242,7 @@ def _load_operands(
         row = row.to(DOT_DTYPE)
         if NUM_PLANES == 2:
             plane0, plane1 = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2]))
-            plane2 = plane0
-            plane3 = plane1
+            plane2, plane3 = plane0, plane1
         else:
             even, odd = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2, 2]))
             plane0, plane2 = tl.split(even)
@@ -304,8 +292,7 @@ def _load_operands(
             scale = tl.where(is_window, 1.0, scale)
             zero = tl.where(is_window, 0.0, zero)
         if BITS == 8:
-            plane2 = plane0
-            plane3 = plane1
+            plane2, plane3 = plane0, plane1
     return (plane0, plane1, plane2, plane3), scale, zero
 
 
@@ -317,9 +304,7 @@ def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.con
     mask = mask_rows[:, None] & (offs_c < HEAD_DIM // NUM_PLANES)[None, :]
     q0 = tl.load(row_ptrs + (offs_c * NUM_PLANES)[None, :], mask=mask, other=0.0)
     q_sum = tl.sum(q0.to(tl.float32), axis=1)
-    q1 = q0
-    q2 = q0
-    q3 = q0
+    q1, q2, q3 = q0, q0, q0
     if NUM_PLANES >= 2:
         q1 = tl.load(row_ptrs + (offs_c * NUM_PLANES + 1)[None, :], mask=mask, other=0.0)
         q_sum += tl.sum(q1.to(tl.float32), axis=1)

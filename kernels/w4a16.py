@@ -203,81 +203,57 @@ def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lo
 def _check_kernel_dtype(x):
     allowed = (torch.float16, torch.float32) if x.device.type == "cpu" else (torch.float16,)
     if x.dtype not in allowed:
-        raise KernelError(
-            f"x is {x.dtype}; the Triton AWQ kernels take {[str(d) for d in allowed]} "
-            f"activations (convert activations to float16 before AWQ layers)"
-        )
+        names = [str(d) for d in allowed]
+        raise KernelError(f"x is {x.dtype}; the Triton AWQ kernels take {names} (convert activations to float16)")
 
 
 def _check_inputs(x, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
-        raise KernelError(
-            f"x must be a floating-point tensor [..., K], got "
-            f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
-        )
+        got = f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
+        raise KernelError(f"x must be a floating-point tensor [..., K], got {got}")
     try:
         num_inputs, num_outputs = check_awq_shapes(qweight, qzeros, scales, group_size)
     except ConfigError as exc:
         raise KernelError(str(exc)) from exc
     if x.shape[-1] != num_inputs:
-        raise KernelError(
-            f"x has {x.shape[-1]} features (shape {list(x.shape)}) but qweight "
-            f"{list(qweight.shape)} expects K = {num_inputs}"
-        )
-    for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        if not tensor.is_contiguous():
+        raise KernelError(f"x has {x.shape[-1]} features ({list(x.shape)}) but qweight expects K = {num_inputs}")
+    for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
+        if tensor is not None and not tensor.is_contiguous():
             raise KernelError(
-                f"{name} {list(tensor.shape)} must be contiguous, got strides "
-                f"{tensor.stride()}; call .contiguous() when loading"
+                f"{name} {list(tensor.shape)} must be contiguous (strides {tensor.stride()}): call .contiguous()"
             )
-    if bias is not None:
-        if not bias.is_floating_point() or list(bias.shape) != [num_outputs]:
-            raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got {bias.dtype} {list(bias.shape)}")
-        if not bias.is_contiguous():
-            raise KernelError(f"bias must be contiguous, got strides {bias.stride()}")
+    if bias is not None and (not bias.is_floating_point() or list(bias.shape) != [num_outputs]):
+        raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got {bias.dtype} {list(bias.shape)}")
     if (lora_a is None) != (lora_bt is None):
         raise KernelError("lora_a and lora_bt come together: pass both or neither")
     if lora_a is not None:
         for name, tensor, dim, width in (("lora_a", lora_a, "K", num_inputs), ("lora_bt", lora_bt, "N", num_outputs)):
             if not tensor.is_floating_point() or tensor.dim() != 2 or tensor.shape[1] != width:
-                raise KernelError(
-                    f"{name} must be a float tensor [R, {dim}] = [R, {width}], got {tensor.dtype} {list(tensor.shape)}"
-                )
+                got = f"{tensor.dtype} {list(tensor.shape)}"
+                raise KernelError(f"{name} must be a float tensor [R, {dim}] = [R, {width}], got {got}")
         if lora_a.shape[0] != lora_bt.shape[0]:
             raise KernelError(f"lora_a has rank {lora_a.shape[0]} but lora_bt has rank {lora_bt.shape[0]}")
         if lora_a.stride(1) != 1:
-            raise KernelError(
-                f"lora_a {list(lora_a.shape)} must have unit stride along K, got strides "
-                f"{lora_a.stride()}; call .contiguous() when loading"
-            )
-    others = (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias))
-    for name, tensor in (*others, ("lora_a", lora_a), ("lora_bt", lora_bt)):
+            raise KernelError(f"lora_a must have unit stride along K, got {lora_a.stride()}: call .contiguous()")
+    named = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias, "lora_a": lora_a, "lora_bt": lora_bt}
+    for name, tensor in named.items():
         if tensor is not None and tensor.device != x.device:
-            raise KernelError(
-                f"{name} is on {tensor.device} but x is on {x.device}; move the layer and its input to one device"
-            )
+            raise KernelError(f"{name} is on {tensor.device} but x on {x.device}; move the layer and x to one device")
     return num_inputs, num_outputs
 
 
 def _check_norm(x, norm: InputNorm):
-    num_inputs = x.shape[1]
-    weight = norm.weight
+    weight, num_inputs = norm.weight, x.shape[1]
     if weight.shape != (num_inputs,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise KernelError(
-            f"the norm weight is {weight.dtype} {list(weight.shape)}; expected a contiguous {x.dtype} [{num_inputs}]"
-        )
+        got = f"{weight.dtype} {list(weight.shape)}"
+        raise KernelError(f"the norm weight is {got}; expected a contiguous {x.dtype} [{num_inputs}]")
     if (norm.residual is None) != (norm.sum_out is None):
         raise KernelError("the norm's residual and sum_out come together: pass both or neither")
-    for name, tensor in (("residual", norm.residual), ("sum_out", norm.sum_out)):
-        if tensor is not None and (
-            tensor.shape != x.shape
-            or tensor.dtype != x.dtype
-            or not tensor.is_contiguous()
-            or tensor.device != x.device
+    for name, t in (("residual", norm.residual), ("sum_out", norm.sum_out)):
+        if t is not None and (
+            t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device
         ):
-            raise KernelError(
-                f"the norm's {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
-                f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}"
-            )
+            got, expected = f"{t.dtype} {list(t.shape)} on {t.device}", f"{x.dtype} {list(x.shape)} on {x.device}"
+            raise KernelError(f"the norm's {name} is {got}; expected a contiguous {expected}")
     if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
         raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")

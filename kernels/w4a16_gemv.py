@@ -25,21 +25,17 @@ from lowvram.kernels.w4a16_row import (
 
 DOT_MIN_M = 16  # tl.dot needs at least 16 rows
 MAX_DECODE_M = 16
-# Rows per launch in the batch-invariant form: bounds the float32 split-K partials
-# ([SPLIT_K, rows, N]) of a long prefill chunk; rows are independent, so no row changes.
+# Rows per batch-invariant launch: bounds the split-K partials [SPLIT_K, rows, N] of long chunks.
 INVARIANT_MAX_ROWS = 64
-# One counter per column block (and row tile), 262,144 outputs in 64-column blocks at first
+# One counter per column block and row tile
 SPLIT_COUNTERS = ArrivalCounters("the decode GEMV's split-K", 4096)
-# What the one-row kernel reads as x: x itself; RMSNorm of x (+ residual); or silu(gate) * up
-# of a fused gate/up output [2K].
+# What the one-row kernel reads as x: x, RMSNorm of x (+ residual), or silu(gate) * up of x [2K].
 PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 
 
 @triton.jit
 def awq_unpack(packed, shifts):
-    """[R, C/8] packed int32 -> [R, C] nibbles in natural column order: three interleaves repeat
-    each word over its eight columns, `shifts` [1, C] picks each column's AWQ nibble; masking
-    after the arithmetic shift drops the sign bits of negative words."""
+    """[R, C/8] packed int32 -> [R, C] nibbles in column order (`shifts` [1, C] picks each column's)."""
     wide = tl.interleave(packed, packed)
     wide = tl.interleave(wide, wide)
     wide = tl.interleave(wide, wide)
@@ -48,9 +44,8 @@ def awq_unpack(packed, shifts):
 
 @triton.jit
 def awq_load_block(awq, k_start, pid_n, N, num_packed_cols, GROUP_SIZE, BLOCK_K, BLOCK_N, EVEN_N: tl.constexpr):
-    """One K block (inside one group) of column block pid_n: (q - z) as int32 [BLOCK_K, BLOCK_N]
-    and the group's float32 scales [BLOCK_N]. `num_packed_cols` (N / 8) is an argument so Triton
-    can specialise its divisibility and vectorise the loads; EVEN_N drops the column masks."""
+    """One K block (in one group) of column block pid_n: (q - z) int32 [BLOCK_K, BLOCK_N] and float32
+    scales [BLOCK_N]. num_packed_cols (N / 8) is an argument so Triton specialises its divisibility."""
     qweight_ptr, qzeros_ptr, scales_ptr = awq
     offs_k = k_start + tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,9 +91,9 @@ def _tiled_kernel(
     BLOCK_R: tl.constexpr,
     IS_DENSE: tl.constexpr,
 ):
-    # Grid: (row tiles, column blocks, K splits). Row tiles go fastest, so the programs that
-    # share a weight tile run side by side and read it from DRAM once. `weight` is the AWQ
-    # (qweight, qzeros, scales), or with IS_DENSE a float W [N, K] as (w, stride_wn, stride_wk).
+    # Grid (row tiles, column blocks, K splits): row tiles go fastest, so programs sharing a weight
+    # tile read it from DRAM once. `weight`: AWQ (qweight, qzeros, scales), or IS_DENSE (w [N, K],
+    # stride_wn, stride_wk).
     stride_xm, stride_xk, stride_ym = strides
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,26 +154,20 @@ def _dequant_kernel(awq, w_ptr, N, num_packed_cols, GROUP_SIZE, BLOCK_N: tl.cons
 
 
 def lora_block_r(rank: int) -> int:
-    """The padded rank the kernels work in: a power of two, at least tl.dot's 16."""
     return max(DOT_MIN_M, triton.next_power_of_2(rank))
 
 
-# Outputs above which one row without compensation takes the K-in-thread kernel: it beats the
-# lane kernel on gate/up (N = 17,920 at the 1.5B shape) and loses on q/k/v, o and down.
+# Outputs above which a row without compensation takes the K-in-thread kernel (faster on gate/up only).
 WIDE_ROW_MIN_OUTPUTS = 4096
 
 
 def row_config(
     num_outputs: int, num_inputs: int, group_size: int, num_sms: int, has_lora: bool, block_n: int = 64
 ) -> dict:
-    """The one-row tiling. A wide layer without compensation runs _wide_row_kernel: 128-column blocks, two warps, K split into whole groups for
-    about eight programs per SM. Else the lane kernel: 64-column blocks (RoPE and the KV store
-    take one head per block instead) and at least four K splits, for about two programs per
-    SM (the small projections, N = 256 or 1536, have too few column blocks to fill a GPU on
-    their own), four for long inputs (32 K blocks or more). Long inputs and wide outputs reduce
-    every K block and compute the compensation's x A^T once per launch; the short, narrow
-    projections (q/k/v, o) sum over K once after the loop, where waiting for shared x A^T costs
-    more than recomputing it.
+    """The one-row tiling. Wide layers without compensation: _wide_row_kernel, 128-column blocks,
+    2 warps, whole groups split for ~8 programs per SM. Else the lane kernel: 64-column blocks (or
+    one head with RoPE), at least 4 K splits for ~2 programs per SM (4 for 32+ K blocks). Short,
+    narrow projections sum over K after the loop (REDUCE_AT_END) and recompute x A^T per program.
     """
     if not has_lora and num_outputs > WIDE_ROW_MIN_OUTPUTS and block_n == 64:
         num_groups = num_inputs // group_size
@@ -194,9 +183,8 @@ def row_config(
 
 
 def tiled_config(num_rows: int, num_outputs: int, num_inputs: int, group_size: int, num_sms: int) -> dict:
-    """The tiled kernel's tiling: up to MAX_DECODE_M rows, one 16-row tile split over K for about
-    two programs per SM (the batch-invariant form uses this for every row count); more rows,
-    the prefill GEMM's 32- or 64-row tiles without a split."""
+    """The tiled kernel's tiling: up to MAX_DECODE_M rows (and batch-invariant), a 16-row tile split
+    over K for ~2 programs per SM; more rows, 32- or 64-row tiles without a split."""
     if num_rows > MAX_DECODE_M:
         block_m = 32 if num_rows <= 32 else 64
         return {"block_m": block_m, "block_n": 128, "block_k": min(group_size, 64), "split_k": 1, "num_warps": 4}
@@ -212,19 +200,14 @@ def _splits(x, y, num_k_blocks: int, config: dict, num_counters: int):
     split_k = triton.cdiv(num_k_blocks, per_split)
     if split_k == 1:
         return 1, per_split, (y, y)  # not read
-    # partials: [SPLIT_K, M, N] float32, from the graph pool under capture
     partials = x.new_empty((split_k, *y.shape), dtype=torch.float32)
     return split_k, per_split, (partials, SPLIT_COUNTERS.get(y.device, num_counters))
 
 
 def launch_tiled(x, weight, bias, y, config, lora_a=None, lora_bt=None):
-    """Run the tiled kernel into y [M, N]; inputs already checked by the caller.
-
-    x: [M, K] (any strides); y: [M, N] with unit column stride; `weight` is the AWQ layer as
-    (qweight, qzeros, scales, group_size), all contiguous, or a float W [N, K] (any strides).
-    `config` from tiled_config. lora_a [R, K] (unit stride along K) and lora_bt [R, N], both
-    or neither, add (x A^T) Bt in the same launch (AWQ only).
-    """
+    """Run the tiled kernel into y [M, N] (unit column stride); inputs checked by the caller.
+    x [M, K], any strides; `weight` (qweight, qzeros, scales, group_size) or a float W [N, K];
+    `config` from tiled_config; lora_a [R, K] and lora_bt [R, N] add (x A^T) Bt (AWQ only)."""
     num_rows, num_inputs = x.shape
     num_outputs = y.shape[1]
     block_m, block_n, block_k = config["block_m"], config["block_n"], config["block_k"]
@@ -284,15 +267,11 @@ def launch_row(
     is_gated=False,
     rope_kv=None,
 ):
-    """Run the one-row kernel into y [1, N]; inputs already checked by the caller.
-
-    x: [1, K] contiguous; `config` from row_config. lora_a [R, K] and lora_bt [R, N]
-    as for launch_tiled. `norm` (w4a16.InputNorm) fuses an RMSNorm before the matmul, and
-    `is_gated` reads x as a fused gate/up output [1, 2K] and multiplies W by silu(gate) * up: one
-    launch instead of two, whose gap inside a CUDA graph costs more than the norm or activation
-    itself. `rope_kv` (w4a16.RopeKVWrite), for a fused q/k/v projection, finishes each head as
-    rotary_write_kv would: q and k rotated in y, k and v stored into the KV pages (one column
-    block per head).
+    """Run the one-row kernel into y [1, N]; inputs checked by the caller. x [1, K] contiguous,
+    `config` from row_config, lora_a and lora_bt as for launch_tiled. `norm` (w4a16.InputNorm)
+    fuses an RMSNorm before the matmul and `is_gated` silu(gate) * up of x [1, 2K]; `rope_kv`
+    (w4a16.RopeKVWrite) finishes a fused q/k/v projection as rotary_write_kv would, a head per
+    column block.
     """
     num_inputs, num_outputs = qweight.shape[0], y.shape[1]
     block_n = config["block_n"] if rope_kv is None else rope_kv.pages.head_dim
@@ -303,46 +282,37 @@ def launch_row(
         )
     if x.shape[0] != 1 or not x.is_contiguous():
         raise ValueError(f"the one-row kernel takes one row, contiguous; got {list(x.shape)} strides {x.stride()}")
-    num_k_blocks = num_inputs // block_k
+    is_k_in_thread = config.get("k_in_thread")
+    if is_k_in_thread and (lora_a is not None or rope_kv is not None or block_k != group_size):
+        raise ValueError("the K-in-thread kernel takes whole groups, without compensation or RoPE")
     num_column_blocks = triton.cdiv(num_outputs, block_n)
+    # with LORA_ONCE, two counters past the column blocks': shares ready, blocks done
+    num_counters = num_column_blocks + (0 if is_k_in_thread else 2)
+    split_k, per_split, split = _splits(x, y, num_inputs // block_k, config, num_counters)
     has_residual = norm is not None and norm.residual is not None
     norm_args = ()
     if norm is not None:
         norm_args = (
             (norm.residual, norm.weight, norm.sum_out, norm.eps) if has_residual else (x, norm.weight, x, norm.eps)
         )
-    prologue = PROLOGUE_RMS_NORM if norm is not None else PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE
-    row_block = triton.next_power_of_2(num_inputs) if norm is not None else 16
-    if config.get("k_in_thread"):
-        if lora_a is not None or rope_kv is not None or block_k != group_size:
-            raise ValueError("the K-in-thread kernel takes whole groups, without compensation or RoPE")
-        split_k, per_split, split = _splits(x, y, num_k_blocks, config, num_column_blocks)
+    args = (x, (qweight, qzeros, scales), bias if bias is not None else y, y, split)
+    sizes = (num_outputs, num_inputs, num_outputs // 8, per_split)
+    options = {
+        "GROUP_SIZE": group_size,
+        "EVEN_N": num_outputs % block_n == 0,
+        "HAS_BIAS": bias is not None,
+        "IS_PARTIAL": split_k > 1,
+        "PROLOGUE": PROLOGUE_RMS_NORM if norm is not None else PROLOGUE_SILU_MUL if is_gated else PROLOGUE_NONE,
+        "HAS_RESIDUAL": has_residual,
+        "ROW_BLOCK": triton.next_power_of_2(num_inputs) if norm is not None else 16,
+        "num_warps": config["num_warps"],
+    }
+    if is_k_in_thread:
+        # UNROLL: groups are multiples of 32 rows
         _wide_row_kernel[(num_column_blocks, split_k)](
-            x,
-            (qweight, qzeros, scales),
-            bias if bias is not None else y,
-            y,
-            split,
-            norm_args,
-            num_outputs,
-            num_inputs,
-            num_outputs // 8,
-            per_split,
-            GROUP_SIZE=group_size,
-            BLOCK_C=block_n // 8,
-            TILE_ROWS=16,
-            UNROLL=2,  # groups are multiples of 32 rows
-            EVEN_N=num_outputs % block_n == 0,
-            HAS_BIAS=bias is not None,
-            IS_PARTIAL=split_k > 1,
-            PROLOGUE=prologue,
-            HAS_RESIDUAL=has_residual,
-            ROW_BLOCK=row_block,
-            num_warps=config["num_warps"],
+            *args, norm_args, *sizes, BLOCK_C=block_n // 8, TILE_ROWS=16, UNROLL=2, **options
         )
         return y
-    # with LORA_ONCE, two counters past the column blocks': shares ready, blocks done
-    split_k, per_split, split = _splits(x, y, num_k_blocks, config, num_column_blocks + 2)
     has_lora = lora_a is not None
     is_lora_once = has_lora and split_k > 1 and not config["reduce_at_end"]
     block_r = lora_block_r(lora_a.shape[0] if has_lora else 0)
@@ -355,50 +325,26 @@ def launch_row(
     if rope_kv is not None:
         pages = rope_kv.pages
         k, v, k_scale, k_zero, v_scale, v_zero, window_k, window_v, window_row = pages.kernel_tensors()
+        positions = (rope_kv.positions, rope_kv.slot_mapping, rope_kv.num_heads, pages.num_kv_heads, k.shape[3])
+        k_pages, v_pages = (k, k_scale, k_zero, window_k, window_row), (v, v_scale, v_zero, window_v, window_row)
+        rope = (rope_kv.cos, rope_kv.sin, rope_kv.cos.stride(0), *positions, k_pages, v_pages)
         constants = kv_write._store_constants(pages)
-        cos = rope_kv.cos
-        rope = (
-            cos,
-            rope_kv.sin,
-            cos.stride(0),
-            rope_kv.positions,
-            rope_kv.slot_mapping,
-            rope_kv.num_heads,
-            pages.num_kv_heads,
-            k.shape[3],
-            (k, k_scale, k_zero, window_k, window_row),
-            (v, v_scale, v_zero, window_v, window_row),
-        )
         store = tuple(constants[name] for name in ("BITS", "QMAX", "BLOCK_C", "HAS_WINDOW", "PAGE_SIZE"))
     _row_kernel[(num_column_blocks, split_k)](
-        x,
-        (qweight, qzeros, scales),
-        bias if bias is not None else y,
-        y,
-        split,
+        *args,
         lora,
         norm_args,
         rope,
-        num_outputs,
-        num_inputs,
-        num_outputs // 8,
-        per_split,
-        GROUP_SIZE=group_size,
+        *sizes,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        EVEN_N=num_outputs % block_n == 0,
-        HAS_BIAS=bias is not None,
-        IS_PARTIAL=split_k > 1,
         REDUCE_AT_END=config["reduce_at_end"],
         HAS_LORA=has_lora,
         LORA_ONCE=is_lora_once,
         BLOCK_R=block_r,
-        PROLOGUE=prologue,
-        HAS_RESIDUAL=has_residual,
-        ROW_BLOCK=row_block,
         ROPE_KV=rope_kv is not None,
         STORE=store,
-        num_warps=config["num_warps"],
+        **options,
     )
     return y
 

@@ -1,9 +1,8 @@
 """W4A16 Triton kernels for one row (batch-1 decode), and the split-K helpers shared with the tiled kernel.
 
-Each program owns a column block and a contiguous range of K blocks. With several splits each
-writes its float32 partials to a workspace [SPLIT_K, M, N] and counts in on its column block's
-counter; the last to arrive adds the partials in split order (run-to-run identical, unlike float
-atomics), adds the bias and casts, with no second launch.
+A program owns a column block and a range of K blocks; with several splits each writes float32
+partials [SPLIT_K, M, N] and the last to count in adds them in split order (run-to-run identical),
+adds the bias and casts, with no second launch.
 """
 
 import triton
