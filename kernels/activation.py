@@ -35,8 +35,7 @@ def silu_and_mul(x: torch.Tensor, *, use_reference: bool = False) -> torch.Tenso
     """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise KernelError(
-            f"silu_and_mul: x is {tuple(x.shape)} with strides {x.stride()}; expected [T, 2I], "
-            f"contiguous in its last dim"
+            f"silu_and_mul: x is {tuple(x.shape)}, strides {x.stride()}; expected [T, 2I], last dim contiguous"
         )
     if x.dtype == torch.bfloat16 or not use_triton("silu_and_mul", x.device, use_reference) or x.shape[0] == 0:
         return silu_and_mul_ref(x)

@@ -126,9 +126,7 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, zero_point: bool =
         )
     num_outputs, num_inputs = weight.shape
     if num_outputs % PACK_FACTOR != 0:
-        raise KernelError(
-            f"weight has {num_outputs} outputs (shape [N, K] = {list(weight.shape)}); N must be divisible by 8"
-        )
+        raise KernelError(f"weight [N, K] = {list(weight.shape)} has {num_outputs} outputs; N must be divisible by 8")
     check_group_size(group_size, num_inputs)
     num_groups = num_inputs // group_size
     # grouped: [K/G, G, N], input-major like the packed tensors

@@ -102,10 +102,8 @@ class KVPages:
                 f"for int4)]; k is {tuple(self.k.shape)} with strides {self.k.stride()}"
             )
         if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype or self.v.device != self.k.device:
-            raise KernelError(
-                f"KVPages.v ({tuple(self.v.shape)}, {self.v.dtype}, {self.v.device}) must match "
-                f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
-            )
+            got = [(tuple(t.shape), t.dtype, t.device) for t in (self.v, self.k)]
+            raise KernelError(f"KVPages.v {got[0]} must match KVPages.k {got[1]}")
         floats = (torch.float16, torch.float32, torch.bfloat16)
         if not self.is_quantized:
             if self.window_k is not None or self.window_row is not None:

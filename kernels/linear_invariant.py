@@ -43,12 +43,10 @@ def invariant_linear(
     name = "invariant_linear"
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise KernelError(
-            f"{name}: x {list(x.shape)} and weight {list(weight.shape)} do not multiply (x [..., K], weight [N, K])"
+            f"{name}: x {list(x.shape)} and weight {list(weight.shape)} do not multiply ([..., K], [N, K])"
         )
     if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise KernelError(
-            f"{name}: x is on {x.device} but the weight or bias is not; move the layer and its input to one device"
-        )
+        raise KernelError(f"{name}: x is on {x.device} but the weight or bias is not; move them to one device")
     if bias is not None and list(bias.shape) != [weight.shape[0]]:
         raise KernelError(f"{name}: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
     num_outputs, num_inputs = weight.shape

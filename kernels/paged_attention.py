@@ -176,9 +176,7 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables, cont
     if head_dim != pages.head_dim:
         raise KernelError(f"{name}: q has head_dim {head_dim} but the pages hold head_dim {pages.head_dim}")
     if num_heads % pages.num_kv_heads:
-        raise KernelError(
-            f"{name}: q has {num_heads} heads, not a multiple of the pages' {pages.num_kv_heads} KV heads"
-        )
+        raise KernelError(f"{name}: q has {num_heads} heads, not a multiple of the {pages.num_kv_heads} KV heads")
     if q.dtype not in (torch.float16, torch.float32) and not (q.dtype == torch.bfloat16 and q.device.type == "cpu"):
         raise KernelError(f"{name}: q has dtype {q.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
     if not pages.is_quantized and q.dtype != pages.k.dtype:
@@ -187,14 +185,11 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables, cont
         raise KernelError(f"{name}: q must be contiguous in its last dim (strides {q.stride()})")
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     if context_lens.dim() != 1 or context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
-        raise KernelError(
-            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected contiguous int32 [num_seqs]"
-        )
+        got = f"{tuple(context_lens.shape)} {context_lens.dtype}"
+        raise KernelError(f"{name}: context_lens is {got}; expected contiguous int32 [num_seqs]")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
-        raise KernelError(
-            f"{name}: block_tables is {tuple(block_tables.shape)} {block_tables.dtype}; "
-            f"expected int32 [{num_seqs}, max_blocks]"
-        )
+        got = f"{tuple(block_tables.shape)} {block_tables.dtype}"
+        raise KernelError(f"{name}: block_tables is {got}; expected int32 [{num_seqs}, max_blocks]")
     if block_tables.shape[1] and block_tables.stride(1) != 1:
         raise KernelError(f"{name}: block_tables must be contiguous in its last dim (strides {block_tables.stride()})")
     for tensor_name, tensor in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens)):
@@ -264,13 +259,9 @@ def plan_decode_partitions(num_seqs, num_kv_heads, max_context_len, device, num_
 
 
 def _check_config(name: str, config: DecodeConfig) -> None:
-    if config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise KernelError(f"{name}: DecodeConfig.block_n is {config.block_n}; expected a power of two >= 16")
-    if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
-        raise KernelError(
-            f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
-            "expected num_warps a power of two up to 16 and num_stages >= 1"
-        )
+    block_n, num_warps = config.block_n, config.num_warps
+    if block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
+        raise KernelError(f"{name}: {config}; expected block_n a power of two >= 16, num_warps <= 16, num_stages >= 1")
 
 
 def paged_decode_attention(
@@ -370,10 +361,8 @@ def paged_prefill_attention(
     _check_common(name, q, pages, block_tables, context_lens)
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
-        raise KernelError(
-            f"{name}: cu_seqlens_q is {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}; "
-            f"expected contiguous int32 [{num_seqs + 1}]"
-        )
+        got = f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}"
+        raise KernelError(f"{name}: cu_seqlens_q is {got}; expected contiguous int32 [{num_seqs + 1}]")
     if cu_seqlens_q.device != pages.device:
         raise KernelError(f"{name}: cu_seqlens_q is on {cu_seqlens_q.device} but the pages are on {pages.device}")
     if q.shape[0] == 0 or num_seqs == 0:

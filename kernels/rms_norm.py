@@ -69,18 +69,14 @@ def rms_norm(
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise KernelError(f"rms_norm: x is {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [T, C] and [C]")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise KernelError(
-            f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
-            f"{tuple(x.shape)} {x.dtype}; they must match"
-        )
+        got = f"{tuple(residual.shape)} {residual.dtype}, x {tuple(x.shape)} {x.dtype}"
+        raise KernelError(f"rms_norm: residual is {got}; they must match")
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out is not None and (out.shape != x.shape or out.dtype != out_dtype):
         raise KernelError(f"rms_norm: out is {tuple(out.shape)} {out.dtype}; expected {tuple(x.shape)} {out_dtype}")
     if sum_out is not None and (residual is None or sum_out.shape != x.shape or sum_out.dtype != x.dtype):
-        raise KernelError(
-            f"rms_norm: sum_out is {tuple(sum_out.shape)} {sum_out.dtype}; expected "
-            f"{tuple(x.shape)} {x.dtype}, and a residual to add"
-        )
+        got = f"{tuple(sum_out.shape)} {sum_out.dtype}"
+        raise KernelError(f"rms_norm: sum_out is {got}; expected {tuple(x.shape)} {x.dtype}, and a residual to add")
     tensors = [t for t in (x, weight, residual, out, sum_out) if t is not None]
     if any(t.stride(-1) != 1 for t in tensors):
         raise KernelError("rms_norm: x, weight, residual and the outputs must be contiguous in their last dim")
