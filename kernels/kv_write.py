@@ -83,10 +83,7 @@ def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: 
         slot_mapping,
         pages.kernel_tensors(),
         (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0)),
-        num_heads,
-        num_kv_heads,
-        pages.k.shape[3],
-        head_dim,
+        (num_heads, num_kv_heads, pages.k.shape[3], head_dim),
         ROTATE=rotate,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
@@ -225,10 +222,7 @@ if HAS_TRITON:
         slot_ptr,
         cache,
         strides,
-        num_heads,
-        num_kv_heads,
-        code_dim,
-        head_dim,
+        sizes,
         ROTATE: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
@@ -247,6 +241,7 @@ if HAS_TRITON:
             cache
         )
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos = strides
+        num_heads, num_kv_heads, code_dim, head_dim = sizes
         token = tl.program_id(0)
         k_in = k_ptr + token.to(tl.int64) * stride_kt
         v_in = v_ptr + token.to(tl.int64) * stride_vt

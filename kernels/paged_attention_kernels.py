@@ -326,11 +326,7 @@ def _prefill_kernel(
     context_lens_ptr,
     out_ptr,
     scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     num_kv_heads,
     group_size,
     PAGE_SIZE: tl.constexpr,
@@ -342,6 +338,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh = strides
     seq = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // group_size
