@@ -138,6 +138,14 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(codes, 0.0), QMAX).to(tl.int32)
 
     @triton.jit
+    def _row_min(x, mask):
+        return tl.min(tl.where(mask, x, float("inf")), axis=1)
+
+    @triton.jit
+    def _row_max(x, mask):
+        return tl.max(tl.where(mask, x, float("-inf")), axis=1)
+
+    @triton.jit
     def _store_row(x_ptr, stride_xh, dst, slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C):
         # One token's row of every KV head, from x_ptr [heads, D] into dst = (codes, scales,
         # zeros) at `slot` (codes alone for FP16 rows).
@@ -158,21 +166,15 @@ if HAS_TRITON:
             if BITS == 8:
                 x = tl.load(x_ptr + heads[:, None] * stride_xh + cols[None, :], mask=mask, other=0.0)
                 x = x.to(tl.float32)
-                row_min = tl.min(tl.where(mask, x, float("inf")), axis=1)
-                row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+                row_min = _row_min(x, mask)
+                row_max = _row_max(x, mask)
             else:
                 # INT4: element 2i goes to the low nibble of byte i, 2i+1 to the high one.
                 x_ptrs = x_ptr + heads[:, None] * stride_xh + 2 * cols[None, :]
                 x_even = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
                 x_odd = tl.load(x_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-                row_min = tl.minimum(
-                    tl.min(tl.where(mask, x_even, float("inf")), axis=1),
-                    tl.min(tl.where(mask, x_odd, float("inf")), axis=1),
-                )
-                row_max = tl.maximum(
-                    tl.max(tl.where(mask, x_even, float("-inf")), axis=1),
-                    tl.max(tl.where(mask, x_odd, float("-inf")), axis=1),
-                )
+                row_min = tl.minimum(_row_min(x_even, mask), _row_min(x_odd, mask))
+                row_max = tl.maximum(_row_max(x_even, mask), _row_max(x_odd, mask))
             row_min = tl.minimum(row_min, 0.0)
             row_max = tl.maximum(row_max, 0.0)
             # As kv_quant.quantize_kv: IEEE division, FP16-rounded scale and zero.
