@@ -193,11 +193,9 @@ def gather_kv(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.
     v_rows = pages.v.flatten(0, 1)[slots]
     if not pages.is_quantized:
         return k_rows.float(), v_rows.float()
-    k = dequantize_kv(
-        k_rows, pages.k_scale.flatten(0, 1)[slots], pages.k_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
-    )
-    v = dequantize_kv(
-        v_rows, pages.v_scale.flatten(0, 1)[slots], pages.v_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
+    k, v = (
+        dequantize_kv(rows, scale.flatten(0, 1)[slots], zero.flatten(0, 1)[slots], pages.bits, pages.head_dim)
+        for rows, scale, zero in ((k_rows, pages.k_scale, pages.k_zero), (v_rows, pages.v_scale, pages.v_zero))
     )
     if pages.has_window:
         is_window, window_slots = window_slots_of(pages, slots)
