@@ -313,22 +313,11 @@ def paged_decode_attention(
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
+    args = (q, pages.kernel_tensors(), block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2_E)
+    sizes = (q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, group_size, partition_tokens, num_splits)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        pages.kernel_tensors(),
-        block_tables,
-        context_lens,
-        out,
-        partial_out,
-        partial_lse,
-        scale * _LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
-        num_kv_heads,
-        group_size,
-        partition_tokens,
-        num_splits,
+        *args,
+        *sizes,
         **_page_constants(pages, head_dim),
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n,
@@ -378,15 +367,11 @@ def paged_prefill_attention(
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     # One more query tile: a chunk after a cached prefix may start inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
+    args = (q, pages.kernel_tensors(), block_tables, cu_seqlens_q, context_lens, out, scale * _LOG2_E)
+    strides = (q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     _prefill_kernel[grid](
-        q,
-        pages.kernel_tensors(),
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        out,
-        scale * _LOG2_E,
-        (q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1)),
+        *args,
+        strides,
         pages.num_kv_heads,
         num_heads // pages.num_kv_heads,
         **_page_constants(pages, head_dim),

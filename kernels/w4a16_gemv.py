@@ -213,9 +213,9 @@ def launch_tiled(x, weight, bias, y, config, lora_a=None, lora_bt=None):
     block_m, block_n, block_k = config["block_m"], config["block_n"], config["block_k"]
     is_dense = isinstance(weight, torch.Tensor)
     if is_dense:
-        group_size, args = block_k, (weight, weight.stride(0), weight.stride(1))
+        group_size, weight_args = block_k, (weight, weight.stride(0), weight.stride(1))
     else:
-        *args, group_size = weight
+        *weight_args, group_size = weight
         if group_size % block_k or block_n % 8 or num_inputs % block_k:
             raise ValueError(f"tiles {config} do not fit group size {group_size}")
     num_column_blocks, num_row_tiles = triton.cdiv(num_outputs, block_n), triton.cdiv(num_rows, block_m)
@@ -224,19 +224,11 @@ def launch_tiled(x, weight, bias, y, config, lora_a=None, lora_bt=None):
     )
     has_lora = lora_a is not None
     lora = (lora_a, lora_bt, lora_a, lora_a.shape[0], lora_a.stride(0), *lora_bt.stride()) if has_lora else ()
+    args = (x, tuple(weight_args), bias if bias is not None else y, y, split, lora)
+    sizes = (num_rows, num_outputs, num_inputs, num_outputs // 8, (x.stride(0), x.stride(1), y.stride(0)), per_split)
     _tiled_kernel[(num_row_tiles, num_column_blocks, split_k)](
-        x,
-        tuple(args),
-        bias if bias is not None else y,
-        y,
-        split,
-        lora,
-        num_rows,
-        num_outputs,
-        num_inputs,
-        num_outputs // 8,
-        (x.stride(0), x.stride(1), y.stride(0)),
-        per_split,
+        *args,
+        *sizes,
         GROUP_SIZE=group_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
