@@ -1,10 +1,8 @@
 """lowvram's Triton kernels, installed as ``lowvram.kernels``.
 
-Run from the checkout's root, Python also finds this folder as a top-level ``kernels``, a name
-that belongs to Hugging Face's ``kernels`` package (which transformers imports). Imported under
-that name it hands the import on to the ``kernels`` elsewhere on ``sys.path``, or, where there is
-none, stays an empty namespace module without ``__file__``, as transformers expects of a stray
-folder.
+Found from the checkout's root as a top-level ``kernels`` (Hugging Face's package name, which
+transformers imports), it hands the import on to the ``kernels`` elsewhere on ``sys.path``, or
+else stays an empty namespace module without ``__file__``, as transformers expects.
 """
 
 if __name__ != "lowvram.kernels":

@@ -1,9 +1,4 @@
-"""SwiGLU's activation in one kernel: silu(gate) * up over a fused gate/up projection.
-
-With gate and up computed by one matmul into [T, 2I], the activation is one pass that reads
-both halves and writes [T, I], instead of three kernels (silu, a temporary, multiply).
-The reference is `silu_and_mul_ref`, the plain-torch expression of `lowvram.models.dense.MLP`.
-"""
+"""SwiGLU's activation in one kernel: silu(gate) * up of a fused gate/up output [T, 2I] -> [T, I]."""
 
 import torch
 import triton
@@ -15,8 +10,7 @@ from lowvram.kernels.dispatch import use_triton
 
 @triton.jit
 def silu_mul(gate, up):
-    """silu(gate) * up in float32, silu rounded to gate's dtype first as the reference rounds it.
-    Shared with the decode GEMV's gate prologue (w4a16_gemv), which must give the same bits."""
+    """silu(gate) * up in float32, silu rounded to gate's dtype first as torch does (also the GEMV's prologue)."""
     gate_f = gate.to(tl.float32)
     activated = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype)
     return activated.to(tl.float32) * up.to(tl.float32)
@@ -41,21 +35,13 @@ def silu_and_mul(x: torch.Tensor, *, use_reference: bool = False) -> torch.Tenso
     """x [T, 2I] (gate then up) -> silu(gate) * up [T, I]."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise KernelError(
-            f"silu_and_mul: x is {tuple(x.shape)} with strides {x.stride()}; expected [T, 2I], "
-            f"contiguous in its last dim"
+            f"silu_and_mul: x is {tuple(x.shape)}, strides {x.stride()}; expected [T, 2I], last dim contiguous"
         )
     if x.dtype == torch.bfloat16 or not use_triton("silu_and_mul", x.device, use_reference) or x.shape[0] == 0:
         return silu_and_mul_ref(x)
     num_rows, num_cols = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(num_cols))
-    _silu_and_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](
-        x,
-        out,
-        num_cols,
-        x.stride(0),
-        out.stride(0),
-        BLOCK=block,
-        num_warps=4,
-    )
+    grid = (num_rows, triton.cdiv(num_cols, block))
+    _silu_and_mul_kernel[grid](x, out, num_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out

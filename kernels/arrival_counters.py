@@ -1,16 +1,8 @@
-"""Arrival counters for kernels whose last program to finish a unit of work adds up the
-others' partial results: the W4A16 decode GEMV's split-K (one counter per column block) and
-decode attention's merge inside the kernel (one per sequence and KV head).
-
-Each program counts itself in with an acq_rel atomic; the one that sees the count reach the
-number of programs does the sum and resets the counter. Counters are therefore zero between
-launches, so one buffer per device serves every layer and every replay of a CUDA graph. That
-assumes one such kernel in flight per device at a time, as the engine runs its steps on one
-stream; two at once on different streams would count into the same slots.
-
-A buffer is made, or grown, outside CUDA-graph capture only: one made during a capture would
-live in that graph's private pool. The engine's eager warm-up before each capture makes it.
-A buffer replaced by a larger one stays alive: graphs captured with it still point at it.
+"""Arrival counters of the W4A16 split-K: the last program of a column block to count in adds
+the partials and resets the counter, so counters are zero between launches and one buffer per
+device serves every layer and graph replay (one such kernel in flight per device: the engine
+runs on one stream). Buffers are made outside CUDA-graph capture only (the eager warm-up makes
+them); a replaced buffer stays alive, as graphs captured with it still point at it.
 """
 
 from __future__ import annotations
@@ -21,12 +13,8 @@ from lowvram.errors import KernelError
 
 
 class ArrivalCounters:
-    """Per-device zeroed int32 counters for one kind of kernel.
-
-    Args:
-        user: the kernel, as error messages name it.
-        min_size: the smallest buffer made; larger requests round up to a power of two.
-    """
+    """Per-device zeroed int32 counters; `user` names the kernel in errors, requests above
+    `min_size` round up to a power of two."""
 
     def __init__(self, user: str, min_size: int):
         self.user = user
@@ -35,8 +23,7 @@ class ArrivalCounters:
         self.replaced: list[torch.Tensor] = []
 
     def get(self, device: torch.device, num_counters: int) -> torch.Tensor:
-        """The device's counters, at least `num_counters` of them; raises KernelError when they
-        would have to be made during a CUDA-graph capture."""
+        """At least `num_counters` counters; KernelError if they must be made during capture."""
         counters = self.by_device.get(device)
         if counters is not None and counters.numel() >= num_counters:
             return counters

@@ -1,18 +1,9 @@
-"""The AutoAWQ "GEMM" INT4 layout: packing, unpacking, RTN quantization, dequantization.
+"""The AutoAWQ "GEMM" INT4 layout in torch: packing, unpacking, RTN quantization, dequantization.
 
-For a Linear with K inputs, N outputs and group size G (torch only, no Triton here):
-
-- ``qweight`` int32 ``[K, N/8]``: input-major (the transpose of ``nn.Linear.weight``),
-  eight 4-bit output columns per int32;
-- ``qzeros`` int32 ``[K/G, N/8]``: one zero point per group and column, packed the same way;
-- ``scales`` float16 ``[K/G, N]``;
-- dequantization: ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``, z in 0..15 stored
-  as is (no +1 offset, unlike GPTQ v1).
-
-Nibble ``i`` (bits ``4*i .. 4*i+3``) of the int32 at packed column ``c`` holds output column
-``8*c + AWQ_ORDER[i]``; equivalently column ``j`` sits in nibble ``AWQ_REVERSE_ORDER[j % 8]``.
-This interleaving is what vLLM and Hugging Face loaders expect, so tensors written here load
-there unchanged.
+For K inputs, N outputs and group size G: qweight int32 [K, N/8] (input-major, eight 4-bit
+columns per int32), qzeros int32 [K/G, N/8] packed alike, scales float16 [K/G, N], and
+w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n] with z stored as is (no GPTQ +1). Nibble i of
+packed column c holds column 8c + AWQ_ORDER[i], the interleaving vLLM and Hugging Face expect.
 """
 
 from dataclasses import dataclass
@@ -33,8 +24,7 @@ _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 @dataclass
 class AwqTensors:
-    """One Linear in AutoAWQ GEMM form: qweight int32 [K, N/8], qzeros int32 [K/G, N/8],
-    scales float16 [K/G, N]."""
+    """One Linear in AutoAWQ GEMM form (shapes above)."""
 
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -43,7 +33,6 @@ class AwqTensors:
 
 
 def check_group_size(group_size: int, num_inputs: int) -> None:
-    """Raise ConfigError unless group_size is supported and divides the K inputs."""
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ConfigError(f"AWQ group_size {group_size} is not supported; allowed: {list(SUPPORTED_GROUP_SIZES)}")
     if num_inputs % group_size != 0:
@@ -56,11 +45,7 @@ def check_group_size(group_size: int, num_inputs: int) -> None:
 def check_awq_shapes(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> tuple[int, int]:
-    """Check dtypes and shapes of one packed Linear and return (K, N).
-
-    Raises KernelError naming the tensor, its shape and what was expected, and ConfigError
-    for an unsupported group size.
-    """
+    """(K, N) of one packed Linear; KernelError for a bad dtype or shape, ConfigError for the group size."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise KernelError(f"qweight must be a 2-D int32 tensor [K, N/8], got {qweight.dtype} {list(qweight.shape)}")
     num_inputs, num_packed_cols = qweight.shape
@@ -94,7 +79,7 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
     packed = torch.zeros(num_rows, num_cols // PACK_FACTOR, dtype=torch.int64, device=q.device)
     for nibble, column in enumerate(AWQ_ORDER):
         packed |= grouped[:, :, column] << (NUM_BITS * nibble)
-    # int64 -> int32 with two's-complement wrap, spelled out so it never relies on casting overflow
+    # int64 -> int32 with two's-complement wrap, not relying on casting overflow
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
     return packed.to(torch.int32)
 
@@ -130,15 +115,10 @@ def dequantize_awq(
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128, zero_point: bool = True) -> AwqTensors:
     """Round-to-nearest INT4 quantization of an nn.Linear weight [N, K] into AWQ GEMM tensors.
 
-    Per group of `group_size` inputs and per output column:
-    - zero_point=True (asymmetric): the range [min(w, 0), max(w, 0)] maps onto 0..15 with
-      scale = range / 15 and an integer zero z = round(-min / scale). Widening the range to
-      include 0 keeps z inside 0..15, so no value is clamped and every element lands within
-      scale / 2 of its original (AutoAWQ uses the raw min/max, which can clamp a group that
-      does not straddle zero).
-    - zero_point=False (symmetric): scale = max|w| / 7 and z = 8, stored in the same layout so
-      every AWQ loader reads it.
-    Scales are rounded up to the next float16 so the float16 scale never shrinks the range.
+    Per group and output column, zero_point=True maps [min(w, 0), max(w, 0)] onto 0..15
+    (scale = range / 15, z = round(-min / scale)): including 0 keeps z in 0..15, so nothing is
+    clamped, unlike AutoAWQ's raw min/max. zero_point=False: scale = max|w| / 7, z = 8. Scales
+    round up to the next float16, so rounding never shrinks the range.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise KernelError(
@@ -146,9 +126,7 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, zero_point: bool =
         )
     num_outputs, num_inputs = weight.shape
     if num_outputs % PACK_FACTOR != 0:
-        raise KernelError(
-            f"weight has {num_outputs} outputs (shape [N, K] = {list(weight.shape)}); N must be divisible by 8"
-        )
+        raise KernelError(f"weight [N, K] = {list(weight.shape)} has {num_outputs} outputs; N must be divisible by 8")
     check_group_size(group_size, num_inputs)
     num_groups = num_inputs // group_size
     # grouped: [K/G, G, N], input-major like the packed tensors

@@ -1,8 +1,5 @@
-"""Which path a kernel wrapper runs: the Triton kernel or its plain-torch reference.
-
-Triton runs on CUDA GPUs of compute capability 7.5 (Turing) or newer, and on CPU tensors under
-TRITON_INTERPRET=1 (how CI checks the kernels); everything else takes the reference. The choice
-is logged once per kernel and path.
+"""Which path a kernel wrapper runs: Triton on CUDA GPUs from Turing (7.5) on and on CPU tensors
+under TRITON_INTERPRET=1 (the tests), else the plain-torch reference; logged once per kernel and path.
 """
 
 import functools
@@ -21,13 +18,10 @@ except ImportError:  # Windows and macOS wheels of torch ship without Triton
 logger = logging.getLogger("lowvram.kernels")
 IS_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_COMPUTE_CAPABILITY = (7, 5)
-# Under the interpreter there are no SMs; a small count still makes the decode kernels split
-# their work (K in the W4A16 GEMV, the context in decode attention), so CPU tests cover the
-# reductions that follow.
+# Few enough that CPU tests still split K and the context and so cover the reductions after.
 INTERPRETER_NUM_SMS = 4
 _logged_paths: set[str] = set()
-# SMs the kernels size their grids for, by CUDA device index, where a lab script runs work on
-# a slice of the GPU's SMs (scripts/lab/sm_slice.py); other devices use all of their own.
+# SMs to size grids for by CUDA device index, where scripts/lab/sm_slice.py runs on a slice of them.
 sm_limits: dict[int, int] = {}
 
 

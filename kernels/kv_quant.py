@@ -1,23 +1,12 @@
 """KV-cache pages and their quantization, in plain torch.
 
-One layer's cache is a `KVPages`: K and V pages of `block_size` tokens each, stored
-as FP16 (float32 allowed on the CPU), or as INT8 / INT4 codes with an FP16 scale
-and zero per token and per KV head, so that `x ~ (q - zero) * scale`.
-
-Quantization is asymmetric per (token, head) row, but the range is widened to
-include 0 before the scale is chosen. That keeps `zero` inside [0, qmax], where
-FP16 holds it to within 1/16 of a code; an unwidened zero of a row far from 0
-can reach thousands of codes (or overflow FP16) and lose whole codes when
-rounded. K/V rows of real models straddle 0, so the widening costs no
-resolution in practice. Rounding is `floor(v + 0.5)` and every step uses the
-FP16-rounded scale and zero, so the Triton write kernel (`lowvram.kernels.kv_write`)
-reproduces these functions byte for byte.
-
-An INT8/INT4 `KVPages` may keep some pages in FP16 as well (the recent window the
-KV pool keeps when it compresses): `window_row[page]` is the row of `window_k` /
-`window_v` that holds the page, -1 for the others. Those pages are written in both
-forms and read from the FP16 one; their codes stay valid, so a reader that ignores
-the window sees INT8/INT4 values, never garbage.
+A layer's `KVPages` holds K and V pages of `block_size` tokens as FP16 (float32 on the CPU) or
+as INT8/INT4 codes with an FP16 scale and zero per (token, KV head): x ~ (q - zero) * scale.
+Each row's range is widened to include 0, which keeps zero inside [0, qmax] where FP16 holds it
+to 1/16 of a code (real K/V rows straddle 0 anyway). Rounding is floor(v + 0.5) with the
+FP16-rounded scale and zero, which kv_write's kernel reproduces byte for byte. Quantized pages
+may also keep an FP16 copy (the pool's recent window): `window_row[page]` is its row in
+`window_k`/`window_v` (-1: none); its codes stay valid too.
 """
 
 from __future__ import annotations
@@ -31,9 +20,7 @@ from lowvram.errors import KernelError
 PRECISIONS = ("fp16", "int8", "int4")
 BITS_BY_PRECISION = {"fp16": 16, "int8": 8, "int4": 4}
 
-# Smallest normal FP16 number: a smaller scale would be subnormal in FP16 and
-# lose the relative precision the error bound relies on. Rows whose range is
-# under 255 * MIN_SCALE (~0.016) are effectively zero for attention.
+# The smallest normal FP16 number: a subnormal scale would lose the error bound's relative precision.
 MIN_SCALE = 2.0**-14
 
 
@@ -41,15 +28,11 @@ MIN_SCALE = 2.0**-14
 class KVPages:
     """One layer's paged K/V cache in one precision.
 
-    `k`, `v`: `[num_blocks, block_size, num_kv_heads, head_dim]` float16/float32
-    for "fp16"; uint8 codes of that shape for "int8"; uint8 `[..., head_dim // 2]`
-    for "int4" (element 2i in the low nibble, 2i+1 in the high nibble).
-    `k_scale`, `k_zero`, `v_scale`, `v_zero`: float16 `[num_blocks, block_size,
-    num_kv_heads]`, present only for the quantized precisions.
-    `window_k`, `window_v`: `[num_window_pages, block_size, num_kv_heads, head_dim]`
-    float16 (float32 on the CPU) copies of the pages kept in FP16, and `window_row`:
-    int32 `[num_blocks]`, each page's row there (-1 = not kept); all three or none,
-    quantized precisions only.
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim] float16/float32 ("fp16") or uint8 codes
+    ("int8"; "int4" packs element 2i in the low nibble of [..., head_dim // 2]). k_scale, k_zero,
+    v_scale, v_zero: float16 [num_blocks, block_size, num_kv_heads], quantized only. window_k,
+    window_v: [num_window_pages, block_size, num_kv_heads, head_dim] FP16 copies, window_row: int32
+    [num_blocks] (-1 = not kept); all three or none, quantized only.
     """
 
     k: torch.Tensor
@@ -96,13 +79,11 @@ class KVPages:
         return self.window_row is not None
 
     def window_pages(self) -> KVPages:
-        """The FP16 copies of the window's pages as pages of their own (rows = window rows)."""
         return KVPages(k=self.window_k, v=self.window_v)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The arrays the Triton kernels take, in their order: k, v, k_scale, k_zero, v_scale,
-        v_zero, window_k, window_v, window_row. Slots a kernel never reads for these pages (the
-        scales of FP16 pages, the window of pages without one) get the code arrays."""
+        """(k, v, k_scale, k_zero, v_scale, v_zero, window_k, window_v, window_row) for the kernels;
+        the code arrays stand in for those these pages lack."""
         scales = (
             (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
             if self.is_quantized
@@ -121,59 +102,33 @@ class KVPages:
                 f"for int4)]; k is {tuple(self.k.shape)} with strides {self.k.stride()}"
             )
         if self.v.shape != self.k.shape or self.v.dtype != self.k.dtype or self.v.device != self.k.device:
-            raise KernelError(
-                f"KVPages.v ({tuple(self.v.shape)}, {self.v.dtype}, {self.v.device}) must match "
-                f"KVPages.k ({tuple(self.k.shape)}, {self.k.dtype}, {self.k.device})"
-            )
+            got = [(tuple(t.shape), t.dtype, t.device) for t in (self.v, self.k)]
+            raise KernelError(f"KVPages.v {got[0]} must match KVPages.k {got[1]}")
         floats = (torch.float16, torch.float32, torch.bfloat16)
         if not self.is_quantized:
-            if self.has_window or self.window_k is not None:
+            if self.window_k is not None or self.window_row is not None:
                 raise KernelError("fp16 KVPages cannot keep an FP16 window: every page already is FP16")
             if self.k.dtype not in floats:
-                raise KernelError(
-                    f"fp16 KVPages.k has dtype {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)"
-                )
+                raise KernelError(f"fp16 KVPages.k is {self.k.dtype}; expected float16 (float32 or bfloat16 on CPU)")
             return
         if self.k.dtype != torch.uint8:
             raise KernelError(f"{self.precision} KVPages.k has dtype {self.k.dtype}; expected uint8 codes")
-        scale_shape = tuple(self.k.shape[:3])
-        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-            t = getattr(self, name)
-            if t is None or tuple(t.shape) != scale_shape or t.dtype != torch.float16 or not t.is_contiguous():
-                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
-                raise KernelError(f"KVPages.{name} is {got}; expected contiguous float16 {scale_shape}")
-            if t.device != self.k.device:
-                raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
         window = (self.window_k, self.window_v, self.window_row)
-        if all(t is None for t in window):
-            return
-        if any(t is None for t in window):
+        if any(t is None for t in window) and any(t is not None for t in window):
             raise KernelError("KVPages.window_k, window_v and window_row go together; some are missing")
-        expected = (self.block_size, self.num_kv_heads, self.head_dim)
-        for name in ("window_k", "window_v"):
+        scale_shape = tuple(self.k.shape[:3])
+        expected = {name: (scale_shape, (torch.float16,)) for name in ("k_scale", "k_zero", "v_scale", "v_zero")}
+        if self.has_window:
+            window_shape = (*self.window_k.shape[:1], self.block_size, self.num_kv_heads, self.head_dim)
+            expected |= {"window_k": (window_shape, floats), "window_v": (window_shape, (self.window_k.dtype,))}
+            expected["window_row"] = ((self.num_blocks,), (torch.int32,))
+        for name, (shape, dtypes) in expected.items():
             t = getattr(self, name)
-            if t.dim() != 4 or tuple(t.shape[1:]) != expected or t.shape != self.window_k.shape:
-                raise KernelError(
-                    f"KVPages.{name} has shape {tuple(t.shape)}; expected [num_window_pages, {', '.join(map(str, expected))}]"
-                )
-            if t.dtype not in floats or t.dtype != self.window_k.dtype or not t.is_contiguous():
-                raise KernelError(
-                    f"KVPages.{name} must be contiguous float16 (float32 or bfloat16 on the CPU), like window_k; "
-                    f"got {t.dtype}"
-                )
+            if t is None or tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                raise KernelError(f"KVPages.{name} is {got}; expected contiguous {dtypes[0]} {shape}")
             if t.device != self.k.device:
                 raise KernelError(f"KVPages.{name} is on {t.device}; expected {self.k.device}")
-        row = self.window_row
-        if (
-            row.shape != (self.num_blocks,)
-            or row.dtype != torch.int32
-            or not row.is_contiguous()
-            or row.device != self.k.device
-        ):
-            raise KernelError(
-                f"KVPages.window_row is {tuple(row.shape)} {row.dtype} on {row.device}; "
-                f"expected contiguous int32 [{self.num_blocks}] on {self.k.device}"
-            )
 
 
 def allocate_pages(
@@ -190,39 +145,17 @@ def allocate_pages(
         raise KernelError(f"KV precision {precision!r} is not one of {PRECISIONS}")
     if precision == "int4" and head_dim % 2:
         raise KernelError(f"int4 KV pages need an even head_dim, got {head_dim}")
-    if precision == "fp16":
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return KVPages(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
-            precision=precision,
-        )
     code_dim = head_dim // 2 if precision == "int4" else head_dim
     shape = (num_blocks, block_size, num_kv_heads, code_dim)
-    scale_shape = (num_blocks, block_size, num_kv_heads)
-
-    def scales() -> torch.Tensor:
-        return torch.zeros(scale_shape, dtype=torch.float16, device=device)
-
-    return KVPages(
-        k=torch.zeros(shape, dtype=torch.uint8, device=device),
-        v=torch.zeros(shape, dtype=torch.uint8, device=device),
-        precision=precision,
-        k_scale=scales(),
-        k_zero=scales(),
-        v_scale=scales(),
-        v_zero=scales(),
-    )
+    if precision == "fp16":
+        return KVPages(*[torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)], precision)
+    codes = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(2)]
+    return KVPages(*codes, precision, *[torch.zeros(shape[:3], dtype=torch.float16, device=device) for _ in range(4)])
 
 
 def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize rows `x [..., D]` to `bits` (8 or 4).
-
-    Returns `(q, scale, zero)`: q uint8 `[..., D]` (8 bits) or `[..., D // 2]`
-    (4 bits, element 2i in the low nibble), scale and zero float16 `[...]`.
-    Every element satisfies `|x - (q - zero) * scale| <= scale / 2` (up to float
-    rounding) for inputs within the FP16 range.
-    """
+    """Rows x [..., D] -> (q uint8 [..., D] or, 4 bits, [..., D // 2] low nibble first, scale and
+    zero float16 [...]), with |x - (q - zero) * scale| <= scale / 2 within FP16's range."""
     if bits not in (8, 4):
         raise KernelError(f"quantize_kv supports 8 or 4 bits, got {bits}")
     if bits == 4 and x.shape[-1] % 2:
@@ -231,8 +164,7 @@ def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     qmax = torch.full(x.shape[:-1], float(2**bits - 1), dtype=torch.float32, device=x.device)
     row_min = x.amin(dim=-1).clamp(max=0.0)
     row_max = x.amax(dim=-1).clamp(min=0.0)
-    # Divide by a tensor, not a Python number: CUDA turns division by a scalar
-    # into a multiplication by its reciprocal, which rounds differently.
+    # Divide by a tensor: CUDA turns division by a scalar into a reciprocal multiply.
     scale = ((row_max - row_min) / qmax).clamp(min=MIN_SCALE).half()
     scale_f32 = scale.float()
     zero = (-row_min / scale_f32).half()
@@ -243,17 +175,10 @@ def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     return codes, scale, zero
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 `[..., D // 2]` -> uint8 codes `[..., D]` (low nibble first)."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)  # [..., D // 2, 2] -> [..., D]
-
-
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
-    """Inverse of `quantize_kv`: float32 `[..., head_dim]`."""
+    """Inverse of `quantize_kv`: float32 [..., head_dim]."""
     if bits == 4:
-        q = unpack_int4(q)
+        q = torch.stack((q & 0x0F, q >> 4), dim=-1).flatten(-2)  # low nibble first
     elif bits != 8:
         raise KernelError(f"dequantize_kv supports 8 or 4 bits, got {bits}")
     if q.shape[-1] != head_dim:
@@ -262,17 +187,15 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def gather_kv(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the given slots, dequantized: float32 `[num_slots, num_kv_heads, head_dim]`."""
+    """K and V of the slots, dequantized: float32 [num_slots, num_kv_heads, head_dim]."""
     slots = slots.long()
     k_rows = pages.k.flatten(0, 1)[slots]  # [num_blocks * B, Hkv, Dc] -> [N, Hkv, Dc]
     v_rows = pages.v.flatten(0, 1)[slots]
     if not pages.is_quantized:
         return k_rows.float(), v_rows.float()
-    k = dequantize_kv(
-        k_rows, pages.k_scale.flatten(0, 1)[slots], pages.k_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
-    )
-    v = dequantize_kv(
-        v_rows, pages.v_scale.flatten(0, 1)[slots], pages.v_zero.flatten(0, 1)[slots], pages.bits, pages.head_dim
+    k, v = (
+        dequantize_kv(rows, scale.flatten(0, 1)[slots], zero.flatten(0, 1)[slots], pages.bits, pages.head_dim)
+        for rows, scale, zero in ((k_rows, pages.k_scale, pages.k_zero), (v_rows, pages.v_scale, pages.v_zero))
     )
     if pages.has_window:
         is_window, window_slots = window_slots_of(pages, slots)
@@ -282,7 +205,7 @@ def gather_kv(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def window_slots_of(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which `slots` (all valid) lie in pages kept in FP16, and their slots in the window arrays."""
+    """Which `slots` lie in pages kept in FP16, and their slots in the window arrays."""
     block_size = pages.block_size
     rows = pages.window_row.long()[slots // block_size]
     is_window = rows >= 0
@@ -290,7 +213,7 @@ def window_slots_of(pages: KVPages, slots: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write rows `k, v [N, Hkv, D]` into `slots` (all valid), quantizing as the pages require."""
+    """Write rows k, v [N, Hkv, D] into `slots` (all valid), quantizing as the pages require."""
     slots = slots.long()
     if not pages.is_quantized:
         pages.k.view(-1, *pages.k.shape[2:])[slots] = k.to(pages.k.dtype)  # [num_blocks * B, Hkv, D]
@@ -310,8 +233,7 @@ def store_kv(pages: KVPages, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def copy_page(pages: KVPages, src: int, dst: int) -> None:
-    """Copy one page (codes and, for INT8/INT4, scales and zeros) onto another; a page
-    kept in FP16 passes on its FP16 copy, or gets one (dequantized) when only `dst` is kept."""
+    """Copy page `src` onto `dst`, with its FP16 copy, or a dequantized one when only dst is kept."""
     for tensor in (pages.k, pages.v, pages.k_scale, pages.k_zero, pages.v_scale, pages.v_zero):
         if tensor is not None:
             tensor[dst].copy_(tensor[src])

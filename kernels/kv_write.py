@@ -1,17 +1,8 @@
-"""Store new K/V rows into paged caches, quantizing on the way for INT8/INT4 pages, and
-optionally rotate q and k (RoPE) first in the same launch.
-
-`write_kv` and `rotary_write_kv` run the Triton kernel on CUDA tensors (or on CPU tensors
-when TRITON_INTERPRET=1) and their plain-torch references otherwise. Both follow the
-quantization of `lowvram.kernels.kv_quant.quantize_kv` step for step: the same float32
-operations in the same order, IEEE division and FP16-rounded scale/zero, so the stored bytes
-are identical.
-
-At batch 1 a decode step is launch-bound, and RoPE (rotary.py) followed by the KV store is two
-launches per layer for a few kilobytes of work: `rotary_write_kv` is one. Each program rotates
-its token's q and k heads in place (float32, `rotary._rotate_half`), then stores k and v,
-reading the rotated k back after a barrier, so q, k and the pages come out bit for bit as
-`apply_rotary` then `write_kv`.
+"""Store new K/V rows into paged caches, quantizing INT8/INT4 pages on the way, optionally
+rotating q and k (RoPE) first in the same launch (`rotary_write_kv`: one launch instead of two
+per layer at batch 1). Quantization follows `kv_quant.quantize_kv` step for step (IEEE division,
+FP16-rounded scale and zero), so the stored bytes are identical, and rotation uses
+`rotary._rotate_half`, so q, k and the pages come out as `apply_rotary` then `write_kv`.
 """
 
 from __future__ import annotations
@@ -19,61 +10,37 @@ from __future__ import annotations
 import torch
 
 from lowvram.errors import KernelError
-from lowvram.kernels.dispatch import use_triton
+from lowvram.kernels.dispatch import HAS_TRITON, use_triton
 from lowvram.kernels.kv_quant import MIN_SCALE, KVPages, store_kv
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
     from lowvram.kernels.rotary import _check_rotary_args, _rotate_half, apply_rotary_ref
 
-    HAS_TRITON = True
-except ImportError:  # Windows and macOS wheels of torch ship without Triton
-    HAS_TRITON = False
-
-
-# Set to True to run the plain-torch references everywhere (debugging, A/B checks).
-FORCE_REFERENCE = False
+FORCE_REFERENCE = False  # True runs the plain-torch references everywhere (debugging, A/B checks)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages) -> None:
-    """Plain-torch `write_kv`: rows with slot -1 are skipped."""
     is_written = slot_mapping >= 0
     store_kv(pages, slot_mapping[is_written], k[is_written], v[is_written])
 
 
-def rotary_write_kv_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    pages: KVPages,
-) -> None:
-    """Plain-torch `rotary_write_kv`: apply_rotary_ref on q and k, then write_kv_ref."""
+def rotary_write_kv_ref(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages) -> None:
     q.copy_(apply_rotary_ref(q, positions, cos, sin))
     k.copy_(apply_rotary_ref(k, positions, cos, sin))
     write_kv_ref(k, v, slot_mapping, pages)
 
 
 def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    pages: KVPages,
-    *,
-    use_reference: bool = False,
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages, *, use_reference: bool = False
 ) -> None:
-    """Store `k, v [T, Hkv, D]` into `pages` at `slot_mapping [T]` (int32/int64, -1 = skip).
+    """Store k, v [T, Hkv, D] into `pages` at `slot_mapping` [T] (int32/int64, -1 = skip).
 
-    The slot of position p of a sequence is `block_table[p // B] * B + p % B`.
-    For INT8/INT4 pages each (token, head) row is quantized with its own
-    min/max (see `lowvram.kernels.kv_quant`); rows in pages kept in FP16 (`pages.window_row`)
-    are also stored unquantized there. `k` and `v` may be strided views (e.g.
-    slices of a fused QKV output) as long as the last dim is contiguous.
+    The slot of position p is `block_table[p // B] * B + p % B`. INT8/INT4 rows are quantized
+    with their own min/max; rows of pages kept in FP16 (`pages.window_row`) are also stored
+    there unquantized. k and v may be strided views whose last dim is contiguous.
     """
     _check_write_args(k, v, slot_mapping, pages)
     if k.shape[0] == 0:
@@ -85,25 +52,9 @@ def write_kv(
     _launch(k, k, v, slot_mapping, k, k, slot_mapping, pages, rotate=False)
 
 
-def rotary_write_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    pages: KVPages,
-    *,
-    use_reference: bool = False,
-) -> None:
-    """Rotate q [T, H, D] and k [T, Hkv, D] in place by each token's position, then store k
-    and v [T, Hkv, D] into `pages` at `slot_mapping` [T] (-1 = skip): `apply_rotary` then
-    `write_kv`, in one launch.
-
-    positions: [T]; cos, sin: float32 [P, D/2] with P > every position. q, k and v may be
-    strided views of a fused QKV output as long as their last dim is contiguous.
-    """
+def rotary_write_kv(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, *, use_reference: bool = False):
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by each token's position (cos, sin: float32
+    [P, D/2], P > every position), then `write_kv` k and v, in one launch."""
     _check_rotary_args(q, k, positions, cos, sin, "rotary_write_kv")
     _check_write_args(k, v, slot_mapping, pages, "rotary_write_kv")
     if q.dtype != k.dtype:
@@ -130,18 +81,9 @@ def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: 
         cos,
         sin,
         slot_mapping,
-        *pages.kernel_tensors(),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cos.stride(0),
-        num_heads,
-        num_kv_heads,
-        pages.k.shape[3],
-        head_dim,
+        pages.kernel_tensors(),
+        (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0)),
+        (num_heads, num_kv_heads, pages.k.shape[3], head_dim),
         ROTATE=rotate,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),
@@ -151,12 +93,8 @@ def _launch(q, k, v, positions, cos, sin, slot_mapping, pages: KVPages, rotate: 
     )
 
 
-# The write kernel's cache arguments (w4a16_gemv's fused store takes them too).
-_cache_pointers = KVPages.kernel_tensors
-
-
 def _store_constants(pages: KVPages) -> dict[str, int | bool]:
-    """The constexpr arguments of the write kernel for these pages."""
+    """The write kernel's constexpr arguments for these pages (the fused GEMV store takes them too)."""
     return {
         "BITS": pages.bits,
         "QMAX": (1 << pages.bits) - 1 if pages.is_quantized else 0,
@@ -168,9 +106,7 @@ def _store_constants(pages: KVPages) -> dict[str, int | bool]:
     }
 
 
-def _check_write_args(
-    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, pages: KVPages, name: str = "write_kv"
-) -> None:
+def _check_write_args(k, v, slot_mapping: torch.Tensor, pages: KVPages, name: str = "write_kv") -> None:
     pages.validate()
     if k.dim() != 3:
         raise KernelError(f"{name}: k has shape {tuple(k.shape)}; expected [num_tokens, num_kv_heads, head_dim]")
@@ -196,36 +132,24 @@ if HAS_TRITON:
     _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
     @triton.jit
-    def _scale_zero(row_min, row_max, QMAX: tl.constexpr):
-        # Mirrors kv_quant.quantize_kv: IEEE division, FP16-rounded scale and zero.
-        qmax = tl.full(row_min.shape, QMAX, tl.float32)
-        scale = tl.maximum(tl.math.div_rn(row_max - row_min, qmax), _MIN_SCALE)
-        scale_f16 = scale.to(tl.float16)
-        zero_f16 = tl.math.div_rn(-row_min, scale_f16.to(tl.float32)).to(tl.float16)
-        return scale_f16, zero_f16
-
-    @triton.jit
     def _codes(x, scale, zero, QMAX: tl.constexpr):
         # scale, zero: float32 [BLOCK_H, 1]; floor(v + 0.5), as in the reference.
         codes = tl.floor(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)) + zero + 0.5)
         return tl.minimum(tl.maximum(codes, 0.0), QMAX).to(tl.int32)
 
     @triton.jit
-    def _store_row(
-        x_ptr,
-        stride_xh,
-        cache_ptr,
-        scale_ptr,
-        zero_ptr,
-        slot,
-        num_kv_heads,
-        code_dim,
-        BITS: tl.constexpr,
-        QMAX: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # One token's row of every KV head, from x_ptr [heads, D] into the cache at `slot`.
+    def _row_min(x, mask):
+        return tl.min(tl.where(mask, x, float("inf")), axis=1)
+
+    @triton.jit
+    def _row_max(x, mask):
+        return tl.max(tl.where(mask, x, float("-inf")), axis=1)
+
+    @triton.jit
+    def _store_row(x_ptr, stride_xh, dst, slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C):
+        # One token's row of every KV head, from x_ptr [heads, D] into dst = (codes, scales,
+        # zeros) at `slot` (codes alone for FP16 rows).
+        cache_ptr = dst[0]
         heads = tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_C)
         # slot -1 (padding) masks the whole row; a vector compare keeps the mask a plain bool block.
@@ -242,68 +166,43 @@ if HAS_TRITON:
             if BITS == 8:
                 x = tl.load(x_ptr + heads[:, None] * stride_xh + cols[None, :], mask=mask, other=0.0)
                 x = x.to(tl.float32)
-                row_min = tl.min(tl.where(mask, x, float("inf")), axis=1)
-                row_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+                row_min = _row_min(x, mask)
+                row_max = _row_max(x, mask)
             else:
                 # INT4: element 2i goes to the low nibble of byte i, 2i+1 to the high one.
                 x_ptrs = x_ptr + heads[:, None] * stride_xh + 2 * cols[None, :]
                 x_even = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
                 x_odd = tl.load(x_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-                row_min = tl.minimum(
-                    tl.min(tl.where(mask, x_even, float("inf")), axis=1),
-                    tl.min(tl.where(mask, x_odd, float("inf")), axis=1),
-                )
-                row_max = tl.maximum(
-                    tl.max(tl.where(mask, x_even, float("-inf")), axis=1),
-                    tl.max(tl.where(mask, x_odd, float("-inf")), axis=1),
-                )
+                row_min = tl.minimum(_row_min(x_even, mask), _row_min(x_odd, mask))
+                row_max = tl.maximum(_row_max(x_even, mask), _row_max(x_odd, mask))
             row_min = tl.minimum(row_min, 0.0)
             row_max = tl.maximum(row_max, 0.0)
-            scale_f16, zero_f16 = _scale_zero(row_min, row_max, QMAX)
+            # As kv_quant.quantize_kv: IEEE division, FP16-rounded scale and zero.
+            qmax = tl.full(row_min.shape, QMAX, tl.float32)
+            scale_f16 = tl.maximum(tl.math.div_rn(row_max - row_min, qmax), _MIN_SCALE).to(tl.float16)
+            zero_f16 = tl.math.div_rn(-row_min, scale_f16.to(tl.float32)).to(tl.float16)
             scale = scale_f16.to(tl.float32)[:, None]
             zero = zero_f16.to(tl.float32)[:, None]
             if BITS == 8:
                 codes = _codes(x, scale, zero, QMAX)
             else:
-                low = _codes(x_even, scale, zero, QMAX)
-                high = _codes(x_odd, scale, zero, QMAX)
-                codes = low | (high << 4)
+                codes = _codes(x_even, scale, zero, QMAX) | (_codes(x_odd, scale, zero, QMAX) << 4)
             tl.store(cache_ptr + cache_offs, codes.to(tl.uint8), mask=mask)
             scale_offs = slots * num_kv_heads + heads
-            tl.store(scale_ptr + scale_offs, scale_f16, mask=mask_h)
-            tl.store(zero_ptr + scale_offs, zero_f16, mask=mask_h)
+            tl.store(dst[1] + scale_offs, scale_f16, mask=mask_h)
+            tl.store(dst[2] + scale_offs, zero_f16, mask=mask_h)
 
     @triton.jit
     def _window_slot(window_row_ptr, slot, PAGE_SIZE: tl.constexpr):
-        # The slot's row in the FP16 window arrays; negative (nothing stored) when the
-        # slot is padding or its page is not kept in FP16.
+        # The slot's row in the FP16 window arrays; negative when the slot is padding or its
+        # page is not kept in FP16.
         page = tl.maximum(slot, 0) // PAGE_SIZE
         row = tl.load(window_row_ptr + page, mask=slot >= 0, other=-1).to(tl.int64)
         return row * PAGE_SIZE + tl.maximum(slot, 0) % PAGE_SIZE
 
     @triton.jit
-    def _store_window_row(x_ptr, stride_xh, window_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D):
-        # The row as FP16 values at its slot in the window arrays (the scale pointers unused).
-        _store_row(
-            x_ptr,
-            stride_xh,
-            window_ptr,
-            window_ptr,
-            window_ptr,
-            window_slot,
-            num_kv_heads,
-            head_dim,
-            16,
-            0,
-            BLOCK_H,
-            BLOCK_D,
-        )
-
-    @triton.jit
-    def _rotate_heads(
-        x_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
-    ):
-        # One token's heads of q or k, rotated in place; cos, sin: float32 [1, BLOCK_HALF].
+    def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin, HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # One token's heads of q or k rotated in place; cos, sin: float32 [1, BLOCK_HALF].
         heads = tl.arange(0, BLOCK_H)[:, None]
         offs = tl.arange(0, BLOCK_HALF)[None, :]
         mask = (heads < num_heads) & (offs < HALF)
@@ -323,26 +222,9 @@ if HAS_TRITON:
         cos_ptr,
         sin_ptr,
         slot_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        k_scale_ptr,
-        k_zero_ptr,
-        v_scale_ptr,
-        v_zero_ptr,
-        window_k_ptr,
-        window_v_ptr,
-        window_row_ptr,
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_cos,
-        num_heads,
-        num_kv_heads,
-        code_dim,
-        head_dim,
+        cache,
+        strides,
+        sizes,
         ROTATE: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
@@ -355,8 +237,13 @@ if HAS_TRITON:
         PAGE_SIZE: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # One program per token, all KV heads (the row min/max is a reduction over head_dim):
-        # with ROTATE its q and k heads rotated first, then its k and v rows stored.
+        # One program per token, all KV heads: with ROTATE its q and k heads rotated first, then
+        # its k and v rows stored. `cache` is KVPages.kernel_tensors().
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr, window_k, window_v, window_row = (
+            cache
+        )
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos = strides
+        num_heads, num_kv_heads, code_dim, head_dim = sizes
         token = tl.program_id(0)
         k_in = k_ptr + token.to(tl.int64) * stride_kt
         v_in = v_ptr + token.to(tl.int64) * stride_vt
@@ -371,36 +258,10 @@ if HAS_TRITON:
             # The store loads k in another layout, so other threads read what these wrote.
             tl.debug_barrier()
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        _store_row(
-            k_in,
-            stride_kh,
-            k_cache_ptr,
-            k_scale_ptr,
-            k_zero_ptr,
-            slot,
-            num_kv_heads,
-            code_dim,
-            BITS,
-            QMAX,
-            BLOCK_H,
-            BLOCK_C,
-        )
-        _store_row(
-            v_in,
-            stride_vh,
-            v_cache_ptr,
-            v_scale_ptr,
-            v_zero_ptr,
-            slot,
-            num_kv_heads,
-            code_dim,
-            BITS,
-            QMAX,
-            BLOCK_H,
-            BLOCK_C,
-        )
-        if HAS_WINDOW:
-            # Pages kept in FP16 (see lowvram.kernels.kv_quant) get the row unquantized as well.
-            window_slot = _window_slot(window_row_ptr, slot, PAGE_SIZE)
-            _store_window_row(k_in, stride_kh, window_k_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
-            _store_window_row(v_in, stride_vh, window_v_ptr, window_slot, num_kv_heads, head_dim, BLOCK_H, BLOCK_D)
+        k_dst, v_dst = (k_cache_ptr, k_scale_ptr, k_zero_ptr), (v_cache_ptr, v_scale_ptr, v_zero_ptr)
+        _store_row(k_in, stride_kh, k_dst, slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C)
+        _store_row(v_in, stride_vh, v_dst, slot, num_kv_heads, code_dim, BITS, QMAX, BLOCK_H, BLOCK_C)
+        if HAS_WINDOW:  # pages kept in FP16 get the row unquantized too
+            window_slot = _window_slot(window_row, slot, PAGE_SIZE)
+            _store_row(k_in, stride_kh, (window_k,), window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D)
+            _store_row(v_in, stride_vh, (window_v,), window_slot, num_kv_heads, head_dim, 16, 0, BLOCK_H, BLOCK_D)

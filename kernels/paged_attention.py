@@ -1,32 +1,15 @@
 """Attention over paged K/V caches (FP16, INT8 and INT4 pages): decode and prefill.
 
-Decode (one new token per sequence) is memory bound: each program owns one sequence, one KV
-head and one partition of the context, and processes all the query heads of that KV head's
-group together (GQA), so every K/V byte is read once. The token tile is the dots' first
-operand (scores as K q^T, [tokens, group]), so a group of up to 8 heads is one 8-wide
-tensor-core tile rather than rows padded to 16. Long contexts are split into partitions that
-run in parallel (flash-decoding), enough to fill the GPU, and a merge kernel adds the partial
-results through their log-sum-exps.
-
-Prefill (a batch of new tokens, possibly after a cached prefix) is compute bound and follows
-flash-attention 2: one program per (query tile, sequence, query head), online softmax over K/V
-tiles up to the causal limit. Query and K/V tiles sit at absolute positions, so a prompt token
-meets the same tiles, bit for bit, whatever chunk of the prompt and whatever batch it comes in
-(the batch-invariant mode sends its decode rows here too).
-
-Both kernels gather K/V through the block table one token row at a time
-(`block_table[seq, p // B] * B + p % B`) and accumulate in float32; scores use exp2 with the
-softmax scale folded into log2(e). INT8/INT4 codes go into the dots as they are and each
-token's scale and zero are applied to the dots' results: `q . k_j = s_j (q . c_j) - s_j z_j
-sum(q)` for K and `sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j` for V, which is
-faster than dequantizing every element (how codes are read: `paged_kv_tiles`). Tokens of
-pages kept in FP16 beside the codes (`KVPages.window_row`) are read from the FP16 copy with
-scale 1 and zero 0; the decode kernel reads them in a pass of its own after its main loop, so
-that the main loop keeps the registers of pages without a window.
-
-The public wrappers here check shapes, dtypes and strides, then run the Triton kernels
-(`paged_attention_kernels`, reading K/V through `paged_kv_tiles`) on CUDA tensors (or on CPU
-tensors when TRITON_INTERPRET=1) and the float32 plain-torch references (`*_ref`) otherwise.
+Decode is memory bound: a program owns one sequence, KV head and context partition and all the
+query heads of that group (GQA), so each K/V byte is read once; long contexts are split into
+partitions (flash-decoding) whose results a merge kernel adds through their log-sum-exps.
+Prefill follows flash-attention 2, one program per (query tile, sequence, query head); tiles sit
+at absolute positions, so a token meets the same tiles, bit for bit, whatever chunk or batch it
+comes in (batch-invariant decode runs here too). Both gather K/V through the block table, use
+exp2 with the scale folded into log2(e), accumulate in float32 and apply INT8/INT4 scales and
+zeros to the dots' results: q . k_j = s_j (q . c_j) - s_j z_j sum(q), and for V
+sum_j p_j v_j = sum_j (p_j s_j) c_j - sum_j p_j s_j z_j. Pages kept in FP16 are read from that copy.
+The wrappers check their inputs and run the kernels where dispatch allows, else the `*_ref`s.
 """
 
 from __future__ import annotations
@@ -38,21 +21,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from lowvram.errors import KernelError
-from lowvram.kernels.dispatch import num_sms, use_triton
+from lowvram.kernels.dispatch import HAS_TRITON, num_sms, use_triton
 from lowvram.kernels.kv_quant import KVPages, gather_kv
 
-try:
+if HAS_TRITON:
     import triton
 
     from lowvram.kernels.paged_attention_kernels import _decode_kernel, _merge_partitions_kernel, _prefill_kernel
 
-    HAS_TRITON = True
-except ImportError:  # Windows and macOS wheels of torch ship without Triton
-    HAS_TRITON = False
-
-
-# Set to True to run the plain-torch references everywhere (debugging, A/B checks).
-FORCE_REFERENCE = False
+FORCE_REFERENCE = False  # True runs the plain-torch references everywhere (debugging, A/B checks)
 
 # Decode partitions shorter than this cost more in the merge than they win in parallelism.
 MIN_PARTITION_TOKENS = 128
@@ -61,9 +38,8 @@ TARGET_WAVES = 4
 DECODE_MIN_GROUP = 8
 # Tokens per decode tile by page bits, heads up to 128 wide, on GPUs with cp.async.
 ASYNC_DECODE_TILE_TOKENS = {16: 32, 8: 64, 4: 128}
-# The merge kernel adds partials in lanes (one load brings a partial for each lane): a program
-# per MERGE_SLICE_D columns with MERGE_KERNEL_LANES lanes, or up to WHOLE_HEAD_MERGE_SPLITS
-# partitions a whole head per program (a quarter of the programs, a shorter tree of lanes).
+# The merge: a program per MERGE_SLICE_D columns over MERGE_KERNEL_LANES lanes, or a whole head
+# per program for up to WHOLE_HEAD_MERGE_SPLITS partitions.
 MERGE_SLICE_D = 32
 MERGE_KERNEL_LANES = 128
 WHOLE_HEAD_MERGE_SPLITS = 64
@@ -72,19 +48,15 @@ _LOG2_E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning of the decode kernel; benchmarks sweep it through `paged_decode_attention(_config=)`.
-
-    block_n: tokens per K/V tile, a power of two >= 16 (partitions are whole tiles).
-    num_warps, num_stages: Triton's launch options (stages of the tile loads' pipeline).
-    """
+    """The decode kernel's tuning (benchmarks pass it as `_config`): block_n tokens per tile, a
+    power of two >= 16; Triton's num_warps and num_stages."""
 
     block_n: int
     num_warps: int
     num_stages: int
 
 
-# decode_config's choice for grids of no more programs than SMs: 128-token tiles over 4 warps
-# issue a partition's loads at once.
+# For grids of no more programs than SMs: a partition's loads issued at once.
 LATENCY_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
 MIN_TILES_PER_PARTITION = 2
 MIN_FITTED_TILE_TOKENS = 64
@@ -97,9 +69,7 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     block_n, num_warps, num_stages = _decode_block_n(device), 8 if block_d >= 512 else 4, 3
     if _has_async_copies(device):
         if block_d <= 128:
-            # Measured (scripts/bench_paged_attention.py --sweep): FP16 pages in 32-token tiles
-            # over one warp (no barrier for the reductions over a tile's tokens), INT8 codes in
-            # 64-token tiles and INT4 in 128-token ones over two warps, three pipeline stages.
+            # Measured (scripts/bench_paged_attention.py --sweep); one warp needs no barrier.
             block_n = ASYNC_DECODE_TILE_TOKENS[bits]
             num_warps = 1 if bits == 16 else 2
         elif bits == 16:
@@ -107,34 +77,19 @@ def default_decode_config(device: torch.device, head_dim: int, bits: int = 16) -
     return DecodeConfig(block_n=_tile_rows(block_d, block_n), num_warps=num_warps, num_stages=num_stages)
 
 
-def decode_config(
-    device: torch.device,
-    head_dim: int,
-    bits: int,
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context_len: int,
-    *,
-    is_partitioning_fixed: bool = False,
-) -> DecodeConfig:
-    """The configuration `paged_decode_attention` takes for a call: `default_decode_config`'s,
-    fitted to the call's grid (`fit_decode_config`) on GPUs with cp.async for heads up to 128,
-    unless the caller forced the partition count (`is_partitioning_fixed`)."""
+def decode_config(device, head_dim, bits, num_seqs, num_kv_heads, max_context_len, *, is_partitioning_fixed=False):
+    """`default_decode_config`, fitted to the call's grid on GPUs with cp.async for heads up to 128
+    unless the caller fixed the partition count."""
     config = default_decode_config(device, head_dim, bits)
     if is_partitioning_fixed or not _has_async_copies(device) or _block_d(head_dim) > 128:
         return config
     return fit_decode_config(config, num_seqs, num_kv_heads, max_context_len, num_sms(device))
 
 
-def fit_decode_config(
-    config: DecodeConfig, num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int
-) -> DecodeConfig:
-    """`config` fitted to the default partitioning's grid on a GPU of `sm_count` SMs.
-
-    A grid of no more programs than SMs is a matter of latency: LATENCY_DECODE_CONFIG.
-    Otherwise a partition shorter than MIN_TILES_PER_PARTITION tiles takes tiles half as long,
-    down to MIN_FITTED_TILE_TOKENS (INT4's 128-token tiles become 64 under 256 tokens).
-    """
+def fit_decode_config(config: DecodeConfig, num_seqs, num_kv_heads, max_context_len, sm_count) -> DecodeConfig:
+    """`config` for the default partitioning on `sm_count` SMs: LATENCY_DECODE_CONFIG when there
+    are no more programs than SMs; else tiles halved, down to MIN_FITTED_TILE_TOKENS, while a
+    partition is shorter than MIN_TILES_PER_PARTITION tiles."""
     num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, sm_count)
     if num_seqs * num_kv_heads * num_splits <= sm_count:
         return LATENCY_DECODE_CONFIG
@@ -146,37 +101,29 @@ def fit_decode_config(
 
 
 def _has_async_copies(device: torch.device) -> bool:
-    # Ampere and later pipeline tile loads through shared memory (cp.async) and have the
-    # shared memory for two stages of 128-token INT8 tiles; Turing keeps the first tiles.
+    # Ampere and later pipeline tile loads through shared memory (cp.async); Turing does not.
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _use_triton(kernel_name: str, device: torch.device, use_reference: bool, head_dim: int = 128) -> bool:
-    # MLA's latent heads (576 wide) need 128 KiB of shared memory per program; Turing has 64 KiB,
-    # so there they take the torch path.
+    # MLA's 576-wide heads need 128 KiB of shared memory; Turing has 64 KiB: the torch path.
     is_too_wide = head_dim > 256 and device.type == "cuda" and not _has_async_copies(device)
     return use_triton(kernel_name, device, use_reference or FORCE_REFERENCE or is_too_wide)
 
 
 def _decode_block_n(device: torch.device) -> int:
-    # Small tiles in the interpreter so tiny tests still cross tile and partition edges.
+    # Small tiles in the interpreter, so tiny tests cross tile and partition edges.
     return 16 if device.type == "cpu" else 64
 
 
-# ---------------------------------------------------------------- references
-
-
-def _sequence_kv(pages: KVPages, block_table: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized K, V of the first `num_tokens` positions: float32 [num_tokens, Hkv, D]."""
+def _sequence_kv(pages: KVPages, block_table: torch.Tensor, num_tokens: int):
     positions = torch.arange(num_tokens, device=block_table.device)
     block_size = pages.block_size
     slots = block_table[positions // block_size].long() * block_size + positions % block_size
     return gather_kv(pages, slots)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_positions: torch.Tensor | None
-) -> torch.Tensor:
+def _attend(q: torch.Tensor, k, v, scale: float, q_positions: torch.Tensor | None) -> torch.Tensor:
     """q [M, H, D] float32 over k, v [L, Hkv, D]; causal when `q_positions [M]` is given."""
     group_size = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group_size, dim=1)  # [L, Hkv, D] -> [L, H, D]
@@ -190,14 +137,8 @@ def _attend(
     return torch.einsum("hml,lhd->mhd", probs, v)  # [M, H, D]
 
 
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Plain-torch decode attention in float32; returns q's dtype. Sequences of length 0 give zeros."""
+def paged_decode_attention_ref(q: torch.Tensor, pages: KVPages, block_tables, context_lens, scale: float):
+    """Decode attention in float32, returned in q's dtype; empty sequences give zeros."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for seq, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
@@ -207,15 +148,8 @@ def paged_decode_attention_ref(
     return out.to(q.dtype)
 
 
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Plain-torch causal prefill attention in float32; returns q's dtype."""
+def paged_prefill_attention_ref(q: torch.Tensor, pages: KVPages, block_tables, cu_seqlens_q, context_lens, scale):
+    """Causal prefill attention in float32, returned in q's dtype."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):
@@ -234,10 +168,7 @@ def paged_prefill_attention_ref(
     return out.to(q.dtype)
 
 
-# ---------------------------------------------------------------- wrappers
-
-
-def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor):
+def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables, context_lens):
     pages.validate()
     if q.dim() != 3:
         raise KernelError(f"{name}: q has shape {tuple(q.shape)}; expected 3 dims [tokens, num_heads, head_dim]")
@@ -245,9 +176,7 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
     if head_dim != pages.head_dim:
         raise KernelError(f"{name}: q has head_dim {head_dim} but the pages hold head_dim {pages.head_dim}")
     if num_heads % pages.num_kv_heads:
-        raise KernelError(
-            f"{name}: q has {num_heads} heads, not a multiple of the pages' {pages.num_kv_heads} KV heads"
-        )
+        raise KernelError(f"{name}: q has {num_heads} heads, not a multiple of the {pages.num_kv_heads} KV heads")
     if q.dtype not in (torch.float16, torch.float32) and not (q.dtype == torch.bfloat16 and q.device.type == "cpu"):
         raise KernelError(f"{name}: q has dtype {q.dtype}; expected float16 or float32 (bfloat16 on the CPU)")
     if not pages.is_quantized and q.dtype != pages.k.dtype:
@@ -256,14 +185,11 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
         raise KernelError(f"{name}: q must be contiguous in its last dim (strides {q.stride()})")
     num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
     if context_lens.dim() != 1 or context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
-        raise KernelError(
-            f"{name}: context_lens is {tuple(context_lens.shape)} {context_lens.dtype}; expected contiguous int32 [num_seqs]"
-        )
+        got = f"{tuple(context_lens.shape)} {context_lens.dtype}"
+        raise KernelError(f"{name}: context_lens is {got}; expected contiguous int32 [num_seqs]")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or block_tables.dtype != torch.int32:
-        raise KernelError(
-            f"{name}: block_tables is {tuple(block_tables.shape)} {block_tables.dtype}; "
-            f"expected int32 [{num_seqs}, max_blocks]"
-        )
+        got = f"{tuple(block_tables.shape)} {block_tables.dtype}"
+        raise KernelError(f"{name}: block_tables is {got}; expected int32 [{num_seqs}, max_blocks]")
     if block_tables.shape[1] and block_tables.stride(1) != 1:
         raise KernelError(f"{name}: block_tables must be contiguous in its last dim (strides {block_tables.stride()})")
     for tensor_name, tensor in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens)):
@@ -272,70 +198,57 @@ def _check_common(name: str, q: torch.Tensor, pages: KVPages, block_tables: torc
 
 
 def _check_kernel_head_dim(name: str, head_dim: int, bits: int) -> None:
-    if head_dim < 16:
-        raise KernelError(
-            f"{name}: the Triton kernel needs head_dim >= 16, got {head_dim}; "
-            "pass use_reference=True to use the plain-torch path"
-        )
     num_planes = 16 // bits
-    if head_dim % num_planes:
+    if head_dim < 16 or head_dim % num_planes:
         raise KernelError(
-            f"{name}: the Triton kernel reads INT{bits} heads in {num_planes} planes, so head_dim must be a "
-            f"multiple of {num_planes}, got {head_dim}; pass use_reference=True to use the plain-torch path"
+            f"{name}: the Triton kernel needs head_dim >= 16 and, for {bits}-bit pages, a multiple of "
+            f"{num_planes}; got {head_dim}; pass use_reference=True to use the plain-torch path"
         )
 
 
 def _block_d(head_dim: int) -> int:
-    # Tiles span a power of two along the head dim; columns past head_dim are masked
-    # (MLA's 576 = 512 latent + 64 RoPE runs in 1024-wide tiles). Plain Python: the
-    # reference path needs it too, where Triton may be missing.
+    # Tiles span a power of two of the head (MLA's 576 in 1024), the rest masked; no Triton here.
     return 1 << max(0, head_dim - 1).bit_length()
 
 
 def plane_layout(bits: int, head_dim: int) -> dict:
-    """The kernels' plane width: quantized heads are read as 16-bit words, INT8's split into two
-    planes (their low and high bytes: elements 2i and 2i + 1) and INT4's into four (their
-    nibbles: elements 4i to 4i + 3); FP16 heads are one plane. tl.dot needs at least 16
-    columns, so small heads pad their planes."""
+    """The kernels' plane width (paged_kv_tiles): 1, 2 or 4 planes for 16, 8 or 4 bits, at least
+    tl.dot's 16 columns."""
     return {"BLOCK_C": max(16, _block_d(head_dim // (16 // bits)))}
 
 
 def _tile_rows(block_d: int, rows: int) -> int:
-    # Wide rows shrink the tiles so q, K and V tiles fit shared memory and the
-    # float32 accumulator fits registers.
+    # Wide rows shrink the tiles to fit shared memory and the accumulator registers.
     if block_d > 512:
         return min(rows, 16)
     return min(rows, 32) if block_d > 256 else rows
 
 
 def _needs_wide_offsets(pages: KVPages) -> bool:
-    """Whether some element of a page array (codes, scales, the FP16 window) lies 2**31 or
-    more elements past its first: the kernels then compute page offsets in int64."""
+    """Whether a page array has 2**31 elements or more: the kernels then use int64 offsets."""
     return any(a.numel() and a.shape[0] * a.stride(0) >= 2**31 for a in pages.kernel_tensors())
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
-    """Partitions per sequence: about TARGET_WAVES programs per SM, none shorter than MIN_PARTITION_TOKENS.
+def _page_constants(pages: KVPages, head_dim: int) -> dict:
+    constants = {
+        "PAGE_SIZE": pages.block_size,
+        "HEAD_DIM": head_dim,
+        "BITS": pages.bits,
+        "HAS_WINDOW": pages.has_window,
+    }
+    return {**constants, **plane_layout(pages.bits, head_dim), "WIDE_OFFSETS": _needs_wide_offsets(pages)}
 
-    Several resident programs per SM keep enough loads in flight to saturate
-    memory bandwidth; batch 1 with 2 KV heads has only 2 programs without splitting.
-    """
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
+    """Partitions per sequence: about TARGET_WAVES programs per SM (enough loads in flight to
+    saturate bandwidth), none shorter than MIN_PARTITION_TOKENS."""
     max_useful = max(1, math.ceil(max_context_len / MIN_PARTITION_TOKENS))
     wanted = math.ceil(TARGET_WAVES * sm_count / max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, max_useful))
 
 
-def plan_decode_partitions(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_context_len: int,
-    device: torch.device,
-    num_splits: int | None = None,
-    *,
-    block_n: int | None = None,
-) -> tuple[int, int]:
-    """(num_splits, partition_tokens) that `paged_decode_attention` uses; partitions are whole
-    tiles of `block_n` tokens (by default 64, 16 in the interpreter)."""
+def plan_decode_partitions(num_seqs, num_kv_heads, max_context_len, device, num_splits=None, *, block_n=None):
+    """(num_splits, partition_tokens) of `paged_decode_attention`: whole tiles of `block_n` tokens."""
     if block_n is None:
         block_n = _decode_block_n(device)
     max_context_len = max(1, max_context_len)
@@ -346,13 +259,9 @@ def plan_decode_partitions(
 
 
 def _check_config(name: str, config: DecodeConfig) -> None:
-    if config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise KernelError(f"{name}: DecodeConfig.block_n is {config.block_n}; expected a power of two >= 16")
-    if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
-        raise KernelError(
-            f"{name}: DecodeConfig num_warps={config.num_warps}, num_stages={config.num_stages}; "
-            "expected num_warps a power of two up to 16 and num_stages >= 1"
-        )
+    block_n, num_warps = config.block_n, config.num_warps
+    if block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
+        raise KernelError(f"{name}: {config}; expected block_n a power of two >= 16, num_warps <= 16, num_stages >= 1")
 
 
 def paged_decode_attention(
@@ -367,19 +276,13 @@ def paged_decode_attention(
     use_reference: bool = False,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached context.
+    """Attention of one new token per sequence over its cached context (its own K/V included).
 
-    q: `[num_seqs, num_heads, head_dim]` (float16, or float32 with float32/quantized pages);
-    block_tables: int32 `[num_seqs, max_blocks]`; context_lens: int32 `[num_seqs]`,
-    the number of cached tokens to attend to (including the new token's own K/V).
-    Returns `[num_seqs, num_heads, head_dim]` in q's dtype.
-
-    `num_splits` forces the number of context partitions (1 = no split);
-    by default it is chosen from `max_context_len`, which defaults to the
-    block table's capacity (`max_blocks * block_size`) so no device sync is
-    needed. Pass the true maximum when the table is padded far beyond it; it
-    must not be below any `context_lens` entry (tokens past it are not read).
-    `_config` overrides the kernel's tuning (`DecodeConfig`), for benchmarks.
+    q [num_seqs, num_heads, head_dim] (float16, or float32 with float32/quantized pages);
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]. Returns q's shape
+    and dtype. `num_splits` forces the partition count (1 = none), else it follows
+    `max_context_len` (default: the table's capacity, no device sync; never below a context_len).
+    `_config` overrides the kernel's tuning, for benchmarks.
     """
     name = "paged_decode_attention"
     _check_common(name, q, pages, block_tables, context_lens)
@@ -389,14 +292,9 @@ def paged_decode_attention(
     num_kv_heads = pages.num_kv_heads
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * pages.block_size
+    is_fixed = num_splits is not None
     config = _config or decode_config(
-        q.device,
-        head_dim,
-        pages.bits,
-        num_seqs,
-        num_kv_heads,
-        max_context_len,
-        is_partitioning_fixed=num_splits is not None,
+        q.device, head_dim, pages.bits, num_seqs, num_kv_heads, max_context_len, is_partitioning_fixed=is_fixed
     )
     _check_config(name, config)
     num_splits, partition_tokens = plan_decode_partitions(
@@ -411,89 +309,49 @@ def paged_decode_attention(
     is_split = num_splits > 1
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if is_split:
-        # From the graph's pool under CUDA-graph capture, like every per-step buffer.
         partial_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         partial_out, partial_lse = out, out  # unused without splitting
+    args = (q, pages.kernel_tensors(), block_tables, context_lens, out, partial_out, partial_lse, scale * _LOG2_E)
+    sizes = (q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, group_size, partition_tokens, num_splits)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q,
-        *pages.kernel_tensors(),
-        block_tables,
-        context_lens,
-        out,
-        partial_out,
-        partial_lse,
-        scale * _LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
-        num_kv_heads,
-        group_size,
-        partition_tokens,
-        num_splits,
-        PAGE_SIZE=pages.block_size,
-        HEAD_DIM=head_dim,
-        **plane_layout(pages.bits, head_dim),
-        BITS=pages.bits,
+        *args,
+        *sizes,
+        **_page_constants(pages, head_dim),
         BLOCK_G=max(DECODE_MIN_GROUP, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n,
         IS_SPLIT=is_split,
-        HAS_WINDOW=pages.has_window,
-        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if is_split:
-        # Up to WHOLE_HEAD_MERGE_SPLITS partitions of heads up to 128 wide: a whole head per
-        # program in one chunk of lanes; otherwise MERGE_SLICE_D columns in MERGE_KERNEL_LANES.
         block_d = _block_d(head_dim)
         slice_d, lanes = MERGE_SLICE_D, MERGE_KERNEL_LANES
         if num_splits <= WHOLE_HEAD_MERGE_SPLITS and block_d <= 128:
             slice_d, lanes = block_d, max(2, triton.next_power_of_2(num_splits))
-        _merge_partitions_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, slice_d))](
-            partial_out,
-            partial_lse,
-            out,
-            context_lens,
-            partition_tokens,
-            num_splits,
-            HEAD_DIM=head_dim,
-            SLICE_D=slice_d,
-            LANES=lanes,
-            num_warps=4,
-        )
+        grid = (num_seqs, num_heads, triton.cdiv(head_dim, slice_d))
+        args = (partial_out, partial_lse, out, context_lens, partition_tokens, num_splits)
+        _merge_partitions_kernel[grid](*args, HEAD_DIM=head_dim, SLICE_D=slice_d, LANES=lanes, num_warps=4)
     return out
 
 
 def paged_prefill_attention(
-    q: torch.Tensor,
-    pages: KVPages,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_q_len: int | None = None,
-    use_reference: bool = False,
-) -> torch.Tensor:
+    q, pages: KVPages, block_tables, cu_seqlens_q, context_lens, scale, *, max_q_len=None, use_reference=False
+):
     """Causal attention of a variable-length batch of new tokens over paged K/V.
 
-    q: `[total_new_tokens, num_heads, head_dim]`; sequence s owns rows
-    `cu_seqlens_q[s]:cu_seqlens_q[s + 1]` (int32 `[num_seqs + 1]`). Its new tokens
-    are the last `q_len` of its `context_lens[s]` tokens and must already be in
-    the pages (`write_kv`); earlier tokens are a cached prefix. New token i sits
-    at position `context_lens[s] - q_len + i` and attends to positions <= its own.
-    `max_q_len` (the longest q_len) sizes the grid; computed (one device sync) when omitted.
+    q [total_new_tokens, num_heads, head_dim]; sequence s owns rows cu_seqlens_q[s]:cu_seqlens_q[s + 1]
+    (int32 [num_seqs + 1]), the last q_len of its context_lens[s] tokens, already in the pages;
+    new token i sits at position context_lens[s] - q_len + i. `max_q_len` (the longest q_len)
+    sizes the grid; computed with a device sync when omitted.
     """
     name = "paged_prefill_attention"
     _check_common(name, q, pages, block_tables, context_lens)
     num_seqs = context_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,) or cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous():
-        raise KernelError(
-            f"{name}: cu_seqlens_q is {tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}; "
-            f"expected contiguous int32 [{num_seqs + 1}]"
-        )
+        got = f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}"
+        raise KernelError(f"{name}: cu_seqlens_q is {got}; expected contiguous int32 [{num_seqs + 1}]")
     if cu_seqlens_q.device != pages.device:
         raise KernelError(f"{name}: cu_seqlens_q is on {cu_seqlens_q.device} but the pages are on {pages.device}")
     if q.shape[0] == 0 or num_seqs == 0:
@@ -502,39 +360,23 @@ def paged_prefill_attention(
         return paged_prefill_attention_ref(q, pages, block_tables, cu_seqlens_q, context_lens, scale)
     _check_kernel_head_dim(name, q.shape[2], pages.bits)
 
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1:]
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    is_interpreted = q.device.type == "cpu"
-    block_m = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
-    block_n = 16 if is_interpreted else _tile_rows(_block_d(head_dim), 64)
+    block_m = block_n = 16 if q.device.type == "cpu" else _tile_rows(_block_d(head_dim), 64)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    # One more query tile than the longest chunk needs: a chunk after a cached prefix may start
-    # inside a tile.
+    # One more query tile: a chunk after a cached prefix may start inside a tile.
     grid = (triton.cdiv(max(1, max_q_len), block_m) + 1, num_seqs, num_heads)
+    args = (q, pages.kernel_tensors(), block_tables, cu_seqlens_q, context_lens, out, scale * _LOG2_E)
+    strides = (q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1))
     _prefill_kernel[grid](
-        q,
-        *pages.kernel_tensors(),
-        block_tables,
-        cu_seqlens_q,
-        context_lens,
-        out,
-        scale * _LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *args,
+        strides,
         pages.num_kv_heads,
         num_heads // pages.num_kv_heads,
-        PAGE_SIZE=pages.block_size,
-        HEAD_DIM=head_dim,
-        **plane_layout(pages.bits, head_dim),
-        BITS=pages.bits,
+        **_page_constants(pages, head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        HAS_WINDOW=pages.has_window,
-        WIDE_OFFSETS=_needs_wide_offsets(pages),
         num_warps=8 if _block_d(head_dim) >= 512 else 4,
     )
     return out

@@ -1,8 +1,4 @@
-"""The Triton kernels of paged attention: decode, its merge, and prefill.
-
-The wrappers, their checks and the plain-torch references are in `paged_attention`; the
-loading of K/V tiles as dot operands is in `paged_kv_tiles`.
-"""
+"""The Triton kernels of paged attention (decode, its merge, prefill); wrappers in `paged_attention`."""
 
 import triton
 import triton.language as tl
@@ -22,16 +18,13 @@ from lowvram.kernels.paged_kv_tiles import (
     _tokens,
 )
 
-# The most tokens a tile of the decode kernel's pass over the FP16 window holds.
 WINDOW_TILE_TOKENS = tl.constexpr(64)
 
 
 @triton.jit
 def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
-    # The online softmax over one tile of base-2 `scores`, tokens along TOKEN_AXIS: the rows'
-    # new maxima, the factor that rescales what they summed before, the tile's weights p and
-    # the new sums. A row that has seen no token yet (a tile of only window tokens in the
-    # codes' pass, or the reverse) keeps m = -inf and adds zeros, rather than exp2(-inf + inf).
+    # Online softmax over a tile of base-2 scores (tokens along TOKEN_AXIS): (new max, rescale of
+    # the old sums, weights p, new sums). A row that has seen no token keeps m = -inf, adds 0.
     m_new = tl.maximum(m_i, tl.max(scores, axis=TOKEN_AXIS))
     m_seen = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_seen)
@@ -40,13 +33,14 @@ def _softmax_step(scores, m_i, l_i, TOKEN_AXIS: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
-    # The prefill kernel's tile: query rows q (planes [R, BLOCK_C], q_sum [R] their float32
-    # sums) over one K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+def _attend_tile(query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW):
+    # Prefill: query = (rows q as planes [R, BLOCK_C], q_sum [R] their sums, scale_log2) over one
+    # K/V tile where is_visible [R, BLOCK_N]: the new state (m_i, l_i, acc).
+    q, q_sum, scale_log2 = query
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
-        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
+        cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, _MIXED, False, False
     )
     k, k_scale, k_zero = k_tile
     v, v_scale, v_zero = v_tile
@@ -67,11 +61,9 @@ def _attend_tile(q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, token
     if BITS == 16:
         acc0 = acc0 * alpha[:, None] + tl.dot(p.to(q[0].dtype), v[0], input_precision="ieee")
     else:
-        # p . (codes - zero) * scale = v_max * (w . codes - w . zero) with w = p * scale / v_max,
-        # v_max a row's largest scale among the tokens it sees (not the tile's: which other
-        # tokens a tile holds depends on the chunk). It keeps w in [0, 1] and out of float16's
-        # subnormals. The zero term uses w as rounded for the dot, so the two terms cancel in
-        # float32 and w's rounding weighs on (codes - zero), as p's did on the values.
+        # p . (codes - zero) * scale = v_max * (w . codes - w . zero), w = p * scale / v_max in
+        # [0, 1] (out of float16's subnormals), v_max the row's largest scale among the tokens it
+        # sees (a tile's others depend on the chunk). The zero term uses w as rounded for the dot.
         v_max = tl.max(tl.where(is_visible, v_scale[None, :], 0.0), axis=1)
         v_max = tl.where(v_max > 0.0, v_max, 1.0)[:, None]  # [R, 1]
         w = (p * v_scale[None, :] / v_max).to(q[0].dtype)
@@ -85,33 +77,18 @@ def _attend_tile(q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, token
 
 
 @triton.jit
-def _attend_tile_by_token(
-    q,
-    q_sum,
-    state,
-    is_visible,
-    scale_log2,
-    kv_ptrs,
-    scales,
-    tokens,
-    HEAD_DIM,
-    BLOCK_C,
-    BITS,
-    HAS_WINDOW,
-    WINDOW,
-    ODD_X16,
+def _attend_by_token(
+    query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, WINDOW, ODD_X16
 ):
-    # _attend_tile for the decode kernel, whose query rows all see the same tokens
-    # (is_visible [BLOCK_N]), turned over: q and acc are planes [BLOCK_C, R], the scores
-    # [BLOCK_N, R]. A token tile is the dots' first operand, so a group of up to 8 query rows
-    # is one 8-wide tensor-core tile rather than rows of 16, and the softmax's per-score
-    # arithmetic covers half the elements. With ODD_X16 the INT4 planes 1 and 3 hold
-    # 16 * code (_nibble_halves): q's planes 1 and 3 come divided by 16, and V's planes 1
-    # and 3 take the 16 back in their zero term and v_max.
+    # _attend_tile for decode, whose rows all see the same tokens (is_visible [BLOCK_N]), turned
+    # over: q and acc planes [BLOCK_C, R], scores [BLOCK_N, R], so up to 8 query rows are one
+    # 8-wide tensor-core tile. With ODD_X16 the INT4 planes 1 and 3 hold 16 * code: q's come
+    # divided by 16, and V's take the 16 back in their zero term and v_max.
+    q, q_sum, scale_log2 = query
     NUM_PLANES: tl.constexpr = 16 // BITS
     m_i, l_i, acc = state
     k_tile, v_tile = _load_kv(
-        kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
+        cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, q[0].dtype, WINDOW, True, ODD_X16
     )
     k, k_scale, k_zero = k_tile
     v, v_scale, v_zero = v_tile
@@ -131,8 +108,7 @@ def _attend_tile_by_token(
     if BITS == 16:
         acc0 = acc0 * alpha[None, :] + tl.dot(v[0], p.to(q[0].dtype), input_precision="ieee")
     else:
-        # As in _attend_tile, with v_max the largest scale among the tile's visible tokens
-        # (every row sees the same ones).
+        # As in _attend_tile; every row sees the same tokens.
         v_max = tl.max(tl.where(is_visible, v_scale, 0.0), axis=0)
         v_max = tl.where(v_max > 0.0, v_max, 1.0)
         w = (p * (v_scale * (1.0 / v_max))[:, None]).to(q[0].dtype)
@@ -149,19 +125,10 @@ def _attend_tile_by_token(
     return m_new, l_i, (acc0, acc1, acc2, acc3)
 
 
-# Neither the table's width nor the batch's partition count picks a compiled variant.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    window_k_ptr,
-    window_v_ptr,
-    window_row_ptr,
+    cache,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -185,14 +152,12 @@ def _decode_kernel(
     HAS_WINDOW: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
-    # One program per (sequence, KV head, partition): the group's query heads over the
-    # partition's tokens.
+    # One program per (sequence, KV head, partition): the group's query heads over its tokens.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    # Partitions past this sequence's context (the batch's longest sets num_splits) do
-    # nothing: the merge reads only the sequence's own. An empty context still has one.
+    # Partitions past this sequence's context do nothing (the merge reads only its own).
     num_parts = _num_partitions(context_len, partition_tokens, num_splits)
     if split >= num_parts:
         return
@@ -200,11 +165,8 @@ def _decode_kernel(
     end = tl.minimum(start + partition_tokens, context_len)
     offs_n = tl.arange(0, BLOCK_N)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
-    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
-    rows, window_page, _, mask_n = _tokens(
-        table_row, start + offs_n, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-    )
+    kv = (kv_head, num_kv_heads, cache[8])
+    rows, window_page, _, mask_n = _tokens(table_row, start + offs_n, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < group_size
@@ -212,48 +174,35 @@ def _decode_kernel(
     # q rows of this KV head's group, padded to BLOCK_G (8 or more): [BLOCK_G, BLOCK_C] per plane
     q_rows = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
     q, q_sum = _load_query_planes(q_rows, mask_g, HEAD_DIM, BITS, BLOCK_C)
-    # INT4 codes as float16 subnormals with nibbles 1 and 3 in place (_nibble_halves): q's
-    # planes 1 and 3 divided by 16 for them, exactly or (below 2**-10) to a subnormal's
-    # 2**-25, a quarter of float16's rounding of q at 2**-10. The window's pass reads FP16
-    # values and q as it is.
+    # INT4 subnormal codes keep nibbles 1 and 3 in place: q's planes 1 and 3 divided by 16 (exact,
+    # or below 2**-10 to 2**-25, a quarter of float16's rounding there). The window pass undoes it.
     ODD_X16: tl.constexpr = BITS == 4 and q_ptr.dtype.element_ty == tl.float16
     q0, q1, q2, q3 = q
     if ODD_X16:
         q1, q3 = q1 * (1.0 / 16.0), q3 * (1.0 / 16.0)
-    # Token by token (_attend_tile_by_token): q and the accumulators turned over, [BLOCK_C, BLOCK_G].
+    # q and the accumulators turned over, [BLOCK_C, BLOCK_G].
     q = (tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3))
+    query = (q, q_sum, scale_log2)
     acc0 = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
     state = (
         tl.full([BLOCK_G], float("-inf"), tl.float32),
         tl.zeros([BLOCK_G], tl.float32),
         (acc0, acc0, acc0, acc0),
     )
-    # The loads that address a tile run ahead of it, each a tile before the loads that need
-    # it: its page numbers two tiles ahead, its scales and the window's tags one tile ahead
-    # (at two bytes per token the scales are too narrow for the compiler to pipeline).
-    # With an FP16 window, this loop reads every token's codes but the window's, and notes
-    # the first and last tile holding window tokens (per lane, reduced once after it); a
-    # second pass reads the window's tokens of those tiles (as a rule a sequence's last one
-    # or two), which keeps the main loop's registers those of pages without a window.
-    scales = _tile_scales(scale_ptrs, rows, mask_n, BITS)
+    # Page numbers load two tiles ahead, scales and window tags one (too narrow for the compiler to
+    # pipeline). With an FP16 window this loop reads the codes of every other token and notes the
+    # first and last tiles with window tokens (per lane); a second pass reads those tokens, so the
+    # main loop keeps the registers of pages without a window.
+    scales = _tile_scales(cache, rows, mask_n, BITS)
     next_blocks = _table_blocks(table_row, start + BLOCK_N + offs_n, end, PAGE_SIZE)
-    # Bounds that leave the window's pass empty and cannot overflow in the compiler's
-    # pipelined loop (it steps past them): `end` and the tile before `start`.
+    # Bounds that leave the window pass empty and cannot overflow in the pipelined loop.
     first_kept = tl.zeros([BLOCK_N], tl.int32) + end
     last_kept = tl.zeros([BLOCK_N], tl.int32) + (start - BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
-        next_rows, next_window_page, _, next_mask = _block_tokens(
-            next_blocks,
-            tile_start + BLOCK_N + offs_n,
-            end,
-            kv_head,
-            num_kv_heads,
-            window_row_ptr,
-            PAGE_SIZE,
-            HAS_WINDOW,
-            WIDE_OFFSETS,
-        )
-        next_scales = _tile_scales(scale_ptrs, next_rows, next_mask, BITS)
+        next_positions = tile_start + BLOCK_N + offs_n
+        next_tokens = _block_tokens(next_blocks, next_positions, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        next_rows, next_window_page, _, next_mask = next_tokens
+        next_scales = _tile_scales(cache, next_rows, next_mask, BITS)
         next_blocks = _table_blocks(table_row, tile_start + 2 * BLOCK_N + offs_n, end, PAGE_SIZE)
         is_visible = _code_mask(mask_n, window_page, HAS_WINDOW)
         if HAS_WINDOW:
@@ -261,63 +210,26 @@ def _decode_kernel(
             first_kept = tl.minimum(first_kept, tl.where(is_kept, tile_start, end))
             last_kept = tl.maximum(last_kept, tl.where(is_kept, tile_start, start - BLOCK_N))
         tokens = (rows, window_page, rows, mask_n)
-        state = _attend_tile_by_token(
-            q,
-            q_sum,
-            state,
-            is_visible,
-            scale_log2,
-            kv_ptrs,
-            scales,
-            tokens,
-            HEAD_DIM,
-            BLOCK_C,
-            BITS,
-            HAS_WINDOW,
-            _CODES_ONLY,
-            ODD_X16,
+        state = _attend_by_token(
+            query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, _CODES_ONLY, ODD_X16
         )
         mask_n, rows, window_page, scales = next_mask, next_rows, next_window_page, next_scales
     if HAS_WINDOW:
         if ODD_X16:
-            q = (q[0], q[1] * 16.0, q[2], q[3] * 16.0)
-        # Not pipelined: one or two tiles, whose loads the compiler would otherwise issue
-        # ahead for tiles past the last. Its tiles hold at most WINDOW_N tokens: whole FP16
-        # rows of the main loop's 128-token INT4 tiles would take every register.
+            query = ((q[0], q[1] * 16.0, q[2], q[3] * 16.0), q_sum, scale_log2)
+        # Not pipelined (one or two tiles); at most WINDOW_N tokens a tile, as whole FP16 rows of
+        # 128 tokens would take every register.
         WINDOW_N: tl.constexpr = min(BLOCK_N, WINDOW_TILE_TOKENS)
         offs_w = tl.arange(0, WINDOW_N)
-        unused_scale = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
-        unused_scales = (unused_scale, unused_scale, unused_scale, unused_scale)
+        unused = tl.zeros([WINDOW_N], tl.float32)  # the pass's tokens have scale 1, zero 0
+        unused = (unused, unused, unused, unused)
         for tile_start in tl.range(
             tl.min(first_kept, axis=0), tl.max(last_kept, axis=0) + BLOCK_N, WINDOW_N, num_stages=1
         ):
-            tokens_w = _tokens(
-                table_row,
-                tile_start + offs_w,
-                end,
-                kv_head,
-                num_kv_heads,
-                window_row_ptr,
-                PAGE_SIZE,
-                HAS_WINDOW,
-                WIDE_OFFSETS,
-            )
+            tokens_w = _tokens(table_row, tile_start + offs_w, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
             is_kept = _kept_mask(tokens_w[3], tokens_w[1], HAS_WINDOW)
-            state = _attend_tile_by_token(
-                q,
-                q_sum,
-                state,
-                is_kept,
-                scale_log2,
-                kv_ptrs,
-                unused_scales,
-                tokens_w,
-                HEAD_DIM,
-                BLOCK_C,
-                BITS,
-                HAS_WINDOW,
-                _KEPT_ONLY,
-                False,
+            state = _attend_by_token(
+                query, state, is_kept, cache, unused, tokens_w, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, _KEPT_ONLY, False
             )
 
     m_i, l_i, acc = state
@@ -342,16 +254,13 @@ def _decode_kernel(
 
 @triton.jit
 def _num_partitions(context_len, partition_tokens, num_splits):
-    # Partitions holding this sequence's tokens: at least one (an empty context gives
-    # zeros through it), at most num_splits (max_context_len may stop short of context_len).
+    # Partitions holding the sequence's tokens: at least one (empty context), at most num_splits.
     return tl.minimum(tl.maximum(tl.cdiv(context_len, partition_tokens), 1), num_splits)
 
 
 @triton.jit
 def _sum_lanes(x, ROWS: tl.constexpr, LANES: tl.constexpr):
-    # [ROWS, LANES] -> [ROWS]: lanes 2i and 2i + 1 added, and again, LANES a power of two.
-    # Moving values between threads, never adding them in the layout's order, so the sum
-    # is the same for any layout.
+    # [ROWS, LANES] -> [ROWS] by adding lanes 2i and 2i + 1 repeatedly: the same sum in any layout.
     for level in tl.static_range(1, LANES.bit_length()):
         x = tl.reshape(x, [ROWS, LANES >> level, 2])
         even, odd = tl.split(x)
@@ -371,11 +280,9 @@ def _merge_partitions_kernel(
     SLICE_D: tl.constexpr,
     LANES: tl.constexpr,
 ):
-    # One program per (sequence, head, SLICE_D columns): the row's first num_parts partials,
-    # each weighted by exp2(lse - max lse), in one pass: a chunk of LANES partitions at a
-    # time (their loads in flight together), the sums so far rescaled when a chunk raises
-    # the maximum. Partition s goes into lane s % LANES, then the lanes are added pairwise
-    # (_sum_lanes); splits past num_parts are never read.
+    # One program per (sequence, head, SLICE_D columns): the partials weighted by exp2(lse - max),
+    # LANES partitions at a time (partition s in lane s % LANES), the sums rescaled when a chunk
+    # raises the maximum, then the lanes added pairwise.
     seq = tl.program_id(0)
     row = seq.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     num_parts = _num_partitions(tl.load(context_lens_ptr + seq), partition_tokens, num_splits)
@@ -398,7 +305,7 @@ def _merge_partitions_kernel(
             cache_modifier=".cg",
         )
         new_max = tl.maximum(max_lse, tl.max(lse, axis=0))
-        # -inf until a partition has tokens (an empty context has none): weights 0 then.
+        # -inf until a partition has tokens: weights 0 then.
         reference = tl.where(new_max == float("-inf"), 0.0, new_max)
         rescale = tl.exp2(max_lse - reference)  # 0 on the first chunk, 1 while the max holds
         weight = tl.exp2(lse - reference)[None, :]  # 0 past num_parts: adds exact zeros
@@ -413,25 +320,13 @@ def _merge_partitions_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    k_zero_ptr,
-    v_scale_ptr,
-    v_zero_ptr,
-    window_k_ptr,
-    window_v_ptr,
-    window_row_ptr,
+    cache,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     context_lens_ptr,
     out_ptr,
     scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     num_kv_heads,
     group_size,
     PAGE_SIZE: tl.constexpr,
@@ -443,6 +338,7 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh = strides
     seq = tl.program_id(1)
     head = tl.program_id(2)
     kv_head = head // group_size
@@ -450,9 +346,8 @@ def _prefill_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     context_len = tl.load(context_lens_ptr + seq)
     num_cached = context_len - q_len
-    # Query tiles, like K/V tiles, sit at absolute positions (tile t holds positions
-    # t * BLOCK_M ...), the chunk's new tokens masked in: a token meets the same tiles,
-    # in the same row, whatever chunk of the prompt it comes in.
+    # Query tiles sit at absolute positions, like K/V tiles: a token meets the same tiles in the
+    # same row whatever chunk of the prompt it comes in.
     q_tile = num_cached // BLOCK_M + tl.program_id(0)
 
     q_positions = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -462,6 +357,7 @@ def _prefill_kernel(
     q, q_sum = _load_query_planes(
         q_ptr + token_rows[:, None] * stride_qt + head * stride_qh, mask_m, HEAD_DIM, BITS, BLOCK_C
     )
+    query = (q, q_sum, scale_log2)
 
     # K/V up to the last query of this tile (causal); none when the tile has no new token.
     end = tl.minimum(context_len, (q_tile + 1) * BLOCK_M)
@@ -473,20 +369,15 @@ def _prefill_kernel(
         tl.zeros([BLOCK_M], tl.float32),
         (acc0, acc0, acc0, acc0),
     )
-    kv_ptrs = (k_cache_ptr, window_k_ptr, v_cache_ptr, window_v_ptr)
-    scale_ptrs = (k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr)
+    kv = (kv_head, num_kv_heads, cache[8])
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Position 0 is in the first tile and visible to every query, so m_i is finite after it.
     for tile_start in range(0, end, BLOCK_N):
         positions = tile_start + offs_n
-        tokens = _tokens(
-            table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-        )
-        scales = _tile_scales(scale_ptrs, tokens[0], tokens[3], BITS)
+        tokens = _tokens(table_row, positions, end, kv, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
+        scales = _tile_scales(cache, tokens[0], tokens[3], BITS)
         is_visible = tokens[3][None, :] & (positions[None, :] <= q_positions[:, None])  # [BLOCK_M, BLOCK_N]
-        state = _attend_tile(
-            q, q_sum, state, is_visible, scale_log2, kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW
-        )
+        state = _attend_tile(query, state, is_visible, cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW)
 
     _, l_i, acc = state
     denominator = tl.where(l_i > 0.0, l_i, 1.0)[:, None]

@@ -1,17 +1,13 @@
 """Triton helpers that read paged K/V tiles as the attention kernels' dot operands.
 
-A head is read in planes (`paged_attention.plane_layout`): one for FP16 pages, INT8's low and
-high bytes (elements 2i and 2i + 1) and INT4's four nibbles (elements 4i to 4i + 3), so that
-quantized heads move as 16-bit words and no code moves between columns. Query rows, K/V tiles
-and accumulators travel as 4-tuples of planes; planes past NUM_PLANES = 16 // BITS repeat the
-first ones and are never used. A tile's tokens travel as (rows, window_page, window_rows,
-mask_n): rows = slot * num_kv_heads + kv_head in the page arrays, window_page the page's row
-in the FP16 window arrays (-1: not kept there), window_rows the token's row in them, mask_n
-the tokens that exist.
-
-Codes become float16 without an int-to-float instruction (a quarter of the float rate): a
-code's bits alone are the subnormal code * 2**-24 (CODE_UNIT), exact, and the token's scale
-carries the 2**24 back (`_load_operands`).
+A head is read in planes (`paged_attention.plane_layout`): one for FP16, INT8's low and high bytes
+(elements 2i, 2i + 1), INT4's four nibbles (4i to 4i + 3), so quantized heads move as 16-bit words
+and no code moves between columns. Query rows, K/V tiles and accumulators are 4-tuples of planes;
+planes past NUM_PLANES = 16 // BITS repeat the first and are not used. A tile's tokens are
+(rows, window_page, window_rows, mask_n): rows = slot * num_kv_heads + kv_head in the page arrays,
+window_page the page's row in the FP16 window (-1: not kept), window_rows the token's row there.
+`cache` is KVPages.kernel_tensors(). Codes become float16 without int-to-float instructions: a
+code's bits are the subnormal code * 2**-24 (CODE_UNIT), and the token's scale carries 2**24 back.
 """
 
 import os
@@ -19,14 +15,11 @@ import os
 import triton
 import triton.language as tl
 
-# Codes become float16 through inline PTX (_pair_halves, _nibble_halves) on the GPU; the
-# interpreter, which runs no PTX, takes _code_values, the same values one code at a time.
+# Inline PTX turns codes into float16 on the GPU; the interpreter takes _code_values (same values).
 _PTX_CODES = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
-# What a code's float16 plane element is worth: its bits as a subnormal (_code_values).
 CODE_UNIT = tl.constexpr(2.0**-24)
-# Which tokens a tile of pages with an FP16 window reads (_load_operands' WINDOW): each from
-# its codes or its window row (prefill), only those from codes (the decode kernel's main
-# loop), or only those from the window (its pass over the window's tiles).
+# Which tokens a tile of pages with an FP16 window reads: each from its codes or its window row
+# (prefill), only those from codes (decode's main loop), or only the window's (decode's last pass).
 _MIXED = tl.constexpr(0)
 _CODES_ONLY = tl.constexpr(1)
 _KEPT_ONLY = tl.constexpr(2)
@@ -34,25 +27,15 @@ _KEPT_ONLY = tl.constexpr(2)
 
 @triton.jit
 def _table_blocks(table_row, positions, end, PAGE_SIZE: tl.constexpr):
-    # The pages of the tokens at `positions` (0 past `end`), as the block table holds them.
     return tl.load(table_row + positions // PAGE_SIZE, mask=positions < end, other=0)
 
 
 @triton.jit
-def _block_tokens(
-    blocks,
-    positions,
-    end,
-    kv_head,
-    num_kv_heads,
-    window_row_ptr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr,
-):
-    # The tokens at `positions` (those below `end`) in pages `blocks` (_table_blocks). Offsets
-    # are int64 only where a page array needs them (_needs_wide_offsets): 64-bit address
-    # arithmetic is a large share of the quantized pages' instructions.
+def _block_tokens(blocks, positions, end, head, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDE_OFFSETS):
+    # The tokens at `positions` (below `end`) in pages `blocks`; head = (kv_head, num_kv_heads,
+    # window_row_ptr). Offsets are int64 only where a page array needs them: 64-bit address
+    # arithmetic is costly in the quantized loops.
+    kv_head, num_kv_heads, window_row_ptr = head
     mask_n = positions < end
     block = blocks
     if WIDE_OFFSETS:
@@ -67,28 +50,15 @@ def _block_tokens(
 
 
 @triton.jit
-def _tokens(table_row, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS):
-    # _block_tokens, their pages read from the table now.
+def _tokens(table_row, positions, end, head, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS):
     blocks = _table_blocks(table_row, positions, end, PAGE_SIZE)
-    return _block_tokens(
-        blocks, positions, end, kv_head, num_kv_heads, window_row_ptr, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS
-    )
+    return _block_tokens(blocks, positions, end, head, PAGE_SIZE, HAS_WINDOW, WIDE_OFFSETS)
 
 
 @triton.jit
-def _load_rows(
-    ptr,
-    rows,
-    mask_rows,
-    cols,
-    ROW_LEN: tl.constexpr,
-    NUM_COLS: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    TRANSPOSED: tl.constexpr = False,
-):
-    # [len(rows), BLOCK_C]: elements `cols` of rows `rows` ([BLOCK_C, len(rows)] with
-    # TRANSPOSED). Masked rows read nothing (unwritten slots may hold NaN) and, like columns
-    # past NUM_COLS, come back as 0.
+def _load_rows(ptr, rows, mask_rows, cols, ROW_LEN, NUM_COLS: tl.constexpr, BLOCK_C, TRANSPOSED: tl.constexpr = False):
+    # Elements `cols` of `rows` as [len(rows), BLOCK_C] (transposed with TRANSPOSED). Masked rows
+    # read nothing (unwritten slots may hold NaN) and, like columns past NUM_COLS, come back 0.
     if TRANSPOSED:
         if BLOCK_C == NUM_COLS:
             mask = mask_rows[None, :]
@@ -106,11 +76,8 @@ def _load_rows(
 
 @triton.jit
 def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
-    # Codes 0..255 as exact DOT_DTYPE values without int-to-float instructions. With
-    # SUBNORMAL (float16 only) a code's bits alone are the subnormal code * CODE_UNIT, with
-    # no instruction at all; otherwise a code OR-ed into the low mantissa bits of 1024
-    # (float16) or of 2**23 (float32) makes that power of two plus the code, exactly, and a
-    # subtraction removes the power of two.
+    # Codes 0..255 as exact DOT_DTYPE values: with SUBNORMAL (float16) the bits alone, code *
+    # CODE_UNIT; else OR-ed into the mantissa of 1024 (float16) or 2**23 (float32), less that.
     if SUBNORMAL:
         return codes.to(tl.int16).to(tl.float16, bitcast=True)
     elif DOT_DTYPE == tl.float16:
@@ -119,9 +86,8 @@ def _code_values(codes, DOT_DTYPE: tl.constexpr, SUBNORMAL: tl.constexpr):
         return (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
-# The conversions' PTX, two 16-bit words a register: INT8 pairs and INT4 nibbles as float16
-# subnormals (over zero bytes; a shift and a mask per nibble) or as 1024 + code (under 0x64,
-# the high byte of 1024.0, less 1024 in float16 pairs).
+# The conversions' PTX, two 16-bit words a register: codes as float16 subnormals, or as
+# 1024 + code (under 0x64, the high byte of 1024.0) less 1024.
 _PAIRS_SUBNORMAL = tl.constexpr("""{
     .reg .b32 z;
     mov.b32 z, 0;
@@ -175,7 +141,6 @@ _NIBBLES_OFFSET = tl.constexpr("""{
 
 @triton.jit
 def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
-    # uint16 pairs of uint8 codes as two float16 planes, the low bytes and the high ones.
     return tl.inline_asm_elementwise(
         asm=_PAIRS_SUBNORMAL if SUBNORMAL else _PAIRS_OFFSET,
         constraints="=r,=r,r",
@@ -188,8 +153,7 @@ def _pair_halves(pairs, SUBNORMAL: tl.constexpr):
 
 @triton.jit
 def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False):
-    # uint16 words of four INT4 codes as four float16 planes, nibble p of each word in
-    # plane p; with ODD_X16 nibbles 1 and 3 stay in place (16 * code), one shift for two planes.
+    # Nibble p of each word in plane p; with ODD_X16 nibbles 1 and 3 stay in place (16 * code).
     return tl.inline_asm_elementwise(
         asm=(_NIBBLES_SUBNORMAL_ODD_X16 if ODD_X16 else _NIBBLES_SUBNORMAL) if SUBNORMAL else _NIBBLES_OFFSET,
         constraints="=r,=r,=r,=r,r",
@@ -202,7 +166,6 @@ def _nibble_halves(words, SUBNORMAL: tl.constexpr, ODD_X16: tl.constexpr = False
 
 @triton.jit
 def _code_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
-    # The tokens read from their codes: unmasked ones outside the pages kept in FP16.
     if HAS_WINDOW:
         return mask_n & (window_page < 0)
     return mask_n
@@ -210,31 +173,28 @@ def _code_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
 
 @triton.jit
 def _kept_mask(mask_n, window_page, HAS_WINDOW: tl.constexpr):
-    # The tokens read from the window: unmasked ones of pages kept in FP16 (none without one).
     if HAS_WINDOW:
         return mask_n & (window_page >= 0)
     return mask_n & False
 
 
 @triton.jit
-def _tile_scales(scale_ptrs, rows, mask_n, BITS: tl.constexpr):
-    # (k_scale, k_zero, v_scale, v_zero) of a tile's tokens [BLOCK_N] as stored, 0 for masked
-    # tokens; float32 zeros for FP16 pages. _attend_tile takes them to float32 so that the
-    # loads have a tile's time to arrive.
+def _tile_scales(cache, rows, mask_n, BITS: tl.constexpr):
+    # (k_scale, k_zero, v_scale, v_zero) of a tile's tokens as stored (0 when masked, float32 0
+    # for FP16 pages), loaded a tile ahead of their use, where they are taken to float32.
     if BITS == 16:
         k_scale = tl.zeros(mask_n.shape, tl.float32)
         k_zero, v_scale, v_zero = k_scale, k_scale, k_scale
     else:
-        k_scale = tl.load(scale_ptrs[0] + rows, mask=mask_n, other=0.0)
-        k_zero = tl.load(scale_ptrs[1] + rows, mask=mask_n, other=0.0)
-        v_scale = tl.load(scale_ptrs[2] + rows, mask=mask_n, other=0.0)
-        v_zero = tl.load(scale_ptrs[3] + rows, mask=mask_n, other=0.0)
+        k_scale = tl.load(cache[2] + rows, mask=mask_n, other=0.0)
+        k_zero = tl.load(cache[3] + rows, mask=mask_n, other=0.0)
+        v_scale = tl.load(cache[4] + rows, mask=mask_n, other=0.0)
+        v_zero = tl.load(cache[5] + rows, mask=mask_n, other=0.0)
     return k_scale, k_zero, v_scale, v_zero
 
 
 @triton.jit
 def _window_plane(plane, window_ptr, window_rows, is_window, PLANE: tl.constexpr, HEAD_DIM, BITS, BLOCK_C):
-    # `plane` with the rows of tokens in pages kept in FP16 taken from the window.
     NUM_PLANES: tl.constexpr = 16 // BITS
     cols = tl.arange(0, BLOCK_C) * NUM_PLANES + PLANE
     kept = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, HEAD_DIM // NUM_PLANES, BLOCK_C)
@@ -243,10 +203,9 @@ def _window_plane(plane, window_ptr, window_rows, is_window, PLANE: tl.constexpr
 
 @triton.jit
 def _load_operands(
-    cache_ptr,
-    window_ptr,
-    scale,
-    zero,
+    cache,
+    scales,
+    IS_V: tl.constexpr,
     tokens,
     HEAD_DIM: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -257,16 +216,14 @@ def _load_operands(
     TRANSPOSED: tl.constexpr = False,
     ODD_X16: tl.constexpr = False,
 ):
-    # One K or V tile as the dots take it: (planes, scale, zero), planes [BLOCK_N, BLOCK_C] in
-    # DOT_DTYPE ([BLOCK_C, BLOCK_N] with TRANSPOSED, not _MIXED) and the float32 scale and
-    # zero [BLOCK_N] such that a value is (plane - zero) * scale. Codes are read as 16-bit
-    # words, a plane per byte or nibble, so that no code moves between columns and the tiles
-    # move through shared memory into the dots' layouts a word at a time. Tokens of pages
-    # kept in FP16 come from the window with scale 1 and zero 0 (WINDOW _MIXED), or only the
-    # others from their codes (_CODES_ONLY), or only the window's (_KEPT_ONLY); the tokens
-    # not read, like masked ones, come back as 0. With ODD_X16 (INT4 codes as subnormals
-    # only) planes 1 and 3 hold 16 * code * CODE_UNIT.
+    # The K (or with IS_V the V) tile as the dots take it: (planes, scale, zero), planes [BLOCK_N,
+    # BLOCK_C] in DOT_DTYPE ([BLOCK_C, BLOCK_N] with TRANSPOSED, not _MIXED), float32 scale and
+    # zero [BLOCK_N] with value = (plane - zero) * scale. Window tokens get scale 1 and zero 0;
+    # tokens not read (WINDOW) or masked come back 0. With ODD_X16 (INT4 subnormal codes only)
+    # planes 1 and 3 hold 16 * code * CODE_UNIT.
     tl.static_assert(not TRANSPOSED or WINDOW != _MIXED)
+    cache_ptr, window_ptr = cache[IS_V], cache[6 + IS_V]
+    scale, zero = scales[2 * IS_V], scales[2 * IS_V + 1]
     NUM_PLANES: tl.constexpr = 16 // BITS
     PLANE_DIM: tl.constexpr = HEAD_DIM // NUM_PLANES
     rows, window_page, window_rows, mask_n = tokens
@@ -275,21 +232,17 @@ def _load_operands(
     if BITS == 16:
         plane0 = _load_rows(cache_ptr, rows, mask_codes, offs_c, HEAD_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED)
         plane0 = plane0.to(DOT_DTYPE)
-        plane1 = plane0
-        plane2 = plane0
-        plane3 = plane0
+        plane1, plane2, plane3 = plane0, plane0, plane0
     elif HAS_WINDOW and WINDOW == _KEPT_ONLY:
-        # Whole FP16 rows in one load, split into the planes in registers: element
-        # c * NUM_PLANES + p is plane p's column c, and the row's elements past HEAD_DIM
-        # (padded planes) are exactly those columns past PLANE_DIM.
+        # Whole FP16 rows in one load, split into planes in registers (element c * NUM_PLANES + p
+        # is plane p's column c; elements past HEAD_DIM are the padded columns).
         is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
         cols = tl.arange(0, NUM_PLANES * BLOCK_C)
         row = _load_rows(window_ptr, window_rows, is_window, cols, HEAD_DIM, HEAD_DIM, NUM_PLANES * BLOCK_C)
         row = row.to(DOT_DTYPE)
         if NUM_PLANES == 2:
             plane0, plane1 = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2]))
-            plane2 = plane0
-            plane3 = plane1
+            plane2, plane3 = plane0, plane1
         else:
             even, odd = tl.split(tl.reshape(row, [mask_n.shape[0], BLOCK_C, 2, 2]))
             plane0, plane2 = tl.split(even)
@@ -299,20 +252,11 @@ def _load_operands(
         scale = tl.full(mask_n.shape, 1.0, tl.float32)
         zero = tl.zeros(mask_n.shape, tl.float32)
     else:
-        # Float16 codes as subnormals unless window tokens share the tile's dots (_MIXED):
-        # their scale 1 beside the codes' 2**24 would leave the window's weights below
-        # float16's range.
+        # Subnormal codes unless window tokens share the dots (_MIXED): their scale 1 beside the
+        # codes' 2**24 would leave the window's weights below float16's range.
         SUBNORMAL: tl.constexpr = DOT_DTYPE == tl.float16 and (not HAS_WINDOW or WINDOW != _MIXED)
-        words = _load_rows(
-            cache_ptr.to(tl.pointer_type(tl.uint16)),
-            rows,
-            mask_codes,
-            offs_c,
-            PLANE_DIM,
-            PLANE_DIM,
-            BLOCK_C,
-            TRANSPOSED,
-        )
+        words_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
+        words = _load_rows(words_ptr, rows, mask_codes, offs_c, PLANE_DIM, PLANE_DIM, BLOCK_C, TRANSPOSED)
         if BITS == 8:
             if _PTX_CODES and DOT_DTYPE == tl.float16:
                 plane0, plane1 = _pair_halves(words, SUBNORMAL)
@@ -337,8 +281,7 @@ def _load_operands(
             # The planes hold code * CODE_UNIT: (plane - zero * CODE_UNIT) * scale / CODE_UNIT.
             scale = scale * (1.0 / CODE_UNIT)
             zero = zero * CODE_UNIT
-        # Only tiles holding tokens of pages kept in FP16 (as a rule a sequence's last pages)
-        # read the window; the others skip its loads.
+        # Only tiles holding window tokens (as a rule a sequence's last) read the window.
         is_window = _kept_mask(mask_n, window_page, HAS_WINDOW)
         if HAS_WINDOW and WINDOW == _MIXED and tl.max(is_window.to(tl.int32), axis=0) > 0:
             plane0 = _window_plane(plane0, window_ptr, window_rows, is_window, 0, HEAD_DIM, BITS, BLOCK_C)
@@ -349,23 +292,19 @@ def _load_operands(
             scale = tl.where(is_window, 1.0, scale)
             zero = tl.where(is_window, 0.0, zero)
         if BITS == 8:
-            plane2 = plane0
-            plane3 = plane1
+            plane2, plane3 = plane0, plane1
     return (plane0, plane1, plane2, plane3), scale, zero
 
 
 @triton.jit
 def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Query rows (row_ptrs [R, 1] to their first element) split like the K planes, and their
-    # float32 sums over all columns [R].
+    # Query rows (row_ptrs [R, 1]) split like the K planes, and their float32 sums [R].
     NUM_PLANES: tl.constexpr = 16 // BITS
     offs_c = tl.arange(0, BLOCK_C)
     mask = mask_rows[:, None] & (offs_c < HEAD_DIM // NUM_PLANES)[None, :]
     q0 = tl.load(row_ptrs + (offs_c * NUM_PLANES)[None, :], mask=mask, other=0.0)
     q_sum = tl.sum(q0.to(tl.float32), axis=1)
-    q1 = q0
-    q2 = q0
-    q3 = q0
+    q1, q2, q3 = q0, q0, q0
     if NUM_PLANES >= 2:
         q1 = tl.load(row_ptrs + (offs_c * NUM_PLANES + 1)[None, :], mask=mask, other=0.0)
         q_sum += tl.sum(q1.to(tl.float32), axis=1)
@@ -378,7 +317,6 @@ def _load_query_planes(row_ptrs, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.con
 
 @triton.jit
 def _store_planes(row_ptrs, results, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr):
-    # The inverse of _load_query_planes: planes [R, BLOCK_C] back to element order.
     NUM_PLANES: tl.constexpr = 16 // BITS
     offs_c = tl.arange(0, BLOCK_C)
     mask = mask_rows[:, None] & (offs_c < HEAD_DIM // NUM_PLANES)[None, :]
@@ -392,40 +330,14 @@ def _store_planes(row_ptrs, results, mask_rows, HEAD_DIM: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _load_kv(kv_ptrs, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, DOT_DTYPE, WINDOW, BY_TOKEN, ODD_X16):
-    # A tile's K and V operands (_load_operands), V's loads issued before any dot so that both
-    # tiles are in flight together; by token, V's planes come turned over, [BLOCK_C, BLOCK_N].
-    k_ptr, window_k_ptr, v_ptr, window_v_ptr = kv_ptrs
+def _load_kv(cache, scales, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, DOT_DTYPE, WINDOW, BY_TOKEN, ODD_X16):
+    # A tile's K and V operands, V's loads issued before any dot so that both are in flight
+    # together; by token, V's planes come turned over, [BLOCK_C, BLOCK_N].
     k_scale, k_zero = scales[0].to(tl.float32), scales[1].to(tl.float32)
     v_scale, v_zero = scales[2].to(tl.float32), scales[3].to(tl.float32)
-    k = _load_operands(
-        k_ptr,
-        window_k_ptr,
-        k_scale,
-        k_zero,
-        tokens,
-        HEAD_DIM,
-        BLOCK_C,
-        BITS,
-        HAS_WINDOW,
-        DOT_DTYPE,
-        WINDOW,
-        False,
-        ODD_X16,
-    )
+    scales = (k_scale, k_zero, v_scale, v_zero)
+    k = _load_operands(cache, scales, 0, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, DOT_DTYPE, WINDOW, False, ODD_X16)
     v = _load_operands(
-        v_ptr,
-        window_v_ptr,
-        v_scale,
-        v_zero,
-        tokens,
-        HEAD_DIM,
-        BLOCK_C,
-        BITS,
-        HAS_WINDOW,
-        DOT_DTYPE,
-        WINDOW,
-        BY_TOKEN,
-        ODD_X16,
+        cache, scales, 1, tokens, HEAD_DIM, BLOCK_C, BITS, HAS_WINDOW, DOT_DTYPE, WINDOW, BY_TOKEN, ODD_X16
     )
     return k, v

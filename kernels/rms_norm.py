@@ -1,11 +1,6 @@
-"""RMSNorm in one kernel, optionally fused with the residual add before it.
-
-In plain torch a norm is about seven kernels, whose launch gaps inside a CUDA graph cost more
-than the arithmetic. Here one program normalises one row in float32, and the post-attention
-norm also adds the attention output to the residual stream and writes the sum, both results
-over their inputs (as vLLM's fused_add_rms_norm), so no more [T, hidden] tensors stay alive.
-`rms_norm_ref` is the reference: normalise in float32, round to the input dtype, then multiply
-by the weight in that dtype, as `lowvram.models.dense.RMSNorm` does on the CPU.
+"""RMSNorm in one kernel (one program per row, float32), optionally fused with the residual add
+before it and writing both results over their inputs, as vLLM's fused_add_rms_norm. The reference
+`rms_norm_ref` normalises in float32, rounds to x's dtype, then multiplies by the weight.
 """
 
 import torch
@@ -18,15 +13,12 @@ from lowvram.kernels.dispatch import use_triton
 
 @triton.jit
 def rms_inverse(xf, num_cols, eps):
-    """1 / rms of a float32 row xf of num_cols values (masked elements zero)."""
     return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
 
 
 @triton.jit
 def normalize_and_scale(x, inv_rms, weight):
-    """weight * x / rms in float32, the normalised x rounded to x's dtype first as the reference
-    rounds it. Shared with the decode GEMV's norm prologue (w4a16_gemv), which must give the
-    same bits as this kernel."""
+    """weight * x / rms in float32, x / rms rounded to x's dtype first (also the GEMV's prologue)."""
     normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
     return normed.to(tl.float32) * weight.to(tl.float32)
 
@@ -39,14 +31,12 @@ def _rms_norm_kernel(
     out_ptr,
     sum_ptr,
     num_cols,
-    stride_x,
-    stride_r,
-    stride_o,
-    stride_s,
+    strides,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    stride_x, stride_r, stride_o, stride_s = strides
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_cols
@@ -54,8 +44,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         x = x + tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
     inv_rms = rms_inverse(x.to(tl.float32), num_cols, eps)
-    # out and sum may be x and residual (in place), and with a short row several threads load
-    # one element: no thread stores before every thread has loaded.
+    # out and sum may be x and residual: no thread stores before every thread has loaded.
     tl.debug_barrier()
     if HAS_RESIDUAL:
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
@@ -63,9 +52,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """(weight * normalise(x + residual), x + residual or None)."""
     total = x if residual is None else x + residual
     xf = total.float()
@@ -74,37 +61,22 @@ def rms_norm_ref(
 
 
 def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    sum_out: torch.Tensor | None = None,
-    use_reference: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Normalise each row of x [T, C] (after adding residual [T, C] when given).
-
-    Returns (normed [T, C] in weight's dtype promotion with x, the sum x + residual or None),
-    written into `out` and `sum_out` when given: these may be x and residual themselves
-    (a program reads its whole row before it writes), so a decoder layer can update its
-    residual stream in place. Rows may be strided; the last dim must be contiguous.
-    """
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None, *, out=None, sum_out=None, use_reference=False
+):
+    """(weight * normalise(x + residual) [T, C] in x's dtype promoted with weight's, x + residual or
+    None), written into `out` and `sum_out` when given, which may be x and residual themselves.
+    Rows may be strided; the last dim must be contiguous."""
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise KernelError(f"rms_norm: x is {tuple(x.shape)} and weight {tuple(weight.shape)}; expected [T, C] and [C]")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise KernelError(
-            f"rms_norm: residual is {tuple(residual.shape)} {residual.dtype}, x is "
-            f"{tuple(x.shape)} {x.dtype}; they must match"
-        )
+        got = f"{tuple(residual.shape)} {residual.dtype}, x {tuple(x.shape)} {x.dtype}"
+        raise KernelError(f"rms_norm: residual is {got}; they must match")
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out is not None and (out.shape != x.shape or out.dtype != out_dtype):
         raise KernelError(f"rms_norm: out is {tuple(out.shape)} {out.dtype}; expected {tuple(x.shape)} {out_dtype}")
     if sum_out is not None and (residual is None or sum_out.shape != x.shape or sum_out.dtype != x.dtype):
-        raise KernelError(
-            f"rms_norm: sum_out is {tuple(sum_out.shape)} {sum_out.dtype}; expected "
-            f"{tuple(x.shape)} {x.dtype}, and a residual to add"
-        )
+        got = f"{tuple(sum_out.shape)} {sum_out.dtype}"
+        raise KernelError(f"rms_norm: sum_out is {got}; expected {tuple(x.shape)} {x.dtype}, and a residual to add")
     tensors = [t for t in (x, weight, residual, out, sum_out) if t is not None]
     if any(t.stride(-1) != 1 for t in tensors):
         raise KernelError("rms_norm: x, weight, residual and the outputs must be contiguous in their last dim")
@@ -120,20 +92,9 @@ def rms_norm(
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     total = None if residual is None else sum_out if sum_out is not None else torch.empty_like(x)
     block = triton.next_power_of_2(num_cols)
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        residual if residual is not None else x,
-        weight,
-        out,
-        total if total is not None else out,
-        num_cols,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0),
-        total.stride(0) if total is not None else 0,
-        eps,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
-    )
+    has_residual = residual is not None
+    residual_arg, total_arg = (residual, total) if has_residual else (x, out)  # not read without a residual
+    strides = (x.stride(0), residual_arg.stride(0), out.stride(0), total_arg.stride(0))
+    args = (x, residual_arg, weight, out, total_arg, num_cols, strides, eps)
+    _rms_norm_kernel[(num_rows,)](*args, HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out, total

@@ -1,16 +1,6 @@
-"""Rotate-half RoPE applied in place to q and k in one kernel.
-
-In plain torch RoPE gathers the cos and sin rows, splits, multiplies and concatenates,
-about ten kernels per tensor. Here one program handles one (token, head) pair of q or k:
-it reads the head's two halves, rotates them in float32 with the token's cos and sin row,
-and writes them back where they were. q and k may be strided views of a fused QKV output,
-so the projection's result is rotated without a copy.
-
-The dense models' attention does not launch this kernel: kv_write.rotary_write_kv rotates q and
-k inside the KV store, with the same rotation helper (`_rotate_half`).
-
-The reference is `apply_rotary_ref` (float32 arithmetic, rounded once to the input dtype),
-as `lowvram.models.dense.Rotary` computes it.
+"""Rotate-half RoPE in place on q and k (strided views of a fused QKV output allowed), one program
+per (token, head), in float32 rounded once, as the reference `apply_rotary_ref`. The dense models
+rotate inside the KV store instead (kv_write.rotary_write_kv), with the same `_rotate_half`.
 """
 
 import torch
@@ -23,28 +13,15 @@ from lowvram.kernels.dispatch import use_triton
 
 @triton.jit
 def _rotate_half(x1, x2, cos, sin):
-    # The halves rotated in float32 and rounded once to their dtype; shared with the fused
-    # RoPE + KV-write kernel (kv_write.py) so both paths round alike.
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     return (x1f * cos - x2f * sin).to(x1.dtype), (x2f * cos + x1f * sin).to(x1.dtype)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr,
-    k_ptr,
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_cos,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
+    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr, num_q_heads, strides, HALF: tl.constexpr, BLOCK: tl.constexpr
 ):
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos = strides
     token = tl.program_id(0)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -71,15 +48,7 @@ def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def apply_rotary(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    use_reference: bool = False,
-) -> None:
+def apply_rotary(q, k, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, use_reference=False) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place; cos, sin: float32 [P, D/2] with P > every position."""
     _check_rotary_args(q, k, positions, cos, sin, "apply_rotary")
     head_dim = q.shape[2]
@@ -90,27 +59,14 @@ def apply_rotary(
     if q.shape[0] == 0:
         return
     half = head_dim // 2
-    _rotary_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
-        q,
-        k,
-        positions,
-        cos,
-        sin,
-        q.shape[1],
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos.stride(0),
-        HALF=half,
-        BLOCK=triton.next_power_of_2(half),
-        num_warps=1,
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0))
+    grid = (q.shape[0], q.shape[1] + k.shape[1])
+    _rotary_kernel[grid](
+        q, k, positions, cos, sin, q.shape[1], strides, half, BLOCK=triton.next_power_of_2(half), num_warps=1
     )
 
 
-def _check_rotary_args(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str
-) -> None:
+def _check_rotary_args(q, k, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise KernelError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, heads, D] with one T and D")
     head_dim = q.shape[2]

@@ -1,15 +1,9 @@
 """W4A16 linear layer over AutoAWQ GEMM tensors: y = x @ W + bias (+ (x A^T) Bt), W stored as INT4.
 
-`awq_linear` checks its inputs, then picks one of four ways to compute (w4a16_gemv):
-- one row: the split-K one-row kernel, bandwidth-bound;
-- 2..MAX_DECODE_M rows: the tiled kernel's 16-row tile, split over K;
-- up to DEQUANT_MATMUL_MIN_M rows: the tiled kernel as a prefill GEMM;
-- more: dequantize W to float16 once, then cuBLAS, which wins once the matmul is long enough
-  to hide the extra K * N * 2 bytes written and read.
-The Triton kernels run where `dispatch.use_triton` says (CUDA GPUs from Turing on, CPU tensors
-under TRITON_INTERPRET=1); everything else, and the engine on the CPU, uses the plain-torch
-path: dequantize, then matmul. `awq_linear_ref` is the float64 reference the kernels are tested
-against.
+`awq_linear` runs one row through the split-K one-row kernel, 2..MAX_DECODE_M rows through the
+tiled kernel's 16-row tile split over K, up to DEQUANT_MATMUL_MIN_M rows through the tiled GEMM,
+and more by dequantizing W once for cuBLAS. Without Triton (and for the engine on the CPU) it
+dequantizes and multiplies in torch. `awq_linear_ref` is the float64 reference.
 """
 
 from dataclasses import dataclass
@@ -25,16 +19,12 @@ if HAS_TRITON:
     from lowvram.kernels import w4a16_gemv
 
 MAX_DECODE_M = 16
-# Measured on an H200 (docs/performance.md): at 512 rows dequantize-then-cuBLAS beat the
-# tl.dot GEMM on 4 of the 5 real shapes (e.g. 1536x8960: 350 vs 148 TFLOP/s).
+# At 512 rows dequantize-then-cuBLAS beat the tl.dot GEMM on 4 of 5 real shapes (H200, docs/performance.md).
 DEQUANT_MATMUL_MIN_M = 512
 
 
 def awq_linear_ref(x, qweight, qzeros, scales, group_size, bias=None, *, lora_a=None, lora_bt=None):
-    """Reference: x [..., K] @ dequantized W [K, N] (+ bias) (+ (x A^T) Bt), returned as float32.
-
-    The matmuls run in float64 so a global TF32 setting on the GPU cannot loosen them.
-    """
+    """x [..., K] @ W [K, N] (+ bias) (+ (x A^T) Bt) in float64 (immune to TF32), as float32."""
     check_awq_shapes(qweight, qzeros, scales, group_size)
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=torch.float64)
     x64 = x.to(torch.float64)
@@ -61,17 +51,12 @@ def awq_linear(
 ):
     """y [..., N] = x [..., K] @ W [K, N] + bias + (x A^T) Bt, W given as AutoAWQ GEMM tensors.
 
-    x: float16 [..., K] (float32 and bfloat16 are accepted on the plain-torch path, and
-    float32 under the Triton interpreter), any strides; qweight int32 [K, N/8], qzeros int32
-    [K/G, N/8], scales float16 [K/G, N], bias [N] or None, all contiguous and on x's device;
-    group_size in 32/64/128 and dividing K. lora_a [R, K] (contiguous) and lora_bt [R, N]
-    (any strides, contiguous is fastest), both or neither, float, on x's device: the residual
-    compensation, added in the same decode launch. Returns y in x's dtype. Raises KernelError,
-    naming the tensor, for bad shapes, dtypes, strides, devices or group size. use_reference
-    forces the plain-torch path (the engine does this on the CPU, where the interpreter is for
-    tests only). batch_invariant gives each row of y the same bits however many rows x has:
-    one tiling for every M on the Triton path (the 16-row decode tile), one row at a time on
-    the plain-torch path.
+    x: float16 [..., K], any strides (float32 and bfloat16 on the torch path, float32 under the
+    interpreter); qweight, qzeros, scales as in awq_format and bias [N], contiguous, on x's device;
+    group_size 32/64/128 dividing K. lora_a [R, K] (contiguous) and lora_bt [R, N], both or
+    neither: the residual compensation. Returns y in x's dtype; KernelError names a bad tensor.
+    use_reference forces the torch path; batch_invariant gives each row the same bits however
+    many rows x has (one tiling for every M, or one row at a time in torch).
     """
     num_inputs, num_outputs = _check_inputs(x, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt)
     is_triton = use_triton("awq_linear", x.device, use_reference)
@@ -90,7 +75,7 @@ def awq_linear(
     if num_rows >= DEQUANT_MATMUL_MIN_M and not batch_invariant:
         weight = w4a16_gemv.launch_dequant(qweight, qzeros, scales, group_size, x.dtype)  # [K, N], ours
         if has_lora:
-            # W += A^T Bt: K * N * R multiply-adds however many rows, one op, then one matmul
+            # W += A^T Bt: one op however many rows
             weight.addmm_(lora_a.t().to(x.dtype), lora_bt.to(x.dtype))
         y = x2d @ weight if bias is None else torch.addmm(bias.to(x.dtype), x2d, weight)
         return y.reshape(out_shape)
@@ -101,7 +86,6 @@ def awq_linear(
         x2d = x2d.contiguous()  # K * 2 bytes, copied only when strided
         w4a16_gemv.launch_row(x2d, qweight, qzeros, scales, group_size, bias, y, config, lora_a, lora_bt)
     elif num_rows <= MAX_DECODE_M or batch_invariant:
-        # the 16-row tile; batch-invariant launches of at most INVARIANT_MAX_ROWS rows bound the partials
         config = w4a16_gemv.tiled_config(MAX_DECODE_M, num_outputs, num_inputs, group_size, sms)
         for start in range(0, num_rows, w4a16_gemv.INVARIANT_MAX_ROWS):
             stop = start + w4a16_gemv.INVARIANT_MAX_ROWS
@@ -117,13 +101,9 @@ def awq_linear(
 
 @dataclass
 class InputNorm:
-    """The one-row kernel's RMSNorm prologue: it multiplies W by weight * normalise(x + residual)
-    (kernels/rms_norm.py's arithmetic) instead of x, and stores x + residual to sum_out.
-
-    weight: [K] in x's dtype; residual, sum_out: [1, K] contiguous, both or neither (the
-    first layer's norm has no residual yet). sum_out must not be x or residual: the other
-    programs of the launch still read them.
-    """
+    """The one-row kernel's RMSNorm prologue: W times weight * normalise(x + residual), the sum
+    stored to sum_out. weight [K] in x's dtype; residual and sum_out [1, K] contiguous, both or
+    neither; sum_out must be a new tensor, as other programs still read x and residual."""
 
     weight: torch.Tensor
     eps: float
@@ -133,10 +113,8 @@ class InputNorm:
 
 @dataclass
 class RopeKVWrite:
-    """What the one-row fused q/k/v projection needs to finish as rotary_write_kv does: the
-    query heads' count, the token's position [1] and the float32 cos/sin tables [P, D/2]
-    (attention.Rope), its slot [1] and the layer's KV pages. y then holds q and k rotated,
-    and k and v are in the pages."""
+    """What the fused one-row q/k/v projection needs to finish as rotary_write_kv does: the token's
+    position [1], float32 cos/sin [P, D/2], slot [1] and the layer's pages."""
 
     num_heads: int
     positions: torch.Tensor
@@ -147,7 +125,7 @@ class RopeKVWrite:
 
 
 def can_fuse_one_row(x: torch.Tensor) -> bool:
-    """Whether awq_linear_one_row serves x: one contiguous float16 row on a device with the Triton kernels."""
+    """Whether awq_linear_one_row serves x: one contiguous float16 row on a device with Triton."""
     is_row = x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float16 and x.is_contiguous()
     return is_row and use_triton("awq_linear", x.device, False)
 
@@ -166,13 +144,9 @@ def awq_linear_one_row(
     is_gated: bool = False,
     rope_kv: RopeKVWrite | None = None,
 ):
-    """awq_linear of one row with the input's last step fused into the kernel: norm
-    multiplies W by weight * normalise(x + residual) and stores the sum to norm.sum_out;
-    is_gated takes x [1, 2K] (gate then up) and multiplies by silu(gate) * up. x: [1, K] (or
-    [1, 2K]) contiguous, float16 (float32 too under the interpreter); can_fuse_one_row says when
-    this runs. Returns y [1, N]. `rope_kv` (with the norm, on a fused q/k/v layer) also rotates q
-    and k in y and stores k and v in its pages, with one column block per head.
-    """
+    """awq_linear of one contiguous row x [1, K] with its input's last step fused: `norm` (an
+    RMSNorm) or `is_gated` (x [1, 2K], gate then up: silu(gate) * up). `rope_kv` (with the norm,
+    on a fused q/k/v layer) also rotates q and k in y and stores k and v in its pages."""
     if (norm is None) == (not is_gated):
         raise KernelError("awq_linear_one_row fuses one prologue: give norm or is_gated, not both or neither")
     num_inputs = qweight.shape[0]
@@ -207,7 +181,7 @@ def awq_linear_one_row(
 
 
 def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt, batch_invariant):
-    # CPU matmuls are fastest and most accurate in float32; GPUs keep the activation dtype.
+    # float32 on the CPU (fastest and most accurate there)
     compute_dtype = x2d.dtype if x2d.is_cuda else torch.float32
     weight = dequantize_awq(qweight, qzeros, scales, group_size, dtype=compute_dtype)
     x = x2d.to(compute_dtype)
@@ -229,81 +203,57 @@ def _awq_linear_torch(x2d, qweight, qzeros, scales, group_size, bias, lora_a, lo
 def _check_kernel_dtype(x):
     allowed = (torch.float16, torch.float32) if x.device.type == "cpu" else (torch.float16,)
     if x.dtype not in allowed:
-        raise KernelError(
-            f"x is {x.dtype}; the Triton AWQ kernels take {[str(d) for d in allowed]} "
-            f"activations (convert activations to float16 before AWQ layers)"
-        )
+        names = [str(d) for d in allowed]
+        raise KernelError(f"x is {x.dtype}; the Triton AWQ kernels take {names} (convert activations to float16)")
 
 
 def _check_inputs(x, qweight, qzeros, scales, group_size, bias, lora_a, lora_bt):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
-        raise KernelError(
-            f"x must be a floating-point tensor [..., K], got "
-            f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
-        )
+        got = f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}"
+        raise KernelError(f"x must be a floating-point tensor [..., K], got {got}")
     try:
         num_inputs, num_outputs = check_awq_shapes(qweight, qzeros, scales, group_size)
     except ConfigError as exc:
         raise KernelError(str(exc)) from exc
     if x.shape[-1] != num_inputs:
-        raise KernelError(
-            f"x has {x.shape[-1]} features (shape {list(x.shape)}) but qweight "
-            f"{list(qweight.shape)} expects K = {num_inputs}"
-        )
-    for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        if not tensor.is_contiguous():
+        raise KernelError(f"x has {x.shape[-1]} features ({list(x.shape)}) but qweight expects K = {num_inputs}")
+    for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias)):
+        if tensor is not None and not tensor.is_contiguous():
             raise KernelError(
-                f"{name} {list(tensor.shape)} must be contiguous, got strides "
-                f"{tensor.stride()}; call .contiguous() when loading"
+                f"{name} {list(tensor.shape)} must be contiguous (strides {tensor.stride()}): call .contiguous()"
             )
-    if bias is not None:
-        if not bias.is_floating_point() or list(bias.shape) != [num_outputs]:
-            raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got {bias.dtype} {list(bias.shape)}")
-        if not bias.is_contiguous():
-            raise KernelError(f"bias must be contiguous, got strides {bias.stride()}")
+    if bias is not None and (not bias.is_floating_point() or list(bias.shape) != [num_outputs]):
+        raise KernelError(f"bias must be a float tensor [N] = [{num_outputs}], got {bias.dtype} {list(bias.shape)}")
     if (lora_a is None) != (lora_bt is None):
         raise KernelError("lora_a and lora_bt come together: pass both or neither")
     if lora_a is not None:
         for name, tensor, dim, width in (("lora_a", lora_a, "K", num_inputs), ("lora_bt", lora_bt, "N", num_outputs)):
             if not tensor.is_floating_point() or tensor.dim() != 2 or tensor.shape[1] != width:
-                raise KernelError(
-                    f"{name} must be a float tensor [R, {dim}] = [R, {width}], got {tensor.dtype} {list(tensor.shape)}"
-                )
+                got = f"{tensor.dtype} {list(tensor.shape)}"
+                raise KernelError(f"{name} must be a float tensor [R, {dim}] = [R, {width}], got {got}")
         if lora_a.shape[0] != lora_bt.shape[0]:
             raise KernelError(f"lora_a has rank {lora_a.shape[0]} but lora_bt has rank {lora_bt.shape[0]}")
         if lora_a.stride(1) != 1:
-            raise KernelError(
-                f"lora_a {list(lora_a.shape)} must have unit stride along K, got strides "
-                f"{lora_a.stride()}; call .contiguous() when loading"
-            )
-    others = (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("bias", bias))
-    for name, tensor in (*others, ("lora_a", lora_a), ("lora_bt", lora_bt)):
+            raise KernelError(f"lora_a must have unit stride along K, got {lora_a.stride()}: call .contiguous()")
+    named = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "bias": bias, "lora_a": lora_a, "lora_bt": lora_bt}
+    for name, tensor in named.items():
         if tensor is not None and tensor.device != x.device:
-            raise KernelError(
-                f"{name} is on {tensor.device} but x is on {x.device}; move the layer and its input to one device"
-            )
+            raise KernelError(f"{name} is on {tensor.device} but x on {x.device}; move the layer and x to one device")
     return num_inputs, num_outputs
 
 
 def _check_norm(x, norm: InputNorm):
-    num_inputs = x.shape[1]
-    weight = norm.weight
+    weight, num_inputs = norm.weight, x.shape[1]
     if weight.shape != (num_inputs,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise KernelError(
-            f"the norm weight is {weight.dtype} {list(weight.shape)}; expected a contiguous {x.dtype} [{num_inputs}]"
-        )
+        got = f"{weight.dtype} {list(weight.shape)}"
+        raise KernelError(f"the norm weight is {got}; expected a contiguous {x.dtype} [{num_inputs}]")
     if (norm.residual is None) != (norm.sum_out is None):
         raise KernelError("the norm's residual and sum_out come together: pass both or neither")
-    for name, tensor in (("residual", norm.residual), ("sum_out", norm.sum_out)):
-        if tensor is not None and (
-            tensor.shape != x.shape
-            or tensor.dtype != x.dtype
-            or not tensor.is_contiguous()
-            or tensor.device != x.device
+    for name, t in (("residual", norm.residual), ("sum_out", norm.sum_out)):
+        if t is not None and (
+            t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device
         ):
-            raise KernelError(
-                f"the norm's {name} is {tensor.dtype} {list(tensor.shape)} on {tensor.device}; "
-                f"expected a contiguous {x.dtype} {list(x.shape)} on {x.device}"
-            )
+            got, expected = f"{t.dtype} {list(t.shape)} on {t.device}", f"{x.dtype} {list(x.shape)} on {x.device}"
+            raise KernelError(f"the norm's {name} is {got}; expected a contiguous {expected}")
     if norm.sum_out is not None and norm.sum_out.data_ptr() in (x.data_ptr(), norm.residual.data_ptr()):
         raise KernelError("the norm's sum_out must be a new tensor: other programs still read x and residual")

@@ -60,9 +60,10 @@ def compile_kernel(
     divisible: frozenset = frozenset(),
 ):
     """`fn` compiled for sm_`arch`, every pointer 16-byte aligned and every other argument
-    a 32-bit integer (floats where `pointer_types` names them "fp32"); the integers named in
-    `divisible` are taken as multiples of 16, as Triton specialises them at launch when they
-    are (row strides of aligned tensors): without it a kernel's loads may not vectorize."""
+    a 32-bit integer (floats where `pointer_types` names them "fp32", tuples where it gives a
+    tuple of types); the integers named in `divisible` are taken as multiples of 16, as Triton
+    specialises them at launch when they are (row strides of aligned tensors): without it a
+    kernel's loads may not vectorize."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -71,6 +72,11 @@ def compile_kernel(
     for index, param in enumerate(fn.params):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
+        elif isinstance(pointer_types.get(param.name), tuple):
+            signature[param.name] = pointer_types[param.name]
+            for item, kind in enumerate(signature[param.name]):
+                if kind.startswith("*"):
+                    attrs[(index, item)] = [["tt.divisibility", 16]]
         elif param.name.endswith("_ptr"):
             signature[param.name] = pointer_types.get(param.name, "*fp16")
             attrs[(index,)] = [["tt.divisibility", 16]]
@@ -119,13 +125,12 @@ def attention(args) -> None:
         block_n = args.block_n or pa.ASYNC_DECODE_TILE_TOKENS[bits]
         cache = "*fp16" if bits == 16 else "*u8"
         pointer_types = {
-            "k_cache_ptr": cache,
-            "v_cache_ptr": cache,
+            # KVPages.kernel_tensors(): codes, scales and zeros, the FP16 window and its rows
+            "cache": (cache, cache, *["*fp16"] * 6, "*i32"),
             "block_tables_ptr": "*i32",
             "context_lens_ptr": "*i32",
             "partial_out_ptr": "*fp32",
             "partial_lse_ptr": "*fp32",
-            "window_row_ptr": "*i32",
             "scale_log2": "fp32",
         }
         # As paged_decode_attention lays them out: power-of-two tiles over the head's columns.
