@@ -22,6 +22,7 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.llm import LLM
 
 PPL_WINDOW_TOKENS = 512
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I64": 8, "I8": 1, "U8": 1}
 MAX_ANSWER_TOKENS = 32
 
 
@@ -116,7 +117,7 @@ def builtin_variants(
 
     def loaded(path, precision: str = "fp16", weight_bytes: float | None = None):
         llm = LLM(str(path), profile.replace(kv_precision=precision), device=device)
-        return llm, weight_bytes or llm.engine.model.weight_bytes
+        return llm, weight_bytes or model_params(Path(path))[2]
 
     def with_kv(description: str, precision: str) -> tuple[str, Callable]:
         return description, lambda: loaded(model_dir, precision)
@@ -143,7 +144,7 @@ def builtin_variants(
         return f"{text}, scored through the FP16 path; embeddings and head as in the checkpoint", build
 
     # FP16-kept layers: about 10% of the INT4 weight bytes (1 MiB on the demo model)
-    mib = max(1.0, round(0.1 * 0.5 * linear_params(model_dir) / 2**20))
+    mib = max(1.0, round(0.1 * 0.5 * model_params(model_dir)[1] / 2**20))
     comp = dict(method="awq", rank=16, bias_correction=True)
     comp_text = "residual compensation (rank 16 low-rank term + bias correction)"
     kept, kv = f"FP16-kept layers ({mib:g} MiB)", "KV pages (asymmetric per token and head)"
@@ -178,22 +179,23 @@ def builtin_variants(
     return variants
 
 
-def model_params(model_dir: Path) -> tuple[int, int]:
-    """(all parameters, those of the decoder linears) in the checkpoint's safetensors files."""
+def model_params(model_dir: Path) -> tuple[int, int, int]:
+    """(all parameters, those of the decoder linears, bytes) of the checkpoint's tensors, the
+    compensation file's included: what the format stores, whatever dtype it computes in."""
     from safetensors import safe_open
 
-    total = linear = 0
-    for path in sorted(model_dir.glob("*.safetensors")):
+    from lowvram.models.checkpoint import COMPENSATION_FILE
+
+    total = linear = num_bytes = 0
+    for path in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob(COMPENSATION_FILE)]):
         with safe_open(path, "pt") as file:
             for name in file.keys():
-                numel = math.prod(file.get_slice(name).get_shape())
+                tensor = file.get_slice(name)
+                numel = math.prod(tensor.get_shape())
+                num_bytes += numel * DTYPE_BYTES[tensor.get_dtype()]
                 total += numel
                 linear += numel if name.removesuffix(".weight").endswith(LINEAR_SUFFIXES) else 0
-    return total, linear
-
-
-def linear_params(model_dir: Path) -> int:
-    return model_params(model_dir)[1]
+    return total, linear, num_bytes
 
 
 def run_quality_bench(
