@@ -30,14 +30,6 @@ DONE_FILE = "lowvram-gguf.json"  # written last: a directory without it is not a
 announce = logging.getLogger("lowvram").warning
 
 
-def is_gguf_file(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf" and path.is_file()
-
-
-def gguf_cache_root() -> Path:
-    return user_data_dir("gguf")
-
-
 def file_key(path: Path, progress: Callable[[str], None] = lambda _: None) -> str:
     """'<stem>-<size>-<first 16 hex digits of SHA-256>'."""
     size = path.stat().st_size
@@ -82,7 +74,7 @@ def convert_gguf(
             f"{path.name} is a {architecture!r} model; lowvram runs GGUF files of "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} models (and Hugging Face checkpoints of DeepSeek-V2)"
         )
-    root = cache_root or gguf_cache_root()
+    root = cache_root or user_data_dir("gguf")
     target = root / file_key(path, progress)
     if (target / DONE_FILE).is_file():
         return target
