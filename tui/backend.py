@@ -77,7 +77,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     from lowvram.config import load_profile
     from lowvram.models.config import load_model_config
     from lowvram.models.loader import resolve_model_path
-    from lowvram.quant.quantize import fitting_group_sizes, quantize_model
+    from lowvram.quant.quantize import default_group_size, quantize_model
 
     model_dir = resolve_model_path(spec.model)
     config, _ = load_model_config(model_dir)
@@ -85,7 +85,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         on_stage(f"{spec.model_label} is already AWQ INT4")
         return str(model_dir)
     profile = load_profile(spec.profile)
-    group_size = max(fitting_group_sizes(config), default=128)
+    group_size = default_group_size(config)
     settings = f"awq-g{group_size}-f{profile.fp16_budget_mib}-r{profile.compensation_rank}"
     out = user_data_dir("quantized") / f"{model_dir.name}-{settings}-{model_identity(model_dir)[:12]}"
     if (out / "config.json").is_file():

@@ -101,19 +101,17 @@ def evaluate(name: str, description: str, build: Callable, tasks, text: str, ref
 
 
 def builtin_variants(
-    model: str | None, device: str, calib_samples: int = 32, is_real: bool = False
+    model_dir: Path, device: str, calib_samples: int = 32, is_real: bool = False
 ) -> dict[str, tuple[str, Callable]]:
     """Every weight and KV format the project has, FP16 first: name -> (description, build), where
     build() gives (LLM, weight bytes). `is_real` adds the 4gb profile's own quantization and
     llama.cpp's Q4_0, Q5_0 and Q8_0 of the same weights."""
     from lowvram.config import load_profile
     from lowvram.models.config import load_model_config
-    from lowvram.models.loader import resolve_model_path
-    from lowvram.quant.quantize import fitting_group_sizes
+    from lowvram.quant.quantize import default_group_size
 
     profile = load_profile("cpu" if device == "cpu" else "4gb")
-    model_dir = resolve_model_path(model)
-    group = max(fitting_group_sizes(load_model_config(model_dir)[0]), default=128)
+    group = default_group_size(load_model_config(model_dir)[0])
 
     def loaded(path, precision: str = "fp16", weight_bytes: float | None = None):
         llm = LLM(str(path), profile.replace(kv_precision=precision), device=device)
@@ -224,11 +222,12 @@ def run_quality_bench(
 
         tasks, corpus, text_source = heldout_tasks(num_per_kind), heldout_text(max_chars), "held-out Python"
     corpus = corpus[:max_chars] if max_chars else corpus
-    variants = builtin_variants(model, device, calib_samples, is_real=text == "real")
+    model_dir = resolve_model_path(model)  # once: a GGUF file is hashed, a hub id looked up
+    variants = builtin_variants(model_dir, device, calib_samples, is_real=text == "real")
     unknown = [n for n in variant_names or () if n not in variants]
     if unknown:
         raise ConfigError(f"unknown quality variant {unknown[0]!r}; available: {', '.join(variants)}")
-    num_params = model_params(resolve_model_path(model))[0]
+    num_params = model_params(model_dir)[0]
     rows: list[QualityRow] = []
     for name in variant_names or variants:
         if progress:

@@ -67,7 +67,6 @@ def convert_gguf(
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
-    _require_gguf()
     architecture = gguf_architecture(path)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(

@@ -255,6 +255,11 @@ def fitting_group_sizes(config: ModelConfig) -> list[int]:
     return [g for g in SUPPORTED_GROUP_SIZES if all(size % g == 0 for size in sizes)]
 
 
+def default_group_size(config: ModelConfig) -> int:
+    """128, or the largest supported size dividing the model's sizes (SmolLM2's 576: 64)."""
+    return max(fitting_group_sizes(config), default=128)
+
+
 def check_quantizable(config: ModelConfig, group_size: int, is_head_quantized: bool) -> None:
     """Raise before any work when the model cannot be written as AWQ with this group size."""
     if config.quantization is not None:
@@ -354,8 +359,8 @@ def quantize_model(
             "(config.json, *.safetensors, tokenizer files)"
         )
     config, raw_config = load_model_config(model_dir)
-    if group_size is None:  # 128, or the largest that divides the model's sizes (SmolLM2's 576: 64)
-        group_size = max(fitting_group_sizes(config), default=128)
+    if group_size is None:
+        group_size = default_group_size(config)
     check_quantizable(config, group_size, quantize_head)
     if out_dir.resolve() == model_dir.resolve():
         raise ConfigError(f"OUT {out_dir} is the input model directory; choose a new directory")
