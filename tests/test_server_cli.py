@@ -2,12 +2,13 @@
 
 import argparse
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from lowvram.errors import ConfigError
-from lowvram.server.cli import add_serve_parser, bind_socket, check_exposure, cmd_serve, is_loopback
+from lowvram.server.cli import add_serve_parser, bind_socket, check_exposure, cmd_serve, is_loopback, served_name
 from lowvram.server.metrics import Histogram, ServerMetrics
 
 
@@ -119,3 +120,10 @@ def test_metrics_escape_label_values_and_count_controller_decisions():
     assert 'lowvram_controller_mode_info{mode="pressure"} 1' in text
     assert "lowvram_batch_size 3" in text and "lowvram_queue_depth 1" in text
     assert "lowvram_decode_tokens_per_second 12.5" in text
+
+
+def test_a_gguf_file_is_served_under_its_own_name():
+    converted = Path("/cache/gguf/SmolLM2-135M-Instruct.Q4_1-98362432-b179c9523d0e6a0f")
+    assert served_name("models/SmolLM2-135M-Instruct.Q4_1.gguf", converted) == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_name("/models/deepseek-coder-1.3b", Path("/models/deepseek-coder-1.3b")) == "deepseek-coder-1.3b"
+    assert served_name(None, Path("/pkg/demo_model")) == "demo_model"

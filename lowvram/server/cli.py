@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from lowvram.errors import ConfigError
 from lowvram.server import defaults
@@ -127,6 +128,11 @@ class BackgroundServer:
         self.stop()
 
 
+def served_name(model: str | None, model_dir: Path) -> str:
+    """The id clients send as `model`: a GGUF file's own name, not its converted copy's cache key."""
+    return Path(model).stem if model is not None and str(model).endswith(".gguf") else model_dir.name
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `lowvram` command's subparsers."""
     from lowvram.engine.args import add_engine_args
@@ -182,7 +188,7 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
-    model_name = args.served_model_name or engine.model_dir.name
+    model_name = args.served_model_name or served_name(args.model, engine.model_dir)
     async_engine = AsyncLLMEngine(engine).start()
     try:
         app = create_app(async_engine, model_name=model_name, api_key=args.api_key, **limits)
