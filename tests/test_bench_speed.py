@@ -105,6 +105,12 @@ def test_bytes_per_step_are_weights_without_the_embedding_plus_the_kv_read(cli_r
         # Both figures are rounded to hundredths: on a slow CPU the rate is a few tenths of a GB/s,
         # where the rounding alone is a 2% difference.
         assert row["achieved_gbps"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] / 1e6, rel=0.02, abs=0.01)
+        # What the cards lowvram is for would reach if a step only read its bytes at full bandwidth
+        projected = row["projected_tokens_per_s"]
+        assert projected["GTX 1650"] == pytest.approx(row["batch_size"] * 128e9 / row["bytes_per_step"], rel=1e-3)
+        assert projected["RTX 3050 laptop"] == pytest.approx(
+            row["batch_size"] * 192e9 / row["bytes_per_step"], rel=1e-3
+        )
 
 
 def test_markdown_has_a_row_per_measurement(cli_run):
@@ -115,6 +121,8 @@ def test_markdown_has_a_row_per_measurement(cli_run):
         assert sum(line.startswith(f"| {context} | ") for line in markdown.splitlines()) == len(BATCHES) + 1
         for batch in BATCHES:
             assert f"| {context} | {batch} | " in markdown
+    assert "GTX 1650 (128 GB/s) tokens/s, projected" in markdown
+    assert "RTX 3050 laptop (192 GB/s) tokens/s, projected" in markdown
 
 
 def test_quantize_measures_awq_int4_weights():

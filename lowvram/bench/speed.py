@@ -36,6 +36,8 @@ COPY_BYTES = {"cuda": 512 * 2**20, "cpu": 128 * 2**20}
 MIN_PROMPT_TOKEN_ID = 10
 GIB = 2**30
 MB = 1e6
+# The cards lowvram is for, by memory bandwidth: a batch-1 step there is bound by the bytes it reads.
+CARD_BANDWIDTH_GBPS = {"GTX 1650": 128, "RTX 3050 laptop": 192}
 
 
 def _sync(device: torch.device) -> None:
@@ -126,7 +128,14 @@ def time_decode(
         "fraction_of_copy": round(gbps / copy_gbps, 4) if copy_gbps else None,
         "num_preemptions": engine.stats.num_preemptions - num_preemptions,
         "num_pipelined_steps": engine.stats.num_pipelined_steps - num_pipelined,
+        "projected_tokens_per_s": projected_tokens_per_s(bytes_per_step, batch_size),
     }
+
+
+def projected_tokens_per_s(bytes_per_step: int, batch_size: int) -> dict[str, float]:
+    """Decode tokens/s on each card of CARD_BANDWIDTH_GBPS if a step took only the time to read its
+    bytes at the card's full bandwidth: an upper bound."""
+    return {card: round(batch_size * gbps * 1e9 / bytes_per_step, 1) for card, gbps in CARD_BANDWIDTH_GBPS.items()}
 
 
 def memory_summary(engine, cuda_context_bytes: int | None) -> dict:
@@ -386,9 +395,11 @@ def write_markdown(result: dict) -> str:
     decode = []
     for r in result["decode"]:
         fraction = "-" if r["fraction_of_copy"] is None else f"{100 * r['fraction_of_copy']:.1f}%"
+        projected = projected_tokens_per_s(r["bytes_per_step"], r["batch_size"])
         decode.append(
             f"| {r['context_tokens']} | {r['batch_size']} | {r['decode_tokens_per_s']:,.1f} | "
-            f"{r['step_ms']:.2f} | {r['bytes_per_step'] / MB:,.1f} | {r['achieved_gbps']:,.1f} | {fraction} |"
+            + " | ".join(f"{tokens_per_s:,.0f}" for tokens_per_s in projected.values())
+            + f" | {r['step_ms']:.2f} | {r['bytes_per_step'] / MB:,.1f} | {r['achieved_gbps']:,.1f} | {fraction} |"
         )
     blocks = [
         f"## Speed: {m['name']}, {m['weight_format']}, profile {p['name']}{emulated}, on "
@@ -397,8 +408,12 @@ def write_markdown(result: dict) -> str:
         "\n".join(["| prompt tokens | TTFT ms | prefill tokens/s |", "|---:|---:|---:|", *prefill]),
         f"Decode: each request generates {result['max_tokens']} tokens (greedy, ignore_eos); only the "
         "steps after every prefill are timed.",
-        "| context tokens | batch | decode tokens/s | ms per step | MB read per step | GB/s | of copy |\n"
-        + "\n".join(["|---:|---:|---:|---:|---:|---:|---:|", *decode]),
+        "| context tokens | batch | decode tokens/s | "
+        + " | ".join(f"{card} ({gbps} GB/s) tokens/s, projected" for card, gbps in CARD_BANDWIDTH_GBPS.items())
+        + " | ms per step | MB read per step | GB/s | of copy |\n"
+        + "\n".join(["|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *decode]),
+        "Projected: the tokens/s a card would reach if a step took only the time to read its bytes at the "
+        "card's full memory bandwidth: an upper bound (the last column shows the share of copy bandwidth reached here).",
         f"Memory: {_memory_text(result['memory'])}.",
     ]
     one = result.get("one_request")
