@@ -351,6 +351,8 @@ def test_compensation_in_the_kernels_matches_the_unfused_torch_terms(awq_qwen2_d
             return w4a16.awq_linear(*args, **{**kwargs, "use_reference": False})
 
         patch.setattr(lowvram.quant.awq_linear, "awq_linear", kernels_only)
+        # the kernels, not the float32 copy the CPU unpacks once
+        patch.setattr(lowvram.quant.awq_linear.AwqLinear, "_cpu_weight_fits", lambda self: False)
         rows_with_lora = set()
 
         def counting(launch):

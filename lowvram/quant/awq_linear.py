@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lowvram.errors import ModelLoadError
-from lowvram.kernels.awq_format import PACK_FACTOR
+from lowvram.kernels.awq_format import PACK_FACTOR, dequantize_awq
 from lowvram.kernels.w4a16 import InputNorm, awq_linear, awq_linear_one_row, can_fuse_one_row
 
 LORA_A = "lowvram_lora_a"
@@ -45,6 +45,9 @@ class AwqLinear(nn.Module):
         self.has_own_bias = has_bias
         self.is_bias_corrected = False  # the bias already holds lowvram_bias_correction
         self.is_batch_invariant = False  # set by lowvram.models.batch_invariance
+        # W (+ A^T B^T) [K, N] in float32, made at the first CPU call, and what it was made from
+        self.cpu_weight: torch.Tensor | None = None
+        self.cpu_weight_key: tuple = ()
 
     @property
     def has_compensation(self) -> bool:
@@ -84,10 +87,35 @@ class AwqLinear(nn.Module):
             self.is_bias_corrected = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # plain torch on the CPU: Triton there is only the interpreter, which tests use on the kernels
-        return awq_linear(
-            x, *self._packed(), **self._lora(), use_reference=not x.is_cuda, batch_invariant=self.is_batch_invariant
-        )
+        if x.is_cuda:
+            return awq_linear(x, *self._packed(), **self._lora(), batch_invariant=self.is_batch_invariant)
+        # On the CPU (Triton there is only the interpreter) W is unpacked once, the compensation folded
+        # into it, where the float32 copy fits in free memory; else it is unpacked on every call. The
+        # copy is remade when a tensor it came from changes (an expert cache's slot is refilled in place).
+        tensors = (self.qweight, self.qzeros, self.scales, self.lowvram_lora_a, self.lowvram_lora_b)
+        key = tuple((id(t), t._version) for t in tensors if t is not None)
+        if key != self.cpu_weight_key:
+            self.cpu_weight, self.cpu_weight_key = None, key
+            if self._cpu_weight_fits():
+                weight = dequantize_awq(self.qweight, self.qzeros, self.scales, self.group_size, dtype=torch.float32)
+                if self.lowvram_lora_a is not None:
+                    weight.addmm_(self.lowvram_lora_a.t().float(), self.lora_bt.float())
+                self.cpu_weight = weight
+        if self.cpu_weight is None:
+            return awq_linear(
+                x, *self._packed(), **self._lora(), use_reference=True, batch_invariant=self.is_batch_invariant
+            )
+        x32 = x.float()
+        bias = None if self.bias is None else self.bias.float()
+        if self.is_batch_invariant:  # BLAS picks its blocking (so a row's summation order) from the row count
+            rows = [torch.nn.functional.linear(row, self.cpu_weight.t(), bias) for row in x32.split(1, dim=-2)]
+            return torch.cat(rows, dim=-2).to(x.dtype)
+        return torch.nn.functional.linear(x32, self.cpu_weight.t(), bias).to(x.dtype)
+
+    def _cpu_weight_fits(self) -> bool:
+        import psutil
+
+        return 4 * self.in_features * self.out_features < psutil.virtual_memory().available - (1 << 30)
 
     def can_fuse_input(self, x: torch.Tensor) -> bool:
         """Whether forward_normed / forward_gated serve x: one float16 row on the GPU, outside the
