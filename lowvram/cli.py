@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
+from lowvram import __version__
 from lowvram.engine.args import add_engine_args, engine_kwargs
 from lowvram.errors import LowvramError
 from lowvram.memory.crash_report import report_cuda_oom
@@ -142,6 +144,7 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowvram", description="Run DeepSeek-family LLMs on 4 GB GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    parser.add_argument("--version", action="version", version=f"lowvram {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
@@ -224,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lowvram: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python's exit-time flush from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -411,8 +411,9 @@ def add_doctor_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "doctor",
         help="check this machine, plan memory for a model and profile, or explain an out-of-memory error",
-        description="Without --oom: environment checks and a memory plan (exit 0 = fits, 1 = does not fit). "
-        "With --oom FILE: explain an out-of-memory message, crash report or torch memory snapshot.",
+        description="Without --oom: environment checks and a memory plan (exit 0 = fits; 1 = does not fit, or the "
+        "device asked for is not usable here). With --oom: explain an out-of-memory message (the text itself or a "
+        "file holding it), a crash report or a torch memory snapshot.",
     )
     add = parser.add_argument
     add("--model", "-m", help="model directory, config.json or hub id (fetches only config.json); default: demo model")
@@ -420,8 +421,8 @@ def add_doctor_parser(subparsers) -> None:
     add("--context", type=int, metavar="N", help="context length to plan for (default: the profile's max_model_len)")
     add("--batch", type=int, default=1, metavar="B", help="sequences of that length at once (default 1)")
     add("--device", choices=["auto", "cuda", "cpu"], help="plan for this device")
-    oom_help = "explain an out-of-memory message, a lowvram crash report or a torch memory snapshot ('-' reads stdin)"
-    add("--oom", metavar="FILE", help=oom_help)
+    oom_help = "explain an out-of-memory message (pasted in quotes, or a file), a crash report or a memory snapshot"
+    add("--oom", metavar="TEXT|FILE", help=oom_help + " ('-' reads stdin)")
     add("--json", action="store_true", help="print one JSON object instead of tables")
     add("--quick", action="store_true", help="skip the checks that start CUDA (Triton kernel test, CUDA context)")
     parser.set_defaults(func=cmd_doctor)
@@ -431,9 +432,15 @@ def _read_oom_source(source: str) -> tuple[bytes, str]:
     if source == "-":
         return sys.stdin.buffer.read(), "stdin"
     path = Path(source).expanduser()
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # longer than a file name can be: the message itself
+        is_file = False
+    if not is_file:
+        if any(c.isspace() for c in source.strip()) or "memory" in source.lower():
+            return source.encode(), "the text given"
         raise ConfigError(
-            f"--oom {source}: no such file; pass the file holding the error text, a crash report "
+            f"--oom {source}: no such file; pass the error message in quotes, the file holding it, a crash report "
             "(crash-*.json) or a memory snapshot, or '-' to read stdin"
         )
     try:
@@ -455,6 +462,8 @@ def cmd_doctor(args) -> int:
         return 0
     from lowvram.memory.environment import find_problems, probe_environment
 
+    if args.context is not None and args.context < 1:
+        raise ConfigError(f"--context {args.context}: the context to plan for is a positive number of tokens")
     profile = load_profile(args.profile)
     env = probe_environment(test_triton=not args.quick, measure_context=not args.quick)
     # Problems concern the device a run would really use here, not the card a plan is for.
@@ -486,4 +495,4 @@ def cmd_doctor(args) -> int:
     else:
         console.print()
         render_plan(console, plan)
-    return 0 if plan.fits else 1
+    return 0 if plan.fits and not any(p.severity == "error" for p in problems) else 1

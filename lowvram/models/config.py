@@ -18,6 +18,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "DeepSeek-R1-Distill-Qwen",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+# Loaded by lowvram.models.deepseek_v2, which reads its own config
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM (DeepSeek-V2-Lite, DeepSeek-Coder-V2-Lite)"
+_INT_FIELDS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim"
+)
+_NUMBER_FIELDS = [(name, int) for name in _INT_FIELDS.split()] + [("rms_norm_eps", float), ("rope_theta", float)]
 LEGACY_QUANT_CONFIG = "quant_config.json"
 _SUPPORTED_QUANT = (
     "AWQ INT4 in the AutoAWQ GEMM layout (quant_method 'awq', version 'gemm', bits 4, zero_point true, "
@@ -121,8 +127,15 @@ def model_config_from_dict(raw: dict, source: str = "config.json", legacy_quant:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else raw.get("model_type", "?")
     if arch not in SUPPORTED_ARCHITECTURES:
-        supported = "; ".join(f"{a} ({m})" for a, m in SUPPORTED_ARCHITECTURES.items())
+        supported = "; ".join([*(f"{a} ({m})" for a, m in SUPPORTED_ARCHITECTURES.items()), DEEPSEEK_V2])
         raise UnsupportedModelError(f"{source}: architecture {arch!r} is not supported. Supported: {supported}")
+    for name, kind in _NUMBER_FIELDS:
+        value = raw.get(name)
+        try:
+            if value is not None:
+                kind(value)
+        except (TypeError, ValueError):
+            raise ModelLoadError(f"{source}: field {name!r} is {value!r}, not a number; fix config.json") from None
     try:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

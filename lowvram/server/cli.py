@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import math
 import os
 import signal
 import socket
@@ -40,6 +41,8 @@ def check_exposure(host: str, api_key: str | None, is_insecure_no_auth: bool) ->
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so that a taken port fails in a second, not after the load."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a TCP port; pick one from 1 to 65535 (0: any free port)")
     try:
         family = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0][0]
         # Naming the protocol matters: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
@@ -64,13 +67,24 @@ def _uvicorn_server(app, *, log_level: str = "info", access_log: bool = True):
     class Server(uvicorn.Server):
         """uvicorn's server, with the app told to drain as soon as a stop signal arrives."""
 
+        drain_deadline = math.inf
+
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit and threading.current_thread() is threading.main_thread():
+            if state.is_draining:  # a second signal: stop now
+                self.should_exit = True
+                return super().handle_exit(sig, frame)
+            if threading.current_thread() is threading.main_thread():
                 # os.write, unlike print, is safe inside a signal handler
                 grace = f"get up to {state.shutdown_grace_s:g} s to finish; Ctrl-C again quits now"
                 os.write(2, f"lowvram: stopping: {state.num_in_flight} requests in flight {grace}\n".encode())
             state.begin_shutdown()
-            super().handle_exit(sig, frame)
+            # Still listening while they finish, so that new connections get the documented 503
+            self.drain_deadline = time.monotonic() + state.shutdown_grace_s + 1
+
+        async def on_tick(self, counter: int) -> bool:
+            if state.is_draining and (state.num_in_flight == 0 or time.monotonic() > self.drain_deadline):
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         @contextlib.contextmanager
         def capture_signals(self):
