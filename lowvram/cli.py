@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--markdown", action="store_true", help="every field and each profile's value, as Markdown")
     prof.set_defaults(func=cmd_profiles)
 
-    from lowvram.memory.doctor import add_doctor_parser
-    from lowvram.quant.quantize import add_quantize_parser
+    from lowvram.memory.cli import add_doctor_parser
+    from lowvram.quant.cli import add_quantize_parser
     from lowvram.server.cli import add_serve_parser
     from lowvram.tui.cli import add_chat_parser
 

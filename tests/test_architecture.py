@@ -169,3 +169,10 @@ def test_the_model_runner_sees_pages_only_through_the_scheduled_batch():
     source = (ROOT / "lowvram" / "engine" / "model_runner.py").read_text()
     assert "block_manager" not in source
     assert "block_manager" not in ModelRunner.__init__.__code__.co_varnames
+
+
+def test_the_command_line_help_needs_no_torch():
+    """`lowvram --help` and each command's --help start at once: building the parser imports no torch."""
+    statement = "from lowvram.cli import build_parser; build_parser().parse_args(['doctor', '--quick'])"
+    result = run_without_torch(statement)
+    assert result.returncode == 0, result.stderr[-2000:]

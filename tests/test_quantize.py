@@ -20,8 +20,9 @@ from lowvram.models.loader import load_model
 from lowvram.quant.awq import clip_weight, fake_quantize, fold_scales, layer_scale_groups, search_clip, search_scales
 from lowvram.quant.awq_linear import AwqLinear
 from lowvram.quant.calibration import CALIBRATION_PATH, calibration_blocks, load_calibration_records
+from lowvram.quant.cli import add_quantize_parser
 from lowvram.quant.compensation import InputStats, fit_compensation
-from lowvram.quant.quantize import add_quantize_parser, quantize_model
+from lowvram.quant.quantize import quantize_model
 
 GROUP_SIZE = 32
 FAST = dict(group_size=GROUP_SIZE, num_samples=8, seq_len=64)

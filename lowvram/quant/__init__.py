@@ -4,3 +4,5 @@ run, the per-layer pipeline (`quantize`) and the checkpoint `writer`.
 
 May import: lowvram.models (quantizing loads a model), lowvram.kernels.
 """
+
+METHODS = ("awq", "rtn")  # `lowvram quantize --method`
