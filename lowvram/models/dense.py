@@ -203,7 +203,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, rotary: Rotary, make_layer):
         super().__init__()
         self.rotary = rotary
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, the embedding skips a random init that on the meta device
+        # imports torch's compiler, a second at every start.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
