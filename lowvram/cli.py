@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="override the profile's device")
     speed.add_argument("--emulate-vram-gib", type=float, default=None, help="behave like a card with this much memory")
     speed.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8], help="decode batch sizes (default 1,4,8)")
-    speed.add_argument("--context-lens", type=_int_list, default=[512, 4096], help="prompt lengths (default 512,4096)")
+    context_help = "prompt lengths (default: those of 512,4096 that fit the model)"
+    speed.add_argument("--context-lens", type=_int_list, default=None, help=context_help)
     speed.add_argument("--max-tokens", type=int, default=128, help="tokens generated per decode request (default 128)")
     speed.add_argument(
         "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="replay decode from CUDA graphs"

@@ -246,3 +246,17 @@ def test_a_named_shape_is_written_and_quantized_once_per_cache(tmp_path, monkeyp
             "fp16_budget_mib": budget,
             "rank": rank,
         }
+
+
+def test_the_default_contexts_are_those_that_fit_the_model():
+    # the tiny model has 2,048 positions: 512 fits, 4096 does not
+    record = run_speed_bench(shape="tiny", device="cpu", profile="cpu", batch_sizes=[1], max_tokens=4)
+    assert [row["context_tokens"] for row in record["decode"]] == [512]
+
+
+def test_emulating_a_card_on_the_cpu_says_it_is_ignored(caplog):
+    from lowvram.config import load_profile
+    from lowvram.memory.device import apply_emulation
+
+    apply_emulation(load_profile("cpu").replace(emulate_vram_gib=4), torch.device("cpu"))
+    assert "--emulate-vram-gib 4 is ignored" in caplog.text

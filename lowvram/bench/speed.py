@@ -34,6 +34,7 @@ NUM_WARMUP_TOKENS = 8
 COPY_BYTES = {"cuda": 512 * 2**20, "cpu": 128 * 2**20}
 # Random prompts avoid the lowest ids, where tokenizers keep their special tokens.
 MIN_PROMPT_TOKEN_ID = 10
+DEFAULT_CONTEXT_LENS = (512, 4096)
 GIB = 2**30
 MB = 1e6
 # The cards lowvram is for, by memory bandwidth: a batch-1 step there is bound by the bytes it reads.
@@ -197,7 +198,7 @@ def run_speed_bench(
     device: str | None = None,
     emulate_vram_gib: float | None = None,
     batch_sizes: Sequence[int] = (1, 4, 8),
-    context_lens: Sequence[int] = (512, 4096),
+    context_lens: Sequence[int] | None = None,
     max_tokens: int = 128,
     cuda_graphs: bool | None = None,
     seed: int = 0,
@@ -207,7 +208,8 @@ def run_speed_bench(
     """Measure prefill and decode speed through LLMEngine; returns the JSON-ready record.
 
     The options are `lowvram bench speed`'s; model None: random weights of `shape` (default
-    r1-distill-qwen-1.5b); `fp16_budget_mib` and `rank` replace the profile's when quantizing.
+    r1-distill-qwen-1.5b); `fp16_budget_mib` and `rank` replace the profile's when quantizing;
+    context_lens None: those of DEFAULT_CONTEXT_LENS that fit the model.
     """
     from lowvram.config import load_profile
     from lowvram.engine.engine import LLMEngine
@@ -218,7 +220,8 @@ def run_speed_bench(
     from lowvram.models.shapes import SHAPES
 
     say = progress or (lambda message: None)
-    batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens))
+    is_default_context = context_lens is None
+    batch_sizes, context_lens = sorted(set(batch_sizes)), sorted(set(context_lens or DEFAULT_CONTEXT_LENS))
     if not batch_sizes or not context_lens or min(batch_sizes + context_lens) < 1:
         raise ConfigError(f"batch sizes {batch_sizes} and context lengths {context_lens} must be integers >= 1")
     if max_tokens < 2:
@@ -232,11 +235,6 @@ def run_speed_bench(
     started = time.perf_counter()
     base = load_profile(profile).replace(
         device=device, emulate_vram_gib=emulate_vram_gib, enable_cuda_graphs=cuda_graphs
-    )
-    needed_len = max(context_lens) + max_tokens
-    base = base.replace(
-        max_model_len=needed_len if base.max_model_len < needed_len else None,
-        max_num_seqs=max(batch_sizes) if base.max_num_seqs < max(batch_sizes) else None,
     )
     compute_device = pick_device(base.device)
     is_cuda = compute_device.type == "cuda"
@@ -260,6 +258,14 @@ def run_speed_bench(
                     f"{shape_name}-bf16", lambda d: write_random_checkpoint(d, shape_name), work_dir
                 )
         source = load_model_config(model_dir)[0]
+        if is_default_context:
+            fitting = [n for n in context_lens if n + max_tokens <= source.max_position_embeddings]
+            context_lens = fitting or [max(source.max_position_embeddings - max_tokens, 1)]
+        needed_len = max(context_lens) + max_tokens
+        base = base.replace(
+            max_model_len=needed_len if base.max_model_len < needed_len else None,
+            max_num_seqs=max(batch_sizes) if base.max_num_seqs < max(batch_sizes) else None,
+        )
         if source.max_position_embeddings < needed_len:
             raise ConfigError(
                 f"{max(context_lens)} context tokens plus {max_tokens} new ones need {needed_len} "

@@ -38,7 +38,13 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def apply_emulation(profile: Profile, device: torch.device) -> None:
     """Cap torch's allocator so a large card runs out of memory where the profile's card would."""
-    if profile.emulate_vram_gib is None or device.type != "cuda":
+    if profile.emulate_vram_gib is None:
+        return
+    if device.type != "cuda":
+        log.warning(
+            "--emulate-vram-gib %g is ignored: it shrinks a CUDA GPU, and this runs on the CPU",
+            profile.emulate_vram_gib,
+        )
         return
     if device.index is None:  # set_per_process_memory_fraction needs an indexed device
         device = torch.device("cuda", torch.cuda.current_device())
