@@ -92,7 +92,14 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         on_stage(f"using the AWQ INT4 copy made earlier: {out}")
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    on_stage(f"quantizing {spec.model_label} to AWQ INT4 (once; kept in {out})")
+    import torch
+
+    device = spec.engine_kwargs.get("device") or "auto"
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    # Rough rates (parameters x calibration blocks per second): 2 CPU cores, a GTX 1650-class card
+    minutes = config.num_params() * spec.num_calib_samples / (2e7 if on_cpu else 5e7) / 60
+    where = "on the CPU" if on_cpu else "on a small GPU"
+    on_stage(f"quantizing {spec.model_label} to AWQ INT4 (once; kept in {out}): roughly {minutes:.0f} min {where}")
     quantize_model(
         model_dir,
         out,
@@ -100,7 +107,7 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
         fp16_budget_mib=profile.fp16_budget_mib,
         rank=profile.compensation_rank,
         num_samples=spec.num_calib_samples,
-        device=spec.engine_kwargs.get("device") or "auto",
+        device=device,
         on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"),
     )
     return str(out)

@@ -33,7 +33,8 @@ class PlainChat:
             self.note(f"using the {BUNDLED_MODEL_LABEL} ({demo}); pass --model for a real one")
         if self.is_interactive:
             self.note(f"loading {spec.model_label}...")
-        return load_engine(spec)
+        # Stages that take minutes (quantizing, converting a GGUF file) say so, with their progress
+        return load_engine(spec, on_stage=self.note if spec.is_quantized_on_load else lambda text: None)
 
     def run(self) -> int:
         """Chat until end of input or /quit; 1 if any line failed, else 0."""
