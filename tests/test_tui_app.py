@@ -530,6 +530,57 @@ def test_picking_a_profile_reloads_the_engine():
     assert "profile" in sub_title
 
 
+def test_an_empty_path_keeps_the_dialog_open_and_says_what_to_type(tmp_path):
+    async def main():
+        app, _ = scripted_app(transcript_dir=tmp_path)
+        seen = []
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            for key in ("ctrl+o", "f4"):
+                await pilot.press(key)
+                await wait_for_screen(pilot, TextPrompt, "#prompt-input", f"the {key} dialog")
+                await pilot.press("enter")
+                await pilot.pause(0.05)
+                seen.append((isinstance(app.screen, TextPrompt), str(app.screen.query_one("#prompt-error").content)))
+                await pilot.press("escape")
+            return seen, app.return_code
+
+    [(load_open, load_message), (profile_open, profile_message)], return_code = run(main())
+    assert load_open and "type the path of a .json transcript" in load_message
+    assert profile_open and "type a profile name" in profile_message
+    assert return_code is None
+
+
+def failing_loader(spec, on_stage):
+    from lowvram.errors import OutOfMemoryError
+
+    raise OutOfMemoryError(
+        "the model needs 5.2 GiB but profile '4gb' allows 3.6 GiB; use a smaller model or an AWQ INT4 checkpoint"
+    )
+
+
+@pytest.mark.parametrize("opener", ["load error", "f1", "f3", "f4", "ctrl+o"])
+def test_ctrl_q_quits_from_any_dialog(opener, tmp_path):
+    async def main():
+        if opener == "load error":
+            app = ChatApp(EngineSpec(None, "4gb"), loader=failing_loader)
+        else:
+            app, _ = scripted_app(transcript_dir=tmp_path)
+        async with app.run_test(size=SIZE) as pilot:
+            if opener == "load error":
+                await wait_for_screen(pilot, ErrorDialog, "#error-buttons Button", "the error dialog")
+            else:
+                await started(pilot)
+                await pilot.press(opener)
+                await wait_until(pilot, lambda: app.screen is not app.main_screen, "the dialog")
+            dialog = type(app.screen)
+            await pilot.press("ctrl+q")
+            await wait_until(pilot, lambda: app.return_code is not None, "the exit", 5)
+            return dialog
+
+    assert run(main()) in (ErrorDialog, HelpScreen, SettingsDialog, TextPrompt)
+
+
 def test_help_lists_every_key_binding_and_command():
     async def main():
         app, _ = scripted_app()
@@ -613,15 +664,8 @@ def test_snapshot_help_screen(tmp_path):
 
 
 def test_snapshot_load_error(tmp_path):
-    from lowvram.errors import OutOfMemoryError
-
-    def failing(spec, on_stage):
-        raise OutOfMemoryError(
-            "the model needs 5.2 GiB but profile '4gb' allows 3.6 GiB; use a smaller model or an AWQ INT4 checkpoint"
-        )
-
     async def main():
-        app = ChatApp(EngineSpec(None, "4gb"), loader=failing)
+        app = ChatApp(EngineSpec(None, "4gb"), loader=failing_loader)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for_screen(pilot, ErrorDialog, "#error-buttons Button", "the error dialog")
             app.query_one(ChatInput).cursor_blink = False

@@ -56,7 +56,7 @@ class ChatApp(App):
         Binding("f1", "help", "Help"),
         Binding("pageup", "scroll_conversation(-1)", "Scroll the chat up", show=False),
         Binding("pagedown", "scroll_conversation(1)", "Scroll the chat down", show=False),
-        Binding("ctrl+q", "quit", "Quit"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),  # from any dialog too
     ]
 
     def __init__(self, spec: EngineSpec | None = None, settings=None, *, transcript_dir=None, loader=load_backend):
@@ -279,7 +279,12 @@ class ChatApp(App):
         files = (self.transcript_dir or chat.default_transcript_dir()).glob("*.json")
         recent = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)[:20]  # the newest first
         choices = [(str(p), p.stem) for p in recent]
-        prompt = ui.TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
+        prompt = ui.TextPrompt(
+            "Load a transcript (.json)",
+            placeholder="path to a .json transcript",
+            choices=choices,
+            empty_message="type the path of a .json transcript" + (", or pick one above" if choices else ""),
+        )
         self.push_screen(prompt, self.load_transcript)
 
     async def load_transcript(self, path: str | None) -> None:
@@ -331,7 +336,10 @@ class ChatApp(App):
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
         prompt = ui.TextPrompt(
-            "Profile (the model reloads)", placeholder="or a path to a profile YAML file", choices=choices
+            "Profile (the model reloads)",
+            placeholder="or a path to a profile YAML file",
+            choices=choices,
+            empty_message="type a profile name or the path of a profile YAML file, or pick one above",
         )
         self.push_screen(prompt, self._switch_profile)
 

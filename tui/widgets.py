@@ -345,13 +345,15 @@ class HelpScreen(Dialog):
 
 
 class TextPrompt(Dialog):
-    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
+    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc.
+    With `empty_message`, an empty line is not an answer: the message shows and the dialog stays."""
 
     AUTO_FOCUS = "#prompt-input"
 
-    def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
+    def __init__(self, title: str, value: str = "", *, placeholder="", choices=(), empty_message=""):
         super().__init__()
         self.title_text, self.value, self.placeholder, self.choices = title, value, placeholder, choices
+        self.empty_message = empty_message
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box", classes="dialog"):
@@ -359,12 +361,15 @@ class TextPrompt(Dialog):
             if self.choices:
                 yield OptionList(*(Option(label, id=value) for value, label in self.choices), id="prompt-choices")
             yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+            yield Static("", id="prompt-error", classes="dialog-error", markup=False)
             yield Static("Enter accepts · Esc cancels", classes="dialog-help")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        if self.empty_message and not event.value.strip():
+            return self.query_one("#prompt-error", Static).update(self.empty_message)
         self.dismiss(event.value)
 
 
@@ -384,7 +389,7 @@ class SettingsDialog(Dialog):
             yield Input(f"{self.settings.temperature:g}", id="temperature")
             yield Label("max tokens per reply")
             yield Input(str(self.settings.max_tokens), id="max-tokens")
-            yield Static("", id="settings-error", markup=False)
+            yield Static("", id="settings-error", classes="dialog-error", markup=False)
             yield Static("Enter saves · Esc cancels", classes="dialog-help")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
