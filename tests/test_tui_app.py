@@ -595,7 +595,20 @@ def test_help_lists_every_key_binding_and_command():
             return rows, app.screen
 
     rows, screen = run(main())
-    for key in ("Esc", "Ctrl+N", "Ctrl+S", "Ctrl+O", "F1", "F2", "F3", "F4", "Ctrl+Q", "/save [PATH]", "/load PATH"):
+    for key in (
+        "Esc",
+        "Ctrl+N",
+        "Ctrl+S",
+        "Ctrl+O",
+        "F1",
+        "F2",
+        "F3",
+        "F4",
+        "F5",
+        "Ctrl+Q",
+        "/save [PATH]",
+        "/load PATH",
+    ):
         assert key in rows
     assert not isinstance(screen, HelpScreen)
 
@@ -649,6 +662,30 @@ def test_snapshot_main_screen(tmp_path):
             return app.export_screenshot()
 
     assert_snapshot(run(main()), "chat_main", tmp_path)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (50, 15)])
+def test_a_small_terminal_keeps_the_panel_whole_or_hides_it(size, tmp_path):
+    async def main():
+        app, backend = scripted_app()
+        async with app.run_test(size=size) as pilot:
+            await main_screen(pilot, backend)
+            panel = app.query_one(EnginePanel)
+            bottom_rows = [panel.query_one(f"#{widget_id}").region for widget_id in ("controller", "decision")]
+            is_whole = all(panel.content_region.contains_region(region) for region in bottom_rows)
+            seen = panel.display, is_whole, app.query_one("#conversation").region.width, app.export_screenshot()
+            await pilot.press("f5")
+            await pilot.pause(0.1)
+            return seen, panel.display
+
+    (is_shown, is_whole, chat_width, svg), is_shown_after_f5 = run(main())
+    assert chat_width >= 40
+    if size == (80, 24):
+        assert is_shown and is_whole and not is_shown_after_f5
+        assert any("controller\xa0compress" in row for row in screen_rows(svg))  # &#160; in the SVG
+    else:
+        assert not is_shown and is_shown_after_f5
+    assert_snapshot(svg, f"chat_{size[0]}x{size[1]}", tmp_path)
 
 
 def test_snapshot_help_screen(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Static
 
 from lowvram.config import builtin_profile_names, load_profile
@@ -45,15 +45,17 @@ class ChatApp(App):
     CSS_PATH = "chat.tcss"
     TITLE = "lowvram chat"
     ENABLE_COMMAND_PALETTE = False  # F1 lists everything; the footer keeps room for the chat's own keys
+    # The footer shows these in order, as far as the terminal's width goes.
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
+        Binding("f1", "help", "Help"),
+        Binding("f5", "toggle_panel", "Panel", tooltip="Show or hide the engine panel"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+s", "save", "Save"),
         Binding("ctrl+o", "load", "Load"),
         Binding("f2", "system_prompt", "System prompt"),
-        Binding("f3", "settings", "Temperature, max tokens"),
+        Binding("f3", "settings", "Reply settings", tooltip="Temperature and max tokens per reply"),
         Binding("f4", "pick_profile", "Profile"),
-        Binding("f1", "help", "Help"),
         Binding("pageup", "scroll_conversation(-1)", "Scroll the chat up", show=False),
         Binding("pagedown", "scroll_conversation(1)", "Scroll the chat down", show=False),
         Binding("ctrl+q", "quit", "Quit", priority=True),  # from any dialog too
@@ -76,7 +78,7 @@ class ChatApp(App):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="▣")
-        with Horizontal(id="body"):
+        with ui.ChatBody(id="body"):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="conversation")
                 yield Static("", id="status", markup=False)
@@ -354,7 +356,11 @@ class ChatApp(App):
         self._start_loading(old_backend)
 
     def action_help(self) -> None:
-        self.push_screen(ui.HelpScreen([(key_label(b.key), b.description) for b in self.BINDINGS]))
+        self.push_screen(ui.HelpScreen([(key_label(b.key), b.tooltip or b.description) for b in self.BINDINGS]))
+
+    def action_toggle_panel(self) -> None:
+        """Show or hide the engine panel (it hides by itself when the terminal is narrow)."""
+        self.main_screen.query_one(ui.ChatBody).toggle_panel()
 
     def action_scroll_conversation(self, direction: int) -> None:
         view = self.conversation_view

@@ -193,7 +193,11 @@ def format_bytes(num_bytes: int) -> str:
 
 
 class EnginePanel(Vertical):
-    """Memory, KV pages, batch, decode speed and latency, and the controller."""
+    """Memory, KV pages, batch, decode speed and latency, and the controller. Each line is one row, shortened
+    with an ellipsis when the panel is narrow; on a short terminal the gaps between sections go first, then the
+    sparklines, so the controller's lines at the bottom stay whole."""
+
+    MIN_ROWS_FULL, MIN_ROWS_SHORT = 24, 19  # content rows the layout needs with gaps, and without them
 
     def compose(self) -> ComposeResult:
         yield Static("", markup=False, id="device")
@@ -212,6 +216,10 @@ class EnginePanel(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "engine"
+
+    def on_resize(self) -> None:
+        self.set_class(self.size.height < self.MIN_ROWS_FULL, "-short")
+        self.set_class(self.size.height < self.MIN_ROWS_SHORT, "-tiny")
 
     def show(self, snap: EngineSnapshot, profile_name: str) -> None:
         used, budget = snap.memory_used_bytes, snap.memory_budget_bytes
@@ -242,6 +250,28 @@ class EnginePanel(Vertical):
             decode.values, decode.threshold = speeds, speed_floor
             spark = self.query_one("#latency-spark", ThresholdSparkline)
             spark.values, spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms
+
+
+class ChatBody(Horizontal):
+    """The conversation beside the engine panel. On a terminal too narrow for both the panel hides, so the
+    conversation keeps room to read; `toggle_panel` shows or hides it whatever the width."""
+
+    MIN_WIDTH_WITH_PANEL = 76  # the panel's 36 columns and 40 for the conversation
+
+    def __init__(self, *children, **kwargs):
+        super().__init__(*children, **kwargs)
+        self.is_panel_wanted: bool | None = None  # None: shown when the width allows
+
+    def on_resize(self) -> None:
+        self._place_panel()
+
+    def toggle_panel(self) -> None:
+        self.is_panel_wanted = not self.query_one(EnginePanel).display
+        self._place_panel()
+
+    def _place_panel(self) -> None:
+        is_wide = self.size.width >= self.MIN_WIDTH_WITH_PANEL
+        self.query_one(EnginePanel).display = is_wide if self.is_panel_wanted is None else self.is_panel_wanted
 
 
 # -- screens over the chat ----------------------------------------------------------------
