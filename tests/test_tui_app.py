@@ -24,6 +24,7 @@ from textual import events  # noqa: E402
 
 import lowvram  # noqa: E402
 from lowvram import LLM  # noqa: E402
+from lowvram.demo.tasks import heldout_tasks  # noqa: E402
 from lowvram.engine.engine import EngineSnapshot  # noqa: E402
 from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from lowvram.tui.app import ChatApp  # noqa: E402
@@ -32,6 +33,7 @@ from lowvram.tui.conversation import ChatSettings, load_transcript  # noqa: E402
 from lowvram.tui.widgets import (  # noqa: E402
     AssistantMessage,
     ChatInput,
+    EmptyChatHint,
     EnginePanel,
     ErrorDialog,
     HelpScreen,
@@ -141,15 +143,18 @@ def test_a_question_streams_the_models_answer(llm, engine, chat_model):
         app = ChatApp(EngineSpec(chat_model, "cpu"), settings, loader=reuse(engine))
         async with app.run_test(size=SIZE) as pilot:
             await wait_until(pilot, lambda: app.backend is not None, "the engine")
+            await pilot.pause(0.05)
+            is_demo_model, num_hints = app.backend.is_demo_model, len(app.query(EmptyChatHint))
             await type_and_send(pilot, QUESTION)
             await wait_until(pilot, lambda: replies(app) and replies(app)[0].text, "the first words")
             first_view = replies(app)[0]
             partial, was_streaming = first_view.text, first_view.has_class("-streaming")
             await wait_until(pilot, lambda: len(app.conversation.turns) == 2, "the reply to finish")
             await pilot.pause(0.05)
-            return partial, was_streaming, first_view, app.conversation.turns
+            return partial, was_streaming, first_view, app.conversation.turns, is_demo_model, num_hints
 
-    partial, was_streaming, view, turns = run(main())
+    partial, was_streaming, view, turns, is_demo_model, num_hints = run(main())
+    assert is_demo_model == (chat_model is None) and num_hints == 1
     assert was_streaming and expected.startswith(partial) and len(partial) < len(expected)
     assert turns[0].content == QUESTION
     assert turns[1].content == expected and view.source == expected
@@ -319,6 +324,7 @@ class ScriptedBackend:
 
     model_label = "demo model"
     profile_name = "4gb"
+    is_demo_model = True
 
     def __init__(self, snapshot: EngineSnapshot = SCRIPTED_SNAPSHOT):
         self._snapshot = snapshot
@@ -454,6 +460,37 @@ def test_auto_scroll_follows_only_at_the_bottom():
 
     parked_y, kept_y = run(main())
     assert kept_y == parked_y  # scrolled up: new text did not pull the view down
+
+
+@pytest.mark.parametrize("is_demo_model", [True, False])
+def test_an_empty_chat_says_what_the_model_is_good_at(is_demo_model):
+    async def main():
+        backend = ScriptedBackend()
+        backend.is_demo_model = is_demo_model
+        app, _ = scripted_app(backend)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+
+            def hints():
+                return [str(w.content) for w in app.query(EmptyChatHint)]
+
+            before = hints()
+            await type_and_send(pilot, "hello")
+            backend.feed("hi")
+            await wait_until(pilot, lambda: len(app.conversation.turns) == 2, "the reply")
+            after_send = hints()
+            await pilot.press("ctrl+n")
+            await pilot.pause(0.05)
+            return before, after_send, hints()
+
+    before, after_send, after_new_chat = run(main())
+    assert len(before) == 1 and after_send == [] and after_new_chat == before
+    questions = [line.strip() for line in before[0].splitlines()[1:]]
+    if is_demo_model:
+        kind_of = {task.messages[-1]["content"]: task.kind for task in heldout_tasks()}
+        assert len(questions) == 3 and len({kind_of[q] for q in questions}) == 3  # three of its task kinds
+    else:
+        assert questions == [] and "type a message" in before[0]
 
 
 def test_input_history_walks_back_and_forth():

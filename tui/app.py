@@ -151,6 +151,7 @@ class ChatApp(App):
         self.conversation.model, self.conversation.profile = backend.model_label, backend.profile_name
         self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
         self._refresh_panel()
+        await self._show_hint()
         self.main_screen.query_one(ui.ChatInput).focus()
         await self._pump()
 
@@ -175,8 +176,14 @@ class ChatApp(App):
             return self.notify(str(exc), title="command", severity="error")
         await self.send(chat.message_text(text))
 
+    async def _show_hint(self) -> None:
+        """In an empty chat with a model loaded: what the model is good at."""
+        if self.backend is not None and not self.conversation_view.children:
+            await self.conversation_view.mount(ui.EmptyChatHint(self.backend.model_label, self.backend.is_demo_model))
+
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
+        await self.conversation_view.query(ui.EmptyChatHint).remove()
         is_waiting = self._reply is not None or self.backend is None or bool(self._queue)
         view = ui.UserMessage(text, is_queued=is_waiting)
         self._queue.append(view)
@@ -257,6 +264,7 @@ class ChatApp(App):
         await self.action_stop()
         await self.conversation_view.remove_children()
         self.conversation = self.conversation.cleared()
+        await self._show_hint()
         self.notify("new chat")
         self._update_status()
 

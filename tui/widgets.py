@@ -19,10 +19,12 @@ from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, M
 from textual.widgets.option_list import Option
 
 from lowvram import errors
+from lowvram.demo.tasks import heldout_tasks
 from lowvram.engine.engine import EngineSnapshot
 from lowvram.tui.conversation import ChatSettings, help_lines
 
 FINISH_NOTES = {"abort": "stopped", "length": "cut at max tokens", "error": "failed"}
+DEMO_EXAMPLE_KINDS = ("add", "sort", "weekday")  # the demo model's task kinds the empty chat offers as examples
 
 
 class ChatInput(Input):
@@ -55,6 +57,23 @@ class ChatInput(Input):
         self._history_index = index if index < len(self.history) else None
         self.value = self.history[index] if index < len(self.history) else self._draft
         self.cursor_position = len(self.value)
+
+
+class EmptyChatHint(Static):
+    """Shown before the first message: what the loaded model is good at. The bundled demo model answers only
+    its training tasks' kinds, so it names them and offers one held-out question of three of them."""
+
+    def __init__(self, model_label: str, is_demo_model: bool):
+        if is_demo_model:
+            tasks = heldout_tasks(1)
+            examples = "\n".join(f"  {t.messages[-1]['content']}" for t in tasks if t.kind in DEMO_EXAMPLE_KINDS)
+            kinds = ", ".join(t.kind for t in tasks)
+            text = f"The {model_label} is tiny: it answers only its kinds of task ({kinds}), with the bare result."
+            text += f" Try:\n{examples}"
+        else:
+            text = f"{model_label} is ready: type a message below. F2 sets a system prompt, F3 the reply settings, "
+            text += "F1 lists the keys."
+        super().__init__(text, markup=False)
 
 
 class UserMessage(Static):
