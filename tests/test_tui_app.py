@@ -23,7 +23,7 @@ pytest.importorskip("textual")
 from textual import events  # noqa: E402
 
 import lowvram  # noqa: E402
-from lowvram import LLM  # noqa: E402
+from lowvram import LLM, SamplingParams  # noqa: E402
 from lowvram.demo.tasks import heldout_tasks  # noqa: E402
 from lowvram.engine.engine import EngineSnapshot  # noqa: E402
 from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
@@ -325,11 +325,13 @@ class ScriptedBackend:
     model_label = "demo model"
     profile_name = "4gb"
     is_demo_model = True
+    max_model_len = 2048
 
     def __init__(self, snapshot: EngineSnapshot = SCRIPTED_SNAPSHOT):
         self._snapshot = snapshot
         self.chunks: asyncio.Queue = asyncio.Queue()
         self.requests: list[list[dict]] = []
+        self.params: list[SamplingParams] = []
         self.num_aborted = 0
         self.is_stopped = False
 
@@ -341,6 +343,7 @@ class ScriptedBackend:
 
     async def stream(self, messages, params):
         self.requests.append(messages)
+        self.params.append(params)
         text, is_finished = "", False
         try:
             while not is_finished:
@@ -540,6 +543,39 @@ def test_settings_and_system_prompt_reach_the_next_request():
     assert (settings.temperature, settings.max_tokens) == (0.7, 64)
     assert request[0] == {"role": "system", "content": "Answer in French."}
     assert "temperature 0.7" in status and "max 64 tokens" in status
+
+
+def test_max_tokens_must_leave_room_for_the_prompt():
+    async def main():
+        app, backend = scripted_app(settings=ChatSettings(max_tokens=4000))  # the model holds 2048 tokens
+        notes = []
+        app.notify = lambda message, **kwargs: notes.append(message)
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            max_tokens_after_load = app.conversation.settings.max_tokens
+            await type_and_send(pilot, "/max 2000")
+            await pilot.press("f3")
+            await wait_for_screen(pilot, SettingsDialog, "#max-tokens", "the settings dialog")
+            dialog_labels = [str(label.content) for label in app.screen.query("Label")]
+            app.screen.query_one("#max-tokens").value = "2000"
+            await pilot.press("enter")
+            error, is_still_open = (
+                str(app.screen.query_one("#settings-error").content),
+                app.screen is not app.main_screen,
+            )
+            app.screen.query_one("#max-tokens").value = "1000"
+            await pilot.press("enter")
+            await type_and_send(pilot, "hello")
+            backend.feed("hi")
+            await wait_until(pilot, lambda: len(app.conversation.turns) == 2, "the reply")
+            return max_tokens_after_load, notes, dialog_labels, error, is_still_open, backend.params[0].max_tokens
+
+    max_tokens_after_load, notes, labels, error, is_still_open, sent_max_tokens = run(main())
+    assert max_tokens_after_load == 1536 and "max tokens 4000 does not fit the model's 2048-token context" in notes[0]
+    assert "max tokens 2000 leaves 48 of the model's 2048 context tokens" in notes[1] and "at most 1536" in notes[1]
+    assert any("at most 1536 of the 2048-token context" in label for label in labels)
+    assert "max tokens 2000 leaves 48" in error and is_still_open
+    assert sent_max_tokens == 1000  # what F3 set is what the next reply asks for
 
 
 def test_picking_a_profile_reloads_the_engine():

@@ -150,6 +150,7 @@ class ChatApp(App):
             return self.push_screen(dialog, self._after_load_error)
         self.conversation.model, self.conversation.profile = backend.model_label, backend.profile_name
         self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
+        self._fit_max_tokens()
         self._refresh_panel()
         await self._show_hint()
         self.main_screen.query_one(ui.ChatInput).focus()
@@ -316,6 +317,7 @@ class ChatApp(App):
         )
         self.conversation_view.anchor()
         self.notify(f"{len(conversation.turns)} messages from {path}", title="loaded")
+        self._fit_max_tokens()
         kv_path = Path(path).with_suffix(".kv")
         if self.backend is not None and kv_path.is_file():
             result = self.last_kv_restore = await self.backend.restore_kv(kv_path)
@@ -332,7 +334,8 @@ class ChatApp(App):
             self._change_settings(system_prompt=text.strip())
 
     def action_settings(self) -> None:
-        self.push_screen(ui.SettingsDialog(self.conversation.settings), self._set_settings)
+        max_model_len = self.backend.max_model_len if self.backend else None
+        self.push_screen(ui.SettingsDialog(self.conversation.settings, max_model_len), self._set_settings)
 
     def _change_settings(self, **changes) -> None:
         self._set_settings(self.conversation.settings.with_changes(**changes))
@@ -342,6 +345,16 @@ class ChatApp(App):
             self.conversation.settings = settings
             self._update_status()
             self.notify("applies to the next reply", title="settings changed")
+
+    def _fit_max_tokens(self) -> None:
+        """A max tokens the loaded model's context cannot hold (from --max-tokens, a transcript, a reload under
+        a shorter context) comes down to what fits, and the user is told."""
+        settings, max_model_len = self.conversation.settings, self.backend.max_model_len if self.backend else 0
+        if max_model_len and settings.max_tokens > (limit := chat.max_reply_tokens(max_model_len)):
+            self.conversation.settings = settings.with_changes(max_tokens=limit)
+            self._update_status()
+            message = f"max tokens {settings.max_tokens} does not fit the model's {max_model_len}-token context"
+            self.notify(f"{message}; lowered to {limit}", title="settings", severity="warning")
 
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
@@ -382,6 +395,8 @@ class ChatApp(App):
     async def _run_command(self, command: chat.Command) -> None:
         name, arg = command.name, command.arg
         if (changes := chat.setting_changes(command)) is not None:
+            if "max_tokens" in changes and self.backend is not None:
+                chat.check_max_tokens(changes["max_tokens"], self.backend.max_model_len)
             self._change_settings(**changes)
         elif name == "save":
             self.action_save(arg or None)

@@ -114,6 +114,7 @@ class ChatBackend:
         self.llm_engine, self.model_label, self.profile_name = engine, model_label, engine.profile.name
         self.has_chat_template = engine.tokenizer.has_chat_template
         self.is_demo_model = engine.model_dir.resolve() == DEMO_MODEL_DIR  # however it was named
+        self.max_model_len = engine.max_model_len
         self.async_engine = AsyncLLMEngine(engine).start()
 
     def stream(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -21,7 +21,7 @@ from textual.widgets.option_list import Option
 from lowvram import errors
 from lowvram.demo.tasks import heldout_tasks
 from lowvram.engine.engine import EngineSnapshot
-from lowvram.tui.conversation import ChatSettings, help_lines
+from lowvram.tui.conversation import ChatSettings, check_max_tokens, help_lines, max_reply_tokens
 
 FINISH_NOTES = {"abort": "stopped", "length": "cut at max tokens", "error": "failed"}
 DEMO_EXAMPLE_KINDS = ("add", "sort", "weekday")  # the demo model's task kinds the empty chat offers as examples
@@ -423,20 +423,22 @@ class TextPrompt(Dialog):
 
 
 class SettingsDialog(Dialog):
-    """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
+    """Temperature and max tokens, what can change between replies (the profile reloads the model: F4); a bad
+    value, or a max tokens the model's context cannot hold, is named under the fields and nothing changes."""
 
     AUTO_FOCUS = "#temperature"
 
-    def __init__(self, settings: ChatSettings):
+    def __init__(self, settings: ChatSettings, max_model_len: int | None = None):
         super().__init__()
-        self.settings = settings
+        self.settings, self.max_model_len = settings, max_model_len
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
-            yield Label("Reply settings", classes="dialog-title")
+            yield Label("Reply settings (from the next reply on)", classes="dialog-title")
             yield Label("temperature (0 = greedy)")
             yield Input(f"{self.settings.temperature:g}", id="temperature")
-            yield Label("max tokens per reply")
+            limit = f", at most {max_reply_tokens(n)} of the {n}-token context" if (n := self.max_model_len) else ""
+            yield Label(f"max tokens per reply{limit}", markup=False)
             yield Input(str(self.settings.max_tokens), id="max-tokens")
             yield Static("", id="settings-error", classes="dialog-error", markup=False)
             yield Static("Enter saves · Esc cancels", classes="dialog-help")
@@ -445,7 +447,10 @@ class SettingsDialog(Dialog):
         temperature = self.query_one("#temperature", Input).value
         max_tokens = self.query_one("#max-tokens", Input).value
         try:
-            self.dismiss(self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens)))
+            settings = self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens))
+            if self.max_model_len:
+                check_max_tokens(settings.max_tokens, self.max_model_len)
+            self.dismiss(settings)
         except ValueError:
             self.query_one("#settings-error", Static).update("temperature needs a number and max tokens a whole number")
         except errors.LowvramError as exc:
