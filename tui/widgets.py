@@ -216,7 +216,8 @@ class EnginePanel(Vertical):
     with an ellipsis when the panel is narrow; on a short terminal the gaps between sections go first, then the
     sparklines, so the controller's lines at the bottom stay whole."""
 
-    MIN_ROWS_FULL, MIN_ROWS_SHORT = 24, 19  # content rows the layout needs with gaps, and without them
+    # Content rows the layout needs with the gaps, and without them; the last decision counted as 4 lines.
+    MIN_ROWS_FULL, MIN_ROWS_SHORT = 25, 20
 
     def compose(self) -> ComposeResult:
         yield Static("", markup=False, id="device")
