@@ -371,6 +371,23 @@ def test_a_small_terminal_keeps_the_panel_whole_or_hides_it(size, tmp_path):
     assert_snapshot(svg, f"chat_{size[0]}x{size[1]}", tmp_path)
 
 
+def test_dialogs_fit_a_narrow_terminal():
+    async def main():
+        app, _ = scripted_app()
+        async with app.run_test(size=(50, 15)) as pilot:
+            await started(pilot)
+            edges = []
+            for key in ("f1", "f3", "f4"):
+                await pilot.press(key)
+                await pilot.pause(0.1)
+                box = app.screen.query_one("#help-box, .dialog").region
+                edges.append((box.x, box.right))
+                await pilot.press("escape")
+            return edges
+
+    assert all(left >= 0 and right <= 50 for left, right in run(main()))
+
+
 def test_snapshot_help_screen(tmp_path):
     async def main():
         app, backend = scripted_app()
