@@ -24,6 +24,7 @@ from lowvram.tui.conversation import (  # noqa: E402
     ChatSettings,
     Conversation,
     Turn,
+    check_max_tokens,
     default_transcript_dir,
     load_transcript,
     parse_command,
@@ -131,6 +132,12 @@ def test_slash_commands_parse_and_double_slash_sends_a_slash():
         parse_command("/temp")
 
 
+def test_max_tokens_must_leave_a_quarter_of_the_context_to_the_conversation():
+    check_max_tokens(1536, 2048)
+    with pytest.raises(RequestError, match="max tokens 2000 leaves 48 of the model's 2048 context tokens .* 1536$"):
+        check_max_tokens(2000, 2048)
+
+
 # -- the panel's drawing ------------------------------------------------------------
 
 
@@ -183,12 +190,12 @@ def test_loading_reports_stages_and_keeps_warnings_on_the_terminal(monkeypatch, 
 def test_plain_mode_keeps_a_multi_turn_chat_and_obeys_commands(model_args, tmp_path):
     model = model_args[1] if model_args else None
     stdin = io.StringIO(
-        f"What is 17 + 25?\n/max 4\n/system Be brief.\nAnd 2 + 2?\n/nonsense\n/save {tmp_path}/t.json\n"
+        f"What is 17 + 25?\n/max 4\n/max 100000\n/system Be brief.\nAnd 2 + 2?\n/nonsense\n/save {tmp_path}/t.json\n"
     )
     stdout, stderr = io.StringIO(), io.StringIO()
     status = run_plain(EngineSpec(model, "cpu"), ChatSettings(max_tokens=16), stdin=stdin, stdout=stdout, stderr=stderr)
-    assert status == 1  # the unknown command failed; the rest went on
-    assert "unknown command /nonsense" in stderr.getvalue()
+    assert status == 1  # the unknown command and the max tokens past the context failed; the rest went on
+    assert "unknown command /nonsense" in stderr.getvalue() and "max tokens 100000 leaves 0" in stderr.getvalue()
     saved = load_transcript(tmp_path / "t.json")
     assert [t.role for t in saved.turns] == ["user", "assistant", "user", "assistant"]
     assert saved.settings == ChatSettings(system_prompt="Be brief.", max_tokens=4)

@@ -15,7 +15,7 @@ from pathlib import Path
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Static
 
 from lowvram.config import builtin_profile_names, load_profile
@@ -45,18 +45,20 @@ class ChatApp(App):
     CSS_PATH = "chat.tcss"
     TITLE = "lowvram chat"
     ENABLE_COMMAND_PALETTE = False  # F1 lists everything; the footer keeps room for the chat's own keys
+    # The footer shows these in order, as far as the terminal's width goes.
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
+        Binding("f1", "help", "Help"),
+        Binding("f5", "toggle_panel", "Panel", tooltip="Show or hide the engine panel"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+s", "save", "Save"),
         Binding("ctrl+o", "load", "Load"),
         Binding("f2", "system_prompt", "System prompt"),
-        Binding("f3", "settings", "Temperature, max tokens"),
+        Binding("f3", "settings", "Reply settings", tooltip="Temperature and max tokens per reply"),
         Binding("f4", "pick_profile", "Profile"),
-        Binding("f1", "help", "Help"),
         Binding("pageup", "scroll_conversation(-1)", "Scroll the chat up", show=False),
         Binding("pagedown", "scroll_conversation(1)", "Scroll the chat down", show=False),
-        Binding("ctrl+q", "quit", "Quit"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),  # from any dialog too
     ]
 
     def __init__(self, spec: EngineSpec | None = None, settings=None, *, transcript_dir=None, loader=load_backend):
@@ -76,7 +78,7 @@ class ChatApp(App):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="▣")
-        with Horizontal(id="body"):
+        with ui.ChatBody(id="body"):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="conversation")
                 yield Static("", id="status", markup=False)
@@ -148,7 +150,9 @@ class ChatApp(App):
             return self.push_screen(dialog, self._after_load_error)
         self.conversation.model, self.conversation.profile = backend.model_label, backend.profile_name
         self.sub_title = f"{backend.model_label} · profile {backend.profile_name}"
+        self._fit_max_tokens()
         self._refresh_panel()
+        await self._show_hint()
         self.main_screen.query_one(ui.ChatInput).focus()
         await self._pump()
 
@@ -173,8 +177,14 @@ class ChatApp(App):
             return self.notify(str(exc), title="command", severity="error")
         await self.send(chat.message_text(text))
 
+    async def _show_hint(self) -> None:
+        """In an empty chat with a model loaded: what the model is good at."""
+        if self.backend is not None and not self.conversation_view.children:
+            await self.conversation_view.mount(ui.EmptyChatHint(self.backend.model_label, self.backend.is_demo_model))
+
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
+        await self.conversation_view.query(ui.EmptyChatHint).remove()
         is_waiting = self._reply is not None or self.backend is None or bool(self._queue)
         view = ui.UserMessage(text, is_queued=is_waiting)
         self._queue.append(view)
@@ -255,6 +265,7 @@ class ChatApp(App):
         await self.action_stop()
         await self.conversation_view.remove_children()
         self.conversation = self.conversation.cleared()
+        await self._show_hint()
         self.notify("new chat")
         self._update_status()
 
@@ -279,7 +290,12 @@ class ChatApp(App):
         files = (self.transcript_dir or chat.default_transcript_dir()).glob("*.json")
         recent = sorted(files, key=lambda p: p.stat().st_mtime, reverse=True)[:20]  # the newest first
         choices = [(str(p), p.stem) for p in recent]
-        prompt = ui.TextPrompt("Load a transcript (.json)", placeholder="path to a .json transcript", choices=choices)
+        prompt = ui.TextPrompt(
+            "Load a transcript (.json)",
+            placeholder="path to a .json transcript",
+            choices=choices,
+            empty_message="type the path of a .json transcript" + (", or pick one above" if choices else ""),
+        )
         self.push_screen(prompt, self.load_transcript)
 
     async def load_transcript(self, path: str | None) -> None:
@@ -301,6 +317,7 @@ class ChatApp(App):
         )
         self.conversation_view.anchor()
         self.notify(f"{len(conversation.turns)} messages from {path}", title="loaded")
+        self._fit_max_tokens()
         kv_path = Path(path).with_suffix(".kv")
         if self.backend is not None and kv_path.is_file():
             result = self.last_kv_restore = await self.backend.restore_kv(kv_path)
@@ -317,7 +334,8 @@ class ChatApp(App):
             self._change_settings(system_prompt=text.strip())
 
     def action_settings(self) -> None:
-        self.push_screen(ui.SettingsDialog(self.conversation.settings), self._set_settings)
+        max_model_len = self.backend.max_model_len if self.backend else None
+        self.push_screen(ui.SettingsDialog(self.conversation.settings, max_model_len), self._set_settings)
 
     def _change_settings(self, **changes) -> None:
         self._set_settings(self.conversation.settings.with_changes(**changes))
@@ -328,10 +346,23 @@ class ChatApp(App):
             self._update_status()
             self.notify("applies to the next reply", title="settings changed")
 
+    def _fit_max_tokens(self) -> None:
+        """A max tokens the loaded model's context cannot hold (from --max-tokens, a transcript, a reload under
+        a shorter context) comes down to what fits, and the user is told."""
+        settings, max_model_len = self.conversation.settings, self.backend.max_model_len if self.backend else 0
+        if max_model_len and settings.max_tokens > (limit := chat.max_reply_tokens(max_model_len)):
+            self.conversation.settings = settings.with_changes(max_tokens=limit)
+            self._update_status()
+            message = f"max tokens {settings.max_tokens} does not fit the model's {max_model_len}-token context"
+            self.notify(f"{message}; lowered to {limit}", title="settings", severity="warning")
+
     def action_pick_profile(self) -> None:
         choices = [(name, f"{name:5}  {load_profile(name).description}") for name in builtin_profile_names()]
         prompt = ui.TextPrompt(
-            "Profile (the model reloads)", placeholder="or a path to a profile YAML file", choices=choices
+            "Profile (the model reloads)",
+            placeholder="or a path to a profile YAML file",
+            choices=choices,
+            empty_message="type a profile name or the path of a profile YAML file, or pick one above",
         )
         self.push_screen(prompt, self._switch_profile)
 
@@ -346,7 +377,11 @@ class ChatApp(App):
         self._start_loading(old_backend)
 
     def action_help(self) -> None:
-        self.push_screen(ui.HelpScreen([(key_label(b.key), b.description) for b in self.BINDINGS]))
+        self.push_screen(ui.HelpScreen([(key_label(b.key), b.tooltip or b.description) for b in self.BINDINGS]))
+
+    def action_toggle_panel(self) -> None:
+        """Show or hide the engine panel (it hides by itself when the terminal is narrow)."""
+        self.main_screen.query_one(ui.ChatBody).toggle_panel()
 
     def action_scroll_conversation(self, direction: int) -> None:
         view = self.conversation_view
@@ -360,6 +395,8 @@ class ChatApp(App):
     async def _run_command(self, command: chat.Command) -> None:
         name, arg = command.name, command.arg
         if (changes := chat.setting_changes(command)) is not None:
+            if "max_tokens" in changes and self.backend is not None:
+                chat.check_max_tokens(changes["max_tokens"], self.backend.max_model_len)
             self._change_settings(**changes)
         elif name == "save":
             self.action_save(arg or None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lowvram.core.sampling_params import SamplingParams
+from lowvram.demo import DEMO_MODEL_DIR
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
 from lowvram.engine.outputs import RequestOutput
@@ -119,6 +120,8 @@ class ChatBackend:
     def __init__(self, engine: LLMEngine, model_label: str):
         self.llm_engine, self.model_label, self.profile_name = engine, model_label, engine.profile.name
         self.has_chat_template = engine.tokenizer.has_chat_template
+        self.is_demo_model = engine.model_dir.resolve() == DEMO_MODEL_DIR  # however it was named
+        self.max_model_len = engine.max_model_len
         self.async_engine = AsyncLLMEngine(engine).start()
 
     def stream(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[RequestOutput]:

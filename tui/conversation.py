@@ -197,5 +197,20 @@ def setting_changes(command: Command) -> dict | None:
         raise RequestError(f"/{command.name} needs a number, got {command.arg!r}") from None
 
 
+def max_reply_tokens(max_model_len: int) -> int:
+    """The most tokens a reply may ask for: a quarter of the model's context stays for the prompt and history."""
+    return max_model_len * 3 // 4
+
+
+def check_max_tokens(max_tokens: int, max_model_len: int) -> None:
+    """Refuse a max tokens that would leave the conversation too little of the context (the reply would be cut
+    at the context's end, or the next prompt would not fit at all)."""
+    if max_tokens > (limit := max_reply_tokens(max_model_len)):
+        raise RequestError(
+            f"max tokens {max_tokens} leaves {max(max_model_len - max_tokens, 0)} of the model's {max_model_len} "
+            f"context tokens for the prompt and the conversation; use at most {limit}"
+        )
+
+
 def help_lines() -> list[tuple[str, str]]:
     return [(f"/{name} {arg}".rstrip(), doc) for name, (arg, doc) in COMMANDS.items()]

@@ -90,6 +90,8 @@ class PlainChat:
 
     def run_command(self, command) -> None:
         if (changes := chat.setting_changes(command)) is not None:
+            if "max_tokens" in changes:
+                chat.check_max_tokens(changes["max_tokens"], self.engine.max_model_len)
             self.conversation.settings = self.conversation.settings.with_changes(**changes)
             self.note(self.conversation.settings.describe())
         elif command.name == "help":

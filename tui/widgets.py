@@ -19,10 +19,12 @@ from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, M
 from textual.widgets.option_list import Option
 
 from lowvram import errors
+from lowvram.demo.tasks import heldout_tasks
 from lowvram.engine.engine import EngineSnapshot
-from lowvram.tui.conversation import ChatSettings, help_lines
+from lowvram.tui.conversation import ChatSettings, check_max_tokens, help_lines, max_reply_tokens
 
 FINISH_NOTES = {"abort": "stopped", "length": "cut at max tokens", "error": "failed"}
+DEMO_EXAMPLE_KINDS = ("add", "sort", "weekday")  # the demo model's task kinds the empty chat offers as examples
 
 
 class ChatInput(Input):
@@ -55,6 +57,23 @@ class ChatInput(Input):
         self._history_index = index if index < len(self.history) else None
         self.value = self.history[index] if index < len(self.history) else self._draft
         self.cursor_position = len(self.value)
+
+
+class EmptyChatHint(Static):
+    """Shown before the first message: what the loaded model is good at. The bundled demo model answers only
+    its training tasks' kinds, so it names them and offers one held-out question of three of them."""
+
+    def __init__(self, model_label: str, is_demo_model: bool):
+        if is_demo_model:
+            tasks = heldout_tasks(1)
+            examples = "\n".join(f"  {t.messages[-1]['content']}" for t in tasks if t.kind in DEMO_EXAMPLE_KINDS)
+            kinds = ", ".join(t.kind for t in tasks)
+            text = f"The {model_label} is tiny: it answers only its kinds of task ({kinds}), with the bare result."
+            text += f" Try:\n{examples}"
+        else:
+            text = f"{model_label} is ready: type a message below. F2 sets a system prompt, F3 the reply settings, "
+            text += "F1 lists the keys."
+        super().__init__(text, markup=False)
 
 
 class UserMessage(Static):
@@ -193,7 +212,12 @@ def format_bytes(num_bytes: int) -> str:
 
 
 class EnginePanel(Vertical):
-    """Memory, KV pages, batch, decode speed and latency, and the controller."""
+    """Memory, KV pages, batch, decode speed and latency, and the controller. Each line is one row, shortened
+    with an ellipsis when the panel is narrow; on a short terminal the gaps between sections go first, then the
+    sparklines, so the controller's lines at the bottom stay whole."""
+
+    # Content rows the layout needs with the gaps, and without them; the last decision counted as 4 lines.
+    MIN_ROWS_FULL, MIN_ROWS_SHORT = 25, 20
 
     def compose(self) -> ComposeResult:
         yield Static("", markup=False, id="device")
@@ -212,6 +236,10 @@ class EnginePanel(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = "engine"
+
+    def on_resize(self) -> None:
+        self.set_class(self.size.height < self.MIN_ROWS_FULL, "-short")
+        self.set_class(self.size.height < self.MIN_ROWS_SHORT, "-tiny")
 
     def show(self, snap: EngineSnapshot, profile_name: str) -> None:
         used, budget = snap.memory_used_bytes, snap.memory_budget_bytes
@@ -242,6 +270,28 @@ class EnginePanel(Vertical):
             decode.values, decode.threshold = speeds, speed_floor
             spark = self.query_one("#latency-spark", ThresholdSparkline)
             spark.values, spark.threshold = list(snap.recent_token_latency_ms), snap.latency_high_ms
+
+
+class ChatBody(Horizontal):
+    """The conversation beside the engine panel. On a terminal too narrow for both the panel hides, so the
+    conversation keeps room to read; `toggle_panel` shows or hides it whatever the width."""
+
+    MIN_WIDTH_WITH_PANEL = 76  # the panel's 36 columns and 40 for the conversation
+
+    def __init__(self, *children, **kwargs):
+        super().__init__(*children, **kwargs)
+        self.is_panel_wanted: bool | None = None  # None: shown when the width allows
+
+    def on_resize(self) -> None:
+        self._place_panel()
+
+    def toggle_panel(self) -> None:
+        self.is_panel_wanted = not self.query_one(EnginePanel).display
+        self._place_panel()
+
+    def _place_panel(self) -> None:
+        is_wide = self.size.width >= self.MIN_WIDTH_WITH_PANEL
+        self.query_one(EnginePanel).display = is_wide if self.is_panel_wanted is None else self.is_panel_wanted
 
 
 # -- screens over the chat ----------------------------------------------------------------
@@ -345,13 +395,15 @@ class HelpScreen(Dialog):
 
 
 class TextPrompt(Dialog):
-    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc."""
+    """Ask for one line of text, optionally offering choices to pick from. Dismissed with None on Esc.
+    With `empty_message`, an empty line is not an answer: the message shows and the dialog stays."""
 
     AUTO_FOCUS = "#prompt-input"
 
-    def __init__(self, title: str, value: str = "", *, placeholder: str = "", choices: list[tuple[str, str]] = ()):
+    def __init__(self, title: str, value: str = "", *, placeholder="", choices=(), empty_message=""):
         super().__init__()
         self.title_text, self.value, self.placeholder, self.choices = title, value, placeholder, choices
+        self.empty_message = empty_message
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box", classes="dialog"):
@@ -359,39 +411,47 @@ class TextPrompt(Dialog):
             if self.choices:
                 yield OptionList(*(Option(label, id=value) for value, label in self.choices), id="prompt-choices")
             yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+            yield Static("", id="prompt-error", classes="dialog-error", markup=False)
             yield Static("Enter accepts · Esc cancels", classes="dialog-help")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(event.option.id)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        if self.empty_message and not event.value.strip():
+            return self.query_one("#prompt-error", Static).update(self.empty_message)
         self.dismiss(event.value)
 
 
 class SettingsDialog(Dialog):
-    """Temperature and max tokens; a bad value is named under the fields and nothing changes."""
+    """Temperature and max tokens, what can change between replies (the profile reloads the model: F4); a bad
+    value, or a max tokens the model's context cannot hold, is named under the fields and nothing changes."""
 
     AUTO_FOCUS = "#temperature"
 
-    def __init__(self, settings: ChatSettings):
+    def __init__(self, settings: ChatSettings, max_model_len: int | None = None):
         super().__init__()
-        self.settings = settings
+        self.settings, self.max_model_len = settings, max_model_len
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-box", classes="dialog"):
-            yield Label("Reply settings", classes="dialog-title")
+            yield Label("Reply settings (from the next reply on)", classes="dialog-title")
             yield Label("temperature (0 = greedy)")
             yield Input(f"{self.settings.temperature:g}", id="temperature")
-            yield Label("max tokens per reply")
+            limit = f", at most {max_reply_tokens(n)} of the {n}-token context" if (n := self.max_model_len) else ""
+            yield Label(f"max tokens per reply{limit}", markup=False)
             yield Input(str(self.settings.max_tokens), id="max-tokens")
-            yield Static("", id="settings-error", markup=False)
+            yield Static("", id="settings-error", classes="dialog-error", markup=False)
             yield Static("Enter saves · Esc cancels", classes="dialog-help")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         temperature = self.query_one("#temperature", Input).value
         max_tokens = self.query_one("#max-tokens", Input).value
         try:
-            self.dismiss(self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens)))
+            settings = self.settings.with_changes(temperature=float(temperature), max_tokens=int(max_tokens))
+            if self.max_model_len:
+                check_max_tokens(settings.max_tokens, self.max_model_len)
+            self.dismiss(settings)
         except ValueError:
             self.query_one("#settings-error", Static).update("temperature needs a number and max tokens a whole number")
         except errors.LowvramError as exc:
