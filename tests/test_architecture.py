@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"lowvram": ROOT / "lowvram", "lowvram.kernels": ROOT / "kernels", "lowvram.tui": ROOT / "tui"}
 CORE_TESTS = ["test_block_manager.py", "test_scheduler.py", "test_controller.py", "test_spill_policy.py"]
+CORE_TESTS += ["test_context.py"]
 
 
 def module_files() -> dict[str, Path]:
@@ -153,6 +154,7 @@ def test_the_blocker_blocks_torch():
         "lowvram.core.controller",
         "lowvram.core.spill_policy",
         "lowvram.core.sequence",
+        "lowvram.core.context",
     ],
 )
 def test_each_core_module_imports_without_torch(module):

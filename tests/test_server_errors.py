@@ -155,6 +155,30 @@ BAD_REQUESTS = [
         ["maximum context length", "1000"],
         "max_tokens",
     ),
+    (
+        "truncate_prompt_tokens beyond the context",
+        "chat",
+        "OK_CHAT truncate_prompt_tokens=513",
+        400,
+        ["truncate_prompt_tokens = 513", "context of 512 tokens"],
+        "truncate_prompt_tokens",
+    ),
+    (
+        "truncate_prompt_tokens zero",
+        "completion",
+        "OK_COMPLETION truncate_prompt_tokens=0",
+        400,
+        ["truncate_prompt_tokens"],
+        "truncate_prompt_tokens",
+    ),
+    (
+        "truncate_prompt_tokens not an integer",
+        "completion",
+        'OK_COMPLETION truncate_prompt_tokens="8"',
+        400,
+        ["truncate_prompt_tokens"],
+        "truncate_prompt_tokens",
+    ),
     ("both max_tokens names", "chat", "OK_CHAT max_completion_tokens=3", 400, ["max_completion_tokens"], None),
     ("seed beyond 64 bits", "completion", "OK_COMPLETION seed=18446744073709551616", 400, ["seed"], "seed"),
     ("unpaired surrogate", "completion", '{"model": "M", "prompt": "\\ud800"}', 400, ["surrogate"], "prompt"),
@@ -188,6 +212,30 @@ def test_the_server_still_answers_after_every_bad_request(http, model, engine):
     reply = http.post("/v1/chat/completions", json=_ok_chat(model))
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, model, async_engine, engine):
+    """vLLM's left truncation: a prompt past the context is answered from its last N tokens."""
+    from lowvram.server.schemas import ChatCompletionRequest, CompletionRequest
+
+    state = create_app(async_engine, model_name=model).state.lowvram
+    ids = engine.tokenizer.encode("word " * 600)
+    assert len(ids) > MAX_MODEL_LEN
+    assert state.encode(CompletionRequest(model=model, prompt=ids, truncate_prompt_tokens=100)) == ids[-100:]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 600}]
+    chat = ChatCompletionRequest(model=model, messages=messages, truncate_prompt_tokens=300)
+    assert state.encode(chat) == engine.tokenizer.apply_chat_template(messages)[-300:]
+    greedy = {"max_tokens": 4, "temperature": 0}
+    truncated = http.post(
+        "/v1/completions", json=_ok_completion(model, prompt=ids, truncate_prompt_tokens=100, **greedy)
+    )
+    direct = http.post("/v1/completions", json=_ok_completion(model, prompt=ids[-100:], **greedy))
+    assert truncated.status_code == 200, truncated.text
+    assert truncated.json()["usage"]["prompt_tokens"] == 100
+    assert truncated.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    # without it, the same prompt is OpenAI's 400 naming the numbers
+    error = _assert_error(http.post("/v1/completions", json=_ok_completion(model, prompt=ids)), 400, str(len(ids)))
+    assert error["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in error["message"]
 
 
 def test_unknown_model_is_404_model_not_found(http):

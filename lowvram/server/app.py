@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from lowvram.core.context import truncate_prompt
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.outputs import RequestOutput
@@ -242,6 +243,11 @@ class ServerState:
                 raise ApiError(400, f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)
+        if request.truncate_prompt_tokens is not None:
+            try:
+                ids = truncate_prompt(ids, request.truncate_prompt_tokens, self.max_model_len)
+            except RequestError as exc:
+                raise ApiError(400, str(exc), param="truncate_prompt_tokens", code="context_length_exceeded") from None
         if len(ids) >= self.max_model_len:
             raise self._too_long(param, f"the prompt has {len(ids)} tokens; shorten it")
         return ids

@@ -1,6 +1,7 @@
 """OpenAI request and response bodies. Requests are validated strictly (no coercion, no NaN, unknown parameters
 refused), so a typo is a 400 naming the field; OpenAI parameters lowvram cannot honour are accepted only at their
-"off" value. vLLM's top_k, min_p, repetition_penalty and ignore_eos are accepted, so one body runs on both."""
+"off" value. vLLM's top_k, min_p, repetition_penalty, ignore_eos and truncate_prompt_tokens are accepted, so one
+body runs on both."""
 
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ class _GenerationRequest(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
     ignore_eos: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last N tokens
     # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
     noop_params: ClassVar[frozenset[str]] = frozenset()
 
