@@ -30,6 +30,7 @@ from lowvram.tui.backend import EngineSpec  # noqa: E402
 from lowvram.tui.conversation import ChatSettings  # noqa: E402
 from lowvram.tui.widgets import (  # noqa: E402
     ChatInput,
+    ContextNotice,
     EmptyChatHint,
     EnginePanel,
     ErrorDialog,
@@ -232,6 +233,47 @@ def test_max_tokens_must_leave_room_for_the_prompt():
     assert any("at most 1536 of the 2048-token context" in label for label in labels)
     assert "max tokens 2000 leaves 48" in error and is_still_open
     assert sent_max_tokens == 1000  # what F3 set is what the next reply asks for
+
+
+def test_older_turns_are_dropped_to_fit_the_context_and_the_chat_says_so():
+    backend = ScriptedBackend()
+    backend.max_model_len = 60  # a scripted token is a word: 50 for the prompt, 10 for the reply
+    ten_words = " ".join(["word"] * 9)
+
+    async def main():
+        app, _ = scripted_app(backend, settings=ChatSettings(max_tokens=10))
+        async with app.run_test(size=SIZE) as pilot:
+            await started(pilot)
+            for i in range(5):
+                await type_and_send(pilot, f"q{i} {ten_words}")
+                backend.feed(f"a{i} {ten_words}")
+                await wait_until(pilot, lambda: len(app.conversation.turns) == 2 * i + 2, "the reply")
+            notices = [str(notice.content) for notice in app.query(ContextNotice)]
+            order = [type(w).__name__ for w in app.conversation_view.children]
+            await type_and_send(pilot, " ".join(["long"] * 51))  # more than the context, whatever is dropped
+            await wait_for_screen(pilot, ErrorDialog, "#error-buttons Button", "the error dialog")
+            error = f"{app.screen.message} {app.screen.hint}"
+            await pilot.press("enter")
+            await type_and_send(pilot, "after")
+            backend.feed("ok")
+            await wait_until(pilot, lambda: len(app.conversation.turns) == 12, "the reply after the error")
+            return notices, order, error, [[m["content"].split()[0] for m in r] for r in backend.requests]
+
+    notices, order, error, sent = run(main())
+    assert sent[:5] == [
+        ["q0"],
+        ["q0", "a0", "q1"],
+        ["q0", "a0", "q1", "a1", "q2"],
+        ["q0", "a0", "q2", "a2", "q3"],  # the first turn stays, the oldest after it goes
+        ["q0", "a0", "q3", "a3", "q4"],
+    ]
+    assert sent[5] == ["q0", "a0", "q4", "a4", "after"]  # the message that did not fit left no trace
+    assert notices == [
+        "1 older turn dropped to fit the 60-token context",
+        "2 older turns dropped to fit the 60-token context",
+    ]
+    assert order.count("ContextNotice") == 2 and order.index("ContextNotice") == 6  # above the message it concerns
+    assert "the message has 51 tokens" in error and "60-token context" in error
 
 
 def test_picking_a_profile_reloads_the_engine():

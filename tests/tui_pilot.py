@@ -16,6 +16,7 @@ pytest.importorskip("textual")
 from textual import events  # noqa: E402
 
 from lowvram import SamplingParams  # noqa: E402
+from lowvram.core.context import fit_messages  # noqa: E402
 from lowvram.engine.engine import EngineSnapshot  # noqa: E402
 from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from lowvram.tui.app import ChatApp  # noqa: E402
@@ -146,6 +147,12 @@ class ScriptedBackend:
                 )
         finally:
             self.num_aborted += not is_finished
+
+    async def fit(self, messages, max_tokens):
+        """The real context policy, counting a message's words as its tokens."""
+        roles, num_tokens = [m["role"] for m in messages], [len(m["content"].split()) for m in messages]
+        fit = fit_messages(roles, num_tokens, max_model_len=self.max_model_len, max_tokens=max_tokens)
+        return [messages[i] for i in fit.kept], fit
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot

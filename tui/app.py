@@ -72,6 +72,8 @@ class ChatApp(App):
         self.last_kv_restore = None  # the result of restoring a loaded transcript's KV pages
         self._reply: ui.AssistantMessage | None = None  # the reply streaming now
         self._queue: deque[ui.UserMessage] = deque()
+        self._num_dropped_turns = 0  # older turns the last prompt left out to fit the context
+        self._is_fitting = False
         # Engine warnings become notifications (thread-safe): a line on stderr would tear the screen.
         self._log_forwarder = LogForwarder(logging.WARNING, partial(self.notify, title="engine", severity="warning"))
         self._was_propagating = True
@@ -185,7 +187,7 @@ class ChatApp(App):
     async def send(self, text: str) -> None:
         """Show the message and send it now, or queue it behind the reply that is streaming."""
         await self.conversation_view.query(ui.EmptyChatHint).remove()
-        is_waiting = self._reply is not None or self.backend is None or bool(self._queue)
+        is_waiting = self._reply is not None or self._is_fitting or self.backend is None or bool(self._queue)
         view = ui.UserMessage(text, is_queued=is_waiting)
         self._queue.append(view)
         await self.conversation_view.mount(view)
@@ -195,17 +197,30 @@ class ChatApp(App):
         await self._pump()
 
     async def _pump(self) -> None:
-        if self._reply is not None or self.backend is None or not self._queue:
+        if self._reply is not None or self._is_fitting or self.backend is None or not self._queue:
             return
         user_view = self._queue.popleft()
         user_view.set_queued(False)
         self.conversation.turns.append(chat.Turn("user", user_view.text))
-        view = ui.AssistantMessage(self.backend.model_label)
+        params = self.conversation.settings.sampling_params()
+        self._is_fitting = True  # what is sent meanwhile waits in the queue
+        try:
+            messages, fit = await self.backend.fit(self.conversation.messages(), params.max_tokens)
+        except Exception as exc:  # the message alone does not fit: it goes back out, the chat goes on
+            self._is_fitting = False
+            self.conversation.turns.pop()
+            await user_view.remove()
+            self.push_screen(ui.ErrorDialog("The message does not fit the context", exc, [("ok", "OK")]))
+            return await self._pump()
+        self._is_fitting = False
+        if fit.num_dropped_turns and fit.num_dropped_turns != self._num_dropped_turns:
+            notice = chat.dropped_turns_notice(fit.num_dropped_turns, self.backend.max_model_len)
+            await self.conversation_view.mount(ui.ContextNotice(notice), before=user_view)
+        self._num_dropped_turns = fit.num_dropped_turns
+        view = self._reply = ui.AssistantMessage(self.backend.model_label)
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
-        self._reply = view
-        params = self.conversation.settings.sampling_params()
-        view.worker = self._stream_reply(view, self.conversation.messages(), params)
+        view.worker = self._stream_reply(view, messages, params)
         self._update_status()
 
     @work(group="reply")
@@ -264,7 +279,7 @@ class ChatApp(App):
     async def action_new_chat(self) -> None:
         await self.action_stop()
         await self.conversation_view.remove_children()
-        self.conversation = self.conversation.cleared()
+        self.conversation, self._num_dropped_turns = self.conversation.cleared(), 0
         await self._show_hint()
         self.notify("new chat")
         self._update_status()
@@ -308,7 +323,7 @@ class ChatApp(App):
             return self.push_screen(ui.ErrorDialog("Could not load the transcript", exc, [("ok", "OK")]))
         await self.action_stop()
         conversation.model, conversation.profile = self.conversation.model, self.conversation.profile
-        self.conversation = conversation
+        self.conversation, self._num_dropped_turns = conversation, 0
         await self.conversation_view.remove_children()
         label = self.backend.model_label if self.backend else self.spec.model_label
         await self.conversation_view.mount_all(

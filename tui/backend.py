@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from lowvram.core.context import ContextFit, fit_messages
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.demo import DEMO_MODEL_DIR
 from lowvram.engine.async_engine import AsyncLLMEngine
@@ -139,6 +140,10 @@ class ChatBackend:
         """Load saved KV pages into the prefix cache; a mismatch is reported, not fatal."""
         return await self.async_engine.call(lambda engine: restore_conversation(engine, path))
 
+    async def fit(self, messages: list[dict], max_tokens: int) -> tuple[list[dict], ContextFit]:
+        """The messages that fit the context with room for the reply (see `fit_to_context`)."""
+        return await self.async_engine.call(lambda engine: fit_to_context(engine, messages, max_tokens))
+
     def snapshot(self) -> EngineSnapshot:
         # The loop's copy is taken after steps only, so after an abort it still counts the freed pages;
         # with nothing running the engine is not stepping and can be read directly.
@@ -160,6 +165,34 @@ def chat_input(has_chat_template: bool, messages: list[dict]) -> dict:
     if has_chat_template:
         return {"messages": messages}
     return {"prompt": "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages) + "\n\nAssistant:"}
+
+
+def prompt_token_ids(engine: LLMEngine, messages: list[dict]) -> list[int]:
+    """The tokens the engine is given for `messages` (see `chat_input`)."""
+    given = chat_input(engine.tokenizer.has_chat_template, messages)
+    if "messages" in given:
+        return engine.tokenizer.apply_chat_template(given["messages"])
+    return engine.tokenizer.encode(given["prompt"])
+
+
+def fit_to_context(engine: LLMEngine, messages: list[dict], max_tokens: int) -> tuple[list[dict], ContextFit]:
+    """The messages to send so that the prompt and `max_tokens` fit the engine's context: old turns are dropped
+    as lowvram.core.context's policy says. Each message's token count is what it adds to the rendered prompt; a
+    template that is not additive (one that drops earlier reasoning, say) is checked on the rendered result."""
+    max_model_len, roles = engine.max_model_len, [m["role"] for m in messages]
+    num_total = len(prompt_token_ids(engine, messages))
+    if num_total + max_tokens <= max_model_len:  # the usual case: one rendering
+        return messages, ContextFit(tuple(range(len(messages))), 0, num_total)
+    ends = [len(prompt_token_ids(engine, messages[: i + 1])) for i in range(len(messages) - 1)] + [num_total]
+    num_tokens = [end - start for start, end in zip([0, *ends], ends)]
+    margin = 0
+    while True:
+        fit = fit_messages(roles, num_tokens, max_model_len=max_model_len - margin, max_tokens=max_tokens)
+        kept = [messages[i] for i in fit.kept]
+        excess = len(prompt_token_ids(engine, kept)) + max_tokens - max_model_len
+        if excess <= 0 or len(kept) == len(messages):
+            return kept, fit
+        margin += excess
 
 
 def load_backend(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> ChatBackend:

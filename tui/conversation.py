@@ -212,5 +212,11 @@ def check_max_tokens(max_tokens: int, max_model_len: int) -> None:
         )
 
 
+def dropped_turns_notice(num_dropped_turns: int, max_model_len: int) -> str:
+    """What the chat says when older turns are left out of the prompt (lowvram.core.context's policy)."""
+    turns = "turn" if num_dropped_turns == 1 else "turns"
+    return f"{num_dropped_turns} older {turns} dropped to fit the {max_model_len}-token context"
+
+
 def help_lines() -> list[tuple[str, str]]:
     return [(f"/{name} {arg}".rstrip(), doc) for name, (arg, doc) in COMMANDS.items()]

@@ -10,7 +10,7 @@ import sys
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
-from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, chat_input, load_engine
+from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, chat_input, fit_to_context, load_engine
 
 
 class PlainChat:
@@ -23,6 +23,7 @@ class PlainChat:
         self.engine = self._load(spec)
         self.conversation = chat.Conversation(settings, model=spec.model_label, profile=self.engine.profile.name)
         self._request_ids = itertools.count()
+        self.num_dropped_turns = 0  # older turns left out of the last prompt to fit the context
 
     def note(self, text: str) -> None:
         print(f"lowvram: {text}", file=self.stderr, flush=True)
@@ -62,9 +63,12 @@ class PlainChat:
         """Stream the reply to `text` to stdout; returns its finish reason."""
         self.conversation.turns.append(chat.Turn("user", text))
         request_id = f"plain-{next(self._request_ids)}"
-        messages = self.conversation.messages()
         params = self.conversation.settings.sampling_params()
         try:
+            messages, fit = fit_to_context(self.engine, self.conversation.messages(), params.max_tokens)
+            if fit.num_dropped_turns != self.num_dropped_turns and fit.num_dropped_turns:
+                self.note(chat.dropped_turns_notice(fit.num_dropped_turns, self.engine.max_model_len))
+            self.num_dropped_turns = fit.num_dropped_turns
             self.engine.add_request(
                 request_id, params=params, **chat_input(self.engine.tokenizer.has_chat_template, messages)
             )

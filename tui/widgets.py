@@ -90,6 +90,13 @@ class UserMessage(Static):
         self.border_subtitle = "queued: sent when the reply above ends" if is_queued else ""
 
 
+class ContextNotice(Static):
+    """A dim line in the conversation: older turns were left out of the prompt to fit the context."""
+
+    def __init__(self, text: str):
+        super().__init__(text, markup=False)
+
+
 class AssistantMessage(Markdown):
     """A reply, rendered as Markdown (code blocks highlighted) while it streams in."""
 
