@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("textual")
 
+from lowvram.core.context import ContextLengthError  # noqa: E402
 from lowvram.tui.backend import EngineSpec, prompt_token_ids  # noqa: E402
 from lowvram.tui.conversation import ChatSettings  # noqa: E402
 from lowvram.tui.plain import PlainChat  # noqa: E402
@@ -79,3 +80,8 @@ def test_a_twenty_turn_chat_on_a_512_token_model_runs_to_the_end(tiny_qwen2_dir)
         assert num_computed == len(ids) - num_common // block_size * block_size
         num_checked += 1
     assert num_checked >= 3
+
+    # a message that cannot fit whatever is dropped is refused, and the conversation is as it was
+    with pytest.raises(ContextLengthError, match=r"the message has \d+ tokens with the system prompt's \d+"):
+        chat.reply("word " * 600)
+    assert len(chat.conversation.turns) == 40
