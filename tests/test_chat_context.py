@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("textual")
 
 from lowvram.core.context import ContextLengthError  # noqa: E402
-from lowvram.tui.backend import EngineSpec, prompt_token_ids  # noqa: E402
+from lowvram.tui.backend import EngineSpec, fit_to_context, message_token_counts, prompt_token_ids  # noqa: E402
 from lowvram.tui.conversation import ChatSettings  # noqa: E402
 from lowvram.tui.plain import PlainChat  # noqa: E402
 
@@ -85,3 +85,23 @@ def test_a_twenty_turn_chat_on_a_512_token_model_runs_to_the_end(tiny_qwen2_dir)
     with pytest.raises(ContextLengthError, match=r"the message has \d+ tokens with the system prompt's \d+"):
         chat.reply("word " * 600)
     assert len(chat.conversation.turns) == 40
+
+
+class StrictTemplate:
+    """A chat template that wants roles to alternate from a user message, as Llama 2's and Mistral's do: a
+    message rendered after the one before it may fail. A token is a word, plus 2 per message and 1 for BOS."""
+
+    has_chat_template = True
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        if messages[0]["role"] == "assistant":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return [0] + [1 for m in messages for _ in range(len(m["content"].split()) + 2)] + [2] * add_generation_prompt
+
+
+def test_a_template_that_refuses_a_lone_reply_is_counted_on_whole_prefixes():
+    engine = type("Engine", (), {"tokenizer": StrictTemplate(), "max_model_len": 40})()
+    messages = [{"role": r, "content": "w " * n} for r, n in zip(["user", "assistant"] * 3, [5, 5, 6, 6, 7])]
+    assert message_token_counts(engine, messages) == [1 + 7 + 1, 7, 8, 8, 9]
+    kept, fit = fit_to_context(engine, messages, max_tokens=10)  # 30 for the prompt: the second turn goes
+    assert kept == messages[:2] + messages[4:] and fit.num_dropped_turns == 1

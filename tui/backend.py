@@ -183,8 +183,7 @@ def fit_to_context(engine: LLMEngine, messages: list[dict], max_tokens: int) -> 
     num_total = len(prompt_token_ids(engine, messages))
     if num_total + max_tokens <= max_model_len:  # the usual case: one rendering
         return messages, ContextFit(tuple(range(len(messages))), 0, num_total)
-    ends = [len(prompt_token_ids(engine, messages[: i + 1])) for i in range(len(messages) - 1)] + [num_total]
-    num_tokens = [end - start for start, end in zip([0, *ends], ends)]
+    num_tokens = message_token_counts(engine, messages)
     margin = 0
     while True:
         fit = fit_messages(roles, num_tokens, max_model_len=max_model_len - margin, max_tokens=max_tokens)
@@ -193,6 +192,19 @@ def fit_to_context(engine: LLMEngine, messages: list[dict], max_tokens: int) -> 
         if excess <= 0 or len(kept) == len(messages):
             return kept, fit
         margin += excess
+
+
+def message_token_counts(engine: LLMEngine, messages: list[dict]) -> list[int]:
+    """What each message adds to the rendered prompt, rendered after the message before it (template overhead
+    counts in the first). Each rendering is short, so a long history costs one pass over its tokens; a template
+    that refuses such a pair is rendered on growing prefixes instead."""
+    try:
+        lengths = [len(prompt_token_ids(engine, messages[i : i + 1])) for i in range(len(messages))]
+        pairs = [len(prompt_token_ids(engine, messages[i - 1 : i + 1])) for i in range(1, len(messages))]
+        return lengths[:1] + [pair - alone for pair, alone in zip(pairs, lengths)]
+    except Exception:  # jinja's raise_exception (roles must alternate, ...)
+        ends = [len(prompt_token_ids(engine, messages[: i + 1])) for i in range(len(messages))]
+        return [end - start for start, end in zip([0, *ends], ends)]
 
 
 def load_backend(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text: None) -> ChatBackend:

@@ -4,7 +4,7 @@ The chat's policy is llama.cpp's context shift with `n_keep`: the system prompt 
 anchor the conversation and act as attention sinks), the oldest whole turns after them go, and the newest turn
 always stays. The kept head renders to the same tokens at the same positions as before, so its full KV pages come
 from the prefix cache; what follows the dropped turns moves to earlier positions, and since RoPE is applied to K
-before it is cached, those tokens are computed again (one prefill, like llama.cpp's shift, without editing K).
+before it is cached, those tokens are computed again in one prefill (llama.cpp rotates the cached K instead).
 The server's `truncate_prompt_tokens` is vLLM's left truncation: the prompt keeps its last N tokens.
 """
 
