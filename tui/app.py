@@ -63,7 +63,13 @@ class ChatApp(App):
     ]
 
     def __init__(
-        self, spec=None, settings=None, *, transcript_dir=None, loader=load_backend, is_reasoning_hidden=False
+        self,
+        spec: EngineSpec | None = None,
+        settings=None,
+        *,
+        transcript_dir=None,
+        loader=load_backend,
+        is_reasoning_hidden=False,
     ):
         super().__init__()
         self.is_reasoning_hidden = is_reasoning_hidden
@@ -230,16 +236,18 @@ class ChatApp(App):
         finally:
             self.call_later(self._on_reply, view, "", num_tokens, finish_reason, error)
 
-    async def _on_reply(self, view, text: str, num_tokens: int, finish_reason=None, error=None, **reasoning) -> None:
-        """New text of a reply (reasoning: its new `reasoning` text, and `thought` once that ends); with
-        finish_reason set, its end."""
+    async def _on_reply(
+        self, view, text: str, num_tokens: int, finish_reason=None, error=None, *, reasoning="", thought=None
+    ) -> None:
+        """New text of a reply and of its reasoning (`thought`: the reasoning's summary, once it has ended);
+        with finish_reason set, its end."""
         if view is not self._reply:  # a stopped reply's last words
             return
         view.num_tokens = num_tokens
-        if reasoning.get("reasoning"):
-            await view.write_reasoning(reasoning["reasoning"], is_hidden=self.is_reasoning_hidden)
-        if reasoning.get("thought") and view.reasoning_block is not None:
-            view.reasoning_block.finish(reasoning["thought"])
+        if reasoning:
+            await view.write_reasoning(reasoning, is_hidden=self.is_reasoning_hidden)
+        if thought and view.reasoning_block is not None:
+            view.reasoning_block.finish(thought)
         if text:
             await view.write(text)
         if finish_reason is not None:

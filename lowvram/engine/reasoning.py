@@ -35,7 +35,7 @@ class ReasoningParser:
     to the one that closed the reasoning, from the counts given to `feed`."""
 
     def __init__(self, is_open: bool = False):
-        self.state = "start"  # then "reasoning" or "answer"; "reasoning" then "answer"
+        self.state = "start"  # undecided, then "reasoning" (then "answer"), or "answer" at once
         self.is_open = is_open
         self.has_reasoning = False
         self.num_reasoning_tokens = 0
