@@ -78,6 +78,22 @@ def tiny_qwen2_sharded_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2-sharded"), "qwen2", sharded=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_reasoning_dir(tiny_qwen2_dir, tmp_path_factory):
+    """`tiny_qwen2_dir` with a chat template that opens `<think>\n` for the reply, as DeepSeek-R1's newer ones do."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-reasoning") / "tiny-r1"
+    shutil.copytree(tiny_qwen2_dir, out)
+    template = (out / "chat_template.jinja").read_text("utf-8")
+    opened = template.replace(
+        "{{- '<｜Assistant｜>' -}}{%- endif -%}", "{{- '<｜Assistant｜><think>\\n' -}}{%- endif -%}"
+    )
+    assert opened != template, "the template's generation prompt moved; update this fixture"
+    (out / "chat_template.jinja").write_text(opened, "utf-8")
+    return out
+
+
 @pytest.fixture(params=["llama", "qwen2"], ids=["llama", "qwen2"])
 def tiny_model_dir(request):
     """Each tiny checkpoint in turn, for tests that must hold for both architectures."""

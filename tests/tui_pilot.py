@@ -19,6 +19,7 @@ from lowvram import SamplingParams  # noqa: E402
 from lowvram.core.context import fit_messages  # noqa: E402
 from lowvram.engine.engine import EngineSnapshot  # noqa: E402
 from lowvram.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from lowvram.engine.reasoning import ReasoningParser  # noqa: E402
 from lowvram.tui.app import ChatApp  # noqa: E402
 from lowvram.tui.backend import EngineSpec  # noqa: E402
 from lowvram.tui.widgets import (  # noqa: E402
@@ -113,6 +114,7 @@ class ScriptedBackend:
     profile_name = "4gb"
     is_demo_model = True
     max_model_len = 2048
+    has_reasoning_tags = False  # True: a reasoning model whose template opens <think> for the reply
 
     def __init__(self, snapshot: EngineSnapshot = SCRIPTED_SNAPSHOT):
         self._snapshot = snapshot
@@ -156,6 +158,9 @@ class ScriptedBackend:
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
+
+    def reasoning_parser(self, prompt_token_ids):
+        return ReasoningParser(is_open=True) if self.has_reasoning_tags else None
 
     def stop(self) -> None:
         self.is_stopped = True

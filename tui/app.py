@@ -23,7 +23,7 @@ from lowvram.core.sampling_params import SamplingParams
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
 from lowvram.tui import widgets as ui
-from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, load_backend
+from lowvram.tui.backend import ChatBackend, EngineSpec, LogForwarder, ReplyText, load_backend
 
 PANEL_REFRESH_S = 0.25
 KEY_NAMES = {"escape": "Esc", "pageup": "PgUp", "pagedown": "PgDn"}
@@ -40,7 +40,8 @@ def key_label(keys: str) -> str:
 
 
 class ChatApp(App):
-    """The terminal chat. `loader(spec, on_stage)` builds the backend (the real engine by default)."""
+    """The terminal chat. `loader(spec, on_stage)` builds the backend (the real engine by default).
+    is_reasoning_hidden: a reasoning model's thinking blocks start folded."""
 
     CSS_PATH = "chat.tcss"
     TITLE = "lowvram chat"
@@ -61,8 +62,17 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),  # from any dialog too
     ]
 
-    def __init__(self, spec: EngineSpec | None = None, settings=None, *, transcript_dir=None, loader=load_backend):
+    def __init__(
+        self,
+        spec: EngineSpec | None = None,
+        settings=None,
+        *,
+        transcript_dir=None,
+        loader=load_backend,
+        is_reasoning_hidden=False,
+    ):
         super().__init__()
+        self.is_reasoning_hidden = is_reasoning_hidden
         self.spec = spec or EngineSpec()
         self.conversation = chat.Conversation(settings or chat.ChatSettings(), model=self.spec.model_label)
         self.transcript_dir = transcript_dir
@@ -220,17 +230,20 @@ class ChatApp(App):
         view = self._reply = ui.AssistantMessage(self.backend.model_label)
         await self.conversation_view.mount(view, after=user_view)
         view.start_streaming()
+        view.reply_text = ReplyText(self.backend.reasoning_parser)
         view.worker = self._stream_reply(view, messages, params)
         self._update_status()
 
     @work(group="reply")
     async def _stream_reply(self, view: ui.AssistantMessage, messages: list[dict], params: SamplingParams) -> None:
         finish_reason, error, num_tokens = "abort", None, 0
+        reply = view.reply_text
         try:
             async for out in self.backend.stream(messages, params):
                 num_tokens = len(out.outputs[0].token_ids)
-                if out.text_delta:
-                    self.call_later(self._on_reply, view, out.text_delta, num_tokens)
+                reasoning, answer, thought = reply.add(out)
+                if reasoning or answer or thought:
+                    self.call_later(self._on_reply, view, answer, num_tokens, reasoning=reasoning, thought=thought)
                 if out.finished:
                     finish_reason = out.outputs[0].finish_reason or "stop"
         except Exception as exc:  # shown in a dialog; the chat goes on
@@ -238,11 +251,18 @@ class ChatApp(App):
         finally:
             self.call_later(self._on_reply, view, "", num_tokens, finish_reason, error)
 
-    async def _on_reply(self, view, text: str, num_tokens: int, finish_reason=None, error=None) -> None:
-        """New text of a reply; with finish_reason set, its end."""
+    async def _on_reply(
+        self, view, text: str, num_tokens: int, finish_reason=None, error=None, *, reasoning="", thought=None
+    ) -> None:
+        """New text of a reply and of its reasoning (`thought`: the reasoning's summary, once it has ended);
+        with finish_reason set, its end."""
         if view is not self._reply:  # a stopped reply's last words
             return
         view.num_tokens = num_tokens
+        if reasoning:
+            await view.write_reasoning(reasoning, is_hidden=self.is_reasoning_hidden)
+        if thought and view.reasoning_block is not None:
+            view.reasoning_block.finish(thought)
         if text:
             await view.write(text)
         if finish_reason is not None:
@@ -251,8 +271,12 @@ class ChatApp(App):
     async def _finish_reply(self, finish_reason: str, error: BaseException | None = None) -> None:
         view, self._reply = self._reply, None
         await view.finish(finish_reason, f"{view.num_tokens} token{'' if view.num_tokens == 1 else 's'}")
+        block = view.reasoning_block
+        if block is not None and block.title == block.THINKING_TITLE:  # stopped while thinking
+            block.finish(view.reply_text.thought())
         if error is None:
-            self.conversation.turns.append(chat.Turn("assistant", view.text, finish_reason))
+            reasoning = block.text if block is not None else None
+            self.conversation.turns.append(chat.Turn("assistant", view.text, finish_reason, reasoning))
         else:
             self.conversation.turns.pop()  # the question goes back out of the history with its failed reply
             self.push_screen(ui.ErrorDialog("The reply failed", error, [("ok", "OK")]))
@@ -326,10 +350,15 @@ class ChatApp(App):
         self.conversation, self._num_dropped_turns = conversation, 0
         await self.conversation_view.remove_children()
         label = self.backend.model_label if self.backend else self.spec.model_label
-        await self.conversation_view.mount_all(
-            ui.UserMessage(t.content) if t.role == "user" else ui.AssistantMessage(label, t.content, t.finish_reason)
-            for t in conversation.turns
-        )
+        views = []
+        for t in conversation.turns:
+            if t.reasoning:
+                views.append(ui.ReasoningBlock(t.reasoning, "reasoning"))
+            is_user = t.role == "user"
+            views.append(
+                ui.UserMessage(t.content) if is_user else ui.AssistantMessage(label, t.content, t.finish_reason)
+            )
+        await self.conversation_view.mount_all(views)
         self.conversation_view.anchor()
         self.notify(f"{len(conversation.turns)} messages from {path}", title="loaded")
         self._fit_max_tokens()

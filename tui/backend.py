@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from lowvram.demo import DEMO_MODEL_DIR
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.engine import EngineSnapshot, LLMEngine
 from lowvram.engine.outputs import RequestOutput
+from lowvram.engine.reasoning import ReasoningParser
+from lowvram.engine.tokenizer import Tokenizer
 from lowvram.kv.conversation_store import model_identity, restore_conversation, save_conversation
 from lowvram.paths import user_data_dir
 
@@ -115,6 +118,51 @@ def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> st
     return str(out)
 
 
+def reasoning_parser(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> ReasoningParser | None:
+    """A parser for a reply's <think> part, for models whose chat template has the tags; else None."""
+    if not tokenizer.uses_reasoning_tags:
+        return None
+    return ReasoningParser(tokenizer.prompt_opens_reasoning(prompt_token_ids))
+
+
+class ReplyText:
+    """One streaming reply split into reasoning and answer, timing the reasoning.
+    make_parser(prompt_token_ids): a ReasoningParser, or None for a model that does not reason in tags."""
+
+    def __init__(self, make_parser: Callable[[list[int]], ReasoningParser | None]):
+        self.make_parser, self.parser = make_parser, None
+        self.started_at = time.monotonic()
+        self.reasoning = self.answer = ""
+        self.thought_s: float | None = None  # how long the reasoning took, once it has ended
+        self._is_first = True
+
+    def add(self, out: RequestOutput) -> tuple[str, str, str | None]:
+        """The output's new reasoning and answer text, and `thought()` if the reasoning ended with it."""
+        if self._is_first:
+            self.parser, self._is_first = self.make_parser(out.prompt_token_ids), False
+        if self.parser is None:
+            self.answer += out.text_delta
+            return "", out.text_delta, None
+        reasoning, answer = self.parser.feed(out.text_delta, len(out.outputs[0].token_ids))
+        if out.finished:
+            last = self.parser.finish()
+            reasoning, answer = reasoning + last[0], answer + last[1]
+        self.reasoning, self.answer = self.reasoning + reasoning, self.answer + answer
+        has_ended = self.parser.has_reasoning and (not self.parser.is_reasoning or out.finished)
+        if self.thought_s is None and has_ended:
+            self.thought_s = time.monotonic() - self.started_at
+            return reasoning, answer, self.thought()
+        return reasoning, answer, None
+
+    def thought(self) -> str:
+        """'thought for 3.2 s, 120 tokens', or how far it got while still thinking."""
+        num_tokens = self.parser.num_reasoning_tokens if self.parser else 0
+        tokens = f"{num_tokens} token{'' if num_tokens == 1 else 's'}"
+        if self.thought_s is None:
+            return f"thinking stopped after {time.monotonic() - self.started_at:.1f} s, {tokens}"
+        return f"thought for {self.thought_s:.1f} s, {tokens}"
+
+
 class ChatBackend:
     """A running engine loop plus the names the side panel shows."""
 
@@ -129,6 +177,9 @@ class ChatBackend:
         """Token outputs of one reply; closing or cancelling the iterator aborts it and frees its pages."""
         request_id = self.async_engine.new_request_id("chat")
         return self.async_engine.generate(request_id, params=params, **chat_input(self.has_chat_template, messages))
+
+    def reasoning_parser(self, prompt_token_ids: list[int]) -> ReasoningParser | None:
+        return reasoning_parser(self.llm_engine.tokenizer, prompt_token_ids)
 
     async def save_kv(self, messages: list[dict], path) -> Path:
         """Save the conversation's KV pages next to its transcript (see lowvram.kv.conversation_store)."""

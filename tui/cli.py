@@ -29,6 +29,8 @@ def add_chat_parser(subparsers) -> None:
     quantize = "quantize an FP16/BF16 model to AWQ INT4 before chatting (done once, kept under the data dir)"
     p.add_argument("--quantize", action="store_true", help=quantize)
     where = "$XDG_DATA_HOME/lowvram/transcripts, else ~/.local/share/lowvram/transcripts"
+    hide = "a reasoning model's thinking: not printed with --plain (else it goes to stderr); folded in the screen"
+    p.add_argument("--hide-reasoning", action="store_true", help=hide)
     p.add_argument("--transcripts", metavar="DIR", help=f"where Ctrl+S saves transcripts (default: {where})")
     p.set_defaults(func=cmd_chat)
 
@@ -44,12 +46,12 @@ def cmd_chat(args) -> int:
     if args.plain or not sys.stdout.isatty() or not sys.stdin.isatty():
         from lowvram.tui.plain import run_plain
 
-        return run_plain(spec, settings, transcript_dir=transcript_dir)
+        return run_plain(spec, settings, transcript_dir=transcript_dir, is_reasoning_hidden=args.hide_reasoning)
 
     from lowvram.tui.app import ChatApp
     from lowvram.tui.widgets import describe_error
 
-    app = ChatApp(spec, settings, transcript_dir=transcript_dir)
+    app = ChatApp(spec, settings, transcript_dir=transcript_dir, is_reasoning_hidden=args.hide_reasoning)
     app.run()
     if app.backend is None and app.load_error is not None:
         message, hint = describe_error(app.load_error)

@@ -42,11 +42,13 @@ class ChatSettings:
 
 @dataclass
 class Turn:
-    """One message. `finish_reason` (assistant only): stop, length, abort."""
+    """One message. `finish_reason` (assistant only): stop, length, abort. `reasoning`: a reasoning model's
+    thinking before its answer (kept in transcripts; the chat template leaves it out of the next prompt)."""
 
     role: str
     content: str
     finish_reason: str | None = None
+    reasoning: str | None = None
 
 
 @dataclass
@@ -84,7 +86,10 @@ class Conversation:
         if s.system_prompt:
             lines += ["## System", "", s.system_prompt, ""]
         for turn in self.turns:
-            lines += ["## You" if turn.role == "user" else "## Assistant", "", turn.content, ""]
+            lines += ["## You" if turn.role == "user" else "## Assistant", ""]
+            if turn.reasoning:
+                lines += ["<details><summary>Reasoning</summary>", "", turn.reasoning, "", "</details>", ""]
+            lines += [turn.content, ""]
             if turn.finish_reason in ("abort", "length"):
                 lines += ["*(stopped)*" if turn.finish_reason == "abort" else "*(cut at max tokens)*", ""]
         return "\n".join(lines)
@@ -137,9 +142,10 @@ def load_transcript(path: str | os.PathLike) -> Conversation:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}; allowed: {allowed}")
     turns = data.get("turns", [])
     for i, raw in enumerate(turns):
-        if not isinstance(raw, dict) or raw.get("role") not in ROLES or not isinstance(raw.get("content"), str):
+        is_text = isinstance(raw, dict) and all(isinstance(raw.get(k, ""), str) for k in ("content", "reasoning"))
+        if not is_text or raw.get("role") not in ROLES or "content" not in raw:
             raise ConfigError(f"{path}: turn {i} needs a role in {ROLES} and a text content, got {raw!r}")
-    turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason")) for raw in turns]
+    turns = [Turn(raw["role"], raw["content"], raw.get("finish_reason"), raw.get("reasoning")) for raw in turns]
     strings = [str(data.get(key, "")) for key in ("model", "profile", "started_at")]
     return Conversation(ChatSettings(**settings), turns, *strings)
 

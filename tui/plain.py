@@ -1,23 +1,33 @@
 """The line-oriented chat for scripts and pipes (`echo "hi" | lowvram chat --plain`): each input line is a
-message, its reply streams to stdout; notes, prompts and errors go to stderr. Slash commands work as in the
-terminal UI; Ctrl-C stops the reply being written (freeing its pages) and the chat goes on."""
+message, its reply streams to stdout; notes, prompts and errors go to stderr, and so does a reasoning model's
+thinking (unless hidden), so stdout holds only answers. Slash commands work as in the terminal UI; Ctrl-C
+stops the reply being written (freeing its pages) and the chat goes on."""
 
 from __future__ import annotations
 
 import itertools
 import sys
+from functools import partial
 
 from lowvram.engine.engine import LLMEngine
 from lowvram.errors import LowvramError
 from lowvram.tui import conversation as chat
-from lowvram.tui.backend import BUNDLED_MODEL_LABEL, EngineSpec, chat_input, fit_to_context, load_engine
+from lowvram.tui.backend import (
+    BUNDLED_MODEL_LABEL,
+    EngineSpec,
+    ReplyText,
+    chat_input,
+    fit_to_context,
+    load_engine,
+    reasoning_parser,
+)
 
 
 class PlainChat:
     """One conversation against one engine, read from and written to text streams."""
 
-    def __init__(self, spec: EngineSpec, settings: chat.ChatSettings, transcript_dir, stdin, stdout, stderr):
-        self.spec, self.transcript_dir = spec, transcript_dir
+    def __init__(self, spec, settings, transcript_dir, stdin, stdout, stderr, is_reasoning_hidden=False):
+        self.spec, self.transcript_dir, self.is_reasoning_hidden = spec, transcript_dir, is_reasoning_hidden
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.is_interactive = stdin.isatty()
         self.engine = self._load(spec)
@@ -75,22 +85,35 @@ class PlainChat:
         except LowvramError:
             self.conversation.turns.pop()
             raise
-        reply, finish_reason = "", "abort"
+        reply, finish_reason = ReplyText(partial(reasoning_parser, self.engine.tokenizer)), "abort"
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    reply += out.text_delta
-                    self.stdout.write(out.text_delta)
+                    reasoning, answer, thought = reply.add(out)
+                    self.show_reasoning(reasoning, thought)
+                    self.stdout.write(answer)
                     self.stdout.flush()
                     if out.finished:
                         finish_reason = out.outputs[0].finish_reason or "stop"
         except KeyboardInterrupt:
             self.engine.abort_request(request_id)
+            self.show_reasoning("", reply.thought() if reply.reasoning and reply.thought_s is None else None)
             self.note("stopped")
         self.stdout.write("\n")
         self.stdout.flush()
-        self.conversation.turns.append(chat.Turn("assistant", reply, finish_reason))
+        turn = chat.Turn("assistant", reply.answer, finish_reason, reply.reasoning if reply.reasoning else None)
+        self.conversation.turns.append(turn)
         return finish_reason
+
+    def show_reasoning(self, text: str, thought: str | None) -> None:
+        """A reasoning model's thinking on stderr as it comes, ended by how long it took."""
+        if self.is_reasoning_hidden:
+            return
+        self.stderr.write(text)
+        if thought is not None:
+            self.stderr.write("\n")
+            self.note(thought)
+        self.stderr.flush()
 
     def run_command(self, command) -> None:
         if (changes := chat.setting_changes(command)) is not None:
@@ -127,8 +150,15 @@ class PlainChat:
 
 
 def run_plain(
-    spec: EngineSpec, settings: chat.ChatSettings, *, transcript_dir=None, stdin=None, stdout=None, stderr=None
+    spec: EngineSpec,
+    settings: chat.ChatSettings,
+    *,
+    transcript_dir=None,
+    stdin=None,
+    stdout=None,
+    stderr=None,
+    is_reasoning_hidden=False,
 ):
     """Chat line by line (the standard streams by default); the exit status of `PlainChat.run`."""
     streams = (stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
-    return PlainChat(spec, settings, transcript_dir, *streams).run()
+    return PlainChat(spec, settings, transcript_dir, *streams, is_reasoning_hidden).run()

@@ -15,7 +15,17 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.screen import ModalScreen, Screen
 from textual.widget import Widget
-from textual.widgets import Button, DataTable, Input, Label, LoadingIndicator, Markdown, OptionList, Static
+from textual.widgets import (
+    Button,
+    Collapsible,
+    DataTable,
+    Input,
+    Label,
+    LoadingIndicator,
+    Markdown,
+    OptionList,
+    Static,
+)
 from textual.widgets.option_list import Option
 
 from lowvram import errors
@@ -97,12 +107,35 @@ class ContextNotice(Static):
         super().__init__(text, markup=False)
 
 
+class ReasoningBlock(Collapsible):
+    """A reasoning model's thinking, dimmed above its answer: open while it thinks (unless `is_hidden`), folded
+    once the answer starts; its title says how long it thought and for how many tokens. Enter or a click on
+    the title opens or folds it."""
+
+    THINKING_TITLE = "thinking..."
+
+    def __init__(self, text: str = "", title: str = THINKING_TITLE, *, is_hidden: bool = False):
+        self.body = Static(text, markup=False, classes="reasoning-text")
+        super().__init__(self.body, title=title, collapsed=is_hidden or title != self.THINKING_TITLE)
+        self.text = text
+
+    def write(self, delta: str) -> None:
+        self.text += delta
+        self.body.update(self.text)
+
+    def finish(self, title: str) -> None:
+        self.title, self.collapsed = title, True
+
+
 class AssistantMessage(Markdown):
-    """A reply, rendered as Markdown (code blocks highlighted) while it streams in."""
+    """A reply, rendered as Markdown (code blocks highlighted) while it streams in; a reasoning model's
+    thinking goes to a ReasoningBlock mounted above it."""
 
     def __init__(self, model_label: str, text: str = "", finish_reason: str | None = None):
         super().__init__(text)
         self.text = text
+        self.reasoning_block: ReasoningBlock | None = None
+        self.reply_text = None  # while it streams: its lowvram.tui.backend.ReplyText
         self.border_title = model_label
         self._stream = None
         self.worker = None  # while it streams: the worker whose cancellation stops it
@@ -117,6 +150,12 @@ class AssistantMessage(Markdown):
     async def write(self, delta: str) -> None:
         self.text += delta
         await self._stream.write(delta)
+
+    async def write_reasoning(self, delta: str, *, is_hidden: bool = False) -> None:
+        if self.reasoning_block is None:
+            self.reasoning_block = ReasoningBlock(is_hidden=is_hidden)
+            await self.parent.mount(self.reasoning_block, before=self)
+        self.reasoning_block.write(delta)
 
     async def finish(self, finish_reason: str, detail: str = "") -> None:
         """Flush the stream and label the reply with how it ended."""

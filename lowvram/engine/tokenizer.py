@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+from lowvram.engine import reasoning
 from lowvram.errors import ModelLoadError, RequestError
 
 log = logging.getLogger("lowvram")
@@ -42,6 +43,16 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    @property
+    def uses_reasoning_tags(self) -> bool:
+        """Whether the chat template is one of a model that reasons in <think> tags (DeepSeek-R1's)."""
+        return reasoning.uses_reasoning_tags(str(getattr(self.hf, "chat_template", None) or ""))
+
+    def prompt_opens_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the prompt ends inside an open <think>: R1's newer templates open it for the reply."""
+        tail = self.hf.decode(prompt_token_ids[-8:], skip_special_tokens=False)
+        return reasoning.prompt_opens_reasoning(tail)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))

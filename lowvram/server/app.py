@@ -26,6 +26,7 @@ from lowvram.core.context import truncate_prompt
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.engine.async_engine import AsyncLLMEngine
 from lowvram.engine.outputs import RequestOutput
+from lowvram.engine.reasoning import ReasoningParser
 from lowvram.errors import LowvramError, RequestError
 from lowvram.server import defaults
 from lowvram.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -37,6 +38,7 @@ RETRY_AFTER_FULL_S = 1
 RETRY_AFTER_SHUTDOWN_S = 5
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 SSE_DONE = b"data: [DONE]\n\n"
+REASONING_PARSERS = ("auto", "deepseek_r1", "none")
 
 
 def _printable(text: str | None, max_chars: int = 300) -> str | None:
@@ -90,10 +92,10 @@ def _is_disconnect(exc: BaseException) -> bool:
 class _Generation:
     """One admitted request on the engine; `next_output()` yields its outputs in order. `end(reason)` cancels
     the pump (aborting the request) and the reader gets `_Ended(reason)` after what is already queued.
-    `close()` gives the queue slot back."""
+    `close()` gives the queue slot back. With a `reasoning` parser, `split` parts each output's text."""
 
-    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams):
-        self.state = state
+    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams, reasoning=None):
+        self.state, self.reasoning = state, reasoning
         self.num_prompt_tokens, self.num_output_tokens = len(ids), 0
         self.finish_reason: str | None = None
         self.admitted_at = time.perf_counter()
@@ -144,9 +146,22 @@ class _Generation:
         self.state.num_in_flight -= 1
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
+    def split(self, out: RequestOutput) -> tuple[str, str]:
+        """The output's new (reasoning, answer) text; all of it is answer when reasoning is not parsed."""
+        if self.reasoning is None:
+            return "", out.text_delta
+        reasoning, answer = self.reasoning.feed(out.text_delta, len(out.outputs[0].token_ids))
+        if out.finished:
+            last_reasoning, last_answer = self.reasoning.finish()
+            reasoning, answer = reasoning + last_reasoning, answer + last_answer
+        return reasoning, answer
+
     def usage(self) -> dict:
         prompt, completion = self.num_prompt_tokens, self.num_output_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.reasoning is not None:  # OpenAI's place for it; the reasoning tokens are among completion_tokens
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning.num_reasoning_tokens}
+        return usage
 
 
 async def _watch_disconnect(receive, generation: _Generation) -> None:
@@ -169,6 +184,7 @@ class ServerState:
         self.generations: set[_Generation] = set()
         self.num_in_flight = 0  # admitted requests, including those still being tokenized
         self.is_draining = False
+        self.is_reasoning_parsed = False  # chat replies' <think> part goes to `reasoning_content`
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
 
@@ -296,8 +312,11 @@ class _EventStream(Response):
         try:
             while True:
                 out = await self.generation.next_output()
-                if out.text_delta:
-                    yield self._chunk(self.shape.delta(out.text_delta))
+                reasoning, answer = self.generation.split(out)
+                if reasoning:  # its own chunks, before the answer's, as DeepSeek's API and vLLM send them
+                    yield self._chunk(self.shape.delta(reasoning, "reasoning_content"))
+                if answer:
+                    yield self._chunk(self.shape.delta(answer))
                 if out.finished:
                     yield self._chunk(self.shape.finish(out.outputs[0].finish_reason))
                     break
@@ -386,15 +405,23 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
         state.num_in_flight -= 1
         raise
     request_id = shape_type.id_prefix + uuid.uuid4().hex
-    generation = _Generation(state, request_id, prompt_token_ids, params)
+    is_reasoning_parsed = state.is_reasoning_parsed and isinstance(body, ChatCompletionRequest)
+    opens = is_reasoning_parsed and state.engine.tokenizer.prompt_opens_reasoning(prompt_token_ids)
+    parser = ReasoningParser(opens) if is_reasoning_parsed else None
+    generation = _Generation(state, request_id, prompt_token_ids, params, parser)
     shape = shape_type(request_id, state.model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(generation, shape, include_usage=include_usage)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
+    reasoning, answer = "", ""
     try:
-        while not (out := await generation.next_output()).finished:
-            pass
+        while True:
+            out = await generation.next_output()
+            reasoning_delta, answer_delta = generation.split(out)
+            reasoning, answer = reasoning + reasoning_delta, answer + answer_delta
+            if out.finished:
+                break
     except Exception as exc:
         if _is_disconnect(exc):
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -402,8 +429,11 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
     finally:
         watcher.cancel()
         generation.close()
-    completion = out.outputs[0]
-    return _json_response(shape.whole(completion.text, completion.finish_reason, generation.usage()))
+    completion, usage = out.outputs[0], generation.usage()
+    if parser is None:
+        return _json_response(shape.whole(completion.text, completion.finish_reason, usage))
+    reasoning = reasoning if parser.has_reasoning else None
+    return _json_response(shape.whole(answer, completion.finish_reason, usage, reasoning_content=reasoning))
 
 
 async def _list_models(request: Request, state: ServerState) -> Response:
@@ -487,6 +517,7 @@ def create_app(
     max_body_bytes: int = defaults.MAX_BODY_BYTES,
     default_max_tokens: int = defaults.MAX_TOKENS,
     shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S,
+    reasoning_parser: str = "auto",
 ) -> Starlette:
     """The OpenAI-compatible ASGI app over a running (or startable) AsyncLLMEngine.
 
@@ -496,12 +527,18 @@ def create_app(
     max_body_bytes: larger request bodies get 413.
     default_max_tokens: completion length when a request gives none (also capped by the context left).
     shutdown_grace_s: after `app.state.lowvram.begin_shutdown()`, how long in-flight requests may run on.
+    reasoning_parser: "deepseek_r1" answers chat with the text before </think> as `reasoning_content`, "none"
+    leaves it in `content`, "auto" is deepseek_r1 when the model's chat template has <think> tags.
     The caller owns the engine: the app starts it if needed but never stops it.
     """
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser = {reasoning_parser!r}; use one of {', '.join(REASONING_PARSERS)}")
     if max_queue < 1 or max_body_bytes < 1 or default_max_tokens < 1 or shutdown_grace_s < 0:
         raise ValueError("max_queue, max_body_bytes and default_max_tokens must be positive, shutdown_grace_s >= 0")
     limits = (max_queue, max_body_bytes, default_max_tokens, shutdown_grace_s)
     state = ServerState(async_engine, model_name, api_key, *limits)
+    is_auto_on = reasoning_parser == "auto" and state.engine.tokenizer.uses_reasoning_tags
+    state.is_reasoning_parsed = reasoning_parser == "deepseek_r1" or is_auto_on
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

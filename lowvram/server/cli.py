@@ -176,6 +176,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         ("--shutdown-grace-s", float, defaults.SHUTDOWN_GRACE_S, "on SIGINT/SIGTERM, how long requests may finish"),
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
+    reasoning = "chat replies' reasoning before </think> goes to reasoning_content, as vLLM's deepseek_r1 parser "
+    reasoning += "does (none: left in content; default auto: on when the chat template has <think> tags)"
+    choices = ("auto", "deepseek_r1", "none")  # lowvram.server.app.REASONING_PARSERS, without importing the app
+    p.add_argument("--reasoning-parser", choices=choices, default="auto", help=reasoning)
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -205,7 +209,10 @@ def cmd_serve(args) -> int:
     model_name = args.served_model_name or served_name(args.model, engine.model_dir)
     async_engine = AsyncLLMEngine(engine).start()
     try:
-        app = create_app(async_engine, model_name=model_name, api_key=args.api_key, **limits)
+        reasoning = args.reasoning_parser
+        app = create_app(
+            async_engine, model_name=model_name, api_key=args.api_key, reasoning_parser=reasoning, **limits
+        )
         host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
         port = sock.getsockname()[1]
         auth = "API key required" if args.api_key else "no API key"
@@ -213,6 +220,9 @@ def cmd_serve(args) -> int:
             print(f"lowvram: WARNING: serving on {args.host} without an API key (--insecure-no-auth)", file=sys.stderr)
         where = f"({engine.profile.name} profile, {engine.device}) at http://{host}:{port}/v1 ({auth})"
         print(f"lowvram: serving '{model_name}' {where}; Ctrl-C to stop", file=sys.stderr)
+        if app.state.lowvram.is_reasoning_parsed:
+            note = "chat replies give the model's <think> reasoning as reasoning_content (--reasoning-parser none: in content)"
+            print(f"lowvram: {note}", file=sys.stderr)
         is_verbose = getattr(args, "verbose", False)
         _uvicorn_server(app, log_level="info" if is_verbose else "warning", access_log=is_verbose).run([sock])
     finally:

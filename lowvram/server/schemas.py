@@ -233,7 +233,7 @@ class CompletionShape:
         """What a stream starts with before any token, if anything."""
         return None
 
-    def delta(self, text: str) -> dict:
+    def delta(self, text: str, key: str = "text") -> dict:
         return self._chunk(text)
 
     def finish(self, finish_reason: str) -> dict:
@@ -242,7 +242,7 @@ class CompletionShape:
     def usage_chunk(self, usage: dict) -> dict:
         return self._body(self.chunk_object, [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, **extra) -> dict:
         return self._body(self.object, [self._choice("text", text, finish_reason)], usage)
 
 
@@ -260,12 +260,14 @@ class ChatShape(CompletionShape):
     def first(self) -> dict:
         return self._chunk({"role": "assistant", "content": ""})
 
-    def delta(self, text: str) -> dict:
-        return self._chunk({"content": text})
+    def delta(self, text: str, key: str = "content") -> dict:
+        """key: "content", or "reasoning_content" for a reasoning model's thinking."""
+        return self._chunk({key: text})
 
     def finish(self, finish_reason: str) -> dict:
         return self._chunk({}, finish_reason)
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        message = {"role": "assistant", "content": text}
+    def whole(self, text: str, finish_reason: str, usage: dict, **extra) -> dict:
+        """extra: more message fields, e.g. reasoning_content."""
+        message = {"role": "assistant", "content": text, **extra}
         return self._body(self.object, [self._choice("message", message, finish_reason)], usage)
