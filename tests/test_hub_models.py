@@ -180,3 +180,12 @@ def test_pull_downloads_into_the_cache_and_quantizes_once(cache, tiny_qwen2_dir,
     assert json.loads((copy.path / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
     assert main(["pull", REPO_ID, "--quantize", "--profile", "cpu", "--device", "cpu", "--num-samples", "2"]) == 0
     assert "made earlier" in capsys.readouterr().err and [c.path for c in list_models()[0].copies] == [copy.path]
+
+
+def test_quantize_and_serve_take_the_hub_id(pulled, tmp_path, capsys):
+    from lowvram.server.cli import served_name
+
+    assert served_name(REPO_ID, pulled) == REPO_ID
+    out = tmp_path / "int4"
+    assert main(["quantize", REPO_ID, str(out), "--num-samples", "2", "--seq-len", "16", "--device", "cpu"]) == 0
+    assert (out / "config.json").is_file()
