@@ -189,3 +189,31 @@ def test_quantize_and_serve_take_the_hub_id(pulled, tmp_path, capsys):
     out = tmp_path / "int4"
     assert main(["quantize", REPO_ID, str(out), "--num-samples", "2", "--seq-len", "16", "--device", "cpu"]) == 0
     assert (out / "config.json").is_file()
+
+
+def test_list_shows_gguf_conversions_and_rm_takes_a_copy_by_name(pulled, tmp_path, capsys):
+    converted = tmp_path / "data" / "lowvram" / "gguf" / "qwen-q4-123-abcdef"
+    converted.mkdir(parents=True)
+    shutil.copy(pulled / "config.json", converted / "config.json")
+    (converted / "model.safetensors").write_bytes(b"x" * 2**20)
+    (converted / "lowvram-gguf.json").write_text("{}")
+    copy = _awq_copy(pulled, tmp_path / "data")
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen-q4-123-abcdef" in out and "from GGUF" in out and "1.0 MiB" in out
+    assert main(["rm", converted.name, "--yes"]) == 0 and main(["rm", copy.name, "--yes"]) == 0
+    assert not converted.exists() and not copy.exists() and pulled.exists()
+
+
+def test_doctor_reads_a_cached_model_offline(pulled, capsys):
+    assert main(["doctor", "--model", REPO_ID, "--quick", "--device", "cpu"]) == 0
+    assert REPO_ID in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["download", "--help"], ["auth", "login", "--help"]])
+def test_the_hf_commands_the_hints_name_exist(command):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "huggingface_hub.cli.hf", *command], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert command[0] != "download" or "--local-dir" in result.stdout
