@@ -46,12 +46,21 @@ def _download_hint(repo_id: str) -> str:
     return f"on a machine with network run `hf download {repo_id} --local-dir DIR`, copy DIR here and pass --model DIR"
 
 
+def hub_patterns() -> list[str]:
+    """The files lowvram fetches of a repository (and asks the cache for: others may be missing)."""
+    from lowvram.models.checkpoint import COMPENSATION_FILE
+
+    return [*WEIGHT_PATTERNS, COMPENSATION_FILE]
+
+
 def cached_snapshot(repo_id: str) -> Path | None:
     """The cached snapshot of `repo_id` if it holds a config and weights (never asks the hub), else None."""
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True))
+        path = Path(
+            snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True, allow_patterns=hub_patterns())
+        )
     except Exception:  # not cached, incomplete, or not a valid id
         return None
     has_weights = any(path.glob("*.safetensors"))
@@ -62,14 +71,10 @@ def fetch(repo_id: str, *, verb: str = "fetch") -> Path:
     """Download (or update) `repo_id` into the cache with huggingface_hub's progress bars."""
     from huggingface_hub import errors, snapshot_download
 
-    from lowvram.models.checkpoint import COMPENSATION_FILE
-
     if is_offline():
         raise ModelLoadError(f"{verb}ing {repo_id} needs network, but HF_HUB_OFFLINE is set; {_download_hint(repo_id)}")
     try:
-        return Path(
-            snapshot_download(repo_id, cache_dir=hub_cache_dir(), allow_patterns=[*WEIGHT_PATTERNS, COMPENSATION_FILE])
-        )
+        return Path(snapshot_download(repo_id, cache_dir=hub_cache_dir(), allow_patterns=hub_patterns()))
     except errors.LocalEntryNotFoundError:  # the hub did not answer and the cache does not have it
         raise ModelLoadError(
             f"{verb}ing {repo_id} needs network, and the Hugging Face hub cannot be reached; {_download_hint(repo_id)}"
