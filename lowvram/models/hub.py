@@ -2,7 +2,6 @@
 as --model use. Downloads, the cache scan and deletion are huggingface_hub's own (snapshot_download,
 scan_cache_dir, delete_revisions), so `hf download` and `hf cache` see the same models. A model in the
 cache loads without asking the hub: once pulled it runs offline, and `lowvram pull` again updates it.
-Imports no torch: `lowvram list` answers at once.
 """
 
 from __future__ import annotations
