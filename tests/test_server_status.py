@@ -104,3 +104,13 @@ def test_status_answers_while_a_request_streams(http, engine, monkeypatch):
         status = http.get("/v1/status").json()
     assert status["requests"]["running"] == 1 and status["requests"]["in_flight"] == 1
     assert 4 <= status["context"]["num_tokens_in_use"] <= 203
+
+
+def test_status_counts_streamed_layers_as_weights_in_host_memory(tiny_qwen2_dir):
+    from lowvram.config import load_profile
+
+    profile = load_profile("cpu").replace(weight_offload="stream", max_resident_layers=1, max_model_len=256)
+    engine = LLMEngine(str(tiny_qwen2_dir), profile)
+    weights = engine_status(engine)["weights"]
+    assert weights["host_bytes"] == engine.model.layer_streamer.plan.host_weight_bytes > 0
+    assert weights["device_bytes"] == engine.model.weight_bytes
