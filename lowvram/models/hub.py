@@ -32,8 +32,9 @@ def hub_cache_dir() -> Path:
 
 
 def is_offline() -> bool:
-    """HF_HUB_OFFLINE (read now, not when huggingface_hub was imported)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as huggingface_hub reads them, but read now (it reads them once)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def looks_like_hub_id(text: str) -> bool:
