@@ -208,11 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profiles)
 
     from lowvram.memory.cli import add_doctor_parser
+    from lowvram.models.cli import add_model_parsers
     from lowvram.quant.cli import add_quantize_parser
     from lowvram.server.cli import add_serve_parser
+    from lowvram.server.ps import add_ps_parser
     from lowvram.tui.cli import add_chat_parser
 
-    for add in (add_chat_parser, add_doctor_parser, add_quantize_parser, add_serve_parser):
+    for add in (
+        add_chat_parser,
+        add_doctor_parser,
+        add_quantize_parser,
+        add_serve_parser,
+        add_model_parsers,
+        add_ps_parser,
+    ):
         add(sub)
     return parser
 

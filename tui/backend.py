@@ -17,8 +17,7 @@ from lowvram.engine.engine import EngineSnapshot, LLMEngine
 from lowvram.engine.outputs import RequestOutput
 from lowvram.engine.reasoning import ReasoningParser
 from lowvram.engine.tokenizer import Tokenizer
-from lowvram.kv.conversation_store import model_identity, restore_conversation, save_conversation
-from lowvram.paths import user_data_dir
+from lowvram.kv.conversation_store import restore_conversation, save_conversation
 
 BUNDLED_MODEL_LABEL = "bundled demo model"
 
@@ -77,45 +76,12 @@ def load_engine(spec: EngineSpec, on_stage: Callable[[str], None] = lambda text:
 
 
 def quantized_model_dir(spec: EngineSpec, on_stage: Callable[[str], None]) -> str:
-    """An AWQ INT4 copy of the model, made once and kept under the user's data dir (an AWQ checkpoint is used
-    as it is). The profile's fp16_budget_mib and compensation_rank choose the FP16 layers and the residual's rank."""
-    from lowvram.config import load_profile
-    from lowvram.models.config import load_model_config
-    from lowvram.models.loader import resolve_model_path
-    from lowvram.quant.quantize import default_group_size, quantize_model
-
-    model_dir = resolve_model_path(spec.model)
-    config, _ = load_model_config(model_dir)
-    if config.quantization is not None:
-        on_stage(f"{spec.model_label} is already AWQ INT4")
-        return str(model_dir)
-    profile = load_profile(spec.profile)
-    group_size = default_group_size(config)
-    settings = f"awq-g{group_size}-f{profile.fp16_budget_mib}-r{profile.compensation_rank}"
-    out = user_data_dir("quantized") / f"{model_dir.name}-{settings}-{model_identity(model_dir)[:12]}"
-    if (out / "config.json").is_file():
-        on_stage(f"using the AWQ INT4 copy made earlier: {out}")
-        return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
+    """The model's AWQ INT4 copy, made once (see lowvram.quant.cache)."""
+    from lowvram.quant.cache import quantized_copy
 
     device = spec.engine_kwargs.get("device") or "auto"
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    # Rough rates (parameters x calibration blocks per second): 2 CPU cores, a GTX 1650-class card
-    minutes = config.num_params() * spec.num_calib_samples / (2e7 if on_cpu else 5e7) / 60
-    where = "on the CPU" if on_cpu else "on a small GPU"
-    on_stage(f"quantizing {spec.model_label} to AWQ INT4 (once; kept in {out}): roughly {minutes:.0f} min {where}")
-    quantize_model(
-        model_dir,
-        out,
-        group_size=group_size,
-        fp16_budget_mib=profile.fp16_budget_mib,
-        rank=profile.compensation_rank,
-        num_samples=spec.num_calib_samples,
-        device=device,
-        on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"),
-    )
-    return str(out)
+    options = dict(device=device, num_samples=spec.num_calib_samples, label=spec.model_label, on_stage=on_stage)
+    return str(quantized_copy(spec.model, spec.profile, **options))
 
 
 def reasoning_parser(tokenizer: Tokenizer, prompt_token_ids: list[int]) -> ReasoningParser | None:

@@ -6,7 +6,6 @@ A mismatch or a damaged file is reported and the conversation recomputed: never 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,22 +17,11 @@ import torch
 
 from lowvram.errors import RequestError
 from lowvram.kv.pool import _tensors
-from lowvram.paths import user_data_dir
+from lowvram.paths import model_identity, user_data_dir
 
 log = logging.getLogger("lowvram")
 FORMAT = "lowvram-kv-conversation"
 VERSION = "1"
-
-
-def model_identity(model_dir: Path) -> str:
-    """A fingerprint of config.json and the weight files' names and sizes."""
-    digest = hashlib.sha256()
-    model_dir = Path(model_dir)
-    config = model_dir / "config.json"
-    digest.update(config.read_bytes() if config.is_file() else b"")
-    for path in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return digest.hexdigest()[:32]
 
 
 @dataclass

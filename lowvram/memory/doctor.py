@@ -136,7 +136,9 @@ def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
             if not isinstance(raw, dict):
                 raise ModelLoadError(f"{path} must hold a JSON object")
             return model_config_from_dict(raw, str(path)), str(path), None
-        if not path.is_dir() and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        from lowvram.models.hub import cached_snapshot, looks_like_hub_id
+
+        if not path.is_dir() and looks_like_hub_id(model) and cached_snapshot(model) is None:
             try:
                 from huggingface_hub import hf_hub_download
 
@@ -144,7 +146,7 @@ def load_plan_inputs(model: str | None) -> tuple[ModelConfig, str, Path | None]:
             except Exception as exc:  # offline, 404, gated: the hub raises many types
                 raise ModelLoadError(
                     f"could not fetch config.json of {model!r} from the Hugging Face hub ({type(exc).__name__}); "
-                    "pass a local model directory or its config.json"
+                    f"pass a local model directory or its config.json (`hf download {model} config.json` fetches it)"
                 ) from None
             return model_config_from_dict(json.loads(path.read_text()), model), model, None
     model_dir = resolve_model_path(model)

@@ -28,15 +28,12 @@ from lowvram.quant.awq_linear import AWQ_NAMES, COMPENSATION_NAMES, AwqLinear, s
 
 log = logging.getLogger("lowvram")
 
-# Not "*.safetensors": vLLM reads every *.safetensors file of a directory without an index
-# and fails on tensor names it does not know, so the extras go in a file it never globs.
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", COMPENSATION_FILE]
 QUANTIZABLE_LINEARS = (*(f"self_attn.{n}_proj" for n in "qkvo"), "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A local directory as is, a GGUF file converted once (models/gguf.py), a hub id fetched
-    through huggingface_hub, or (None) the demo model."""
+    """A local directory as is, a GGUF file converted once (models/gguf.py), a copy lowvram made by the
+    name `lowvram list` shows, a hub id (from the cache, else fetched: models/hub.py), or (None) the demo model."""
     if model is None:
         return demo_model_path()
     text = str(model)
@@ -47,22 +44,16 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
         from lowvram.models.gguf import convert_gguf
 
         return convert_gguf(path)
-    looks_like_path = (
-        path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1 or os.sep == "\\" and "\\" in text
-    )
-    if looks_like_path:
-        raise ModelLoadError(f"model directory {text!r} does not exist; pass a local Hugging Face model directory")
-    from huggingface_hub import snapshot_download
+    from lowvram.models.hub import looks_like_hub_id, resolve_hub_model, resolve_local_copy
 
-    try:
-        return Path(snapshot_download(text, allow_patterns=HUB_PATTERNS))
-    except Exception as exc:  # the hub raises many types (offline, 404, gated, HTTP)
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if copy := resolve_local_copy(text):
+        return copy
+    if os.sep == "\\" and "\\" in text or not looks_like_hub_id(text):
         raise ModelLoadError(
-            f"could not fetch {text!r} from the Hugging Face hub ({reason}). If this machine is offline, "
-            f"download the model elsewhere (hf download {text} --local-dir DIR), copy DIR here "
-            f"and pass --model DIR"
-        ) from None
+            f"model directory {text!r} does not exist (nor is it a name `lowvram list` shows); pass a local "
+            "Hugging Face model directory, a .gguf file or a hub id (ORG/NAME)"
+        )
+    return resolve_hub_model(text)
 
 
 def load_weights(

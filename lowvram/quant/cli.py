@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from lowvram.quant import METHODS
 
@@ -17,7 +18,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
         "the most sensitive layers in FP16 and adding a low-rank correction of the INT4 error.",
     )
     add = parser.add_argument
-    add("model", metavar="MODEL", help="input model directory (config.json, *.safetensors, tokenizer) or GGUF file")
+    add(
+        "model",
+        metavar="MODEL",
+        help="input model directory (config.json, *.safetensors, tokenizer), GGUF file or a name `lowvram list` shows",
+    )
     add("out", metavar="OUT", help="output directory (must not exist, or be empty, unless --force)")
     add("--method", choices=METHODS, default="awq", help="awq (default) or rtn (round-to-nearest)")
     group_help = "32, 64 or 128 inputs sharing one scale and zero point (default 128, or the largest that divides the model's sizes)"
@@ -57,7 +62,12 @@ def cmd_quantize(args) -> int:
         print(f"lowvram: --quantize-head: {warning}", file=sys.stderr)
     from lowvram.quant.quantize import quantize_model
 
+    model = args.model
+    if not Path(model).expanduser().exists():  # a hub id or a name `lowvram list` shows
+        from lowvram.models.loader import resolve_model_path
+
+        model = resolve_model_path(model)
     options = {name: getattr(args, name) for name in CLI_OPTIONS}
-    report = quantize_model(args.model, args.out, calib_path=args.calib, show_progress=True, **options)
+    report = quantize_model(model, args.out, calib_path=args.calib, show_progress=True, **options)
     print(report.summary())
     return 0

@@ -31,12 +31,13 @@ from lowvram.errors import LowvramError, RequestError
 from lowvram.server import defaults
 from lowvram.server.metrics import CONTENT_TYPE, ServerMetrics
 from lowvram.server.schemas import ChatCompletionRequest, ChatShape, CompletionShape, describe_validation_error
+from lowvram.server.status import engine_status
 
 log = logging.getLogger("lowvram")
 
 RETRY_AFTER_FULL_S = 1
 RETRY_AFTER_SHUTDOWN_S = 5
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/status", "/health", "/metrics")
 SSE_DONE = b"data: [DONE]\n\n"
 REASONING_PARSERS = ("auto", "deepseek_r1", "none")
 
@@ -451,6 +452,13 @@ async def _health(request: Request, state: ServerState) -> Response:
     return _json_response(body, 503 if state.is_draining else 200)
 
 
+async def _status(request: Request, state: ServerState) -> Response:
+    body = {"model": state.model_name, "status": "draining" if state.is_draining else "ok"}
+    body |= await state.async_engine.call(engine_status)
+    body["requests"] |= {"in_flight": state.num_in_flight, "max_queue": state.max_queue}
+    return _json_response(body)
+
+
 async def _metrics(request: Request, state: ServerState) -> Response:
     snapshot = state.async_engine.snapshot()
     text = state.metrics.render(snapshot, num_in_flight=state.num_in_flight, max_queue=state.max_queue)
@@ -552,6 +560,7 @@ def create_app(
         _route("/v1/models/{model:path}", _retrieve_model),
         _route("/v1/completions", partial(_generate, shape_type=CompletionShape), "POST"),
         _route("/v1/chat/completions", partial(_generate, shape_type=ChatShape), "POST"),
+        _route("/v1/status", _status),
         _route("/health", _health, needs_auth=False),
         _route("/metrics", _metrics),
     ]

@@ -143,7 +143,10 @@ class BackgroundServer:
 
 
 def served_name(model: str | None, model_dir: Path) -> str:
-    """The id clients send as `model`: a GGUF file's own name, not its converted copy's cache key."""
+    """The id clients send as `model`: a GGUF file's own name, not its converted copy's cache key; a hub
+    model's id, not its snapshot's commit hash."""
+    if model is not None and model_dir.parent.name == "snapshots":
+        return str(model)
     return Path(model).stem if model is not None and str(model).endswith(".gguf") else model_dir.name
 
 
