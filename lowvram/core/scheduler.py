@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from lowvram.core.block_manager import BlockManager
+from lowvram.core.block_manager import BlockManager, PrefixMatch
 from lowvram.core.sequence import Sequence
 
 
@@ -91,7 +91,9 @@ class Scheduler:
         bm = self.block_manager
         if seq.num_computed_tokens == 0 and not bm.block_table(seq.seq_id):
             # A fresh (or recomputing) sequence starts from any cached prefix.
-            match = bm.match_prefix(seq.all_token_ids)
+            # A prompt still to be scored needs every position's logits, which cached pages do not keep.
+            is_scoring = seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
+            match = PrefixMatch([], 0) if is_scoring else bm.match_prefix(seq.all_token_ids)
             num_new = min(seq.num_tokens - match.num_tokens, budget)
             if not bm.can_acquire(match, match.num_tokens + num_new):
                 return 0
