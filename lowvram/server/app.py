@@ -87,13 +87,15 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 
 class _Generation:
-    """One admitted request on the engine; `next_output()` yields its outputs in order. `end(reason)` cancels
-    the pump (aborting the request) and the reader gets `_Ended(reason)` after what is already queued.
-    `close()` gives the queue slot back."""
+    """One admitted request on the engine, as one engine request per choice; `next_output()` yields
+    (choice index, output) in order. `end(reason)` cancels the pump (aborting the requests) and the reader
+    gets `_Ended(reason)` after what is already queued. `close()` gives the queue slot back."""
 
-    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: list[SamplingParams]):
         self.state = state
-        self.num_prompt_tokens, self.num_output_tokens = len(ids), 0
+        self.num_prompt_tokens, self.num_output_tokens = len(ids), [0] * len(params)
+        self.num_unfinished = len(params)
+        self.counts_output = True  # False when the generated token is not shown (echo with max_tokens = 0)
         self.finish_reason: str | None = None
         self.admitted_at = time.perf_counter()
         self._last_token_at: float | None = None
@@ -102,25 +104,44 @@ class _Generation:
         state.metrics.prompt_tokens.inc(amount=self.num_prompt_tokens)
         self._task = asyncio.create_task(self._pump(request_id, ids, params))
 
-    async def _pump(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, request_id: str, ids: list[int], params: list[SamplingParams]) -> None:
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(self._pump_choice(0, request_id, ids, params[0], started))]
         try:
-            async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
-                self._items.put_nowait(out)
+            if len(params) > 1:
+                # The other choices start once the first one's prefill has cached the prompt's pages,
+                # so they share them instead of computing the prompt again.
+                waiter = asyncio.create_task(started.wait())
+                await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                for i, choice_params in enumerate(params[1:], 1):
+                    tasks.append(asyncio.create_task(self._pump_choice(i, f"{request_id}-{i}", ids, choice_params)))
+            await asyncio.gather(*tasks)
         except asyncio.CancelledError:
-            pass  # end() was called; cancelling the engine stream has already aborted the request
+            pass  # end() was called; cancelling the engine streams has already aborted the requests
         except Exception as exc:  # delivered to the reader, which turns it into an error response
             self._items.put_nowait(exc)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _pump_choice(self, index, request_id, ids, params, started: asyncio.Event | None = None) -> None:
+        async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
+            self._items.put_nowait((index, out))
+            if started is not None:
+                started.set()
 
     def end(self, reason: str) -> None:
         self._task.cancel()
         self._items.put_nowait(_Ended(reason))
 
-    async def next_output(self) -> RequestOutput:
-        """The next output; raises _Ended if the server ended the request, or the engine's error."""
+    async def next_output(self) -> tuple[int, RequestOutput]:
+        """The next (choice, output); raises _Ended if the server ended the request, or the engine's error."""
         item = await self._items.get()
         if isinstance(item, BaseException):
             self.finish_reason = self.finish_reason or (item.args[0] if isinstance(item, _Ended) else "error")
             raise item
+        index, item = item
         now = time.perf_counter()
         metrics = self.state.metrics
         if self._last_token_at is None:
@@ -128,12 +149,14 @@ class _Generation:
         else:
             metrics.token_latency.observe(now - self._last_token_at)
         self._last_token_at = now
-        self.num_output_tokens = len(item.outputs[0].token_ids)
+        self.num_output_tokens[index] = len(item.outputs[0].token_ids)
         metrics.generation_tokens.inc()
         metrics.observe_snapshot(self.state.async_engine.snapshot())
         if item.finished:
+            self.num_unfinished -= 1
             self.finish_reason = item.outputs[0].finish_reason
-        return item
+        item.outputs[0].index = index
+        return index, item
 
     def close(self) -> None:
         if self not in self.state.generations:
@@ -144,7 +167,7 @@ class _Generation:
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
     def usage(self) -> dict:
-        prompt, completion = self.num_prompt_tokens, self.num_output_tokens
+        prompt, completion = self.num_prompt_tokens, sum(self.num_output_tokens) if self.counts_output else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -170,6 +193,7 @@ class ServerState:
         self.is_draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def check_auth(self, request: Request) -> None:
         if self._api_key is None:
@@ -218,6 +242,13 @@ class ServerState:
         for generation in list(self.generations):
             generation.end(reason)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text as log-probabilities show it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.hf.decode([token_id])
+        return text
+
     def encode(self, request) -> list[int]:
         """Prompt token ids; runs in a worker thread (tokenizing a long prompt takes a while)."""
         if isinstance(request, ChatCompletionRequest):
@@ -250,7 +281,8 @@ class ServerState:
         message = f"this model's maximum context length is {self.max_model_len} tokens, but {detail}"
         return ApiError(400, message, param=param, code="context_length_exceeded")
 
-    def sampling_params(self, request, num_prompt: int) -> SamplingParams:
+    def sampling_params(self, request, num_prompt: int) -> list[SamplingParams]:
+        """One SamplingParams per choice (n)."""
         room = self.max_model_len - num_prompt
         max_tokens = request.requested_max_tokens()
         if max_tokens is None:
@@ -258,7 +290,12 @@ class ServerState:
         elif max_tokens > room:
             asked = f"({num_prompt} in the prompt, {max_tokens} for the completion); reduce the prompt or max_tokens"
             raise self._too_long("max_tokens", f"{num_prompt + max_tokens} were requested {asked}")
-        return SamplingParams(max_tokens=max_tokens, **request.sampling_kwargs())
+        kwargs = {**request.sampling_kwargs(), "max_tokens": max_tokens or 1}  # 0: score the prompt only
+        # Each choice its own seed, so seeded choices differ yet repeat; the prompt is scored once.
+        seed, n = kwargs.pop("seed", None), request.n or 1
+        seeds = [None] * n if seed is None else [(seed + i) % 2**63 for i in range(n)]
+        prompt_logprobs = [kwargs.pop("prompt_logprobs", None)] + [None] * (n - 1)
+        return [SamplingParams(**kwargs, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
 
 
 def _failure(exc: BaseException) -> ApiError:
@@ -285,16 +322,16 @@ class _EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self):
-        if (first := self.shape.first()) is not None:
-            yield self._chunk(first)
+        for index in range(len(self.generation.num_output_tokens)):
+            if (first := self.shape.first(index)) is not None:
+                yield self._chunk(first)
         try:
-            while True:
-                out = await self.generation.next_output()
-                if out.text_delta:
-                    yield self._chunk(self.shape.delta(out.text_delta))
+            while self.generation.num_unfinished:
+                index, out = await self.generation.next_output()
+                if (delta := self.shape.delta(index, out)) is not None:
+                    yield self._chunk(delta)
                 if out.finished:
-                    yield self._chunk(self.shape.finish(out.outputs[0].finish_reason))
-                    break
+                    yield self._chunk(self.shape.finish(out.outputs[0].finish_reason, index))
         except Exception as exc:  # the headers are gone: report in-band, as OpenAI does
             if not _is_disconnect(exc):  # else nobody is listening
                 yield _sse(_failure(exc).body())
@@ -381,14 +418,21 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
         raise
     request_id = shape_type.id_prefix + uuid.uuid4().hex
     generation = _Generation(state, request_id, prompt_token_ids, params)
-    shape = shape_type(request_id, state.model_name)
+    shape = shape_type(request_id, state.model_name, token_text=state.token_text)
+    if getattr(body, "echo", False):
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        shape.echo_text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt_token_ids)
+    shape.hides_output = body.requested_max_tokens() == 0
+    generation.counts_output = not shape.hides_output
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(generation, shape, include_usage=include_usage)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
+    outs: list[RequestOutput | None] = [None] * len(params)
     try:
-        while not (out := await generation.next_output()).finished:
-            pass
+        while generation.num_unfinished:
+            index, out = await generation.next_output()
+            outs[index] = out
     except Exception as exc:
         if _is_disconnect(exc):
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -396,8 +440,7 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
     finally:
         watcher.cancel()
         generation.close()
-    completion = out.outputs[0]
-    return _json_response(shape.whole(completion.text, completion.finish_reason, generation.usage()))
+    return _json_response(shape.whole(outs, generation.usage()))
 
 
 async def _list_models(request: Request, state: ServerState) -> Response:
