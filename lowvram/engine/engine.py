@@ -256,10 +256,10 @@ class LLMEngine:
             # A decode step fills a page one token in block_size: the ids are gathered only then.
             if self.block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens):
                 self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
-            if row in runner.last_prompt_logprobs:  # scored once: not again when a preempted prompt is recomputed
+            if row in runner.last_prompt_logprobs:  # a recomputed (preempted) prompt adds only what is new
                 first, entries = runner.last_prompt_logprobs[row]
-                if first == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs += entries
+                if first <= len(seq.prompt_logprobs):
+                    seq.prompt_logprobs += entries[len(seq.prompt_logprobs) - first :]
             if token is None:  # a prompt chunk with more to come
                 continue
             if row in runner.last_logprobs:
