@@ -86,3 +86,28 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached(tiny_qwen2_di
 def test_out_of_range_counts_are_refused(field, value):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_pipelined_decode_draws_the_same_tokens_with_logprobs(tiny_qwen2_dir, reference):
+    """A request asking for logprobs samples as on the device and is read at once (never queued
+    ahead); its seeded tokens and the tokens of requests batched with it stay the same."""
+    from tests.test_pipelined_decode import pipelined, run
+
+    piped = pipelined(LLMEngine(str(tiny_qwen2_dir), "cpu"))
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=11, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    without = run(piped, {"s": (prompt, seeded), "g": ([9, 10], greedy)})
+    assert piped.stats.num_pipelined_steps > 5
+    before = piped.stats.num_pipelined_steps
+    asking = SamplingParams(**{**seeded.__dict__, "logprobs": 1})
+    piped.add_request("s", prompt_token_ids=prompt, params=asking)
+    piped.add_request("g", prompt_token_ids=[9, 10], params=greedy)
+    done = {}
+    while piped.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in piped.step() if o.finished})
+    assert done["s"].token_ids == without["s"][0] and done["g"].token_ids == without["g"][0]
+    assert piped.stats.num_pipelined_steps == before and done["g"].logprobs is None
+    rows = reference(prompt + done["s"].token_ids)
+    for i, entry in enumerate(done["s"].logprobs):
+        _check_entry(entry, rows[len(prompt) - 1 + i], done["s"].token_ids[i], 1)

@@ -186,3 +186,22 @@ def test_n_choices_stream_with_their_index(client):
     whole = client.chat.completions.create(model="m", messages=_messages("hi"), n=2, **GREEDY)
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
     assert whole.usage.completion_tokens == 12
+
+
+def test_closing_an_n_choice_stream_aborts_every_choice(client, engine):
+    import time
+
+    stream = client.completions.create(
+        model="m", prompt="a long story", n=3, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+    indices = set()
+    for chunk in stream:
+        indices.add(chunk.choices[0].index)
+        if len(indices) == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
