@@ -112,8 +112,10 @@ class _Generation:
                 # The other choices start once the first one's prefill has cached the prompt's pages,
                 # so they share them instead of computing the prompt again.
                 waiter = asyncio.create_task(started.wait())
-                await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                try:
+                    await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
                 for i, choice_params in enumerate(params[1:], 1):
                     tasks.append(asyncio.create_task(self._pump_choice(i, f"{request_id}-{i}", ids, choice_params)))
             await asyncio.gather(*tasks)
