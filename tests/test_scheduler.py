@@ -198,3 +198,22 @@ def test_a_batch_carries_the_pages_the_runner_needs():
     batch = sched.schedule()  # c's prefill alone: the decoding ones keep their pages
     assert [s.seq_id for s in batch.seqs] == [2] and batch.block_tables == [[3, 4]]
     assert dict(batch.live_tables) == {0: [0, 1], 1: [2], 2: [3, 4]}
+
+
+def test_a_prompt_to_score_skips_the_prefix_cache_and_is_chunked_small():
+    from lowvram.core.scheduler import MAX_SCORED_TOKENS
+
+    bm = BlockManager(256, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1000)
+    cached = _seq(0, 300)
+    sched.waiting.append(cached)
+    _finish_step(sched.schedule())
+    bm.commit(cached.seq_id, cached.all_token_ids, cached.num_computed_tokens)
+    sched.finish(cached)  # its pages stay cached
+    plain, scored = _seq(1, 300), _seq(2, 300)
+    scored.params = SamplingParams(prompt_logprobs=1)
+    sched.waiting.extend([plain, scored])
+    batch = sched.schedule()
+    assert plain.num_computed_tokens == 296  # a hit: all full pages but the last token's
+    assert batch.seqs == [plain, scored] and batch.num_new_tokens == [4, MAX_SCORED_TOKENS]
+    assert scored.num_computed_tokens == 0 and batch.positions == [296, 0]

@@ -61,7 +61,8 @@ COMMON = {
     "stream": _maybe(st.booleans()),
     "stream_options": _maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "n": _maybe(st.integers(0, 3)),
-    "logprobs": _maybe(st.booleans()),
+    "logprobs": _maybe(st.booleans() | st.integers(-1, 7)),
+    "top_logprobs": _maybe(st.integers(-1, 22)),
     "top_k": _maybe(st.integers(-3, 50)),
     "min_p": _maybe(unit_float),
     "repetition_penalty": _maybe(st.floats(0, 3)),
@@ -86,7 +87,7 @@ completion_body = st.fixed_dictionaries(
         "model": _maybe(st.just(MODEL)),
         "prompt": _maybe(text | st.lists(text, max_size=2) | st.lists(st.integers(-5, 600), max_size=6)),
     },
-    optional={**COMMON, "echo": _maybe(st.booleans())},
+    optional={**COMMON, "echo": _maybe(st.booleans()), "best_of": _maybe(st.integers(0, 3))},
 )
 extra_keys = st.dictionaries(st.text(max_size=8), json_any, max_size=2)
 

@@ -145,8 +145,8 @@ def test_unknown_model_is_model_not_found(client):
 
 def test_unsupported_parameter_is_a_clear_bad_request(client, model):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=_chat("hi"), max_tokens=2, n=3)
-    assert "'n'" in info.value.message and "not supported" in info.value.message
+        client.completions.create(model=model, prompt="hi", max_tokens=2, n=2, best_of=3)
+    assert "'best_of'" in info.value.message and "not supported" in info.value.message
 
 
 def test_32_concurrent_streams_equal_the_sequential_greedy_outputs(client, base_url, model):

@@ -147,7 +147,7 @@ def test_plain_mode_puts_the_thinking_on_stderr_unless_hidden(tiny_reasoning_dir
     monkeypatch.setattr(plain, "load_engine", lambda spec, on_stage: engine)
     stdout, stderr = io.StringIO(), io.StringIO()
     streams = dict(stdin=io.StringIO("What is 17 + 25?\n"), stdout=stdout, stderr=stderr)
-    assert plain.run_plain(EngineSpec("r1"), ChatSettings(), is_reasoning_hidden=is_hidden, **streams) == 0
+    assert plain.run_plain(EngineSpec("r1"), ChatSettings(max_tokens=64), is_reasoning_hidden=is_hidden, **streams) == 0
     assert stdout.getvalue() == "It is **42**.\n"
     if is_hidden:
         assert "Let me" not in stderr.getvalue() and "thought for" not in stderr.getvalue()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from lowvram.errors import RequestError
 
 MIN_TEMPERATURE = 0.01  # dividing logits by less overflows FP32 to inf and sampling breaks
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
 @dataclass
@@ -16,7 +17,11 @@ class SamplingParams:
     (0 or -1 = all); top_p: the smallest set reaching top_p; min_p: drop tokens below min_p x the
     likeliest; repetition_penalty > 1 discourages seen tokens; presence/frequency_penalty: OpenAI's;
     stop: strings that end generation (cut from the text); stop_token_ids: ids that end it (as EOS
-    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it."""
+    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it;
+    logprobs: return each sampled token's log-probability and this many likeliest alternatives (None:
+    none, computed only when asked); prompt_logprobs: the same for each prompt token (skips the prefix
+    cache, whose pages have no logits). Log-probabilities are the model's: log-softmax of the raw
+    logits, before penalties, temperature, top-k/p and min-p (vLLM's "raw_logprobs")."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -30,6 +35,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,6 +62,12 @@ class SamplingParams:
             raise RequestError(f"max_tokens = {self.max_tokens!r} is invalid; it must be a positive integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise RequestError(f"{name} = {value!r} is invalid; allowed: None or 0 to {MAX_LOGPROBS}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise RequestError(f"seed = {self.seed!r} must be an integer")

@@ -8,8 +8,16 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from lowvram.core.block_manager import BlockManager
+from lowvram.core.block_manager import BlockManager, PrefixMatch
 from lowvram.core.sequence import Sequence
+
+# A step scoring a prompt holds logits for every position: [tokens, vocab] FP32, 80 MB at 128 x 150k.
+MAX_SCORED_TOKENS = 128
+
+
+def is_scoring(seq: Sequence) -> bool:
+    """Whether the sequence still has prompt tokens to score (params.prompt_logprobs)."""
+    return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
 
 
 @dataclass
@@ -89,9 +97,11 @@ class Scheduler:
 
     def _try_add(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         bm = self.block_manager
+        budget = min(budget, MAX_SCORED_TOKENS) if is_scoring(seq) else budget
         if seq.num_computed_tokens == 0 and not bm.block_table(seq.seq_id):
             # A fresh (or recomputing) sequence starts from any cached prefix.
-            match = bm.match_prefix(seq.all_token_ids)
+            # A prompt still to be scored needs every position's logits, which cached pages do not keep.
+            match = PrefixMatch([], 0) if is_scoring(seq) else bm.match_prefix(seq.all_token_ids)
             num_new = min(seq.num_tokens - match.num_tokens, budget)
             if not bm.can_acquire(match, match.num_tokens + num_new):
                 return 0

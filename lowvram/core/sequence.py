@@ -36,6 +36,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # With params.logprobs: per output token (its log-probability, [(id, log-probability)] likeliest first).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # With params.prompt_logprobs: the same per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=lambda: [None])
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -250,13 +250,20 @@ class LLMEngine:
             return []
         now = time.perf_counter()
         outputs = []
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        runner = self.runner
+        for row, (seq, num_new, token) in enumerate(zip(batch.seqs, batch.num_new_tokens, tokens)):
             seq.num_computed_tokens += num_new
             # A decode step fills a page one token in block_size: the ids are gathered only then.
             if self.block_manager.num_uncommitted(seq.seq_id, seq.num_computed_tokens):
                 self.block_manager.commit(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if row in runner.last_prompt_logprobs:  # a recomputed (preempted) prompt adds only what is new
+                first, entries = runner.last_prompt_logprobs[row]
+                if first <= len(seq.prompt_logprobs):
+                    seq.prompt_logprobs += entries[len(seq.prompt_logprobs) - first :]
             if token is None:  # a prompt chunk with more to come
                 continue
+            if row in runner.last_logprobs:
+                seq.logprobs.append(runner.last_logprobs[row])
             append_token(seq, token, self.eos_token_ids, self.max_model_len, now)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)

@@ -13,7 +13,14 @@ import torch
 
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
-from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
+from lowvram.engine.sampler import (
+    device_generator,
+    has_penalties,
+    prompt_logprobs,
+    sample_tokens,
+    sample_tokens_on_device,
+    sampled_logprobs,
+)
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
@@ -33,6 +40,8 @@ class _Launched:
     copied: torch.cuda.Event | None = None
     generator_states: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> state before its draw
     picked: list[int] | None = None  # the entries of host_tokens that are this step's (a narrowed queued step)
+    logprobs: dict[int, tuple] = field(default_factory=dict)  # row -> sampler.sampled_logprobs' entry
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # row -> sampler.prompt_logprobs' entry
 
     def read(self) -> list[int]:
         if self.tokens is None:
@@ -76,6 +85,9 @@ class ModelRunner:
         self.num_pipelined_steps = 0  # steps taken from the queue
         self.is_tail = False  # the last step came from the queue and nothing was queued after it
         self._queued: _Launched | None = None
+        # The last step's log-probabilities, by batch row, for the sequences that asked.
+        self.last_logprobs: dict[int, tuple] = {}
+        self.last_prompt_logprobs: dict[int, tuple] = {}
         self.graphs = None
         self.prefill_graphs = None
         if use_cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs:
@@ -141,6 +153,7 @@ class ModelRunner:
             except torch.OutOfMemoryError:  # the next step runs unqueued, and recovers if it must
                 log.warning("no device memory to queue the next decode step; it runs on its own")
         self.num_pipelined_steps += is_queued
+        self.last_logprobs, self.last_prompt_logprobs = launched.logprobs, launched.prompt_logprobs
         self.is_tail = is_queued and self._queued is None
         tokens: list[int | None] = [None] * len(batch.seqs)
         for row, token in zip(launched.rows, launched.read()):
@@ -170,7 +183,9 @@ class ModelRunner:
 
     def _launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue `batch` and its sampling (device-sampled tokens are read later, behind an event)."""
-        logits = self.run(batch, input_ids=input_ids)
+        # Scoring the prompt needs every position's logits: only for the requests that ask.
+        is_all_rows = batch.is_prefill and any(seq.params.prompt_logprobs is not None for seq in batch.seqs)
+        logits = self.run(batch, input_ids=input_ids, is_all_rows=is_all_rows)
         rows = [
             row
             for row, (seq, start, num_new) in enumerate(zip(batch.seqs, batch.positions, batch.num_new_tokens))
@@ -178,9 +193,15 @@ class ModelRunner:
             or start + num_new == seq.num_tokens  # a prompt chunk that is not the last samples nothing
         ]
         launched = _Launched(batch, rows)
+        if is_all_rows:  # [T, V] -> each sequence's last row [S, V]
+            launched.prompt_logprobs = prompt_logprobs(logits, batch.seqs, batch.positions, batch.num_new_tokens)
+            logits = logits[[end - 1 for end in itertools.accumulate(batch.num_new_tokens)]]
         seqs = [batch.seqs[row] for row in rows]
-        if not (seqs and self.samples_on_device and not any(has_penalties(seq.params) for seq in seqs)):
+        # Rows that want log-probabilities are sampled and read now: such a step is never pipelined.
+        on_host = any(has_penalties(seq.params) or seq.params.logprobs is not None for seq in seqs)
+        if not (seqs and self.samples_on_device and not on_host):
             launched.tokens = sample_tokens(logits, rows, seqs, on_device=self.samples_on_device)
+            launched.logprobs = sampled_logprobs(logits, rows, seqs, launched.tokens)
             return launched
         launched.generator_states = {
             row: generator.get_state()

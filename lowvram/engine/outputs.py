@@ -14,6 +14,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "abort"
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # with params.logprobs, per token
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RequestOutput:
     finished: bool
     text_delta: str = ""
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None  # params.prompt_logprobs
 
 
 def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int, now: float) -> None:
@@ -72,9 +74,11 @@ def request_output(seq: Sequence) -> RequestOutput:
     delta = seq.text[seq.num_emitted_chars : max(visible, seq.num_emitted_chars)]
     seq.num_emitted_chars += len(delta)
     token_ids = list(seq.output_token_ids)
-    completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason)
+    logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+    completion = CompletionOutput(0, seq.text, token_ids, seq.finish_reason, logprobs)
     num_prompt = len(seq.prompt_token_ids)
     metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, num_prompt, len(token_ids))
+    prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
     return RequestOutput(
-        seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics
+        seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, delta, metrics, prompt_logprobs
     )

@@ -103,3 +103,35 @@ def sample_tokens(logits: torch.Tensor, rows: list[int], seqs: list, on_device: 
         else:
             tokens[i] = sample_token(row, seq.params, seq.generator, seq.prompt_token_ids, seq.output_token_ids)
     return tokens
+
+
+def top_logprobs(logprobs: torch.Tensor, targets: list[int], ks: list[int]) -> list[tuple[float, list]]:
+    """Per row of log-probabilities [R, V]: the target's, and the ks[row] likeliest (id, log-probability)."""
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    top = logprobs.topk(max(ks), dim=-1) if max(ks) else None  # sorted, likeliest first
+    ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(ks), [[]] * len(ks))
+    return [(c, list(zip(i[:k], v[:k]))) for c, i, v, k in zip(chosen, ids, values, ks)]
+
+
+def sampled_logprobs(logits: torch.Tensor, rows: list[int], seqs: list, tokens: list[int]) -> dict[int, tuple]:
+    """For the sequences that ask (params.logprobs), by their row: the sampled token's log-probability
+    under the model's distribution (log-softmax of the raw logits [S, V]) and the likeliest alternatives."""
+    asking = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    if not asking:
+        return {}
+    logprobs = torch.log_softmax(logits[[rows[i] for i in asking]].float(), dim=-1)  # [A, V]
+    entries = top_logprobs(logprobs, [tokens[i] for i in asking], [seqs[i].params.logprobs for i in asking])
+    return {rows[i]: entry for i, entry in zip(asking, entries)}
+
+
+def prompt_logprobs(logits: torch.Tensor, seqs: list, positions: list[int], num_new_tokens: list[int]) -> dict:
+    """For the sequences that ask (params.prompt_logprobs), by their row: (the first prompt position
+    scored, its entries), from a prefill's logits at every new token [T, V]; each row predicts the next."""
+    scored, first = {}, 0
+    for row, (seq, start, num_new) in enumerate(zip(seqs, positions, num_new_tokens)):
+        targets = seq.prompt_token_ids[start + 1 : start + num_new + 1]
+        if seq.params.prompt_logprobs is not None and targets:
+            logprobs = torch.log_softmax(logits[first : first + len(targets)].float(), dim=-1)  # [len(targets), V]
+            scored[row] = (start + 1, top_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * len(targets)))
+        first += num_new
+    return scored

@@ -91,13 +91,15 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 
 class _Generation:
-    """One admitted request on the engine; `next_output()` yields its outputs in order. `end(reason)` cancels
-    the pump (aborting the request) and the reader gets `_Ended(reason)` after what is already queued.
-    `close()` gives the queue slot back. With a `reasoning` parser, `split` parts each output's text."""
+    """One admitted request on the engine, as one engine request per choice; `next_output()` yields
+    (choice index, output) in order. `end(reason)` cancels the pump (aborting the requests) and the reader
+    gets `_Ended(reason)` after what is already queued. `close()` gives the queue slot back."""
 
-    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: SamplingParams, reasoning=None):
-        self.state, self.reasoning = state, reasoning
-        self.num_prompt_tokens, self.num_output_tokens = len(ids), 0
+    def __init__(self, state: ServerState, request_id: str, ids: list[int], params: list[SamplingParams]):
+        self.state = state
+        self.num_prompt_tokens, self.num_output_tokens = len(ids), [0] * len(params)
+        self.num_unfinished = len(params)
+        self.counts_output = True  # False when the generated token is not shown (echo with max_tokens = 0)
         self.finish_reason: str | None = None
         self.admitted_at = time.perf_counter()
         self._last_token_at: float | None = None
@@ -106,25 +108,46 @@ class _Generation:
         state.metrics.prompt_tokens.inc(amount=self.num_prompt_tokens)
         self._task = asyncio.create_task(self._pump(request_id, ids, params))
 
-    async def _pump(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, request_id: str, ids: list[int], params: list[SamplingParams]) -> None:
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(self._pump_choice(0, request_id, ids, params[0], started))]
         try:
-            async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
-                self._items.put_nowait(out)
+            if len(params) > 1:
+                # The other choices start once the first one's prefill has cached the prompt's pages,
+                # so they share them instead of computing the prompt again.
+                waiter = asyncio.create_task(started.wait())
+                try:
+                    await asyncio.wait([tasks[0], waiter], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                for i, choice_params in enumerate(params[1:], 1):
+                    tasks.append(asyncio.create_task(self._pump_choice(i, f"{request_id}-{i}", ids, choice_params)))
+            await asyncio.gather(*tasks)
         except asyncio.CancelledError:
-            pass  # end() was called; cancelling the engine stream has already aborted the request
+            pass  # end() was called; cancelling the engine streams has already aborted the requests
         except Exception as exc:  # delivered to the reader, which turns it into an error response
             self._items.put_nowait(exc)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _pump_choice(self, index, request_id, ids, params, started: asyncio.Event | None = None) -> None:
+        async for out in self.state.async_engine.generate(request_id, None, params, prompt_token_ids=ids):
+            self._items.put_nowait((index, out))
+            if started is not None:
+                started.set()
 
     def end(self, reason: str) -> None:
         self._task.cancel()
         self._items.put_nowait(_Ended(reason))
 
-    async def next_output(self) -> RequestOutput:
-        """The next output; raises _Ended if the server ended the request, or the engine's error."""
+    async def next_output(self) -> tuple[int, RequestOutput]:
+        """The next (choice, output); raises _Ended if the server ended the request, or the engine's error."""
         item = await self._items.get()
         if isinstance(item, BaseException):
             self.finish_reason = self.finish_reason or (item.args[0] if isinstance(item, _Ended) else "error")
             raise item
+        index, item = item
         now = time.perf_counter()
         metrics = self.state.metrics
         if self._last_token_at is None:
@@ -132,12 +155,14 @@ class _Generation:
         else:
             metrics.token_latency.observe(now - self._last_token_at)
         self._last_token_at = now
-        self.num_output_tokens = len(item.outputs[0].token_ids)
+        self.num_output_tokens[index] = len(item.outputs[0].token_ids)
         metrics.generation_tokens.inc()
         metrics.observe_snapshot(self.state.async_engine.snapshot())
         if item.finished:
+            self.num_unfinished -= 1
             self.finish_reason = item.outputs[0].finish_reason
-        return item
+        item.outputs[0].index = index
+        return index, item
 
     def close(self) -> None:
         if self not in self.state.generations:
@@ -147,22 +172,9 @@ class _Generation:
         self.state.num_in_flight -= 1
         self.state.metrics.finished.inc(self.finish_reason or "abort")
 
-    def split(self, out: RequestOutput) -> tuple[str, str]:
-        """The output's new (reasoning, answer) text; all of it is answer when reasoning is not parsed."""
-        if self.reasoning is None:
-            return "", out.text_delta
-        reasoning, answer = self.reasoning.feed(out.text_delta, len(out.outputs[0].token_ids))
-        if out.finished:
-            last_reasoning, last_answer = self.reasoning.finish()
-            reasoning, answer = reasoning + last_reasoning, answer + last_answer
-        return reasoning, answer
-
     def usage(self) -> dict:
-        prompt, completion = self.num_prompt_tokens, self.num_output_tokens
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        if self.reasoning is not None:  # OpenAI's place for it; the reasoning tokens are among completion_tokens
-            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning.num_reasoning_tokens}
-        return usage
+        prompt, completion = self.num_prompt_tokens, sum(self.num_output_tokens) if self.counts_output else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _watch_disconnect(receive, generation: _Generation) -> None:
@@ -188,6 +200,7 @@ class ServerState:
         self.is_reasoning_parsed = False  # chat replies' <think> part goes to `reasoning_content`
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     def check_auth(self, request: Request) -> None:
         if self._api_key is None:
@@ -236,6 +249,13 @@ class ServerState:
         for generation in list(self.generations):
             generation.end(reason)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text as log-probabilities show it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.hf.decode([token_id])
+        return text
+
     def encode(self, request) -> list[int]:
         """Prompt token ids; runs in a worker thread (tokenizing a long prompt takes a while)."""
         if isinstance(request, ChatCompletionRequest):
@@ -273,7 +293,8 @@ class ServerState:
         message = f"this model's maximum context length is {self.max_model_len} tokens, but {detail}"
         return ApiError(400, message, param=param, code="context_length_exceeded")
 
-    def sampling_params(self, request, num_prompt: int) -> SamplingParams:
+    def sampling_params(self, request, num_prompt: int) -> list[SamplingParams]:
+        """One SamplingParams per choice (n)."""
         room = self.max_model_len - num_prompt
         max_tokens = request.requested_max_tokens()
         if max_tokens is None:
@@ -281,7 +302,12 @@ class ServerState:
         elif max_tokens > room:
             asked = f"({num_prompt} in the prompt, {max_tokens} for the completion); reduce the prompt or max_tokens"
             raise self._too_long("max_tokens", f"{num_prompt + max_tokens} were requested {asked}")
-        return SamplingParams(max_tokens=max_tokens, **request.sampling_kwargs())
+        kwargs = {**request.sampling_kwargs(), "max_tokens": max_tokens or 1}  # 0: score the prompt only
+        # Each choice its own seed, so seeded choices differ yet repeat; the prompt is scored once.
+        seed, n = kwargs.pop("seed", None), request.n or 1
+        seeds = [None] * n if seed is None else [(seed + i) % 2**63 for i in range(n)]
+        prompt_logprobs = [kwargs.pop("prompt_logprobs", None)] + [None] * (n - 1)
+        return [SamplingParams(**kwargs, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
 
 
 def _failure(exc: BaseException) -> ApiError:
@@ -308,19 +334,16 @@ class _EventStream(Response):
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self):
-        if (first := self.shape.first()) is not None:
-            yield self._chunk(first)
+        for index in range(len(self.generation.num_output_tokens)):
+            if (first := self.shape.first(index)) is not None:
+                yield self._chunk(first)
         try:
-            while True:
-                out = await self.generation.next_output()
-                reasoning, answer = self.generation.split(out)
-                if reasoning:  # its own chunks, before the answer's, as DeepSeek's API and vLLM send them
-                    yield self._chunk(self.shape.delta(reasoning, "reasoning_content"))
-                if answer:
-                    yield self._chunk(self.shape.delta(answer))
+            while self.generation.num_unfinished:
+                index, out = await self.generation.next_output()
+                for chunk in self.shape.deltas(index, out):
+                    yield self._chunk(chunk)
                 if out.finished:
-                    yield self._chunk(self.shape.finish(out.outputs[0].finish_reason))
-                    break
+                    yield self._chunk(self.shape.finish(out.outputs[0].finish_reason, index))
         except Exception as exc:  # the headers are gone: report in-band, as OpenAI does
             if not _is_disconnect(exc):  # else nobody is listening
                 yield _sse(_failure(exc).body())
@@ -406,23 +429,26 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
         state.num_in_flight -= 1
         raise
     request_id = shape_type.id_prefix + uuid.uuid4().hex
-    is_reasoning_parsed = state.is_reasoning_parsed and isinstance(body, ChatCompletionRequest)
-    opens = is_reasoning_parsed and state.engine.tokenizer.prompt_opens_reasoning(prompt_token_ids)
-    parser = ReasoningParser(opens) if is_reasoning_parsed else None
-    generation = _Generation(state, request_id, prompt_token_ids, params, parser)
-    shape = shape_type(request_id, state.model_name)
+    generation = _Generation(state, request_id, prompt_token_ids, params)
+    shape = shape_type(request_id, state.model_name, token_text=state.token_text)
+    if state.is_reasoning_parsed and isinstance(body, ChatCompletionRequest):
+        opens = state.engine.tokenizer.prompt_opens_reasoning(prompt_token_ids)
+        shape.new_parser = lambda: ReasoningParser(opens)
+    if getattr(body, "echo", False):
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        shape.echo_text = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt_token_ids)
+    shape.hides_output = body.requested_max_tokens() == 0
+    generation.counts_output = not shape.hides_output
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(generation, shape, include_usage=include_usage)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
-    reasoning, answer = "", ""
+    outs: list[RequestOutput | None] = [None] * len(params)
     try:
-        while True:
-            out = await generation.next_output()
-            reasoning_delta, answer_delta = generation.split(out)
-            reasoning, answer = reasoning + reasoning_delta, answer + answer_delta
-            if out.finished:
-                break
+        while generation.num_unfinished:
+            index, out = await generation.next_output()
+            outs[index] = out
+            shape.track(index, out)
     except Exception as exc:
         if _is_disconnect(exc):
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -430,11 +456,7 @@ async def _generate(request: Request, state: ServerState, shape_type: type[Compl
     finally:
         watcher.cancel()
         generation.close()
-    completion, usage = out.outputs[0], generation.usage()
-    if parser is None:
-        return _json_response(shape.whole(completion.text, completion.finish_reason, usage))
-    reasoning = reasoning if parser.has_reasoning else None
-    return _json_response(shape.whole(answer, completion.finish_reason, usage, reasoning_content=reasoning))
+    return _json_response(shape.whole(outs, generation.usage()))
 
 
 async def _list_models(request: Request, state: ServerState) -> Response:

@@ -5,6 +5,7 @@ body runs on both."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -26,6 +27,8 @@ Text = Annotated[str, AfterValidator(_require_utf8)]
 
 MAX_SEED = 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
 MIN_SAMPLING_TEMPERATURE = 1e-2  # vLLM's floor too: below it logits / temperature overflows (0 is greedy)
+MAX_CHOICES = 16  # n: each choice is a sequence in the batch
+MIN_LOGPROB = -9999.0  # what -inf is sent as (JSON has no infinity), as vLLM does
 
 
 class UnsupportedParameter(RequestError):
@@ -46,12 +49,7 @@ class StreamOptions(_Strict):
 
 # name -> (values that mean "off", what to say when another value is given)
 _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
-    "n": ((None, 1), "only one choice per request (n = 1); send several requests instead"),
-    "best_of": ((None, 1), "only best_of = 1"),
-    "logprobs": ((None, False, 0), "log-probabilities are not returned"),
-    "top_logprobs": ((None, 0), "log-probabilities are not returned"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
-    "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
     "tools": ((None, []), "tool calling is not supported"),
     "tool_choice": ((None, "none", "auto"), "tool calling is not supported"),
@@ -79,7 +77,8 @@ class _GenerationRequest(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: Text
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: Text | list[Text] | None = None
@@ -120,6 +119,8 @@ class _GenerationRequest(_Strict):
         return {key: value for key, value in data.items() if key not in cls.noop_params}
 
     def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise UnsupportedParameter("'max_tokens' = 0 is only allowed with echo (to score the prompt)", "max_tokens")
         return self.max_tokens
 
     def sampling_kwargs(self) -> dict:
@@ -131,7 +132,17 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
     noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
+
+    def sampling_kwargs(self) -> dict:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            message = f"'best_of' = {self.best_of} is not supported by this server: only best_of equal to n"
+            raise UnsupportedParameter(message, "best_of")
+        prompt_logprobs = self.logprobs if self.echo else None
+        return {**super().sampling_kwargs(), "logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs}
 
 
 class TextPart(_Strict):
@@ -158,13 +169,22 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    noop_params = frozenset(_NOOP_VALUES) - {"suffix"}
 
     def requested_max_tokens(self) -> int | None:
         given = {self.max_tokens, self.max_completion_tokens} - {None}
         if len(given) > 1:
             raise RequestError("give max_tokens or max_completion_tokens, not both with different values")
+        if 0 in given:
+            raise RequestError("'max_tokens' must be at least 1")
         return given.pop() if given else None
+
+    def sampling_kwargs(self) -> dict:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("'top_logprobs' needs 'logprobs' = true", "top_logprobs")
+        return {**super().sampling_kwargs(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 # Fields whose type is a union: pydantic reports one error per member, which reads badly.
@@ -202,16 +222,26 @@ def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
 # -- responses: plain dicts in OpenAI's field order ---------------------------------
 
 
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+
 class CompletionShape:
-    """The response objects of one /v1/completions request, streamed or whole. Streamed chunks
-    carry `"usage": null` until the last, which the stream drops unless asked for."""
+    """The response objects of one /v1/completions request, streamed or whole, for its n choices.
+    Streamed chunks carry `"usage": null` until the last, which the stream drops unless asked for.
+    token_text: a token id's text; echo_text: the prompt's text, put before each choice's (echo);
+    hides_output: the one token generated is not shown (max_tokens = 0 with echo scores the prompt)."""
 
     request_type = CompletionRequest
     id_prefix = "cmpl-"
     object = chunk_object = "text_completion"
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, *, token_text=str, echo_text=None, hides_output=False):
         self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.token_text, self.echo_text, self.hides_output = token_text, echo_text, hides_output
+        self._num_sent: dict[int, int] = {}  # choice -> output tokens whose log-probabilities were sent
+        self._text_offsets: dict[int, int] = {}  # choice -> characters of the tokens sent so far
+        self._prompt_logprobs = None  # the first choice's: the others skip scoring the same prompt
 
     def _body(self, object: str, choices: list[dict], usage: dict | None = None) -> dict:
         return {
@@ -223,27 +253,72 @@ class CompletionShape:
             "usage": usage,
         }
 
-    def _choice(self, key: str, value, finish_reason: str | None = None) -> dict:
-        return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(self, key: str, value, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _chunk(self, value, finish_reason: str | None = None) -> dict:
-        return self._body(self.chunk_object, [self._choice("text", value, finish_reason)])
+    def _chunk(self, value, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return self._body(self.chunk_object, [self._choice("text", value, finish_reason, index, logprobs)])
 
-    def first(self) -> dict | None:
-        """What a stream starts with before any token, if anything."""
+    def first(self, index: int = 0) -> dict | None:
+        """What a choice's stream starts with before any token, if anything."""
         return None
 
-    def delta(self, text: str, key: str = "text") -> dict:
-        return self._chunk(text)
+    def _new(self, index: int, out, text: str) -> tuple[str, dict | None]:
+        """Choice `index`'s text and log-probabilities that `out` adds (with echo, the prompt's first)."""
+        completion, is_first = out.outputs[0], index not in self._num_sent
+        start, ids, entries = self._num_sent.get(index, 0), [], []
+        if is_first:
+            text = (self.echo_text or "") + ("" if self.hides_output else text)
+            self._prompt_logprobs = self._prompt_logprobs or out.prompt_logprobs
+            if self._prompt_logprobs is not None:
+                ids, entries = list(out.prompt_token_ids), list(self._prompt_logprobs)
+        elif self.hides_output:
+            text = ""
+        end = 0 if self.hides_output else len(completion.token_ids)
+        self._num_sent[index] = end
+        if completion.logprobs is None:
+            return text, None
+        ids, entries = ids + completion.token_ids[start:end], entries + completion.logprobs[start:end]
+        return text, (self.logprobs(index, ids, entries) if ids or is_first else None)
 
-    def finish(self, finish_reason: str) -> dict:
-        return self._chunk("", finish_reason)
+    def logprobs(self, index: int, token_ids: list[int], entries: list) -> dict:
+        """OpenAI's legacy shape; text_offset counts the characters of the choice's tokens before each."""
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=self._text_offsets.get(index, 0)))
+        self._text_offsets[index] = offsets.pop()
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else max(e[0], MIN_LOGPROB) for e in entries],
+            "top_logprobs": [
+                None if e is None else {self.token_text(i): max(v, MIN_LOGPROB) for i, v in e[1]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def deltas(self, index: int, out) -> list[dict]:
+        """The chunks for what `out` adds to choice `index` (none when it adds nothing to show)."""
+        text, logprobs = self._new(index, out, out.text_delta)
+        return [self._chunk(text, None, index, logprobs)] if text or logprobs else []
+
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return self._chunk("", finish_reason, index)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._body(self.chunk_object, [], usage)
 
-    def whole(self, text: str, finish_reason: str, usage: dict, **extra) -> dict:
-        return self._body(self.object, [self._choice("text", text, finish_reason)], usage)
+    def whole(self, outs: list, usage: dict) -> dict:
+        """The response for the choices' finished outputs, in index order."""
+        choices = []
+        for index, out in enumerate(outs):
+            text, logprobs = self._new(index, out, out.outputs[0].text)
+            choices.append(self._message(text, out, index, logprobs))
+        return self._body(self.object, choices, usage)
+
+    def _message(self, text: str, out, index: int, logprobs) -> dict:
+        return self._choice("text", text, out.outputs[0].finish_reason, index, logprobs)
+
+    def track(self, index: int, out) -> None:
+        """See each output of a response that is sent whole, as it arrives."""
 
 
 class ChatShape(CompletionShape):
@@ -254,20 +329,64 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl-"
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def _chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return self._body(self.chunk_object, [self._choice("delta", delta, finish_reason)])
+    def _chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return self._body(self.chunk_object, [self._choice("delta", delta, finish_reason, index, logprobs)])
 
-    def first(self) -> dict:
-        return self._chunk({"role": "assistant", "content": ""})
+    def first(self, index: int = 0) -> dict:
+        return self._chunk({"role": "assistant", "content": ""}, None, index)
 
-    def delta(self, text: str, key: str = "content") -> dict:
-        """key: "content", or "reasoning_content" for a reasoning model's thinking."""
-        return self._chunk({key: text})
+    def __init__(self, *args, new_parser=None, **kwargs):
+        """new_parser: makes a choice's ReasoningParser when the model's <think> part is returned apart."""
+        super().__init__(*args, **kwargs)
+        self.new_parser, self._parsers = new_parser, {}
+        self._parts: dict[int, tuple[str, str]] = {}  # choice -> (reasoning, answer) of a whole response
 
-    def finish(self, finish_reason: str) -> dict:
-        return self._chunk({}, finish_reason)
+    def track(self, index: int, out) -> None:
+        # Parsed as it arrives, so the reasoning's token count stops at the token that closed it
+        if self.new_parser is not None:
+            reasoning, answer = self._split(index, out.text_delta, out)
+            old_reasoning, old_answer = self._parts.get(index, ("", ""))
+            self._parts[index] = (old_reasoning + reasoning, old_answer + answer)
 
-    def whole(self, text: str, finish_reason: str, usage: dict, **extra) -> dict:
-        """extra: more message fields, e.g. reasoning_content."""
-        message = {"role": "assistant", "content": text, **extra}
-        return self._body(self.object, [self._choice("message", message, finish_reason)], usage)
+    def _split(self, index: int, text: str, out) -> tuple[str | None, str]:
+        """(reasoning, answer) of a choice's new text; reasoning None when it is not parsed."""
+        if self.new_parser is None:
+            return None, text
+        parser = self._parsers.setdefault(index, self.new_parser())
+        reasoning, answer = parser.feed(text, len(out.outputs[0].token_ids))
+        if out.finished:
+            last_reasoning, last_answer = parser.finish()
+            reasoning, answer = reasoning + last_reasoning, answer + last_answer
+        return reasoning, answer
+
+    def deltas(self, index: int, out) -> list[dict]:
+        """The reasoning's chunks come before the answer's, as DeepSeek's API and vLLM send them."""
+        text, logprobs = self._new(index, out, out.text_delta)
+        reasoning, answer = self._split(index, text, out)
+        chunks = [self._chunk({"reasoning_content": reasoning}, None, index, logprobs)] if reasoning else []
+        if answer or (logprobs and not chunks):
+            chunks.append(self._chunk({"content": answer}, None, index, None if chunks else logprobs))
+        return chunks
+
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return self._chunk({}, finish_reason, index)
+
+    def _body(self, object: str, choices: list[dict], usage: dict | None = None) -> dict:
+        if usage is not None and self._parsers:  # OpenAI's place for it; these are among completion_tokens
+            num_reasoning = sum(parser.num_reasoning_tokens for parser in self._parsers.values())
+            usage = {**usage, "completion_tokens_details": {"reasoning_tokens": num_reasoning}}
+        return super()._body(object, choices, usage)
+
+    def logprobs(self, index: int, token_ids: list[int], entries: list) -> dict:
+        content = []
+        for token, (logprob, top) in zip(token_ids, entries):
+            alternatives = [_token(self.token_text(i), value) for i, value in top]
+            content.append({**_token(self.token_text(token), logprob), "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _message(self, text: str, out, index: int, logprobs) -> dict:
+        message = {"role": "assistant", "content": text}
+        if self.new_parser is not None:
+            reasoning, message["content"] = self._parts[index]
+            message["reasoning_content"] = reasoning if self._parsers[index].has_reasoning else None
+        return self._choice("message", message, out.outputs[0].finish_reason, index, logprobs)
