@@ -16,7 +16,8 @@ class SamplingParams:
     (0 or -1 = all); top_p: the smallest set reaching top_p; min_p: drop tokens below min_p x the
     likeliest; repetition_penalty > 1 discourages seen tokens; presence/frequency_penalty: OpenAI's;
     stop: strings that end generation (cut from the text); stop_token_ids: ids that end it (as EOS
-    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it."""
+    does unless ignore_eos); seed: same seed and prompt -> same text, whatever is batched with it;
+    json_schema: the output must be JSON valid against it (ends "stop" when the JSON is complete)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -30,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,6 +57,10 @@ class SamplingParams:
             raise RequestError(f"max_tokens = {self.max_tokens!r} is invalid; it must be a positive integer")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise RequestError(
+                f"json_schema must be a JSON schema object (a dict), not {type(self.json_schema).__name__}"
+            )
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise RequestError(f"seed = {self.seed!r} must be an integer")

@@ -1,7 +1,8 @@
 """Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token,
 making the batch's pages resident and prefetching the next step's. Pipelined decode: a steady
 step sampled on the device queues the next one on its device tokens before the host reads
-them; the next step uses it if it asks for exactly that, else drops it."""
+them; the next step uses it if it asks for exactly that, else drops it. A step with a constrained
+(grammar) sequence queues nothing: its next mask needs the token this step samples."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import torch
 
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
-from lowvram.engine.sampler import device_generator, has_penalties, sample_tokens, sample_tokens_on_device
+from lowvram.engine.sampler import (
+    apply_token_masks,
+    device_generator,
+    has_penalties,
+    sample_tokens,
+    sample_tokens_on_device,
+)
 from lowvram.kv.attention import AttentionMetadata
 from lowvram.kv.pool import KVPool
 from lowvram.models.dense import CausalLM
@@ -161,6 +168,8 @@ class ModelRunner:
             return False
         if graphs is not None and graphs.stage_embeddings is not None:
             return False
+        if any(seq.matcher is not None for seq in batch.seqs):  # its next mask needs this step's token
+            return False
         return all(  # with the token this step samples, the sequence goes on and holds its next page
             (n := position + 2) - len(seq.prompt_token_ids) < seq.params.max_tokens
             and n < self.max_model_len
@@ -179,6 +188,7 @@ class ModelRunner:
         ]
         launched = _Launched(batch, rows)
         seqs = [batch.seqs[row] for row in rows]
+        logits = apply_token_masks(logits, rows, seqs)
         if not (seqs and self.samples_on_device and not any(has_penalties(seq.params) for seq in seqs)):
             launched.tokens = sample_tokens(logits, rows, seqs, on_device=self.samples_on_device)
             return launched

@@ -51,13 +51,11 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
     "top_logprobs": ((None, 0), "log-probabilities are not returned"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
     "echo": ((None, False), "echo is not supported"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
     "tools": ((None, []), "tool calling is not supported"),
     "tool_choice": ((None, "none", "auto"), "tool calling is not supported"),
     "parallel_tool_calls": ((None, True, False), "it must be true or false, and means nothing without tools"),
     "functions": ((None, []), "function calling is not supported"),
     "function_call": ((None, "none", "auto"), "function calling is not supported"),
-    "response_format": ((None, {"type": "text"}), "only plain text output (response_format type 'text')"),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only the 'text' modality"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -70,6 +68,33 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
 _CHAT_ONLY = frozenset(
     {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
 )
+
+
+class JsonSchemaFormat(_Strict):
+    name: Text
+    description: Text | None = None
+    json_schema: dict | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must satisfy; None for plain text."""
+        if self.type == "json_schema" and self.json_schema is None:
+            raise UnsupportedParameter(
+                "'response_format.json_schema' is required when its type is 'json_schema'",
+                "response_format.json_schema",
+            )
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.type == "text" else (self.json_schema.json_schema or {})
+
+
 _SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k")
 _SAMPLING_FIELDS += ("min_p", "repetition_penalty", "ignore_eos")
 
@@ -93,6 +118,7 @@ class _GenerationRequest(_Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
     ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None
     # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
     noop_params: ClassVar[frozenset[str]] = frozenset()
 
@@ -122,13 +148,17 @@ class _GenerationRequest(_Strict):
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams arguments; what was left out keeps SamplingParams' defaults, which are OpenAI's."""
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        schema = self.response_format.output_schema() if self.response_format is not None else None
+        return kwargs if schema is None else {**kwargs, "json_schema": schema}
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
+    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids. `suffix`: the text
+    after the gap, for fill-in-the-middle (the prompt is the text before it)."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
+    suffix: Text | None = None
     noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
 
 
@@ -156,7 +186,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    noop_params = frozenset(_NOOP_VALUES) - {"echo", "suffix"}
+    noop_params = frozenset(_NOOP_VALUES) - {"echo"}
 
     def requested_max_tokens(self) -> int | None:
         given = {self.max_tokens, self.max_completion_tokens} - {None}
