@@ -273,3 +273,13 @@ def test_suffix_completes_the_middle_through_the_server(fim_model_dir):
                     fim_client.completions.create(prompt=ids, suffix=suffix, **greedy)
     finally:
         running.stop()
+
+
+def test_the_benchmark_keeps_every_request_to_max_tokens(tiny_qwen2_dir, tmp_path):
+    from script_modules import load_script
+
+    out = tmp_path / "record.json"
+    args = ["--model", str(tiny_qwen2_dir), "--batch", "2", "--max-tokens", "12", "--json", str(out)]
+    record = load_script("bench_json_schema").main(args)
+    assert record["plain"]["output_tokens"] == record["json_schema"]["output_tokens"] == 24
+    assert record["json_schema_speed_ratio"] > 0 and json.loads(out.read_text())["batch"] == 2
