@@ -122,12 +122,12 @@ BAD_REQUESTS = [
         "tools",
     ),
     (
-        "json mode",
+        "unknown output format",
         "chat",
-        'OK_CHAT response_format={"type": "json_object"}',
+        'OK_CHAT response_format={"type": "xml"}',
         400,
-        ["response_format", "not supported"],
-        "response_format",
+        ["response_format.type", "json_schema"],
+        "response_format.type",
     ),
     ("batched prompts", "completion", json.dumps({"model": "M", "prompt": ["a", "b"]}), 400, ["one prompt"], None),
     (

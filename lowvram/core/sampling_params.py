@@ -21,7 +21,9 @@ class SamplingParams:
     logprobs: return each sampled token's log-probability and this many likeliest alternatives (None:
     none, computed only when asked); prompt_logprobs: the same for each prompt token (skips the prefix
     cache, whose pages have no logits). Log-probabilities are the model's: log-softmax of the raw
-    logits, before penalties, temperature, top-k/p and min-p (vLLM's "raw_logprobs")."""
+    logits, before penalties, temperature, top-k/p and min-p (vLLM's "raw_logprobs").
+
+    json_schema: the output must be JSON valid against it (ends "stop" when the JSON is complete)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -37,6 +39,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -68,6 +71,10 @@ class SamplingParams:
                 isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
             ):
                 raise RequestError(f"{name} = {value!r} is invalid; allowed: None or 0 to {MAX_LOGPROBS}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise RequestError(
+                f"json_schema must be a JSON schema object (a dict), not {type(self.json_schema).__name__}"
+            )
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise RequestError(f"seed = {self.seed!r} must be an integer")

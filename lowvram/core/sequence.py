@@ -27,6 +27,7 @@ class Sequence:
     detokenizer: Detokenizer
     generator: torch.Generator | None = None
     device_generator: torch.Generator | None = None  # sampling.device_generator: draws on the GPU
+    matcher: object | None = None  # an llguidance matcher when the output is constrained (engine/grammar.py)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     finish_reason: str | None = None  # set when it finishes: "stop", "length" or "abort"

@@ -18,6 +18,7 @@ from lowvram.core.controller import KV_LADDER, ControllerState, Event, Observati
 from lowvram.core.sampling_params import SamplingParams
 from lowvram.core.scheduler import ScheduledBatch, Scheduler
 from lowvram.core.sequence import Sequence
+from lowvram.engine.grammar import Grammars
 from lowvram.engine.model_runner import ModelRunner
 from lowvram.engine.outputs import RequestOutput, append_token, request_output
 from lowvram.engine.tokenizer import Detokenizer, Tokenizer
@@ -123,6 +124,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         tune_cpu_threads(self.device, self.config.num_params())
         self.eos_token_ids = set(self.config.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.grammars = Grammars(self.tokenizer.hf, self.config.vocab_size, self.eos_token_ids)
         self.max_model_len = min(p.max_model_len, self.config.max_position_embeddings)
         element_bytes = torch.finfo(self.dtype).bits // 8
         # A unified-memory pool may hold a sequence longer than its device share; others may not.
@@ -192,9 +194,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens but the context limit (max_model_len) is "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len"
             )
+        matcher = None if params.json_schema is None else self.grammars.matcher(params.json_schema)
         generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
         ids = list(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, prompt, ids, params, Detokenizer(self.tokenizer), generator)
+        seq.matcher = matcher
         self.requests[request_id] = seq
         self.scheduler.waiting.append(seq)
 

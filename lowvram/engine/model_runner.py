@@ -1,7 +1,8 @@
 """Turns a ScheduledBatch into tensors, runs the model and samples each sequence's next token,
 making the batch's pages resident and prefetching the next step's. Pipelined decode: a steady
 step sampled on the device queues the next one on its device tokens before the host reads
-them; the next step uses it if it asks for exactly that, else drops it."""
+them; the next step uses it if it asks for exactly that, else drops it. A step with a constrained
+(grammar) sequence queues nothing: its next mask needs the token this step samples."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from lowvram.core.scheduler import ScheduledBatch
 from lowvram.engine.cuda_graphs import MAX_PREFILL_GRAPH_TOKENS, DecodeGraphs, PrefillGraphs
 from lowvram.engine.sampler import (
+    apply_token_masks,
     device_generator,
     has_penalties,
     prompt_logprobs,
@@ -174,6 +176,8 @@ class ModelRunner:
             return False
         if graphs is not None and graphs.stage_embeddings is not None:
             return False
+        if any(seq.matcher is not None for seq in batch.seqs):  # its next mask needs this step's token
+            return False
         return all(  # with the token this step samples, the sequence goes on and holds its next page
             (n := position + 2) - len(seq.prompt_token_ids) < seq.params.max_tokens
             and n < self.max_model_len
@@ -197,6 +201,7 @@ class ModelRunner:
             launched.prompt_logprobs = prompt_logprobs(logits, batch.seqs, batch.positions, batch.num_new_tokens)
             logits = logits[[end - 1 for end in itertools.accumulate(batch.num_new_tokens)]]
         seqs = [batch.seqs[row] for row in rows]
+        logits = apply_token_masks(logits, rows, seqs)
         # Rows that want log-probabilities are sampled and read now: such a step is never pipelined.
         on_host = any(has_penalties(seq.params) or seq.params.logprobs is not None for seq in seqs)
         if not (seqs and self.samples_on_device and not on_host):

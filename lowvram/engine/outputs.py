@@ -46,10 +46,12 @@ class RequestOutput:
 
 def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_model_len: int, now: float) -> None:
     """Add a sampled token and its text; finish "stop" on EOS (unless ignore_eos), a stop token or
-    stop string (cut), "length" at max_tokens or the context limit."""
+    stop string (cut), or the end of its grammar, "length" at max_tokens or the context limit."""
     seq.first_token_time = seq.first_token_time or now
     params, stops = seq.params, seq.params.stop
     seq.output_token_ids.append(token)
+    # The mask allowed only tokens the grammar takes; a refusal (its error state) ends the request too.
+    is_grammar_done = seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_stopped())
     if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
         seq.finish_reason = "stop"
     else:
@@ -59,6 +61,8 @@ def append_token(seq: Sequence, token: int, eos_token_ids: Collection[int], max_
         hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
         if hits:
             seq.text = seq.text[: min(hits)]
+            seq.finish_reason = "stop"
+        elif is_grammar_done:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= max_model_len:
             seq.finish_reason = "length"

@@ -26,6 +26,26 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def apply_token_masks(logits: torch.Tensor, rows: list[int], seqs: list) -> torch.Tensor:
+    """FP32 logits [S, V] with each constrained sequence's row set to -inf where its grammar forbids
+    the token; unchanged (no copy) when no sequence is constrained. The masks are computed on the host,
+    one packed int32 word per 32 tokens, and unpacked on the logits' device."""
+    masked = [(rows[i], seq.matcher) for i, seq in enumerate(seqs) if seq.matcher is not None]
+    if not masked:
+        return logits
+    # A copy: the logits may be a view of the CUDA graphs' buffer, which must not change.
+    logits, vocab_size = logits.clone(), logits.shape[-1]
+    words = torch.stack([torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32) for _, m in masked])
+    words = words.to(logits.device, non_blocking=True)  # [M, ceil(V' / 32)]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).flatten(1).bool()  # [M, 32 * words]
+    if allowed.shape[1] < vocab_size:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    index = torch.tensor([row for row, _ in masked], device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    return logits
+
+
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None, prompt: list[int], output: list[int]
 ) -> int:

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 from lowvram.engine import reasoning
 from lowvram.errors import ModelLoadError, RequestError
 
 log = logging.getLogger("lowvram")
+
+# Fill-in-the-middle: the tokens around the prefix and the suffix, as each model family was trained
+# (deepseek-coder; StarCoder; Qwen2.5-Coder). The model writes the middle after the third.
+FIM_TOKENS = (
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
 
 
 class Tokenizer:
@@ -69,6 +78,19 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         # The template writes BOS itself; encoding without special tokens avoids a second one.
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_fill_in_middle(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: BOS (if the model uses one) + begin + prefix + hole + suffix + end."""
+        vocab = self.hf.get_vocab()
+        marks = next((ids for ids in FIM_TOKENS if all(t in vocab for t in ids)), None)
+        if marks is None:
+            raise RequestError(
+                "this model has no fill-in-the-middle tokens, so 'suffix' cannot be used; send the prompt alone, "
+                "or serve a code model trained for it (deepseek-coder, StarCoder, Qwen2.5-Coder)"
+            )
+        begin, hole, end = (vocab[t] for t in marks)
+        text = partial(self.hf.encode, add_special_tokens=False)
+        return self.hf.encode("", add_special_tokens=True) + [begin, *text(prefix), hole, *text(suffix), end]
 
     def decode(self, ids: list[int]) -> str:
         return (self.hf if self._backend is None else self._backend).decode(ids, skip_special_tokens=True)

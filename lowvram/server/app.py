@@ -274,10 +274,22 @@ class ServerState:
                 if len(ids) > 1:
                     raise RequestError(f"'prompt' holds {len(ids)} prompts; this server takes one prompt per request")
                 ids = ids[0]
-            if isinstance(ids, str):
+            if request.suffix and not isinstance(ids, str):
+                raise ApiError(400, "'suffix' needs the prompt as text, not token ids", param="suffix")
+            if request.suffix:
+                try:
+                    ids = self.engine.tokenizer.encode_fill_in_middle(ids, request.suffix)
+                except RequestError as exc:
+                    raise ApiError(400, str(exc), param="suffix") from None
+            elif isinstance(ids, str):
                 ids = self.engine.tokenizer.encode(ids)
             elif any(not 0 <= t < vocab_size for t in ids):
                 raise ApiError(400, f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
+        if request.response_format is not None and (schema := request.response_format.output_schema()) is not None:
+            try:
+                self.engine.grammars.check(schema)
+            except RequestError as exc:
+                raise ApiError(400, str(exc), param="response_format") from None
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)
         if request.truncate_prompt_tokens is not None:

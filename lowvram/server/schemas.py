@@ -50,13 +50,11 @@ class StreamOptions(_Strict):
 # name -> (values that mean "off", what to say when another value is given)
 _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
     "logit_bias": ((None, {}), "logit_bias is not supported"),
-    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
     "tools": ((None, []), "tool calling is not supported"),
     "tool_choice": ((None, "none", "auto"), "tool calling is not supported"),
     "parallel_tool_calls": ((None, True, False), "it must be true or false, and means nothing without tools"),
     "functions": ((None, []), "function calling is not supported"),
     "function_call": ((None, "none", "auto"), "function calling is not supported"),
-    "response_format": ((None, {"type": "text"}), "only plain text output (response_format type 'text')"),
     "audio": ((None,), "audio output is not supported"),
     "modalities": ((None, ["text"]), "only the 'text' modality"),
     "prediction": ((None,), "predicted outputs are not supported"),
@@ -69,6 +67,33 @@ _NOOP_VALUES: dict[str, tuple[tuple, str]] = {
 _CHAT_ONLY = frozenset(
     {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options"}
 )
+
+
+class JsonSchemaFormat(_Strict):
+    name: Text
+    description: Text | None = None
+    json_schema: dict | None = Field(None, alias="schema")  # none: any JSON value
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must satisfy; None for plain text."""
+        if self.type == "json_schema" and self.json_schema is None:
+            raise UnsupportedParameter(
+                "'response_format.json_schema' is required when its type is 'json_schema'",
+                "response_format.json_schema",
+            )
+        if self.type == "json_object":
+            return {"type": "object"}
+        return None if self.type == "text" else (self.json_schema.json_schema or {})
+
+
 _SAMPLING_FIELDS = ("temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k")
 _SAMPLING_FIELDS += ("min_p", "repetition_penalty", "ignore_eos")
 
@@ -94,6 +119,7 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = Field(None, ge=1e-3, le=100.0)
     ignore_eos: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep only the prompt's last N tokens
+    response_format: ResponseFormat | None = None
     # OpenAI parameters accepted only when they ask for nothing (see _NOOP_VALUES)
     noop_params: ClassVar[frozenset[str]] = frozenset()
 
@@ -125,16 +151,20 @@ class _GenerationRequest(_Strict):
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams arguments; what was left out keeps SamplingParams' defaults, which are OpenAI's."""
-        return {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        schema = self.response_format.output_schema() if self.response_format is not None else None
+        return kwargs if schema is None else {**kwargs, "json_schema": schema}
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids."""
+    """POST /v1/completions. `prompt`: a string, a list of one string, or token ids. `suffix`: the text
+    after the gap, for fill-in-the-middle (the prompt is the text before it)."""
 
     prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
+    suffix: Text | None = None
     noop_params = frozenset(_NOOP_VALUES) - _CHAT_ONLY
 
     def sampling_kwargs(self) -> dict:
@@ -171,7 +201,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    noop_params = frozenset(_NOOP_VALUES) - {"suffix"}
+    noop_params = frozenset(_NOOP_VALUES)
 
     def requested_max_tokens(self) -> int | None:
         given = {self.max_tokens, self.max_completion_tokens} - {None}
