@@ -67,3 +67,13 @@ def test_generate_on_cuda_matches_batched_and_alone(tiny_llama_dir):
     alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
     # FP16 on a GPU: batch shape may change the last bits; demand agreement on most prompts.
     assert sum(a == b for a, b in zip(batched, alone)) >= len(PROMPTS) - 1
+
+
+def test_a_dropped_engine_leaves_the_next_one_its_whole_budget(tiny_qwen2_dir):
+    # `del llm` then a new LLM in the same process (a notebook, a benchmark): the old engine's memory
+    # is collected, not counted as held by the process.
+    first = LLMEngine(str(tiny_qwen2_dir), "4gb", emulate_vram_gib=4)
+    assert torch.cuda.memory_allocated() > 100 << 20  # its KV pool at least
+    del first
+    second = LLMEngine(str(tiny_qwen2_dir), "4gb", emulate_vram_gib=4)
+    assert second.held_bytes < 16 << 20

@@ -3,6 +3,7 @@ the controller observes the memory and latency and its actions are carried out h
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -108,7 +109,10 @@ class LLMEngine:
         self.dtype = pick_dtype(p.dtype, self.device)
         apply_emulation(p, self.device)
         self.model_dir = resolve_model_path(model)
-        # What the process already holds (an earlier engine's workspaces, the caller's tensors).
+        # What the process already holds (the caller's tensors, a live engine's); a dropped engine whose
+        # objects refer to each other is collected first, not counted against this one's budget.
+        if self.device.type == "cuda":
+            gc.collect()
         self.held_bytes = held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model, self.config = load_model_for_profile(self.model_dir, p, self.device, self.dtype, held_bytes=held)
         if self.device.type == "cuda" and getattr(self.model, "layer_streamer", None) is None:
