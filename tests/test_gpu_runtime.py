@@ -70,10 +70,14 @@ def test_generate_on_cuda_matches_batched_and_alone(tiny_llama_dir):
 
 
 def test_a_dropped_engine_leaves_the_next_one_its_whole_budget(tiny_qwen2_dir):
-    # `del llm` then a new LLM in the same process (a notebook, a benchmark): the old engine's memory
-    # is collected, not counted as held by the process.
+    # `del engine` then a new engine in the same process (a notebook, a benchmark): the old engine's
+    # memory is collected, not counted as held by the process.
+    import gc
+
+    gc.collect()
+    before = torch.cuda.memory_allocated()
     first = LLMEngine(str(tiny_qwen2_dir), "4gb", emulate_vram_gib=4)
-    assert torch.cuda.memory_allocated() > 100 << 20  # its KV pool at least
+    assert torch.cuda.memory_allocated() > before
     del first
     second = LLMEngine(str(tiny_qwen2_dir), "4gb", emulate_vram_gib=4)
-    assert second.held_bytes < 16 << 20
+    assert second.held_bytes <= before + (64 << 10)
