@@ -463,3 +463,15 @@ def test_quantize_on_cuda_with_the_model_on_the_host(tiny_qwen2_dir, tmp_path):
     on_cpu = relative_mse(prefill_logits(tmp_path / "cpu"), reference)
     print(f"relative logit MSE: quantized on CUDA {on_cuda:.4f}, on CPU {on_cpu:.4f}")
     assert on_cuda <= max(1.5 * on_cpu, 0.02) and cpu.num_int4_linears == report.num_int4_linears
+
+
+def test_quantizing_says_roughly_how_long_it_will_take():
+    from lowvram.models.config import model_config_from_dict
+    from lowvram.models.shapes import shape_config
+    from lowvram.quant.cache import quantize_time_text
+
+    config = model_config_from_dict(shape_config("r1-distill-qwen-1.5b"))
+    on_cpu = quantize_time_text(config, 128, "cpu")
+    assert on_cpu.startswith("roughly ") and on_cpu.endswith(" min on the CPU")
+    assert int(on_cpu.split()[1]) > 60  # 1.8B parameters x 128 calibration blocks on two cores: hours
+    assert quantize_time_text(config, 8, "cuda").endswith(" min on a small GPU")

@@ -249,7 +249,12 @@ def run_speed_bench(
             from lowvram.models.shapes import cached_checkpoint, write_random_checkpoint
             from lowvram.testing import make_tiny_model
 
-            say(f"writing random weights of {shape_name}")
+            if shape_name != TINY_SHAPE:
+                from lowvram.models.config import model_config_from_dict
+                from lowvram.models.shapes import shape_config
+
+                num_bytes = 2 * model_config_from_dict(shape_config(shape_name)).num_params()
+                say(f"writing random weights of {shape_name} ({num_bytes / 1e9:.1f} GB, removed at the end)")
             label = f"{shape_name} (random weights)"
             if shape_name == TINY_SHAPE:
                 model_dir = make_tiny_model(work_dir / "model", "qwen2", num_layers=2)
@@ -274,9 +279,11 @@ def run_speed_bench(
         quantization = None
         if quantize:
             from lowvram.models.shapes import random_awq_checkpoint
+            from lowvram.quant.cache import quantize_time_text
             from lowvram.quant.quantize import fitting_group_sizes, quantize_model
 
-            say(f"quantizing to AWQ INT4 ({calib_samples} calibration samples)")
+            estimate = quantize_time_text(source, calib_samples, compute_device.type)
+            say(f"quantizing to AWQ INT4 ({calib_samples} calibration samples; {estimate})")
             fitting = fitting_group_sizes(source)
             if source.quantization is not None:
                 quantization = {"note": "the checkpoint is already AWQ INT4; used as is"}

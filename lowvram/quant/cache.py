@@ -48,13 +48,7 @@ def quantized_copy(
         return made[0]
     out = root / f"{name}-{settings}-{identity}"
     root.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    # Rough rates (parameters x calibration blocks per second): 2 CPU cores, a GTX 1650-class card
-    minutes = config.num_params() * num_samples / (2e7 if on_cpu else 5e7) / 60
-    where = "on the CPU" if on_cpu else "on a small GPU"
-    on_stage(f"quantizing {label} to AWQ INT4 (once; kept in {out}): roughly {minutes:.0f} min {where}")
+    on_stage(f"quantizing {label} to AWQ INT4 (once; kept in {out}): {quantize_time_text(config, num_samples, device)}")
     quantize_model(
         model_dir,
         out,
@@ -66,3 +60,13 @@ def quantized_copy(
         on_layer=lambda done, total: on_stage(f"quantizing: layer {done} of {total}"),
     )
     return out
+
+
+def quantize_time_text(config, num_samples: int, device: str) -> str:
+    """'roughly N min on the CPU' (or on a small GPU): what quantizing will take, said before it starts."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    # Rough rates (parameters x calibration blocks per second): 2 CPU cores, a GTX 1650-class card
+    minutes = config.num_params() * num_samples / (2e7 if on_cpu else 5e7) / 60
+    return f"roughly {max(1, round(minutes))} min {'on the CPU' if on_cpu else 'on a small GPU'}"
