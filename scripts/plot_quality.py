@@ -1,4 +1,4 @@
-"""Perplexity against weight size, one point per format, from `lowvram bench quality --json` records
+"""Perplexity against weight size, one point per weight format (KV formats left out), from `lowvram bench quality --json` records
 (several records are merged by format name, the first one's row kept).
 
     python scripts/plot_quality.py run1.json [run2.json ...] --out docs/quality_real.png
@@ -28,6 +28,8 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, row in rows.items():
+        if name.startswith("kv-"):  # KV page formats: the weights are FP16's
+            continue
         is_peer = name.startswith("llama.cpp")
         ax.scatter(
             row["weight_mib"], row["perplexity"], marker="s" if is_peer else "o", color="C1" if is_peer else "C0"
